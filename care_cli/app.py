@@ -1,0 +1,53 @@
+"""The Typer app: `care reduce`, and the entry point that turns user errors into one line + exit 2."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import typer
+
+from care_cli.commands import reduce as reduce_command
+from care_core.errors import CareError
+
+app = typer.Typer(
+    name="care",
+    help="CaRe (Calibrate Before Reason): visual token reduction for vision-language models, measured.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("reduce", no_args_is_help=True)(reduce_command.reduce)
+
+
+@app.callback()
+def _root() -> None:
+    """CaRe (Calibrate Before Reason): visual token reduction for vision-language models, measured."""
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; bad input gives `error: ...` on one line of stderr and exit code 2."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=list(argv) if argv is not None else None, prog_name="care", standalone_mode=False)
+    except CareError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("aborted", file=sys.stderr)
+        return 130
+    except typer.TyperException as exc:  # the parser's usage errors (bad option value, unknown option, …)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # help was printed for a bare `care` / `care reduce`
+            return 0
+        context = getattr(exc, "ctx", None)
+        hint = f" (see 'care {context.info_name} --help')" if context is not None and context.parent else ""
+        print(f"error: {_one_line(exc.format_message())}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
+        return int(getattr(exc, "exit_code", 2))
+    return result if isinstance(result, int) else 0

@@ -1,0 +1,40 @@
+"""PRCA anchor selection, paper Eq. 3: diversity-greedy on psi_bar and D(v_i, v_j) = 1 - cos(v_i, v_j)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def unit_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows divided by max(||row||, eps): zero rows stay zero, so their cosine with anything is 0."""
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+
+
+def cosine_similarity_matrix(a: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """cos(a_i, b_j) = a_i . b_j / (max(||a_i||, eps) max(||b_j||, eps)); (len(a), len(b))."""
+    return unit_rows(a, eps) @ unit_rows(b, eps).T
+
+
+def diversity_greedy(weights: torch.Tensor, features: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """Selection order of k tokens by Eq. 3; returns (k,) long indices in the order chosen.
+
+    S starts at argmax w; each step adds argmax_{i not in S} w_i min_{j in S} (1 - cos(v_i, v_j)).
+    Ties go to the lowest index (torch.argmax returns the first maximum). The running minimum is
+    updated with one row of cosines per step and the loop never reads a value back to the host.
+    """
+    n = weights.shape[0]
+    unit = unit_rows(features, eps)
+    order = torch.empty(k, dtype=torch.long, device=weights.device)
+    selected = torch.zeros(n, dtype=torch.bool, device=weights.device)
+    chosen = torch.argmax(weights).view(1)  # 1-element tensors: indexing with them needs no sync
+    order[0:1] = chosen
+    selected.index_fill_(0, chosen, True)
+    min_distance = 1 - unit @ unit.index_select(0, chosen)[0]
+    minus_inf = torch.tensor(float("-inf"), dtype=weights.dtype, device=weights.device)
+    for step in range(1, k):
+        score = torch.where(selected, minus_inf, weights * min_distance)
+        chosen = torch.argmax(score).view(1)
+        order[step : step + 1] = chosen
+        selected.index_fill_(0, chosen, True)
+        min_distance = torch.minimum(min_distance, 1 - unit @ unit.index_select(0, chosen)[0])
+    return order

@@ -1,0 +1,122 @@
+"""care_reduce(): PRCA (Eq. 1–3) then CGTC (Eq. 4–9) on one image's visual tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from care_core.anchors import diversity_greedy
+from care_core.calibration import calibrate
+from care_core.config import CaReConfig, resolve_budget
+from care_core.errors import CareError
+from care_core.precision import compute_dtype, matmul_precision
+from care_core.scoring import (
+    Projector,
+    influence_scores,
+    perturbation_responses,
+    robust_zscores,
+    unit_directions,
+)
+
+StageTimer = Callable[[str], AbstractContextManager[object]]
+STAGES = ("scoring", "anchors", "calibration")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What CaRe keeps of N visual tokens: K calibrated anchors and the signals that fed them."""
+
+    indices: torch.Tensor  # (K,) long, anchors S in ascending original index (raster order)
+    anchor_order: torch.Tensor  # (K,) long, anchors in the order Eq. 3 selected them
+    tokens: torch.Tensor  # (K, d_v) calibrated tokens v_hat (Eq. 9); row k belongs to indices[k]
+    signals: torch.Tensor  # (|R+|,) long, accepted calibration signals R+ (Eq. 6), ascending
+    psi_bar: torch.Tensor  # (N,) normalised robust influence scores
+    residuals: torch.Tensor  # (N - K,) long, residual tokens R, ascending
+    confidence: torch.Tensor  # (N - K,) gate confidence c_r of each residual token
+    signal_targets: torch.Tensor  # (|R+|,) long, the anchor each signal mostly feeds
+
+    @property
+    def num_kept(self) -> int:
+        return int(self.indices.shape[0])
+
+
+def _check_inputs(features: torch.Tensor, positions: torch.Tensor) -> None:
+    if features.ndim != 2 or features.shape[0] < 1 or features.shape[1] < 1:
+        raise CareError(f"features must be a non-empty (N, d_v) tensor, got shape {tuple(features.shape)}")
+    if not features.is_floating_point():
+        raise CareError(f"features must be a floating-point tensor, got {features.dtype}")
+    if positions.shape != (features.shape[0], 2):
+        raise CareError(f"positions must have shape (N, 2) = ({features.shape[0]}, 2), got {tuple(positions.shape)}")
+    if not torch.isfinite(features).all():
+        raise CareError("features contain NaN or infinite values")
+
+
+def care_reduce(
+    features: torch.Tensor,
+    projector: Projector,
+    positions: torch.Tensor,
+    ratio: float | None = None,
+    keep: int | None = None,
+    config: CaReConfig | None = None,
+    directions: torch.Tensor | None = None,
+    *,
+    stage_timer: StageTimer | None = None,
+) -> Reduction:
+    """Reduce N visual tokens to K calibrated tokens with CaRe.
+
+    features: (N, d_v) tokens V before the projector; float64 in gives float64 maths, bf16/fp16
+    are computed in float32. projector: the multimodal projector M, (n, d_v) -> (n, d_t).
+    positions: (N, 2) normalised patch centres p. Exactly one of `ratio` (K = max(1, floor(ratio N)))
+    and `keep` (K). directions: optional (m, d_v) unit directions; by default m are drawn from
+    `config.seed`. stage_timer: optional callable returning a context manager per stage name
+    ("scoring", "anchors", "calibration"), for timing.
+
+    >>> import torch
+    >>> from care_core import CaReConfig, care_reduce
+    >>> v = torch.randn(50, 8, dtype=torch.float64)
+    >>> p = torch.rand(50, 2, dtype=torch.float64)
+    >>> red = care_reduce(v, torch.nn.Linear(8, 4).double(), p, keep=5, config=CaReConfig(m=8))
+    >>> red.tokens.shape, red.tokens.dtype
+    (torch.Size([5, 8]), torch.float64)
+    """
+    cfg = config or CaReConfig()
+    _check_inputs(features, positions)
+    n, dim = features.shape
+    k = resolve_budget(n, ratio, keep)
+    timer = stage_timer or (lambda _name: nullcontext())
+    dtype = compute_dtype(features.dtype)
+    v = features.to(dtype)
+    p = positions.to(device=v.device, dtype=dtype)
+    if directions is None:
+        u = unit_directions(cfg.m, dim, cfg.seed, device=v.device, dtype=dtype)
+    else:
+        if directions.ndim != 2 or directions.shape[1] != dim:
+            raise CareError(f"directions must have shape (m, {dim}), got {tuple(directions.shape)}")
+        u = directions.to(device=v.device, dtype=dtype)
+
+    with timer("scoring"):
+        responses = perturbation_responses(v, projector, u, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision)
+        psi_bar = influence_scores(robust_zscores(responses, cfg.eps), cfg.lam, cfg.eps)
+    with matmul_precision(allow_tf32=False), torch.no_grad():
+        with timer("anchors"):
+            order = diversity_greedy(psi_bar, v, k, cfg.eps)
+            indices = order.sort().values
+        with timer("calibration"):
+            cal = calibrate(
+                v, p, indices, psi_bar,
+                eta=cfg.eta, theta_s=cfg.theta_s, theta_c=cfg.theta_c, alpha=cfg.alpha, sigma_p=cfg.sigma_p,
+                tau_g=cfg.tau_g, tau_c=cfg.tau_c, tau_s=cfg.tau_s, eps=cfg.eps,
+            )  # fmt: skip
+    return Reduction(
+        indices=indices,
+        anchor_order=order,
+        tokens=cal.tokens.to(features.dtype),
+        signals=cal.signals,
+        psi_bar=psi_bar,
+        residuals=cal.residuals,
+        confidence=cal.confidence,
+        signal_targets=cal.signal_targets,
+    )
