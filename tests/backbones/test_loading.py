@@ -18,7 +18,7 @@ from care_core.backbones.demo import MARKER
 from care_core.backbones.loading import resolve_dtype
 from care_core.errors import ModelLoadError
 
-from ._helpers import noise_image, same_weights
+from ._helpers import hub_key, noise_image, same_weights
 
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -41,19 +41,6 @@ def assert_same_outputs(a: LlavaAdapter, b: LlavaAdapter) -> None:
     with torch.no_grad():
         assert torch.equal(a.projector(ta.features), b.projector(tb.features))
     assert torch.equal(a.question_embeddings("what colour?"), b.question_embeddings("what colour?"))
-
-
-def hub_key(key: str) -> str:
-    """A transformers 5.x saved key -> the hub's 4.x layout (llava-hf checkpoints)."""
-    if key.startswith("model."):  # 5.x module path, in case save_pretrained ever writes it
-        key = key[len("model.") :]
-        if key.startswith("language_model."):
-            key = "language_model.model." + key[len("language_model.") :]
-    if key.startswith("lm_head."):
-        key = "language_model." + key
-    if key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
-        key = "vision_tower.vision_model." + key[len("vision_tower.") :]
-    return key
 
 
 # ---------------------------------------------------------------------------------------------- demo

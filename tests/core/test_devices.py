@@ -1,0 +1,60 @@
+"""Same inputs and seed, same outputs on CPU and CUDA (skipped where no GPU is present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from care_core import CaReConfig, care_reduce
+from care_core.scoring import unit_directions
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _problem(n: int = 300, d: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.nn.Module, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(6, d, generator=g, dtype=torch.float64) * 3
+    features = centres[torch.randint(0, 6, (n,), generator=g)] + torch.randn(n, d, generator=g, dtype=torch.float64)
+    projector = torch.nn.Sequential(torch.nn.Linear(d, 64), torch.nn.GELU(), torch.nn.Linear(64, 48)).double()
+    return features, projector, torch.rand(n, 2, generator=g, dtype=torch.float64)
+
+
+def test_directions_do_not_depend_on_device_or_dtype() -> None:
+    a = unit_directions(8, 16, seed=3, dtype=torch.float64)
+    b = unit_directions(8, 16, seed=3, dtype=torch.float32)
+    assert torch.allclose(a.float(), b) and torch.allclose(a.norm(dim=1), torch.ones(8, dtype=torch.float64))
+
+
+def test_global_tf32_setting_is_restored() -> None:
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        features, projector, positions = _problem(n=40)
+        care_reduce(features.float(), projector.float(), positions, keep=5, config=CaReConfig(engine="fd", m=8))
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+@cuda
+@pytest.mark.parametrize("engine", ["fd", "jvp"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_matches_cpu(engine: str, dtype: torch.dtype) -> None:
+    features, projector, positions = _problem()
+    cfg = CaReConfig(engine=engine, matmul_precision="float32")  # type: ignore[arg-type]
+    cpu = care_reduce(features.to(dtype), projector.to(dtype), positions, keep=40, config=cfg)
+    gpu = care_reduce(features.to(dtype).cuda(), projector.to(dtype).cuda(), positions.cuda(), keep=40, config=cfg)
+    assert gpu.tokens.device.type == "cuda" and gpu.tokens.dtype == dtype
+    tol = 1e-9 if dtype == torch.float64 else 2e-3
+    assert torch.allclose(gpu.psi_bar.cpu(), cpu.psi_bar, atol=tol)
+    assert torch.equal(gpu.indices.cpu(), cpu.indices)
+    assert torch.equal(gpu.signals.cpu(), cpu.signals)
+    assert torch.allclose(gpu.tokens.cpu(), cpu.tokens, atol=tol * 10, rtol=tol)
+
+
+@cuda
+def test_cuda_bf16_inputs_are_scored_in_float32() -> None:
+    features, projector, positions = _problem()
+    red = care_reduce(features.bfloat16().cuda(), projector.bfloat16().cuda(), positions.cuda(), keep=40)
+    assert red.tokens.dtype == torch.bfloat16 and red.psi_bar.dtype == torch.float32
+    assert torch.isfinite(red.psi_bar).all() and red.indices.numel() == 40
