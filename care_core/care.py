@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from care_core.anchors import diversity_greedy
-from care_core.calibration import calibrate
+from care_core.calibration import Calibration, calibrate
 from care_core.config import CaReConfig, resolve_budget
 from care_core.errors import CareError
 from care_core.precision import compute_dtype, matmul_precision
@@ -54,6 +54,45 @@ def _check_inputs(features: torch.Tensor, positions: torch.Tensor) -> None:
         raise CareError("features contain NaN or infinite values")
 
 
+def resolve_directions(
+    directions: torch.Tensor | None, m: int, dim: int, seed: int, like: torch.Tensor
+) -> torch.Tensor:
+    """The (m, d_v) unit directions: the given ones, or m drawn from `seed` (Eq. 1)."""
+    if directions is None:
+        return unit_directions(m, dim, seed, device=like.device, dtype=like.dtype)
+    if directions.ndim != 2 or directions.shape[1] != dim:
+        raise CareError(f"directions must have shape (m, {dim}), got {tuple(directions.shape)}")
+    return directions.to(device=like.device, dtype=like.dtype)
+
+
+def prca_scores(
+    features: torch.Tensor, projector: Projector, directions: torch.Tensor, cfg: CaReConfig
+) -> torch.Tensor:
+    """psi_bar (N,) of PRCA: Eq. 1 responses, Eq. 2 robust z-scores, psi = mu - lambda sigma, min-max."""
+    responses = perturbation_responses(
+        features, projector, directions, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision
+    )
+    return influence_scores(robust_zscores(responses, cfg.eps), cfg.lam, cfg.eps)
+
+
+def calibrate_with(
+    cfg: CaReConfig,
+    features: torch.Tensor,
+    positions: torch.Tensor,
+    anchors: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    gated: bool,
+) -> Calibration:
+    """CGTC (Eq. 4–9) with the hyperparameters of `cfg`; `gated=False` injects every residual token."""
+    with matmul_precision(allow_tf32=False), torch.no_grad():
+        return calibrate(
+            features, positions, anchors, weights,
+            eta=cfg.eta, theta_s=cfg.theta_s, theta_c=cfg.theta_c, alpha=cfg.alpha, sigma_p=cfg.sigma_p,
+            tau_g=cfg.tau_g, tau_c=cfg.tau_c, tau_s=cfg.tau_s, eps=cfg.eps, gated=gated,
+        )  # fmt: skip
+
+
 def care_reduce(
     features: torch.Tensor,
     projector: Projector,
@@ -90,26 +129,16 @@ def care_reduce(
     dtype = compute_dtype(features.dtype)
     v = features.to(dtype)
     p = positions.to(device=v.device, dtype=dtype)
-    if directions is None:
-        u = unit_directions(cfg.m, dim, cfg.seed, device=v.device, dtype=dtype)
-    else:
-        if directions.ndim != 2 or directions.shape[1] != dim:
-            raise CareError(f"directions must have shape (m, {dim}), got {tuple(directions.shape)}")
-        u = directions.to(device=v.device, dtype=dtype)
+    u = resolve_directions(directions, cfg.m, dim, cfg.seed, v)
 
     with timer("scoring"):
-        responses = perturbation_responses(v, projector, u, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision)
-        psi_bar = influence_scores(robust_zscores(responses, cfg.eps), cfg.lam, cfg.eps)
+        psi_bar = prca_scores(v, projector, u, cfg)
     with matmul_precision(allow_tf32=False), torch.no_grad():
         with timer("anchors"):
             order = diversity_greedy(psi_bar, v, k, cfg.eps)
             indices = order.sort().values
         with timer("calibration"):
-            cal = calibrate(
-                v, p, indices, psi_bar,
-                eta=cfg.eta, theta_s=cfg.theta_s, theta_c=cfg.theta_c, alpha=cfg.alpha, sigma_p=cfg.sigma_p,
-                tau_g=cfg.tau_g, tau_c=cfg.tau_c, tau_s=cfg.tau_s, eps=cfg.eps,
-            )  # fmt: skip
+            cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)
     return Reduction(
         indices=indices,
         anchor_order=order,

@@ -1,0 +1,15 @@
+"""Imports every method module once, so that each registers itself (order = listing order)."""
+
+from care_core.methods import (  # noqa: F401
+    care_family,
+    divprune,
+    fastv,
+    ficoco,
+    pool,
+    prumerge,
+    random_select,
+    sparsevlm,
+    tome,
+    visionzip,
+    zoo_prune,
+)

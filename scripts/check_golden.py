@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Check our ports of peer methods against golden outputs of their official code.
+
+    python scripts/check_golden.py ../shared/golden/*.npz
+
+The method is chosen by the file-name prefix (see ../shared/golden/README.md). Prints one line per
+case, PASS or FAIL with the largest difference; exit status 1 if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from golden_checks import PREFIXES, CaseResult
+
+
+def check_file(path: Path) -> list[CaseResult]:
+    prefix = next((p for p in PREFIXES if path.name.startswith(p)), None)
+    if prefix is None:
+        return [
+            CaseResult(path.name, False, float("nan"), f"no checker for this prefix (known: {', '.join(PREFIXES)})")
+        ]
+    module = importlib.import_module(f"golden_checks.{PREFIXES[prefix]}")
+    with np.load(path) as npz:
+        data = {k: npz[k] for k in npz.files}
+    return module.check(data, path.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    failed = 0
+    for path in args.files:
+        if not path.is_file():
+            print(f"FAIL {path}: no such file")
+            failed += 1
+            continue
+        for result in check_file(path):
+            status = "PASS" if result.passed else "FAIL"
+            note = f"  ({result.note})" if result.note else ""
+            print(f"{status} {path.name} {result.case}: max diff {result.max_diff:.3g}{note}")
+            failed += not result.passed
+    print(f"{'all cases passed' if failed == 0 else f'{failed} case(s) failed'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

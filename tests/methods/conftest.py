@@ -1,0 +1,91 @@
+"""Random method inputs with every probe synthesised, shared by the registry-driven tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from care_core.methods import MethodInputs
+
+
+@dataclass
+class FakeLanguageModel:
+    """Random but valid softmax attentions over [prefix, N image tokens, text tokens]."""
+
+    num_image: int
+    prefix: int = 5
+    text: int = 9
+    heads: int = 4
+    layers: int = 4
+    d_t: int = 24
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        length = self.prefix + self.num_image + self.text
+        causal = torch.ones(length, length).tril().bool()
+        self._attn = []
+        for _ in range(self.layers):
+            logits = torch.randn(self.heads, length, length, generator=g) * 2
+            self._attn.append(torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1))
+        self._embeds = torch.randn(length, self.d_t, generator=g)
+
+    def attentions(self, upto_layer: int) -> list[torch.Tensor]:
+        return self._attn[: upto_layer + 1]
+
+    @property
+    def image_span(self) -> tuple[int, int]:
+        return self.prefix, self.prefix + self.num_image
+
+    @property
+    def text_span(self) -> tuple[int, int]:
+        end = self.prefix + self.num_image
+        return end, end + self.text
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self._embeds
+
+
+def make_inputs(
+    n: int = 144, d_v: int = 16, seed: int = 0, *, duplicates: bool = False, zeros: bool = False
+) -> MethodInputs:
+    """N = rows x cols tokens on a grid, with every probe of care_core.methods.PROBES."""
+    g = torch.Generator().manual_seed(seed)
+    side = round(n**0.5)
+    grid = (side, n // side) if side * (n // side) == n else None
+    features = torch.randn(n, d_v, generator=g)
+    if duplicates:
+        features[n // 2 :] = features[: n - n // 2]
+    if zeros:
+        features[:: max(1, n // 7)] = 0
+    projector = torch.nn.Sequential(torch.nn.Linear(d_v, 32), torch.nn.GELU(), torch.nn.Linear(32, 24))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        projector = torch.nn.Sequential(torch.nn.Linear(d_v, 32), torch.nn.GELU(), torch.nn.Linear(32, 24))
+    if grid is not None:
+        rows, cols = grid
+        r = (torch.arange(n) // cols + 0.5) / rows
+        c = (torch.arange(n) % cols + 0.5) / cols
+        positions = torch.stack([r, c], dim=1)
+    else:
+        positions = torch.rand(n, 2, generator=g)
+    heads, d_head = 4, 8
+    cls = torch.randn(1, d_v, generator=g)
+    logits = torch.randn(1 + n, 1 + n, generator=g) * 2
+    probes = {
+        "cls_attention": torch.softmax(torch.randn(heads, 1 + n, generator=g) * 3, dim=-1),
+        "attention_logits": logits,
+        "keys": torch.randn(1 + n, d_head, generator=g),
+        "hidden_with_cls": torch.cat([cls, features]),
+        "last_layer_qk": torch.randn(2, 1 + n, d_v, generator=g),
+        "question": torch.randn(6, 24, generator=g),
+        "language_model": FakeLanguageModel(num_image=n, seed=seed),
+    }
+    return MethodInputs(features, projector, positions, grid=grid, probes=probes, seed=seed)
+
+
+@pytest.fixture
+def inputs() -> MethodInputs:
+    return make_inputs()
