@@ -28,7 +28,7 @@ from care_cli.versions import versions
 from care_core import CaReConfig, care_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
-console = Console()
+console = Console(width=140)
 
 
 def bench_cli_stages(reps: int) -> list[dict[str, object]]:

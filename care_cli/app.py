@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import typer
 
+from care_cli.commands import csr as csr_command
+from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
 from care_core.errors import CareError
 
@@ -19,6 +21,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("reduce", no_args_is_help=True)(reduce_command.reduce)
+app.command("csr", no_args_is_help=True)(csr_command.csr)
+app.command("methods")(methods_command.methods)
 
 
 @app.callback()

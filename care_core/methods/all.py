@@ -13,3 +13,8 @@ from care_core.methods import (  # noqa: F401
     visionzip,
     zoo_prune,
 )
+
+LISTING_ORDER = (
+    "care", "prca-only", "simple-calib", "confidence-calib", "prca+simple-calib", "zoo-prune",
+    "divprune", "visionzip", "prumerge+", "tome", "ficoco-v", "fastv", "sparsevlm", "random", "pool",
+)  # fmt: skip

@@ -26,7 +26,7 @@ from care_core.methods.registry import register
 from care_core.methods.zoo_prune import ZooPrune
 from care_core.precision import compute_dtype, matmul_precision
 
-PAPER = "CaRe: Calibrate Before Reason (this toolkit's paper), Sec. 3 and Table S5"
+PAPER = "CaRe: Calibrate Before Reason, Sec. 3 (ablations: Table S5)"
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,12 @@ def _load_all() -> None:
 
 
 def method_names() -> list[str]:
-    """Registered method names (aliases excluded), in registration order."""
+    """Registered method names (aliases excluded): CaRe and its ablations first, then the peers."""
+    from care_core.methods.all import LISTING_ORDER
+
     _load_all()
-    return list(_METHODS)
+    rank = {name: i for i, name in enumerate(LISTING_ORDER)}
+    return sorted(_METHODS, key=lambda name: rank.get(name, len(rank)))
 
 
 def canonical_name(name: str) -> str:
@@ -43,7 +46,7 @@ def canonical_name(name: str) -> str:
     choices = list(_METHODS) + list(_ALIASES)
     close = difflib.get_close_matches(key, choices, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise MethodError(f"unknown method {name!r}{hint} (known: {', '.join(_METHODS)}; see 'care methods')")
+    raise MethodError(f"unknown method {name!r}{hint} (known: {', '.join(method_names())}; see 'care methods')")
 
 
 def method_class(name: str) -> type[Method]:
