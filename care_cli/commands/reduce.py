@@ -10,6 +10,7 @@ import typer
 
 from care_cli import options as opt
 from care_cli import render
+from care_cli.errors import UserError
 
 ImageArg = Annotated[Path, typer.Argument(help="Image file (any size, mode or EXIF orientation).", show_default=False)]
 Question = Annotated[
@@ -21,6 +22,11 @@ Out = Annotated[
     typer.Option("--out", "-o", help="Write the reduced tokens, anchors, signals and psi_bar as safetensors."),
 ]
 Force = Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")]
+MethodName = Annotated[str, typer.Option("--method", help="Registered method (see 'care methods'); default care.")]
+Generate = Annotated[
+    bool, typer.Option("--generate", help="Answer --question twice: with all visual tokens, then the reduced ones.")
+]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per answer (greedy).")]
 
 
 def reduce(
@@ -31,6 +37,9 @@ def reduce(
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     question: Question = None,
+    method: MethodName = "care",
+    generate: Generate = False,
+    max_new_tokens: MaxNewTokens = 32,
     out: Out = None,
     force: Force = False,
     json_output: opt.Json = False,
@@ -50,7 +59,7 @@ def reduce(
     engine: opt.Engine = opt._DEFAULT.engine,
     matmul_precision: opt.MatmulPrecision = opt._DEFAULT.matmul_precision,
 ) -> None:
-    """Reduce one image's visual tokens with CaRe and report what was kept and what it cost."""
+    """Reduce one image's visual tokens with CaRe (or --method) and report what was kept and what it cost."""
     from care_cli.io import check_output_path, load_image
     from care_core import CaReConfig
 
@@ -66,8 +75,11 @@ def reduce(
 
         raise QuestionError("--question is empty")
     picture = load_image(image)
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     result = run_reduce(picture, ratio=ratio, keep=keep, model=model, device=device, dtype=dtype,
-                        question=question, config=config)  # fmt: skip
+                        question=question, config=config, method=method, generate=generate,
+                        max_new_tokens=max_new_tokens)  # fmt: skip
     summary = result["summary"]
     summary["image"] = {"path": str(image), "height": picture.height, "width": picture.width}
     if out_path is not None:
@@ -77,6 +89,28 @@ def reduce(
         render.print_json(summary)
     else:
         show_summary(summary)
+
+
+def _care_result(reduction: Any) -> Any:
+    """CaRe's Reduction seen through the method contract (anchors, signals, where signals feed)."""
+    import torch
+
+    from care_core.methods import MethodResult
+
+    anchors = reduction.indices
+    n = reduction.psi_bar.shape[0]
+    assignment = torch.full((n,), -1, dtype=torch.long, device=anchors.device)
+    assignment[anchors] = torch.arange(anchors.numel(), device=anchors.device)
+    assignment[reduction.signals] = torch.searchsorted(anchors, reduction.signal_targets)
+    return MethodResult(
+        tokens=reduction.tokens,
+        token_index=anchors,
+        scores=reduction.psi_bar,
+        assignment=assignment,
+        signals=reduction.signals,
+        info={"selection_order": reduction.anchor_order, "residuals": reduction.residuals,
+              "confidence": reduction.confidence},
+    )  # fmt: skip
 
 
 def run_reduce(
@@ -89,14 +123,20 @@ def run_reduce(
     dtype: str,
     question: str | None,
     config: Any,
+    method: str = "care",
+    generate: bool = False,
+    max_new_tokens: int = 32,
 ) -> dict[str, Any]:
-    """Load the backbone, encode, reduce, project; returns tensors and a JSON-ready summary."""
+    """Load the backbone, encode, reduce, project (and answer); returns tensors and a JSON-ready summary."""
     import torch
 
+    from care_cli.commands.csr import configured_method
     from care_cli.versions import versions
     from care_core import care_reduce, csr_score, resolve_budget
     from care_core.backbones import load_backbone
+    from care_core.methods import MethodInputs, canonical_name
 
+    method = canonical_name(method)
     clock = render.StageClock()
     with render.stderr.status("Loading backbone (the demo is built on first use)…"), clock("load"):
         adapter = load_backbone(model, device=device, dtype=None if dtype == "auto" else dtype)
@@ -106,22 +146,42 @@ def run_reduce(
             tokens = adapter.encode_image(picture)
         n = tokens.num_tokens
         k = resolve_budget(n, ratio, keep)
-        reduction = care_reduce(tokens.features, adapter.projector, tokens.positions, keep=k, config=config,
-                                stage_timer=clock)  # fmt: skip
+        if method == "care":
+            reduction = care_reduce(tokens.features, adapter.projector, tokens.positions, keep=k, config=config,
+                                    stage_timer=clock)  # fmt: skip
+            result = _care_result(reduction)
+        else:
+            runner = configured_method(method, config.seed)
+            needs = sorted(set(runner.needs) - {"question"})
+            with clock("probes"):
+                probes = adapter.probe_inputs(tokens, needs, question=question) if needs else {}
+            if "question" in runner.needs:
+                probes["question"] = adapter.question_embeddings(question or "Describe the image.")
+            inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
+                                  probes=probes, seed=config.seed)  # fmt: skip
+            with clock("method"):
+                result = runner(inputs, k)
         with clock("projection"):
-            projected = adapter.projector(reduction.tokens.to(adapter.dtype))
+            projected = adapter.projector(result.tokens.to(adapter.dtype))
         csr = None
+        full = None
         if question is not None:
             with clock("csr"):
                 full = adapter.projector(tokens.features)
                 csr = 100 * csr_score(full, projected, adapter.question_embeddings(question))
+        answers = None
+        if generate:
+            answers = _answers(adapter, tokens, question or "Describe the image.", full, projected, result,
+                               max_new_tokens)  # fmt: skip
     timings = {name: round(value, 3) for name, value in clock.ms.items()}
     timings["total"] = round(sum(clock.ms.values()), 3)
-    residual = n - k
-    signals = reduction.signals.tolist()
+    indices = result.indices
+    residual = n - indices.numel()
+    signals = [] if result.signals is None else result.signals.tolist()
+    order = result.info.get("selection_order")
     summary: dict[str, Any] = {
         "command": "reduce",
-        "method": "care",
+        "method": method,
         "backbone": {
             "name": adapter.name,
             "family": adapter.family,
@@ -132,43 +192,74 @@ def run_reduce(
         },
         "N": n,
         "K": k,
+        "tokens_out": result.num_tokens,
         "kept_share": k / n,
         "grid": list(tokens.grid) if tokens.grid else None,
-        "anchors": reduction.indices.tolist(),
-        "anchor_order": reduction.anchor_order.tolist(),
+        "anchors": indices.tolist(),
+        "anchor_order": order.tolist() if order is not None else indices.tolist(),
+        "token_index": result.token_index.tolist(),
         "signals": signals,
         "num_signals": len(signals),
         "signal_share": len(signals) / residual if residual else 0.0,
         "question": question,
         "csr": csr,
+        "answers": answers,
         "timings_ms": timings,
-        "config": config.to_dict(),
+        "config": config.to_dict() if method == "care" else {"seed": config.seed},
         "versions": versions(),
     }
-    return {"summary": summary, "reduction": reduction, "tokens": tokens, "projected": projected}
+    return {"summary": summary, "result": result, "tokens": tokens, "projected": projected}
+
+
+def _answers(
+    adapter: Any, tokens: Any, question: str, full: Any, projected: Any, result: Any, max_new_tokens: int
+) -> dict[str, Any]:
+    """Greedy answers with all N visual tokens and with the K reduced ones; prefill and total time."""
+    if full is None:
+        full = adapter.projector(tokens.features)
+    runs = {}
+    for label, feed, kept in (("full", full, None), ("reduced", projected, result.token_index)):
+        clock = render.StageClock(adapter.device)
+        with clock("prefill"):
+            adapter.language_model_logits(question, tokens, feed, kept=kept)
+        with clock("total"):
+            text = adapter.generate(question, tokens, feed, max_new_tokens=max_new_tokens, kept=kept)
+        runs[label] = {
+            "visual_tokens": int(feed.shape[0]),
+            "answer": text,
+            "prefill_ms": round(clock.ms["prefill"], 3),
+            "total_ms": round(clock.ms["total"], 3),
+        }
+    runs["question"] = question
+    runs["max_new_tokens"] = max_new_tokens
+    return runs
 
 
 def write_reduction(path: Path, result: dict[str, Any]) -> None:
     """Atomically write the reduction as safetensors; config, backbone and versions go in the metadata."""
     from care_cli.io import save_safetensors_atomic
 
-    red, tok, summary = result["reduction"], result["tokens"], result["summary"]
+    res, tok, summary = result["result"], result["tokens"], result["summary"]
     tensors = {
-        "calibrated_tokens": red.tokens,
+        "calibrated_tokens": res.tokens,
         "projected_tokens": result["projected"],
-        "anchors": red.indices,
-        "anchor_order": red.anchor_order,
-        "signals": red.signals,
-        "signal_targets": red.signal_targets,
-        "psi_bar": red.psi_bar,
-        "residuals": red.residuals,
-        "residual_confidence": red.confidence,
+        "anchors": res.indices,
+        "anchor_order": res.info.get("selection_order", res.indices),
+        "token_index": res.token_index,
+        "signals": res.signals if res.signals is not None else res.indices.new_empty(0),
         "positions": tok.positions,
         "boxes": tok.boxes,
     }
+    if res.scores is not None:
+        tensors["psi_bar" if summary["method"] == "care" else "scores"] = res.scores
+    if res.assignment is not None:
+        tensors["assignment"] = res.assignment
+    for key in ("residuals", "confidence"):
+        if key in res.info:
+            tensors["residual_confidence" if key == "confidence" else key] = res.info[key]
     metadata = {
         "format": "care.reduce/1",
-        "method": "care",
+        "method": summary["method"],
         "N": str(summary["N"]),
         "K": str(summary["K"]),
         "config": json.dumps(summary["config"]),
@@ -182,22 +273,43 @@ def write_reduction(path: Path, result: dict[str, Any]) -> None:
 def show_summary(summary: dict[str, Any]) -> None:
     backbone = summary["backbone"]
     n, k = summary["N"], summary["K"]
-    residual = n - k
+    residual = n - len(summary["anchors"])
     grid = summary["grid"]
+    is_care = summary["method"] == "care"
+    kept = f"K = {k}  ({100 * summary['kept_share']:.1f}% of N)"
+    if summary["tokens_out"] != k:
+        kept += f", {summary['tokens_out']} output rows"
     rows = [
         ("image", f"{summary['image']['path']}  ({summary['image']['width']}×{summary['image']['height']} px)"),
         ("backbone", f"{backbone['name']} ({backbone['family']}, {backbone['device']}, {backbone['dtype']})"),
+        ("method", summary["method"]),
         ("visual tokens", f"N = {n}" + (f"  (grid {grid[0]}×{grid[1]})" if grid else "")),
-        ("kept", f"K = {k}  ({100 * summary['kept_share']:.1f}% of N)"),
-        ("anchors", render.short_list(summary["anchors"])),
-        ("calibration signals", f"{summary['num_signals']} of {residual} residual tokens "
-                                f"({100 * summary['signal_share']:.1f}%)"),
-        ("engine", f"{summary['config']['engine']}, m = {summary['config']['m']}, seed = {summary['config']['seed']}"),
-    ]  # fmt: skip
+        ("kept", kept),
+        ("anchors" if is_care else "kept tokens", render.short_list(summary["anchors"])),
+    ]
+    if is_care or summary["num_signals"]:
+        rows.append(("calibration signals", f"{summary['num_signals']} of {residual} residual tokens "
+                                            f"({100 * summary['signal_share']:.1f}%)"))  # fmt: skip
+    if is_care:
+        config = summary["config"]
+        rows.append(("engine", f"{config['engine']}, m = {config['m']}, seed = {config['seed']}"))
     if summary["csr"] is not None:
         rows.append(("CSR (×100)", f"{summary['csr']:.2f}  for “{summary['question']}”"))
     if summary.get("out"):
         rows.append(("saved", summary["out"]))
-    caption = backbone["note"]
-    render.stdout.print(render.key_value_table("care reduce — CaRe", rows, caption=caption))
+    title = f"care reduce — {summary['method']}"
+    render.stdout.print(render.key_value_table(title, rows, caption=backbone["note"]))
     render.stdout.print(render.timings_table(summary["timings_ms"]))
+    answers = summary.get("answers")
+    if answers:
+        from rich.table import Table
+
+        table = Table(title=f"Answers to “{answers['question']}” (greedy, ≤ {answers['max_new_tokens']} tokens)",
+                      title_justify="left", caption=backbone["note"], caption_style="bold yellow")  # fmt: skip
+        for col in ("visual tokens fed", "prefill ms", "total ms", "answer"):
+            table.add_column(col, justify="right" if col != "answer" else "left", overflow="fold")
+        for label in ("full", "reduced"):
+            run = answers[label]
+            table.add_row(f"{run['visual_tokens']} ({label})", f"{run['prefill_ms']:,.1f}", f"{run['total_ms']:,.1f}",
+                          repr(run["answer"]))  # fmt: skip
+        render.stdout.print(table)

@@ -7,6 +7,7 @@ maths and the CLI see only :class:`ImageTokens` and :class:`VLMAdapter`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,3 +69,13 @@ class VLMAdapter(ABC):
     @abstractmethod
     def generate(self, question: str, tokens: ImageTokens, projected: torch.Tensor, max_new_tokens: int = 32) -> str:
         """Greedy answer of the language model fed `projected` (K, d_t) as its visual tokens."""
+
+    @abstractmethod
+    def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
+        """Exactly the requested probes (keys of ``care_core.methods.base.PROBES``) for the image of ``tokens``.
+
+        Vision probes requested together share one vision-tower pass; ``"question"`` needs ``question``
+        (QuestionError otherwise); ``"language_model"`` is a ``LanguageModelProbe`` on the prompt with
+        ``question`` (a default question when None) and all N visual tokens. Unknown names raise
+        MethodError. The model is left as it was found (no hooks, same attention implementation).
+        """

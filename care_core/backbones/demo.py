@@ -118,7 +118,7 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=160,
-        num_hidden_layers=2,
+        num_hidden_layers=4,  # enough layers for in-LLM methods (FastV layer 1, SparseVLM layer 2)
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=4096,
@@ -155,7 +155,7 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
 DEMO_BACKBONES: dict[str, DemoBackbone] = {
     "tiny-llava": DemoBackbone(
         name="tiny-llava",
-        version=1,
+        version=2,
         family="llava-1.5",
         seed=0,
         description="LLaVA-1.5 geometry (CLIP-336/14, 576 tokens), tiny random weights; demo only",

@@ -11,16 +11,24 @@ pixels (see :mod:`care_core.backbones.geometry` for the exact rounding).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from ..errors import ModelLoadError, QuestionError
+from ..errors import MethodError, ModelLoadError, QuestionError
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter
 from .geometry import clip_boxes, crop_geometry, grid_crop_boxes, grid_positions
+from .probes import (
+    DEFAULT_PROBE_QUESTION,
+    VISION_PROBES,
+    LanguageModelRun,
+    attention_implementation,
+    clip_vision_probes,
+)
 
 LLAVA15_FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
 
@@ -266,3 +274,68 @@ class LlavaAdapter(VLMAdapter):
             )
         new = out[0, enc["input_ids"].shape[1] :]
         return tok.decode(new, skip_special_tokens=True).strip()
+
+    # ------------------------------------------------------------------ probes
+    def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
+        """The requested probes (see ``care_core.methods.base.PROBES``) for the image of ``tokens``.
+
+        Vision probes (``cls_attention``, ``attention_logits``, ``keys``, ``hidden_with_cls``,
+        ``last_layer_qk``) come from one pass of the vision tower over ``tokens.model_inputs
+        ["pixel_values"]``, stopped as soon as the last hooked value is captured; the tower keeps its
+        attention implementation (see :func:`~care_core.backbones.probes.clip_vision_probes` for shapes
+        and dtypes). ``question`` is :meth:`question_embeddings`; ``language_model`` is a
+        :class:`~care_core.backbones.probes.LanguageModelRun` on the prompt with ``question`` (or
+        "Describe the image.") and all N projected visual tokens, fed like :meth:`language_model_logits`.
+        """
+        from ..methods.base import PROBES
+
+        wanted = list(dict.fromkeys(names))
+        unknown = [n for n in wanted if n not in PROBES]
+        if unknown:
+            raise MethodError(f"unknown probe(s) {unknown}; known: {sorted(PROBES)}")
+        if "question" in wanted and question is None:
+            raise QuestionError("the 'question' probe needs a question")
+        out: dict[str, Any] = {}
+        vision = {n for n in wanted if n in VISION_PROBES}
+        if vision:
+            pixel_values = tokens.model_inputs.get("pixel_values")
+            if pixel_values is None:
+                raise ValueError("tokens.model_inputs has no pixel_values; use ImageTokens from encode_image")
+            layer = self.model.config.vision_feature_layer
+            out.update(clip_vision_probes(self._vision_tower, pixel_values, layer, vision))
+        if "question" in wanted:
+            out["question"] = self.question_embeddings(question)  # type: ignore[arg-type]
+        if "language_model" in wanted:
+            out["language_model"] = self.language_model_probe(tokens, question)
+        return {n: out[n] for n in wanted}
+
+    def language_model_probe(self, tokens: ImageTokens, question: str | None = None) -> LanguageModelRun:
+        """A LanguageModelProbe on the prompt with ``question`` and all N projected visual tokens."""
+        if question is None or not question.strip():
+            question = DEFAULT_PROBE_QUESTION
+        with torch.no_grad():
+            projected = self.projector(tokens.features)
+        mm = self._mm_inputs(projected)
+        enc = self._encode_prompt(question, int(projected.shape[0]))
+        model = self.model
+        language_model = _inner(model).language_model
+        image_token_id = self.image_token_id
+        visual = mm["image"].pooler_output[0]
+
+        def forward() -> Any:
+            return model(**enc, mm_encoder_outputs=mm, use_cache=False)
+
+        def embeddings() -> torch.Tensor:
+            ids = enc["input_ids"]
+            embeds = model.get_input_embeddings()(ids)
+            mask = (ids == image_token_id).unsqueeze(-1).expand_as(embeds)
+            return embeds.masked_scatter(mask, visual.to(embeds.dtype))[0]
+
+        return LanguageModelRun(
+            forward=forward,
+            input_ids=enc["input_ids"],
+            image_token_id=image_token_id,
+            embeddings=embeddings,
+            attention_modules=[layer.self_attn for layer in language_model.layers],
+            eager=lambda: attention_implementation(model, {"text_config": "eager"}),
+        )

@@ -1,1 +1,111 @@
-"""Placeholder: filled in by the method's implementation."""
+"""DivPrune (Alvar et al., "DivPrune: Diversity-based Visual Token Pruning for Large Multimodal Models", CVPR 2025).
+
+Official code: vbdi/divprune @ 799e2d9, ``LLaVA/llava/model/llava_arch.py::LlavaMetaForCausalLM.DivPrune``. It runs
+on the **post-projector** image embeddings (the image slice of the LLM input embeddings) and needs nothing else.
+
+Released algorithm, reproduced by :func:`divprune_select` with ``mask_selected=False``:
+
+* ``Dist = 1 - (x/|x|)(x/|x|)^T`` in the input precision (float32 for the golden files);
+* step 0: the score of column j is its second-smallest entry (the distance to its nearest other token), take the
+  argmax;
+* step i > 0: the score of token j is ``min over selected s of Dist[s, j]``, take the argmax (first index on ties);
+* already selected tokens are **not** masked: their score is ``Dist[j, j] ~ 0``, so once every remaining token is
+  a duplicate of a selected one the code re-selects a token and returns duplicate indices (golden
+  ``divprune_dup_n16_d32``: ``[0, 12, 4, 8, 0, 0]``).
+
+The one deviation of the registered method ``divprune``: the contract needs K unique tokens, so where the official
+rule would re-select an already chosen token (which happens only when every remaining distance is ~0), the
+lowest-index unselected token is taken instead (``mask_selected=True``). Every other step is the official rule, so
+on inputs without such exhaustion the selection is identical to the released code. Zero vectors (NaN in the
+official code) are given distance 0 to every zero vector and 1 to every other token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from care_core.errors import MethodError
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
+from care_core.methods.registry import register
+from care_core.precision import compute_dtype, matmul_precision
+
+_TINY = 1e-30  # only guards zero rows; any non-zero norm is used exactly as the official code does
+
+
+def cosine_distance_matrix(embeddings: torch.Tensor) -> torch.Tensor:
+    """(N, N) ``1 - cos`` with the official float formula ``1 - (x/|x|) @ (x/|x|)^T`` (no tf32).
+
+    Rows with zero norm (NaN in the official code) are at distance 0 from every zero row, themselves included, and
+    at distance 1 from every other row.
+    """
+    norms = embeddings.norm(dim=1, keepdim=True)
+    unit = embeddings / norms.clamp_min(_TINY)
+    with matmul_precision(allow_tf32=False):
+        dist = 1.0 - torch.mm(unit, unit.t())
+    zero = norms[:, 0] == 0
+    if bool(zero.any()):
+        dist[zero[:, None] & zero[None, :]] = 0.0
+    return dist
+
+
+def divprune_select(embeddings: torch.Tensor, k: int, mask_selected: bool = False) -> torch.Tensor:
+    """DivPrune's greedy max-min selection order (k,) on `embeddings` (N, d).
+
+    ``mask_selected=False`` reproduces the released code exactly, duplicates included. ``mask_selected=True`` is
+    the registered method's rule: identical, except that where the official argmax is an already selected token
+    the lowest-index unselected token is taken instead, so the k indices are distinct (needs k <= N).
+    """
+    n = embeddings.shape[0]
+    if k < 0 or (mask_selected and k > n):
+        raise MethodError(f"divprune: cannot select {k} distinct tokens out of {n}")
+    dist = cosine_distance_matrix(embeddings)
+    order = torch.empty(k, dtype=torch.long, device=embeddings.device)
+    if k == 0:
+        return order
+    selected = torch.zeros(n, dtype=torch.bool, device=embeddings.device)
+    if n >= 2:
+        scores = torch.topk(dist, 2, dim=0, largest=False).values[1]  # second-smallest entry of each column
+    else:
+        scores = torch.zeros(1, dtype=dist.dtype, device=dist.device)
+    for step in range(k):
+        chosen = int(torch.argmax(scores))
+        if mask_selected and bool(selected[chosen]):
+            chosen = int(torch.nonzero(~selected)[0, 0])
+        order[step] = chosen
+        selected[chosen] = True
+        # running min over the selected rows == the official min over index_select(Dist, 0, s[:i]) (exact)
+        scores = dist[chosen] if step == 0 else torch.minimum(scores, dist[chosen])
+    return order
+
+
+@register
+@dataclass(frozen=True)
+class DivPrune(Method):
+    """DivPrune (Alvar et al., CVPR 2025): greedy max-min cosine diversity on the post-projector tokens.
+
+    Keeps exactly ``keep`` tokens (the official K = round(ratio * N)), handed to the LLM in ascending index order.
+    One documented deviation from the released code: an already selected token is never selected again (the
+    official code can return duplicates once every remaining token duplicates a selected one); see the module
+    docstring.
+    """
+
+    name: ClassVar[str] = "divprune"
+    category: ClassVar[Category] = "selection"
+    paper: ClassVar[str] = "Alvar et al., DivPrune: Diversity-based Visual Token Pruning for LMMs, CVPR 2025"
+
+    mask_selected: bool = True  # False = the released rule verbatim (duplicate indices possible)
+
+    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        n = inputs.num_tokens
+        if not 1 <= keep <= n:
+            raise MethodError(f"divprune: keep must be between 1 and N = {n}, got {keep}")
+        with torch.no_grad():
+            embeddings = inputs.projector(inputs.features)
+            embeddings = embeddings.to(compute_dtype(embeddings.dtype))
+            order = divprune_select(embeddings, keep, mask_selected=self.mask_selected)
+        if not self.mask_selected and order.unique().numel() < keep:
+            raise MethodError("divprune(mask_selected=False) re-selected a token (official behaviour on duplicates)")
+        return selection_result(inputs.features, order, None, selection_order=order, space="post-projector")

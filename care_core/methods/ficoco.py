@@ -1,1 +1,309 @@
-"""Placeholder: filled in by the method's implementation."""
+"""FiCoCo-V (Han et al., "Filter, Correlate, Compress: Training-Free Token Reduction for MLLM Acceleration", AAAI 2026).
+
+Official code: kawhiiiileo/FiCoCo @ 8995e93, ``llava/model/multimodal_encoder/FiCoCo_V.py`` (``Filter``,
+``Correlate``, ``Compress``, ``merge_ficoco_v``), wired into CLIP by ``clip_encoder.py``: in each of the layers
+12-23 the head-mean **pre-softmax** attention logits ``L`` (T, T) of the layer rank the tokens and ``r = 42`` of
+them are merged after the attention residual, before the MLP. One step (:func:`ficoco_step`):
+
+* **Filter** (redundancy score, paper Eq. for the "filter" stage): ``c = L[0, 1:]``, ``p_i = mean_j L[i, j]``
+  over patches, each L2-normalised over tokens, ``s = 0.35 c - 0.65 p``; local penalty in 2x2 windows of the
+  patch grid (the minimum of each window is halved if positive, doubled if negative: more mergeable); token 0 gets
+  ``+inf``; the ``r`` lowest scores (ascending ``argsort``) are merged, the rest remain;
+* **Correlate**: ``k = max`` over merged rows of ``#{L[i, :] > quantile_0.998(L[i, :])}``; each merged token's
+  targets are its top-``k`` entries of ``softmax(L)``, weights = those probabilities normalised per row;
+* **Compress**: the weighted merged tokens are scatter-added to their targets' rows and every row divided by its
+  accumulated weight (``size`` starts at 1; the official encoder layer always passes ``size=None``).
+
+Released behaviour vs. the paper (both selectable; the released one is the default):
+
+* ``row_order="released"``: output row i is input token ``remain[i]`` (ascending score order, so the CLS token
+  ends up **last** and the next layer treats whichever token sits in row 0 as "CLS"), while Compress addresses
+  target rows by *original* token index (targets ``>= T - r`` shifted down by ``r``), so the weight lands on rows
+  that hold other tokens. ``row_order="paper"``: rows stay in token order (CLS first), targets are restricted to
+  the remaining tokens and added to the rows that hold them (our reading of the paper's description).
+* ``local_penalty="released"``: the 2x2 windows are taken on a score map over the N patch slots that the released
+  code keeps as **module-level state** across layers and images: each call writes the scores into the slots not
+  yet retired (in ascending slot order, without regard to which token a slot held), penalises the window minima of
+  the map by *slot index used as token index*, and retires those slots (``inf``). Here the map is explicit state
+  (:func:`fresh_score_map` is the freshly imported map, all ``1e9``), passed in and returned by every step; the
+  registered method starts every image from a fresh map (the official code would carry it over from the previous
+  image) and returns the final map in ``info["score_map"]``. ``local_penalty="paper"``: the windows are taken per
+  step on the original patch positions of the tokens still present (no state).
+
+The registered method ``ficoco-v``: the official code merges inside CLIP layers 12-23 (each step sees that
+layer's own attention); we apply the steps to the feature-layer tokens instead: start from ``hidden_with_cls``
+(1 + N rows) and the feature layer's ``attention_logits``, run steps of ``min(r, T - 1 - keep, (T - 1) // 2)`` tokens
+(default ``r = 42``; the last step smaller; the ``(T - 1) // 2`` cap only binds below 85 tokens and keeps the
+released target addressing defined — beyond it the official ``Compress`` scatters to negative rows and fails) until
+``1 + keep`` rows remain, with the logits of every later step = the rows/columns of the remaining tokens
+(re-ordered like the rows), then drop row 0 as LLaVA's ``patch`` feature select does: ``keep`` rows. (Official
+LLaVA-1.5 setting: 11 steps, 577 -> 115 -> 114 tokens.) ``token_index`` is the patch of each row's own token (-1
+for the CLS token, which in the released row order moves to the end and can itself be merged), ``assignment`` is
+the row each patch ended in (merged tokens follow their top-1 target's row; tokens that end in the dropped row 0
+are -1). The map has the patch grid's shape (``inputs.grid``, else a square N); without a grid there is no local
+penalty. Deviations: the sorts are stable (ties broken by position; the official ``argsort`` is unspecified).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from care_core.errors import MethodError
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods.registry import register
+from care_core.precision import compute_dtype
+
+BETA = 0.35  # weight of the CLS similarity in the redundancy score
+QUANTILE = 0.998  # Correlate's per-row threshold for the adaptive top-k
+UNWRITTEN = 1e9  # initial value of every slot of the released score map
+
+RowOrder = Literal["released", "paper"]
+Penalty = Literal["released", "paper"]
+
+
+def fresh_score_map(num_patches: int, device: torch.device | None = None) -> torch.Tensor:
+    """The released code's score map as freshly imported: (N,) all 1e9 (no slot written or retired)."""
+    return torch.full((num_patches,), UNWRITTEN, dtype=torch.float32, device=device)
+
+
+def redundancy_scores(logits: torch.Tensor) -> torch.Tensor:
+    """(T - 1,) ``0.35 * normalize(L[0, 1:]) - 0.65 * normalize(mean_j L[1:, 1:])`` (lower = more redundant)."""
+    cls_sim = F.normalize(logits[0, 1:], p=2, dim=-1)
+    patch_sim = F.normalize(logits[1:, 1:].mean(dim=-1), p=2, dim=-1)
+    return BETA * cls_sim - (1 - BETA) * patch_sim
+
+
+def window_minima(values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+    """Raster positions of the minimum of every 2x2 window of `values` laid out on `grid` (first on ties)."""
+    if grid is None:
+        return torch.empty(0, dtype=torch.long, device=values.device)
+    rows, cols = grid
+    h, w = rows // 2, cols // 2
+    if h == 0 or w == 0:
+        return torch.empty(0, dtype=torch.long, device=values.device)
+    blocks = values.view(rows, cols)[: 2 * h, : 2 * w].reshape(h, 2, w, 2).permute(0, 2, 1, 3).reshape(h, w, 4)
+    arg = blocks.argmin(dim=-1)  # 0..3 = (dy, dx) in (0,0), (0,1), (1,0), (1,1)
+    wy = torch.arange(h, device=values.device)[:, None]
+    wx = torch.arange(w, device=values.device)[None, :]
+    return ((2 * wy + arg // 2) * cols + 2 * wx + arg % 2).flatten()
+
+
+def _penalise(scores: torch.Tensor, where: torch.Tensor) -> None:
+    """In place: halve positive, double non-positive scores at `where` (makes them more mergeable)."""
+    chosen = scores[where]
+    scores[where] = torch.where(chosen > 0, chosen / 2, chosen * 2)
+
+
+@dataclass(frozen=True)
+class FiCoCoStep:
+    """One Filter / Correlate / Compress step on T tokens (indices are input rows, 0 = the protected row)."""
+
+    hidden: torch.Tensor  # (T - r, d) merged hidden states
+    size: torch.Tensor  # (T - r,) accumulated weight (the normaliser)
+    order: torch.Tensor  # (T,) ascending score order, row 0 last (+inf)
+    merge: torch.Tensor  # (r,) rows merged away
+    remain: torch.Tensor  # (T - r,) rows kept
+    rows: torch.Tensor  # (T - r,) input row of every output row
+    targets: torch.Tensor  # (r, k) target rows of every merged row (official indices)
+    target_rows: torch.Tensor  # (r, k) output rows that receive the weight
+    top_values: torch.Tensor  # (T, k) softmax top-k values of every row
+    scores: torch.Tensor  # (T - 1,) penalised redundancy scores of rows 1..T-1
+    score_map: torch.Tensor | None  # released map after the step (None for the paper penalty)
+
+
+def ficoco_step(
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    r: int,
+    *,
+    score_map: torch.Tensor | None = None,
+    grid: tuple[int, int] | None = None,
+    row_order: RowOrder = "released",
+    local_penalty: Penalty = "released",
+    origin: torch.Tensor | None = None,
+) -> FiCoCoStep:
+    """One FiCoCo-V step on `hidden` (T, d) with head-mean logits `logits` (T, T), merging `r` tokens.
+
+    Released penalty: `score_map` (M,) is the state before the call (``fresh_score_map(M)`` for a fresh module) on
+    `grid` (rows * cols = M; a square M when None); the returned ``score_map`` is the state after. Paper penalty:
+    `origin` (T,) gives the token index (0 = CLS, p + 1 = patch p) of every row and `grid` the patch grid.
+    """
+    t = hidden.shape[0]
+    if not 0 < r <= t - 1:
+        raise MethodError(f"ficoco-v: cannot merge {r} of {t} tokens (row 0 is protected)")
+    device = hidden.device
+    scores = redundancy_scores(logits)
+    new_map = None
+    if local_penalty == "released":
+        if score_map is None:
+            raise MethodError("ficoco-v: the released local penalty needs the score map state")
+        new_map = score_map.clone()
+        if grid is None:
+            side = math.isqrt(new_map.numel())
+            grid = (side, side) if side * side == new_map.numel() else None
+        live = (new_map != torch.inf).nonzero().flatten()
+        count = min(live.numel(), t - 1)
+        new_map[live[:count]] = scores[:count].to(new_map.dtype)
+        slots = window_minima(new_map, grid)
+        slots = slots[slots < t - 1]  # slot index used as token (row - 1) index
+        _penalise(scores, slots)
+        new_map[slots] = torch.inf
+    elif local_penalty == "paper":
+        if origin is None or grid is None:
+            where = torch.empty(0, dtype=torch.long, device=device)
+        else:
+            patch = origin[1:] - 1
+            present = patch >= 0
+            board = torch.full((grid[0] * grid[1],), torch.inf, dtype=scores.dtype, device=device)
+            board[patch[present]] = scores[present]
+            slot_row = torch.full_like(board, -1, dtype=torch.long)
+            slot_row[patch[present]] = present.nonzero().flatten()
+            mins = window_minima(board, grid)
+            mins = mins[torch.isfinite(board[mins])]
+            where = slot_row[mins]
+        _penalise(scores, where)
+    else:
+        raise MethodError(f"ficoco-v: unknown local_penalty {local_penalty!r}")
+
+    ranked = torch.cat([torch.full((1,), torch.inf, dtype=scores.dtype, device=device), scores])
+    order = torch.sort(ranked, stable=True).indices
+    merge, remain = order[:r], order[r:]
+
+    # Correlate: adaptive k from the 0.998-quantile of each merged row's logits, targets from softmax(L)
+    merged_logits = logits[merge]
+    threshold = torch.quantile(merged_logits, QUANTILE, dim=-1, keepdim=True)
+    k = int((merged_logits > threshold).sum(dim=-1).max())
+    probs = torch.softmax(logits, dim=-1)
+    if row_order == "released":
+        top_values, top_index = probs.topk(k, dim=-1)
+        targets = top_index[merge]
+        rows = remain
+        target_rows = torch.where(targets >= t - r, targets - r, targets)
+        if bool((target_rows < 0).any()):  # only possible for r > (t - 1) // 2; the official scatter fails too
+            raise MethodError(f"ficoco-v: released target addressing is undefined for r={r} of {t} tokens")
+        weights = (top_values / top_values.sum(dim=-1, keepdim=True))[merge]
+    elif row_order == "paper":
+        allowed = torch.ones(t, dtype=torch.bool, device=device)
+        allowed[merge] = False
+        masked = probs[merge].masked_fill(~allowed, -1.0)  # only remaining tokens can be targets
+        values, targets = masked.topk(k, dim=-1)
+        top_values = probs.topk(k, dim=-1).values  # recorded like the official (all rows)
+        rows = remain.sort().values
+        target_rows = torch.searchsorted(rows, targets)
+        weights = values / values.sum(dim=-1, keepdim=True)
+    else:
+        raise MethodError(f"ficoco-v: unknown row_order {row_order!r}")
+
+    # Compress (merge_ficoco_v with size=None): scatter-add weighted merged rows, divide by the accumulated weight
+    out = hidden[rows].clone()
+    size = torch.ones(rows.numel(), 1, dtype=hidden.dtype, device=device)
+    if k > 0:
+        source = hidden[merge]
+        flat = target_rows.reshape(-1)
+        w = weights.to(hidden.dtype)
+        out.scatter_add_(0, flat[:, None].expand(-1, out.shape[1]), (source[:, None, :] * w[..., None]).flatten(0, 1))
+        size.scatter_add_(0, flat[:, None], w.reshape(-1, 1))
+    return FiCoCoStep(
+        hidden=out / size,
+        size=size[:, 0],
+        order=order,
+        merge=merge,
+        remain=remain,
+        rows=rows,
+        targets=targets,
+        target_rows=target_rows,
+        top_values=top_values,
+        scores=scores,
+        score_map=new_map,
+    )
+
+
+def _patch_grid(inputs: MethodInputs) -> tuple[int, int] | None:
+    n = inputs.num_tokens
+    if inputs.grid is not None and inputs.grid[0] * inputs.grid[1] == n:
+        return inputs.grid
+    side = math.isqrt(n)
+    return (side, side) if side * side == n else None
+
+
+@register
+@dataclass(frozen=True)
+class FiCoCoV(Method):
+    """FiCoCo-V (Han et al., AAAI 2026): Filter (redundancy score + local penalty), Correlate (adaptive top-k
+    attention targets), Compress (weighted scatter-merge), repeated on the feature-layer tokens until ``keep``.
+
+    Steps of ``r`` tokens (last one smaller) on [CLS, patches] with the feature layer's attention logits, then row 0
+    is dropped (LLaVA's ``patch`` select): ``keep`` rows. Released row order and persistent score map by default
+    (the map starts fresh per image); ``row_order="paper"`` / ``local_penalty="paper"`` for the paper's reading.
+    """
+
+    name: ClassVar[str] = "ficoco-v"
+    category: ClassVar[Category] = "merging"
+    needs: ClassVar[frozenset[str]] = frozenset({"attention_logits", "hidden_with_cls"})
+    paper: ClassVar[str] = "Han et al., Filter, Correlate, Compress: Training-Free Token Reduction for MLLMs, AAAI 2026"
+
+    r: int = 42  # tokens merged per step (official: 42 per CLIP layer 12-23)
+    row_order: RowOrder = "released"
+    local_penalty: Penalty = "released"
+
+    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        n = inputs.num_tokens
+        if not 1 <= keep <= n:
+            raise MethodError(f"ficoco-v: keep must be between 1 and N = {n}, got {keep}")
+        if self.r < 1:
+            raise MethodError(f"ficoco-v: r must be >= 1, got {self.r}")
+        hidden = inputs.probe("hidden_with_cls", self.name)
+        logits = inputs.probe("attention_logits", self.name)
+        if hidden.shape[0] != n + 1 or tuple(logits.shape) != (n + 1, n + 1):
+            raise MethodError(
+                f"ficoco-v: hidden_with_cls {tuple(hidden.shape)} / attention_logits {tuple(logits.shape)} "
+                f"must cover 1 + N = {n + 1} tokens"
+            )
+        device = hidden.device
+        x = hidden.to(compute_dtype(hidden.dtype))
+        logits = logits.to(compute_dtype(logits.dtype))
+        grid = _patch_grid(inputs)
+        score_map = fresh_score_map(n, device) if self.local_penalty == "released" else None
+        origin = torch.arange(n + 1, device=device)  # token index of every row's own token
+        owner = torch.arange(n + 1, device=device)  # current row of every input token
+        first_scores = None
+        steps = [n + 1]
+        with torch.no_grad():
+            while x.shape[0] > keep + 1:
+                t = x.shape[0]
+                step = ficoco_step(
+                    x,
+                    logits,
+                    min(self.r, t - keep - 1, (t - 1) // 2),
+                    score_map=score_map,
+                    grid=grid,
+                    row_order=self.row_order,
+                    local_penalty=self.local_penalty,
+                    origin=origin,
+                )
+                if first_scores is None:
+                    first_scores = step.scores
+                row_map = torch.empty(t, dtype=torch.long, device=device)
+                row_map[step.rows] = torch.arange(step.rows.numel(), device=device)
+                if step.targets.shape[1] > 0:
+                    row_map[step.merge] = step.target_rows[:, 0]  # follows its top-1 target
+                else:
+                    row_map[step.merge] = -1
+                owner = torch.where(owner >= 0, row_map[owner.clamp_min(0)], owner)
+                origin = origin[step.rows]
+                logits = logits[step.rows][:, step.rows]
+                x, score_map = step.hidden, step.score_map
+                steps.append(x.shape[0])
+        assignment = owner[1:] - 1  # output row = current row - 1 (row 0 is dropped -> -1)
+        return MethodResult(
+            tokens=x[1:].to(inputs.features.dtype),
+            token_index=origin[1:] - 1,
+            scores=first_scores,
+            assignment=assignment.clamp_min(-1),
+            info={"steps": tuple(steps), "score_map": score_map, "dropped_row_token": int(origin[0]) - 1},
+        )

@@ -1,1 +1,190 @@
-"""Placeholder: filled in by the method's implementation."""
+"""ToMe (Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023).
+
+Official code: facebookresearch/ToMe @ af95e4b, ``tome/merge.py::bipartite_soft_matching``, ``merge_wavg``,
+``merge_source``. :func:`bipartite_soft_matching` reproduces one official call (paper Sec. 3, "bipartite soft
+matching"):
+
+* the metric rows are L2-normalised; tokens at even positions form set A, odd positions set B;
+* every A token's best cosine match in B (``max``, first on ties); with ``class_token=True`` row 0 of A can't merge;
+* A is sorted by that best similarity, descending; the first ``r`` A tokens merge into their B match, the rest
+  stay (``r`` is capped at ``(T - protected) // 2``);
+* output rows = ``[unmerged A (ascending when class_token, else in the sorted-similarity order)] ++ [B]``;
+* ``merge(x, mode)`` scatter-reduces the merged A rows into their B rows (``sum`` / ``mean`` incl. the B row /
+  ``amax``); ``merge_wavg`` is the size-weighted mean (``merge(x * size, "sum") / merge(size, "sum")``) and
+  ``merge_source`` tracks which inputs every row holds; ``unmerge`` copies each output row back to its inputs.
+
+In ToMe the merging runs inside every ViT block (keys averaged over heads as the metric, proportional attention);
+there is no official recipe for a VLM token budget. The registered method ``tome`` is the harness chain of the
+golden ``tome_chain_*`` files, applied to the pre-projector features: while ``n > keep``: ``r = min(n - keep,
+n // 2)``, one official call with ``metric = current tokens`` and ``class_token=False``, size-weighted average
+carrying the sizes. So ``keep`` rows come out (576 -> 288 -> 144 -> 72 -> 64 for keep = 64).
+
+Each output row's ``token_index`` is the patch that occupies it (the unmerged A token or the B token everything
+merged into), ``assignment`` is the row every input ended in (``merge_source``). Deviations: zero metric rows (NaN
+in the official normalisation) use a clamped norm (cosine 0 to everything); the descending sort is stable, so ties
+between equal similarities are broken by position (the official ``argsort`` does not specify it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from care_core.errors import MethodError
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods.registry import register
+from care_core.precision import compute_dtype, matmul_precision
+
+_EPS = 1e-12  # clamps zero metric norms only
+
+Mode = Literal["sum", "mean", "amax"]
+
+
+@dataclass(frozen=True)
+class BipartiteMatch:
+    """One bipartite soft matching of T tokens: which A rows stay, which merge, and into which B rows."""
+
+    num_tokens: int
+    unmerged: torch.Tensor  # (|A| - r,) A-set positions kept, in output order
+    sources: torch.Tensor  # (r,) A-set positions merged away
+    destinations: torch.Tensor  # (r,) B-set position each source merges into
+
+    @property
+    def r(self) -> int:
+        return int(self.sources.numel())
+
+    @property
+    def num_out(self) -> int:
+        return self.num_tokens - self.r
+
+    def merge(self, x: torch.Tensor, mode: Mode = "mean") -> torch.Tensor:
+        """(T, c) -> (T - r, c): [unmerged A rows] ++ [B rows with their sources reduced in by `mode`]."""
+        if self.r == 0:
+            return x
+        a, b = x[0::2], x[1::2]
+        index = self.destinations[:, None].expand(-1, x.shape[1])
+        b = b.scatter_reduce(0, index, a[self.sources], reduce=mode)  # include_self: the B row takes part
+        return torch.cat([a[self.unmerged], b])
+
+    def unmerge(self, y: torch.Tensor) -> torch.Tensor:
+        """(T - r, c) -> (T, c): every input position gets the row it was merged into."""
+        if self.r == 0:
+            return y
+        kept = self.unmerged.numel()
+        b = y[kept:]
+        out = torch.zeros(self.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        out[1::2] = b
+        out[2 * self.unmerged] = y[:kept]
+        out[2 * self.sources] = b[self.destinations]
+        return out
+
+    def row_of_input(self) -> torch.Tensor:
+        """(T,) output row of every input token."""
+        rows = torch.arange(self.num_tokens, device=self.sources.device)
+        if self.r == 0:
+            return rows
+        kept = self.unmerged.numel()
+        n_b = self.num_tokens // 2
+        rows[1::2] = kept + torch.arange(n_b, device=rows.device)
+        rows[2 * self.unmerged] = torch.arange(kept, device=rows.device)
+        rows[2 * self.sources] = kept + self.destinations
+        return rows
+
+    def occupant(self) -> torch.Tensor:
+        """(T - r,) input position that occupies every output row (unmerged A token or B token)."""
+        if self.r == 0:
+            return torch.arange(self.num_tokens, device=self.sources.device)
+        b_pos = torch.arange(1, self.num_tokens, 2, device=self.sources.device)
+        return torch.cat([2 * self.unmerged, b_pos])
+
+
+def bipartite_soft_matching(metric: torch.Tensor, r: int, class_token: bool = False) -> BipartiteMatch:
+    """One official ToMe matching on `metric` (T, c): merge up to `r` A tokens (capped at (T - protected) // 2)."""
+    t = metric.shape[0]
+    protected = int(class_token)
+    r = min(r, (t - protected) // 2)
+    device = metric.device
+    if r <= 0:
+        idx = torch.arange((t + 1) // 2, device=device)
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return BipartiteMatch(t, idx, empty, empty)
+    m = metric.to(compute_dtype(metric.dtype))
+    m = m / m.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+    with matmul_precision(allow_tf32=False):
+        similarity = m[0::2] @ m[1::2].t()  # (|A|, |B|) cosine
+    if class_token:
+        similarity[0, :] = -torch.inf
+    best, match = similarity.max(dim=1)
+    order = torch.sort(best, descending=True, stable=True).indices
+    unmerged, sources = order[r:], order[:r]
+    if class_token:
+        unmerged = unmerged.sort().values  # keeps the class token first
+    return BipartiteMatch(t, unmerged, sources, match[sources])
+
+
+def merge_wavg(match: BipartiteMatch, x: torch.Tensor, size: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Size-weighted average merge: (merged x (T - r, c), new sizes (T - r, 1))."""
+    if size is None:
+        size = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+    total = match.merge(x * size, mode="sum")
+    size = match.merge(size, mode="sum")
+    return total / size, size
+
+
+@dataclass(frozen=True)
+class ToMeChain:
+    """Result of :func:`tome_chain`: merged tokens and where every input went."""
+
+    tokens: torch.Tensor  # (K, d)
+    size: torch.Tensor  # (K,) inputs per row
+    group: torch.Tensor  # (N,) output row of every input
+    occupant: torch.Tensor  # (K,) input index occupying every row
+    steps: tuple[int, ...]  # token counts after every call, starting with N
+
+
+def tome_chain(x: torch.Tensor, keep: int) -> ToMeChain:
+    """Harness chain: repeat official calls (metric = current tokens, class_token=False, size-weighted) until keep."""
+    n = x.shape[0]
+    if not 1 <= keep <= n:
+        raise MethodError(f"tome: keep must be between 1 and N = {n}, got {keep}")
+    size = None
+    group = torch.arange(n, device=x.device)
+    occupant = torch.arange(n, device=x.device)
+    steps = [n]
+    while x.shape[0] > keep:
+        cur = x.shape[0]
+        match = bipartite_soft_matching(x, min(cur - keep, cur // 2), class_token=False)
+        x, size = merge_wavg(match, x, size)
+        group = match.row_of_input()[group]
+        occupant = occupant[match.occupant()]
+        steps.append(x.shape[0])
+    if size is None:
+        size = torch.ones(n, 1, dtype=x.dtype, device=x.device)
+    return ToMeChain(x, size[:, 0], group, occupant, tuple(steps))
+
+
+@register
+@dataclass(frozen=True)
+class ToMe(Method):
+    """ToMe (Bolya et al., ICLR 2023): bipartite soft matching, repeated on the features until ``keep`` tokens.
+
+    Harness chain (no official VLM recipe): ``r = min(n - keep, n // 2)`` per call, metric = current tokens, no
+    protected class token, size-weighted average. Rows come out in ToMe's order ([unmerged A] ++ [B]).
+    """
+
+    name: ClassVar[str] = "tome"
+    category: ClassVar[Category] = "merging"
+    paper: ClassVar[str] = "Bolya et al., Token Merging: Your ViT But Faster, ICLR 2023"
+
+    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        x = inputs.features
+        with torch.no_grad():
+            chain = tome_chain(x.to(compute_dtype(x.dtype)), keep)
+        return MethodResult(
+            tokens=chain.tokens.to(x.dtype),
+            token_index=chain.occupant,
+            assignment=chain.group,
+            info={"size": chain.size, "steps": chain.steps},
+        )

@@ -45,10 +45,10 @@ def assert_same_outputs(a: LlavaAdapter, b: LlavaAdapter) -> None:
 
 # ---------------------------------------------------------------------------------------------- demo
 def test_demo_default_and_marker(demo: LlavaAdapter, demo_home: Path) -> None:
-    folder = demo_home / "demo" / "tiny-llava-v1"
+    folder = demo_home / "demo" / DEMO_BACKBONES["tiny-llava"].folder_name
     assert demo.name == "tiny-llava" and demo.is_demo and demo.family == "llava-1.5"
     marker = json.loads((folder / MARKER).read_text())
-    assert marker["name"] == "tiny-llava" and marker["version"] == 1
+    assert marker["name"] == "tiny-llava" and marker["version"] == DEMO_BACKBONES["tiny-llava"].version
     assert "random weights" in marker["weights"] and "seed" in marker
     # loaded from the folder through the ordinary from_pretrained path
     assert Path(demo.model.name_or_path) == folder
@@ -60,12 +60,14 @@ def test_demo_default_and_marker(demo: LlavaAdapter, demo_home: Path) -> None:
 
 
 def test_demo_is_reused_not_rebuilt(demo_home: Path) -> None:
-    folder = demo_home / "demo" / "tiny-llava-v1"
+    folder = demo_home / "demo" / DEMO_BACKBONES["tiny-llava"].folder_name
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     adapter = load_backbone("tiny-llava", home=demo_home)
     assert adapter.is_demo
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in (demo_home / "demo").iterdir()] == ["tiny-llava-v1"]  # no temp leftovers
+    assert [p.name for p in (demo_home / "demo").iterdir()] == [
+        DEMO_BACKBONES["tiny-llava"].folder_name
+    ]  # no temp leftovers
 
 
 def test_demo_build_is_deterministic_and_keeps_global_rng(demo_home: Path, tmp_path: Path) -> None:
@@ -74,12 +76,12 @@ def test_demo_build_is_deterministic_and_keeps_global_rng(demo_home: Path, tmp_p
     folder = ensure_demo("tiny-llava", tmp_path)
     assert torch.equal(torch.random.get_rng_state(), state)
     a = load_file(str(folder / "model.safetensors"))
-    b = load_file(str(demo_home / "demo" / "tiny-llava-v1" / "model.safetensors"))
+    b = load_file(str(demo_home / "demo" / DEMO_BACKBONES["tiny-llava"].folder_name / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_demo_concurrent_builds_and_stale_folder(tmp_path: Path) -> None:
-    stale = tmp_path / "demo" / "tiny-llava-v1"
+    stale = tmp_path / "demo" / DEMO_BACKBONES["tiny-llava"].folder_name
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{ half written")  # an interrupted old build: no marker
     results: list[Path] = []
@@ -98,7 +100,7 @@ def test_demo_concurrent_builds_and_stale_folder(tmp_path: Path) -> None:
         t.join()
     assert not errors and results == [stale, stale]
     assert (stale / MARKER).is_file()
-    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["tiny-llava-v1"]
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [DEMO_BACKBONES["tiny-llava"].folder_name]
     assert load_backbone("tiny-llava", home=tmp_path).num_image_tokens == 576
 
 
@@ -112,7 +114,7 @@ def test_care_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_demo_home_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CARE_HOME", str(tmp_path))
     adapter = load_backbone()
-    assert adapter.is_demo and (tmp_path / "demo" / "tiny-llava-v1" / MARKER).is_file()
+    assert adapter.is_demo and (tmp_path / "demo" / DEMO_BACKBONES["tiny-llava"].folder_name / MARKER).is_file()
 
 
 def test_loading_prints_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,342 @@
+"""Probe machinery shared by the adapters: scoped hooks, truncated forwards, temporary eager attention,
+the CLIP vision-tower probes and the language-model probe handle.
+
+Every hook is registered through a :class:`HookScope` (a context manager that removes all of its hooks on
+exit, also when the forward raises), and every temporary attention-implementation switch goes through
+:func:`attention_implementation` (restores every config's setting on exit). A capture that has everything
+it needs raises :class:`StopForward` from inside the hook, so a forward never runs past the last layer a
+probe needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._hf import quiet_transformers
+
+# Probe names computed from one vision-tower forward (see care_core.methods.base.PROBES).
+VISION_PROBES = frozenset({"cls_attention", "attention_logits", "keys", "hidden_with_cls", "last_layer_qk"})
+DEFAULT_PROBE_QUESTION = "Describe the image."
+
+
+class StopForward(Exception):
+    """Raised by a capture hook once everything needed is captured, to end the forward early."""
+
+
+class HookScope:
+    """Registers forward (pre-)hooks and removes all of them on exit, whatever happens inside."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> HookScope:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def forward_hook(self, module: torch.nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False) -> None:
+        self._handles.append(module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+    def forward_pre_hook(self, module: torch.nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False) -> None:
+        self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+
+def run_until_stopped(forward: Callable[[], Any]) -> bool:
+    """Run ``forward()``; True when a hook ended it with :class:`StopForward`, False when it ran to the end."""
+    try:
+        forward()
+    except StopForward:
+        return True
+    return False
+
+
+def _hidden_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The ``hidden_states`` argument of a transformer block / attention call (positional or keyword)."""
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"]
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    raise RuntimeError("cannot find the hidden_states argument of the hooked module")
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+# --------------------------------------------------------------------------------- attention setting
+def _all_configs(model: torch.nn.Module) -> list[Any]:
+    """Every (sub-)config reachable from the model's modules, each once."""
+    from transformers import PretrainedConfig
+
+    seen: dict[int, Any] = {}
+    stack = [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen:
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if isinstance(sub, PretrainedConfig):
+                stack.append(sub)
+    return list(seen.values())
+
+
+_MISSING = object()
+
+
+def attention_settings(model: torch.nn.Module) -> dict[int, Any]:
+    """Snapshot of every config's attention-implementation attribute (for restoring, and for tests)."""
+    return {id(cfg): cfg.__dict__.get("_attn_implementation_internal", _MISSING) for cfg in _all_configs(model)}
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, request: str | dict[str, Any]) -> Iterator[None]:
+    """Temporarily ``model.set_attn_implementation(request)``; every config's setting is restored on exit.
+
+    Not thread-safe: the setting lives on the (shared) model config while the context is open.
+    """
+    configs = _all_configs(model)
+    saved = [(cfg, cfg.__dict__.get("_attn_implementation_internal", _MISSING)) for cfg in configs]
+    try:
+        with quiet_transformers():
+            model.set_attn_implementation(request)
+        yield
+    finally:
+        for cfg, value in saved:
+            if value is _MISSING:
+                cfg.__dict__.pop("_attn_implementation_internal", None)
+            else:
+                cfg.__dict__["_attn_implementation_internal"] = value
+
+
+# ------------------------------------------------------------------------------------ vision probes
+def clip_encoder_layers(tower: torch.nn.Module) -> torch.nn.ModuleList:
+    """The encoder blocks of a CLIP-style vision tower (5.x ``tower.encoder``; 4.x ``tower.vision_model.encoder``)."""
+    encoder = getattr(tower, "encoder", None)
+    if encoder is None:
+        encoder = getattr(getattr(tower, "vision_model", None), "encoder", None)
+    layers = getattr(encoder, "layers", None)
+    if layers is None:
+        raise RuntimeError(f"{type(tower).__name__} has no encoder.layers; not a CLIP-style vision tower")
+    return layers
+
+
+def hidden_state_index(layer: int, num_layers: int) -> int:
+    """``hidden_states[layer]`` as a non-negative index into the ``num_layers + 1`` hidden states."""
+    index = layer if layer >= 0 else num_layers + 1 + layer
+    if not 0 <= index <= num_layers:
+        raise ValueError(f"vision feature layer {layer} is out of range for a {num_layers}-layer tower")
+    return index
+
+
+def clip_vision_probes(
+    tower: torch.nn.Module,
+    pixel_values: torch.Tensor,
+    feature_layer: int | Sequence[int],
+    names: set[str] | frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """The requested :data:`VISION_PROBES` of one image from one (truncated) pass of a CLIP-style tower.
+
+    ``feature_layer`` is the model's ``vision_feature_layer`` (index into ``hidden_states``); the
+    "feature layer" of the attention probes is the encoder block whose output is that hidden state,
+    block ``L_v + feature_layer`` for a negative index. The tower keeps its attention implementation:
+    a pre-hook takes that block's attention input (already ``layer_norm1``-ed) and the probes recompute
+    its queries and keys in float32 with the block's own ``q_proj`` / ``k_proj`` (bias included).
+
+    Returns, for ``T = 1 + N`` tokens (CLS first), on the tower's device:
+    ``cls_attention`` (H, T) float32 softmax of the CLS query row; ``attention_logits`` (T, T) float32
+    head-mean of ``q k^T * head_dim**-0.5`` per head; ``keys`` (T, d_head) float32 head-mean of the
+    per-head keys; ``hidden_with_cls`` (T, d_v) in the tower's dtype (feature layers concatenated along
+    the last axis when there are several, like the features); ``last_layer_qk`` (2, T, d_v) float32:
+    the hooked ``q_proj`` and ``k_proj`` outputs of the last block.
+    """
+    unknown = set(names) - VISION_PROBES
+    if unknown:
+        raise ValueError(f"not vision probes: {sorted(unknown)}")
+    layers = clip_encoder_layers(tower)
+    num_layers = len(layers)
+    feature_layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+    indices = [hidden_state_index(int(i), num_layers) for i in feature_layers]
+    attention_names = {"cls_attention", "attention_logits", "keys"} & set(names)
+    if attention_names and len(indices) != 1:
+        raise ValueError(f"{sorted(attention_names)} need a single vision feature layer, got {feature_layers}")
+    if attention_names and indices[0] == 0:
+        raise ValueError(f"{sorted(attention_names)}: feature layer {feature_layers[0]} is the embedding output")
+
+    captured: dict[Any, torch.Tensor] = {}
+    needed: set[Any] = set()
+
+    def store(key: Any, value: torch.Tensor) -> None:
+        captured[key] = value.detach()
+        if needed <= captured.keys():
+            raise StopForward
+
+    with torch.no_grad(), HookScope() as hooks:
+        if attention_names:
+            block = layers[indices[0] - 1]
+            needed.add("attn_input")
+            hooks.forward_pre_hook(
+                block.self_attn, lambda m, a, kw: store("attn_input", _hidden_input(a, kw)), with_kwargs=True
+            )
+        if "hidden_with_cls" in names:
+            for index in dict.fromkeys(indices):
+                needed.add(("hidden", index))
+                if index == 0:  # hidden_states[0] is the input of block 0
+                    hooks.forward_pre_hook(
+                        layers[0],
+                        lambda m, a, kw, key=("hidden", index): store(key, _hidden_input(a, kw)),
+                        with_kwargs=True,
+                    )
+                else:  # hidden_states[i] is the output of block i - 1
+                    hooks.forward_hook(layers[index - 1], lambda m, a, o, key=("hidden", index): store(key, _first(o)))
+        if "last_layer_qk" in names:
+            last = layers[num_layers - 1].self_attn
+            needed.update({"last_q", "last_k"})
+            hooks.forward_hook(last.q_proj, lambda m, a, o: store("last_q", o))
+            hooks.forward_hook(last.k_proj, lambda m, a, o: store("last_k", o))
+        if not needed:
+            return {}
+        param = next(tower.parameters())
+        pv = pixel_values.to(device=param.device, dtype=param.dtype)
+        with quiet_transformers():
+            stopped = run_until_stopped(lambda: tower(pixel_values=pv, return_dict=True))
+        if not stopped:
+            missing = sorted(map(str, needed - captured.keys()))
+            raise RuntimeError(f"the vision tower forward never reached the probe hooks {missing}")
+
+        out: dict[str, torch.Tensor] = {}
+        if attention_names:
+            attn = layers[indices[0] - 1].self_attn
+            out.update(_attention_probes(attn, captured["attn_input"][0], attention_names))
+        if "hidden_with_cls" in names:
+            out["hidden_with_cls"] = torch.cat([captured[("hidden", i)][0] for i in indices], dim=-1)
+        if "last_layer_qk" in names:
+            out["last_layer_qk"] = torch.stack([captured["last_q"][0], captured["last_k"][0]]).float()
+    return out
+
+
+def _linear32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    bias = linear.bias.float() if getattr(linear, "bias", None) is not None else None
+    return F.linear(x, linear.weight.float(), bias)
+
+
+def _attention_probes(attn: torch.nn.Module, x: torch.Tensor, names: set[str]) -> dict[str, torch.Tensor]:
+    """cls_attention / attention_logits / keys from one attention module's (T, d) input, in float32."""
+    heads = int(attn.num_heads)
+    head_dim = int(attn.head_dim)
+    scale = float(getattr(attn, "scale", head_dim**-0.5))
+    x = x.float()
+    tokens = x.shape[0]
+    keys = _linear32(attn.k_proj, x).view(tokens, heads, head_dim).transpose(0, 1)  # (H, T, d_head)
+    out: dict[str, torch.Tensor] = {}
+    if "keys" in names:
+        out["keys"] = keys.mean(dim=0)
+    if "attention_logits" in names or "cls_attention" in names:
+        rows = x if "attention_logits" in names else x[:1]  # one query row suffices for the CLS attention
+        queries = _linear32(attn.q_proj, rows).view(rows.shape[0], heads, head_dim).transpose(0, 1)
+        logits = torch.matmul(queries, keys.transpose(1, 2)) * scale  # (H, rows, T)
+        if "cls_attention" in names:
+            out["cls_attention"] = torch.softmax(logits[:, 0], dim=-1)
+        if "attention_logits" in names:
+            out["attention_logits"] = logits.mean(dim=0)
+    return out
+
+
+# ------------------------------------------------------------------------------ language-model probe
+class LanguageModelRun:
+    """:class:`care_core.methods.base.LanguageModelProbe` for one prompt of an HF decoder.
+
+    ``forward()`` runs the full model on the prompt (all N visual tokens); ``attention_modules[i]`` is
+    decoder layer i's attention module, whose output is ``(attn_output, attn_weights)``; ``eager()``
+    is a context manager that switches the language model to eager attention (which returns the
+    weights) and restores the setting. Attentions are computed at most once per layer and cached.
+    """
+
+    def __init__(
+        self,
+        *,
+        forward: Callable[[], Any],
+        input_ids: torch.Tensor,
+        image_token_id: int,
+        embeddings: Callable[[], torch.Tensor],
+        attention_modules: Sequence[torch.nn.Module],
+        eager: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        self._forward = forward
+        self._embeddings = embeddings
+        self._modules = list(attention_modules)
+        self._eager = eager
+        self._attentions: list[torch.Tensor] = []
+        self._input_embeddings: torch.Tensor | None = None
+        ids = input_ids.reshape(-1)
+        self.input_ids = ids
+        where = (ids == image_token_id).nonzero().flatten()
+        if where.numel() == 0:
+            raise RuntimeError("the prompt holds no image tokens")
+        start, end = int(where[0]), int(where[-1]) + 1
+        if end - start != where.numel():
+            raise RuntimeError("the prompt's image tokens are not one contiguous run")
+        self._image_span = (start, end)
+        self._text_span = (end, int(ids.numel()))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._modules)
+
+    @property
+    def image_span(self) -> tuple[int, int]:
+        """[start, end) of the N visual tokens in the prompt."""
+        return self._image_span
+
+    @property
+    def text_span(self) -> tuple[int, int]:
+        """[start, end) of the text tokens after the image (the question and the prompt's end)."""
+        return self._text_span
+
+    def input_embeddings(self) -> torch.Tensor:
+        """(L, d_t) input embeddings of the full prompt, the visual tokens scattered in (model dtype)."""
+        if self._input_embeddings is None:
+            with torch.no_grad():
+                self._input_embeddings = self._embeddings().detach()
+        return self._input_embeddings
+
+    def attentions(self, upto_layer: int) -> list[torch.Tensor]:
+        """Softmax attentions (H, L, L), float32, of layers 0..upto_layer on the full prompt.
+
+        Like slicing a list of all layers' attentions: when the model has fewer layers, all of them are
+        returned (callers check ``len``). One forward with eager attention, stopped right after layer
+        ``upto_layer``'s attention; results are cached, so asking again for the same or fewer layers
+        costs nothing.
+        """
+        if int(upto_layer) < 0:
+            raise ValueError(f"upto_layer must be >= 0, got {upto_layer}")
+        upto = min(int(upto_layer), self.num_layers - 1)
+        if upto < len(self._attentions):
+            return self._attentions[: upto + 1]
+        captured: dict[int, torch.Tensor] = {}
+
+        def capture(layer: int, output: Any) -> None:
+            weights = output[1] if isinstance(output, tuple | list) and len(output) > 1 else None
+            if weights is None:
+                raise RuntimeError(f"language-model layer {layer} returned no attention weights under eager attention")
+            captured[layer] = weights[0].detach().float()
+            if layer == upto:
+                raise StopForward
+
+        with torch.no_grad(), self._eager(), HookScope() as hooks:
+            for layer in range(upto + 1):
+                hooks.forward_hook(self._modules[layer], lambda m, a, o, layer=layer: capture(layer, o))
+            with quiet_transformers():
+                stopped = run_until_stopped(self._forward)
+        if not stopped or len(captured) != upto + 1:
+            raise RuntimeError(f"the language-model forward did not reach layer {upto}'s attention")
+        self._attentions = [captured[i] for i in range(upto + 1)]
+        return list(self._attentions)

@@ -1,0 +1,83 @@
+"""DivPrune: hand-checked greedy steps, the duplicate behaviour and its one deviation, golden files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from care_core.errors import MethodError
+from care_core.methods import MethodInputs, create_method
+from care_core.methods.divprune import cosine_distance_matrix, divprune_select
+
+from .conftest import make_inputs
+
+GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _inputs(features: torch.Tensor) -> MethodInputs:
+    return MethodInputs(features, lambda x: x, torch.zeros(features.shape[0], 2))
+
+
+def test_greedy_steps_by_hand() -> None:
+    # a ~ b (distance 0.006), c orthogonal to a, d opposite to a.
+    x = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [-1.0, 0.0]])
+    # step 0: nearest-neighbour distances a 0.006, b 0.006, c 0.89 (to b), d 1.0 (to c) -> d
+    # step 1: distances to d: a 2, b 1.99, c 1 -> a; step 2: min(to d, to a): b 0.006, c 1 -> c
+    assert divprune_select(x, 3).tolist() == [3, 0, 2]
+    assert divprune_select(x, 3, mask_selected=True).tolist() == [3, 0, 2]
+
+
+def test_distance_matrix_is_one_minus_cosine() -> None:
+    x = torch.tensor([[3.0, 0.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    dist = cosine_distance_matrix(x)
+    assert dist[0, 1].item() == pytest.approx(1 - 2**-0.5)
+    assert dist[0, 0].item() == pytest.approx(0.0, abs=1e-7)
+    # zero rows: 0 to zero rows (themselves included), 1 to everything else, never NaN
+    assert dist[2:, 2:].tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    assert dist[2, :2].tolist() == [1.0, 1.0]
+
+
+def test_official_rule_reselects_and_registered_rule_does_not() -> None:
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    # step 0: every column's second-smallest is 0 (its twin) -> 0; step 1: -> 2; step 2: all min distances 0 -> 0
+    assert divprune_select(x, 3).tolist() == [0, 2, 0]
+    assert divprune_select(x, 3, mask_selected=True).tolist() == [0, 2, 1]  # lowest-index unselected instead
+    result = create_method("divprune")(_inputs(x), 3)
+    assert result.token_index.tolist() == [0, 1, 2]
+    assert result.info["selection_order"].tolist() == [0, 2, 1]
+    with pytest.raises(MethodError, match="re-selected"):
+        create_method("divprune", mask_selected=False)(_inputs(x), 3)
+
+
+def test_registered_equals_official_without_exhaustion() -> None:
+    inputs = make_inputs(seed=4)
+    result = create_method("divprune")(inputs, 30)
+    with torch.no_grad():
+        official = divprune_select(inputs.projector(inputs.features), 30)
+    assert torch.equal(result.info["selection_order"], official)  # runs on the post-projector tokens
+    assert torch.equal(result.token_index, official.sort().values)
+    assert torch.equal(result.tokens, inputs.features[official.sort().values])  # pre-projector rows are returned
+
+
+def test_zero_tokens_select_distinct_indices() -> None:
+    x = torch.zeros(6, 3)
+    x[0, 0] = 1.0
+    order = divprune_select(x, 4, mask_selected=True)
+    assert order.unique().numel() == 4
+
+
+@pytest.mark.skipif(not GOLDEN.is_dir(), reason="no golden folder")
+def test_golden_files_pass() -> None:
+    sys.path.insert(0, str(SCRIPTS))
+    from check_golden import check_file
+
+    files = sorted(GOLDEN.glob("divprune_*.npz"))
+    if not files:
+        pytest.skip("no divprune golden files")
+    for path in files:
+        for case in check_file(path):
+            assert case.passed, f"{path.name} {case.case}: {case.max_diff} {case.note}"

@@ -1,0 +1,107 @@
+"""FiCoCo-V: score and window helpers, a hand-checkable step in both row orders, explicit map state, the method,
+and the golden file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from care_core.methods import create_method
+from care_core.methods.ficoco import FiCoCoV, ficoco_step, fresh_score_map, redundancy_scores, window_minima
+
+from .conftest import make_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
+
+# CLS + 3 patches: token 3 is the most redundant (low CLS logit, high mean patch logit); its softmax row peaks on
+# token 1 (one target: the 0.998-quantile of [0, 10, 0, 0] is 9.94, one entry above it).
+LOGITS = torch.tensor([[0.0, 1, 1, -5], [0, 0, 0, 0], [0, 0, 0, 0], [0, 10, 0, 0]])
+HIDDEN = torch.tensor([[1.0, 0], [0, 1], [2, 2], [4, 0]])
+
+
+def test_redundancy_scores() -> None:
+    c = torch.tensor([1.0, 1, -5]) / 27**0.5
+    p = torch.tensor([0.0, 0, 1])
+    assert torch.allclose(redundancy_scores(LOGITS), 0.35 * c - 0.65 * p)
+
+
+def test_window_minima() -> None:
+    values = torch.tensor([[5.0, 1, 7, 7], [2, 3, 7, 7], [0, 9, 4, 4], [9, 9, 4, 4]]).flatten()
+    # windows (0,0): min 1 at (0,1); (0,1): all 7 -> first (0,2); (1,0): 0 at (2,0); (1,1): first 4 at (2,2)
+    assert window_minima(values, (4, 4)).tolist() == [1, 2, 8, 10]
+    assert window_minima(torch.arange(5.0), (1, 5)).numel() == 0
+    assert window_minima(torch.arange(5.0), None).numel() == 0
+
+
+def test_hand_step_released_order() -> None:
+    state = fresh_score_map(3)  # not a square: no window penalty
+    step = ficoco_step(HIDDEN, LOGITS, 1, score_map=state)
+    assert step.merge.tolist() == [3]
+    assert step.order.tolist() == [3, 1, 2, 0]  # ascending score, tie 1 = 2 broken by position, CLS last
+    assert step.targets.tolist() == [[1]]
+    # released addressing: target token 1 < T - r, so its weight lands on output row 1, which holds token 2
+    assert step.rows.tolist() == [1, 2, 0]
+    assert torch.allclose(step.hidden, torch.stack([HIDDEN[1], (HIDDEN[2] + HIDDEN[3]) / 2, HIDDEN[0]]))
+    assert step.size.tolist() == [1.0, 2.0, 1.0]
+    assert torch.equal(state, fresh_score_map(3))  # the input state is not mutated
+    assert torch.allclose(step.score_map, redundancy_scores(LOGITS))  # every live slot written
+
+
+def test_hand_step_paper_order() -> None:
+    step = ficoco_step(HIDDEN, LOGITS, 1, row_order="paper", local_penalty="paper")
+    assert step.rows.tolist() == [0, 1, 2]
+    assert torch.allclose(step.hidden, torch.stack([HIDDEN[0], (HIDDEN[1] + HIDDEN[3]) / 2, HIDDEN[2]]))
+    assert step.score_map is None
+
+
+def test_released_map_retires_window_minima() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(17, 17, generator=g)
+    step = ficoco_step(torch.randn(17, 3, generator=g), logits, 4, score_map=fresh_score_map(16))
+    retired = torch.isinf(step.score_map).nonzero().flatten()
+    assert retired.numel() == 4  # one slot per 2x2 window of the 4x4 map
+    raw = redundancy_scores(logits)
+    expected = torch.where(raw[retired] > 0, raw[retired] / 2, raw[retired] * 2)
+    assert torch.allclose(step.scores[retired], expected)
+
+
+def test_method_official_schedule() -> None:
+    inputs = make_inputs(n=576, d_v=8, seed=1)
+    result = FiCoCoV()(inputs, 114)
+    # LLaVA-1.5 with the official setting: 11 steps of 42, 577 -> 115 tokens, 114 after dropping row 0
+    assert result.info["steps"] == tuple(577 - 42 * i for i in range(12))
+    assert result.num_tokens == 114
+    kept = result.token_index[result.token_index >= 0]
+    assert kept.unique().numel() == kept.numel()
+
+
+@pytest.mark.parametrize("row_order", ["released", "paper"])
+@pytest.mark.parametrize("penalty", ["released", "paper"])
+def test_method_modes(row_order: str, penalty: str) -> None:
+    inputs = make_inputs(seed=2, zeros=True)
+    method = create_method("ficoco-v", row_order=row_order, local_penalty=penalty)
+    result = method(inputs, 10)
+    assert result.num_tokens == 10 and torch.isfinite(result.tokens).all()
+    assert (result.assignment >= -1).all() and (result.assignment < 10).all()
+    if row_order == "paper":  # CLS stays in row 0 and is dropped: patches in ascending order
+        assert torch.equal(result.token_index, result.token_index.sort().values)
+        assert (result.token_index >= 0).all()
+    again = method(inputs, 10)
+    assert torch.equal(again.tokens, result.tokens)  # no state leaks between images
+
+
+def _check_file():
+    spec = importlib.util.spec_from_file_location("check_golden", ROOT / "scripts" / "check_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.check_file
+
+
+@pytest.mark.parametrize("path", sorted(GOLDEN.glob("ficoco_v_*.npz")), ids=lambda p: p.name)
+def test_golden(path: Path) -> None:
+    results = _check_file()(path)
+    assert results and all(r.passed for r in results), [r for r in results if not r.passed]

@@ -1,0 +1,87 @@
+"""ToMe: a hand-checkable matching, merge/unmerge/source consistency, the harness chain, the method, golden files."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from care_core.errors import MethodError
+from care_core.methods import create_method
+from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain
+
+from .conftest import make_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
+
+
+def test_hand_case() -> None:
+    # A = tokens 0, 2; B = tokens 1, 3. cos(t2, t1) = 0.995 beats cos(t0, t3) = 0.894, so r = 1 merges t2 into t1.
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.1, 1.0], [1.0, 0.5]])
+    match = bipartite_soft_matching(x, 1)
+    assert match.sources.tolist() == [1] and match.destinations.tolist() == [0] and match.unmerged.tolist() == [0]
+    merged, size = merge_wavg(match, x)
+    expected = torch.stack([x[0], (x[1] + x[2]) / 2, x[3]])
+    assert torch.allclose(merged, expected)
+    assert size[:, 0].tolist() == [1.0, 2.0, 1.0]
+    assert match.row_of_input().tolist() == [0, 1, 1, 2]
+    assert match.occupant().tolist() == [0, 1, 3]
+
+
+def test_source_map_and_unmerge_agree() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 8, generator=g)
+    match = bipartite_soft_matching(x, 10, class_token=True)
+    source = match.merge(torch.eye(33), mode="amax")  # ToMe's merge_source
+    assert torch.equal(source.argmax(dim=0), match.row_of_input())
+    assert match.row_of_input()[0] == 0  # the class token stays first
+    merged, _ = merge_wavg(match, x)
+    back = match.unmerge(merged)
+    assert torch.equal(back, merged[match.row_of_input()])
+
+
+def test_r_is_capped_at_half() -> None:
+    x = torch.randn(11, 4, generator=torch.Generator().manual_seed(1))
+    assert bipartite_soft_matching(x, 100, class_token=True).r == 5
+    assert bipartite_soft_matching(x, 100).r == 5
+    assert bipartite_soft_matching(x, 0).merge(x) is x
+
+
+@pytest.mark.parametrize(("n", "keep", "steps"), [(576, 64, (576, 288, 144, 72, 64)), (64, 8, (64, 32, 16, 8))])
+def test_chain_schedule(n: int, keep: int, steps: tuple[int, ...]) -> None:
+    x = torch.randn(n, 6, generator=torch.Generator().manual_seed(n))
+    chain = tome_chain(x, keep)
+    assert chain.steps == steps
+    assert chain.tokens.shape == (keep, 6)
+    assert chain.size.sum() == n
+    counts = torch.bincount(chain.group, minlength=keep).to(chain.size.dtype)
+    assert torch.equal(counts, chain.size)
+    # every row is the mean of the inputs it holds
+    means = torch.zeros(keep, 6).index_add_(0, chain.group, x) / counts[:, None]
+    assert torch.allclose(means, chain.tokens, atol=1e-5)
+    assert torch.equal(chain.group[chain.occupant], torch.arange(keep))
+
+
+def test_method_and_degenerate_tokens() -> None:
+    inputs = make_inputs(seed=3, zeros=True)
+    result = create_method("tome")(inputs, 20)
+    assert result.num_tokens == 20 and torch.isfinite(result.tokens).all()
+    assert result.token_index.unique().numel() == 20
+    with pytest.raises(MethodError):
+        create_method("tome")(inputs, 0)
+
+
+def _check_file():
+    spec = importlib.util.spec_from_file_location("check_golden", ROOT / "scripts" / "check_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.check_file
+
+
+@pytest.mark.parametrize("path", sorted(GOLDEN.glob("tome_*.npz")), ids=lambda p: p.name)
+def test_golden(path: Path) -> None:
+    results = _check_file()(path)
+    assert results and all(r.passed for r in results), [r for r in results if not r.passed]
