@@ -1,0 +1,631 @@
+"""Token overlays: which visual tokens a method keeps, drawn on the original image (paper Fig. 7, Supp. E).
+
+Pure drawing, no file I/O: a numpy image, each token's footprint in original-image pixels and the
+methods' results go in; a :class:`matplotlib.figure.Figure` (Agg canvas, never pyplot) comes out with,
+per panel, the pixel boxes of the anchors and signals in the figure's own pixel coordinates.
+
+Conventions (the paper's): Calib-Anchors / kept tokens are red boxes (:data:`RED`), accepted calibration
+signals green boxes (:data:`GREEN`), discarded tokens are dimmed, the part of the image the model never
+sees (outside ``seen_box``, e.g. LLaVA-1.5's centre crop) is hatched grey. Merging methods colour each
+input token by the output token it merged into. Box outlines are drawn *inside* each footprint (the
+stroke's outer edge is the footprint's edge), so neighbouring boxes never paint over each other.
+
+The layout is fixed in inches and rounded to whole pixels at ``dpi``: the figure saved with that dpi
+(and without ``bbox_inches="tight"``) is exactly ``size_px`` pixels, and the reported boxes are in that
+canvas, ``(0, 0)`` at the top-left pixel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection, PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+
+RED = "#ff0000"  # Calib-Anchors / kept tokens
+GREEN = "#00c000"  # accepted calibration signals
+DIM = 0.3  # brightness factor of discarded tokens' footprints
+UNSEEN_FACE = (0.55, 0.55, 0.55, 0.6)
+UNSEEN_HATCH = "0.3"
+MERGE_ALPHA = 0.45
+SCORE_CMAP = "viridis"
+
+# Layout, in inches (rounded to whole pixels at the figure's dpi).
+IMAGE_MAX_IN = 3.6  # the longer side of each panel's image
+SLOT_MIN_IN = 2.9  # minimum width of a panel (room for its title)
+MARGIN_IN = 0.12
+GAP_IN = 0.22
+TITLE_LINE_IN = 0.17
+TITLE_PAD_IN = 0.16
+LEGEND_ROW_IN = 0.22
+LEGEND_PAD_IN = 0.12
+NOTE_IN = 0.24
+CBAR_GAP_IN = 0.08
+CBAR_W_IN = 0.12
+CBAR_LABELS_IN = 0.45
+TITLE_PT = 8.5
+LEGEND_PT = 8.0
+
+View = Literal["high", "base"]
+_VIEW_CODES: dict[str, int] = {"base": 0, "high": 1}
+_PSI_BAR_METHODS = frozenset({"care", "prca-only", "prca+simple-calib"})
+
+
+@dataclass(frozen=True)
+class TokenGeometry:
+    """Where every visual token's pixels come from in the original image."""
+
+    boxes: np.ndarray  # (N, 4) float64 [x0, y0, x1, y1] footprints in original-image pixels
+    image_size: tuple[int, int]  # (height, width) of the original image
+    seen_box: tuple[float, float, float, float]  # [x0, y0, x1, y1] of the original image the tokens cover
+    views: np.ndarray | None = None  # (N,) LLaVA-NeXT: 0 = base-view token, 1 = high-resolution token
+
+    @classmethod
+    def from_tokens(cls, tokens: Any) -> TokenGeometry:
+        """From a backbone's ``ImageTokens`` (``views`` read with getattr: only tiled backbones carry it)."""
+        views = getattr(tokens, "views", None)
+        return cls(
+            boxes=_numpy(tokens.boxes).astype(np.float64).reshape(-1, 4),
+            image_size=(int(tokens.image_size[0]), int(tokens.image_size[1])),
+            seen_box=tuple(float(v) for v in tokens.seen_box),  # type: ignore[arg-type]
+            views=None if views is None else _numpy(views).astype(np.int64).reshape(-1),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.boxes.shape[0])
+
+
+@dataclass(frozen=True)
+class PanelInput:
+    """One method's result, reduced to what a panel draws (numpy, CPU)."""
+
+    method: str
+    category: str  # "selection", "merging" or "calibration"
+    keep: int  # the budget K
+    token_index: np.ndarray  # (K_out,) patch index per output row, -1 = none
+    assignment: np.ndarray | None = None  # (N,) output row per input token, -1 = dropped
+    signals: np.ndarray | None = None  # accepted calibration signals
+    scores: np.ndarray | None = None  # (N,) the method's per-token scores
+
+    @classmethod
+    def from_result(cls, method: str, category: str, result: Any, keep: int) -> PanelInput:
+        """From a ``MethodResult`` (tensors on any device)."""
+        return cls(
+            method=method,
+            category=category,
+            keep=int(keep),
+            token_index=_numpy(result.token_index).astype(np.int64).reshape(-1),
+            assignment=None if result.assignment is None else _numpy(result.assignment).astype(np.int64).reshape(-1),
+            signals=None if result.signals is None else _numpy(result.signals).astype(np.int64).reshape(-1),
+            scores=None if result.scores is None else _numpy(result.scores).astype(np.float64).reshape(-1),
+        )
+
+    @property
+    def anchors(self) -> np.ndarray:
+        """Ascending unique patch indices the output keeps (or merges into)."""
+        idx = self.token_index[self.token_index >= 0]
+        return np.unique(idx)
+
+
+@dataclass
+class PanelInfo:
+    """What one drawn panel shows, with boxes in the figure's pixel coordinates."""
+
+    method: str
+    category: str
+    summary: dict[str, Any]
+    anchor_tokens: list[int]
+    signal_tokens: list[int]
+    anchors: list[list[float]]  # [x0, y0, x1, y1] per anchor, figure pixels, (0, 0) top-left
+    signals: list[list[float]]
+    image_extent: list[float]  # [x0, y0, x1, y1] of the image axes, figure pixels
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "category": self.category,
+            "summary": self.summary,
+            "anchors": self.anchors,
+            "signals": self.signals,
+            "anchor_tokens": self.anchor_tokens,
+            "signal_tokens": self.signal_tokens,
+            "image_extent": self.image_extent,
+        }
+
+
+@dataclass
+class OverlayFigure:
+    """The figure and, per panel, where its boxes landed."""
+
+    figure: Figure
+    dpi: float
+    size_px: tuple[int, int]  # (width, height) of the canvas when saved at `dpi`
+    panels: list[PanelInfo]
+    scores_panel: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dpi": self.dpi,
+            "figure_px": list(self.size_px),
+            "panels": [p.to_dict() for p in self.panels],
+            "scores_panel": self.scores_panel,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class _Layout:
+    width: int  # figure pixels
+    height: int
+    title_lines: int
+    image_w: int
+    image_h: int
+    image_top: int  # pixels from the figure's top edge
+    slots: list[tuple[int, int]]  # (left, width) of each slot, pixels
+    legend_top: int
+    legend_ncols: int
+    cbar_left: int | None
+
+
+def _numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().to("cpu")
+        if str(value.dtype) in ("torch.bfloat16", "torch.float16"):
+            value = value.float()
+        return value.numpy()
+    return np.asarray(value)
+
+
+def _px(inches: float, dpi: float) -> int:
+    return max(1, round(inches * dpi))
+
+
+def drawn_mask(geometry: TokenGeometry, view: View | None) -> np.ndarray:
+    """(N,) bool: the tokens of the chosen view (all of them when the backbone has one view)."""
+    n = geometry.num_tokens
+    if geometry.views is None or view is None:
+        return np.ones(n, dtype=bool)
+    return geometry.views == _VIEW_CODES[view]
+
+
+def panel_summary(panel: PanelInput, num_tokens: int, drawn: np.ndarray) -> dict[str, Any]:
+    """N, K, output rows, anchor and signal counts and the share of accepted signals among the residual."""
+    anchors = panel.anchors
+    signals = panel.signals if panel.signals is not None else np.zeros(0, dtype=np.int64)
+    residual = num_tokens - int(anchors.size)
+    summary: dict[str, Any] = {
+        "N": num_tokens,
+        "K": panel.keep,
+        "tokens_out": int(panel.token_index.size),
+        "num_anchors": int(anchors.size),
+        "num_signals": int(signals.size),
+        "residual": residual,
+        "signal_share": (signals.size / residual) if (panel.signals is not None and residual > 0) else None,
+        "drawn": {
+            "tokens": int(drawn.sum()),
+            "anchors": int(drawn[anchors].sum()) if anchors.size else 0,
+            "signals": int(drawn[signals].sum()) if signals.size else 0,
+        },
+    }
+    if panel.category == "merging" and panel.assignment is not None:
+        merged = (panel.assignment >= 0) & ~np.isin(np.arange(num_tokens), anchors)
+        summary["merged"] = int(merged.sum())
+    return summary
+
+
+def _title(panel: PanelInput, summary: dict[str, Any], backbone: str, view_line: str | None) -> str:
+    n, k = summary["N"], summary["K"]
+    lines = [f"{panel.method} — {backbone}"]
+    budget = f"K/N = {k}/{n} ({100 * k / n:.1f}%)"
+    if panel.category == "calibration" and summary["signal_share"] is not None:
+        budget += f" · signals {summary['num_signals']}/{summary['residual']} ({100 * summary['signal_share']:.1f}%)"
+    elif panel.category == "merging" and "merged" in summary:
+        budget += f" · merged {summary['merged']}"
+    lines.append(budget)
+    if view_line:
+        lines.append(view_line)
+    return "\n".join(lines)
+
+
+def _display_image(image: np.ndarray, max_w: int, max_h: int) -> np.ndarray:
+    """Float RGB in [0, 1], downsampled (Pillow, Lanczos) when much larger than its on-figure size."""
+    h, w = image.shape[:2]
+    if w > 2 * max_w or h > 2 * max_h:
+        from PIL import Image
+
+        tw, th = max(1, min(w, 2 * max_w)), max(1, min(h, 2 * max_h))
+        image = np.asarray(Image.fromarray(image).resize((tw, th), Image.Resampling.LANCZOS))
+    return image.astype(np.float32) / 255.0
+
+
+def _box_slices(box: np.ndarray, scale_x: float, scale_y: float, shape: tuple[int, int]) -> tuple[slice, slice]:
+    x0, y0, x1, y1 = (float(v) for v in box)
+    r0 = min(shape[0], max(0, round(y0 * scale_y)))
+    r1 = min(shape[0], max(r0, round(y1 * scale_y)))
+    c0 = min(shape[1], max(0, round(x0 * scale_x)))
+    c1 = min(shape[1], max(c0, round(x1 * scale_x)))
+    return slice(r0, r1), slice(c0, c1)
+
+
+def _compose(
+    base: np.ndarray,
+    geometry: TokenGeometry,
+    drawn: np.ndarray,
+    kept: np.ndarray,
+    fills: dict[int, tuple[float, float, float]] | None = None,
+) -> np.ndarray:
+    """The panel's raster: discarded footprints dimmed, kept footprints as they are, merge fills blended."""
+    out = base.copy()
+    h, w = out.shape[:2]
+    height, width = geometry.image_size
+    sx, sy = w / width, h / height
+    dim = np.zeros((h, w), dtype=bool)
+    for i in np.flatnonzero(drawn & ~kept):
+        rows, cols = _box_slices(geometry.boxes[i], sx, sy, (h, w))
+        dim[rows, cols] = True
+    for i in np.flatnonzero(drawn & kept):
+        rows, cols = _box_slices(geometry.boxes[i], sx, sy, (h, w))
+        dim[rows, cols] = False
+    out[dim] *= DIM
+    if fills:
+        for i, colour in fills.items():
+            rows, cols = _box_slices(geometry.boxes[i], sx, sy, (h, w))
+            out[rows, cols] = (1 - MERGE_ALPHA) * out[rows, cols] + MERGE_ALPHA * np.asarray(colour, dtype=np.float32)
+    return out
+
+
+def _score_raster(shape: tuple[int, int], geometry: TokenGeometry, drawn: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    h, w = shape
+    height, width = geometry.image_size
+    raster = np.full((h, w), np.nan, dtype=np.float64)
+    for i in np.flatnonzero(drawn):
+        rows, cols = _box_slices(geometry.boxes[i], w / width, h / height, (h, w))
+        raster[rows, cols] = scores[i]
+    return raster
+
+
+def _unseen_rects(geometry: TokenGeometry) -> list[tuple[float, float, float, float]]:
+    """Up to four [x0, y0, x1, y1] strips of the image outside ``seen_box``."""
+    height, width = geometry.image_size
+    sx0, sy0, sx1, sy1 = geometry.seen_box
+    sx0, sx1 = max(0.0, sx0), min(float(width), sx1)
+    sy0, sy1 = max(0.0, sy0), min(float(height), sy1)
+    rects = [
+        (0.0, 0.0, float(width), sy0),
+        (0.0, sy1, float(width), float(height)),
+        (0.0, sy0, sx0, sy1),
+        (sx1, sy0, float(width), sy1),
+    ]
+    return [r for r in rects if r[2] - r[0] > 0.5 and r[3] - r[1] > 0.5]
+
+
+def _draw_unseen(ax: Any, geometry: TokenGeometry) -> bool:
+    rects = _unseen_rects(geometry)
+    for x0, y0, x1, y1 in rects:
+        ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor=UNSEEN_FACE, edgecolor=UNSEEN_HATCH,
+                               hatch="///", linewidth=0, zorder=1))  # fmt: skip
+    if rects:
+        sx0, sy0, sx1, sy1 = geometry.seen_box
+        ax.add_patch(Rectangle((sx0, sy0), sx1 - sx0, sy1 - sy0, facecolor="none", edgecolor="white",
+                               linestyle=(0, (4, 3)), linewidth=0.8, zorder=1.5))  # fmt: skip
+    return bool(rects)
+
+
+def _stroke_px(geometry: TokenGeometry, drawn: np.ndarray, scale_x: float, scale_y: float) -> float:
+    """Outline width in pixels: ~13% of a typical token's on-figure size, 2-3.5 px where tokens allow."""
+    boxes = geometry.boxes[drawn]
+    if boxes.size == 0:
+        return 2.0
+    sizes = np.minimum((boxes[:, 2] - boxes[:, 0]) * scale_x, (boxes[:, 3] - boxes[:, 1]) * scale_y)
+    typical = float(np.median(sizes))
+    width = float(np.clip(0.13 * typical, 2.0, 3.5))
+    return min(width, max(1.0, 0.25 * typical))
+
+
+def _inset_polygons(boxes: np.ndarray, inset_x: float, inset_y: float) -> list[np.ndarray]:
+    """Closed rectangles whose stroke (centred on the path) stays inside each box."""
+    polys = []
+    for x0, y0, x1, y1 in boxes:
+        dx = min(inset_x, (x1 - x0) / 4)
+        dy = min(inset_y, (y1 - y0) / 4)
+        a, b, c, d = x0 + dx, y0 + dy, x1 - dx, y1 - dy
+        polys.append(np.array([[a, b], [c, b], [c, d], [a, d]], dtype=np.float64))
+    return polys
+
+
+def _to_figure_px(ax: Any, boxes: np.ndarray, height_px: int) -> list[list[float]]:
+    """Data-coordinate boxes -> [x0, y0, x1, y1] in the saved canvas, (0, 0) at the top-left pixel."""
+    if boxes.size == 0:
+        return []
+    corners = np.concatenate([boxes[:, 0:2], boxes[:, 2:4]], axis=0)
+    disp = ax.transData.transform(corners)
+    n = boxes.shape[0]
+    xa, ya = disp[:n, 0], height_px - disp[:n, 1]
+    xb, yb = disp[n:, 0], height_px - disp[n:, 1]
+    out = np.stack([np.minimum(xa, xb), np.minimum(ya, yb), np.maximum(xa, xb), np.maximum(ya, yb)], axis=1)
+    return [[round(float(v), 3) for v in row] for row in out]
+
+
+def _layout(
+    geometry: TokenGeometry, num_panels: int, with_scores: bool, title_lines: int, legend_items: int,
+    note: bool, dpi: float,
+) -> _Layout:  # fmt: skip
+    height, width = geometry.image_size
+    long_side = max(height, width)
+    image_w = _px(IMAGE_MAX_IN * width / long_side, dpi)
+    image_h = _px(IMAGE_MAX_IN * height / long_side, dpi)
+    margin, gap = _px(MARGIN_IN, dpi), _px(GAP_IN, dpi)
+    slot_w = max(image_w, _px(SLOT_MIN_IN, dpi))
+    widths = [slot_w] * num_panels
+    cbar_extra = _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi) if with_scores else 0
+    if with_scores:
+        widths.append(max(slot_w, image_w + cbar_extra))
+    slots, x = [], margin
+    for w in widths:
+        slots.append((x, w))
+        x += w + gap
+    fig_w = x - gap + margin
+    legend_ncols = max(1, min(legend_items, int((fig_w / dpi) // 2.3)))
+    legend_rows = math.ceil(legend_items / legend_ncols) if legend_items else 0
+    title_h = _px(TITLE_PAD_IN + TITLE_LINE_IN * title_lines, dpi)
+    image_top = margin + title_h
+    legend_top = image_top + image_h + _px(0.06, dpi)
+    legend_h = _px(LEGEND_PAD_IN + LEGEND_ROW_IN * legend_rows, dpi) if legend_rows else 0
+    fig_h = legend_top + legend_h + (_px(NOTE_IN, dpi) if note else 0) + margin
+    cbar_left = None
+    if with_scores:
+        left, w = slots[-1]
+        cbar_left = left + (w - image_w - cbar_extra) // 2 + image_w + _px(CBAR_GAP_IN, dpi)
+    return _Layout(fig_w, fig_h, title_lines, image_w, image_h, image_top, slots, legend_top, legend_ncols, cbar_left)
+
+
+def _image_axes(fig: Figure, layout: _Layout, slot: int, geometry: TokenGeometry, *, centre: bool = True) -> Any:
+    left, width = layout.slots[slot]
+    x = left + (width - layout.image_w) // 2 if centre else left
+    bottom = layout.height - layout.image_top - layout.image_h
+    ax = fig.add_axes((x / layout.width, bottom / layout.height, layout.image_w / layout.width,
+                       layout.image_h / layout.height))  # fmt: skip
+    height, img_width = geometry.image_size
+    ax.set_xlim(0, img_width)
+    ax.set_ylim(height, 0)
+    ax.set_aspect("auto")
+    ax.set_axis_off()
+    return ax
+
+
+def _axes_extent(ax: Any, geometry: TokenGeometry, height_px: int) -> list[float]:
+    height, width = geometry.image_size
+    return _to_figure_px(ax, np.array([[0.0, 0.0, float(width), float(height)]]), height_px)[0]
+
+
+def _merge_fills(panel: PanelInput, drawn: np.ndarray) -> dict[int, tuple[float, float, float]]:
+    if panel.assignment is None:
+        return {}
+    palette = matplotlib.colormaps["tab20"]
+    return {int(i): tuple(palette(int(panel.assignment[i]) % 20)[:3])  # type: ignore[misc]
+            for i in np.flatnonzero(drawn & (panel.assignment >= 0))}  # fmt: skip
+
+
+def overlay_figure(
+    image: np.ndarray,
+    geometry: TokenGeometry,
+    panels: Sequence[PanelInput],
+    *,
+    backbone: str,
+    view: View | None = "high",
+    show_scores: bool = False,
+    links: bool = False,
+    note: str | None = None,
+    dpi: float = 150.0,
+) -> OverlayFigure:
+    """One row of panels on the original image, one per method, plus an optional heat map of scores.
+
+    ``image`` is the original (H, W, 3) uint8 picture; ``geometry`` the tokens' footprints in it.
+    ``view`` picks LLaVA-NeXT's base or high-resolution tokens (ignored, with a note, for one-view
+    backbones). ``show_scores`` adds a heat map of the first panel's scores that has them (psi_bar for
+    CaRe); ``links`` draws a thin line from each signal to the anchor it mostly feeds.
+    """
+    image = np.asarray(image)
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"image must be an (H, W, 3) uint8 array, got {image.shape} {image.dtype}")
+    if tuple(image.shape[:2]) != tuple(geometry.image_size):
+        raise ValueError(f"image is {image.shape[1]}x{image.shape[0]} but the tokens' image_size is "
+                         f"{geometry.image_size[1]}x{geometry.image_size[0]} (width x height)")  # fmt: skip
+    if not panels:
+        raise ValueError("overlay_figure needs at least one panel")
+    if dpi <= 0:
+        raise ValueError(f"dpi must be positive, got {dpi}")
+    n = geometry.num_tokens
+    for p in panels:
+        if p.assignment is not None and p.assignment.shape[0] != n:
+            raise ValueError(f"{p.method}: assignment has {p.assignment.shape[0]} entries, the geometry {n} tokens")
+    notes: list[str] = []
+    effective_view = None if geometry.views is None else view or "high"
+    drawn = drawn_mask(geometry, effective_view)
+    view_line = None
+    if effective_view is not None:
+        name = "high-resolution" if effective_view == "high" else "base"
+        view_line = f"{name} view: {int(drawn.sum())} of {n} tokens drawn"
+
+    scored = next((p for p in panels if p.scores is not None and p.scores.shape[0] == n), None)
+    if show_scores and scored is None:
+        notes.append("no method here has per-token scores; the score panel is left out")
+    with_scores = show_scores and scored is not None
+
+    summaries = [panel_summary(p, n, drawn) for p in panels]
+    titles = [_title(p, s, backbone, view_line) for p, s in zip(panels, summaries, strict=True)]
+    title_lines = max(t.count("\n") + 1 for t in titles)
+    categories = {p.category for p in panels}
+    has_signals = any(p.signals is not None for p in panels)
+    unseen = bool(_unseen_rects(geometry))
+    handles = _legend_handles(categories, has_signals, unseen, links and has_signals)
+    layout = _layout(geometry, len(panels), with_scores, title_lines, len(handles), note is not None, dpi)
+
+    fig = Figure(figsize=(layout.width / dpi, layout.height / dpi), dpi=dpi, facecolor="white")
+    FigureCanvasAgg(fig)
+    base = _display_image(image, layout.image_w, layout.image_h)
+    height, width = geometry.image_size
+    scale_x, scale_y = layout.image_w / width, layout.image_h / height
+    stroke = _stroke_px(geometry, drawn, scale_x, scale_y)
+    stroke_pt = stroke * 72.0 / dpi
+    inset_x, inset_y = stroke / 2 / scale_x, stroke / 2 / scale_y
+
+    infos: list[PanelInfo] = []
+    for slot, (panel, summary, title) in enumerate(zip(panels, summaries, titles, strict=True)):
+        ax = _image_axes(fig, layout, slot, geometry)
+        anchors = panel.anchors
+        anchors = anchors[drawn[anchors]] if anchors.size else anchors
+        signals = panel.signals if panel.signals is not None else np.zeros(0, dtype=np.int64)
+        signals = signals[drawn[signals]] if signals.size else signals
+        kept = np.zeros(n, dtype=bool)
+        kept[anchors] = True
+        kept[signals] = True
+        fills = None
+        if panel.category == "merging" and panel.assignment is not None:
+            kept |= panel.assignment >= 0
+            fills = _merge_fills(panel, drawn)
+        raster = _compose(base, geometry, drawn, kept, fills)
+        ax.imshow(raster, extent=(0, width, height, 0), aspect="auto", interpolation="antialiased", zorder=0)
+        _draw_unseen(ax, geometry)
+        if links and signals.size and panel.assignment is not None:
+            _draw_links(ax, geometry, panel, signals, drawn, stroke_pt)
+        if signals.size:
+            ax.add_collection(PolyCollection(_inset_polygons(geometry.boxes[signals], inset_x, inset_y),
+                                             facecolors="none", edgecolors=GREEN, linewidths=stroke_pt,
+                                             joinstyle="miter", snap=False, zorder=3))  # fmt: skip
+        if anchors.size:
+            ax.add_collection(PolyCollection(_inset_polygons(geometry.boxes[anchors], inset_x, inset_y),
+                                             facecolors="none", edgecolors=RED, linewidths=stroke_pt,
+                                             joinstyle="miter", snap=False, zorder=4))  # fmt: skip
+        ax.set_xlim(0, width)
+        ax.set_ylim(height, 0)
+        ax.set_title(title, fontsize=TITLE_PT, pad=4, linespacing=1.25)
+        infos.append(PanelInfo(
+            method=panel.method,
+            category=panel.category,
+            summary=summary,
+            anchor_tokens=[int(i) for i in anchors],
+            signal_tokens=[int(i) for i in signals],
+            anchors=_to_figure_px(ax, geometry.boxes[anchors], layout.height),
+            signals=_to_figure_px(ax, geometry.boxes[signals], layout.height),
+            image_extent=_axes_extent(ax, geometry, layout.height),
+        ))  # fmt: skip
+
+    scores_info = None
+    if with_scores and scored is not None:
+        scores_info = _draw_scores(fig, layout, geometry, base, drawn, scored, backbone, view_line, dpi)
+    if handles:
+        fig.legend(handles=handles, loc="upper center", ncols=layout.legend_ncols, frameon=False,
+                   fontsize=LEGEND_PT, bbox_to_anchor=(0.5, 1 - layout.legend_top / layout.height),
+                   handlelength=1.6, columnspacing=1.4)  # fmt: skip
+    if note:
+        fig.text(0.5, _px(MARGIN_IN, dpi) / layout.height, note, ha="center", va="bottom", fontsize=LEGEND_PT,
+                 color="darkred")  # fmt: skip
+    return OverlayFigure(fig, float(dpi), (layout.width, layout.height), infos, scores_info, notes)
+
+
+def _draw_links(
+    ax: Any, geometry: TokenGeometry, panel: PanelInput, signals: np.ndarray, drawn: np.ndarray, stroke_pt: float
+) -> None:
+    assert panel.assignment is not None
+    segments = []
+    centres = (geometry.boxes[:, 0:2] + geometry.boxes[:, 2:4]) / 2
+    for s in signals:
+        row = int(panel.assignment[s])
+        if not 0 <= row < panel.token_index.size:
+            continue
+        target = int(panel.token_index[row])
+        if target < 0 or not drawn[target]:
+            continue
+        segments.append([centres[s], centres[target]])
+    if segments:
+        ax.add_collection(LineCollection(segments, colors=GREEN, linewidths=max(0.4, stroke_pt / 3), alpha=0.8,
+                                         zorder=2))  # fmt: skip
+
+
+def _draw_scores(
+    fig: Figure, layout: _Layout, geometry: TokenGeometry, base: np.ndarray, drawn: np.ndarray, panel: PanelInput,
+    backbone: str, view_line: str | None, dpi: float,
+) -> dict[str, Any]:  # fmt: skip
+    assert panel.scores is not None
+    slot = len(layout.slots) - 1
+    left, width = layout.slots[slot]
+    cbar_extra = _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi)
+    ax_left = left + (width - layout.image_w - cbar_extra) // 2
+    bottom = layout.height - layout.image_top - layout.image_h
+    ax = fig.add_axes((ax_left / layout.width, bottom / layout.height, layout.image_w / layout.width,
+                       layout.image_h / layout.height))  # fmt: skip
+    height, img_width = geometry.image_size
+    ax.set_axis_off()
+    grey = base.mean(axis=2, keepdims=True).repeat(3, axis=2) * 0.6 + 0.4
+    ax.imshow(grey, extent=(0, img_width, height, 0), aspect="auto", interpolation="antialiased", zorder=0)
+    scores = panel.scores
+    finite = scores[drawn & np.isfinite(scores)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    raster = _score_raster(base.shape[:2], geometry, drawn, scores)
+    mappable = ax.imshow(np.ma.masked_invalid(raster), extent=(0, img_width, height, 0), aspect="auto",
+                         interpolation="nearest", cmap=SCORE_CMAP, vmin=lo, vmax=hi if hi > lo else lo + 1e-12,
+                         alpha=0.8, zorder=0.5)  # fmt: skip
+    _draw_unseen(ax, geometry)
+    ax.set_xlim(0, img_width)
+    ax.set_ylim(height, 0)
+    is_psi = panel.method in _PSI_BAR_METHODS
+    label = "psi_bar" if is_psi else "scores"
+    heading = r"$\bar{\psi}$ (psi_bar)" if is_psi else "scores"
+    lines = [f"{heading} — {panel.method}", backbone]
+    if view_line:
+        lines.append(view_line)
+    ax.set_title("\n".join(lines), fontsize=TITLE_PT, pad=4, linespacing=1.25)
+    assert layout.cbar_left is not None
+    cax = fig.add_axes((layout.cbar_left / layout.width, bottom / layout.height, _px(CBAR_W_IN, dpi) / layout.width,
+                        layout.image_h / layout.height))  # fmt: skip
+    bar = fig.colorbar(mappable, cax=cax)
+    bar.ax.tick_params(labelsize=LEGEND_PT - 1)
+    return {
+        "method": panel.method,
+        "label": label,
+        "min": lo,
+        "max": hi,
+        "image_extent": _axes_extent(ax, geometry, layout.height),
+    }
+
+
+def _legend_handles(categories: set[str], has_signals: bool, unseen: bool, links: bool) -> list[Any]:
+    names = []
+    if "calibration" in categories:
+        names.append("Calib-Anchor")
+    if "selection" in categories:
+        names.append("kept token")
+    if "merging" in categories:
+        names.append("representative token")
+    handles: list[Any] = [Patch(facecolor="none", edgecolor=RED, linewidth=1.5, label=" / ".join(names))]
+    if has_signals:
+        handles.append(Patch(facecolor="none", edgecolor=GREEN, linewidth=1.5, label="calibration signal"))
+    if links:
+        handles.append(Line2D([], [], color=GREEN, linewidth=0.8, label="signal → the anchor it feeds"))
+    if "merging" in categories:
+        palette = matplotlib.colormaps["tab20"]
+        handles.append(Patch(facecolor=palette(2), alpha=0.7, edgecolor="none",
+                             label="merged (colour = output token)"))  # fmt: skip
+    handles.append(Patch(facecolor=(DIM * 0.5,) * 3, edgecolor="none", label="discarded (dimmed)"))
+    if unseen:
+        handles.append(Patch(facecolor=UNSEEN_FACE, edgecolor=UNSEEN_HATCH, hatch="///", linewidth=0,
+                             label="not seen by the model"))  # fmt: skip
+    return handles
+
+
+def token_overlay(
+    image: np.ndarray, geometry: TokenGeometry, panel: PanelInput, *, backbone: str, **options: Any
+) -> OverlayFigure:
+    """One method on one image (see :func:`overlay_figure` for the options)."""
+    return overlay_figure(image, geometry, [panel], backbone=backbone, **options)
