@@ -8,8 +8,10 @@ from collections.abc import Sequence
 import typer
 
 from care_cli.commands import csr as csr_command
+from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
+from care_cli.commands import visualize as visualize_command
 from care_core.errors import CareError
 
 app = typer.Typer(
@@ -23,6 +25,8 @@ app = typer.Typer(
 app.command("reduce", no_args_is_help=True)(reduce_command.reduce)
 app.command("csr", no_args_is_help=True)(csr_command.csr)
 app.command("methods")(methods_command.methods)
+app.command("flops")(flops_command.flops)
+app.command("visualize", no_args_is_help=True)(visualize_command.visualize)
 
 
 @app.callback()

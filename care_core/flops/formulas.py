@@ -1,0 +1,183 @@
+"""The analytic cost terms (Supp. B of the paper, as SPEC writes it), in exact integer FLOPs.
+
+Conventions (every function returns FLOPs; `to_unit` turns them into TFLOPs or TMACs):
+- A multiply-add is 2 FLOPs (`FlopCounterMode`'s `2·m·n·k`); a matmul of (a×b)·(b×c) costs 2abc.
+- Bias adds, norms, activations, softmax and RoPE cost 0 (as in `FlopCounterMode` and the paper).
+- Attention is counted over the full W×W square: no causal halving (as the counters do).
+- The O(·) terms of the paper are taken with constant 1, in FLOPs, exactly as written (e.g. `N² d_v`).
+- `macs` convention: every figure is the FLOPs figure halved (1 MAC = 2 FLOPs), the O(·) terms included, so
+  TMACs = TFLOPs / 2 exactly.
+
+Supp. B (N visual tokens, K kept, N_d = N - K, T text tokens, W = T + K, m directions, d_v the pre-projector
+token width, H/I the LLM hidden/FFN width, L layers):
+    F_score   = 2 m F_M(N) + m N H + N² d_v + K N
+    F_res     = N_d K d_v + N_d K
+    F_layer   = 8 W H² + 6 W H I + 4 W² H         (`gqa`: 4 W H q + 4 W H kv + 6 W H I + 4 W² q)
+    F_prefill = Σ over the layer schedule of F_layer(T + tokens of that segment)
+    F_M(N)    = 2 N Σ_linear (in · out)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
+
+Convention = Literal["flops", "macs"]
+CONVENTIONS: tuple[str, ...] = ("flops", "macs")
+UNITS = {"flops": "TFLOPs", "macs": "TMACs"}
+
+
+def to_unit(flops: float, convention: Convention = "flops") -> float:
+    """FLOPs -> TFLOPs (or TMACs: half of it)."""
+    return flops / 1e12 / (2 if convention == "macs" else 1)
+
+
+# ------------------------------------------------------------------------------------------------ projector
+def projector_flops(projector: ProjectorSpec, n: int) -> int:
+    """F_M(n): the projector's linear layers on n tokens, 2 FLOPs per multiply-add."""
+    return 2 * n * projector.macs_per_token
+
+
+def score_terms(n: int, k: int, m: int, projector: ProjectorSpec, hidden: int) -> dict[str, int]:
+    """Eq. score_flops: perturbation responses through M, their magnitudes, pairwise diversity, greedy selection."""
+    return {
+        "2mF_M(N)": 2 * m * projector_flops(projector, n),
+        "mNH": m * n * hidden,
+        "N^2 d_v": n * n * projector.token_dim,
+        "KN": k * n,
+    }
+
+
+def residual_terms(n: int, k: int, token_dim: int) -> dict[str, int]:
+    """Eq. residual_flops: residual-anchor affinity and the scalar gate/weight/fusion work."""
+    n_d = n - k
+    return {"N_d K d_v": n_d * k * token_dim, "N_d K": n_d * k}
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+@dataclass(frozen=True)
+class LayerTerms:
+    projections: int  # q, k, v, o
+    ffn: int  # gate, up, down
+    attention: int  # QK^T and AV
+
+    @property
+    def total(self) -> int:
+        return self.projections + self.ffn + self.attention
+
+
+def layer_terms(w: int, lm: LanguageModelSpec, gqa: bool = False) -> LayerTerms:
+    """One decoder layer on a W-token sequence: 8WH² + 6WHI + 4W²H (GQA-aware when `gqa`)."""
+    h, i = lm.hidden, lm.intermediate
+    if gqa:
+        projections = 4 * w * h * lm.q_dim + 4 * w * h * lm.kv_dim  # q and o: H <-> q_dim; k and v: H -> kv_dim
+        attention = 4 * w * w * lm.q_dim
+    else:
+        projections = 8 * w * h * h
+        attention = 4 * w * w * h
+    return LayerTerms(projections, 6 * w * h * i, attention)
+
+
+def layer_flops(w: int, lm: LanguageModelSpec, gqa: bool = False) -> int:
+    return layer_terms(w, lm, gqa).total
+
+
+Schedule = tuple[tuple[int, int], ...]  # (number of consecutive layers, visual tokens in them)
+
+
+def uniform_schedule(lm: LanguageModelSpec, tokens: int) -> Schedule:
+    return ((lm.layers, tokens),)
+
+
+def check_schedule(schedule: Sequence[tuple[int, int]], lm: LanguageModelSpec) -> Schedule:
+    layers = sum(n for n, _ in schedule)
+    if layers != lm.layers or any(n < 0 or t < 0 for n, t in schedule):
+        raise ValueError(f"schedule {list(schedule)} must cover exactly {lm.layers} layers with tokens >= 0")
+    return tuple((int(n), int(t)) for n, t in schedule if n > 0)
+
+
+def prefill_flops(schedule: Schedule, lm: LanguageModelSpec, text_tokens: int, gqa: bool = False) -> int:
+    """F_prefill = Σ_segments n_layers · F_layer(T + tokens)."""
+    return sum(n * layer_flops(text_tokens + t, lm, gqa) for n, t in schedule)
+
+
+def prefill_breakdown(schedule: Schedule, lm: LanguageModelSpec, text_tokens: int, gqa: bool = False) -> dict:
+    parts = [layer_terms(text_tokens + t, lm, gqa) for _, t in schedule]
+    return {
+        "projections": sum(n * p.projections for (n, _), p in zip(schedule, parts, strict=True)),
+        "ffn": sum(n * p.ffn for (n, _), p in zip(schedule, parts, strict=True)),
+        "attention": sum(n * p.attention for (n, _), p in zip(schedule, parts, strict=True)),
+    }
+
+
+def layer_average_tokens(schedule: Schedule) -> float:
+    """The plain average of visual tokens over layers (the SparseVLM / VisionZip convention)."""
+    layers = sum(n for n, _ in schedule)
+    return sum(n * t for n, t in schedule) / layers
+
+
+def equivalent_tokens(schedule: Schedule, lm: LanguageModelSpec, text_tokens: int, gqa: bool = False) -> float:
+    """The visual token count K' whose uniform prefill costs what the schedule costs.
+
+    Solves L·F_layer(T + K') = F_prefill(schedule): F_layer(W) = a W² + b W is a quadratic in W.
+    """
+    total = prefill_flops(schedule, lm, text_tokens, gqa) / lm.layers
+    one, two = layer_flops(1, lm, gqa), layer_flops(2, lm, gqa)
+    a = (two - 2 * one) / 2  # F(W) = aW² + bW  ->  F(2) - 2F(1) = 2a
+    b = one - a
+    w = (-b + math.sqrt(b * b + 4 * a * total)) / (2 * a)
+    return w - text_tokens
+
+
+# ------------------------------------------------------------------------------------------------ optional
+def lm_head_flops(lm: LanguageModelSpec) -> int:
+    """Logits for the last position only (what `generate` computes in prefill: `logits_to_keep=1`): 2 H V."""
+    return 2 * lm.hidden * lm.vocab
+
+
+def clip_tower_flops(vision: VisionSpec, crops: int = 1) -> dict[str, int]:
+    """CLIP ViT, per crop: patch conv + every layer (HF runs all of them, the unused last one included).
+
+    Per layer on T = patches + 1 (CLS) tokens: 8 T d² (q, k, v, o) + 4 T d I (fc1, fc2) + 4 T² d (QK^T, AV).
+    """
+    patches = (vision.image_size // vision.patch_size) ** 2
+    t, d = patches + 1, vision.hidden
+    conv = 2 * patches * d * vision.in_channels * vision.patch_size**2
+    layer = 8 * t * d * d + 4 * t * d * vision.intermediate + 4 * t * t * d
+    return {"patch_embed": crops * conv, "layers": crops * vision.layers * layer}
+
+
+def qwen_window_sizes(rows: int, cols: int, vision: VisionSpec) -> list[int]:
+    """Patches per attention window of the Qwen2.5-VL ViT for a merged grid rows×cols (edge windows are smaller)."""
+    merge = vision.spatial_merge_size
+    side = vision.window_size // merge // vision.patch_size  # window side in merged units (112 // 2 // 14 = 4)
+    sizes = []
+    for r0 in range(0, rows, side):
+        for c0 in range(0, cols, side):
+            sizes.append(min(side, rows - r0) * min(side, cols - c0) * merge * merge)
+    return sizes
+
+
+def qwen_tower_flops(vision: VisionSpec, rows: int, cols: int) -> dict[str, int]:
+    """Qwen2.5-VL ViT on one image whose merged grid is rows×cols (P = 4·rows·cols patches), merger excluded.
+
+    Patch embed Conv3d (in·t·p² -> d), per block 8 P d² (qkv, proj) + 6 P d I (SwiGLU), attention 4 s² d per
+    window of s patches in windowed blocks and 4 P² d in the full-attention blocks.
+    """
+    merge = vision.spatial_merge_size
+    patches = rows * cols * merge * merge
+    d = vision.hidden
+    kernel = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    windows = qwen_window_sizes(rows, cols, vision)
+    full_blocks = len([i for i in vision.full_attention_layers if 0 <= i < vision.layers])
+    window_blocks = vision.layers - full_blocks
+    return {
+        "patch_embed": 2 * patches * kernel * d,
+        "linears": vision.layers * (8 * patches * d * d + 6 * patches * d * vision.intermediate),
+        "attention": full_blocks * 4 * patches * patches * d + window_blocks * sum(4 * s * s * d for s in windows),
+    }

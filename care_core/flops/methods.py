@@ -1,0 +1,313 @@
+"""One cost model per method: its own selection work (score), its merging/calibration work (residual), and the
+per-layer visual-token schedule its language model runs. Names match the method registry where possible.
+
+`tokens` (K) is the budget the user asked for. For pre-LLM methods every layer sees K visual tokens. For in-LLM
+methods K is the count after the method's first pruning step (FastV, V2Drop) or the published budget
+(SparseVLM); the row's equivalent average token count makes them comparable.
+
+Selection and merging costs of the peers are the leading terms with constant 1, in the style of Supp. B; each
+is stated in the `note` of its row. They are small next to the prefill; the prefill schedule is what differs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from care_core.errors import MethodError
+from care_core.flops import formulas as fx
+
+if TYPE_CHECKING:
+    from care_core.flops.specs import BackboneSpec
+
+DEFAULT_M = 64  # CaRe / ZOO-Prune perturbation directions (paper Supp. C; ZOO-Prune NOISERECOV_NUM)
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    method: str
+    tokens: int
+    schedule: fx.Schedule
+    score: dict[str, int] = field(default_factory=dict)
+    residual: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+
+Model = Callable[["BackboneSpec", int, int, int, int], MethodCost]  # (spec, N, K, m, T) -> cost
+_MODELS: dict[str, Model] = {}
+_ALIASES: dict[str, str] = {"sense-diversity": "zoo-prune", "ficoco": "ficoco-v", "prumerge": "prumerge+",
+                            "v2-drop": "v2drop", "full": "baseline"}  # fmt: skip
+
+
+def _model(name: str) -> Callable[[Model], Model]:
+    def register(fn: Model) -> Model:
+        _MODELS[name] = fn
+        return fn
+
+    return register
+
+
+def cost_model_names() -> list[str]:
+    """Every method with a cost model, in the registry's listing order (baseline excluded)."""
+    return [name for name in _MODELS if name != "baseline"]
+
+
+def canonical_method(name: str) -> str:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key in _MODELS:
+        return key
+    close = difflib.get_close_matches(key, [*_MODELS, *_ALIASES], n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise MethodError(f"no cost model for method {name!r}{hint} (known: {', '.join(cost_model_names())}, all)")
+
+
+def method_cost(name: str, spec: BackboneSpec, n: int, k: int, m: int = DEFAULT_M, text_tokens: int = 64) -> MethodCost:
+    return _MODELS[canonical_method(name)](spec, n, k, m, text_tokens)
+
+
+def _uniform(spec: BackboneSpec, tokens: int) -> fx.Schedule:
+    return fx.uniform_schedule(spec.lm, tokens)
+
+
+def _segments(spec: BackboneSpec, cuts: list[int], counts: list[int]) -> fx.Schedule:
+    """Layers [0, cuts[0]) at counts[0], [cuts[0], cuts[1]) at counts[1], ..., the rest at counts[-1]."""
+    bounds = [0, *[min(c, spec.lm.layers) for c in cuts], spec.lm.layers]
+    return fx.check_schedule([(bounds[i + 1] - bounds[i], counts[i]) for i in range(len(counts))], spec.lm)
+
+
+def _scaled_layer(spec: BackboneSpec, layer: int) -> int:
+    """A pruning layer published for 32-layer 7B models, placed at the same depth of another model."""
+    return layer if spec.lm.layers == 32 else max(1, round(layer * spec.lm.layers / 32))
+
+
+# ------------------------------------------------------------------------------------------ baseline, CaRe
+@_model("baseline")
+def _baseline(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("baseline", n, _uniform(spec, n), note="unreduced: every layer sees all N visual tokens")
+
+
+def _prca_score(spec: BackboneSpec, n: int, k: int, m: int) -> dict[str, int]:
+    return fx.score_terms(n, k, m, spec.projector, spec.lm.hidden)
+
+
+def _zoo_score(spec: BackboneSpec, n: int, k: int, m: int) -> dict[str, int]:
+    """ZOO-Prune / SADS: the same 2m projector passes and m·N response norms, diversity on post-projector
+    features (width H), greedy selection."""
+    return {
+        "2mF_M(N)": 2 * m * fx.projector_flops(spec.projector, n),
+        "mNH": m * n * spec.lm.hidden,
+        "N^2 d_t": n * n * spec.projector.out_dim,
+        "KN": k * n,
+    }
+
+
+_SUPP_B = "Supp. B as SPEC writes it: F_score + F_res + F_prefill(K)"
+
+
+@_model("care")
+def _care(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("care", k, _uniform(spec, k), _prca_score(spec, n, k, m),
+                      fx.residual_terms(n, k, spec.projector.token_dim), _SUPP_B)  # fmt: skip
+
+
+@_model("prca-only")
+def _prca_only(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("prca-only", k, _uniform(spec, k), _prca_score(spec, n, k, m), {},
+                      "Supp. B F_score + F_prefill(K); no calibration, so F_res = 0")  # fmt: skip
+
+
+@_model("simple-calib")
+def _simple_calib(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("simple-calib", k, _uniform(spec, k), _zoo_score(spec, n, k, m),
+                      fx.residual_terms(n, k, spec.projector.token_dim),
+                      "ZOO-Prune anchors + ungated calibration: zoo-prune score + F_res + F_prefill(K)")  # fmt: skip
+
+
+@_model("confidence-calib")
+def _confidence_calib(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("confidence-calib", k, _uniform(spec, k), _zoo_score(spec, n, k, m),
+                      fx.residual_terms(n, k, spec.projector.token_dim),
+                      "ZOO-Prune anchors + CGTC: zoo-prune score + F_res + F_prefill(K)")  # fmt: skip
+
+
+@_model("prca+simple-calib")
+def _prca_simple(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("prca+simple-calib", k, _uniform(spec, k), _prca_score(spec, n, k, m),
+                      fx.residual_terms(n, k, spec.projector.token_dim),
+                      "PRCA anchors + ungated calibration: F_score + F_res + F_prefill(K)")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ pre-LLM peers
+@_model("zoo-prune")
+def _zoo(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("zoo-prune", k, _uniform(spec, k), _zoo_score(spec, n, k, m), {},
+                      f"2mF_M(N) + mNH + N² d_t (post-projector diversity, d_t = {spec.projector.out_dim}) + KN; "
+                      "m = 64")  # fmt: skip
+
+
+@_model("divprune")
+def _divprune(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    d_t = spec.projector.out_dim
+    return MethodCost("divprune", k, _uniform(spec, k), {"N^2 d_t": n * n * d_t, "KN": k * n}, {},
+                      f"N² d_t (1 - cos on post-projector tokens, d_t = {d_t}) + KN (greedy max-min)")  # fmt: skip
+
+
+def _visionzip_split(k: int) -> tuple[int, int]:
+    contextual = round(k * 10 / 64)  # 54+10, 108+20, 162+30 (README and the common ports)
+    return k - contextual, contextual
+
+
+@_model("visionzip")
+def _visionzip(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    dominant, contextual = _visionzip_split(k)
+    heads, d_v = spec.vision.heads, spec.projector.token_dim
+    d_k = spec.vision.hidden // heads
+    rest = n - dominant
+    merged = max(rest - contextual, 0)
+    return MethodCost(
+        "visionzip", k, _uniform(spec, k),
+        {"heads·N": heads * n, "N": n},
+        {"(R-C) C d_k": merged * contextual * d_k, "(R-C) d_v": merged * d_v},
+        f"dominant {dominant} by CLS attention summed over {heads} heads (heads·N + N top-k); contextual "
+        f"{contextual}: the R = N - D rest matched to C targets on head-mean keys (d_k = {d_k}) and averaged",
+    )  # fmt: skip
+
+
+@_model("prumerge+")
+def _prumerge(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    d_v = spec.projector.token_dim
+    return MethodCost(
+        "prumerge+", k, _uniform(spec, k + 1),
+        {"N d_v": n * d_v, "N": n},
+        {"K N d_v": k * n * d_v, "32 K d_v": 32 * k * d_v, "N_d d_v": (n - k) * d_v},
+        "CLS-row attention (N d_v) + IQR outliers (N); each kept token merges its 32 nearest keys (K N d_v + "
+        "32 K d_v); one summary token is appended, so the LLM sees K + 1",
+    )  # fmt: skip
+
+
+@_model("tome")
+def _tome(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    d_v = spec.projector.token_dim
+    match = merge = 0
+    current = n
+    while current > k:
+        r = min(current // 2, current - k)
+        a, b = (current + 1) // 2, current // 2
+        match += a * b * d_v + current
+        merge += r * d_v
+        current -= r
+    note = "bipartite soft matching applied repeatedly (r <= n/2 per step) until K tokens remain"
+    return MethodCost("tome", k, _uniform(spec, k), {"Σ |A||B| d_v + n": match}, {"Σ r d_v": merge}, note)
+
+
+@_model("ficoco-v")
+def _ficoco(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    layers = 11  # merging after layers 12..22 (LLaVA's feature layer -2)
+    d_v = spec.projector.token_dim
+    per_layer = math.ceil(max(n - k, 0) / layers)
+    score = merge = 0
+    current = n + 1
+    for _ in range(layers):
+        r = min(per_layer, max(current - (k + 1), 0))
+        score += current * current + current
+        merge += r * current + r * d_v
+        current -= r
+    return MethodCost("ficoco-v", k, _uniform(spec, k), {"Σ T²": score}, {"Σ r T + r d_v": merge},
+                      "inside the vision tower: per merging layer T² (filter on attention logits) + r T + r d_v "
+                      "(correlate, compress); N treated as one sequence (LLaVA-NeXT crops are merged per crop, "
+                      "which costs less)")  # fmt: skip
+
+
+@_model("random")
+def _random(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("random", k, _uniform(spec, k), {"N": n}, {}, "a random permutation: N")
+
+
+@_model("pool")
+def _pool(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return MethodCost("pool", k, _uniform(spec, k), {}, {"N d_v": n * spec.projector.token_dim},
+                      "average pooling of the N tokens into K: N d_v adds")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ in-LLM peers
+FASTV_LAYER = 2
+
+
+@_model("fastv")
+def _fastv(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    k_layer = _scaled_layer(spec, FASTV_LAYER)
+    heads = spec.lm.heads
+    return MethodCost(
+        "fastv", k, _segments(spec, [k_layer], [n, k]),
+        {"heads·N": heads * n, "N": n}, {},
+        f"layers 0..{k_layer - 1} at N, the rest at K; selection reads layer {k_layer - 1}'s attention of the last "
+        "token (mean over heads: heads·N, top-k: N); no recompute assumed (eager attention)",
+    )  # fmt: skip
+
+
+# SparseVLM v1 budgets for 576-token LLaVA-1.5-7B (Gumpest/SparseVLMs @ 26a5f48, notes/peer_methods.md):
+SPARSEVLM_LAYERS = (2, 6, 15)
+SPARSEVLM_SCHEDULES = {192: (300, 200, 110), 128: (303, 110, 36), 64: (66, 30, 17)}
+SPARSEVLM_REF_N = 576
+
+
+def sparsevlm_counts(n: int, k: int) -> tuple[list[int], list[int], list[int], str]:
+    """Per pruning layer: visual tokens after it (kept + v1 recycled cluster centres), tokens pruned, centres."""
+    if k in SPARSEVLM_SCHEDULES and n == SPARSEVLM_REF_N:
+        kept = list(SPARSEVLM_SCHEDULES[k])
+        how = f"published v1 schedule for K={k}: keep {kept}"
+    else:
+        ref = min(SPARSEVLM_SCHEDULES, key=lambda b: abs(b / SPARSEVLM_REF_N - k / n))
+        kept = [max(1, min(n, round(s * k / ref))) for s in SPARSEVLM_SCHEDULES[ref]]
+        how = f"no published schedule for N={n}, K={k}: the K={ref} shape scaled by K/{ref} (declared), keep {kept}"
+    counts, pruned_list, clusters, current = [], [], [], n
+    for s in kept:
+        s = min(s, current)
+        pruned = current - s
+        # v1 recycling: the top 30% (+1) of the pruned tokens are clustered into int(p/10)+1 centres
+        c = (int(pruned * 0.3) + 1) // 10 + 1 if pruned > 0 else 0
+        counts.append(s + c)
+        pruned_list.append(pruned)
+        clusters.append(c)
+        current = s + c
+    return counts, pruned_list, clusters, how
+
+
+@_model("sparsevlm")
+def _sparsevlm(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    counts, pruned, clusters, how = sparsevlm_counts(n, k)
+    layers = [_scaled_layer(spec, layer) for layer in SPARSEVLM_LAYERS]
+    cuts = [layer + 1 for layer in layers]  # the pruning layer itself still runs at the previous length
+    schedule = _segments(spec, cuts, [n, *counts])
+    h, raters = spec.lm.hidden, max(t, 1)
+    before = [n, *counts[:-1]]
+    score = {
+        "N T H (text raters)": n * t * h,
+        "Σ heads·T·n (relevance)": sum(spec.lm.heads * raters * b for b in before),
+    }
+    recycle = {"Σ p² H (density-peak kNN)": sum((int(p * 0.3) + 1) ** 2 * h for p in pruned if p > 0)}
+    return MethodCost(
+        "sparsevlm", k, schedule, score, recycle,
+        f"v1: prunes after layers {layers} (those layers still run at the previous length); {how}; counts "
+        f"{counts} include the recycled cluster centres {clusters}; raters taken as all T text tokens",
+    )  # fmt: skip
+
+
+V2DROP_LAYERS = (3, 17, 22)
+
+
+@_model("v2drop")
+def _v2drop(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    layers = (3, 16, 22) if spec.family == "qwen2_5_vl" else tuple(_scaled_layer(spec, x) for x in V2DROP_LAYERS)
+    counts = [k, max(1, k // 2), 1]
+    before = [n, *counts[:-1]]
+    return MethodCost(
+        "v2drop", k, _segments(spec, list(layers), [n, *counts]),
+        {"Σ 2 n H + n": sum(2 * b * spec.lm.hidden + b for b in before)}, {},
+        f"drops before layers {list(layers)}: N -> K -> K/2 -> 1 (the published 576 -> 288 -> 144 -> 1 shape with "
+        "K after the first drop); variation = L2 norm of each token's residual update (2nH + n per drop)",
+    )  # fmt: skip

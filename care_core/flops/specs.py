@@ -1,0 +1,383 @@
+"""Backbone specs for analytic FLOPs: the published config numbers, frozen, plus `from_config(path)`.
+
+Sources of the numbers (each checked against a stored copy of the hub file where one was found):
+- LLaVA-1.5-7B  `llava-hf/llava-1.5-7b-hf/config.json`: `text_config` names `lmsys/vicuna-7b-v1.5` and sets only
+  `vocab_size: 32064`, so the rest are `LlamaConfig` defaults (L=32, H=4096, I=11008, 32 heads, 32 KV heads);
+  `vision_config`: CLIP-L/14-336 (hidden 1024, intermediate 4096, 24 layers, 16 heads, image 336, patch 14);
+  `vision_feature_layer: -2`, `vision_feature_select_strategy: "default"`, `projector_hidden_act: "gelu"`.
+  Projector `LlavaMultiModalProjector`: Linear(1024, H) -> GELU -> Linear(H, H).
+- LLaVA-1.5-13B `llava-hf/llava-1.5-13b-hf`: Vicuna-13B-v1.5, L=40, H=5120, I=13824, 40 heads (MHA), vocab 32064.
+- LLaVA-NeXT-7B/13B `llava-hf/llava-v1.6-vicuna-{7,13}b-hf`: the same language models and CLIP tower,
+  `image_grid_pinpoints` [[336,672],[672,336],[672,672],[1008,336],[336,1008]] (height, width).
+- Qwen2.5-VL-7B `Qwen/Qwen2.5-VL-7B-Instruct/config.json`: L=28, H=3584, I=18944, 28 heads, 4 KV heads,
+  vocab 152064; `vision_config`: depth 32, hidden 1280, intermediate 3420, 16 heads, out_hidden_size 3584,
+  patch 14, spatial_merge_size 2, window_size 112, fullatt_block_indexes [7, 15, 23, 31], temporal_patch_size 2.
+  Merger `Qwen2_5_VLPatchMerger`: RMSNorm(1280) -> view(-1, 5120) -> Linear(5120, 5120) -> GELU -> Linear(5120, out).
+- Qwen2.5-VL-3B `Qwen/Qwen2.5-VL-3B-Instruct/config.json`: L=36, H=2048, I=11008, 16 heads, 2 KV heads,
+  vocab 151936, out_hidden_size 2048 (vision tower as the 7B).
+- Qwen2.5-VL processor (`preprocessor_config.json`): min_pixels 3136, max_pixels 12845056.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from care_core.errors import CareError, ModelLoadError
+
+
+class BackboneSpecError(ModelLoadError):
+    """An unknown backbone name, or a config.json that cannot be turned into a spec."""
+
+
+@dataclass(frozen=True)
+class LanguageModelSpec:
+    """The decoder-only language model: L layers of attention + SwiGLU FFN."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int = 0  # 0: hidden // heads
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ProjectorSpec:
+    """The multimodal projector M: its linear layers (in, out); activations and norms cost nothing here."""
+
+    kind: str  # "mlp2x_gelu" (LLaVA) or "qwen2.5-vl merger"
+    token_dim: int  # d_v: the width of one visual token as the reduction sees it (pre-projector)
+    linears: tuple[tuple[int, int], ...]
+
+    @property
+    def out_dim(self) -> int:
+        return self.linears[-1][1]
+
+    @property
+    def macs_per_token(self) -> int:
+        return sum(i * o for i, o in self.linears)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower (only for the optional `--vision-tower` term)."""
+
+    kind: str  # "clip" or "qwen2.5-vit"
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    patch_size: int
+    image_size: int = 0  # CLIP: the square input side
+    in_channels: int = 3
+    temporal_patch_size: int = 1
+    spatial_merge_size: int = 1
+    window_size: int = 0  # Qwen: window side in pixels
+    full_attention_layers: tuple[int, ...] = ()
+    feature_tokens: int = 0  # CLIP: patch tokens handed on per crop (CLS dropped with strategy "default")
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    name: str  # registry name, e.g. "llava-1.5-7b", or "config:<path>"
+    display: str  # e.g. "LLaVA-1.5-7B"
+    family: str  # "llava", "llava_next" or "qwen2_5_vl"
+    lm: LanguageModelSpec
+    projector: ProjectorSpec
+    vision: VisionSpec
+    default_tokens: int
+    default_tokens_note: str
+    default_image: tuple[int, int] | None = None  # (height, width) that gives default_tokens, where one exists
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    min_pixels: int = 0
+    max_pixels: int = 0
+    paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; default --keep values
+    paper_key: str | None = None  # Table S1 / Table 1 backbone name, when these are the paper's dims
+    source: str = ""
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+    def default_budget_fractions(self) -> tuple[Fraction, ...]:
+        return tuple(Fraction(k, self.default_tokens) for k in self.paper_budgets)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("aliases")
+        data["lm"]["q_dim"], data["lm"]["kv_dim"] = self.lm.q_dim, self.lm.kv_dim
+        data["projector"]["out_dim"] = self.projector.out_dim
+        return data
+
+
+_CLIP_L336 = VisionSpec(kind="clip", layers=24, hidden=1024, intermediate=4096, heads=16, patch_size=14,
+                        image_size=336, feature_tokens=576)  # fmt: skip
+_QWEN_VIT = VisionSpec(kind="qwen2.5-vit", layers=32, hidden=1280, intermediate=3420, heads=16, patch_size=14,
+                       temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+                       full_attention_layers=(7, 15, 23, 31))  # fmt: skip
+_VICUNA_7B = LanguageModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32064)
+_VICUNA_13B = LanguageModelSpec(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32064)
+_QWEN25_7B = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064)
+_QWEN25_3B = LanguageModelSpec(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, vocab=151936)
+NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 3136, 12845056
+
+
+def _llava_projector(hidden: int, token_dim: int = 1024) -> ProjectorSpec:
+    return ProjectorSpec(kind="mlp2x_gelu", token_dim=token_dim, linears=((token_dim, hidden), (hidden, hidden)))
+
+
+def _qwen_merger(out: int, vit_hidden: int = 1280, merge: int = 2) -> ProjectorSpec:
+    width = vit_hidden * merge * merge
+    return ProjectorSpec(kind="qwen2.5-vl merger", token_dim=width, linears=((width, width), (width, out)))
+
+
+_LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the image size"
+_NEXT_NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
+_QWEN_NOTE = "Qwen2.5-VL: the paper's representative sample of 1110 merged tokens (Table S1 caption)"
+
+SPECS: dict[str, BackboneSpec] = {
+    spec.name: spec
+    for spec in (
+        BackboneSpec(
+            "llava-1.5-7b", "LLaVA-1.5-7B", "llava", _VICUNA_7B, _llava_projector(4096), _CLIP_L336,
+            576, _LLAVA15_NOTE, (336, 336), paper_budgets=(192, 128, 64), paper_key="LLaVA-1.5-7B",
+            source="llava-hf/llava-1.5-7b-hf config.json (Vicuna-7B-v1.5 = LlamaConfig defaults)",
+            aliases=("llava-1.5", "llava15", "llava-v1.5-7b", "llava-hf/llava-1.5-7b-hf", "liuhaotian/llava-v1.5-7b"),
+        ),
+        BackboneSpec(
+            "llava-1.5-13b", "LLaVA-1.5-13B", "llava", _VICUNA_13B, _llava_projector(5120), _CLIP_L336,
+            576, _LLAVA15_NOTE, (336, 336), paper_budgets=(192, 128, 64),
+            source="llava-hf/llava-1.5-13b-hf config.json (Vicuna-13B-v1.5)",
+            aliases=("llava-v1.5-13b", "llava-hf/llava-1.5-13b-hf", "liuhaotian/llava-v1.5-13b"),
+        ),
+        BackboneSpec(
+            "llava-next-7b", "LLaVA-NeXT-7B", "llava_next", _VICUNA_7B, _llava_projector(4096), _CLIP_L336,
+            2880, _NEXT_NOTE, (672, 672), NEXT_PINPOINTS, paper_budgets=(640, 320, 160), paper_key="LLaVA-NeXT-7B",
+            source="llava-hf/llava-v1.6-vicuna-7b-hf config.json",
+            aliases=("llava-next", "llava-1.6", "llava-v1.6-vicuna-7b", "llava-1.6-7b",
+                     "llava-hf/llava-v1.6-vicuna-7b-hf", "liuhaotian/llava-v1.6-vicuna-7b"),
+        ),
+        BackboneSpec(
+            "llava-next-13b", "LLaVA-NeXT-13B", "llava_next", _VICUNA_13B, _llava_projector(5120), _CLIP_L336,
+            2880, _NEXT_NOTE, (672, 672), NEXT_PINPOINTS, paper_budgets=(640, 320, 160),
+            source="llava-hf/llava-v1.6-vicuna-13b-hf config.json",
+            aliases=("llava-v1.6-vicuna-13b", "llava-1.6-13b", "llava-hf/llava-v1.6-vicuna-13b-hf",
+                     "liuhaotian/llava-v1.6-vicuna-13b"),
+        ),
+        BackboneSpec(
+            "qwen2.5-vl-3b", "Qwen2.5-VL-3B", "qwen2_5_vl", _QWEN25_3B, _qwen_merger(2048), _QWEN_VIT,
+            1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, paper_budgets=(222, 111),
+            source="Qwen/Qwen2.5-VL-3B-Instruct config.json",
+            aliases=("qwen2.5-vl-3b-instruct", "qwen/qwen2.5-vl-3b-instruct", "qwen25-vl-3b"),
+        ),
+        BackboneSpec(
+            "qwen2.5-vl-7b", "Qwen2.5-VL-7B", "qwen2_5_vl", _QWEN25_7B, _qwen_merger(3584), _QWEN_VIT,
+            1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, paper_budgets=(222, 111),
+            paper_key="Qwen2.5-VL-7B", source="Qwen/Qwen2.5-VL-7B-Instruct config.json",
+            aliases=("qwen2.5-vl", "qwen", "qwen2.5-vl-7b-instruct", "qwen/qwen2.5-vl-7b-instruct", "qwen25-vl"),
+        ),
+    )
+}  # fmt: skip
+
+_ALIASES: dict[str, str] = {alias.lower(): spec.name for spec in SPECS.values() for alias in spec.aliases}
+
+
+def backbone_names() -> list[str]:
+    return list(SPECS)
+
+
+def short_names() -> dict[str, str]:
+    """Short name -> full name (`llava-1.5` -> `llava-1.5-7b`, ...)."""
+    return {"llava-1.5": "llava-1.5-7b", "llava-next": "llava-next-7b", "qwen2.5-vl": "qwen2.5-vl-7b"}
+
+
+def resolve_backbone(name: str) -> BackboneSpec:
+    """A registry name or alias (case-insensitive), a config.json, or a model folder holding one."""
+    key = name.strip()
+    if not key:
+        raise BackboneSpecError("--backbone is empty")
+    lowered = key.lower()
+    if lowered in SPECS:
+        return SPECS[lowered]
+    if lowered in _ALIASES:
+        return SPECS[_ALIASES[lowered]]
+    path = Path(key).expanduser()
+    if path.exists():
+        return from_config(path)
+    looks_like_path = key.endswith(".json") or key.startswith((".", "/", "~")) or "\\" in key
+    if looks_like_path:
+        raise BackboneSpecError(f"no such file or folder: {key}")
+    choices = list(SPECS) + list(_ALIASES)
+    close = difflib.get_close_matches(lowered, choices, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(dict.fromkeys(close))}?" if close else ""
+    known = ", ".join([*short_names(), *SPECS])
+    raise BackboneSpecError(f"unknown backbone {name!r}{hint} (known: {known}; or a local config.json or model folder)")
+
+
+# ---------------------------------------------------------------------------------------------- config.json
+_SUPPORTED = ("llava", "llava_next", "qwen2_5_vl")
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BackboneSpecError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise BackboneSpecError(f"{path} is not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise BackboneSpecError(f"{path} is not valid JSON ({where}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise BackboneSpecError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _brief(exc: Exception, limit: int = 200) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _positive(value: Any, what: str, path: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BackboneSpecError(f"{path}: {what} must be a positive integer, got {value!r}")
+    return value
+
+
+def from_config(path: str | Path) -> BackboneSpec:
+    """Build a spec from a Hugging Face `config.json` (model_type llava, llava_next or qwen2_5_vl).
+
+    Missing fields take the defaults transformers itself would use (the config classes are asked), so the
+    `llava-hf` configs, whose `text_config` names only the Vicuna checkpoint, resolve to Vicuna's dims.
+    """
+    path = Path(path).expanduser()
+    folder = path if path.is_dir() else path.parent
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise BackboneSpecError(f"{folder} has no config.json (give a model folder or its config.json)")
+    raw = _load_json(path)
+    model_type = raw.get("model_type")
+    if model_type not in _SUPPORTED:
+        raise BackboneSpecError(
+            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(_SUPPORTED)})"
+        )
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(**raw)
+    except CareError:
+        raise
+    except Exception as exc:  # transformers raises many types for malformed configs
+        raise BackboneSpecError(f"{path}: malformed {model_type} config ({_brief(exc)})") from None
+    try:
+        spec = _spec_from_hf(config, model_type, path)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:
+        if isinstance(exc, CareError):
+            raise
+        raise BackboneSpecError(f"{path}: malformed {model_type} config ({_brief(exc)})") from None
+    if model_type == "qwen2_5_vl":
+        spec = _with_qwen_pixels(spec, folder / "preprocessor_config.json")
+    return _match_paper(spec)
+
+
+def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
+    text = config.text_config
+    layers = _positive(text.num_hidden_layers, "num_hidden_layers", path)
+    hidden = _positive(text.hidden_size, "hidden_size", path)
+    heads = _positive(text.num_attention_heads, "num_attention_heads", path)
+    kv_heads = _positive(getattr(text, "num_key_value_heads", None) or heads, "num_key_value_heads", path)
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    lm = LanguageModelSpec(
+        layers=layers, hidden=hidden, intermediate=_positive(text.intermediate_size, "intermediate_size", path),
+        heads=heads, kv_heads=kv_heads, vocab=_positive(text.vocab_size, "vocab_size", path), head_dim=head_dim,
+    )  # fmt: skip
+    vc = config.vision_config
+    name = f"config:{path}"
+    if model_type in ("llava", "llava_next"):
+        feature_layer = config.vision_feature_layer
+        n_layers = len(feature_layer) if isinstance(feature_layer, (list, tuple)) else 1
+        v_hidden = _positive(vc.hidden_size, "vision_config.hidden_size", path)
+        image, patch = _positive(vc.image_size, "image_size", path), _positive(vc.patch_size, "patch_size", path)
+        per_crop = (image // patch) ** 2 + (1 if config.vision_feature_select_strategy == "full" else 0)
+        vision = VisionSpec(kind="clip", layers=_positive(vc.num_hidden_layers, "vision num_hidden_layers", path),
+                            hidden=v_hidden, intermediate=_positive(vc.intermediate_size, "vision intermediate", path),
+                            heads=_positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
+                            image_size=image, feature_tokens=per_crop)  # fmt: skip
+        projector = _llava_projector(hidden, token_dim=v_hidden * n_layers)
+        if model_type == "llava":
+            return BackboneSpec(name, "llava (config)", "llava", lm, projector, vision, per_crop,
+                                f"one {image}×{image} view: {per_crop} tokens", (image, image),
+                                paper_budgets=(192, 128, 64), source=str(path))  # fmt: skip
+        pinpoints = tuple(tuple(int(v) for v in p) for p in config.image_grid_pinpoints)
+        if not pinpoints or any(len(p) != 2 or min(p) < 1 for p in pinpoints):
+            raise BackboneSpecError(f"{path}: image_grid_pinpoints must be a list of [height, width] pairs")
+        spec = BackboneSpec(name, "llava_next (config)", "llava_next", lm, projector, vision, 0, "",
+                            None, pinpoints, paper_budgets=(640, 320, 160), source=str(path))  # fmt: skip
+        from care_core.flops.tokens import visual_tokens
+
+        default_image = (672, 672) if (672, 672) in pinpoints else max(pinpoints, key=lambda p: p[0] * p[1])
+        n = visual_tokens(spec, *default_image).tokens
+        budgets = tuple(max(1, int(Fraction(k, 2880) * n)) for k in (640, 320, 160))
+        note = f"LLaVA-NeXT at {default_image[0]}×{default_image[1]}: base + unpadded high-res, no newline rows"
+        return replace(spec, default_tokens=n, default_tokens_note=note, default_image=default_image,
+                       paper_budgets=budgets)  # fmt: skip
+    # qwen2_5_vl
+    merge = _positive(vc.spatial_merge_size, "spatial_merge_size", path)
+    v_hidden = _positive(vc.hidden_size, "vision hidden_size", path)
+    vision = VisionSpec(kind="qwen2.5-vit", layers=_positive(vc.depth, "vision depth", path), hidden=v_hidden,
+                        intermediate=_positive(vc.intermediate_size, "vision intermediate_size", path),
+                        heads=_positive(vc.num_heads, "vision num_heads", path),
+                        patch_size=_positive(vc.patch_size, "vision patch_size", path),
+                        in_channels=getattr(vc, "in_channels", 3) or 3,
+                        temporal_patch_size=getattr(vc, "temporal_patch_size", 2) or 2, spatial_merge_size=merge,
+                        window_size=getattr(vc, "window_size", 112) or 112,
+                        full_attention_layers=tuple(getattr(vc, "fullatt_block_indexes", ()) or ()))  # fmt: skip
+    out = _positive(vc.out_hidden_size, "out_hidden_size", path)
+    return BackboneSpec(name, "qwen2_5_vl (config)", "qwen2_5_vl", lm, _qwen_merger(out, v_hidden, merge), vision,
+                        1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
+                        paper_budgets=(222, 111), source=str(path))  # fmt: skip
+
+
+def _with_qwen_pixels(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
+    """Use the folder's processor pixel limits when it has them (min/max_pixels or size.{shortest,longest}_edge)."""
+    if not preprocessor.is_file():
+        return spec
+    data = _load_json(preprocessor)
+    size = data.get("size") if isinstance(data.get("size"), dict) else {}
+    low = data.get("min_pixels", size.get("shortest_edge", spec.min_pixels))
+    high = data.get("max_pixels", size.get("longest_edge", spec.max_pixels))
+    return replace(spec, min_pixels=_positive(low, "min_pixels", preprocessor),
+                   max_pixels=_positive(high, "max_pixels", preprocessor))  # fmt: skip
+
+
+def _signature(spec: BackboneSpec) -> tuple[Any, ...]:
+    return (spec.family, spec.lm, spec.projector, spec.vision, spec.grid_pinpoints)
+
+
+def _match_paper(spec: BackboneSpec) -> BackboneSpec:
+    """A config with exactly a registry backbone's dims takes that backbone's display name and paper rows."""
+    for known in SPECS.values():
+        if _signature(known) == _signature(spec):
+            return replace(spec, display=known.display, paper_key=known.paper_key,
+                           default_tokens=known.default_tokens, default_tokens_note=known.default_tokens_note,
+                           paper_budgets=known.paper_budgets)  # fmt: skip
+    return spec

@@ -1,0 +1,130 @@
+"""`care flops` through the CLI entry point: the table, --json per SPEC, --paper, and clean errors (exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def test_acceptance_table_llava_next(care) -> None:
+    run = care("flops", "--backbone", "llava-next", "--keep", "640", "--keep", "320", "--keep", "160", "--paper")
+    assert run.code == 0, run.err
+    assert run.err == ""
+    out = run.out
+    assert "LLaVA-NeXT-7B" in out and "TFLOPs" in out and "constant 1" in out and "T = 64" in out
+    for figure in ("42.675", "42.700", "12.500", "8.200", "6.100", "15.471"):  # ours, the paper's, 2mF_M(N)
+        assert figure in out, figure
+    assert "Paper Table S1" in out and "Why the CaRe rows differ" in out and "adopt neither" in out
+
+
+def test_json_has_the_spec_keys(care) -> None:
+    run = care("flops", "--backbone", "llava-next", "--keep", "640", "--keep", "320", "--keep", "160", "--paper",
+               "--json")  # fmt: skip
+    assert run.code == 0, run.err
+    report = run.json()
+    assert report["command"] == "flops" and report["convention"] == "flops" and report["text_tokens"] == 64
+    rows = report["rows"]
+    assert [(r["method"], r["tokens"]) for r in rows] == [("baseline", 2880), ("care", 640), ("care", 320),
+                                                         ("care", 160)]  # fmt: skip
+    for row in rows:
+        assert {"method", "tokens", "tflops", "terms", "avg_tokens", "paper_tflops", "paper_diff"} <= set(row)
+        terms = row["terms"]
+        assert {"score", "residual", "prefill"} <= set(terms)
+        assert row["tflops"] == pytest.approx(terms["score"] + terms["residual"] + terms["prefill"])
+    assert rows[0]["terms"]["score"] == 0 and rows[0]["paper_tflops"] == 42.7
+    assert abs(rows[0]["paper_diff_pct"]) < 0.5
+    assert [r["paper_tflops"] for r in rows[1:]] == [12.5, 8.2, 6.1]
+    assert round(rows[1]["terms"]["score"], 1) == 15.5
+    assert len(report["paper"]["table_s1"]) == 11 and len(report["paper"]["table_s1_vs_ours"]) == 11
+    assert report["backbone"]["lm"]["hidden"] == 4096 and report["backbone"]["tokens"] == 2880
+
+
+@pytest.mark.parametrize(("backbone", "paper"), [("llava-1.5", 8.54), ("llava-next", 42.7), ("qwen2.5-vl", 17.3)])
+def test_baseline_rows_within_half_a_percent(care, backbone: str, paper: float) -> None:
+    row = care("flops", "--backbone", backbone, "--json").json()["rows"][0]
+    assert row["method"] == "baseline" and abs(row["tflops"] - paper) / paper < 0.005
+
+
+def test_all_methods_baseline_first(care) -> None:
+    report = care("flops", "--method", "all", "--keep", "192", "--json").json()
+    methods = [r["method"] for r in report["rows"]]
+    assert methods[0] == "baseline" and methods.count("baseline") == 1
+    assert {"care", "zoo-prune", "divprune", "visionzip", "fastv", "sparsevlm"} <= set(methods)
+    fastv = next(r for r in report["rows"] if r["method"] == "fastv")
+    assert fastv["schedule"] == [[2, 576], [30, 192]] and 192 < fastv["avg_tokens"] < 576
+
+
+def test_paper_table1_values_for_peers(care) -> None:
+    report = care("flops", "--method", "fastv", "--method", "divprune", "--keep", "128", "--paper", "--json").json()
+    by_method = {r["method"]: r for r in report["rows"]}
+    assert by_method["fastv"]["paper_tflops"] == 2.62 and by_method["fastv"]["paper_source"] == "Table 1"
+    assert by_method["divprune"]["paper_tflops"] is None  # printed as "-"
+
+
+def test_convention_and_options(care) -> None:
+    report = care("flops", "--backbone", "qwen2.5-vl", "--convention", "macs", "--gqa", "--lm-head",
+                  "--vision-tower", "--ratio", "0.2", "--json").json()  # fmt: skip
+    assert report["unit"] == "TMACs" and report["options"]["gqa"] is True
+    row = report["rows"][1]
+    assert row["tokens"] == 222 and row["tmacs"] == pytest.approx(row["tflops"] / 2)
+    assert {"lm_head", "vision_tower"} <= set(row["terms"])
+    human = care("flops", "--backbone", "qwen2.5-vl", "--convention", "macs", "--lm-head")
+    assert human.code == 0 and "TMACs" in human.out and "lm_head" in human.out
+
+
+def test_image_size_sets_n(care) -> None:
+    report = care("flops", "--backbone", "llava-next", "--image-size", "500x800", "--keep", "100", "--json").json()
+    assert report["N"] == 2016 and report["backbone"]["token_detail"]["high_res_grid"] == [30, 48]
+    assert care("flops", "--backbone", "llava-1.5", "--tokens", "1000", "--keep", "999", "--json").json()["N"] == 1000
+
+
+def test_config_folder_backbone(care, tmp_path: Path) -> None:
+    from .test_specs import LLAVA_HF_7B, _write
+
+    _write(tmp_path, LLAVA_HF_7B)
+    run = care("flops", "--backbone", tmp_path, "--paper", "--json")
+    assert run.code == 0, run.err
+    assert run.json()["rows"][0]["paper_tflops"] == 8.54
+
+
+def _bad(run, *needles: str) -> None:
+    assert run.code == 2
+    assert run.out == ""
+    lines = run.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), run.err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_unknown_backbone_suggests(care) -> None:
+    _bad(care("flops", "--backbone", "llava-nxt"), "did you mean", "llava-next")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--keep", "577"], "more than the N = 576"),
+        (["--keep", "0"], "at least 1"),
+        (["--ratio", "0"], "(0, 1]"),
+        (["--ratio", "1.5"], "(0, 1]"),
+        (["--tokens", "100", "--image-size", "10x10"], "not both"),
+        (["--image-size", "big"], "HEIGHTxWIDTH"),
+        (["--method", "fastvv"], "did you mean fastv"),
+        (["--convention", "tflops"], "--convention"),
+        (["--text-tokens", "-1"], ">= 0"),
+    ],
+)
+def test_bad_options(care, args: list[str], needle: str) -> None:
+    _bad(care("flops", *args), needle)
+
+
+def test_malformed_config(care, tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llava", ')
+    _bad(care("flops", "--backbone", bad), "not valid JSON")
+    _bad(care("flops", "--backbone", tmp_path / "nothing-here.json"), "no such file")
+
+
+def test_folder_without_config(care, tmp_path: Path) -> None:
+    _bad(care("flops", "--backbone", tmp_path), "no config.json")

@@ -1,0 +1,186 @@
+"""Each analytic term against `torch.utils.flop_counter.FlopCounterMode` on real modules (within 0.1%)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config
+from transformers.models.clip.modeling_clip import CLIPVisionModel
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+    Qwen2_5_VLPatchMerger,
+)
+
+from care_core.flops import formulas as fx
+from care_core.flops.counter import count_flops, register_cpu_sdpa_formula
+from care_core.flops.specs import SPECS, LanguageModelSpec, ProjectorSpec, VisionSpec
+
+REL = 1e-3
+
+
+def _close(counted: int, analytic: int) -> None:
+    assert counted > 0
+    assert abs(counted - analytic) <= REL * analytic, (counted, analytic, counted / analytic)
+
+
+def _layer_flops(layer_cls, rotary_cls, config, w: int, device: str = "cpu") -> int:
+    with torch.device(device):
+        layer = layer_cls(config, layer_idx=0).eval()
+        rotary = rotary_cls(config)
+        hidden = torch.randn(1, w, config.hidden_size)
+        positions = torch.arange(w)[None]
+        embeddings = rotary(hidden, positions)
+    total, _ = count_flops(lambda: layer(hidden, attention_mask=None, position_ids=positions,
+                                         position_embeddings=embeddings))  # fmt: skip
+    return total
+
+
+def _lm(config) -> LanguageModelSpec:
+    return LanguageModelSpec(
+        layers=1, hidden=config.hidden_size, intermediate=config.intermediate_size,
+        heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, vocab=1,
+    )  # fmt: skip
+
+
+# (a) tiny decoder layers, real CPU compute ------------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("w", [7, 64, 586])
+def test_tiny_llama_layer_matches_f_layer(attn: str, w: int) -> None:
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=4,
+                         num_hidden_layers=1, vocab_size=32)  # fmt: skip
+    config._attn_implementation = attn
+    counted = _layer_flops(LlamaDecoderLayer, LlamaRotaryEmbedding, config, w)
+    lm = _lm(config)
+    assert fx.layer_flops(w, lm) == fx.layer_flops(w, lm, gqa=True)  # MHA: both conventions agree
+    assert fx.layer_flops(w, lm) == 8 * w * 64**2 + 6 * w * 64 * 160 + 4 * w * w * 64
+    _close(counted, fx.layer_flops(w, lm))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tiny_qwen2_gqa_layer_matches_gqa_formula(attn: str) -> None:
+    config = Qwen2Config(hidden_size=64, intermediate_size=176, num_attention_heads=8, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=32)  # fmt: skip
+    config._attn_implementation = attn
+    w = 150
+    counted = _layer_flops(Qwen2DecoderLayer, Qwen2RotaryEmbedding, config, w)
+    lm = _lm(config)
+    _close(counted, fx.layer_flops(w, lm, gqa=True))
+    assert fx.layer_flops(w, lm) > counted  # the plain 8WH² term over-counts K/V projections under GQA
+
+
+def test_cpu_sdpa_formula_is_registered() -> None:
+    from torch.utils.flop_counter import flop_registry
+
+    register_cpu_sdpa_formula()
+    assert register_cpu_sdpa_formula() is False  # idempotent
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    assert op in flop_registry or op.default in flop_registry
+
+
+# (b) full-size 7B decoder layers on the meta device -------------------------------------------------------
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("w", [64 + 64, 576 + 64, 2880 + 64])
+def test_vicuna_7b_layer_on_meta(attn: str, w: int) -> None:
+    spec = SPECS["llava-1.5-7b"].lm
+    config = LlamaConfig(
+        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, num_hidden_layers=1, max_position_embeddings=4096,
+    )  # fmt: skip
+    config._attn_implementation = attn
+    _close(_layer_flops(LlamaDecoderLayer, LlamaRotaryEmbedding, config, w, "meta"), fx.layer_flops(w, spec))
+
+
+@pytest.mark.parametrize("w", [111 + 64, 1110 + 64])
+def test_qwen25_7b_layer_on_meta(w: int) -> None:
+    spec = SPECS["qwen2.5-vl-7b"].lm
+    config = Qwen2Config(
+        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, num_hidden_layers=1, max_position_embeddings=32768,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    counted = _layer_flops(Qwen2DecoderLayer, Qwen2RotaryEmbedding, config, w, "meta")
+    _close(counted, fx.layer_flops(w, spec, gqa=True))
+    assert fx.layer_flops(w, spec) / counted > 1.05  # Supp. B's MHA count is ~9% high for Qwen2.5-7B
+
+
+# (c) projectors: F_M(N) ------------------------------------------------------------------------------------
+def _llava_projector(hidden: int) -> LlavaMultiModalProjector:
+    vision = {"model_type": "clip_vision_model", "hidden_size": 1024, "num_attention_heads": 16}
+    config = LlavaConfig(text_config={"model_type": "llama", "hidden_size": hidden}, vision_config=vision)
+    with torch.device("meta"):
+        return LlavaMultiModalProjector(config)
+
+
+@pytest.mark.parametrize("name", ["llava-1.5-7b", "llava-1.5-13b", "llava-next-7b"])
+def test_llava_projector_f_m(name: str) -> None:
+    spec = SPECS[name]
+    projector = _llava_projector(spec.lm.hidden)
+    assert spec.projector.linears == ((projector.linear_1.in_features, projector.linear_1.out_features),
+                                      (projector.linear_2.in_features, projector.linear_2.out_features))  # fmt: skip
+    n = spec.default_tokens
+    counted, _ = count_flops(lambda: projector(torch.empty(n, 1024, device="meta")))
+    _close(counted, fx.projector_flops(spec.projector, n))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2.5-vl-3b"])
+def test_qwen_merger_f_m(name: str) -> None:
+    spec = SPECS[name]
+    with torch.device("meta"):
+        merger = Qwen2_5_VLPatchMerger(dim=spec.projector.out_dim, context_dim=1280, spatial_merge_size=2)
+    n = spec.default_tokens
+    counted, _ = count_flops(lambda: merger(torch.empty(4 * n, 1280, device="meta")))
+    _close(counted, fx.projector_flops(spec.projector, n))
+    assert spec.projector.token_dim == 4 * 1280
+
+
+# (d) the score term: 2m F_M(N) = the projector on 2m·N rows (m perturbation pairs) -------------------------
+@pytest.mark.parametrize("name", ["llava-1.5-7b", "qwen2.5-vl-7b"])
+def test_score_term_is_projector_on_2mN_rows(name: str) -> None:
+    spec, m = SPECS[name], 64
+    n = spec.default_tokens
+    terms = fx.score_terms(n, 128, m, spec.projector, spec.lm.hidden)
+    if spec.family == "llava":
+        module, rows = _llava_projector(spec.lm.hidden), torch.empty(2 * m * n, 1024, device="meta")
+    else:
+        with torch.device("meta"):
+            module = Qwen2_5_VLPatchMerger(dim=spec.projector.out_dim, context_dim=1280, spatial_merge_size=2)
+        rows = torch.empty(2 * m * n * 4, 1280, device="meta")
+    counted, _ = count_flops(lambda: module(rows))
+    _close(counted, terms["2mF_M(N)"])
+
+
+# optional vision-tower term --------------------------------------------------------------------------------
+def test_tiny_clip_tower_matches_formula() -> None:
+    config = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=56, patch_size=14)  # fmt: skip
+    config._attn_implementation = "eager"
+    model = CLIPVisionModel(config).eval()
+    spec = VisionSpec(kind="clip", layers=3, hidden=32, intermediate=48, heads=4, patch_size=14, image_size=56)
+    counted, _ = count_flops(lambda: model(pixel_values=torch.randn(1, 3, 56, 56)))
+    _close(counted, sum(fx.clip_tower_flops(spec).values()))
+
+
+@pytest.mark.parametrize("grid", [(8, 12), (10, 6)])
+def test_tiny_qwen_vit_matches_formula(grid: tuple[int, int]) -> None:
+    config = Qwen2_5_VLVisionConfig(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=40,
+                                    patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
+                                    temporal_patch_size=2, in_channels=3)  # fmt: skip
+    config._attn_implementation = "eager"
+    model = Qwen2_5_VisionTransformerPretrainedModel(config).eval()
+    rows, cols = grid  # patches; merged grid rows/2 × cols/2; windows of 56/2/14 = 2 merged units
+    pixels = torch.randn(rows * cols, 3 * 2 * 14 * 14)
+    _, per_module = count_flops(lambda: model(pixels, grid_thw=torch.tensor([[1, rows, cols]])))
+    name = type(model).__name__
+    merger = per_module[f"{name}.merger"]
+    tower = per_module[name] - merger
+    spec = VisionSpec(
+        kind="qwen2.5-vit", layers=4, hidden=32, intermediate=48, heads=4, patch_size=14,
+        temporal_patch_size=2, spatial_merge_size=2, window_size=56, full_attention_layers=(1,),
+    )  # fmt: skip
+    _close(tower, sum(fx.qwen_tower_flops(spec, rows // 2, cols // 2).values()))
+    _close(merger, fx.projector_flops(ProjectorSpec("qwen2.5-vl merger", 128, ((128, 128), (128, 40))),
+                                      rows * cols // 4))  # fmt: skip

@@ -1,0 +1,114 @@
+"""Backbone specs: the published numbers, names, and `from_config` on llava / llava_next / qwen2_5_vl configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from care_core.errors import CareError
+from care_core.flops.specs import SPECS, BackboneSpecError, from_config, resolve_backbone
+
+LLAVA_HF_7B = {  # llava-hf/llava-1.5-7b-hf config.json (text_config names Vicuna and sets only the vocab)
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                    "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                    "torch_dtype": "float16", "vocab_size": 32064},
+    "tie_word_embeddings": False, "torch_dtype": "float16",
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                      "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+}  # fmt: skip
+QWEN_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct config.json (text fields at the top level)
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "vocab_size": 152064, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+}  # fmt: skip
+
+
+def _write(folder: Path, data: object, name: str = "config.json") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_published_numbers() -> None:
+    lm = {name: (s.lm.layers, s.lm.hidden, s.lm.intermediate, s.lm.heads, s.lm.kv_heads) for name, s in SPECS.items()}
+    assert lm == {
+        "llava-1.5-7b": (32, 4096, 11008, 32, 32), "llava-1.5-13b": (40, 5120, 13824, 40, 40),
+        "llava-next-7b": (32, 4096, 11008, 32, 32), "llava-next-13b": (40, 5120, 13824, 40, 40),
+        "qwen2.5-vl-3b": (36, 2048, 11008, 16, 2), "qwen2.5-vl-7b": (28, 3584, 18944, 28, 4),
+    }  # fmt: skip
+    assert SPECS["llava-1.5-7b"].projector.linears == ((1024, 4096), (4096, 4096))
+    assert SPECS["llava-1.5-13b"].projector.linears == ((1024, 5120), (5120, 5120))
+    assert SPECS["qwen2.5-vl-7b"].projector.linears == ((5120, 5120), (5120, 3584))
+    assert SPECS["qwen2.5-vl-3b"].projector.linears == ((5120, 5120), (5120, 2048))
+    assert SPECS["llava-1.5-7b"].vision.layers == 24 and SPECS["qwen2.5-vl-7b"].vision.layers == 32
+
+
+@pytest.mark.parametrize(("name", "full"), [("llava-1.5", "llava-1.5-7b"), ("llava-next", "llava-next-7b"),
+                                            ("qwen2.5-vl", "qwen2.5-vl-7b"), ("LLaVA-1.5-13B", "llava-1.5-13b"),
+                                            ("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2.5-vl-3b")])  # fmt: skip
+def test_names(name: str, full: str) -> None:
+    assert resolve_backbone(name).name == full
+
+
+def test_unknown_name_suggests() -> None:
+    with pytest.raises(BackboneSpecError, match="did you mean llava-next"):
+        resolve_backbone("llava-nxt")
+    with pytest.raises(BackboneSpecError, match="no such file"):
+        resolve_backbone("./missing/config.json")
+
+
+def test_llava_hf_config_resolves_to_vicuna_dims(tmp_path: Path) -> None:
+    spec = from_config(_write(tmp_path / "llava", LLAVA_HF_7B))
+    ref = SPECS["llava-1.5-7b"]
+    assert (spec.lm, spec.projector, spec.vision) == (ref.lm, ref.projector, ref.vision)
+    assert spec.paper_key == "LLaVA-1.5-7B" and spec.default_tokens == 576
+    assert from_config(tmp_path / "llava").lm == ref.lm  # the folder works too
+
+
+def test_llava_next_and_qwen_configs(tmp_path: Path) -> None:
+    pins = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    nxt = from_config(_write(tmp_path / "next", {**LLAVA_HF_7B, "model_type": "llava_next",
+                                                 "image_grid_pinpoints": pins}))  # fmt: skip
+    assert nxt.paper_key == "LLaVA-NeXT-7B" and nxt.default_tokens == 2880
+    qwen = from_config(_write(tmp_path / "qwen", QWEN_7B))
+    ref = SPECS["qwen2.5-vl-7b"]
+    assert (qwen.lm, qwen.projector, qwen.vision) == (ref.lm, ref.projector, ref.vision)
+    _write(tmp_path / "qwen", {"min_pixels": 200704, "max_pixels": 1003520}, "preprocessor_config.json")
+    assert from_config(tmp_path / "qwen").max_pixels == 1003520
+
+
+def test_unmatched_config_has_no_paper_rows(tmp_path: Path) -> None:
+    data = {**LLAVA_HF_7B, "text_config": {**LLAVA_HF_7B["text_config"], "num_hidden_layers": 2}}
+    spec = from_config(_write(tmp_path / "small", data))
+    assert spec.lm.layers == 2 and spec.paper_key is None
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"model_type": "llava", ', "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"model_type": "bert"}', "not supported"),
+        ('{"model_type": "llava", "text_config": "x"}', "malformed"),
+        ('{"model_type": "llava", "text_config": {"model_type": "llama", "hidden_size": -4}}', "malformed"),
+    ],
+)
+def test_malformed_configs(tmp_path: Path, content: str, message: str) -> None:
+    with pytest.raises(CareError, match=message):
+        from_config(_write(tmp_path, content))
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(BackboneSpecError, match=r"no config\.json"):
+        resolve_backbone(str(tmp_path))

@@ -1,0 +1,94 @@
+"""N for an image size, cross-checked with transformers' own processor and model arithmetic."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+from care_core.flops.specs import SPECS
+from care_core.flops.tokens import ImageSizeError, parse_image_size, squarest_grid, visual_tokens
+
+NEXT, QWEN, LLAVA = SPECS["llava-next-7b"], SPECS["qwen2.5-vl-7b"], SPECS["llava-1.5-7b"]
+
+
+@pytest.mark.parametrize(("size", "n"), [((672, 672), 2880), ((500, 800), 2016), ((900, 300), 2304)])
+def test_llava_next_counts(size: tuple[int, int], n: int) -> None:
+    assert visual_tokens(NEXT, *size).tokens == n
+
+
+@pytest.mark.parametrize(("size", "n"), [((672, 672), 576), ((500, 800), 522), ((900, 300), 352)])
+def test_qwen_counts(size: tuple[int, int], n: int) -> None:
+    assert visual_tokens(QWEN, *size).tokens == n
+
+
+def test_llava15_is_always_576() -> None:
+    assert {visual_tokens(LLAVA, h, w).tokens for h, w in [(10, 10), (336, 336), (500, 800), (2000, 90)]} == {576}
+
+
+def _processor() -> LlavaNextProcessor:
+    processor = object.__new__(LlavaNextProcessor)  # only the counting attributes, no tokenizer needed
+    processor.image_processor = SimpleNamespace(image_grid_pinpoints=[list(p) for p in NEXT.grid_pinpoints])
+    processor.patch_size, processor.num_additional_image_tokens = 14, 0
+    return processor
+
+
+def _sizes(count: int) -> list[tuple[int, int]]:
+    rng = random.Random(0)
+    fixed = [(672, 672), (500, 800), (900, 300), (1165, 582), (1235, 617), (1, 1), (336, 336), (4000, 20)]
+    return fixed + [(rng.randint(8, 3000), rng.randint(8, 3000)) for _ in range(count)]
+
+
+def test_llava_next_matches_transformers_processor_and_model() -> None:
+    processor, pinpoints = _processor(), [list(p) for p in NEXT.grid_pinpoints]
+    for height, width in _sizes(600):
+        ours = visual_tokens(NEXT, height, width)
+        rows, cols = ours.grid
+        # the processor's count includes one newline token per high-res row; SPEC's N does not
+        assert processor._get_number_of_features(height, width, 336, 336) == ours.tokens + rows, (height, width)
+        tiles_h, tiles_w = get_anyres_image_grid_shape((height, width), pinpoints, 336)
+        unpadded = unpad_image(torch.empty(1, tiles_h * 24, tiles_w * 24), (height, width))
+        assert tuple(unpadded.shape[1:]) == (rows, cols), (height, width)
+        assert ours.crops == 1 + tiles_h * tiles_w
+
+
+def test_float_rounding_follows_transformers() -> None:
+    # exact rational arithmetic would pick 1008×336 here; the processor (float) picks 672×336
+    assert visual_tokens(NEXT, 1165, 582).detail["best_resolution"] == [672, 336]
+
+
+def test_qwen_matches_transformers_smart_resize() -> None:
+    for height, width in _sizes(600):
+        if max(height, width) / min(height, width) > 200:
+            with pytest.raises(ImageSizeError):
+                visual_tokens(QWEN, height, width)
+            continue
+        new_h, new_w = hf_smart_resize(height, width, 28, QWEN.min_pixels, QWEN.max_pixels)
+        assert visual_tokens(QWEN, height, width).tokens == (new_h // 28) * (new_w // 28), (height, width)
+
+
+def test_qwen_pixel_limits() -> None:
+    assert visual_tokens(QWEN, 10, 10).tokens == 4  # min_pixels 3136 = 56×56 -> 2×2 merged tokens
+    assert visual_tokens(QWEN, 20000, 20000).tokens <= QWEN.max_pixels // 28**2
+    with pytest.raises(ImageSizeError):
+        visual_tokens(QWEN, 10, 5000)  # aspect ratio above 200
+
+
+@pytest.mark.parametrize("text", ["672x672", "672×672", " 500 X 800 ", "500,800"])
+def test_parse_image_size(text: str) -> None:
+    assert parse_image_size(text) in {(672, 672), (500, 800)}
+
+
+@pytest.mark.parametrize("text", ["672", "axb", "0x10", "10x-3", "1.5x2"])
+def test_parse_image_size_rejects(text: str) -> None:
+    with pytest.raises(ImageSizeError):
+        parse_image_size(text)
+
+
+def test_squarest_grid() -> None:
+    assert squarest_grid(1110) == (30, 37) and squarest_grid(576) == (24, 24) and squarest_grid(7) == (1, 7)
