@@ -2,6 +2,22 @@
 
 Adapters are the only code that knows a model family's module paths: methods, the core
 maths and the CLI see only :class:`ImageTokens` and :class:`VLMAdapter`.
+
+The reduced-token path. ``language_model_logits`` and ``generate`` take the projected rows handed to the
+language model, ``projected`` (K, d_t), plus ``kept``: a (K,) long tensor holding, for every row, the index
+(0..N-1) of the visual token it belongs to, or -1 for a row tied to no token (a summary or merged row such as
+PruMerge's extra row). ``kept=None`` means rows 0..K-1 are tokens 0..K-1 in order (so, with K = N, all tokens).
+What a backbone does with ``kept``:
+
+* LLaVA-1.5: nothing (its language model has 1-D positions; rows are fed in the order given).
+* LLaVA-NeXT: rows are fed in the order given, without ``image_newline`` rows; only when the rows are exactly
+  all N tokens in packed order (``kept`` None with K = N, or ``kept == arange(N)``) is the model's own full
+  sequence rebuilt, newline rows included, so K = N reproduces the standard path.
+* Qwen2.5-VL: every row gets the multimodal-rope (t, h, w) position of its token in the full sequence (the
+  text after the image keeps its original positions); rows with -1 get the position of the last image
+  token (the bottom-right merged patch), so they sit at the end of the image in rope space.
+
+:meth:`VLMAdapter.visual_tokens_fed` says how many visual rows the language model then really receives.
 """
 
 from __future__ import annotations
@@ -9,7 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
@@ -26,10 +42,35 @@ class ImageTokens:
     seen_box: tuple[float, float, float, float]  # [x0, y0, x1, y1] of the original image the tokens cover
     grid: tuple[int, int] | None = None  # (rows, cols) when the tokens form one raster grid
     model_inputs: dict[str, Any] = field(default_factory=dict)  # processor outputs, kept to feed the LM
+    views: torch.Tensor | None = None  # (N,) long, LLaVA-NeXT only: 0 = base-view token, 1 = high-resolution
 
     @property
     def num_tokens(self) -> int:
         return int(self.features.shape[0])
+
+
+def check_kept(kept: torch.Tensor | None, rows: int, num_tokens: int) -> torch.Tensor | None:
+    """``kept`` as a CPU long tensor after checking it against K rows and N tokens (None stays None)."""
+    if kept is None:
+        if rows > num_tokens:
+            raise ValueError(f"{rows} projected rows but only {num_tokens} visual tokens; pass kept")
+        return None
+    kept = torch.as_tensor(kept).detach().to("cpu")
+    if kept.dim() != 1 or kept.shape[0] != rows:
+        raise ValueError(f"kept must be ({rows},) (one entry per projected row); got {tuple(kept.shape)}")
+    if kept.is_floating_point() or kept.dtype == torch.bool:
+        raise ValueError(f"kept must hold integer token indices, got {kept.dtype}")
+    kept = kept.long()
+    if kept.numel() and (int(kept.min()) < -1 or int(kept.max()) >= num_tokens):
+        raise ValueError(f"kept holds indices outside -1..{num_tokens - 1}")
+    return kept
+
+
+def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool:
+    """True when the rows are exactly tokens 0..N-1 in order."""
+    if rows != num_tokens:
+        return False
+    return kept is None or bool(torch.equal(kept, torch.arange(num_tokens)))
 
 
 class VLMAdapter(ABC):
@@ -40,6 +81,8 @@ class VLMAdapter(ABC):
     is_demo: bool  # True for the embedded random-weight demo backbones
     model: torch.nn.Module
     processor: Any
+    #: probe name -> how this backbone builds it, where that differs from a single-grid CLIP tower
+    probe_notes: ClassVar[dict[str, str]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -48,6 +91,39 @@ class VLMAdapter(ABC):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """The probes (keys of ``care_core.methods.base.PROBES``) this backbone can provide."""
+        from ..methods.base import PROBES
+
+        return frozenset(PROBES)
+
+    def unavailable_reason(self, probe: str) -> str:
+        """Why ``probe`` is not in :attr:`capabilities` (one short sentence)."""
+        return f"the {self.family} backbone does not provide it"
+
+    def check_probes(self, names: Iterable[str], method: str | None = None) -> None:
+        """MethodError (one line) if any of ``names`` is unknown or not offered by this backbone."""
+        from ..errors import MethodError
+        from ..methods.base import PROBES
+
+        wanted = list(dict.fromkeys(names))
+        unknown = [n for n in wanted if n not in PROBES]
+        if unknown:
+            raise MethodError(f"unknown probe(s) {unknown}; known: {sorted(PROBES)}")
+        missing = [n for n in wanted if n not in self.capabilities]
+        if missing:
+            who = f"method {method!r} needs" if method else "requested"
+            probe = missing[0]
+            more = f" (also {', '.join(repr(m) for m in missing[1:])})" if len(missing) > 1 else ""
+            raise MethodError(
+                f"{self.name}: {who} {probe!r}{more}, which is not available: {self.unavailable_reason(probe)}"
+            )
+
+    def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
+        """How many visual rows the language model receives for ``rows`` projected rows (see module doc)."""
+        return int(rows)
 
     @property
     @abstractmethod
@@ -63,12 +139,24 @@ class VLMAdapter(ABC):
         """(T, d_t) input-embedding rows of the question's non-special tokens (QuestionError if T = 0)."""
 
     @abstractmethod
-    def language_model_logits(self, question: str, tokens: ImageTokens, projected: torch.Tensor) -> torch.Tensor:
-        """Prefill logits (L, vocab) of the prompt with `projected` (K, d_t) as its only visual tokens."""
+    def language_model_logits(
+        self, question: str, tokens: ImageTokens, projected: torch.Tensor, kept: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Prefill logits (L, vocab) of the prompt with `projected` (K, d_t) as its only visual tokens.
+
+        ``kept`` (K,) long: the token index of each row, -1 for rows tied to no token; None = tokens 0..K-1.
+        """
 
     @abstractmethod
-    def generate(self, question: str, tokens: ImageTokens, projected: torch.Tensor, max_new_tokens: int = 32) -> str:
-        """Greedy answer of the language model fed `projected` (K, d_t) as its visual tokens."""
+    def generate(
+        self,
+        question: str,
+        tokens: ImageTokens,
+        projected: torch.Tensor,
+        max_new_tokens: int = 32,
+        kept: torch.Tensor | None = None,
+    ) -> str:
+        """Greedy answer of the language model fed `projected` (K, d_t) as its visual tokens (``kept`` as above)."""
 
     @abstractmethod
     def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
@@ -76,6 +164,7 @@ class VLMAdapter(ABC):
 
         Vision probes requested together share one vision-tower pass; ``"question"`` needs ``question``
         (QuestionError otherwise); ``"language_model"`` is a ``LanguageModelProbe`` on the prompt with
-        ``question`` (a default question when None) and all N visual tokens. Unknown names raise
-        MethodError. The model is left as it was found (no hooks, same attention implementation).
+        ``question`` (a default question when None) and all N visual tokens. Unknown names, and names not
+        in :attr:`capabilities`, raise MethodError. The model is left as it was found (no hooks, same
+        attention implementation).
         """

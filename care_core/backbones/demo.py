@@ -42,6 +42,47 @@ LLAVA15_CHAT_TEMPLATE = (
 )
 
 
+# The llava-hf LLaVA-NeXT (Mistral) template, user turns only: "[INST] <image>\n{question} [/INST]".
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] }}{% endfor %}{{ ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ ' ' + content['text'] + '</s>' }}{% endfor %}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+# The Qwen2.5-VL template (default system message; images as <|vision_start|><|image_pad|><|vision_end|>).
+QWEN25VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+
 @dataclass(frozen=True)
 class DemoBackbone:
     """One embedded demo: how to build it (model, processor) from a seed."""
@@ -58,12 +99,20 @@ class DemoBackbone:
         return f"{self.name}-v{self.version}"
 
 
-def build_byte_tokenizer(special_tokens: list[str], model_max_length: int = 8192) -> Any:
+def build_byte_tokenizer(
+    special_tokens: list[str],
+    model_max_length: int = 8192,
+    *,
+    add_bos: bool = True,
+    eos_token: str = "</s>",
+    pad_token: str = "<pad>",
+) -> Any:
     """An offline byte-level tokenizer that encodes any text without ``<unk>``.
 
     A byte-level BPE with the 256-symbol byte alphabet and no merges (one token per UTF-8 byte),
-    ``<unk> <s> </s> <pad>`` as ids 0-3, ``<s>`` prepended like Llama, and ``special_tokens``
-    (e.g. ``"<image>"``) registered as never-split special tokens after the bytes.
+    ``<unk> <s> </s> <pad>`` as ids 0-3, ``<s>`` prepended like Llama (unless ``add_bos`` is False, as
+    for Qwen), and ``special_tokens`` (e.g. ``"<image>"``) registered as never-split special tokens after
+    the bytes. ``eos_token`` / ``pad_token`` may name one of ``special_tokens``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -75,9 +124,10 @@ def build_byte_tokenizer(special_tokens: list[str], model_max_length: int = 8192
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
+    if add_bos:
+        tk.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+        )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tk,
         unk_token="<unk>",
@@ -87,6 +137,8 @@ def build_byte_tokenizer(special_tokens: list[str], model_max_length: int = 8192
         model_max_length=model_max_length,
     )
     tok.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    if eos_token != "</s>" or pad_token != "<pad>":
+        tok.add_special_tokens({"eos_token": eos_token, "pad_token": pad_token})
     return tok
 
 
@@ -152,6 +204,121 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     return model, processor
 
 
+def _tiny_clip_config() -> Any:
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=336,
+        patch_size=14,
+        projection_dim=32,
+    )
+
+
+def build_tiny_llava_next(seed: int = 0) -> tuple[Any, Any]:
+    """LLaVA-NeXT with the real geometry (CLIP 336 px / 14, layer -2, strategy "default", the default anyres
+    pinpoints, base view + unpadded high-resolution grid: 2880 tokens for 672x672) and tiny widths."""
+    from transformers import LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = build_byte_tokenizer(["<image>"])
+    vocab_size = -(-len(tok) // 8) * 8
+    text_config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config = LlavaNextConfig(
+        vision_config=_tiny_clip_config(),
+        text_config=text_config,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config).eval()
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 336},
+        crop_size={"height": 336, "width": 336},
+        image_grid_pinpoints=[list(p) for p in config.image_grid_pinpoints],
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_NEXT_CHAT_TEMPLATE,
+    )
+    return model, processor
+
+
+def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
+    """Qwen2.5-VL with the real geometry (patch 14, 2x2 merge, window 112, full-attention blocks, the hub's
+    pixel budget 3136..12845056) and tiny widths; the image-only processor (no torchvision needed)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from .qwen_processor import CareQwen2_5_VLProcessor
+
+    tok = build_byte_tokenizer(QWEN_SPECIAL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tid = tok.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        vision_config={
+            "depth": 4,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1, 3],
+            "tokens_per_second": 2,
+        },
+        text_config={
+            "vocab_size": -(-len(tok) // 8) * 8,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 8192,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            "bos_token_id": None,
+            "eos_token_id": tid("<|im_end|>"),
+            "pad_token_id": tid("<|endoftext|>"),
+        },
+        image_token_id=tid("<|image_pad|>"),
+        video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 3136, "longest_edge": 12845056}, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
+    processor = CareQwen2_5_VLProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE
+    )
+    return model, processor
+
+
 DEMO_BACKBONES: dict[str, DemoBackbone] = {
     "tiny-llava": DemoBackbone(
         name="tiny-llava",
@@ -160,6 +327,24 @@ DEMO_BACKBONES: dict[str, DemoBackbone] = {
         seed=0,
         description="LLaVA-1.5 geometry (CLIP-336/14, 576 tokens), tiny random weights; demo only",
         build=build_tiny_llava,
+    ),
+    "tiny-llava-next": DemoBackbone(
+        name="tiny-llava-next",
+        version=1,
+        family="llava-next",
+        seed=0,
+        description="LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672), "
+        "tiny random weights; demo only",
+        build=build_tiny_llava_next,
+    ),
+    "tiny-qwen2.5-vl": DemoBackbone(
+        name="tiny-qwen2.5-vl",
+        version=1,
+        family="qwen2.5-vl",
+        seed=0,
+        description="Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget), "
+        "tiny random weights; demo only",
+        build=build_tiny_qwen2_5_vl,
     ),
 }
 

@@ -11,24 +11,18 @@ pixels (see :mod:`care_core.backbones.geometry` for the exact rounding).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from ..errors import MethodError, ModelLoadError, QuestionError
+from ..errors import ModelLoadError
+from ._chat import ChatAdapter, mm_encoder_outputs, to_rgb
 from ._hf import quiet_transformers
-from .base import ImageTokens, VLMAdapter
+from .base import ImageTokens, check_kept
 from .geometry import clip_boxes, crop_geometry, grid_crop_boxes, grid_positions
-from .probes import (
-    DEFAULT_PROBE_QUESTION,
-    VISION_PROBES,
-    LanguageModelRun,
-    attention_implementation,
-    clip_vision_probes,
-)
+from .probes import clip_vision_probes
 
 LLAVA15_FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
 
@@ -41,22 +35,13 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB as the HF processors make it (``convert_to_rgb``): transparency composited on white."""
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-class LlavaAdapter(VLMAdapter):
+class LlavaAdapter(ChatAdapter):
     """Adapter for LLaVA-1.5 checkpoints (``model_type == "llava"``)."""
 
     family = "llava-1.5"
     model_types = ("llava",)
+    model_class = "LlavaForConditionalGeneration"
+    FALLBACK_PROMPT = LLAVA15_FALLBACK_PROMPT
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         self.model = model
@@ -86,8 +71,10 @@ class LlavaAdapter(VLMAdapter):
         dtype: torch.dtype | str,
     ) -> LlavaAdapter:
         """Load model + processor from a local folder (never the network). Errors propagate raw."""
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+        import transformers
+        from transformers import AutoProcessor
 
+        model_class = getattr(transformers, cls.model_class)
         kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
         if device.type != "cpu":
             kwargs["device_map"] = device
@@ -100,7 +87,7 @@ class LlavaAdapter(VLMAdapter):
                     f"cannot load the processor (tokenizer, image processor config) from {folder}: "
                     f"{type(exc).__name__}: {detail}"
                 ) from exc
-            model = LlavaForConditionalGeneration.from_pretrained(str(folder), **kwargs)
+            model = model_class.from_pretrained(str(folder), **kwargs)
             model = model.to(device).eval()
             model.requires_grad_(False)
         return cls(model, processor, name=name, is_demo=is_demo)
@@ -121,15 +108,10 @@ class LlavaAdapter(VLMAdapter):
             embeddings = getattr(getattr(vt, "vision_model", None), "embeddings", None)
         has_cls = embeddings is not None and hasattr(embeddings, "class_embedding")
         proc.num_additional_image_tokens = 1 if has_cls else 0
-        tok = proc.tokenizer
         image_token_id = getattr(cfg, "image_token_id", None)
         if image_token_id is None:
-            image_token_id = cfg.image_token_index
-        self.image_token_id = int(image_token_id)
-        image_token = tok.convert_ids_to_tokens(self.image_token_id)
-        if not isinstance(image_token, str) or not image_token:
-            raise ModelLoadError(f"{self.name}: the tokenizer has no token for image_token_id {image_token_id}")
-        self.image_token = image_token
+            image_token_id = getattr(cfg, "image_token_index", None)
+        self._set_image_token(image_token_id)
 
     # ------------------------------------------------------------------ modules
     @property
@@ -139,10 +121,6 @@ class LlavaAdapter(VLMAdapter):
     @property
     def projector(self) -> torch.nn.Module:
         return _inner(self.model).multi_modal_projector
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.processor.tokenizer
 
     @property
     def num_image_tokens(self) -> int:
@@ -158,9 +136,7 @@ class LlavaAdapter(VLMAdapter):
         each patch's footprint in original pixels; ``model_inputs`` holds the processor's
         ``pixel_values`` (CPU), ``image_size`` and the :class:`CropGeometry`.
         """
-        if not isinstance(image, Image.Image):
-            raise TypeError(f"expected a PIL image, got {type(image).__name__}")
-        image = _to_rgb(image)
+        image = to_rgb(image)
         width, height = image.size
         ip = self.processor.image_processor
         with quiet_transformers():
@@ -197,145 +173,27 @@ class LlavaAdapter(VLMAdapter):
             model_inputs={"pixel_values": pixel_values, "image_size": (height, width), "crop_geometry": geom},
         )
 
-    # ------------------------------------------------------------------ text
-    def question_embeddings(self, question: str) -> torch.Tensor:
-        tok = self.tokenizer
-        ids: list[int] = []
-        if question.strip():
-            ids = tok(question, add_special_tokens=False)["input_ids"]
-        drop = {int(i) for i in tok.all_special_ids} | {self.image_token_id}
-        keep = [int(i) for i in ids if int(i) not in drop]
-        if not keep:
-            raise QuestionError(f'question "{question}" has no tokens the language model can embed')
-        emb = self.model.get_input_embeddings()
-        with torch.no_grad():
-            return emb(torch.tensor(keep, dtype=torch.long, device=emb.weight.device))
+    # ------------------------------------------------------------------ language model
+    @property
+    def _language_model(self) -> torch.nn.Module:
+        return _inner(self.model).language_model
 
-    def prompt(self, question: str) -> str:
-        """The model's chat prompt for one image + ``question`` (one image placeholder)."""
-        question = question.replace(self.image_token, "")
-        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        for owner in (self.processor, self.tokenizer):
-            if not getattr(owner, "chat_template", None):
-                continue
-            try:
-                with quiet_transformers():
-                    text = owner.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-            except Exception:
-                continue
-            if isinstance(text, list):
-                text = text[0] if len(text) == 1 else None
-            if isinstance(text, str) and text.count(self.image_token) == 1:
-                return text
-        return LLAVA15_FALLBACK_PROMPT.format(image=self.image_token, question=question)
-
-    def _encode_prompt(self, question: str, k: int) -> dict[str, torch.Tensor]:
-        """Tokenise the prompt with exactly ``k`` image placeholders (no processor expansion)."""
-        head, tail = self.prompt(question).split(self.image_token, 1)
-        text = head + self.image_token * k + tail
-        enc = self.tokenizer(text, return_tensors="pt")
-        n = int((enc["input_ids"] == self.image_token_id).sum())
-        if n != k:
-            raise RuntimeError(f"prompt tokenised to {n} image placeholders, expected {k}")
-        return {key: enc[key].to(self.device) for key in ("input_ids", "attention_mask")}
-
-    def _mm_inputs(self, projected: torch.Tensor) -> dict[str, Any]:
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-        hidden = self.model.config.text_config.hidden_size
-        if projected.dim() != 2 or projected.shape[0] < 1 or projected.shape[1] != hidden:
-            raise ValueError(f"projected must be (K >= 1, {hidden}); got {tuple(projected.shape)}")
-        emb = self.model.get_input_embeddings().weight
-        projected = projected.detach().to(device=emb.device, dtype=emb.dtype)
-        return {"image": BaseModelOutputWithPooling(pooler_output=[projected])}
-
-    def language_model_logits(self, question: str, tokens: ImageTokens, projected: torch.Tensor) -> torch.Tensor:
-        mm = self._mm_inputs(projected)
-        enc = self._encode_prompt(question, int(projected.shape[0]))
-        with torch.no_grad(), quiet_transformers():
-            out = self.model(**enc, mm_encoder_outputs=mm)
-        return out.logits[0]
-
-    def generate(self, question: str, tokens: ImageTokens, projected: torch.Tensor, max_new_tokens: int = 32) -> str:
-        mm = self._mm_inputs(projected)
-        enc = self._encode_prompt(question, int(projected.shape[0]))
-        if max_new_tokens < 1:
-            return ""
-        tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        with torch.no_grad(), quiet_transformers():
-            out = self.model.generate(
-                **enc,
-                mm_encoder_outputs=mm,
-                max_new_tokens=int(max_new_tokens),
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=pad,
-            )
-        new = out[0, enc["input_ids"].shape[1] :]
-        return tok.decode(new, skip_special_tokens=True).strip()
+    def _lm_inputs(
+        self,
+        question: str,
+        tokens: ImageTokens,
+        projected: torch.Tensor,
+        kept: torch.Tensor | None,
+        *,
+        probe: bool = False,
+    ) -> dict[str, Any]:
+        """The prompt with K placeholders; the K rows are fed in the order given (``kept`` is only checked)."""
+        rows = self._check_projected(projected)
+        check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
+        enc = self._encode_prompt(question, int(rows.shape[0]))
+        return {**enc, "mm_encoder_outputs": mm_encoder_outputs(rows)}
 
     # ------------------------------------------------------------------ probes
-    def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
-        """The requested probes (see ``care_core.methods.base.PROBES``) for the image of ``tokens``.
-
-        Vision probes (``cls_attention``, ``attention_logits``, ``keys``, ``hidden_with_cls``,
-        ``last_layer_qk``) come from one pass of the vision tower over ``tokens.model_inputs
-        ["pixel_values"]``, stopped as soon as the last hooked value is captured; the tower keeps its
-        attention implementation (see :func:`~care_core.backbones.probes.clip_vision_probes` for shapes
-        and dtypes). ``question`` is :meth:`question_embeddings`; ``language_model`` is a
-        :class:`~care_core.backbones.probes.LanguageModelRun` on the prompt with ``question`` (or
-        "Describe the image.") and all N projected visual tokens, fed like :meth:`language_model_logits`.
-        """
-        from ..methods.base import PROBES
-
-        wanted = list(dict.fromkeys(names))
-        unknown = [n for n in wanted if n not in PROBES]
-        if unknown:
-            raise MethodError(f"unknown probe(s) {unknown}; known: {sorted(PROBES)}")
-        if "question" in wanted and question is None:
-            raise QuestionError("the 'question' probe needs a question")
-        out: dict[str, Any] = {}
-        vision = {n for n in wanted if n in VISION_PROBES}
-        if vision:
-            pixel_values = tokens.model_inputs.get("pixel_values")
-            if pixel_values is None:
-                raise ValueError("tokens.model_inputs has no pixel_values; use ImageTokens from encode_image")
-            layer = self.model.config.vision_feature_layer
-            out.update(clip_vision_probes(self._vision_tower, pixel_values, layer, vision))
-        if "question" in wanted:
-            out["question"] = self.question_embeddings(question)  # type: ignore[arg-type]
-        if "language_model" in wanted:
-            out["language_model"] = self.language_model_probe(tokens, question)
-        return {n: out[n] for n in wanted}
-
-    def language_model_probe(self, tokens: ImageTokens, question: str | None = None) -> LanguageModelRun:
-        """A LanguageModelProbe on the prompt with ``question`` and all N projected visual tokens."""
-        if question is None or not question.strip():
-            question = DEFAULT_PROBE_QUESTION
-        with torch.no_grad():
-            projected = self.projector(tokens.features)
-        mm = self._mm_inputs(projected)
-        enc = self._encode_prompt(question, int(projected.shape[0]))
-        model = self.model
-        language_model = _inner(model).language_model
-        image_token_id = self.image_token_id
-        visual = mm["image"].pooler_output[0]
-
-        def forward() -> Any:
-            return model(**enc, mm_encoder_outputs=mm, use_cache=False)
-
-        def embeddings() -> torch.Tensor:
-            ids = enc["input_ids"]
-            embeds = model.get_input_embeddings()(ids)
-            mask = (ids == image_token_id).unsqueeze(-1).expand_as(embeds)
-            return embeds.masked_scatter(mask, visual.to(embeds.dtype))[0]
-
-        return LanguageModelRun(
-            forward=forward,
-            input_ids=enc["input_ids"],
-            image_token_id=image_token_id,
-            embeddings=embeddings,
-            attention_modules=[layer.self_attn for layer in language_model.layers],
-            eager=lambda: attention_implementation(model, {"text_config": "eager"}),
-        )
+    def _vision_probes(self, tokens: ImageTokens, names: set[str]) -> dict[str, Any]:
+        layer = self.model.config.vision_feature_layer
+        return clip_vision_probes(self._vision_tower, tokens.model_inputs["pixel_values"], layer, names)

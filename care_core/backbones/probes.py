@@ -137,26 +137,19 @@ def hidden_state_index(layer: int, num_layers: int) -> int:
     return index
 
 
-def clip_vision_probes(
+def clip_vision_capture(
     tower: torch.nn.Module,
     pixel_values: torch.Tensor,
     feature_layer: int | Sequence[int],
     names: set[str] | frozenset[str],
-) -> dict[str, torch.Tensor]:
-    """The requested :data:`VISION_PROBES` of one image from one (truncated) pass of a CLIP-style tower.
+) -> dict[str, Any]:
+    """What the requested :data:`VISION_PROBES` need, captured in one (truncated) pass of a CLIP-style tower.
 
-    ``feature_layer`` is the model's ``vision_feature_layer`` (index into ``hidden_states``); the
-    "feature layer" of the attention probes is the encoder block whose output is that hidden state,
-    block ``L_v + feature_layer`` for a negative index. The tower keeps its attention implementation:
-    a pre-hook takes that block's attention input (already ``layer_norm1``-ed) and the probes recompute
-    its queries and keys in float32 with the block's own ``q_proj`` / ``k_proj`` (bias included).
-
-    Returns, for ``T = 1 + N`` tokens (CLS first), on the tower's device:
-    ``cls_attention`` (H, T) float32 softmax of the CLS query row; ``attention_logits`` (T, T) float32
-    head-mean of ``q k^T * head_dim**-0.5`` per head; ``keys`` (T, d_head) float32 head-mean of the
-    per-head keys; ``hidden_with_cls`` (T, d_v) in the tower's dtype (feature layers concatenated along
-    the last axis when there are several, like the features); ``last_layer_qk`` (2, T, d_v) float32:
-    the hooked ``q_proj`` and ``k_proj`` outputs of the last block.
+    ``pixel_values`` is a batch (B, 3, H, W) (LLaVA-NeXT: its crops); every captured tensor keeps that
+    batch axis. Keys present only when needed: ``"attn_input"`` (B, T, d) the feature block's attention
+    input (already ``layer_norm1``-ed) and ``"attention"`` that block's attention module; ``"hidden"`` a
+    list (one per feature layer) of (B, T, d_v) hidden states; ``"last_q"``, ``"last_k"`` (B, T, d_v) the
+    last block's ``q_proj`` / ``k_proj`` outputs. See :func:`clip_vision_probes` for the layer indexing.
     """
     unknown = set(names) - VISION_PROBES
     if unknown:
@@ -212,12 +205,46 @@ def clip_vision_probes(
             missing = sorted(map(str, needed - captured.keys()))
             raise RuntimeError(f"the vision tower forward never reached the probe hooks {missing}")
 
-        out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    if attention_names:
+        out["attn_input"] = captured["attn_input"]
+        out["attention"] = layers[indices[0] - 1].self_attn
+    if "hidden_with_cls" in names:
+        out["hidden"] = [captured[("hidden", i)] for i in indices]
+    if "last_layer_qk" in names:
+        out["last_q"], out["last_k"] = captured["last_q"], captured["last_k"]
+    return out
+
+
+def clip_vision_probes(
+    tower: torch.nn.Module,
+    pixel_values: torch.Tensor,
+    feature_layer: int | Sequence[int],
+    names: set[str] | frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """The requested :data:`VISION_PROBES` of one image from one (truncated) pass of a CLIP-style tower.
+
+    ``feature_layer`` is the model's ``vision_feature_layer`` (index into ``hidden_states``); the
+    "feature layer" of the attention probes is the encoder block whose output is that hidden state,
+    block ``L_v + feature_layer`` for a negative index. The tower keeps its attention implementation:
+    a pre-hook takes that block's attention input (already ``layer_norm1``-ed) and the probes recompute
+    its queries and keys in float32 with the block's own ``q_proj`` / ``k_proj`` (bias included).
+
+    Returns, for ``T = 1 + N`` tokens (CLS first), on the tower's device:
+    ``cls_attention`` (H, T) float32 softmax of the CLS query row; ``attention_logits`` (T, T) float32
+    head-mean of ``q k^T * head_dim**-0.5`` per head; ``keys`` (T, d_head) float32 head-mean of the
+    per-head keys; ``hidden_with_cls`` (T, d_v) in the tower's dtype (feature layers concatenated along
+    the last axis when there are several, like the features); ``last_layer_qk`` (2, T, d_v) float32:
+    the hooked ``q_proj`` and ``k_proj`` outputs of the last block.
+    """
+    captured = clip_vision_capture(tower, pixel_values, feature_layer, names)
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        attention_names = {"cls_attention", "attention_logits", "keys"} & set(names)
         if attention_names:
-            attn = layers[indices[0] - 1].self_attn
-            out.update(_attention_probes(attn, captured["attn_input"][0], attention_names))
+            out.update(_attention_probes(captured["attention"], captured["attn_input"][0], attention_names))
         if "hidden_with_cls" in names:
-            out["hidden_with_cls"] = torch.cat([captured[("hidden", i)][0] for i in indices], dim=-1)
+            out["hidden_with_cls"] = torch.cat([h[0] for h in captured["hidden"]], dim=-1)
         if "last_layer_qk" in names:
             out["last_layer_qk"] = torch.stack([captured["last_q"][0], captured["last_k"][0]]).float()
     return out

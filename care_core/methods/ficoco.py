@@ -5,7 +5,7 @@ Official code: kawhiiiileo/FiCoCo @ 8995e93, ``llava/model/multimodal_encoder/Fi
 12-23 the head-mean **pre-softmax** attention logits ``L`` (T, T) of the layer rank the tokens and ``r = 42`` of
 them are merged after the attention residual, before the MLP. One step (:func:`ficoco_step`):
 
-* **Filter** (redundancy score, paper Eq. for the "filter" stage): ``c = L[0, 1:]``, ``p_i = mean_j L[i, j]``
+* **Filter** (the paper's redundancy score): ``c = L[0, 1:]``, ``p_i = mean_j L[i, j]``
   over patches, each L2-normalised over tokens, ``s = 0.35 c - 0.65 p``; local penalty in 2x2 windows of the
   patch grid (the minimum of each window is halved if positive, doubled if negative: more mergeable); token 0 gets
   ``+inf``; the ``r`` lowest scores (ascending ``argsort``) are merged, the rest remain;
@@ -40,8 +40,9 @@ released target addressing defined — beyond it the official ``Compress`` scatt
 LLaVA-1.5 setting: 11 steps, 577 -> 115 -> 114 tokens.) ``token_index`` is the patch of each row's own token (-1
 for the CLS token, which in the released row order moves to the end and can itself be merged), ``assignment`` is
 the row each patch ended in (merged tokens follow their top-1 target's row; tokens that end in the dropped row 0
-are -1). The map has the patch grid's shape (``inputs.grid``, else a square N); without a grid there is no local
-penalty. Deviations: the sorts are stable (ties broken by position; the official ``argsort`` is unspecified).
+are -1). The map has the patch grid's shape (``inputs.grid``, else a square N; the released code hard-codes
+576 = 24 x 24 slots and the first 144 window minima, i.e. all windows of that grid); without a grid there is no
+local penalty. Deviations: the sorts are stable (ties broken by position; the official ``argsort`` is unspecified).
 """
 
 from __future__ import annotations

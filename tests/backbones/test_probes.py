@@ -272,8 +272,8 @@ def test_language_model_attentions_equal_eager(
     attentions = lm.attentions(n_layers - 1)
     with torch.no_grad():
         projected = demo.projector(tokens.features)
-        enc = demo._encode_prompt(QUESTION, tokens.num_tokens)
-        ref = eager(**enc, mm_encoder_outputs=demo._mm_inputs(projected), output_attentions=True).attentions
+        enc = demo._lm_inputs(QUESTION, tokens, projected, None)
+        ref = eager(**enc, output_attentions=True).attentions
     assert len(attentions) == n_layers and len(ref) == n_layers
     length = enc["input_ids"].shape[1]
     heads = demo.model.config.text_config.num_attention_heads
