@@ -1,12 +1,17 @@
-"""Test-wide setup: every test run builds demo backbones in its own CARE_HOME, never the user's cache."""
+"""Test-wide setup: an isolated CARE_HOME (never the user's cache) and the in-process `care` runner."""
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from care_cli.app import main
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -20,3 +25,26 @@ def isolated_care_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         os.environ.pop("CARE_HOME", None)
     else:
         os.environ["CARE_HOME"] = saved
+
+
+@dataclass
+class Run:
+    """Exit code and captured output of one in-process `care` call (through `main`, as the console script)."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def care(capsys: pytest.CaptureFixture[str]) -> Callable[..., Run]:
+    def run(*args: object) -> Run:
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return Run(code, captured.out, captured.err)
+
+    return run
