@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from care_core.precision import matmul_precision
+
 
 def unit_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Rows divided by max(||row||, eps): zero rows stay zero, so their cosine with anything is 0."""
@@ -21,7 +23,19 @@ def diversity_greedy(weights: torch.Tensor, features: torch.Tensor, k: int, eps:
     S starts at argmax w; each step adds argmax_{i not in S} w_i min_{j in S} (1 - cos(v_i, v_j)).
     Ties go to the lowest index (torch.argmax returns the first maximum). The running minimum is
     updated with one row of cosines per step and the loop never reads a value back to the host.
+
+    On CUDA (float32, N <= 16384, Triton present) the K steps run in one fused kernel over the cosine
+    Gram matrix (:mod:`care_core.kernels.greedy`): the same steps, one launch instead of ~8 per step.
+    Its cosines come from one float32 matmul instead of one matvec per step, so they can differ in the
+    last bit: the order is the same unless two candidates tie to within float32 rounding.
     """
+    if _fused_greedy_applies(weights, features):
+        from care_core.kernels.greedy import greedy_order
+
+        unit = unit_rows(features, eps)
+        with matmul_precision(allow_tf32=False):
+            gram = unit @ unit.T
+        return greedy_order(weights, gram, k)
     n = weights.shape[0]
     unit = unit_rows(features, eps)
     order = torch.empty(k, dtype=torch.long, device=weights.device)
@@ -37,4 +51,39 @@ def diversity_greedy(weights: torch.Tensor, features: torch.Tensor, k: int, eps:
         order[step : step + 1] = chosen
         selected.index_fill_(0, chosen, True)
         min_distance = torch.minimum(min_distance, 1 - unit @ unit.index_select(0, chosen)[0])
+    return order
+
+
+def _fused_greedy_applies(weights: torch.Tensor, features: torch.Tensor) -> bool:
+    from care_core.kernels import triton_enabled
+
+    if weights.device.type != "cuda" or not triton_enabled(weights.device):
+        return False
+    if weights.dtype != torch.float32 or features.dtype != torch.float32:
+        return False
+    from care_core.kernels.greedy import MAX_TOKENS
+
+    return weights.shape[0] <= MAX_TOKENS
+
+
+def diversity_greedy_gram(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
+    """Eq. 3 from a precomputed cosine matrix ``gram`` (N, N): the PyTorch twin of the fused GPU kernel.
+
+    Same steps and tie rule as :func:`diversity_greedy`, reading row ``gram[chosen]`` instead of computing
+    ``unit @ unit[chosen]``; used to check the kernel and as its reference on the CPU.
+    """
+    n = weights.shape[0]
+    order = torch.empty(k, dtype=torch.long, device=weights.device)
+    selected = torch.zeros(n, dtype=torch.bool, device=weights.device)
+    chosen = torch.argmax(weights).view(1)
+    order[0:1] = chosen
+    selected.index_fill_(0, chosen, True)
+    min_distance = 1 - gram.index_select(0, chosen)[0]
+    minus_inf = torch.tensor(float("-inf"), dtype=weights.dtype, device=weights.device)
+    for step in range(1, k):
+        score = torch.where(selected, minus_inf, weights * min_distance)
+        chosen = torch.argmax(score).view(1)
+        order[step : step + 1] = chosen
+        selected.index_fill_(0, chosen, True)
+        min_distance = torch.minimum(min_distance, 1 - gram.index_select(0, chosen)[0])
     return order

@@ -5,6 +5,10 @@ Two engines compute the response matrix C (m, N):
 - ``jvp``: its h -> 0 limit ``||J_M(v) u||``, exact. For a Linear-act-Linear projector (LLaVA's)
   the first layer is applied once to the m directions and shared by all tokens, so the cost is
   about m N d_hidden d_out multiply-adds; any other projector goes through ``torch.func.jvp``.
+  On CUDA (tf32 or bf16 matmuls) that MLP path is one fused Triton kernel (``care_core.kernels``);
+  the CPU path is plain PyTorch.
+A third, opt-in engine, ``sketch`` (:func:`responses_sketch`), approximates ``jvp`` with a random
+sketch of the projector's output; it is reachable from :func:`perturbation_responses` only.
 """
 
 from __future__ import annotations
@@ -111,12 +115,29 @@ def responses_fd(features: torch.Tensor, projector: Projector, directions: torch
     return torch.cat(rows)
 
 
-def _jvp_mlp(features: torch.Tensor, mlp: _MLP, directions: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
-    """||W2 diag(act'(W1 v + b1)) W1 u|| for every token and direction, sharing W1 u across tokens."""
+def _jvp_mlp(
+    features: torch.Tensor,
+    mlp: _MLP,
+    directions: torch.Tensor,
+    low: torch.dtype | None,
+    *,
+    tf32: bool = False,
+    second_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """||W2 diag(act'(W1 v + b1)) W1 u|| for every token and direction, sharing W1 u across tokens.
+
+    On CUDA with tf32 or bf16 matmuls the product, the matmul and the norm run fused in one Triton
+    kernel (:mod:`care_core.kernels.jvp`); otherwise (CPU, float32/float64 matmuls, odd shapes) in
+    chunks of directions with PyTorch. ``second_weight`` replaces W2 (the sketch engine).
+    """
     pre = mlp.first(features)  # (N, d_hidden)
     slope = torch.func.jvp(mlp.act, (pre,), (torch.ones_like(pre),))[1]  # act'(W1 v + b1)
     lifted = directions @ mlp.first.weight.T  # (m, d_hidden): W1 u_x, shared by all tokens
-    w2 = mlp.second.weight
+    w2 = mlp.second.weight if second_weight is None else second_weight
+    if _fused_jvp_applies(features, w2, low, tf32):
+        from care_core.kernels.jvp import jvp_norms
+
+        return jvp_norms(slope, lifted, w2, bf16=low is not None).to(features.dtype)
     if low is not None:
         slope, lifted, w2 = slope.to(low), lifted.to(low), w2.to(low)
     n, hidden = pre.shape
@@ -130,6 +151,23 @@ def _jvp_mlp(features: torch.Tensor, mlp: _MLP, directions: torch.Tensor, low: t
             out = out.float()  # norms of bf16 products are accumulated in float32
         rows.append(out.norm(dim=-1).to(features.dtype))
     return torch.cat(rows)
+
+
+def _fused_jvp_applies(features: torch.Tensor, w2: torch.Tensor, low: torch.dtype | None, tf32: bool) -> bool:
+    """The fused kernel runs for float32 features on CUDA in tf32 or bf16 mode, for shapes it tiles."""
+    if features.device.type != "cuda" or features.dtype != torch.float32:
+        return False
+    if low is None and not tf32:
+        return False  # full float32 matmuls: PyTorch (cuBLAS) path
+    if low is not None and low != torch.bfloat16:
+        return False
+    from care_core.kernels import triton_enabled
+
+    if not triton_enabled(features.device):
+        return False
+    from care_core.kernels.jvp import supported
+
+    return supported(w2.shape[1], w2.shape[0])
 
 
 def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch.Tensor) -> torch.Tensor:
@@ -164,8 +202,46 @@ def responses_jvp(
     with matmul_precision(allow_tf32=allow_tf32):
         mlp = _as_mlp(projector)
         if mlp is not None:
-            return _jvp_mlp(features, mlp, directions, low)
+            return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32)
         return _jvp_generic(features, projector, directions)
+
+
+def sketch_matrix(out_dim: int, rank: int, seed: int, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(rank, out_dim) Gaussian sketch R with E[||R y||^2] = ||y||^2, drawn on the CPU from ``seed``."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    r = torch.randn(rank, out_dim, generator=generator, dtype=torch.float64) / rank**0.5
+    return r.to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def responses_sketch(
+    features: torch.Tensor,
+    projector: Projector,
+    directions: torch.Tensor,
+    *,
+    rank: int = 512,
+    seed: int = 0,
+    matmul: str = "auto",
+) -> torch.Tensor:
+    """Approximate jvp responses ``||R J_M(v_i) u_x||`` with a random Gaussian sketch R (rank, d_out); (m, N).
+
+    Opt-in approximation, never a default: the projector's second layer W2 (d_out, d_h) is replaced by
+    R W2 (rank, d_h), so the cost drops from m N d_h d_out to m N d_h rank multiply-adds (8x less for
+    LLaVA at rank 512); each response is off by a random factor of relative spread about
+    1/sqrt(2 rank) (3% at 512). Needs a Linear-act-Linear projector (LLaVA's).
+    ``benchmarks/gpu.py`` measures how often it picks the exact engine's anchors.
+    """
+    mlp = _as_mlp(projector)
+    if mlp is None:
+        raise ValueError("the sketch engine needs a Linear -> activation -> Linear projector")
+    on_cuda = features.device.type == "cuda"
+    allow_tf32 = (matmul == "tf32" or (matmul == "auto" and on_cuda)) and features.dtype != torch.float64
+    low = torch.bfloat16 if matmul == "bf16" and features.dtype != torch.float64 else None
+    w2 = mlp.second.weight
+    with matmul_precision(allow_tf32=False):
+        sketched = sketch_matrix(w2.shape[0], rank, seed, device=w2.device, dtype=w2.dtype) @ w2
+    with matmul_precision(allow_tf32=allow_tf32):
+        return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32, second_weight=sketched)
 
 
 def perturbation_responses(
@@ -176,14 +252,20 @@ def perturbation_responses(
     h: float,
     engine: str = "jvp",
     matmul: str = "auto",
+    sketch_rank: int = 512,
 ) -> torch.Tensor:
-    """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype."""
+    """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype.
+
+    ``engine="sketch"`` (core API only, opt-in) is :func:`responses_sketch` with rank ``sketch_rank``.
+    """
     projector = _projector_in(projector, features.dtype, features.device)
     if engine == "fd":
         return responses_fd(features, projector, directions, h)
     if engine == "jvp":
         return responses_jvp(features, projector, directions, matmul)
-    raise ValueError(f"unknown engine {engine!r} (expected 'jvp' or 'fd')")
+    if engine == "sketch":
+        return responses_sketch(features, projector, directions, rank=sketch_rank, matmul=matmul)
+    raise ValueError(f"unknown engine {engine!r} (expected 'jvp', 'fd' or 'sketch')")
 
 
 def median(values: torch.Tensor, dim: int) -> torch.Tensor:

@@ -100,11 +100,14 @@ class VLMAdapter(ABC):
         return frozenset(PROBES)
 
     def unavailable_reason(self, probe: str) -> str:
-        """Why ``probe`` is not in :attr:`capabilities` (one short sentence)."""
-        return f"the {self.family} backbone does not provide it"
+        """Why ``probe`` is not in :attr:`capabilities` (a short clause, e.g. "Qwen2.5-VL has no CLS token")."""
+        return f"the {self.family} backbone does not compute it"
 
     def check_probes(self, names: Iterable[str], method: str | None = None) -> None:
-        """MethodError (one line) if any of ``names`` is unknown or not offered by this backbone."""
+        """MethodError (one line) if any of ``names`` is unknown or not offered by this backbone.
+
+        Commands call it with a method's ``needs`` before any work, so the method refuses up front.
+        """
         from ..errors import MethodError
         from ..methods.base import PROBES
 
@@ -112,14 +115,18 @@ class VLMAdapter(ABC):
         unknown = [n for n in wanted if n not in PROBES]
         if unknown:
             raise MethodError(f"unknown probe(s) {unknown}; known: {sorted(PROBES)}")
-        missing = [n for n in wanted if n not in self.capabilities]
-        if missing:
-            who = f"method {method!r} needs" if method else "requested"
-            probe = missing[0]
-            more = f" (also {', '.join(repr(m) for m in missing[1:])})" if len(missing) > 1 else ""
+        missing = [n for n in PROBES if n in wanted and n not in self.capabilities]
+        if not missing:
+            return
+        listed = ", ".join(missing)
+        reason = self.unavailable_reason(missing[0])
+        if method:
             raise MethodError(
-                f"{self.name}: {who} {probe!r}{more}, which is not available: {self.unavailable_reason(probe)}"
+                f"method {method!r} cannot run on {self.name}: it needs {listed}, "
+                f"which the {self.family} backbone does not provide ({reason})"
             )
+        verb = "is" if len(missing) == 1 else "are"
+        raise MethodError(f"{self.name}: {reason}; {listed} {verb} not available")
 
     def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
         """How many visual rows the language model receives for ``rows`` projected rows (see module doc)."""

@@ -35,9 +35,12 @@ _DTYPES = {
 
 
 def _adapter_registry() -> dict[str, type]:
+    """``config.json`` model_type -> adapter class."""
     from .llava import LlavaAdapter
+    from .llava_next import LlavaNextAdapter
+    from .qwen2_5_vl import Qwen2_5_VLAdapter
 
-    return {"llava": LlavaAdapter}
+    return {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter}
 
 
 def care_home() -> Path:

@@ -32,6 +32,7 @@ PAPER = "CaRe: Calibrate Before Reason, Sec. 3 (ablations: Table S5)"
 @dataclass(frozen=True)
 class _CaReFamily(Method):
     config: CaReConfig = field(default_factory=CaReConfig)
+    paper: ClassVar[str] = PAPER
     anchors_from: ClassVar[str] = "prca"  # "prca" or "zoo-prune"
     calibration: ClassVar[str] = "gated"  # "gated", "all" or "none"
 
@@ -77,7 +78,6 @@ class CaRe(_CaReFamily):
 
     name: ClassVar[str] = "care"
     category: ClassVar[Category] = "calibration"
-    paper: ClassVar[str] = PAPER
 
 
 @register
@@ -87,7 +87,6 @@ class PRCAOnly(_CaReFamily):
 
     name: ClassVar[str] = "prca-only"
     category: ClassVar[Category] = "selection"
-    paper: ClassVar[str] = PAPER
     calibration: ClassVar[str] = "none"
 
 
@@ -98,7 +97,6 @@ class SimpleCalib(_CaReFamily):
 
     name: ClassVar[str] = "simple-calib"
     category: ClassVar[Category] = "calibration"
-    paper: ClassVar[str] = PAPER
     anchors_from: ClassVar[str] = "zoo-prune"
     calibration: ClassVar[str] = "all"
 
@@ -110,7 +108,6 @@ class ConfidenceCalib(_CaReFamily):
 
     name: ClassVar[str] = "confidence-calib"
     category: ClassVar[Category] = "calibration"
-    paper: ClassVar[str] = PAPER
     anchors_from: ClassVar[str] = "zoo-prune"
 
 
@@ -121,5 +118,4 @@ class PRCASimpleCalib(_CaReFamily):
 
     name: ClassVar[str] = "prca+simple-calib"
     category: ClassVar[Category] = "calibration"
-    paper: ClassVar[str] = PAPER
     calibration: ClassVar[str] = "all"
