@@ -219,6 +219,8 @@ def run_csr(
     needs = sorted(set().union(*(m.needs for m in methods.values())) - {"question"})
     with render.stderr.status("Loading backbone (the demo is built on first use)…"):
         adapter = load_backbone(model, device=device, dtype=None if dtype == "auto" else dtype)
+    for name, method_obj in methods.items():
+        adapter.check_probes(sorted(set(method_obj.needs) - {"question"}), name)
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     progress = Progress(TextColumn("[bold]CSR"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -153,6 +153,7 @@ def run_reduce(
         else:
             runner = configured_method(method, config.seed)
             needs = sorted(set(runner.needs) - {"question"})
+            adapter.check_probes(needs, method)
             with clock("probes"):
                 probes = adapter.probe_inputs(tokens, needs, question=question) if needs else {}
             if "question" in runner.needs:
@@ -225,7 +226,7 @@ def _answers(
         with clock("total"):
             text = adapter.generate(question, tokens, feed, max_new_tokens=max_new_tokens, kept=kept)
         runs[label] = {
-            "visual_tokens": int(feed.shape[0]),
+            "visual_tokens": adapter.visual_tokens_fed(tokens, int(feed.shape[0]), kept),
             "answer": text,
             "prefill_ms": round(clock.ms["prefill"], 3),
             "total_ms": round(clock.ms["total"], 3),

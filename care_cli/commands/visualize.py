@@ -150,6 +150,8 @@ def build_figure(
         raise QuestionError(f"{wanting} needs a question: pass --question")
     with render.stderr.status("Loading backbone (the demo is built on first use)…"):
         adapter = load_backbone(model, device=device, dtype=None if dtype == "auto" else dtype)
+    for name, method_obj in methods.items():
+        adapter.check_probes(sorted(set(method_obj.needs) - {"question"}), name)
     notes: list[str] = []
     panels: list[PanelInput] = []
     with torch.no_grad(), render.stderr.status("Encoding the image and running the methods…"):

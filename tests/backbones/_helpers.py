@@ -6,6 +6,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from care_core.backbones.probes import attention_settings
+
 
 def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
@@ -28,3 +30,53 @@ def hub_key(key: str) -> str:
     if key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
         key = "vision_tower.vision_model." + key[len("vision_tower.") :]
     return key
+
+
+def position_image(height: int, width: int) -> Image.Image:
+    """R encodes x, G encodes y: R = (x + 0.5) / W * 255, G = (y + 0.5) / H * 255; B = 128 (padding stays 0)."""
+    xs = (np.arange(width) + 0.5) / width * 255
+    ys = (np.arange(height) + 0.5) / height * 255
+    arr = np.zeros((height, width, 3), dtype=np.uint8)
+    arr[..., 0] = np.round(xs)[None, :]
+    arr[..., 1] = np.round(ys)[:, None]
+    arr[..., 2] = 128
+    return Image.fromarray(arr)
+
+
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def hook_snapshot(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
+    return {
+        name: tuple(tuple(getattr(module, attr, {}).keys()) for attr in HOOK_DICTS)
+        for name, module in model.named_modules()
+    }
+
+
+def attn_strings(model: torch.nn.Module) -> tuple[str, str, str]:
+    cfg = model.config
+    return cfg._attn_implementation, cfg.text_config._attn_implementation, cfg.vision_config._attn_implementation
+
+
+class Unchanged:
+    """Asserts that the model has the same hooks and attention settings afterwards as before."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> Unchanged:
+        self.hooks = hook_snapshot(self.model)
+        self.settings = attention_settings(self.model)
+        self.strings = attn_strings(self.model)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert hook_snapshot(self.model) == self.hooks
+        assert attention_settings(self.model) == self.settings
+        assert attn_strings(self.model) == self.strings

@@ -1,14 +1,27 @@
-"""Shared fixtures: the tiny-llava demo built once per session, plus a tiny LLaVA saved to a folder."""
+"""Shared fixtures: the three demos built once per session, plus a tiny LLaVA saved to a folder."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from care_core.backbones import LlavaAdapter, ensure_demo, load_backbone
+from care_core.backbones import LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter, ensure_demo, load_backbone
 from care_core.backbones._hf import quiet_transformers
 from care_core.backbones.demo import build_tiny_llava
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_thread() -> Iterator[None]:
+    """The tiny demos gain nothing from intra-op threads; on a busy 2-core box the threads' spin-waits cost
+    4-5x the work itself (a 170x64 linear: 8 ms with 2 threads vs 0.1 ms with 1). Restored afterwards."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +39,25 @@ def demo(demo_home: Path) -> LlavaAdapter:
 
 
 @pytest.fixture(scope="session")
+def next_demo(demo_home: Path) -> LlavaNextAdapter:
+    adapter = load_backbone("tiny-llava-next", home=demo_home)
+    assert isinstance(adapter, LlavaNextAdapter)
+    return adapter
+
+
+@pytest.fixture(scope="session")
+def qwen_demo(demo_home: Path) -> Qwen2_5_VLAdapter:
+    adapter = load_backbone("tiny-qwen2.5-vl", home=demo_home)
+    assert isinstance(adapter, Qwen2_5_VLAdapter)
+    return adapter
+
+
+@pytest.fixture(scope="session")
+def demos(demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter) -> dict[str, Any]:
+    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo}
+
+
+@pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlavaAdapter, Path]:
     """A tiny LLaVA (other seed than the demo) in memory, and the same weights saved to a folder."""
     from transformers import AutoProcessor
@@ -39,3 +71,18 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlavaAdapter, P
         # torchvision CLIP backend, whose resize differs slightly from the PIL one we built with)
         processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
     return LlavaAdapter(model, processor, name="in-memory"), folder
+
+
+@pytest.fixture
+def count_calls() -> Iterator[Any]:
+    """count(module) -> a list whose length is the number of forward calls of `module`; hooks removed after."""
+    handles = []
+
+    def count(module: torch.nn.Module) -> list[int]:
+        calls: list[int] = []
+        handles.append(module.register_forward_pre_hook(lambda m, a: calls.append(1)))
+        return calls
+
+    yield count
+    for handle in handles:
+        handle.remove()

@@ -11,21 +11,10 @@ from care_core.backbones import ImageTokens, LlavaAdapter
 from care_core.backbones.geometry import clip_boxes, crop_geometry, grid_crop_boxes, resized_size
 from care_core.errors import QuestionError
 
-from ._helpers import noise_image
+from ._helpers import noise_image, position_image
 
 SIZES = [(336, 336), (500, 800), (900, 300)]  # (height, width)
 QUESTION = "What is in the image?"
-
-
-def position_image(height: int, width: int) -> Image.Image:
-    """R encodes x, G encodes y: R = (x + 0.5) / W * 255, G = (y + 0.5) / H * 255."""
-    xs = (np.arange(width) + 0.5) / width * 255
-    ys = (np.arange(height) + 0.5) / height * 255
-    arr = np.zeros((height, width, 3), dtype=np.uint8)
-    arr[..., 0] = np.round(xs)[None, :]
-    arr[..., 1] = np.round(ys)[:, None]
-    arr[..., 2] = 128
-    return Image.fromarray(arr)
 
 
 # ---------------------------------------------------------------------------------------- tokens

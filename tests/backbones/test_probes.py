@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,22 +13,14 @@ from care_core.backbones.probes import (
     DEFAULT_PROBE_QUESTION,
     VISION_PROBES,
     LanguageModelRun,
-    attention_settings,
     hidden_state_index,
 )
 from care_core.errors import MethodError, QuestionError
 from care_core.methods.base import PROBES
 
-from ._helpers import noise_image
+from ._helpers import Unchanged, attn_strings, noise_image
 
 QUESTION = "What is in the image?"
-HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
 
 
 # ---------------------------------------------------------------------------------------- fixtures
@@ -68,51 +59,6 @@ def feature_block(demo: LlavaAdapter) -> int:
 
 def layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return model.model.vision_tower.encoder.layers
-
-
-def hook_snapshot(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
-    return {
-        name: tuple(tuple(getattr(module, attr, {}).keys()) for attr in HOOK_DICTS)
-        for name, module in model.named_modules()
-    }
-
-
-def attn_strings(model: torch.nn.Module) -> tuple[str, str, str]:
-    cfg = model.config
-    return cfg._attn_implementation, cfg.text_config._attn_implementation, cfg.vision_config._attn_implementation
-
-
-class Unchanged:
-    """Asserts that the model has the same hooks and attention settings afterwards as before."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> Unchanged:
-        self.hooks = hook_snapshot(self.model)
-        self.settings = attention_settings(self.model)
-        self.strings = attn_strings(self.model)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert hook_snapshot(self.model) == self.hooks
-        assert attention_settings(self.model) == self.settings
-        assert attn_strings(self.model) == self.strings
-
-
-@pytest.fixture
-def count_calls() -> Iterator[Any]:
-    """count(module) -> a list whose length is the number of forward calls of `module`; hooks removed after."""
-    handles = []
-
-    def count(module: torch.nn.Module) -> list[int]:
-        calls: list[int] = []
-        handles.append(module.register_forward_pre_hook(lambda m, a: calls.append(1)))
-        return calls
-
-    yield count
-    for handle in handles:
-        handle.remove()
 
 
 # ------------------------------------------------------------------------------------- vision side

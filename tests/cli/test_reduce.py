@@ -189,3 +189,35 @@ def test_console_module_runs_without_traceback(photo: Path, tmp_path: Path) -> N
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("backbone", ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"])
+def test_generate_answers_with_all_and_reduced_tokens(care, photo: Path, backbone: str) -> None:
+    run = care("reduce", photo, "--model", backbone, "--question", "What is in the image?", "--generate",
+               "--max-new-tokens", "4", "--keep", "32", "--json")  # fmt: skip
+    assert run.code == 0, run.err
+    summary = run.json()
+    answers = summary["answers"]
+    assert answers["question"] == "What is in the image?" and answers["max_new_tokens"] == 4
+    assert answers["full"]["visual_tokens"] >= summary["N"] and answers["reduced"]["visual_tokens"] == 32
+    for label in ("full", "reduced"):
+        assert isinstance(answers[label]["answer"], str)
+        assert answers[label]["prefill_ms"] > 0 and answers[label]["total_ms"] > 0
+
+
+def test_generate_human_output(care, photo: Path) -> None:
+    run = care("reduce", photo, "--question", "What is in the image?", "--generate", "--max-new-tokens", "3",
+               "--keep", "16")  # fmt: skip
+    assert run.code == 0, run.err
+    assert "Answers to" in run.out and "(reduced)" in run.out and "(full)" in run.out
+
+
+def test_method_needing_cls_refuses_on_qwen(care, photo: Path) -> None:
+    run = care("reduce", photo, "--model", "tiny-qwen2.5-vl", "--method", "visionzip", "--keep", "16")
+    assert run.code == 2 and "CLS" in run.err and len(run.err.strip().splitlines()) == 1
+
+
+def test_uncached_real_ids_give_the_same_clean_error(care, photo: Path) -> None:
+    for repo in ("llava-hf/llava-v1.6-vicuna-7b-hf", "Qwen/Qwen2.5-VL-7B-Instruct"):
+        run = care("reduce", photo, "--keep", "8", "--model", repo)
+        assert run.code == 2 and "local Hugging Face cache" in run.err and f"hf download {repo}" in run.err

@@ -137,7 +137,9 @@ def test_known_region_is_boxed_on_the_original(care, tmp_path: Path, backbone: s
     assert np.allclose(back, box, atol=tolerance), (back.tolist(), box)
     png = read_png(out)
     bx0, by0, bx1, by1 = drawn
-    assert png[int(by0) + 5 : int(by1) - 4, int(bx0) + 5 : int(bx1) - 4].mean() > 200  # the square, under its box
+    cx, cy = int((bx0 + bx1) / 2), int((by0 + by1) / 2)
+    r = max(0, int(min(bx1 - bx0, by1 - by0) / 2) - 3)  # inside the outline, however small the box
+    assert png[cy - r : cy + r + 1, cx - r : cx + r + 1].mean() > 200  # the square, under its box
     assert_edges(png, [drawn], "red")
     sx0, sy0, _sx1, _sy1 = report["seen_box"]
     if family == "llava-1.5":

@@ -1,0 +1,233 @@
+"""What the Hugging Face chat-VLM adapters share: RGB conversion, the prompt, question embeddings, the
+placeholder-expanded prompt ids and greedy decoding through ``mm_encoder_outputs``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from PIL import Image
+
+from ..errors import ModelLoadError, QuestionError
+from ._hf import quiet_transformers
+from .base import ImageTokens, VLMAdapter
+from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as the HF processors make it (``convert_to_rgb``): transparency composited on white."""
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"expected a PIL image, got {type(image).__name__}")
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
+    """``{"image": BaseModelOutputWithPooling(pooler_output=[rows])}``: pre-encoded visual rows for one image."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    return {"image": BaseModelOutputWithPooling(pooler_output=[rows])}
+
+
+class ChatAdapter(VLMAdapter):
+    """Shared text side of the adapters.
+
+    Subclasses set ``image_token`` / ``image_token_id`` (:meth:`_set_image_token`) and ``FALLBACK_PROMPT``
+    (used when neither the processor nor the tokenizer has a chat template), and implement
+    :meth:`_lm_inputs` (the model's keyword arguments for a prompt with given visual rows),
+    :attr:`_language_model` (the decoder whose ``layers[i].self_attn`` the language-model probe hooks) and,
+    where they offer vision probes, :meth:`_vision_probes`.
+    """
+
+    FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
+    image_token: str
+    image_token_id: int
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    def _set_image_token(self, image_token_id: int | None) -> None:
+        if image_token_id is None:
+            raise ModelLoadError(f"{self.name}: the model config has no image token id")
+        self.image_token_id = int(image_token_id)
+        image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        if not isinstance(image_token, str) or not image_token:
+            raise ModelLoadError(f"{self.name}: the tokenizer has no token for image_token_id {image_token_id}")
+        self.image_token = image_token
+
+    # ------------------------------------------------------------------ text
+    def question_embeddings(self, question: str) -> torch.Tensor:
+        tok = self.tokenizer
+        ids: list[int] = []
+        if question.strip():
+            ids = tok(question, add_special_tokens=False)["input_ids"]
+        drop = {int(i) for i in tok.all_special_ids} | {self.image_token_id}
+        keep = [int(i) for i in ids if int(i) not in drop]
+        if not keep:
+            raise QuestionError(f'question "{question}" has no tokens the language model can embed')
+        emb = self.model.get_input_embeddings()
+        with torch.no_grad():
+            return emb(torch.tensor(keep, dtype=torch.long, device=emb.weight.device))
+
+    def _clean_question(self, question: str) -> str:
+        return question.replace(self.image_token, "")
+
+    def prompt(self, question: str) -> str:
+        """The model's chat prompt for one image + ``question`` (one image placeholder)."""
+        question = self._clean_question(question)
+        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        for owner in (self.processor, self.tokenizer):
+            if not getattr(owner, "chat_template", None):
+                continue
+            try:
+                with quiet_transformers():
+                    text = owner.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            except Exception:
+                continue
+            if isinstance(text, list):
+                text = text[0] if len(text) == 1 else None
+            if isinstance(text, str) and text.count(self.image_token) == 1:
+                return text
+        return self.FALLBACK_PROMPT.format(image=self.image_token, question=question)
+
+    def _encode_prompt(self, question: str, k: int) -> dict[str, torch.Tensor]:
+        """Tokenise the prompt with exactly ``k`` image placeholders (no processor expansion)."""
+        head, tail = self.prompt(question).split(self.image_token, 1)
+        text = head + self.image_token * k + tail
+        enc = self.tokenizer(text, return_tensors="pt")
+        n = int((enc["input_ids"] == self.image_token_id).sum())
+        if n != k:
+            raise RuntimeError(f"prompt tokenised to {n} image placeholders, expected {k}")
+        return {key: enc[key].to(self.device) for key in ("input_ids", "attention_mask")}
+
+    def _check_projected(self, projected: torch.Tensor) -> torch.Tensor:
+        """``projected`` (K >= 1, d_t), detached, in the embedding table's dtype and device."""
+        emb = self.model.get_input_embeddings().weight
+        hidden = int(emb.shape[1])
+        if projected.dim() != 2 or projected.shape[0] < 1 or projected.shape[1] != hidden:
+            raise ValueError(f"projected must be (K >= 1, {hidden}); got {tuple(projected.shape)}")
+        return projected.detach().to(device=emb.device, dtype=emb.dtype)
+
+    def _greedy(self, inputs: dict[str, Any], max_new_tokens: int) -> str:
+        """Greedy decoding of ``inputs`` (``input_ids``, ``attention_mask`` and model extras); new text only."""
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        with torch.no_grad(), quiet_transformers():
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=int(max_new_tokens),
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad,
+            )
+        new = out[0, inputs["input_ids"].shape[1] :]
+        return tok.decode(new, skip_special_tokens=True).strip()
+
+    # ------------------------------------------------------------------ language model
+    def _lm_inputs(
+        self,
+        question: str,
+        tokens: ImageTokens,
+        projected: torch.Tensor,
+        kept: torch.Tensor | None,
+        *,
+        probe: bool = False,
+    ) -> dict[str, Any]:
+        """Keyword arguments of ``self.model`` for the prompt with ``projected`` as its visual rows.
+
+        Always ``input_ids``, ``attention_mask`` and ``mm_encoder_outputs``; family extras as needed.
+        ``probe=True``: the language-model probe's sequence (exactly one placeholder per row).
+        """
+        raise NotImplementedError
+
+    @property
+    def _language_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def language_model_logits(
+        self, question: str, tokens: ImageTokens, projected: torch.Tensor, kept: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        inputs = self._lm_inputs(question, tokens, projected, kept)
+        with torch.no_grad(), quiet_transformers():
+            out = self.model(**inputs)
+        return out.logits[0]
+
+    def generate(
+        self,
+        question: str,
+        tokens: ImageTokens,
+        projected: torch.Tensor,
+        max_new_tokens: int = 32,
+        kept: torch.Tensor | None = None,
+    ) -> str:
+        inputs = self._lm_inputs(question, tokens, projected, kept)
+        if max_new_tokens < 1:
+            return ""
+        return self._greedy(inputs, max_new_tokens)
+
+    # ------------------------------------------------------------------ probes
+    def _vision_probes(self, tokens: ImageTokens, names: set[str]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
+        """The requested probes (see ``care_core.methods.base.PROBES``) for the image of ``tokens``.
+
+        Names outside :attr:`capabilities` raise MethodError (one line, naming the backbone and why).
+        Vision probes come from one pass of the vision tower over ``tokens.model_inputs["pixel_values"]``,
+        stopped as soon as the last hooked value is captured; the tower keeps its attention implementation
+        (see :func:`~care_core.backbones.probes.clip_vision_probes` for shapes and dtypes). ``question`` is
+        :meth:`question_embeddings`; ``language_model`` is a :class:`~care_core.backbones.probes.LanguageModelRun`
+        on the prompt with ``question`` (or "Describe the image.") and all N projected visual tokens, fed
+        like :meth:`language_model_logits` (one placeholder per token: no LLaVA-NeXT newline rows).
+        """
+        wanted = list(dict.fromkeys(names))
+        self.check_probes(wanted)
+        if "question" in wanted and question is None:
+            raise QuestionError("the 'question' probe needs a question")
+        out: dict[str, Any] = {}
+        vision = {n for n in wanted if n in VISION_PROBES}
+        if vision:
+            if tokens.model_inputs.get("pixel_values") is None:
+                raise ValueError("tokens.model_inputs has no pixel_values; use ImageTokens from encode_image")
+            out.update(self._vision_probes(tokens, vision))
+        if "question" in wanted:
+            out["question"] = self.question_embeddings(question)  # type: ignore[arg-type]
+        if "language_model" in wanted:
+            out["language_model"] = self.language_model_probe(tokens, question)
+        return {n: out[n] for n in wanted}
+
+    def language_model_probe(self, tokens: ImageTokens, question: str | None = None) -> LanguageModelRun:
+        """A LanguageModelProbe on the prompt with ``question`` and all N projected visual tokens."""
+        if question is None or not question.strip():
+            question = DEFAULT_PROBE_QUESTION
+        with torch.no_grad():
+            projected = self.projector(tokens.features)
+        inputs = self._lm_inputs(question, tokens, projected, None, probe=True)
+        model = self.model
+        image_token_id = self.image_token_id
+        visual = inputs["mm_encoder_outputs"]["image"].pooler_output[0]
+        ids = inputs["input_ids"]
+
+        def forward() -> Any:
+            return model(**inputs, use_cache=False)
+
+        def embeddings() -> torch.Tensor:
+            embeds = model.get_input_embeddings()(ids)
+            mask = (ids == image_token_id).unsqueeze(-1).expand_as(embeds)
+            return embeds.masked_scatter(mask, visual.to(embeds.dtype))[0]
+
+        return LanguageModelRun(
+            forward=forward,
+            input_ids=ids,
+            image_token_id=image_token_id,
+            embeddings=embeddings,
+            attention_modules=[layer.self_attn for layer in self._language_model.layers],
+            eager=lambda: attention_implementation(model, {"text_config": "eager"}),
+        )

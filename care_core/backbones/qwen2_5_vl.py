@@ -1,0 +1,259 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, transformers 5.24) seen through :class:`VLMAdapter`.
+
+Visual tokens (SPEC): one per merged 2x2 group of 14-pixel patches, in the raster order of the merged grid
+(the order the language model receives them). ``features`` row i is the concatenation of the group's four
+raw pre-merger patch vectors (4 * d_v; patches (0,0), (0,1), (1,0), (1,1) of the 2x2 block), taken from the
+vision tower's last hidden state with the window-attention permutation undone. The projector
+(:class:`QwenMergerProjector`) applies the model's merger (``ln_q`` per patch, then the MLP on the
+concatenated group) to such rows: ``projector(features)`` equals the tower's merged output.
+
+Geometry. The processor ``smart_resize``-s the image to (14 * gh, 14 * gw) pixels (multiples of 28 within the
+pixel budget), no crop or pad; the merged grid is (gh / 2, gw / 2) = ``grid``, each token a 28x28 block of the
+resized image, mapped linearly back to original pixels (``boxes``); ``positions`` are the block centres
+((row + 0.5) / rows, (col + 0.5) / cols), the whole image's frame. ``model_inputs`` holds ``pixel_values``,
+``image_grid_thw`` and ``image_size``.
+
+Language model. Qwen2.5-VL uses multimodal rope: image tokens carry (t, h, w) positions. The prompt is
+tokenised with N image placeholders and ``mm_token_type_ids`` (1 on image tokens; always passed: without it the
+model silently falls back to 1-D positions) and the model's ``get_rope_index`` gives the full sequence's
+positions; the reduced sequence keeps K placeholders, each row with the position of the token it belongs to
+(``kept``; -1 rows: the last image token's position), the text keeping its original positions. The model gets
+these as explicit ``position_ids`` (4 rows: a 1-D text row, then t, h, w), so K = N reproduces the standard path.
+
+Probes. The Qwen vision tower has no CLS token and mostly windowed attention: ``cls_attention``,
+``attention_logits``, ``keys``, ``hidden_with_cls`` and ``last_layer_qk`` (all defined with a CLS row) are not
+offered; methods needing them refuse with a one-line MethodError. ``question`` and ``language_model`` (with the
+mrope positions above) are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+from torch import nn
+
+from ..errors import ModelLoadError
+from ._chat import ChatAdapter, mm_encoder_outputs, to_rgb
+from ._hf import quiet_transformers
+from .base import ImageTokens, check_kept
+from .geometry import CropGeometry, clip_boxes, grid_crop_boxes, grid_positions
+
+QWEN25VL_FALLBACK_PROMPT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|>{image}<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+)
+NO_CLS = "Qwen2.5-VL has no CLS token"
+
+
+class QwenMergerProjector(nn.Module):
+    """The Qwen2.5-VL merger as a per-token projector: (n, unit * d_v) -> (n, d_out).
+
+    Each input row is one merged token's ``unit`` (= merge_size**2, i.e. 4) patch vectors concatenated; they are
+    RMS-normalised per patch with the merger's ``ln_q`` and fed to its MLP, exactly as the model does. The
+    normalisation is computed in float32 for float32 / half inputs (the model's own arithmetic, bit for bit) and
+    in float64 for float64 inputs (the model's norm would round to float32, which spoils finite differences).
+    """
+
+    def __init__(self, merger: nn.Module) -> None:
+        super().__init__()
+        self.merger = merger
+        self.patch_dim = int(merger.ln_q.weight.shape[0])
+        self.in_features = int(merger.hidden_size)
+        self.unit = self.in_features // self.patch_dim
+
+    @property
+    def out_features(self) -> int:
+        return int(self.merger.mlp[-1].out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected rows of {self.in_features} (= {self.unit} x {self.patch_dim}) features")
+        lead = x.shape[:-1]
+        ln = self.merger.ln_q
+        dtype = x.dtype
+        h = x.reshape(-1, self.patch_dim).to(torch.promote_types(dtype, torch.float32))
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + ln.variance_epsilon)
+        h = ln.weight * h.to(dtype)
+        out = self.merger.mlp(h.reshape(-1, self.in_features))
+        return out.reshape(*lead, out.shape[-1])
+
+
+class Qwen2_5_VLAdapter(ChatAdapter):
+    """Adapter for Qwen2.5-VL checkpoints (``model_type == "qwen2_5_vl"``); see the module docstring."""
+
+    family = "qwen2.5-vl"
+    model_types = ("qwen2_5_vl",)
+    FALLBACK_PROMPT = QWEN25VL_FALLBACK_PROMPT
+    probe_notes: ClassVar[dict[str, str]] = {
+        "language_model": "all N merged tokens with their multimodal-rope positions",
+    }
+
+    def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
+        self.model = model
+        self.processor = processor
+        self.name = name
+        self.is_demo = is_demo
+        for attr in ("tokenizer", "image_processor"):
+            if getattr(processor, attr, None) is None:
+                raise ModelLoadError(f"{name}: the processor has no {attr}; the model folder is incomplete")
+        cfg = model.config
+        vc = cfg.vision_config
+        ip = processor.image_processor
+        for attr, want in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size)):
+            got = getattr(ip, attr, want)
+            if int(got) != int(want):
+                raise ModelLoadError(f"{name}: image processor {attr} {got} does not match the model's {want}")
+        self._set_image_token(getattr(cfg, "image_token_id", None))
+        self._projector = QwenMergerProjector(self._inner.visual.merger)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_folder(
+        cls,
+        folder: Path,
+        *,
+        name: str,
+        is_demo: bool = False,
+        device: torch.device,
+        dtype: torch.dtype | str,
+    ) -> Qwen2_5_VLAdapter:
+        """Load model + image-only processor from a local folder (never the network). Errors propagate raw."""
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        from .qwen_processor import CareQwen2_5_VLProcessor
+
+        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
+        if device.type != "cpu":
+            kwargs["device_map"] = device
+        with quiet_transformers():
+            try:
+                processor = CareQwen2_5_VLProcessor.from_pretrained(str(folder), local_files_only=True)
+            except Exception as exc:
+                detail = " ".join(str(exc).split()).split(". ")[0]
+                raise ModelLoadError(
+                    f"cannot load the processor (tokenizer, image processor config) from {folder}: "
+                    f"{type(exc).__name__}: {detail}"
+                ) from exc
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder), **kwargs)
+            model = model.to(device).eval()
+            model.requires_grad_(False)
+        return cls(model, processor, name=name, is_demo=is_demo)
+
+    # ------------------------------------------------------------------ modules
+    @property
+    def _inner(self) -> torch.nn.Module:
+        return self.model.model
+
+    @property
+    def _language_model(self) -> torch.nn.Module:
+        return self._inner.language_model
+
+    @property
+    def projector(self) -> torch.nn.Module:
+        return self._projector
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"question", "language_model"})
+
+    def unavailable_reason(self, probe: str) -> str:
+        return NO_CLS
+
+    # ------------------------------------------------------------------ vision
+    def encode_image(self, image: Image.Image) -> ImageTokens:
+        """Merged-token pre-projector features (N, 4 d_v) of ``image`` and their geometry."""
+        from transformers.vision_utils import get_vision_window_index
+
+        image = to_rgb(image)
+        width, height = image.size
+        ip = self.processor.image_processor
+        with quiet_transformers():
+            processed = ip(images=image, return_tensors="pt")
+        pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
+        visual = self._inner.visual
+        vparam = next(visual.parameters())
+        vc = self.model.config.vision_config
+        grid_thw = thw.to(vparam.device)
+        with torch.no_grad(), quiet_transformers():
+            out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=grid_thw)
+            window, _ = get_vision_window_index(
+                grid_thw, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size
+            )
+        unit = vc.spatial_merge_size**2
+        hidden = out.last_hidden_state
+        groups = hidden.view(-1, unit, hidden.shape[-1])[torch.argsort(window.to(hidden.device))]
+        features = groups.reshape(groups.shape[0], -1)  # (N, unit * d_v), raster order of the merged grid
+
+        t, gh, gw = (int(v) for v in thw[0].tolist())
+        merge = int(vc.spatial_merge_size)
+        rows, cols = gh // merge, gw // merge
+        if t != 1 or rows * cols != features.shape[0]:
+            raise RuntimeError(f"vision tower gave {features.shape[0]} merged tokens for grid_thw {thw[0].tolist()}")
+        block = int(vc.patch_size) * merge
+        geom = CropGeometry(height, width, rows * block, cols * block, 0, 0, rows * block, cols * block)
+        boxes = clip_boxes(geom.crop_to_original(grid_crop_boxes(rows, cols, block)), height, width)
+        positions = grid_positions(rows, cols).to(device=features.device, dtype=torch.float32)
+        return ImageTokens(
+            features=features,
+            positions=positions,
+            boxes=boxes.to(torch.float32),
+            image_size=(height, width),
+            seen_box=geom.seen_box(),
+            grid=(rows, cols),
+            model_inputs={"pixel_values": pixel_values, "image_grid_thw": thw, "image_size": (height, width)},
+        )
+
+    # ------------------------------------------------------------------ language model
+    def full_positions(self, question: str, tokens: ImageTokens) -> dict[str, torch.Tensor]:
+        """The prompt with all N image placeholders: ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
+        (1 on image tokens, as the processor makes them) and ``positions`` (3, 1, L), the model's own
+        ``get_rope_index`` of that sequence."""
+        thw = tokens.model_inputs.get("image_grid_thw")
+        if thw is None:
+            raise ValueError("tokens.model_inputs has no image_grid_thw; use ImageTokens from encode_image")
+        enc = self._encode_prompt(question, tokens.num_tokens)
+        ids = enc["input_ids"]
+        mm_token_type_ids = (ids == self.image_token_id).to(torch.long)
+        positions, _ = self._inner.get_rope_index(
+            ids, mm_token_type_ids, image_grid_thw=thw.to(ids.device), attention_mask=enc["attention_mask"]
+        )
+        return {**enc, "mm_token_type_ids": mm_token_type_ids, "positions": positions}
+
+    def _lm_inputs(
+        self,
+        question: str,
+        tokens: ImageTokens,
+        projected: torch.Tensor,
+        kept: torch.Tensor | None,
+        *,
+        probe: bool = False,
+    ) -> dict[str, Any]:
+        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's)."""
+        rows = self._check_projected(projected)
+        k, n = int(rows.shape[0]), tokens.num_tokens
+        kept = check_kept(kept, k, n)
+        full = self.full_positions(question, tokens)
+        ids, positions = full["input_ids"], full["positions"]
+        where = (ids[0] == self.image_token_id).nonzero().flatten()
+        start, end = int(where[0]), int(where[-1]) + 1
+        if end - start != n:
+            raise RuntimeError("the prompt's image placeholders are not one contiguous run")
+        select = torch.arange(k) if kept is None else torch.where(kept < 0, torch.full_like(kept, n - 1), kept)
+        select = select.to(ids.device)
+        image_positions = positions[:, :, start:end].index_select(2, select)
+        positions = torch.cat([positions[:, :, :start], image_positions, positions[:, :, end:]], dim=2)
+        image_ids = torch.full((1, k), self.image_token_id, dtype=ids.dtype, device=ids.device)
+        ids = torch.cat([ids[:, :start], image_ids, ids[:, end:]], dim=1)
+        length = ids.shape[1]
+        text_row = torch.arange(length, dtype=positions.dtype, device=positions.device).view(1, 1, -1)
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == self.image_token_id).to(torch.long),
+            "position_ids": torch.cat([text_row, positions], dim=0),  # (4, 1, L_K): text row, then t, h, w
+            "mm_encoder_outputs": mm_encoder_outputs(rows),
+        }

@@ -1,0 +1,30 @@
+"""A Qwen2.5-VL processor that needs no torchvision (images only).
+
+transformers 5.24's ``Qwen2_5_VLProcessor`` insists on a video processor, whose classes need torchvision;
+``AutoProcessor`` therefore cannot build one where torchvision is missing (our CPU install). This subclass
+drops the video part: ``ProcessorMixin`` derives the sub-processors from the ``__init__`` signature, so an
+``__init__`` without ``video_processor`` gives an image processor + tokenizer processor with the same outputs
+for images (``input_ids``, ``attention_mask``, ``mm_token_type_ids``, ``pixel_values``, ``image_grid_thw``).
+It loads a hub folder (``preprocessor_config.json``, tokenizer files, chat template) or one it saved itself,
+offline; the image processor resolves to ``Qwen2VLImageProcessorPil`` without torchvision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import ProcessorMixin, Qwen2_5_VLProcessor
+
+
+class CareQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    """``Qwen2_5_VLProcessor`` without the video processor."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+__all__ = ["CareQwen2_5_VLProcessor"]

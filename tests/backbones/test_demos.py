@@ -1,0 +1,244 @@
+"""What all three demo backbones share: loading (demo, hub key layouts, uncached repo ids), the reduced-token
+API with ``kept``, capabilities, and every registered method running (or refusing cleanly) on each."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from care_core import CaReConfig
+from care_core.backbones import DEMO_BACKBONES, ImageTokens, load_backbone
+from care_core.backbones.demo import MARKER
+from care_core.backbones.probes import VISION_PROBES
+from care_core.errors import CareError, MethodError, ModelLoadError
+from care_core.methods import MethodInputs
+from care_core.methods.base import PROBES
+from care_core.methods.registry import create_method, method_names
+
+from ._helpers import hub_key, noise_image, same_weights
+
+NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"]
+FAMILIES = {"tiny-llava": "llava-1.5", "tiny-llava-next": "llava-next", "tiny-qwen2.5-vl": "qwen2.5-vl"}
+QUESTION = "What is in the image?"
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+@pytest.fixture(scope="module")
+def encoded(demos: dict[str, Any]) -> dict[str, ImageTokens]:
+    image = noise_image(336, 336, seed=9)  # N: 576 / 1152 / 144
+    return {name: adapter.encode_image(image) for name, adapter in demos.items()}
+
+
+def assert_same_outputs(a: Any, b: Any) -> None:
+    image = noise_image(400, 300, seed=11)
+    ta, tb = a.encode_image(image), b.encode_image(image)
+    assert torch.equal(ta.features, tb.features)
+    assert torch.equal(ta.boxes, tb.boxes) and torch.equal(ta.positions, tb.positions)
+    with torch.no_grad():
+        assert torch.equal(a.projector(ta.features), b.projector(tb.features))
+        pa = a.projector(ta.features[:5])
+        assert torch.equal(a.language_model_logits("q", ta, pa), b.language_model_logits("q", tb, pa))
+    assert torch.equal(a.question_embeddings("what colour?"), b.question_embeddings("what colour?"))
+
+
+# ---------------------------------------------------------------------------------------------- demos
+@pytest.mark.parametrize("name", NAMES)
+def test_demo_loads_from_its_folder(demos: dict[str, Any], demo_home: Path, name: str) -> None:
+    adapter = demos[name]
+    folder = demo_home / "demo" / DEMO_BACKBONES[name].folder_name
+    assert adapter.name == name and adapter.is_demo and adapter.family == FAMILIES[name]
+    assert DEMO_BACKBONES[name].family == FAMILIES[name]
+    marker = json.loads((folder / MARKER).read_text())
+    assert marker["name"] == name and "random weights" in marker["weights"]
+    assert Path(adapter.model.name_or_path) == folder
+    assert not adapter.model.training and not any(p.requires_grad for p in adapter.model.parameters())
+    assert adapter.model.config.text_config.num_hidden_layers >= 4  # room for in-LLM methods (layer 2)
+    assert adapter.capabilities <= frozenset(PROBES)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl"])
+def test_demo_build_is_deterministic_and_keeps_global_rng(demos: dict[str, Any], name: str) -> None:
+    torch.manual_seed(1234)
+    state = torch.random.get_rng_state()
+    spec = DEMO_BACKBONES[name]
+    model, _ = spec.build(spec.seed)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert same_weights(model, demos[name].model)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl"])
+def test_new_demos_print_nothing(demo_home: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    adapter = load_backbone(name, home=demo_home)
+    tokens = adapter.encode_image(noise_image(200, 260))
+    with torch.no_grad():
+        adapter.generate("hi", tokens, adapter.projector(tokens.features[:8]), max_new_tokens=2)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+# ----------------------------------------------------------------------------------- reduced-token API
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_and_logits_with_kept(demos: dict[str, Any], encoded: dict[str, ImageTokens], name: str) -> None:
+    adapter, tokens = demos[name], encoded[name]
+    n = tokens.num_tokens
+    kept = torch.tensor([n - 1, 0, -1, n // 2, 3])
+    with torch.no_grad():
+        projected = adapter.projector(tokens.features[kept.clamp(min=0)])
+    answer = adapter.generate(QUESTION, tokens, projected, max_new_tokens=3, kept=kept)
+    assert isinstance(answer, str)
+    logits = adapter.language_model_logits(QUESTION, tokens, projected, kept=kept)
+    full = adapter.language_model_logits(QUESTION, tokens, adapter.projector(tokens.features))
+    fed = adapter.visual_tokens_fed(tokens, n)
+    assert logits.shape[0] == full.shape[0] - fed + 5
+    assert adapter.visual_tokens_fed(tokens, 5, kept) == 5
+    with pytest.raises(ValueError, match="kept"):
+        adapter.language_model_logits(QUESTION, tokens, projected, kept=kept[:3])
+    with pytest.raises(ValueError, match="kept"):
+        adapter.generate(QUESTION, tokens, projected, kept=kept.float())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_runs_or_refuses_cleanly(
+    demos: dict[str, Any], encoded: dict[str, ImageTokens], name: str
+) -> None:
+    """Every registered method on every backbone: K output rows that the language model accepts, or a
+    one-line MethodError (a probe the backbone lacks, or a method that needs a single grid)."""
+    adapter, tokens = demos[name], encoded[name]
+    n = tokens.num_tokens
+    keep = n - n // 8  # few merge steps for the iterative methods: this checks that they run, not what they keep
+    question = adapter.question_embeddings(QUESTION)
+    outcomes: dict[str, str] = {}
+    for method_name in method_names():
+        fields = getattr(create_method(method_name), "__dataclass_fields__", {})
+        options: dict[str, Any] = (
+            {"m": 8} if "m" in fields else {"config": CaReConfig(m=8)} if "config" in fields else {}
+        )
+        method = create_method(method_name, **options)  # m = 8 directions: fast, same code paths
+        needs = sorted(method.needs - {"question"})
+        try:
+            adapter.check_probes(needs, method_name)
+            probes = adapter.probe_inputs(tokens, needs, question=QUESTION) if needs else {}
+            probes["question"] = question
+            inputs = MethodInputs(
+                tokens.features, adapter.projector, tokens.positions, grid=tokens.grid, probes=probes, seed=0
+            )
+            result = method(inputs, keep)
+        except MethodError as exc:
+            assert "\n" not in str(exc)
+            outcomes[method_name] = "refused"
+            continue
+        with torch.no_grad():
+            projected = adapter.projector(result.tokens.to(adapter.dtype))
+        # what the language model would be fed (the forward itself is covered by the kept tests above)
+        fed = adapter._lm_inputs(QUESTION, tokens, projected, result.token_index)
+        placeholders = int((fed["input_ids"] == adapter.image_token_id).sum())
+        assert placeholders == adapter.visual_tokens_fed(tokens, projected.shape[0], result.token_index)
+        outcomes[method_name] = "ran"
+    refused = {m for m, o in outcomes.items() if o == "refused"}
+    if name == "tiny-llava":
+        assert not refused
+    elif name == "tiny-llava-next":
+        assert refused <= {"pool"}  # pool needs one raster grid; NeXT has two views
+    else:  # Qwen2.5-VL: no CLS token, so exactly the methods that need a vision-tower probe refuse
+        assert refused == {m for m in outcomes if create_method(m).needs & VISION_PROBES}
+    assert {"care", "random", "fastv"} <= {m for m, o in outcomes.items() if o == "ran"}
+
+
+# ------------------------------------------------------------------------------------------- loading
+def _copy_with_keys(source: Path, target: Path, rename: Any) -> dict[str, torch.Tensor]:
+    shutil.copytree(source, target)
+    state = load_file(str(source / "model.safetensors"))
+    renamed = {rename(k): v for k, v in state.items()}
+    save_file(renamed, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return renamed
+
+
+def next_hub_key(key: str) -> str:
+    """LLaVA-NeXT: the llava-hf 4.x names (language_model.model.*, vision_tower.vision_model.*, image_newline)."""
+    if key.startswith("model.image_newline"):
+        return key[len("model.") :]
+    return hub_key(key)
+
+
+def test_llava_next_hub_key_layout_loads(next_demo: Any, demo_home: Path, tmp_path: Path, no_network: None) -> None:
+    folder = demo_home / "demo" / DEMO_BACKBONES["tiny-llava-next"].folder_name
+    renamed = _copy_with_keys(folder, tmp_path / "hub", next_hub_key)
+    for prefix in (
+        "language_model.model.",
+        "language_model.lm_head.",
+        "vision_tower.vision_model.",
+        "multi_modal_projector.",
+        "image_newline",
+    ):
+        assert any(k.startswith(prefix) for k in renamed), prefix
+    adapter = load_backbone(tmp_path / "hub")
+    assert type(adapter) is type(next_demo) and not adapter.is_demo
+    assert same_weights(adapter.model, next_demo.model)
+    assert_same_outputs(adapter, next_demo)
+
+
+def test_qwen_hub_key_and_file_layout_loads(qwen_demo: Any, demo_home: Path, tmp_path: Path, no_network: None) -> None:
+    """Qwen2.5-VL hub keys (model.* = language model, visual.*, lm_head.*) and hub processor files
+    (preprocessor_config.json, chat_template.json, a video config we ignore) load without torchvision."""
+    folder = demo_home / "demo" / DEMO_BACKBONES["tiny-qwen2.5-vl"].folder_name
+    hub = tmp_path / "hub"
+    renamed = _copy_with_keys(folder, hub, lambda k: k)
+    assert any(k.startswith("model.layers.") for k in renamed) and any(k.startswith("visual.") for k in renamed)
+    assert any(k.startswith("lm_head.") for k in renamed)
+    config = json.loads((hub / "processor_config.json").read_text())
+    (hub / "processor_config.json").unlink()
+    image_config = {**config["image_processor"], "processor_class": "Qwen2_5_VLProcessor"}
+    (hub / "preprocessor_config.json").write_text(json.dumps(image_config))
+    (hub / "video_preprocessor_config.json").write_text(
+        json.dumps({"video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2_5_VLProcessor"})
+    )
+    template = (hub / "chat_template.jinja").read_text()
+    (hub / "chat_template.jinja").unlink()
+    (hub / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    adapter = load_backbone(hub)
+    assert type(adapter) is type(qwen_demo)
+    assert adapter.prompt("q") == qwen_demo.prompt("q")
+    assert same_weights(adapter.model, qwen_demo.model)
+    assert_same_outputs(adapter, qwen_demo)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl"])
+def test_module_path_key_layout_loads(
+    demos: dict[str, Any], demo_home: Path, tmp_path: Path, name: str, no_network: None
+) -> None:
+    """The 5.x module paths (model.language_model.*, model.vision_tower.* / model.visual.*) load too."""
+    adapter = demos[name]
+    folder = tmp_path / "modules"
+    shutil.copytree(demo_home / "demo" / DEMO_BACKBONES[name].folder_name, folder)
+    state = {k: v.clone().contiguous() for k, v in adapter.model.state_dict().items()}
+    assert any(k.startswith("model.language_model.") for k in state)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_backbone(folder)
+    assert same_weights(loaded.model, adapter.model)
+
+
+@pytest.mark.parametrize("repo_id", ["llava-hf/llava-v1.6-mistral-7b-hf", "Qwen/Qwen2.5-VL-7B-Instruct"])
+def test_uncached_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: None, repo_id: str) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    with pytest.raises(ModelLoadError) as info:
+        load_backbone(repo_id)
+    msg = str(info.value)
+    assert "local Hugging Face cache" in msg and str(tmp_path / "empty-hub") in msg
+    assert f"hf download {repo_id}" in msg and "--model PATH" in msg
+    assert isinstance(info.value, CareError)
