@@ -76,13 +76,14 @@ def parse_budgets(ratios: list[float] | None, keeps: list[int] | None) -> list[B
     return list(dict.fromkeys(budgets))
 
 
-def parse_methods(names: list[str] | None) -> list[str]:
+def parse_methods(names: list[str] | None) -> tuple[list[str], bool]:
+    """Canonical method names, and whether they were named one by one (False for 'all')."""
     from care_core.methods import canonical_name, method_names
 
     names = names or ["care"]
     if any(n.strip().lower() == "all" for n in names):
-        return method_names()
-    return list(dict.fromkeys(canonical_name(n) for n in names))
+        return method_names(), False
+    return list(dict.fromkeys(canonical_name(n) for n in names)), True
 
 
 def read_pairs(path: Path, skip_bad: bool) -> tuple[list[Pair], list[dict[str, Any]]]:
@@ -169,7 +170,7 @@ def csr(
     if data is not None and question is not None:
         raise UserError("--question goes with IMAGE; with --data each line carries its own question")
     budgets = parse_budgets(ratio, keep)
-    names = parse_methods(method)
+    names, explicit = parse_methods(method)
     inputs_given = [p for p in (image, data) if p is not None]
     plot_path = check_output_path(plot, inputs_given, force) if plot is not None else None
     csv_file = check_output_path(csv_path, inputs_given, force) if csv_path is not None else None
@@ -181,7 +182,8 @@ def csr(
         assert image is not None and question is not None
         pairs, skipped = [Pair(None, image, question)], []
 
-    report = run_csr(pairs, names, budgets, model=model, device=device, dtype=dtype, seed=seed, skip_bad=skip_bad)
+    report = run_csr(pairs, names, budgets, model=model, device=device, dtype=dtype, seed=seed, skip_bad=skip_bad,
+                     explicit=explicit)  # fmt: skip
     report["skipped"] = skipped + report["skipped"]
     if csv_file is not None:
         write_csv(csv_file, report["results"])
@@ -205,22 +207,35 @@ def run_csr(
     dtype: str,
     seed: int,
     skip_bad: bool,
+    explicit: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate every method x budget on every pair; the full-sequence reference is computed once per pair."""
+    """Evaluate every method x budget on every pair; the full-sequence reference is computed once per pair.
+
+    Methods named one by one must run on this backbone (else a one-line error); with 'all', a method the
+    backbone cannot serve is left out and listed under `methods_skipped` with the reason.
+    """
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from care_cli.io import load_image
     from care_core.backbones import load_backbone
     from care_core.csr import csr_from_reference, csr_reference
+    from care_core.errors import MethodError
     from care_core.methods import MethodInputs
 
     methods = {name: configured_method(name, seed) for name in names}
-    needs = sorted(set().union(*(m.needs for m in methods.values())) - {"question"})
     with render.stderr.status("Loading backbone (the demo is built on first use)…"):
         adapter = load_backbone(model, device=device, dtype=None if dtype == "auto" else dtype)
-    for name, method_obj in methods.items():
-        adapter.check_probes(sorted(set(method_obj.needs) - {"question"}), name)
+    methods_skipped: list[dict[str, str]] = []
+    for name, method_obj in list(methods.items()):
+        try:
+            adapter.check_probes(sorted(set(method_obj.needs) - {"question"}), name)
+        except MethodError as exc:
+            if explicit:
+                raise
+            methods_skipped.append({"method": name, "reason": str(exc)})
+            del methods[name]
+    needs = sorted(set().union(*(m.needs for m in methods.values())) - {"question"})
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     progress = Progress(TextColumn("[bold]CSR"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -247,9 +262,17 @@ def run_csr(
             probes["question"] = question_embeds
             inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
                                   probes=probes, seed=seed)  # fmt: skip
-            for name, method_obj in methods.items():
+            for name, method_obj in list(methods.items()):
                 for budget, k in ks.items():
-                    result = method_obj(inputs, k)
+                    try:
+                        result = method_obj(inputs, k)
+                    except MethodError as exc:
+                        if explicit:
+                            raise
+                        methods_skipped.append({"method": name, "reason": str(exc)})
+                        del methods[name]
+                        results[:] = [r for r in results if r["method"] != name]
+                        break
                     projected = adapter.projector(result.tokens.to(adapter.dtype))
                     results.append({
                         "line": pair.line, "image": str(pair.image), "question": pair.question,
@@ -265,11 +288,12 @@ def run_csr(
         "backbone": {"name": adapter.name, "family": adapter.family, "demo": adapter.is_demo,
                      "note": render.DEMO_NOTE if adapter.is_demo else None,
                      "device": str(adapter.device), "dtype": str(adapter.dtype).removeprefix("torch.")},
-        "methods": names,
+        "methods": list(methods),
+        "methods_skipped": methods_skipped,
         "budgets": [b.label for b in budgets],
         "seed": seed,
         "pairs": len(pairs) - len(skipped),
-        "summary": summarise(results, names, budgets),
+        "summary": summarise(results, list(methods), budgets),
         "results": results,
         "skipped": skipped,
     }  # fmt: skip
@@ -329,6 +353,8 @@ def show_report(report: dict[str, Any]) -> None:
             cells.append("—" if row is None else f"{row['mean']:.2f} ± {row['std']:.2f} ({row['n']})")
         table.add_row(name, *cells)
     render.stdout.print(table)
+    for item in report["methods_skipped"]:
+        render.stderr.print(f"[yellow]left out {item['method']}:[/] {item['reason']}")
     for item in report["skipped"]:
         render.stderr.print(f"[yellow]skipped line {item['line']}:[/] {item['reason']}")
     for key in ("csv", "plot"):

@@ -16,5 +16,5 @@ from care_core.methods import (  # noqa: F401
 
 LISTING_ORDER = (
     "care", "prca-only", "simple-calib", "confidence-calib", "prca+simple-calib", "zoo-prune",
-    "divprune", "visionzip", "prumerge+", "tome", "ficoco-v", "fastv", "sparsevlm", "random", "pool",
+    "divprune", "visionzip", "prumerge+", "prumerge", "tome", "ficoco-v", "fastv", "sparsevlm", "random", "pool",
 )  # fmt: skip

@@ -115,3 +115,24 @@ def test_bad_input_is_one_line_exit_2(care, photo: Path, args: list[str], needle
 def test_question_without_tokens_is_a_clear_error(care, photo: Path) -> None:
     run = care("csr", photo, "--question", "<image>", "--keep", "8")
     assert run.code == 2 and "question" in run.err.lower()
+
+
+@pytest.mark.parametrize("backbone", ["tiny-llava-next", "tiny-qwen2.5-vl"])
+def test_all_methods_leave_out_what_a_backbone_cannot_serve(care, photo: Path, backbone: str) -> None:
+    run = care("csr", photo, "--question", QUESTION, "--method", "all", "--keep", "64", "--model", backbone, "--json")
+    assert run.code == 0, run.err
+    report = run.json()
+    left_out = {item["method"] for item in report["methods_skipped"]}
+    assert left_out.isdisjoint(report["methods"]) and set(report["methods"]) | left_out == set(method_names())
+    assert "care" in report["methods"]
+    if backbone == "tiny-qwen2.5-vl":
+        assert {"visionzip", "prumerge+", "ficoco-v"} <= left_out
+    for item in report["methods_skipped"]:
+        assert item["reason"]
+
+
+def test_named_method_the_backbone_cannot_serve_is_an_error(care, photo: Path) -> None:
+    run = care(
+        "csr", photo, "--question", QUESTION, "--method", "visionzip", "--keep", "8", "--model", "tiny-qwen2.5-vl"
+    )
+    assert run.code == 2 and "CLS" in run.err and len(run.err.strip().splitlines()) == 1
