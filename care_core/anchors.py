@@ -44,7 +44,7 @@ def diversity_greedy(weights: torch.Tensor, features: torch.Tensor, k: int, eps:
     order[0:1] = chosen
     selected.index_fill_(0, chosen, True)
     min_distance = 1 - unit @ unit.index_select(0, chosen)[0]
-    minus_inf = torch.tensor(float("-inf"), dtype=weights.dtype, device=weights.device)
+    minus_inf = torch.full((), float("-inf"), dtype=weights.dtype, device=weights.device)  # a fill: no host copy
     for step in range(1, k):
         score = torch.where(selected, minus_inf, weights * min_distance)
         chosen = torch.argmax(score).view(1)
@@ -79,7 +79,7 @@ def diversity_greedy_gram(weights: torch.Tensor, gram: torch.Tensor, k: int) -> 
     order[0:1] = chosen
     selected.index_fill_(0, chosen, True)
     min_distance = 1 - gram.index_select(0, chosen)[0]
-    minus_inf = torch.tensor(float("-inf"), dtype=weights.dtype, device=weights.device)
+    minus_inf = torch.full((), float("-inf"), dtype=weights.dtype, device=weights.device)  # a fill: no host copy
     for step in range(1, k):
         score = torch.where(selected, minus_inf, weights * min_distance)
         chosen = torch.argmax(score).view(1)

@@ -5,15 +5,15 @@ Two engines compute the response matrix C (m, N):
 - ``jvp``: its h -> 0 limit ``||J_M(v) u||``, exact. For a Linear-act-Linear projector (LLaVA's)
   the first layer is applied once to the m directions and shared by all tokens, so the cost is
   about m N d_hidden d_out multiply-adds; any other projector goes through ``torch.func.jvp``.
-  On CUDA (tf32 or bf16 matmuls) that MLP path is one fused Triton kernel (``care_core.kernels``);
-  the CPU path is plain PyTorch.
-A third, opt-in engine, ``sketch`` (:func:`responses_sketch`), approximates ``jvp`` with a random
-sketch of the projector's output; it is reachable from :func:`perturbation_responses` only.
+  On CUDA with bf16 matmuls that MLP path is one fused Triton kernel (``care_core.kernels``; also
+  for tf32 when ``FUSED_TF32`` is set); the CPU path is plain PyTorch.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +45,18 @@ _ELEMENTWISE_ACTIVATIONS = (
 )
 _MLP_PROJECTORS = ("LlavaMultiModalProjector", "LlavaNextMultiModalProjector")
 
+# Use the fused kernel for tf32 matmuls too (bf16 uses it wherever it applies). Off: on an H200
+# (benchmarks/gpu.py, N = 2880, benchmarks/results/2026-11-26-gpu-h200.json) cuBLAS's tf32 matmuls over
+# chunks of materialised tangents took 20.0 ms against the fused kernel's 21.6 ms (floor 15.1), with the
+# same error; in bf16 the fused kernel wins (12.3 against 13.5 ms, floor 7.8).
+FUSED_TF32 = False
+
+# unit_directions() results by (m, dim, seed, device, dtype), oldest dropped first.
+_DIRECTIONS: dict[tuple[object, ...], torch.Tensor] = {}
+
+# Set when the fused kernel failed once in this process (then the PyTorch path is used).
+_FUSED_FAILED: list[str] = []
+
 # Elements of the largest intermediate per chunk (~256 MB in float32).
 _CHUNK_ELEMENTS = 1 << 26
 
@@ -55,10 +67,19 @@ def unit_directions(
     """m unit directions u_x = g_x / ||g_x||, g_x ~ N(0, I) (Eq. 1), drawn on the CPU in float64.
 
     Drawing on the CPU from a seeded ``torch.Generator`` gives the same directions on every device.
+    The last few (m, dim, seed, device, dtype) are cached: drawing and copying them to a GPU costs
+    about a millisecond per call, a host synchronisation included.
     """
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    g = torch.randn(m, dim, generator=generator, dtype=torch.float64)
-    return (g / g.norm(dim=1, keepdim=True)).to(device=device, dtype=dtype)
+    key = (m, dim, seed, str(torch.device(device)), dtype)
+    cached = _DIRECTIONS.get(key)
+    if cached is None:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.randn(m, dim, generator=generator, dtype=torch.float64)
+        cached = (g / g.norm(dim=1, keepdim=True)).to(device=device, dtype=dtype)
+        if len(_DIRECTIONS) >= 16:
+            _DIRECTIONS.pop(next(iter(_DIRECTIONS)))
+        _DIRECTIONS[key] = cached
+    return cached.clone()  # callers own their copy; a device-side clone costs microseconds
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,11 @@ def _as_mlp(projector: Projector) -> _MLP | None:
     return _MLP(first, act, second)
 
 
+# Converted copies of projectors (e.g. a bf16 model's projector in float32), reused while the source's
+# parameters are unchanged: same objects, storage and in-place version counters.
+_CONVERTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], nn.Module]] = weakref.WeakKeyDictionary()
+
+
 def _projector_in(projector: Projector, dtype: torch.dtype, device: torch.device) -> Projector:
     """The projector with its parameters in `dtype` (a copy if they differ); plain callables as is."""
     if not isinstance(projector, nn.Module):
@@ -90,7 +116,16 @@ def _projector_in(projector: Projector, dtype: torch.dtype, device: torch.device
     params = [p for p in projector.parameters() if p.is_floating_point()]
     if all(p.dtype == dtype and p.device == device for p in params):
         return projector
-    return copy.deepcopy(projector).to(device=device, dtype=dtype)
+    try:
+        key = (dtype, device, *((id(p), p.data_ptr(), p._version) for p in projector.parameters()))
+    except RuntimeError:  # inference tensors have no version counter: no caching
+        return copy.deepcopy(projector).to(device=device, dtype=dtype)
+    cached = _CONVERTED.get(projector)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    converted = copy.deepcopy(projector).to(device=device, dtype=dtype)
+    _CONVERTED[projector] = (key, converted)
+    return converted
 
 
 def _chunk_size(m: int, per_direction: int) -> int:
@@ -126,9 +161,11 @@ def _jvp_mlp(
 ) -> torch.Tensor:
     """||W2 diag(act'(W1 v + b1)) W1 u|| for every token and direction, sharing W1 u across tokens.
 
-    On CUDA with tf32 or bf16 matmuls the product, the matmul and the norm run fused in one Triton
-    kernel (:mod:`care_core.kernels.jvp`); otherwise (CPU, float32/float64 matmuls, odd shapes) in
-    chunks of directions with PyTorch. ``second_weight`` replaces W2 (the sketch engine).
+    On CUDA with bf16 matmuls (and tf32 when ``FUSED_TF32`` is set) the product, the matmul and the
+    norm run fused in one Triton kernel (:mod:`care_core.kernels.jvp`); otherwise (CPU, float32/float64
+    matmuls, tf32 by default, odd shapes) in chunks of directions with PyTorch. ``second_weight``
+    replaces W2 (``benchmarks/gpu.py`` uses it to measure a random-sketch approximation, which is not
+    offered: it keeps too few of the exact anchors).
     """
     pre = mlp.first(features)  # (N, d_hidden)
     slope = torch.func.jvp(mlp.act, (pre,), (torch.ones_like(pre),))[1]  # act'(W1 v + b1)
@@ -137,7 +174,11 @@ def _jvp_mlp(
     if _fused_jvp_applies(features, w2, low, tf32):
         from care_core.kernels.jvp import jvp_norms
 
-        return jvp_norms(slope, lifted, w2, bf16=low is not None).to(features.dtype)
+        try:
+            return jvp_norms(slope, lifted, w2, bf16=low is not None).to(features.dtype)
+        except Exception as exc:  # a Triton build problem must not break scoring: fall back, say so once
+            _FUSED_FAILED.append(repr(exc))
+            warnings.warn(f"care: fused jvp kernel unavailable ({exc!r}); using the PyTorch path", stacklevel=2)
     if low is not None:
         slope, lifted, w2 = slope.to(low), lifted.to(low), w2.to(low)
     n, hidden = pre.shape
@@ -154,11 +195,11 @@ def _jvp_mlp(
 
 
 def _fused_jvp_applies(features: torch.Tensor, w2: torch.Tensor, low: torch.dtype | None, tf32: bool) -> bool:
-    """The fused kernel runs for float32 features on CUDA in tf32 or bf16 mode, for shapes it tiles."""
-    if features.device.type != "cuda" or features.dtype != torch.float32:
+    """Fused kernel: float32 features on CUDA, bf16 mode (tf32 too with FUSED_TF32), shapes it tiles."""
+    if features.device.type != "cuda" or features.dtype != torch.float32 or _FUSED_FAILED:
         return False
-    if low is None and not tf32:
-        return False  # full float32 matmuls: PyTorch (cuBLAS) path
+    if low is None and not (tf32 and FUSED_TF32):
+        return False  # full float32 matmuls (or tf32 with FUSED_TF32 off): PyTorch (cuBLAS) path
     if low is not None and low != torch.bfloat16:
         return False
     from care_core.kernels import triton_enabled
@@ -206,44 +247,6 @@ def responses_jvp(
         return _jvp_generic(features, projector, directions)
 
 
-def sketch_matrix(out_dim: int, rank: int, seed: int, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(rank, out_dim) Gaussian sketch R with E[||R y||^2] = ||y||^2, drawn on the CPU from ``seed``."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    r = torch.randn(rank, out_dim, generator=generator, dtype=torch.float64) / rank**0.5
-    return r.to(device=device, dtype=dtype)
-
-
-@torch.no_grad()
-def responses_sketch(
-    features: torch.Tensor,
-    projector: Projector,
-    directions: torch.Tensor,
-    *,
-    rank: int = 512,
-    seed: int = 0,
-    matmul: str = "auto",
-) -> torch.Tensor:
-    """Approximate jvp responses ``||R J_M(v_i) u_x||`` with a random Gaussian sketch R (rank, d_out); (m, N).
-
-    Opt-in approximation, never a default: the projector's second layer W2 (d_out, d_h) is replaced by
-    R W2 (rank, d_h), so the cost drops from m N d_h d_out to m N d_h rank multiply-adds (8x less for
-    LLaVA at rank 512); each response is off by a random factor of relative spread about
-    1/sqrt(2 rank) (3% at 512). Needs a Linear-act-Linear projector (LLaVA's).
-    ``benchmarks/gpu.py`` measures how often it picks the exact engine's anchors.
-    """
-    mlp = _as_mlp(projector)
-    if mlp is None:
-        raise ValueError("the sketch engine needs a Linear -> activation -> Linear projector")
-    on_cuda = features.device.type == "cuda"
-    allow_tf32 = (matmul == "tf32" or (matmul == "auto" and on_cuda)) and features.dtype != torch.float64
-    low = torch.bfloat16 if matmul == "bf16" and features.dtype != torch.float64 else None
-    w2 = mlp.second.weight
-    with matmul_precision(allow_tf32=False):
-        sketched = sketch_matrix(w2.shape[0], rank, seed, device=w2.device, dtype=w2.dtype) @ w2
-    with matmul_precision(allow_tf32=allow_tf32):
-        return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32, second_weight=sketched)
-
-
 def perturbation_responses(
     features: torch.Tensor,
     projector: Projector,
@@ -252,20 +255,14 @@ def perturbation_responses(
     h: float,
     engine: str = "jvp",
     matmul: str = "auto",
-    sketch_rank: int = 512,
 ) -> torch.Tensor:
-    """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype.
-
-    ``engine="sketch"`` (core API only, opt-in) is :func:`responses_sketch` with rank ``sketch_rank``.
-    """
+    """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype."""
     projector = _projector_in(projector, features.dtype, features.device)
     if engine == "fd":
         return responses_fd(features, projector, directions, h)
     if engine == "jvp":
         return responses_jvp(features, projector, directions, matmul)
-    if engine == "sketch":
-        return responses_sketch(features, projector, directions, rank=sketch_rank, matmul=matmul)
-    raise ValueError(f"unknown engine {engine!r} (expected 'jvp', 'fd' or 'sketch')")
+    raise ValueError(f"unknown engine {engine!r} (expected 'jvp' or 'fd')")
 
 
 def median(values: torch.Tensor, dim: int) -> torch.Tensor:

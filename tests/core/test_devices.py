@@ -46,7 +46,8 @@ def test_cuda_matches_cpu(engine: str, dtype: torch.dtype) -> None:
     gpu = care_reduce(features.to(dtype).cuda(), projector.to(dtype).cuda(), positions.cuda(), keep=40, config=cfg)
     assert gpu.tokens.device.type == "cuda" and gpu.tokens.dtype == dtype
     tol = 1e-9 if dtype == torch.float64 else 2e-3
-    assert torch.allclose(gpu.psi_bar.cpu(), cpu.psi_bar, atol=tol)
+    score_tol = 1e-2 if (engine == "fd" and dtype == torch.float32) else tol  # float32 Eq. 1: ~0.5-1% cancellation
+    assert torch.allclose(gpu.psi_bar.cpu(), cpu.psi_bar, atol=score_tol)
     if engine == "fd" and dtype == torch.float32:
         return  # float32 Eq. 1 loses ~0.5% to cancellation (SPEC): scores agree, near-ties may not
     assert torch.equal(gpu.indices.cpu(), cpu.indices)

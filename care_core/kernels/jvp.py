@@ -1,0 +1,198 @@
+"""Fused Triton kernel for the jvp engine's Linear-act-Linear path (CUDA only).
+
+For token i with slope ``s_i = act'(W1 v_i + b1)`` (d_h,) and lifted direction ``a_x = W1 u_x`` (d_h,),
+the response is ``C[x, i] = || W2 (s_i ⊙ a_x) ||``. One program computes (BM tokens) x (BN outputs)
+tiles of ``(S ⊙ a_x) @ W2ᵀ`` for DIRS directions at once: each S and W2 tile is loaded once and used
+by all DIRS directions (the operand tile of S is scaled by a_x in registers right after it is loaded,
+one copy per direction), the products go through the tensor cores (tf32, or bf16 operands), and the
+epilogue reduces each tile to its rows' sums of squares. Only those partial sums,
+(d_out / BN, m, N) float32, are written; a tiny torch sum + sqrt finishes. The cost is the
+m·N·d_h·d_out multiply-adds of the exact derivative; nothing of size m·N·d_out or m·N·d_h reaches
+device memory.
+
+Why DIRS: with one direction per program the tiles are re-read from L2 for every direction, about
+(1/BM + 1/BN) · 4 bytes per multiply-add, which at the tensor cores' rate is close to the L2's
+bandwidth; sharing each tile between DIRS directions divides that traffic. Programs are ordered
+direction-block fastest so that neighbours share tiles through L2 as well.
+
+tf32: operands are rounded to nearest (``cvt.rna``, as cuBLAS does) rather than truncated, which
+keeps the error at the level of PyTorch's tf32 matmuls (about 1e-4 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _cfg(bm: int, bn: int, bk: int, dirs: int, stages: int, warps: int) -> triton.Config:
+    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "DIRS": dirs, "GROUP": 8}, num_stages=stages, num_warps=warps)
+
+
+_BF16_CONFIGS = [
+    _cfg(128, 256, 64, 1, 3, 8),
+    _cfg(128, 128, 64, 2, 3, 8),
+    _cfg(128, 128, 64, 2, 4, 8),
+    _cfg(128, 64, 64, 4, 4, 8),
+    _cfg(128, 64, 64, 4, 3, 8),
+]
+_TF32_CONFIGS = [
+    _cfg(128, 256, 32, 1, 3, 8),
+    _cfg(128, 128, 32, 2, 3, 8),
+    _cfg(128, 128, 32, 2, 4, 8),
+    _cfg(128, 64, 32, 4, 4, 8),
+    _cfg(128, 64, 32, 4, 3, 8),
+]
+#: Every config's tiles divide these (checked by :func:`supported`): rows are padded to ROW_PAD,
+#: directions to DIR_PAD.
+ROW_PAD = 128
+DIR_PAD = 4
+K_MULTIPLE = 64
+OUT_MULTIPLE = 256
+
+
+@triton.jit
+def _round_tf32(x):
+    return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _scaled(s, a_ptrs, BF16: tl.constexpr, ROUND: tl.constexpr):
+    t = s * tl.load(a_ptrs)[None, :]
+    if BF16:
+        t = t.to(tl.bfloat16)
+    elif ROUND:
+        t = _round_tf32(t)
+    return t
+
+
+@triton.jit
+def _dot(t, w, acc, BF16: tl.constexpr):
+    if BF16:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        acc = tl.dot(t, w, acc)
+    else:
+        acc = tl.dot(t, w, acc, input_precision="tf32")
+    return acc
+
+
+@triton.jit
+def _sqnorm_kernel(
+    s_ptr, a_ptr, w_ptr, p_ptr,
+    n_pad, m, d_h, d_out,
+    stride_s, stride_a, stride_w, stride_pblk,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRS: tl.constexpr, GROUP: tl.constexpr,
+    BF16: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    dir_blocks = m // DIRS
+    xb = pid % dir_blocks  # direction block fastest: neighbours share the S and W2 tiles through L2
+    tile = pid // dir_blocks
+    n_i = n_pad // BM
+    n_j = d_out // BN
+    per_group = GROUP * n_j
+    first_i = (tile // per_group) * GROUP
+    group_rows = tl.minimum(n_i - first_i, GROUP)
+    pid_i = first_i + (tile % per_group) % group_rows
+    pid_j = (tile % per_group) // group_rows
+
+    offs_i = pid_i * BM + tl.arange(0, BM)
+    offs_j = pid_j * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    s_ptrs = s_ptr + offs_i[:, None].to(tl.int64) * stride_s + offs_k[None, :]
+    w_ptrs = w_ptr + offs_j[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # (BK, BN) view of W2ᵀ
+    x0 = xb * DIRS
+    a_ptrs = a_ptr + x0 * stride_a + offs_k
+
+    acc0 = tl.zeros((BM, BN), dtype=tl.float32)
+    if DIRS >= 2:
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    if DIRS >= 4:
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, d_h, BK):
+        s = tl.load(s_ptrs).to(tl.float32)
+        w = tl.load(w_ptrs)
+        acc0 = _dot(_scaled(s, a_ptrs, BF16, ROUND), w, acc0, BF16)
+        if DIRS >= 2:
+            acc1 = _dot(_scaled(s, a_ptrs + stride_a, BF16, ROUND), w, acc1, BF16)
+        if DIRS >= 4:
+            acc2 = _dot(_scaled(s, a_ptrs + 2 * stride_a, BF16, ROUND), w, acc2, BF16)
+            acc3 = _dot(_scaled(s, a_ptrs + 3 * stride_a, BF16, ROUND), w, acc3, BF16)
+        s_ptrs += BK
+        w_ptrs += BK
+        a_ptrs += BK
+    out = p_ptr + pid_j * stride_pblk + x0 * n_pad + offs_i
+    tl.store(out, tl.sum(acc0 * acc0, axis=1))  # (BM,) partial ||.||^2 over this block of outputs
+    if DIRS >= 2:
+        tl.store(out + n_pad, tl.sum(acc1 * acc1, axis=1))
+    if DIRS >= 4:
+        tl.store(out + 2 * n_pad, tl.sum(acc2 * acc2, axis=1))
+        tl.store(out + 3 * n_pad, tl.sum(acc3 * acc3, axis=1))
+
+
+def _autotuned(configs):  # type: ignore[no-untyped-def]
+    # p_ptr is zeroed before each config is tried and after the search: configs with wider output blocks
+    # leave the buffer's last blocks untouched, and those must read zero.
+    return triton.autotune(configs=configs, key=["n_pad", "m", "d_h", "d_out"], reset_to_zero=["p_ptr"])(_sqnorm_kernel)
+
+
+_kernel_bf16 = _autotuned(_BF16_CONFIGS)
+_kernel_tf32 = _autotuned(_TF32_CONFIGS)
+
+
+def supported(hidden: int, out_dim: int) -> bool:
+    """Shapes the kernel takes without masks (LLaVA: 4096 -> 4096)."""
+    return hidden % K_MULTIPLE == 0 and out_dim % OUT_MULTIPLE == 0
+
+
+def chosen_config(bf16: bool) -> str | None:
+    """The autotuner's pick for the last shape it saw (for benchmark reports)."""
+    kernel = _kernel_bf16 if bf16 else _kernel_tf32
+    best = getattr(kernel, "best_config", None)
+    return None if best is None else str(best)
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to tf32 (10 mantissa bits), to nearest with ties away from zero (``cvt.rna``)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+def jvp_norms(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+    """C[x, i] = ||W2 (slope_i ⊙ lifted_x)||, (m, N) float32, on CUDA.
+
+    slope (N, d_h), lifted (m, d_h), w2 (d_out, d_h). ``bf16``: bf16 operands (the product rounded
+    once, after the float32 multiply) with float32 accumulation; else tf32 operands (rounded to
+    nearest) with float32 accumulation.
+    """
+    n, hidden = slope.shape
+    m = lifted.shape[0]
+    out_dim = w2.shape[0]
+    if not supported(hidden, out_dim):
+        raise ValueError(f"fused jvp kernel needs d_h % {K_MULTIPLE} == 0 and d_out % {OUT_MULTIPLE} == 0")
+    n_pad = -(-n // ROW_PAD) * ROW_PAD
+    m_pad = -(-m // DIR_PAD) * DIR_PAD
+    s = slope.to(torch.bfloat16) if bf16 else slope.float()
+    if n_pad != n:
+        s = torch.cat([s, s.new_zeros(n_pad - n, hidden)])
+    s = s.contiguous()
+    a = lifted.float()
+    if m_pad != m:
+        a = torch.cat([a, a.new_zeros(m_pad - m, hidden)])
+    a = a.contiguous()
+    w = w2.to(torch.bfloat16).contiguous() if bf16 else round_to_tf32(w2)
+    min_bn = min(c.kwargs["BN"] for c in (_BF16_CONFIGS if bf16 else _TF32_CONFIGS))
+    partial = torch.zeros(out_dim // min_bn, m_pad, n_pad, dtype=torch.float32, device=slope.device)
+
+    def grid(meta):  # type: ignore[no-untyped-def]
+        return ((m_pad // meta["DIRS"]) * (n_pad // meta["BM"]) * (out_dim // meta["BN"]),)
+
+    kernel = _kernel_bf16 if bf16 else _kernel_tf32
+    kernel[grid](
+        s, a, w, partial,
+        n_pad, m_pad, hidden, out_dim,
+        s.stride(0), a.stride(0), w.stride(0), partial.stride(0),
+        BF16=bf16, ROUND=True,
+    )  # fmt: skip
+    return partial.sum(dim=0)[:m, :n].sqrt()  # blocks past d_out / BN stay zero
