@@ -394,14 +394,10 @@ def bench_anchors(features_by_n: dict[int, torch.Tensor], clock: Clock, budgets:
 
 
 # ----------------------------------------------------------------------------------------- models
-def build_llava(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[Any, Any]:
-    """LLaVA-1.5-7B (CLIP-L/336 24 layers, 1024->4096->4096 GELU projector, Vicuna-7B), random weights."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+def _vicuna_parts(tok: Any, tiny: bool, max_positions: int) -> tuple[Any, Any]:
+    """CLIP-L/336 (24 layers) and Vicuna-7B configs, or tiny widths for a smoke test."""
+    from transformers import CLIPVisionConfig, LlamaConfig
 
-    from care_core.backbones.demo import LLAVA15_CHAT_TEMPLATE, build_byte_tokenizer
-
-    tok = build_byte_tokenizer(["<image>"])
     if tiny:
         vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
         text = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -414,24 +410,42 @@ def build_llava(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[A
         **vision, image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu"
     )
     text_config = LlamaConfig(
-        vocab_size=32064, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        vocab_size=32064, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **text,
     )  # fmt: skip
+    return vision_config, text_config
+
+
+def _random_model(model_cls: Any, config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    """The model built directly on `device` in `dtype` with seeded random weights, eval mode, no grads."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(saved)
+    model = model.to(device=device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_llava(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[Any, Any]:
+    """LLaVA-1.5-7B (CLIP-L/336 24 layers, 1024->4096->4096 GELU projector, Vicuna-7B), random weights."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from care_core.backbones.demo import LLAVA15_CHAT_TEMPLATE, build_byte_tokenizer
+
+    tok = build_byte_tokenizer(["<image>"])
+    vision_config, text_config = _vicuna_parts(tok, tiny, max_positions=4096)
     config = LlavaConfig(
         vision_config=vision_config, text_config=text_config,
         image_token_index=tok.convert_tokens_to_ids("<image>"), image_seq_length=576,
         vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu",
     )  # fmt: skip
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = LlavaForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(saved)
-    model = model.to(device=device).eval()
-    model.requires_grad_(False)
+    model = _random_model(LlavaForConditionalGeneration, config, device, dtype, seed=0)
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, do_center_crop=True
     )
@@ -444,47 +458,18 @@ def build_llava(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[A
 
 def build_llava_next(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[Any, Any]:
     """LLaVA-NeXT-7B (vicuna): the LLaVA-1.5-7B parts + anyres (default pinpoints), random weights."""
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        LlavaNextProcessor,
-    )
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     from care_core.backbones import demo
 
     tok = demo.build_byte_tokenizer(["<image>"])
-    if tiny:
-        vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
-        text = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
-                "num_key_value_heads": 4}  # fmt: skip
-    else:
-        vision = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16}
-        text = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-                "num_key_value_heads": 32}  # fmt: skip
-    vision_config = CLIPVisionConfig(
-        **vision, image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu"
-    )
-    text_config = LlamaConfig(
-        vocab_size=32064, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **text,
-    )  # fmt: skip
+    vision_config, text_config = _vicuna_parts(tok, tiny, max_positions=8192)
     config = LlavaNextConfig(
         vision_config=vision_config, text_config=text_config, image_token_index=tok.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu",
     )  # fmt: skip
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        torch.manual_seed(1)
-        with torch.device(device):
-            model = LlavaNextForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(saved)
-    model = model.to(device=device).eval()
-    model.requires_grad_(False)
+    model = _random_model(LlavaNextForConditionalGeneration, config, device, dtype, seed=1)
     image_processor = LlavaNextImageProcessorPil(
         size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
         image_grid_pinpoints=[list(p) for p in config.image_grid_pinpoints],

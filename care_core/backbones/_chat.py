@@ -4,7 +4,8 @@ placeholder-expanded prompt ids and greedy decoding through ``mm_encoder_outputs
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from PIL import Image
@@ -35,6 +36,9 @@ def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
     return {"image": BaseModelOutputWithPooling(pooler_output=[rows])}
 
 
+_A = TypeVar("_A", bound="ChatAdapter")
+
+
 class ChatAdapter(VLMAdapter):
     """Shared text side of the adapters.
 
@@ -46,8 +50,46 @@ class ChatAdapter(VLMAdapter):
     """
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
+    model_class: str  # the transformers class that loads this family, e.g. "LlavaForConditionalGeneration"
     image_token: str
     image_token_id: int
+
+    @classmethod
+    def _load_processor(cls, folder: Path) -> Any:
+        """The folder's processor (tokenizer + image processor); offline."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+
+    @classmethod
+    def from_folder(
+        cls: type[_A],
+        folder: Path,
+        *,
+        name: str,
+        is_demo: bool = False,
+        device: torch.device,
+        dtype: torch.dtype | str,
+    ) -> _A:
+        """Load model + processor from a local folder (never the network). Model errors propagate raw."""
+        import transformers
+
+        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
+        if device.type != "cpu":
+            kwargs["device_map"] = device
+        with quiet_transformers():
+            try:
+                processor = cls._load_processor(folder)
+            except Exception as exc:
+                detail = " ".join(str(exc).split()).split(". ")[0]
+                raise ModelLoadError(
+                    f"cannot load the processor (tokenizer, image processor config) from {folder}: "
+                    f"{type(exc).__name__}: {detail}"
+                ) from exc
+            model = getattr(transformers, cls.model_class).from_pretrained(str(folder), **kwargs)
+            model = model.to(device).eval()
+            model.requires_grad_(False)
+        return cls(model, processor, name=name, is_demo=is_demo)
 
     @property
     def tokenizer(self) -> Any:

@@ -11,7 +11,6 @@ pixels (see :mod:`care_core.backbones.geometry` for the exact rounding).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,39 +57,6 @@ class LlavaAdapter(ChatAdapter):
             if getattr(processor, attr, None) is None:
                 raise ModelLoadError(f"{name}: the processor has no {attr}; the model folder is incomplete")
         self._fix_processor()
-
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_folder(
-        cls,
-        folder: Path,
-        *,
-        name: str,
-        is_demo: bool = False,
-        device: torch.device,
-        dtype: torch.dtype | str,
-    ) -> LlavaAdapter:
-        """Load model + processor from a local folder (never the network). Errors propagate raw."""
-        import transformers
-        from transformers import AutoProcessor
-
-        model_class = getattr(transformers, cls.model_class)
-        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
-        if device.type != "cpu":
-            kwargs["device_map"] = device
-        with quiet_transformers():
-            try:
-                processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
-            except Exception as exc:
-                detail = " ".join(str(exc).split()).split(". ")[0]
-                raise ModelLoadError(
-                    f"cannot load the processor (tokenizer, image processor config) from {folder}: "
-                    f"{type(exc).__name__}: {detail}"
-                ) from exc
-            model = model_class.from_pretrained(str(folder), **kwargs)
-            model = model.to(device).eval()
-            model.requires_grad_(False)
-        return cls(model, processor, name=name, is_demo=is_demo)
 
     def _fix_processor(self) -> None:
         """Make the processor agree with the model (placeholder count, patch size, image token)."""

@@ -88,6 +88,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     family = "qwen2.5-vl"
     model_types = ("qwen2_5_vl",)
     FALLBACK_PROMPT = QWEN25VL_FALLBACK_PROMPT
+    model_class = "Qwen2_5_VLForConditionalGeneration"
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "all N merged tokens with their multimodal-rope positions",
     }
@@ -110,38 +111,12 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         self._set_image_token(getattr(cfg, "image_token_id", None))
         self._projector = QwenMergerProjector(self._inner.visual.merger)
 
-    # ------------------------------------------------------------------ loading
     @classmethod
-    def from_folder(
-        cls,
-        folder: Path,
-        *,
-        name: str,
-        is_demo: bool = False,
-        device: torch.device,
-        dtype: torch.dtype | str,
-    ) -> Qwen2_5_VLAdapter:
-        """Load model + image-only processor from a local folder (never the network). Errors propagate raw."""
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
+    def _load_processor(cls, folder: Path) -> Any:
+        """The image-only processor: AutoProcessor would need torchvision for the video part."""
         from .qwen_processor import CareQwen2_5_VLProcessor
 
-        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
-        if device.type != "cpu":
-            kwargs["device_map"] = device
-        with quiet_transformers():
-            try:
-                processor = CareQwen2_5_VLProcessor.from_pretrained(str(folder), local_files_only=True)
-            except Exception as exc:
-                detail = " ".join(str(exc).split()).split(". ")[0]
-                raise ModelLoadError(
-                    f"cannot load the processor (tokenizer, image processor config) from {folder}: "
-                    f"{type(exc).__name__}: {detail}"
-                ) from exc
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder), **kwargs)
-            model = model.to(device).eval()
-            model.requires_grad_(False)
-        return cls(model, processor, name=name, is_demo=is_demo)
+        return CareQwen2_5_VLProcessor.from_pretrained(str(folder), local_files_only=True)
 
     # ------------------------------------------------------------------ modules
     @property
