@@ -147,8 +147,6 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     strategy "default") and tiny widths; weights drawn from ``seed`` without touching the
     caller's global RNG. Returns ``(model, processor)`` in eval mode, float32, on the CPU."""
     from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -156,28 +154,8 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     tok = build_byte_tokenizer(["<image>"])
-    vocab_size = -(-len(tok) // 8) * 8  # room for every token, rounded up to a multiple of 8
-    vision_config = CLIPVisionConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        image_size=336,
-        patch_size=14,
-        projection_dim=32,
-    )
-    text_config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=4,  # enough layers for in-LLM methods (FastV layer 1, SparseVLM layer 2)
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    vision_config = _tiny_clip_config()
+    text_config = _tiny_llama_config(tok, max_positions=4096)
     config = LlavaConfig(
         vision_config=vision_config,
         text_config=text_config,
@@ -187,9 +165,7 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config).eval()
+    model = _seeded(LlavaForConditionalGeneration, config, seed)
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, do_center_crop=True
     )
@@ -202,6 +178,35 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
         chat_template=LLAVA15_CHAT_TEMPLATE,
     )
     return model, processor
+
+
+def _vocab_size(tok: Any) -> int:
+    """Room for every token of the tokenizer, rounded up to a multiple of 8."""
+    return -(-len(tok) // 8) * 8
+
+
+def _seeded(model_cls: Any, config: Any, seed: int) -> Any:
+    """`model_cls(config)` with weights from `seed`, leaving the caller's global RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls(config).eval()
+
+
+def _tiny_llama_config(tok: Any, max_positions: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=_vocab_size(tok),
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,  # enough layers for in-LLM methods (FastV layer 1, SparseVLM layer 2)
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=max_positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
 
 
 def _tiny_clip_config() -> Any:
@@ -221,23 +226,11 @@ def _tiny_clip_config() -> Any:
 def build_tiny_llava_next(seed: int = 0) -> tuple[Any, Any]:
     """LLaVA-NeXT with the real geometry (CLIP 336 px / 14, layer -2, strategy "default", the default anyres
     pinpoints, base view + unpadded high-resolution grid: 2880 tokens for 672x672) and tiny widths."""
-    from transformers import LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     tok = build_byte_tokenizer(["<image>"])
-    vocab_size = -(-len(tok) // 8) * 8
-    text_config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=8192,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    text_config = _tiny_llama_config(tok, max_positions=8192)
     config = LlavaNextConfig(
         vision_config=_tiny_clip_config(),
         text_config=text_config,
@@ -246,9 +239,7 @@ def build_tiny_llava_next(seed: int = 0) -> tuple[Any, Any]:
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaNextForConditionalGeneration(config).eval()
+    model = _seeded(LlavaNextForConditionalGeneration, config, seed)
     image_processor = LlavaNextImageProcessorPil(
         size={"shortest_edge": 336},
         crop_size={"height": 336, "width": 336},
@@ -290,7 +281,7 @@ def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
             "tokens_per_second": 2,
         },
         text_config={
-            "vocab_size": -(-len(tok) // 8) * 8,
+            "vocab_size": _vocab_size(tok),
             "hidden_size": 64,
             "intermediate_size": 128,
             "num_hidden_layers": 4,
@@ -307,9 +298,7 @@ def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
         vision_start_token_id=tid("<|vision_start|>"),
         vision_end_token_id=tid("<|vision_end|>"),
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = _seeded(Qwen2_5_VLForConditionalGeneration, config, seed)
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": 3136, "longest_edge": 12845056}, patch_size=14, temporal_patch_size=2, merge_size=2
     )
