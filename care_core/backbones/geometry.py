@@ -22,9 +22,12 @@ Everything here is plain arithmetic on sizes; no pixels are touched.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .base import ImageTokens
 
 
 @dataclass(frozen=True)
@@ -146,3 +149,22 @@ def clip_boxes(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
     out[..., 0::2] = out[..., 0::2].clamp(0.0, float(width))
     out[..., 1::2] = out[..., 1::2].clamp(0.0, float(height))
     return out
+
+
+def grid_image_tokens(
+    features: torch.Tensor, geom: CropGeometry, rows: int, cols: int, patch: int, model_inputs: dict[str, Any]
+) -> ImageTokens:
+    """ImageTokens of one raster grid of `patch`-pixel cells over `geom`'s model canvas, in original pixels."""
+    from .base import ImageTokens
+
+    height, width = geom.height, geom.width
+    boxes = clip_boxes(geom.crop_to_original(grid_crop_boxes(rows, cols, patch)), height, width)
+    return ImageTokens(
+        features=features,
+        positions=grid_positions(rows, cols).to(device=features.device, dtype=torch.float32),
+        boxes=boxes.to(torch.float32),
+        image_size=(height, width),
+        seen_box=geom.seen_box(),
+        grid=(rows, cols),
+        model_inputs=model_inputs,
+    )

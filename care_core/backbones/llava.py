@@ -20,7 +20,7 @@ from ..errors import ModelLoadError
 from ._chat import ChatAdapter, mm_encoder_outputs, to_rgb
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
-from .geometry import clip_boxes, crop_geometry, grid_crop_boxes, grid_positions
+from .geometry import crop_geometry, grid_image_tokens
 from .probes import clip_vision_probes
 
 LLAVA15_FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
@@ -127,17 +127,8 @@ class LlavaAdapter(ChatAdapter):
                 f"with patch {patch} ({rows}x{cols} expected)"
             )
         geom = crop_geometry(height, width, ip, (crop_h, crop_w))
-        boxes = clip_boxes(geom.crop_to_original(grid_crop_boxes(rows, cols, patch)), height, width)
-        positions = grid_positions(rows, cols).to(device=features.device, dtype=torch.float32)
-        return ImageTokens(
-            features=features,
-            positions=positions,
-            boxes=boxes.to(torch.float32),
-            image_size=(height, width),
-            seen_box=geom.seen_box(),
-            grid=(rows, cols),
-            model_inputs={"pixel_values": pixel_values, "image_size": (height, width), "crop_geometry": geom},
-        )
+        model_inputs = {"pixel_values": pixel_values, "image_size": (height, width), "crop_geometry": geom}
+        return grid_image_tokens(features, geom, rows, cols, patch, model_inputs)
 
     # ------------------------------------------------------------------ language model
     @property

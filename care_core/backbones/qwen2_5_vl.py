@@ -39,7 +39,7 @@ from ..errors import ModelLoadError
 from ._chat import ChatAdapter, mm_encoder_outputs, to_rgb
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
-from .geometry import CropGeometry, clip_boxes, grid_crop_boxes, grid_positions
+from .geometry import CropGeometry, grid_image_tokens
 
 QWEN25VL_FALLBACK_PROMPT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -170,17 +170,8 @@ class Qwen2_5_VLAdapter(ChatAdapter):
             raise RuntimeError(f"vision tower gave {features.shape[0]} merged tokens for grid_thw {thw[0].tolist()}")
         block = int(vc.patch_size) * merge
         geom = CropGeometry(height, width, rows * block, cols * block, 0, 0, rows * block, cols * block)
-        boxes = clip_boxes(geom.crop_to_original(grid_crop_boxes(rows, cols, block)), height, width)
-        positions = grid_positions(rows, cols).to(device=features.device, dtype=torch.float32)
-        return ImageTokens(
-            features=features,
-            positions=positions,
-            boxes=boxes.to(torch.float32),
-            image_size=(height, width),
-            seen_box=geom.seen_box(),
-            grid=(rows, cols),
-            model_inputs={"pixel_values": pixel_values, "image_grid_thw": thw, "image_size": (height, width)},
-        )
+        model_inputs = {"pixel_values": pixel_values, "image_grid_thw": thw, "image_size": (height, width)}
+        return grid_image_tokens(features, geom, rows, cols, block, model_inputs)
 
     # ------------------------------------------------------------------ language model
     def full_positions(self, question: str, tokens: ImageTokens) -> dict[str, torch.Tensor]:
