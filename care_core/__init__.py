@@ -1,8 +1,36 @@
-"""care_core: the CaRe algorithm as pure tensor code (no I/O). Public API fixed by SPEC.md."""
+"""care_core: the CaRe algorithm as pure tensor code (no I/O).
 
-from care_core.care import Reduction, care_reduce
-from care_core.config import CaReConfig, resolve_budget
-from care_core.csr import csr_score
+The public names are imported on first use, so that importing the package (and its metadata,
+the method registry, the flops model) does not import torch.
+"""
 
-__all__ = ["CaReConfig", "Reduction", "care_reduce", "csr_score", "resolve_budget"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CaReConfig": "care_core.config",
+    "resolve_budget": "care_core.config",
+    "Reduction": "care_core.care",
+    "care_reduce": "care_core.care",
+    "csr_score": "care_core.csr",
+}
+
+if TYPE_CHECKING:
+    from care_core.care import Reduction, care_reduce
+    from care_core.config import CaReConfig, resolve_budget
+    from care_core.csr import csr_score
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'care_core' has no attribute {name!r}")
+
+
+__all__ = ["CaReConfig", "Reduction", "__version__", "care_reduce", "csr_score", "resolve_budget"]

@@ -1,0 +1,38 @@
+"""Deferred imports, so that `care --help`, `care methods` and `care flops` start without torch.
+
+Modules that must stay importable without torch (the method registry, the flops model, the CLI's
+option parsing) write ``from care_core._lazy import torch`` instead of ``import torch``: the name
+resolves to the real module on first attribute access. Type checkers see the real module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from typing import TYPE_CHECKING, Any
+
+
+class LazyModule(types.ModuleType):
+    """A stand-in for a module that imports it on first attribute access."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+
+    def _load(self) -> types.ModuleType:
+        return importlib.import_module(self.__name__)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._load(), attr)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._load())
+
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:
+    torch = LazyModule("torch")
+    F = LazyModule("torch.nn.functional")
+
+__all__ = ["F", "LazyModule", "torch"]
