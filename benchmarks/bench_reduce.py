@@ -3,7 +3,8 @@
     python benchmarks/bench_reduce.py                  # full run (several minutes on 2 cores)
     python benchmarks/bench_reduce.py --quick          # N = 576 only, fewer repetitions
 
-Prints rich tables and writes benchmarks/results/<date>-cpu-bench_reduce.json. The demo backbone has
+Prints rich tables and writes a new file benchmarks/results/<date>-<time>-cpu-bench_reduce.json (never an
+existing one; --out FILE chooses another path, which must not exist either). The demo backbone has
 random weights; timings do not depend on weight values, but its widths are tiny, so its stage times
 say nothing about a 7B model (the core-only rows use LLaVA's real projector shape, 1024->4096->4096).
 """
@@ -22,34 +23,29 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from care_cli.commands.reduce import run_reduce
-from care_cli.io import load_image
 from care_cli.versions import versions
 from care_core import CaReConfig, care_reduce
+from care_core.images import load_image
+from care_core.pipeline import Budget, ReductionPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(width=140)
 
 
 def bench_cli_stages(reps: int) -> list[dict[str, object]]:
+    """Median ms per stage of the pipeline `care reduce` runs (demo backbone, K = 11% of N, care)."""
+    pipe = ReductionPipeline.from_pretrained(None, methods=["care"], config=CaReConfig(), device="cpu")
+    budget = [Budget.ratio(0.11)]
+    pipe(load_image(ROOT / "examples/astronaut.jpg"), None, budget)  # warm-up
     rows = []
-    run_reduce(
-        load_image(ROOT / "examples/astronaut.jpg"),
-        ratio=0.11,
-        keep=None,
-        model=None,
-        device="cpu",
-        dtype="auto",
-        question=None,
-        config=CaReConfig(),
-    )  # fmt: skip  (builds the demo, warms up)
     for name in ("astronaut.jpg", "coffee.jpg", "chelsea.jpg"):
         picture = load_image(ROOT / "examples" / name)
         samples: dict[str, list[float]] = {}
         for _ in range(reps):
-            result = run_reduce(picture, ratio=0.11, keep=None, model=None, device="cpu", dtype="auto",
-                                question=None, config=CaReConfig())  # fmt: skip
-            for stage, ms in result["summary"]["timings_ms"].items():
+            output = pipe(picture, None, budget)
+            stages = {**output.timings_ms, **output.runs[0].timings_ms}
+            stages["total"] = sum(stages.values())
+            for stage, ms in stages.items():
                 samples.setdefault(stage, []).append(ms)
         rows.append({"image": name, **{f"{k}_ms": statistics.median(v) for k, v in samples.items()}})
     return rows
@@ -106,6 +102,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    _check_out(args.out)
     reps = 1 if args.quick else args.reps
     sizes = [576] if args.quick else [576, 2880]
 
@@ -141,10 +138,17 @@ def main() -> None:
         "cli_stages_demo_backbone": cli_rows,
         "core": core_rows,
     }  # fmt: skip
-    out = args.out or ROOT / "benchmarks/results" / f"{payload['date']}-cpu-bench_reduce.json"
+    stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    out = args.out or ROOT / "benchmarks/results" / f"{stamp}-cpu-bench_reduce.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    with open(out, "x", encoding="utf-8") as handle:  # "x": never replace a committed result
+        handle.write(json.dumps(payload, indent=2) + "\n")
     console.print(f"wrote {out}")
+
+
+def _check_out(path: Path | None) -> None:
+    if path is not None and path.exists():
+        raise SystemExit(f"error: {path} exists; benchmarks write new files only")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,28 @@
-"""The Typer app: `care reduce`, and the entry point that turns user errors into one line + exit 2."""
+"""The Typer app and the entry point that turns user errors into one line + exit 2.
+
+Start-up stays light: command modules import typer, rich and the config dataclass only; torch and
+transformers are imported when a command loads a model, after its arguments and files are checked.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Annotated
 
 import typer
+
+try:  # typer >= 0.2x carries its own copy of click
+    from typer._click import exceptions as _cx  # type: ignore[import-not-found]
+except ImportError:  # older typer uses click itself
+    from click import exceptions as _cx
 
 from care_cli.commands import csr as csr_command
 from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
 from care_cli.commands import visualize as visualize_command
-from care_core.errors import CareError
+from care_core.errors import BudgetError, CareError
 
 app = typer.Typer(
     name="care",
@@ -29,9 +39,58 @@ app.command("flops")(flops_command.flops)
 app.command("visualize", no_args_is_help=True)(visualize_command.visualize)
 
 
+def _plain_help_types() -> None:
+    """--help in users' words: no ``<bool>`` for flags (they take no value), ``<int>…`` for repeatable options
+    instead of ``<list[int]>`` (typer versions that show types)."""
+    option_class = getattr(getattr(typer, "core", None), "TyperOption", None)
+    display = getattr(option_class, "display_type_rich", None)
+    if option_class is None or display is None or getattr(display, "_care_patched", False):
+        return
+
+    def display_type_rich(self: object, ctx: object) -> str | None:
+        if getattr(self, "is_flag", False):
+            return None
+        text = display(self, ctx)
+        if isinstance(text, str) and text.startswith("<list[") and text.endswith("]>"):
+            return f"<{text[6:-2]}> (repeatable)"
+        return text
+
+    display_type_rich._care_patched = True  # type: ignore[attr-defined]
+    option_class.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_plain_help_types()
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("care-vtr")
+        except metadata.PackageNotFoundError:
+            from care_core import __version__ as version
+        print(f"care {version}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", help="Print the version and exit.", callback=_version, is_eager=True,
+                     metavar=""),
+    ] = False,
+) -> None:  # fmt: skip
     """CaRe (Calibrate Before Reason): visual token reduction for vision-language models, measured."""
+
+
+# click >= 8.2 (and typer's own copy) raises this after printing the help of a command called with no arguments.
+_NO_ARGS_IS_HELP: type[Exception] | None = getattr(_cx, "NoArgsIsHelpError", None)
+
+
+_EXITS: tuple[type[BaseException], ...] = tuple(c for c in (getattr(_cx, "Exit", None),) if c is not None)
+_ABORTS: tuple[type[BaseException], ...] = tuple(c for c in (getattr(_cx, "Abort", None),) if c is not None)
 
 
 def _one_line(message: object) -> str:
@@ -39,23 +98,32 @@ def _one_line(message: object) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; bad input gives `error: ...` on one line of stderr and exit code 2."""
+    """Run the CLI: bad input gives `error: ...` on one line of stderr and exit code 2.
+
+    A command called with no arguments prints its help and exits 2, like any other usage error.
+    """
     command = typer.main.get_command(app)
     try:
         result = command.main(args=list(argv) if argv is not None else None, prog_name="care", standalone_mode=False)
     except CareError as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        message = _one_line(exc)
+        if isinstance(exc, BudgetError) and message.startswith(("keep ", "ratio ")):
+            message = "--" + message  # the library's budget names are the CLI's flags
+        print(f"error: {message}", file=sys.stderr)
         return 2
-    except typer.Exit as exc:
-        return int(exc.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except (typer.Exit, *_EXITS) as exc:
+        return int(getattr(exc, "exit_code", 0))
+    except (typer.Abort, *_ABORTS, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         return 130
-    except typer.TyperException as exc:  # the parser's usage errors (bad option value, unknown option, …)
-        if type(exc).__name__ == "NoArgsIsHelpError":  # help was printed for a bare `care` / `care reduce`
-            return 0
-        context = getattr(exc, "ctx", None)
+    except _cx.UsageError as exc:
+        if _NO_ARGS_IS_HELP is not None and isinstance(exc, _NO_ARGS_IS_HELP):
+            return 2  # no arguments: the help was printed
+        context = exc.ctx
         hint = f" (see 'care {context.info_name} --help')" if context is not None and context.parent else ""
-        print(f"error: {_one_line(exc.format_message())}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
-        return int(getattr(exc, "exit_code", 2))
+        print(f"error: {_one_line(exc.format_message())}{hint}", file=sys.stderr)
+        return 2
+    except _cx.ClickException as exc:
+        print(f"error: {_one_line(exc.format_message())}", file=sys.stderr)
+        return int(exc.exit_code) or 2
     return result if isinstance(result, int) else 0

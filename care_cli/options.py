@@ -1,14 +1,25 @@
-"""Options shared by several commands: the budget, the backbone and every CaRe hyperparameter."""
+"""Options shared by several commands: budgets, the backbone, every CaRe hyperparameter, output files.
+
+The hyperparameter options are made from :class:`care_core.CaReConfig`'s fields (their symbols, meanings and
+meaningful ranges), so a field added there is an option of every command that runs methods.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from typing import Annotated, Any
+import typing
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 import typer
 
-from care_core import CaReConfig
-from care_core.errors import BudgetError
+from care_cli.errors import UserError
+from care_core.config import CaReConfig
+from care_core.errors import ConfigError
 
 _DEFAULT = CaReConfig()
 _HYPER = "CaRe hyperparameters (paper defaults)"
@@ -18,13 +29,19 @@ Ratio = Annotated[
     float | None,
     typer.Option("--ratio", "-r", help="Fraction of visual tokens kept, in (0, 1]: K = max(1, floor(ratio N))."),
 ]
-Keep = Annotated[int | None, typer.Option("--keep", "-k", help="Number of visual tokens kept (K).")]
+Keep = Annotated[int | None, typer.Option("--keep", "-k", help="Number of visual tokens kept (K), 1 ≤ K ≤ N.")]
+Ratios = Annotated[
+    list[float] | None,
+    typer.Option("--ratio", "-r", help="Retention ratio in (0, 1] (repeatable).", metavar="FLOAT"),
+]
+Keeps = Annotated[list[int] | None, typer.Option("--keep", "-k", help="Tokens kept, K (repeatable).", metavar="INT")]
 Model = Annotated[
     str | None,
     typer.Option(
         "--model",
-        help="Demo name (tiny-llava), a local model folder, or a Hugging Face repo id in the local cache. "
-        "Default: the embedded tiny-llava demo (random weights).",
+        help="A demo name (tiny-llava, tiny-llava-next, tiny-qwen2.5-vl), a local model folder, or a Hugging Face "
+        "repo id in the local cache (offline). Default: the embedded tiny-llava demo (a tiny model, not a real "
+        "VLM; its caption says how it was made).",
         rich_help_panel=_BACKBONE,
     ),
 ]
@@ -37,39 +54,125 @@ Dtype = Annotated[
         rich_help_panel=_BACKBONE,
     ),
 ]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else there.")]
-
-
-def _hyper(flag: str, name: str, text: str) -> Any:
-    return typer.Option(flag, help=f"{text}.", rich_help_panel=_HYPER)
-
-
-H = Annotated[float, _hyper("--h", "h", "h: finite-difference step of Eq. 1")]
-M = Annotated[int, _hyper("--m", "m", "m: number of perturbation directions")]
-Lam = Annotated[float, _hyper("--lambda", "lam", "lambda: directional-risk penalty")]
-Eta = Annotated[float, _hyper("--eta", "eta", "eta: spatial-term weight of Eq. 4")]
-ThetaS = Annotated[float, _hyper("--theta-s", "theta_s", "theta_s: affinity threshold")]
-ThetaC = Annotated[float, _hyper("--theta-c", "theta_c", "theta_c: confidence threshold of Eq. 6")]
-Alpha = Annotated[float, _hyper("--alpha", "alpha", "alpha: calibration strength")]
-SigmaP = Annotated[float, _hyper("--sigma-p", "sigma_p", "sigma_p: spatial decay of Eq. 4")]
-TauG = Annotated[float, _hyper("--tau-g", "tau_g", "tau_g: top-k_f assignment temperature")]
-TauC = Annotated[float, _hyper("--tau-c", "tau_c", "tau_c: confidence temperature")]
-TauS = Annotated[float, _hyper("--tau-s", "tau_s", "tau_s: soft-assignment temperature of Eq. 7")]
-Eps = Annotated[float, _hyper("--eps", "eps", "epsilon")]
-Seed = Annotated[int, _hyper("--seed", "seed", "seed of the perturbation directions")]
-Engine = Annotated[str, _hyper("--engine", "engine", "response engine: jvp (exact derivative) or fd (Eq. 1 literally)")]
-MatmulPrecision = Annotated[
-    str, _hyper("--matmul-precision", "matmul_precision", "jvp matmuls: auto, float32, tf32 or bf16")
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else there.", metavar="")
 ]
+Force = Annotated[bool, typer.Option("--force", help="Replace output files that exist.", metavar="")]
+Methods = Annotated[
+    list[str] | None,
+    typer.Option("--method", help="Method name (repeatable) or 'all' (see 'care methods'). Default: care.",
+                 metavar="NAME"),
+]  # fmt: skip
+
+# Flag of each CaReConfig field where it is not the field name with dashes.
+_FLAGS = {"lam": "--lambda"}
+_CHOICES = {
+    "engine": ("jvp", "fd", "response engine: jvp (exact derivative) or fd (Eq. 1 literally)"),
+    "matmul_precision": ("auto", "float32", "tf32", "bf16", "jvp matmuls: auto, float32, tf32 or bf16"),
+    "kernel": ("auto", "fused", "torch", "kernels: auto (fused where available), fused, or torch"),
+}
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a CaReConfig field."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def _hyper_parameters() -> list[inspect.Parameter]:
+    ranges = CaReConfig.ranges()
+    hints = typing.get_type_hints(CaReConfig)
+    params = []
+    for f in fields(CaReConfig):
+        meta = f.metadata
+        if "help" in meta:
+            text = f"{meta['symbol']}: {meta['help']}; {ranges[f.name].removeprefix('in ')}"
+            annotation: Any = int if hints[f.name] is int else float
+        else:
+            *_, text = _CHOICES.get(f.name, (f.name,))
+            annotation = str
+        option = typer.Option(flag_of(f.name), help=f"{text}.", rich_help_panel=_HYPER)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                        annotation=Annotated[annotation, option]))  # fmt: skip
+    return params
+
+
+def build_config(values: dict[str, Any]) -> CaReConfig:
+    """A CaReConfig from option values; an out-of-range value is a one-line error naming its flag and range."""
+    try:
+        return CaReConfig(**values)
+    except ConfigError as exc:
+        raise UserError(f"{flag_of(exc.field)} {exc.detail}") from None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_config(func: F) -> F:
+    """Give a command one option per CaReConfig field; the command receives them as ``config: CaReConfig``."""
+    hyper = _hyper_parameters()
+    names = [p.name for p in hyper]
+    signature = inspect.signature(func)
+    hints = typing.get_type_hints(func, include_extras=True)
+    kept = [p.replace(annotation=hints[p.name]) for p in signature.parameters.values() if p.name != "config"]
+
+    @functools.wraps(func)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        kwargs["config"] = build_config({name: kwargs.pop(name) for name in names})
+        return func(*args, **kwargs)
+
+    command.__signature__ = signature.replace(parameters=kept + hyper)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in kept + hyper}
+    return command  # type: ignore[return-value]
 
 
 def check_budget(ratio: float | None, keep: int | None) -> None:
     """Reject a bad budget before any model is loaded (keep <= N is checked once N is known)."""
     if ratio is not None and keep is not None:
-        raise BudgetError("give either --ratio or --keep, not both")
+        raise UserError("give either --ratio or --keep, not both")
     if ratio is None and keep is None:
-        raise BudgetError("give a budget: --ratio R (fraction kept, in (0, 1]) or --keep K")
-    if ratio is not None and not (math.isfinite(ratio) and 0 < ratio <= 1):
-        raise BudgetError(f"--ratio must be in (0, 1], got {ratio}")
-    if keep is not None and keep < 1:
-        raise BudgetError(f"--keep must be at least 1, got {keep}")
+        raise UserError("give a budget: --ratio R (fraction kept, in (0, 1]) or --keep K")
+    check_ratios([ratio] if ratio is not None else [], [keep] if keep is not None else [])
+
+
+def check_ratios(ratios: list[float], keeps: list[int]) -> None:
+    for ratio in ratios:
+        if not (math.isfinite(ratio) and 0 < ratio <= 1):
+            raise UserError(f"--ratio must be in (0, 1], got {ratio:g}")
+    for keep in keeps:
+        if keep < 1:
+            raise UserError(f"--keep must be at least 1, got {keep}")
+
+
+def budgets(ratios: list[float] | None, keeps: list[int] | None) -> list[Any]:
+    """Budgets of a multi-budget command, checked before any model is loaded."""
+    from care_core.pipeline import budgets_from
+
+    if not ratios and not keeps:
+        raise UserError("give at least one budget: --ratio R or --keep K (both repeatable)")
+    check_ratios(ratios or [], keeps or [])
+    return budgets_from(ratios or [], keeps or [])
+
+
+def method_names(names: list[str] | None) -> tuple[list[str], bool]:
+    """Canonical method names in the order given (default care), and whether 'all' was asked for."""
+    from care_core.methods import canonical_name
+    from care_core.methods import method_names as registered
+
+    names = names or ["care"]
+    if any(n.strip().lower() == "all" for n in names):
+        return registered(), True
+    return list(dict.fromkeys(canonical_name(n) for n in names)), False
+
+
+def check_question(question: str | None) -> None:
+    if question is not None and not question.strip():
+        raise UserError("--question is empty")
+
+
+def existing_file(path: Path, option: str) -> Path:
+    """An input file the command reads: it must exist and not be a folder."""
+    if not path.exists():
+        raise UserError(f"{option} {path}: no such file")
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a folder, expected a file")
+    return path

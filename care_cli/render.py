@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
-
-DEMO_NOTE = "demo backbone: random weights — its numbers say nothing about a real model"
 
 stdout = Console(soft_wrap=False)
 stderr = Console(stderr=True)
@@ -23,28 +19,6 @@ def print_json(payload: dict[str, Any]) -> None:
     """Exactly one JSON object on stdout (plain write: no rich markup or wrapping)."""
     sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     sys.stdout.flush()
-
-
-class StageClock:
-    """Wall-clock milliseconds per named stage; synchronises CUDA so GPU work is counted."""
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.ms: dict[str, float] = {}
-        self.device = torch.device(device) if device is not None else None
-
-    def _sync(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
 
 
 def key_value_table(title: str, rows: list[tuple[str, str]], caption: str | None = None) -> Table:
@@ -70,3 +44,29 @@ def short_list(values: list[int], limit: int = 24) -> str:
     if len(values) <= limit:
         return ", ".join(map(str, values)) or "—"
     return ", ".join(map(str, values[:limit])) + f", … ({len(values)} in all)"
+
+
+@contextlib.contextmanager
+def status(message: str, quiet: bool = False) -> Iterator[None]:
+    """A spinner on stderr while something slow runs; nothing at all when quiet or stderr is not a terminal."""
+    if quiet or not stderr.is_terminal:
+        yield
+        return
+    with stderr.status(message):
+        yield
+
+
+def progress(label: str, quiet: bool = False) -> Any:
+    """A rich progress bar on stderr (disabled when quiet or stderr is not a terminal)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.description}"), console=stderr, transient=True,
+                    disable=quiet or not stderr.is_terminal)  # fmt: skip

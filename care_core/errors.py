@@ -21,3 +21,16 @@ class QuestionError(CareError):
 
 class MethodError(CareError):
     """A method name is unknown or a method cannot run on the given inputs."""
+
+
+class ImageError(CareError):
+    """An image file is missing, unreadable, corrupt or too large."""
+
+
+class ConfigError(CareError):
+    """A hyperparameter is outside its meaningful range; ``field`` names it (a CaReConfig field)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+        self.detail = message

@@ -1,8 +1,9 @@
-"""Use the care library directly: encode an image with the demo backbone, reduce it, measure CSR.
+"""Use the care library directly: the pipeline every command uses, then the core function on its own.
 
     python examples/api_example.py examples/astronaut.jpg
 
-The demo backbone has random weights: the numbers show the mechanics, not a real model's behaviour.
+The demo backbone is a tiny model, not a real VLM: the numbers show the mechanics (its caption says how it
+was made).
 """
 
 from __future__ import annotations
@@ -12,23 +13,32 @@ from pathlib import Path
 
 import torch
 
-from care_cli.io import load_image
 from care_core import CaReConfig, care_reduce, csr_score
-from care_core.backbones import load_backbone
+from care_core.images import load_image
+from care_core.pipeline import Budget, ReductionPipeline
 
 
 def main(path: str) -> None:
-    adapter = load_backbone("tiny-llava")  # demo backbone: random weights, built on first use
-    tokens = adapter.encode_image(load_image(Path(path)))
-    config = CaReConfig(engine="jvp", seed=42)
-    red = care_reduce(tokens.features, adapter.projector, tokens.positions, ratio=0.11, config=config)
+    image = load_image(Path(path))
+    question = "What is in the image?"
+
+    # 1. The pipeline: load once, then any image, methods and budgets.
+    pipe = ReductionPipeline.from_pretrained("tiny-llava", methods=["care", "visionzip"], config=CaReConfig(seed=42))
+    out = pipe(image, question, [Budget.ratio(0.11), Budget.keep(128)], csr=True)
+    print(pipe.backbone.note or pipe.backbone.name)
+    for run in out.runs:
+        print(f"{run.method:>10} {run.budget.label:>10}: K = {run.keep}, CSR x 100 = {100 * run.csr:.2f}")
+
+    # 2. The core function on tensors.
+    adapter = pipe.adapter
+    tokens = pipe.encode(image)
+    red = care_reduce(tokens.features, adapter.projector, tokens.positions, ratio=0.11, config=CaReConfig(seed=42))
     with torch.no_grad():
         full = adapter.projector(tokens.features)
         reduced = adapter.projector(red.tokens)
-    question = adapter.question_embeddings("What is in the image?")
     print(f"N = {tokens.num_tokens}, K = {red.num_kept}, signals = {red.signals.numel()}")
     print(f"first anchors (selection order): {red.anchor_order[:8].tolist()}")
-    print(f"CSR x 100 = {100 * csr_score(full, reduced, question):.2f}  (demo backbone: random weights)")
+    print(f"CSR x 100 = {100 * csr_score(full, reduced, adapter.question_embeddings(question)):.2f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`care reduce IMAGE`: run CaRe on one image, report K, anchors, signals and time per stage."""
+"""`care reduce IMAGE`: one method on one image; K, anchors, calibration signals, CSR, answers, time per stage."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 
 from care_cli import options as opt
 from care_cli import render
-from care_cli.errors import UserError
+from care_core.config import CaReConfig
 
 ImageArg = Annotated[Path, typer.Argument(help="Image file (any size, mode or EXIF orientation).", show_default=False)]
 Question = Annotated[
@@ -19,16 +19,20 @@ Question = Annotated[
 ]
 Out = Annotated[
     Path | None,
-    typer.Option("--out", "-o", help="Write the reduced tokens, anchors, signals and psi_bar as safetensors."),
+    typer.Option("--out", "-o", help="Write the reduced tokens, anchors, signals and scores as .safetensors."),
 ]
-Force = Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")]
 MethodName = Annotated[str, typer.Option("--method", help="Registered method (see 'care methods'); default care.")]
 Generate = Annotated[
-    bool, typer.Option("--generate", help="Answer --question twice: with all visual tokens, then the reduced ones.")
-]
+    bool,
+    typer.Option("--generate", metavar="",
+                 help="Answer --question (default 'Describe the image.') with all visual tokens and with the "
+                      "reduced ones; times are medians over --repeats alternating runs after a warm-up."),
+]  # fmt: skip
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per answer (greedy).")]
+Repeats = Annotated[int, typer.Option("--repeats", help="Timed rounds per --generate answer (median reported).")]
 
 
+@opt.with_config
 def reduce(
     image: ImageArg,
     ratio: opt.Ratio = None,
@@ -40,50 +44,42 @@ def reduce(
     method: MethodName = "care",
     generate: Generate = False,
     max_new_tokens: MaxNewTokens = 32,
+    repeats: Repeats = 3,
     out: Out = None,
-    force: Force = False,
+    force: opt.Force = False,
     json_output: opt.Json = False,
-    h: opt.H = opt._DEFAULT.h,
-    m: opt.M = opt._DEFAULT.m,
-    lam: opt.Lam = opt._DEFAULT.lam,
-    eta: opt.Eta = opt._DEFAULT.eta,
-    theta_s: opt.ThetaS = opt._DEFAULT.theta_s,
-    theta_c: opt.ThetaC = opt._DEFAULT.theta_c,
-    alpha: opt.Alpha = opt._DEFAULT.alpha,
-    sigma_p: opt.SigmaP = opt._DEFAULT.sigma_p,
-    tau_g: opt.TauG = opt._DEFAULT.tau_g,
-    tau_c: opt.TauC = opt._DEFAULT.tau_c,
-    tau_s: opt.TauS = opt._DEFAULT.tau_s,
-    eps: opt.Eps = opt._DEFAULT.eps,
-    seed: opt.Seed = opt._DEFAULT.seed,
-    engine: opt.Engine = opt._DEFAULT.engine,
-    matmul_precision: opt.MatmulPrecision = opt._DEFAULT.matmul_precision,
+    config: CaReConfig | None = None,
 ) -> None:
-    """Reduce one image's visual tokens with CaRe (or --method) and report what was kept and what it cost."""
+    """Reduce one image's visual tokens with CaRe (or --method) and report what was kept and what it cost.
+
+    A budget is required: --ratio R or --keep K.
+    """
+    from care_cli.errors import UserError
     from care_cli.io import check_output_path, load_image
-    from care_core import CaReConfig
+    from care_core.methods import canonical_name
 
+    assert config is not None
     opt.check_budget(ratio, keep)
-    config = CaReConfig(
-        h=h, m=m, lam=lam, eta=eta, theta_s=theta_s, theta_c=theta_c, alpha=alpha, sigma_p=sigma_p,
-        tau_g=tau_g, tau_c=tau_c, tau_s=tau_s, eps=eps, seed=seed, engine=engine,  # type: ignore[arg-type]
-        matmul_precision=matmul_precision,  # type: ignore[arg-type]
-    )  # fmt: skip
-    out_path = check_output_path(out, [image], force) if out is not None else None
-    if question is not None and not question.strip():
-        from care_core.errors import QuestionError
-
-        raise QuestionError("--question is empty")
-    picture = load_image(image)
+    opt.check_question(question)
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    result = run_reduce(picture, ratio=ratio, keep=keep, model=model, device=device, dtype=dtype,
-                        question=question, config=config, method=method, generate=generate,
-                        max_new_tokens=max_new_tokens)  # fmt: skip
-    summary = result["summary"]
+    if repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {repeats}")
+    out_path = check_output_path(out, [image], force, suffixes=(".safetensors",)) if out is not None else None
+    name = canonical_name(method)
+    picture = load_image(image)
+
+    from care_core.pipeline import Budget, ReductionPipeline
+
+    budget = Budget.ratio(ratio) if ratio is not None else Budget.keep(int(keep))  # type: ignore[arg-type]
+    with render.status("Loading backbone (the demo is built on first use)…", quiet=json_output):
+        pipe = ReductionPipeline.from_pretrained(model, methods=[name], config=config, device=device, dtype=dtype)
+    output = pipe(picture, question, [budget], csr=question is not None, generate=generate,
+                  max_new_tokens=max_new_tokens, repeats=repeats)  # fmt: skip
+    summary = summarise(pipe, output, max_new_tokens)
     summary["image"] = {"path": str(image), "height": picture.height, "width": picture.width}
     if out_path is not None:
-        write_reduction(out_path, result)
+        write_reduction(out_path, output, summary)
         summary["out"] = str(out_path)
     if json_output:
         render.print_json(summary)
@@ -91,159 +87,65 @@ def reduce(
         show_summary(summary)
 
 
-def _care_result(reduction: Any) -> Any:
-    """CaRe's Reduction seen through the method contract (anchors, signals, where signals feed)."""
-    import torch
-
-    from care_core.methods import MethodResult
-
-    anchors = reduction.indices
-    n = reduction.psi_bar.shape[0]
-    assignment = torch.full((n,), -1, dtype=torch.long, device=anchors.device)
-    assignment[anchors] = torch.arange(anchors.numel(), device=anchors.device)
-    assignment[reduction.signals] = torch.searchsorted(anchors, reduction.signal_targets)
-    return MethodResult(
-        tokens=reduction.tokens,
-        token_index=anchors,
-        scores=reduction.psi_bar,
-        assignment=assignment,
-        signals=reduction.signals,
-        info={"selection_order": reduction.anchor_order, "residuals": reduction.residuals,
-              "confidence": reduction.confidence},
-    )  # fmt: skip
-
-
-def run_reduce(
-    picture: Any,
-    *,
-    ratio: float | None,
-    keep: int | None,
-    model: str | None,
-    device: str,
-    dtype: str,
-    question: str | None,
-    config: Any,
-    method: str = "care",
-    generate: bool = False,
-    max_new_tokens: int = 32,
-) -> dict[str, Any]:
-    """Load the backbone, encode, reduce, project (and answer); returns tensors and a JSON-ready summary."""
-    import torch
-
-    from care_cli.commands.csr import configured_method
+def summarise(pipe: Any, output: Any, max_new_tokens: int) -> dict[str, Any]:
+    """The JSON-ready report of one reduction."""
     from care_cli.versions import versions
-    from care_core import care_reduce, csr_score, resolve_budget
-    from care_core.backbones import load_backbone
-    from care_core.methods import MethodInputs, canonical_name
+    from care_core.methods import method_class
 
-    method = canonical_name(method)
-    clock = render.StageClock()
-    with render.stderr.status("Loading backbone (the demo is built on first use)…"), clock("load"):
-        adapter = load_backbone(model, device=device, dtype=None if dtype == "auto" else dtype)
-    clock.device = adapter.device
-    with torch.no_grad():
-        with clock("features"):
-            tokens = adapter.encode_image(picture)
-        n = tokens.num_tokens
-        k = resolve_budget(n, ratio, keep)
-        if method == "care":
-            reduction = care_reduce(tokens.features, adapter.projector, tokens.positions, keep=k, config=config,
-                                    stage_timer=clock)  # fmt: skip
-            result = _care_result(reduction)
-        else:
-            runner = configured_method(method, config.seed)
-            needs = sorted(set(runner.needs) - {"question"})
-            adapter.check_probes(needs, method)
-            with clock("probes"):
-                probes = adapter.probe_inputs(tokens, needs, question=question) if needs else {}
-            if "question" in runner.needs:
-                probes["question"] = adapter.question_embeddings(question or "Describe the image.")
-            inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
-                                  probes=probes, seed=config.seed)  # fmt: skip
-            with clock("method"):
-                result = runner(inputs, k)
-        with clock("projection"):
-            projected = adapter.projector(result.tokens.to(adapter.dtype))
-        csr = None
-        full = None
-        if question is not None:
-            with clock("csr"):
-                full = adapter.projector(tokens.features)
-                csr = 100 * csr_score(full, projected, adapter.question_embeddings(question))
-        answers = None
-        if generate:
-            answers = _answers(adapter, tokens, question or "Describe the image.", full, projected, result,
-                               max_new_tokens)  # fmt: skip
-    timings = {name: round(value, 3) for name, value in clock.ms.items()}
-    timings["total"] = round(sum(clock.ms.values()), 3)
+    run = output.runs[0]
+    result = run.result
+    n = output.num_tokens
     indices = result.indices
     residual = n - indices.numel()
     signals = [] if result.signals is None else result.signals.tolist()
     order = result.info.get("selection_order")
-    summary: dict[str, Any] = {
+    cls = method_class(run.method)
+    timings = {**pipe.load_timings_ms, **output.timings_ms, **run.timings_ms}
+    timings["total"] = round(sum(timings.values()), 3)
+    answers = None
+    if run.answer is not None:
+        answers = {"full": output.full_answer.to_dict(), "reduced": run.answer.to_dict(),
+                   "question": output.question, "max_new_tokens": max_new_tokens}  # fmt: skip
+    uses = getattr(cls, "hyperparameters", None)
+    config = pipe.config.to_dict()
+    if uses is not None:
+        config = {k: v for k, v in config.items() if k in uses}
+    return {
         "command": "reduce",
-        "method": method,
-        "backbone": {
-            "name": adapter.name,
-            "family": adapter.family,
-            "demo": adapter.is_demo,
-            "note": render.DEMO_NOTE if adapter.is_demo else None,
-            "device": str(adapter.device),
-            "dtype": str(adapter.dtype).removeprefix("torch."),
-        },
+        "method": run.method,
+        "category": cls.category,
+        "backbone": pipe.backbone.to_dict(),
         "N": n,
-        "K": k,
+        "K": run.keep,
         "tokens_out": result.num_tokens,
-        "kept_share": k / n,
-        "grid": list(tokens.grid) if tokens.grid else None,
+        "kept_share": run.keep / n,
+        "grid": list(output.tokens.grid) if output.tokens.grid else None,
         "anchors": indices.tolist(),
         "anchor_order": order.tolist() if order is not None else indices.tolist(),
         "token_index": result.token_index.tolist(),
         "signals": signals,
         "num_signals": len(signals),
         "signal_share": len(signals) / residual if residual else 0.0,
-        "question": question,
-        "csr": csr,
+        "question": output.question,
+        "question_defaulted": output.question_defaulted,
+        "csr": None if run.csr is None else 100 * run.csr,
         "answers": answers,
         "timings_ms": timings,
-        "config": config.to_dict() if method == "care" else {"seed": config.seed},
+        "config": config,
         "versions": versions(),
     }
-    return {"summary": summary, "result": result, "tokens": tokens, "projected": projected}
 
 
-def _answers(
-    adapter: Any, tokens: Any, question: str, full: Any, projected: Any, result: Any, max_new_tokens: int
-) -> dict[str, Any]:
-    """Greedy answers with all N visual tokens and with the K reduced ones; prefill and total time."""
-    if full is None:
-        full = adapter.projector(tokens.features)
-    runs = {}
-    for label, feed, kept in (("full", full, None), ("reduced", projected, result.token_index)):
-        clock = render.StageClock(adapter.device)
-        with clock("prefill"):
-            adapter.language_model_logits(question, tokens, feed, kept=kept)
-        with clock("total"):
-            text = adapter.generate(question, tokens, feed, max_new_tokens=max_new_tokens, kept=kept)
-        runs[label] = {
-            "visual_tokens": adapter.visual_tokens_fed(tokens, int(feed.shape[0]), kept),
-            "answer": text,
-            "prefill_ms": round(clock.ms["prefill"], 3),
-            "total_ms": round(clock.ms["total"], 3),
-        }
-    runs["question"] = question
-    runs["max_new_tokens"] = max_new_tokens
-    return runs
-
-
-def write_reduction(path: Path, result: dict[str, Any]) -> None:
+def write_reduction(path: Path, output: Any, summary: dict[str, Any]) -> None:
     """Atomically write the reduction as safetensors; config, backbone and versions go in the metadata."""
     from care_cli.io import save_safetensors_atomic
+    from care_core.methods import method_class
 
-    res, tok, summary = result["result"], result["tokens"], result["summary"]
+    run = output.runs[0]
+    res, tok = run.result, output.tokens
     tensors = {
         "calibrated_tokens": res.tokens,
-        "projected_tokens": result["projected"],
+        "projected_tokens": run.projected,
         "anchors": res.indices,
         "anchor_order": res.info.get("selection_order", res.indices),
         "token_index": res.token_index,
@@ -252,7 +154,7 @@ def write_reduction(path: Path, result: dict[str, Any]) -> None:
         "boxes": tok.boxes,
     }
     if res.scores is not None:
-        tensors["psi_bar" if summary["method"] == "care" else "scores"] = res.scores
+        tensors[getattr(method_class(run.method), "score_label", None) or "scores"] = res.scores
     if res.assignment is not None:
         tensors["assignment"] = res.assignment
     for key in ("residuals", "confidence"):
@@ -276,7 +178,7 @@ def show_summary(summary: dict[str, Any]) -> None:
     n, k = summary["N"], summary["K"]
     residual = n - len(summary["anchors"])
     grid = summary["grid"]
-    is_care = summary["method"] == "care"
+    calibrates = summary["category"] == "calibration"
     kept = f"K = {k}  ({100 * summary['kept_share']:.1f}% of N)"
     if summary["tokens_out"] != k:
         kept += f", {summary['tokens_out']} output rows"
@@ -286,13 +188,13 @@ def show_summary(summary: dict[str, Any]) -> None:
         ("method", summary["method"]),
         ("visual tokens", f"N = {n}" + (f"  (grid {grid[0]}×{grid[1]})" if grid else "")),
         ("kept", kept),
-        ("anchors" if is_care else "kept tokens", render.short_list(summary["anchors"])),
+        ("anchors" if calibrates else "kept tokens", render.short_list(summary["anchors"])),
     ]
-    if is_care or summary["num_signals"]:
+    if calibrates or summary["num_signals"]:
         rows.append(("calibration signals", f"{summary['num_signals']} of {residual} residual tokens "
                                             f"({100 * summary['signal_share']:.1f}%)"))  # fmt: skip
-    if is_care:
-        config = summary["config"]
+    config = summary["config"]
+    if "engine" in config:
         rows.append(("engine", f"{config['engine']}, m = {config['m']}, seed = {config['seed']}"))
     if summary["csr"] is not None:
         rows.append(("CSR (×100)", f"{summary['csr']:.2f}  for “{summary['question']}”"))
@@ -305,7 +207,9 @@ def show_summary(summary: dict[str, Any]) -> None:
     if answers:
         from rich.table import Table
 
-        table = Table(title=f"Answers to “{answers['question']}” (greedy, ≤ {answers['max_new_tokens']} tokens)",
+        asked = answers["question"] + ("  (default question)" if summary["question_defaulted"] else "")
+        reps = answers["full"]["repeats"]
+        table = Table(title=f"Answers to “{asked}” (greedy; ms = median of {reps} alternating runs after a warm-up)",
                       title_justify="left", caption=backbone["note"], caption_style="bold yellow")  # fmt: skip
         for col in ("visual tokens fed", "prefill ms", "total ms", "answer"):
             table.add_column(col, justify="right" if col != "answer" else "left", overflow="fold")

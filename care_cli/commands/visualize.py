@@ -12,6 +12,7 @@ import typer
 from care_cli import options as opt
 from care_cli import render
 from care_cli.errors import UserError
+from care_core.config import CaReConfig
 
 FORMATS = (".png", ".pdf", ".svg")
 MAX_DPI = 1200
@@ -20,27 +21,32 @@ MAX_FIGURE_PIXELS = 200_000_000  # refuse canvases that would take gigabytes to 
 ImageArg = Annotated[Path, typer.Argument(help="Image file (any size, mode or EXIF orientation).", show_default=False)]
 MethodOpt = Annotated[
     list[str] | None,
-    typer.Option("--method", help="Method name, repeatable: one panel per method, in order. Default: care."),
-]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of every method that draws random numbers.")]
+    typer.Option("--method", metavar="NAME",
+                 help="Method name, repeatable: one panel per method, in order; 'all' for every method the backbone "
+                      "can run. Default: care."),
+]  # fmt: skip
 ViewOpt = Annotated[
     str | None,
     typer.Option("--view", help="LLaVA-NeXT: draw the high-resolution tokens (high, default) or the base view (base)."),
 ]
 ScoresOpt = Annotated[
-    bool, typer.Option("--scores", help="Add a heat map of the first method's per-token scores (psi_bar for CaRe).")
+    bool,
+    typer.Option("--scores", metavar="", help="Add a heat map of the first method's per-token scores."),
 ]
-LinksOpt = Annotated[bool, typer.Option("--links", help="Draw a thin line from each signal to the anchor it feeds.")]
+LinksOpt = Annotated[
+    bool, typer.Option("--links", metavar="", help="Draw a thin line from each signal to the anchor it feeds.")
+]
 QuestionOpt = Annotated[
     str | None, typer.Option("--question", "-q", help="Question for methods that read one (e.g. sparsevlm).")
 ]
 OutOpt = Annotated[
-    Path | None, typer.Option("--out", "-o", help="Figure file: .png, .pdf or .svg (by extension).", show_default=False)
+    Path | None,
+    typer.Option("--out", "-o", help="Figure file (required): .png, .pdf or .svg (by extension).", show_default=False),
 ]
 DpiOpt = Annotated[float, typer.Option("--dpi", help="Resolution (pixels per inch) of the figure.")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")]
 
 
+@opt.with_config
 def visualize(
     image: ImageArg,
     method: MethodOpt = None,
@@ -49,41 +55,39 @@ def visualize(
     model: opt.Model = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
-    seed: SeedOpt = 42,
     view: ViewOpt = None,
     scores: ScoresOpt = False,
     links: LinksOpt = False,
     question: QuestionOpt = None,
     out: OutOpt = None,
     dpi: DpiOpt = 150.0,
-    force: ForceOpt = False,
+    force: opt.Force = False,
     json_output: opt.Json = False,
+    config: CaReConfig | None = None,
 ) -> None:
-    """Draw anchors (red), calibration signals (green) and discarded tokens (dimmed) on the original image."""
+    """Draw anchors (red), calibration signals (green) and discarded tokens (dimmed) on the original image.
+
+    A budget (--ratio or --keep) and --out are required.
+    """
     from care_cli.io import atomic_write_bytes, check_output_path, load_image
 
+    assert config is not None
     opt.check_budget(ratio, keep)
-    names = parse_methods(method)
+    names, every = opt.method_names(method)
     if view is not None and view.strip().lower() not in ("high", "base"):
         raise UserError(f"--view must be 'high' or 'base', got {view!r}")
     if not (math.isfinite(dpi) and 0 < dpi <= MAX_DPI):
         raise UserError(f"--dpi must be in (0, {MAX_DPI}], got {dpi:g}")
     if out is None:
         raise UserError("give --out FILE (.png, .pdf or .svg)")
-    out_path = check_output_path(out, [image], force=True)  # a folder, a missing folder, the input itself
-    if out_path.suffix.lower() not in FORMATS:
-        raise UserError(f"--out {Path(out).name}: use a .png, .pdf or .svg file name")
-    if out_path.exists() and not force:
-        raise UserError(f"{' '.join(str(out).split())}: exists; pass --force to replace it")
-    if question is not None and not question.strip():
-        from care_core.errors import QuestionError
-
-        raise QuestionError("--question is empty")
+    out_path = check_output_path(out, [image], force, suffixes=FORMATS)
+    opt.check_question(question)
     picture = load_image(image)
 
-    report, drawing = build_figure(picture, names, ratio=ratio, keep=keep, model=model, device=device, dtype=dtype,
-                                   seed=seed, view=view.strip().lower() if view else None, scores=scores,
-                                   links=links, question=question, dpi=dpi)  # fmt: skip
+    report, drawing = build_figure(picture, names, config, every=every, ratio=ratio, keep=keep, model=model,
+                                   device=device, dtype=dtype, view=view.strip().lower() if view else None,
+                                   scores=scores, links=links, question=question, dpi=dpi,
+                                   quiet=json_output)  # fmt: skip
     width, height = drawing.size_px
     if width * height > MAX_FIGURE_PIXELS:
         raise UserError(f"--dpi {dpi:g} gives a {width}x{height} canvas; use a smaller --dpi")
@@ -100,13 +104,6 @@ def visualize(
         show_report(report)
 
 
-def parse_methods(names: list[str] | None) -> list[str]:
-    """Canonical method names in the order given (duplicates dropped); unknown names suggest close ones."""
-    from care_core.methods import canonical_name
-
-    return list(dict.fromkeys(canonical_name(n) for n in names or ["care"]))
-
-
 def _metadata(fmt: str) -> dict[str, Any]:
     """Reproducible files: no creation date in PDF / SVG."""
     if fmt == "pdf":
@@ -119,68 +116,54 @@ def _metadata(fmt: str) -> dict[str, Any]:
 def build_figure(
     picture: Any,
     names: list[str],
+    config: CaReConfig,
     *,
+    every: bool,
     ratio: float | None,
     keep: int | None,
     model: str | None,
     device: str,
     dtype: str,
-    seed: int,
     view: str | None,
     scores: bool,
     links: bool,
     question: str | None,
     dpi: float,
+    quiet: bool,
 ) -> tuple[dict[str, Any], Any]:
-    """Load the backbone, run every method, draw the figure; returns the JSON report and the OverlayFigure."""
+    """Run every method through the library pipeline and draw the figure; the JSON report and the drawing."""
     import numpy as np
-    import torch
 
-    from care_cli.commands.csr import configured_method
-    from care_core import resolve_budget
-    from care_core.backbones import load_backbone
-    from care_core.errors import QuestionError
-    from care_core.methods import MethodInputs
     from care_core.overlays import PanelInput, TokenGeometry, overlay_figure
+    from care_core.pipeline import Budget, ReductionPipeline
 
-    methods = {name: configured_method(name, seed) for name in names}
-    needs = sorted(set().union(*(m.needs for m in methods.values())))
-    if "question" in needs and question is None:
-        wanting = ", ".join(n for n, m in methods.items() if "question" in m.needs)
-        raise QuestionError(f"{wanting} needs a question: pass --question")
-    with render.stderr.status("Loading backbone (the demo is built on first use)…"):
-        adapter = load_backbone(model, device=device, dtype=None if dtype == "auto" else dtype)
-    for name, method_obj in methods.items():
-        adapter.check_probes(sorted(set(method_obj.needs) - {"question"}), name)
-    notes: list[str] = []
-    panels: list[PanelInput] = []
-    with torch.no_grad(), render.stderr.status("Encoding the image and running the methods…"):
-        tokens = adapter.encode_image(picture)
-        n = tokens.num_tokens
-        k = resolve_budget(n, ratio, keep)
-        probes = adapter.probe_inputs(tokens, needs, question=question) if needs else {}
-        inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
-                              probes=probes, seed=seed)  # fmt: skip
-        for name, method_obj in methods.items():
-            result = method_obj(inputs, k)
-            panels.append(PanelInput.from_result(name, type(method_obj).category, result, k))
-    geometry = TokenGeometry.from_tokens(tokens)
+    budget = Budget.ratio(ratio) if ratio is not None else Budget.keep(int(keep))  # type: ignore[arg-type]
+    with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet):
+        pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
+                                                 skip_unavailable=every)  # fmt: skip
+    with render.status("Encoding the image and running the methods…", quiet=quiet):
+        output = pipe(picture, question, [budget])
+    backbone = pipe.backbone
+    notes = [f"left out {item['method']}: {item['reason']}" for item in pipe.skipped]
+    if output.question_defaulted:
+        notes.append(f"no --question: methods that read one were asked “{output.question}”")
+    panels = [PanelInput.from_result(run.method, run.category, run.result, run.keep) for run in output.runs]
+    geometry = TokenGeometry.from_tokens(output.tokens)
     if view is not None and geometry.views is None:
-        notes.append(f"--view {view} ignored: the {adapter.family} backbone has a single view of the image")
-    drawing = overlay_figure(np.asarray(picture), geometry, panels, backbone=adapter.name, view=view or "high",
-                             show_scores=scores, links=links, note=render.DEMO_NOTE if adapter.is_demo else None,
-                             dpi=dpi)  # fmt: skip
+        notes.append(f"--view {view} ignored: the {backbone.family} backbone has a single view of the image")
+    drawing = overlay_figure(np.asarray(picture), geometry, panels, backbone=backbone.name, view=view or "high",
+                             show_scores=scores, links=links, note=backbone.note, dpi=dpi)  # fmt: skip
     notes.extend(drawing.notes)
     figure = drawing.to_dict()
     report: dict[str, Any] = {
         "command": "visualize",
-        "backbone": {"name": adapter.name, "family": adapter.family, "demo": adapter.is_demo,
-                     "note": render.DEMO_NOTE if adapter.is_demo else None,
-                     "device": str(adapter.device), "dtype": str(adapter.dtype).removeprefix("torch.")},
-        "methods": names,
-        "N": n,
-        "K": k,
-        "seed": seed,
+        "backbone": backbone.to_dict(),
+        "methods": list(pipe.methods),
+        "methods_skipped": pipe.skipped,
+        "N": output.num_tokens,
+        "K": output.runs[0].keep,
+        "seed": config.seed,
+        "question": output.question,
         "view": None if geometry.views is None else (view or "high"),
         "seen_box": [float(v) for v in geometry.seen_box],
         "dpi": figure["dpi"],

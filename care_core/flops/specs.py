@@ -280,6 +280,7 @@ def from_config(path: str | Path) -> BackboneSpec:
         raise BackboneSpecError(
             f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(_SUPPORTED)})"
         )
+    _check_complete(raw, model_type, path)
     try:
         from transformers import AutoConfig
 
@@ -297,6 +298,34 @@ def from_config(path: str | Path) -> BackboneSpec:
     if model_type == "qwen2_5_vl":
         spec = _with_qwen_pixels(spec, folder / "preprocessor_config.json")
     return _match_paper(spec)
+
+
+# What a config.json must state itself: sizes transformers would otherwise fill from its defaults (7B-class
+# numbers) without saying so. llava-hf configs name the text model in text_config and let its class fill the
+# sizes, which is how the checkpoint itself is built, so a named text model is enough there.
+_VISION_FIELDS = ("hidden_size", "image_size", "patch_size", "num_hidden_layers")
+_TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _check_complete(raw: dict[str, Any], model_type: str, path: Path) -> None:
+    """BackboneSpecError naming every missing field of an incomplete config.json."""
+    missing: list[str] = []
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        missing.append("vision_config")
+    elif model_type != "qwen2_5_vl":
+        missing += [f"vision_config.{k}" for k in _VISION_FIELDS if k not in vision]
+    text = raw.get("text_config")
+    if model_type == "qwen2_5_vl":
+        source = text if isinstance(text, dict) and "hidden_size" in text else raw
+        where = "text_config." if source is text else ""
+        missing += [f"{where}{k}" for k in _TEXT_FIELDS if k not in source]
+    elif not isinstance(text, dict):
+        missing.append("text_config")
+    elif not (text.get("model_type") or text.get("_name_or_path")) and any(k not in text for k in _TEXT_FIELDS):
+        missing += [f"text_config.{k}" for k in ("model_type", *_TEXT_FIELDS) if k not in text]
+    if missing:
+        raise BackboneSpecError(f"{path}: incomplete {model_type} config, missing {', '.join(missing)}")
 
 
 def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:

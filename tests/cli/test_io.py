@@ -15,7 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from care_cli import io as care_io
+from care_core import images as care_images
 from care_cli.errors import UserError
+from care_core.errors import ImageError
 from care_cli.io import (
     atomic_write_bytes,
     atomic_write_text,
@@ -48,7 +50,7 @@ def _check_rgb(im: Image.Image, size: tuple[int, int]) -> None:
 
 def _user_error(path: Path) -> str:
     """Run load_image expecting a UserError; check it is one line naming the file; return it."""
-    with pytest.raises(UserError) as info:
+    with pytest.raises(ImageError) as info:
         load_image(path)
     message = str(info.value)
     assert "\n" not in message
@@ -474,14 +476,14 @@ def test_unreadable_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     def refuse(*args: object, **kwargs: object) -> Image.Image:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(care_io.Image, "open", refuse)
+    monkeypatch.setattr(care_images.Image, "open", refuse)
     assert "permission denied" in _user_error(path)
 
 
 def test_message_is_one_line_for_odd_names(tmp_path: Path) -> None:
     path = tmp_path / "bad\nname.png"
     path.write_text("nope")
-    with pytest.raises(UserError) as info:
+    with pytest.raises(ImageError) as info:
         load_image(path)
     assert "\n" not in str(info.value)
     assert "bad name.png" in str(info.value)

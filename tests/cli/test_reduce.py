@@ -154,7 +154,7 @@ def test_decompression_bomb_is_refused(care, photo: Path, tmp_path: Path, monkey
         (["--keep", "0"], "keep"),
         (["--keep", "8", "--engine", "magic"], "engine"),
         (["--keep", "8", "--m", "0"], "m must"),
-        (["--keep", "8", "--tau-s", "0"], "tau_s"),
+        (["--keep", "8", "--tau-s", "0"], "--tau-s must be > 0"),
         (["--keep", "8", "--model", "llava-hf/llava-1.5-7b-hf"], "local Hugging Face cache"),
         (["--keep", "8", "--model", "tiny-lava"], "tiny-llava"),
         (["--keep", "8", "--question", "  "], "question"),
