@@ -1,0 +1,126 @@
+"""The library pipeline: same numbers as the core functions, budgets, questions, fair answer timing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from care_core import CaReConfig, care_reduce, csr_score
+from care_core.errors import BudgetError, MethodError, QuestionError
+from care_core.images import load_image
+from care_core.pipeline import DEFAULT_QUESTION, Budget, ReductionPipeline, budgets_from
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+QUESTION = "What is the person holding?"
+
+
+@pytest.fixture(scope="module")
+def pipe() -> ReductionPipeline:
+    config = CaReConfig(seed=7, alpha=0.3, theta_c=0.8)
+    return ReductionPipeline.from_pretrained("tiny-llava", methods=["care", "random", "sparsevlm"], config=config,
+                                             device="cpu")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def image() -> Any:
+    return load_image(EXAMPLES / "astronaut.jpg")
+
+
+def test_care_through_the_pipeline_equals_the_core(pipe: ReductionPipeline, image: Any) -> None:
+    out = pipe(image, QUESTION, [Budget.keep(40)], csr=True)
+    run = out.run("care")
+    tokens = pipe.encode(image)
+    adapter = pipe.adapter
+    red = care_reduce(tokens.features, adapter.projector, tokens.positions, keep=40, config=pipe.config)
+    assert torch.equal(run.result.indices, red.indices)
+    assert torch.equal(run.result.signals, red.signals)
+    assert torch.allclose(run.result.tokens, red.tokens, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        expected = csr_score(adapter.projector(tokens.features), adapter.projector(red.tokens),
+                             adapter.question_embeddings(QUESTION))  # fmt: skip
+    assert run.csr == pytest.approx(expected, abs=1e-6)
+    assert run.keep == 40 and run.result.num_tokens == 40
+
+
+def test_every_method_and_budget_is_run_once(pipe: ReductionPipeline, image: Any) -> None:
+    budgets = budgets_from([0.11, 0.11], [128])
+    assert budgets == [Budget.ratio(0.11), Budget.keep(128)]
+    out = pipe(image, QUESTION, budgets, csr=True)
+    assert [(r.method, r.budget.label, r.keep) for r in out.runs] == [
+        (m, b, k) for m in ("care", "random", "sparsevlm") for b, k in (("ratio 0.11", 63), ("K=128", 128))
+    ]
+    assert all(0.0 <= r.csr <= 1.0 for r in out.runs)
+
+
+def test_budgets_are_checked() -> None:
+    for bad in (0, -0.1, 1.5, float("nan"), True):
+        with pytest.raises(BudgetError):
+            Budget.ratio(bad)  # type: ignore[arg-type]
+    for bad_keep in (0, -3, 2.5, True):
+        with pytest.raises(BudgetError):
+            Budget.keep(bad_keep)  # type: ignore[arg-type]
+    with pytest.raises(BudgetError):
+        budgets_from([], [])
+    assert Budget.keep(600).label == "K=600"
+    with pytest.raises(BudgetError, match="576"):
+        Budget.keep(600).resolve(576)
+
+
+def test_question_rules(pipe: ReductionPipeline, image: Any) -> None:
+    with pytest.raises(QuestionError):
+        pipe(image, None, [Budget.keep(8)], csr=True)
+    with pytest.raises(QuestionError):
+        pipe(image, "   ", [Budget.keep(8)])
+    out = pipe(image, None, [Budget.keep(8)])  # sparsevlm reads a question: the default stands in, and says so
+    assert out.question == DEFAULT_QUESTION and out.question_defaulted
+    out = pipe(image, QUESTION, [Budget.keep(8)])
+    assert out.question == QUESTION and not out.question_defaulted
+
+
+def test_unknown_method_fails_before_loading() -> None:
+    with pytest.raises(MethodError, match="unknown method"):
+        ReductionPipeline.from_pretrained("no-such-model", methods=["carre"])
+
+
+class _SlowFirstAdapter:
+    """Records calls; the first language-model call of the process is slow, as a cold first forward is."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def language_model_logits(self, question: str, tokens: Any, projected: torch.Tensor, kept: Any = None) -> None:
+        if not self.calls:
+            time.sleep(0.3)
+        self.calls.append(("prefill", int(projected.shape[0])))
+        time.sleep(0.002)
+
+    def generate(self, question: str, tokens: Any, projected: torch.Tensor, max_new_tokens: int = 32,
+                 kept: Any = None) -> str:  # fmt: skip
+        self.calls.append(("generate", int(projected.shape[0])))
+        time.sleep(0.004)
+        return f"{projected.shape[0]} rows"
+
+    def visual_tokens_fed(self, tokens: Any, rows: int, kept: Any = None) -> int:
+        return rows
+
+
+def test_answers_warm_up_alternate_and_report_medians() -> None:
+    pipe = object.__new__(ReductionPipeline)
+    fake = _SlowFirstAdapter()
+    pipe.adapter = fake  # type: ignore[assignment]
+    feeds = [(None, torch.zeros(576, 4), None), (None, torch.zeros(64, 4), None), (None, torch.zeros(32, 4), None)]
+    answers = pipe._answers(None, "q", feeds, max_new_tokens=4, repeats=3)  # type: ignore[arg-type]
+    warm = fake.calls[:3]
+    assert warm == [("prefill", 576), ("prefill", 64), ("prefill", 32)]
+    timed = [rows for kind, rows in fake.calls[3:] if kind == "prefill"]
+    assert timed == [576, 64, 32, 32, 64, 576, 576, 64, 32]  # alternating order, so no side always goes first
+    assert [a.text for a in answers] == ["576 rows", "64 rows", "32 rows"]
+    for answer in answers:  # the cold first call was a warm-up: no timed prefill carries its 300 ms
+        assert answer.prefill_ms < 150 and answer.repeats == 3
+        assert answer.total_ms >= 4
