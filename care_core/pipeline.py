@@ -14,7 +14,7 @@ never writes files; stage timings are returned in milliseconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -259,13 +259,15 @@ class ReductionPipeline:
         generate: bool = False,
         max_new_tokens: int = 32,
         repeats: int = 3,
+        plan: Mapping[str, Sequence[Budget]] | None = None,
     ) -> ImageResult:
         """Run every method at every budget on one image (or on tokens from :meth:`encode`).
 
         ``csr`` needs ``question``. A method that reads the question, and ``generate``, use
         :data:`DEFAULT_QUESTION` where none is given (``question_defaulted`` says so). ``generate`` answers
         with all tokens and with each reduction: one untimed warm-up each, then ``repeats`` rounds in
-        alternating order; times are medians.
+        alternating order; times are medians. ``plan`` (method -> budgets) runs only those pairs, e.g. what a
+        resumed run still lacks; by default every method runs at every budget.
         """
         import torch
 
@@ -314,7 +316,8 @@ class ReductionPipeline:
                         reference = csr_reference(full, question_embeds)
             runs: list[MethodRun] = []
             for name, method in self.methods.items():
-                for budget, k in ks.items():
+                wanted = ks if plan is None else {b: ks[b] for b in plan.get(name, ()) if b in ks}
+                for budget, k in wanted.items():
                     run_clock = StageClock(adapter.device)
                     inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
                                           probes=probes, seed=self.config.seed)  # fmt: skip
