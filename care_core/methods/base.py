@@ -12,6 +12,7 @@ This module imports no torch at import time (``care methods`` and ``care flops``
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
@@ -152,13 +153,13 @@ class Method:
 
     @final
     def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        """Check the budget (an int, 1 <= keep <= N), then :meth:`reduce`."""
+        """Check the budget (an integer, not a bool, 1 <= keep <= N; MethodError otherwise), then :meth:`reduce`."""
         n = inputs.num_tokens
-        if isinstance(keep, bool) or not isinstance(keep, int):
+        if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
             raise MethodError(f"{self.name}: the budget K must be an integer between 1 and N = {n}, got {keep!r}")
         if not 1 <= keep <= n:
-            raise MethodError(f"{self.name}: the budget K must be between 1 and N = {n}, got K = {keep}")
-        return self.reduce(inputs, keep)
+            raise MethodError(f"{self.name}: the budget K must be between 1 and N = {n}, got K = {keep!r}")
+        return self.reduce(inputs, int(keep))
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         """The method itself, for a budget already checked to be 1 <= keep <= N."""

@@ -51,6 +51,14 @@ def test_extreme_budgets_give_the_documented_count(name: str, keep: int, small_i
         assert result.assignment.shape == (N,) and int(result.assignment.max()) < keep
 
 
+def test_numpy_integers_are_integers(small_inputs) -> None:
+    import numpy as np
+
+    assert create_method("random")(small_inputs, np.int64(5)).num_tokens == 5
+    with pytest.raises(MethodError, match="integer"):
+        create_method("random")(small_inputs, np.float64(5.0))
+
+
 def test_keep_n_on_care_keeps_every_token_uncalibrated(small_inputs) -> None:
     result = create_method("care")(small_inputs, N)
     assert torch.equal(result.token_index, torch.arange(N))
