@@ -15,6 +15,7 @@ is stated in the `note` of its row. They are small next to the prefill; the pref
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,9 +85,7 @@ def method_cost(name: str, spec: BackboneSpec, n: int, k: int, m: int = DEFAULT_
     canonical = canonical_method(name)
     key = BASELINE if canonical == BASELINE else method_class(canonical).cost_model
     assert key is not None
-    cost = _MODELS[key](spec, n, k, m, text_tokens)
-    return cost if cost.method == canonical else MethodCost(canonical, cost.tokens, cost.schedule, cost.score,
-                                                             cost.residual, cost.note)  # fmt: skip
+    return dataclasses.replace(_MODELS[key](spec, n, k, m, text_tokens), method=canonical)
 
 
 def _uniform(spec: BackboneSpec, tokens: int) -> fx.Schedule:
