@@ -56,7 +56,17 @@ LEGEND_PT = 8.0
 
 View = Literal["high", "base"]
 _VIEW_CODES: dict[str, int] = {"base": 0, "high": 1}
-_PSI_BAR_METHODS = frozenset({"care", "prca-only", "prca+simple-calib"})
+
+
+def _is_psi_bar(method: str) -> bool:
+    """Whether `method`'s scores are psi_bar (its class's ``score_label``); unregistered names are not."""
+    from care_core.errors import MethodError
+    from care_core.methods import score_label
+
+    try:
+        return score_label(method) == "psi_bar"
+    except MethodError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -579,7 +589,7 @@ def _draw_scores(
     _draw_unseen(ax, geometry)
     ax.set_xlim(0, img_width)
     ax.set_ylim(height, 0)
-    is_psi = panel.method in _PSI_BAR_METHODS
+    is_psi = _is_psi_bar(panel.method)
     label = "psi_bar" if is_psi else "scores"
     heading = r"$\bar{\psi}$ (psi_bar)" if is_psi else "scores"
     lines = [f"{heading} — {panel.method}", backbone]

@@ -43,7 +43,10 @@ Ratios = Annotated[
 ]
 Methods = Annotated[
     list[str] | None,
-    typer.Option("--method", help="Method with a cost model (repeatable; default care; 'all' for every one)."),
+    typer.Option(
+        "--method",
+        help="Method with a cost model (repeatable; default care; 'all' for every one that runs on the backbone).",
+    ),
 ]
 TextTokens = Annotated[int, typer.Option("--text-tokens", "-t", help="T, the text tokens in the prefill.")]
 ConventionOpt = Annotated[

@@ -35,12 +35,17 @@ _DTYPES = {
 
 
 def _adapter_registry() -> dict[str, type]:
-    """``config.json`` model_type -> adapter class."""
+    """``config.json`` model_type -> adapter class, from each adapter's own ``model_types``."""
     from .llava import LlavaAdapter
     from .llava_next import LlavaNextAdapter
     from .qwen2_5_vl import Qwen2_5_VLAdapter
 
-    return {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter}
+    registry: dict[str, type] = {}
+    for adapter in (LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter):
+        for model_type in adapter.model_types:
+            if registry.setdefault(model_type, adapter) is not adapter:
+                raise RuntimeError(f"model_type {model_type!r} is claimed by two adapters")
+    return registry
 
 
 def care_home() -> Path:

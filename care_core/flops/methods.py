@@ -1,9 +1,13 @@
 """One cost model per method: its own selection work (score), its merging/calibration work (residual), and the
-per-layer visual-token schedule its language model runs. Names match the method registry where possible.
+per-layer visual-token schedule its language model runs.
+
+The formulas live here, keyed by cost-model name; which one a method uses is its class's ``cost_model``
+metadata (``care_core.methods``), and method names, aliases and listing order are the method registry's: there
+is no second list of names. ``baseline`` (also ``full``) is the unreduced row and not a method.
 
 `tokens` (K) is the budget the user asked for. For pre-LLM methods every layer sees K visual tokens. For in-LLM
-methods K is the count after the method's first pruning step (FastV, V2Drop) or the published budget
-(SparseVLM); the row's equivalent average token count makes them comparable.
+methods K is the count after the method's first pruning step (FastV) or the published budget (SparseVLM); the
+row's equivalent average token count makes them comparable.
 
 Selection and merging costs of the peers are the leading terms with constant 1, in the style of Supp. B; each
 is stated in the `note` of its row. They are small next to the prefill; the prefill schedule is what differs.
@@ -11,7 +15,7 @@ is stated in the `note` of its row. They are small next to the prefill; the pref
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +28,8 @@ if TYPE_CHECKING:
     from care_core.flops.specs import BackboneSpec
 
 DEFAULT_M = 64  # CaRe / ZOO-Prune perturbation directions (paper Supp. C; ZOO-Prune NOISERECOV_NUM)
+BASELINE = "baseline"
+_BASELINE_NAMES = (BASELINE, "full")
 
 
 @dataclass(frozen=True)
@@ -38,35 +44,48 @@ class MethodCost:
 
 Model = Callable[["BackboneSpec", int, int, int, int], MethodCost]  # (spec, N, K, m, T) -> cost
 _MODELS: dict[str, Model] = {}
-_ALIASES: dict[str, str] = {"sense-diversity": "zoo-prune", "ficoco": "ficoco-v", "prumerge": "prumerge+",
-                            "v2-drop": "v2drop", "full": "baseline"}  # fmt: skip
 
 
-def _model(name: str) -> Callable[[Model], Model]:
+def _model(key: str) -> Callable[[Model], Model]:
+    """Register a formula under `key`, the value a method class names as its ``cost_model``."""
+
     def register(fn: Model) -> Model:
-        _MODELS[name] = fn
+        _MODELS[key] = fn
         return fn
 
     return register
 
 
-def cost_model_names() -> list[str]:
-    """Every method with a cost model, in the registry's listing order (baseline excluded)."""
-    return [name for name in _MODELS if name != "baseline"]
+def cost_model_names(family: str | None = None) -> list[str]:
+    """Every registered method with a cost model, in the registry's listing order (baseline excluded); with
+    `family` (e.g. "qwen2_5_vl"), only the methods that can run on that backbone family."""
+    from care_core.methods import method_class, method_names, methods_for_backbone
+
+    names = method_names() if family is None else methods_for_backbone(family)
+    return [name for name in names if method_class(name).cost_model is not None]
 
 
 def canonical_method(name: str) -> str:
+    """The registry's name for `name` (aliases resolved), or "baseline"; MethodError if it has no cost model."""
+    from care_core.methods import canonical_name, method_class
+
     key = name.strip().lower()
-    key = _ALIASES.get(key, key)
-    if key in _MODELS:
-        return key
-    close = difflib.get_close_matches(key, [*_MODELS, *_ALIASES], n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise MethodError(f"no cost model for method {name!r}{hint} (known: {', '.join(cost_model_names())}, all)")
+    if key in _BASELINE_NAMES:
+        return BASELINE
+    canonical = canonical_name(key)  # MethodError with suggestions for unknown names
+    if method_class(canonical).cost_model not in _MODELS:
+        raise MethodError(f"method {canonical!r} has no cost model (with one: {', '.join(cost_model_names())}, all)")
+    return canonical
 
 
 def method_cost(name: str, spec: BackboneSpec, n: int, k: int, m: int = DEFAULT_M, text_tokens: int = 64) -> MethodCost:
-    return _MODELS[canonical_method(name)](spec, n, k, m, text_tokens)
+    """The cost of method `name` (or "baseline") from the formula its class names as ``cost_model``."""
+    from care_core.methods import method_class
+
+    canonical = canonical_method(name)
+    key = BASELINE if canonical == BASELINE else method_class(canonical).cost_model
+    assert key is not None
+    return dataclasses.replace(_MODELS[key](spec, n, k, m, text_tokens), method=canonical)
 
 
 def _uniform(spec: BackboneSpec, tokens: int) -> fx.Schedule:
@@ -177,30 +196,48 @@ def _visionzip(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost
     )  # fmt: skip
 
 
-@_model("prumerge+")
-def _prumerge(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+def _prumerge_cost(name: str, spec: BackboneSpec, n: int, k: int, fill: bool) -> MethodCost:
+    """PruMerge / PruMerge+ at the fixed budget: K - 1 kept patches + 1 summary row = K tokens for the LLM."""
     d_v = spec.projector.token_dim
+    kept = max(k - 1, 0)
+    score = {"N d_v": n * d_v, "N": n}
+    if fill:
+        score["N (spatial fill)"] = n
+    how = "IQR outliers, the rest spread evenly over the image (N)" if fill else "top K - 1 by attention"
     return MethodCost(
-        "prumerge+", k, _uniform(spec, k + 1),
-        {"N d_v": n * d_v, "N": n},
-        {"K N d_v": k * n * d_v, "32 K d_v": 32 * k * d_v, "N_d d_v": (n - k) * d_v},
-        "CLS-row attention (N d_v) + IQR outliers (N); each kept token merges its 32 nearest keys (K N d_v + "
-        "32 K d_v); one summary token is appended, so the LLM sees K + 1",
+        name, k, _uniform(spec, k), score,
+        {"(K-1) N d_v": kept * n * d_v, "32 (K-1) d_v": 32 * kept * d_v, "N_d d_v": (n - kept) * d_v},
+        f"CLS-row attention (N d_v) + selection (N): {how}; each of the K - 1 kept patches merges its 32 nearest "
+        "keys ((K-1) N d_v + 32 (K-1) d_v); the N_d = N - K + 1 pruned ones form one summary row: K tokens in all",
     )  # fmt: skip
+
+
+@_model("prumerge+")
+def _prumerge_plus(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return _prumerge_cost("prumerge+", spec, n, k, fill=True)
+
+
+@_model("prumerge")
+def _prumerge(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    return _prumerge_cost("prumerge", spec, n, k, fill=False)
 
 
 @_model("tome")
 def _tome(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
+    from care_core.methods.tome import ToMe, tome_schedule
+
     d_v = spec.projector.token_dim
+    method = ToMe()
     match = merge = 0
     current = n
-    while current > k:
-        r = min(current // 2, current - k)
+    steps = tome_schedule(n, k, method.r_per_call(n, k)) if k < n else []
+    for r in steps:
         a, b = (current + 1) // 2, current // 2
         match += a * b * d_v + current
         merge += r * d_v
         current -= r
-    note = "bipartite soft matching applied repeatedly (r <= n/2 per step) until K tokens remain"
+    note = (f"bipartite soft matching, {len(steps)} calls of r <= ceil((N - K) / {method.calls}) (ToMe's constant "
+            "schedule, as the method runs it): Σ |A||B| d_v + n to match, Σ r d_v to merge")  # fmt: skip
     return MethodCost("tome", k, _uniform(spec, k), {"Σ |A||B| d_v + n": match}, {"Σ r d_v": merge}, note)
 
 
@@ -294,20 +331,4 @@ def _sparsevlm(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost
         "sparsevlm", k, schedule, score, recycle,
         f"v1: prunes after layers {layers} (those layers still run at the previous length); {how}; counts "
         f"{counts} include the recycled cluster centres {clusters}; raters taken as all T text tokens",
-    )  # fmt: skip
-
-
-V2DROP_LAYERS = (3, 17, 22)
-
-
-@_model("v2drop")
-def _v2drop(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
-    layers = (3, 16, 22) if spec.family == "qwen2_5_vl" else tuple(_scaled_layer(spec, x) for x in V2DROP_LAYERS)
-    counts = [k, max(1, k // 2), 1]
-    before = [n, *counts[:-1]]
-    return MethodCost(
-        "v2drop", k, _segments(spec, list(layers), [n, *counts]),
-        {"Σ 2 n H + n": sum(2 * b * spec.lm.hidden + b for b in before)}, {},
-        f"drops before layers {list(layers)}: N -> K -> K/2 -> 1 (the published 576 -> 288 -> 144 -> 1 shape with "
-        "K after the first drop); variation = L2 norm of each token's residual update (2nH + n per drop)",
     )  # fmt: skip

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
-from care_core.errors import BudgetError, CareError
+from care_core.errors import BudgetError, CareError, MethodError
 from care_core.flops import formulas as fx
 from care_core.flops import paper as paper_data
-from care_core.flops.methods import DEFAULT_M, canonical_method, cost_model_names, method_cost
+from care_core.flops.methods import BASELINE, DEFAULT_M, canonical_method, cost_model_names, method_cost
 from care_core.flops.specs import BackboneSpec
 from care_core.flops.tokens import TokenCount, squarest_grid, visual_tokens
 
@@ -91,14 +91,21 @@ def resolve_budgets(spec: BackboneSpec, n: int, keeps: Sequence[int], ratios: Se
     return list(dict.fromkeys(values))
 
 
-def resolve_methods(methods: Sequence[str]) -> list[str]:
+def resolve_methods(methods: Sequence[str], family: str | None = None) -> list[str]:
+    """Canonical method names; 'all' = every method with a cost model that can run on backbone `family`
+    (the same list as ``care_core.methods.methods_for_backbone``). A named method that cannot run there is an error."""
+    from care_core.methods import method_class
+
     names: list[str] = []
     for name in methods or ["care"]:
         if name.strip().lower() == "all":
-            names.extend(cost_model_names())
-        else:
-            names.append(canonical_method(name))
-    return [name for name in dict.fromkeys(names) if name != "baseline"]
+            names.extend(cost_model_names(family))
+            continue
+        canonical = canonical_method(name)
+        if family is not None and canonical != BASELINE and not method_class(canonical).serves(family):
+            raise MethodError(f"method {canonical!r} cannot run on {family} backbones, so it has no cost there")
+        names.append(canonical)
+    return [name for name in dict.fromkeys(names) if name != BASELINE]
 
 
 def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int], str]:
@@ -209,7 +216,7 @@ def flops_report(
     options = options or FlopsOptions()
     source = resolve_tokens(spec, tokens, image)
     n = source.tokens
-    names = resolve_methods(methods)
+    names = resolve_methods(methods, spec.family)
     budgets = resolve_budgets(spec, n, keeps, ratios)
     extra: dict[str, int] = {}
     optional: dict[str, str] = {}

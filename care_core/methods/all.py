@@ -1,4 +1,4 @@
-"""Imports every method module once, so that each registers itself (order = listing order)."""
+"""Imports every method module once, so that each registers itself (listing order = each class's ``rank``)."""
 
 from care_core.methods import (  # noqa: F401
     care_family,
@@ -13,8 +13,3 @@ from care_core.methods import (  # noqa: F401
     visionzip,
     zoo_prune,
 )
-
-LISTING_ORDER = (
-    "care", "prca-only", "simple-calib", "confidence-calib", "prca+simple-calib", "zoo-prune",
-    "divprune", "visionzip", "prumerge+", "prumerge", "tome", "ficoco-v", "fastv", "sparsevlm", "random", "pool",
-)  # fmt: skip

@@ -1,19 +1,40 @@
 """The one contract every token-reduction method implements, and what it returns.
 
 A method is a small frozen dataclass (its hyperparameters as fields) with class-level metadata and
-one ``__call__(inputs, keep) -> MethodResult``. Inputs a method needs beyond the features are named
-in ``needs``; backbone adapters compute exactly those (see :data:`PROBES`).
+one ``reduce(inputs, keep) -> MethodResult``; ``__call__`` checks the budget once for every method
+and then calls ``reduce``. Inputs a method needs beyond the features are named in ``needs``;
+backbone adapters compute exactly those (see :data:`PROBES`).
+
+All metadata lives on the class, so that listing (``care methods``), the flops cost models
+(``care_core.flops``), the overlays' score labels and the per-backbone method lists read one source.
+This module imports no torch at import time (``care methods`` and ``care flops`` start without it).
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, final
 
-import torch
+from care_core._lazy import torch
+from care_core.errors import MethodError
+
+if TYPE_CHECKING:
+    from care_core.config import CaReConfig
 
 Category = Literal["selection", "merging", "calibration"]
+StageTimer = Callable[[str], AbstractContextManager[object]]  # stage name -> context manager (as care.StageTimer)
+
+# Backbone families, named by their ``config.json`` model_type (the adapters' ``model_types``).
+BACKBONE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_5_vl")
+# Other spellings of the same families (the adapters' ``family`` and the CLI's backbone names).
+FAMILY_ALIASES: dict[str, str] = {"llava-1.5": "llava", "llava-next": "llava_next", "qwen2.5-vl": "qwen2_5_vl"}
+# Families whose vision tower has a CLS token (Qwen2.5-VL has none): methods reading CLS probes serve only these.
+CLS_FAMILIES: frozenset[str] = frozenset({"llava", "llava_next"})
+# Families whose visual tokens form one raster grid (LLaVA-NeXT has two views, so no single grid).
+SINGLE_GRID_FAMILIES: frozenset[str] = frozenset({"llava", "qwen2_5_vl"})
 
 # Named inputs a method may need, beyond features, projector and positions.
 PROBES: dict[str, str] = {
@@ -25,6 +46,16 @@ PROBES: dict[str, str] = {
     "question": "(T, d_t) input embeddings of the question's non-special tokens",
     "language_model": "a handle that runs the language model's first layers on the full sequence",
 }
+
+
+def canonical_family(family: str) -> str:
+    """The model_type naming of a backbone family ("llava-1.5" -> "llava"); MethodError if unknown."""
+    key = family.strip().lower()
+    key = FAMILY_ALIASES.get(key, key)
+    if key not in BACKBONE_FAMILIES:
+        known = ", ".join([*BACKBONE_FAMILIES, *FAMILY_ALIASES])
+        raise MethodError(f"unknown backbone family {family!r} (known: {known})")
+    return key
 
 
 class LanguageModelProbe(Protocol):
@@ -59,17 +90,20 @@ class MethodInputs:
     grid: tuple[int, int] | None = None  # (rows, cols) when the tokens are one raster grid
     probes: dict[str, Any] = field(default_factory=dict)  # keys of PROBES
     seed: int = 0
+    stage_timer: StageTimer | None = None  # optional: stage name -> context manager that times it
 
     @property
     def num_tokens(self) -> int:
         return int(self.features.shape[0])
 
     def probe(self, name: str, method: str) -> Any:
-        from care_core.errors import MethodError
-
         if name not in self.probes or self.probes[name] is None:
             raise MethodError(f"method {method!r} needs {name!r} ({PROBES.get(name, '?')}), which was not provided")
         return self.probes[name]
+
+    def stage(self, name: str) -> AbstractContextManager[object]:
+        """The stage timer's context for `name` ("scoring", "anchors", "calibration"), or a no-op one."""
+        return nullcontext() if self.stage_timer is None else self.stage_timer(name)
 
 
 @dataclass(frozen=True)
@@ -95,20 +129,56 @@ class MethodResult:
 
 
 class Method:
-    """Base of every registered method: metadata on the class, hyperparameters as dataclass fields."""
+    """Base of every registered method: metadata on the class, hyperparameters as dataclass fields.
+
+    Subclasses implement :meth:`reduce`; callers call the instance, which checks the budget first.
+    """
 
     name: ClassVar[str]
     category: ClassVar[Category]
-    needs: ClassVar[frozenset[str]] = frozenset()
     paper: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
+    #: probes (keys of PROBES) the method reads beyond features, projector and positions
+    needs: ClassVar[frozenset[str]] = frozenset()
+    #: position in listings (`care methods`, `--method all`): CaRe and its ablations first, then the peers
+    rank: ClassVar[int] = 1000
+    #: CaReConfig fields the method reads when built by ``build_method(name, config)``
+    hyperparameters: ClassVar[frozenset[str]] = frozenset()
+    #: what the per-token ``scores`` are, for figure labels ("psi_bar" for PRCA); None = generic "scores"
+    score_label: ClassVar[str | None] = None
+    #: key of the method's cost model in ``care_core.flops.methods`` (None = no cost model)
+    cost_model: ClassVar[str | None] = None
+    #: backbone families (model_type names, see BACKBONE_FAMILIES) the method can run on
+    backbones: ClassVar[frozenset[str]] = frozenset(BACKBONE_FAMILIES)
 
+    @final
     def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        """Check the budget (an integer, not a bool, 1 <= keep <= N; MethodError otherwise), then :meth:`reduce`."""
+        n = inputs.num_tokens
+        if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
+            raise MethodError(f"{self.name}: the budget K must be an integer between 1 and N = {n}, got {keep!r}")
+        if not 1 <= keep <= n:
+            raise MethodError(f"{self.name}: the budget K must be between 1 and N = {n}, got K = {keep!r}")
+        return self.reduce(inputs, int(keep))
+
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        """The method itself, for a budget already checked to be 1 <= keep <= N."""
         raise NotImplementedError
 
     def output_count(self, num_tokens: int, keep: int) -> int:
         """Number of output rows for budget `keep`: K unless the method documents otherwise."""
         return keep
+
+    @classmethod
+    def serves(cls, family: str) -> bool:
+        """Whether the method can run on backbone `family` (e.g. "qwen2_5_vl" or "qwen2.5-vl")."""
+        return canonical_family(family) in cls.backbones
+
+    @classmethod
+    def from_config(cls, config: CaReConfig) -> Method:
+        """The method at its defaults, with every field named in ``hyperparameters`` taken from `config`."""
+        names = {f.name for f in fields(cls)} & set(cls.hyperparameters)  # type: ignore[arg-type]
+        return cls(**{name: getattr(config, name) for name in names})
 
 
 def selection_result(

@@ -1,74 +1,97 @@
 """CaRe (PRCA + CGTC) and its ablations of paper Table S5, each reachable by name.
 
-| name                | anchors   | calibration                         |
-|---------------------|-----------|-------------------------------------|
-| `care`              | PRCA      | CGTC (confidence-gated, Eq. 4–9)    |
-| `prca-only`         | PRCA      | none                                |
-| `simple-calib`      | ZOO-Prune | every residual token, c_r = 1        |
-| `confidence-calib`  | ZOO-Prune | CGTC                                |
-| `prca+simple-calib` | PRCA      | every residual token, c_r = 1        |
+| name                | anchors   | calibration                   | CaReConfig fields read                         |
+|---------------------|-----------|-------------------------------|------------------------------------------------|
+| `care`              | PRCA      | CGTC (gated, Eq. 4–9)         | all                                            |
+| `prca-only`         | PRCA      | none                          | h, m, lam, eps, seed, engine, matmul_precision |
+| `simple-calib`      | ZOO-Prune | every residual token, c_r = 1 | h, m, seed; alpha, tau_s, eps                  |
+| `confidence-calib`  | ZOO-Prune | CGTC                          | h, m, seed; the CGTC fields                    |
+| `prca+simple-calib` | PRCA      | every residual token, c_r = 1 | the PRCA fields; alpha, tau_s                  |
 
-Where the anchors come from ZOO-Prune, its normalised sensitivity plays the role of psi_bar.
+PRCA (Eq. 1–3) reads h (``engine="fd"`` only; ``"jvp"`` is the exact h -> 0 limit), m, seed, lam, eps,
+engine and matmul_precision (``engine="jvp"`` only). ZOO-Prune anchors read h, m and seed of the same
+config (always the finite-difference estimator, as ZOO-Prune defines it) and ignore lam, eps, engine and
+matmul_precision (SADS has its own fixed constants). CGTC (Eq. 4–9) reads eta, theta_s, theta_c, alpha,
+sigma_p, tau_g, tau_c, tau_s and eps; the ungated injection only alpha, tau_s and eps (no gate: R+ = R,
+c_r = 1, w_r = psi_bar_r + eps). Where the anchors come from ZOO-Prune, its normalised sensitivity plays
+the role of psi_bar. `care` runs :func:`care_core.care.care_reduce` itself, so the library function and
+the registered method are one code path; every calibrated result converts to the method contract in
+:meth:`care_core.care.Reduction.to_method_result`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
-from care_core.anchors import diversity_greedy
-from care_core.care import calibrate_with, prca_scores, resolve_directions
+from care_core._lazy import torch
 from care_core.config import CaReConfig
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
 from care_core.methods.registry import register
 from care_core.methods.zoo_prune import ZooPrune
-from care_core.precision import compute_dtype, matmul_precision
+
+if TYPE_CHECKING:
+    from care_core.care import Reduction
 
 PAPER = "CaRe: Calibrate Before Reason, Sec. 3 (ablations: Table S5)"
+
+PRCA_FIELDS = frozenset({"h", "m", "lam", "eps", "seed", "engine", "matmul_precision"})  # Eq. 1–3
+ZOO_FIELDS = ZooPrune.hyperparameters  # h, m, seed
+GATED_FIELDS = frozenset({"eta", "theta_s", "theta_c", "alpha", "sigma_p", "tau_g", "tau_c", "tau_s", "eps"})  # Eq. 4–9
+UNGATED_FIELDS = frozenset({"alpha", "tau_s", "eps"})  # Eq. 7–9 with c_r = 1
 
 
 @dataclass(frozen=True)
 class _CaReFamily(Method):
     config: CaReConfig = field(default_factory=CaReConfig)
     paper: ClassVar[str] = PAPER
+    score_label: ClassVar[str | None] = "psi_bar"
     anchors_from: ClassVar[str] = "prca"  # "prca" or "zoo-prune"
     calibration: ClassVar[str] = "gated"  # "gated", "all" or "none"
 
-    def _anchors(self, inputs: MethodInputs, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(selection order, weights psi_bar) of the anchors."""
+    @classmethod
+    def from_config(cls, config: CaReConfig) -> Method:
+        return cls(config=config)
+
+    def _anchors(self, inputs: MethodInputs, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(selection order, weights psi_bar, features in compute precision), timing "scoring" and "anchors"."""
+        from care_core.anchors import diversity_greedy
+        from care_core.care import prca_scores, resolve_directions
+        from care_core.precision import compute_dtype, matmul_precision
+
         v = inputs.features.to(compute_dtype(inputs.features.dtype))
         if self.anchors_from == "zoo-prune":
-            zoo = ZooPrune(seed=self.config.seed)
-            weights, embeddings = zoo.scores(inputs)
-            with matmul_precision(allow_tf32=False), torch.no_grad():
-                return diversity_greedy(weights, embeddings, keep, eps=1e-12), weights
-        u = resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v)
-        psi_bar = prca_scores(v, inputs.projector, u, self.config)
-        with matmul_precision(allow_tf32=False), torch.no_grad():
-            return diversity_greedy(psi_bar, v, keep, self.config.eps), psi_bar
+            with inputs.stage("scoring"):
+                weights, embeddings = ZooPrune.from_config(self.config).scores(inputs)
+            with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
+                return diversity_greedy(weights, embeddings, keep, eps=1e-12), weights, v.to(weights.dtype)
+        with inputs.stage("scoring"):
+            u = resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v)
+            psi_bar = prca_scores(v, inputs.projector, u, self.config)
+        with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
+            return diversity_greedy(psi_bar, v, keep, self.config.eps), psi_bar, v
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        order, weights = self._anchors(inputs, keep)
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        from care_core.care import Reduction, calibrate_with
+
+        order, weights, v = self._anchors(inputs, keep)
         if self.calibration == "none":
             return selection_result(inputs.features, order, weights, selection_order=order)
-        v = inputs.features.to(weights.dtype)
         anchors = order.sort().values
         positions = inputs.positions.to(device=v.device, dtype=v.dtype)
-        cal = calibrate_with(self.config, v, positions, anchors, weights, gated=self.calibration == "gated")
-        n = v.shape[0]
-        assignment = torch.full((n,), -1, dtype=torch.long, device=v.device)
-        assignment[anchors] = torch.arange(anchors.numel(), device=v.device)
-        assignment[cal.signals] = torch.searchsorted(anchors, cal.signal_targets)
-        return MethodResult(
+        with inputs.stage("calibration"):
+            cal = calibrate_with(self.config, v, positions, anchors, weights, gated=self.calibration == "gated")
+        reduction: Reduction = Reduction(
+            indices=anchors,
+            anchor_order=order,
             tokens=cal.tokens.to(inputs.features.dtype),
-            token_index=anchors,
-            scores=weights,
-            assignment=assignment,
             signals=cal.signals,
-            info={"selection_order": order, "residuals": cal.residuals, "confidence": cal.confidence},
+            psi_bar=weights,
+            residuals=cal.residuals,
+            confidence=cal.confidence,
+            signal_targets=cal.signal_targets,
         )
+        return reduction.to_method_result()
 
 
 @register
@@ -78,6 +101,19 @@ class CaRe(_CaReFamily):
 
     name: ClassVar[str] = "care"
     category: ClassVar[Category] = "calibration"
+    rank: ClassVar[int] = 0
+    cost_model: ClassVar[str | None] = "care"
+    hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS | GATED_FIELDS
+
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        """:func:`care_core.care.care_reduce` with this config and the inputs' stage timer."""
+        from care_core.care import care_reduce
+
+        reduction = care_reduce(
+            inputs.features, inputs.projector, inputs.positions, keep=keep, config=self.config,
+            stage_timer=inputs.stage_timer,
+        )  # fmt: skip
+        return reduction.to_method_result()
 
 
 @register
@@ -87,16 +123,23 @@ class PRCAOnly(_CaReFamily):
 
     name: ClassVar[str] = "prca-only"
     category: ClassVar[Category] = "selection"
+    rank: ClassVar[int] = 1
+    cost_model: ClassVar[str | None] = "prca-only"
+    hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS
     calibration: ClassVar[str] = "none"
 
 
 @register
 @dataclass(frozen=True)
 class SimpleCalib(_CaReFamily):
-    """Ablation: ZOO-Prune anchors, every residual token injected (no gate, c_r = 1)."""
+    """Ablation "Only Simple-Calib": ZOO-Prune anchors, every residual token injected (no gate, c_r = 1)."""
 
     name: ClassVar[str] = "simple-calib"
     category: ClassVar[Category] = "calibration"
+    rank: ClassVar[int] = 2
+    cost_model: ClassVar[str | None] = "simple-calib"
+    hyperparameters: ClassVar[frozenset[str]] = ZOO_FIELDS | UNGATED_FIELDS
+    score_label: ClassVar[str | None] = None  # ZOO-Prune's normalised sensitivity, not psi_bar
     anchors_from: ClassVar[str] = "zoo-prune"
     calibration: ClassVar[str] = "all"
 
@@ -104,18 +147,25 @@ class SimpleCalib(_CaReFamily):
 @register
 @dataclass(frozen=True)
 class ConfidenceCalib(_CaReFamily):
-    """Ablation: ZOO-Prune anchors + confidence-gated calibration (CGTC)."""
+    """Ablation "Only Confidence-Calib": ZOO-Prune anchors + confidence-gated calibration (CGTC)."""
 
     name: ClassVar[str] = "confidence-calib"
     category: ClassVar[Category] = "calibration"
+    rank: ClassVar[int] = 3
+    cost_model: ClassVar[str | None] = "confidence-calib"
+    hyperparameters: ClassVar[frozenset[str]] = ZOO_FIELDS | GATED_FIELDS
+    score_label: ClassVar[str | None] = None
     anchors_from: ClassVar[str] = "zoo-prune"
 
 
 @register
 @dataclass(frozen=True)
 class PRCASimpleCalib(_CaReFamily):
-    """Ablation: PRCA anchors, every residual token injected (no gate)."""
+    """Ablation "Calib-Anchor+Simple-Calib": PRCA anchors, every residual token injected (no gate)."""
 
     name: ClassVar[str] = "prca+simple-calib"
     category: ClassVar[Category] = "calibration"
+    rank: ClassVar[int] = 4
+    cost_model: ClassVar[str | None] = "prca+simple-calib"
+    hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS | UNGATED_FIELDS
     calibration: ClassVar[str] = "all"

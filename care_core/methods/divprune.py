@@ -25,12 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
+from care_core._lazy import torch
 from care_core.errors import MethodError
+from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype, matmul_precision
 
 _TINY = 1e-30  # only guards zero rows; any non-zero norm is used exactly as the official code does
 
@@ -95,13 +94,12 @@ class DivPrune(Method):
     name: ClassVar[str] = "divprune"
     category: ClassVar[Category] = "selection"
     paper: ClassVar[str] = "Alvar et al., DivPrune: Diversity-based Visual Token Pruning for LMMs, CVPR 2025"
+    rank: ClassVar[int] = 6
+    cost_model: ClassVar[str | None] = "divprune"
 
     mask_selected: bool = True  # False = the released rule verbatim (duplicate indices possible)
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        n = inputs.num_tokens
-        if not 1 <= keep <= n:
-            raise MethodError(f"divprune: keep must be between 1 and N = {n}, got {keep}")
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         with torch.no_grad():
             embeddings = inputs.projector(inputs.features)
             embeddings = embeddings.to(compute_dtype(embeddings.dtype))

@@ -19,12 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
+from care_core._lazy import torch
 from care_core.errors import MethodError
+from care_core.methods._core import compute_dtype
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype
 
 
 def fastv_scores(attention: torch.Tensor, image_span: tuple[int, int]) -> torch.Tensor:
@@ -53,16 +52,16 @@ class FastV(Method):
     category: ClassVar[Category] = "selection"
     needs: ClassVar[frozenset[str]] = frozenset({"language_model"})
     paper: ClassVar[str] = "Chen et al., An Image is Worth 1/2 Tokens After Layer 2 (FastV), ECCV 2024"
+    rank: ClassVar[int] = 12
+    cost_model: ClassVar[str | None] = "fastv"
 
     agg_layer: int = 2  # K: the attention of layer K-1 scores the image tokens
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         if self.agg_layer < 1:
             raise MethodError(f"fastv: agg_layer (K) must be >= 1, got {self.agg_layer}")
         lm = inputs.probe("language_model", self.name)
         n = inputs.num_tokens
-        if not 1 <= keep <= n:
-            raise MethodError(f"fastv: keep must be between 1 and N = {n}, got {keep}")
         start, end = lm.image_span
         if end - start != n:
             raise MethodError(f"fastv: the image span holds {end - start} tokens, the features {n}")

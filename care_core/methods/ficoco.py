@@ -51,13 +51,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import torch
-import torch.nn.functional as F
-
+from care_core._lazy import F, torch
 from care_core.errors import MethodError
-from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods._core import compute_dtype
+from care_core.methods.base import CLS_FAMILIES, Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype
 
 BETA = 0.35  # weight of the CLS similarity in the redundancy score
 QUANTILE = 0.998  # Correlate's per-row threshold for the adaptive top-k
@@ -247,15 +245,16 @@ class FiCoCoV(Method):
     category: ClassVar[Category] = "merging"
     needs: ClassVar[frozenset[str]] = frozenset({"attention_logits", "hidden_with_cls"})
     paper: ClassVar[str] = "Han et al., Filter, Correlate, Compress: Training-Free Token Reduction for MLLMs, AAAI 2026"
+    rank: ClassVar[int] = 11
+    cost_model: ClassVar[str | None] = "ficoco-v"
+    backbones: ClassVar[frozenset[str]] = CLS_FAMILIES  # reads CLS-based probes
 
     r: int = 42  # tokens merged per step (official: 42 per CLIP layer 12-23)
     row_order: RowOrder = "released"
     local_penalty: Penalty = "released"
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         n = inputs.num_tokens
-        if not 1 <= keep <= n:
-            raise MethodError(f"ficoco-v: keep must be between 1 and N = {n}, got {keep}")
         if self.r < 1:
             raise MethodError(f"ficoco-v: r must be >= 1, got {self.r}")
         hidden = inputs.probe("hidden_with_cls", self.name)

@@ -21,12 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
+from care_core._lazy import torch
 from care_core.errors import MethodError
-from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods._core import compute_dtype
+from care_core.methods.base import SINGLE_GRID_FAMILIES, Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype
 
 ASPECT_TOLERANCE = 1.5  # an exact h x w factorisation is used if its aspect is within this factor of the input's
 
@@ -87,8 +86,11 @@ class Pool(Method):
     name: ClassVar[str] = "pool"
     category: ClassVar[Category] = "merging"
     paper: ClassVar[str] = "spatial average pooling baseline (no paper; a standard control for token reduction)"
+    rank: ClassVar[int] = 15
+    cost_model: ClassVar[str | None] = "pool"
+    backbones: ClassVar[frozenset[str]] = SINGLE_GRID_FAMILIES  # needs one raster grid (not LLaVA-NeXT)
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         if inputs.grid is None:
             raise MethodError("pool needs the tokens to form one raster grid (inputs.grid), which was not given")
         rows, cols = inputs.grid

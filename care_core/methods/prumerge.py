@@ -44,12 +44,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
-import torch
 
+from care_core._lazy import torch
 from care_core.errors import MethodError
-from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods._core import compute_dtype, matmul_precision
+from care_core.methods.base import CLS_FAMILIES, Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype, matmul_precision
 
 _EPS = 1e-12  # F.normalize's clamp
 
@@ -160,6 +160,9 @@ class PruMergePlus(Method):
     category: ClassVar[Category] = "merging"
     needs: ClassVar[frozenset[str]] = frozenset({"last_layer_qk"})
     paper: ClassVar[str] = "Shang et al., LLaVA-PruMerge: Adaptive Token Reduction for Efficient LMMs, ICCV 2025"
+    rank: ClassVar[int] = 8
+    cost_model: ClassVar[str | None] = "prumerge+"
+    backbones: ClassVar[frozenset[str]] = CLS_FAMILIES  # reads the CLS row of the last layer
 
     plus: bool = True  # PruMerge+ (spatial fill); False = PruMerge
     adaptive: bool = False  # True = the released adaptive token count (keep ignored)
@@ -170,10 +173,8 @@ class PruMergePlus(Method):
             raise MethodError(f"{self.name}(adaptive=True): the output count is data-dependent (kept + 1)")
         return keep
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         n = inputs.num_tokens
-        if not self.adaptive and not 1 <= keep <= n:
-            raise MethodError(f"{self.name}: keep must be between 1 and N = {n}, got {keep}")
         qk = inputs.probe("last_layer_qk", self.name)
         if qk.shape[0] != 2 or qk.shape[1] != n + 1:
             raise MethodError(f"{self.name}: last_layer_qk must be (2, 1 + N = {n + 1}, C), got {tuple(qk.shape)}")
@@ -211,4 +212,6 @@ class PruMerge(PruMergePlus):
     """
 
     name: ClassVar[str] = "prumerge"
+    rank: ClassVar[int] = 9
+    cost_model: ClassVar[str | None] = "prumerge"
     plus: bool = False

@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
-from care_core.errors import MethodError
+from care_core._lazy import torch
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
 from care_core.methods.registry import register
 
@@ -30,13 +28,14 @@ class RandomSelect(Method):
     name: ClassVar[str] = "random"
     category: ClassVar[Category] = "selection"
     paper: ClassVar[str] = "uniform random selection baseline (no paper; used as a control in e.g. FastV, DivPrune)"
+    rank: ClassVar[int] = 14
+    cost_model: ClassVar[str | None] = "random"
+    hyperparameters: ClassVar[frozenset[str]] = frozenset({"seed"})
 
     seed: int | None = None  # overrides inputs.seed
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         n = inputs.num_tokens
-        if not 1 <= keep <= n:
-            raise MethodError(f"random: keep must be between 1 and N = {n}, got {keep}")
         seed = inputs.seed if self.seed is None else self.seed
         kept = random_select(n, keep, seed).to(inputs.features.device)
         return selection_result(inputs.features, kept, None, seed=seed)

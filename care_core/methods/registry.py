@@ -1,12 +1,19 @@
-"""The method registry: name -> method class, filled by ``@register`` in each method's module."""
+"""The method registry: name -> method class, filled by ``@register`` in each method's module.
+
+Everything else about a method (listing rank, cost model, score label, backbones it serves, CaRe
+hyperparameters it reads) is metadata on its class; the functions here only read it.
+"""
 
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from care_core.errors import MethodError
-from care_core.methods.base import Method
+from care_core.methods.base import Method, canonical_family
+
+if TYPE_CHECKING:
+    from care_core.config import CaReConfig
 
 _METHODS: dict[str, type[Method]] = {}
 _ALIASES: dict[str, str] = {}
@@ -28,12 +35,16 @@ def _load_all() -> None:
 
 
 def method_names() -> list[str]:
-    """Registered method names (aliases excluded): CaRe and its ablations first, then the peers."""
-    from care_core.methods.all import LISTING_ORDER
-
+    """Registered method names (aliases excluded) by their class's ``rank``: CaRe and its ablations first."""
     _load_all()
-    rank = {name: i for i, name in enumerate(LISTING_ORDER)}
-    return sorted(_METHODS, key=lambda name: rank.get(name, len(rank)))
+    return sorted(_METHODS, key=lambda name: (_METHODS[name].rank, name))
+
+
+def methods_for_backbone(family: str) -> list[str]:
+    """The registered methods that can run on backbone `family` ("llava", "llava-next", "qwen2.5-vl", ...),
+    in listing order: the list every ``--method all`` uses."""
+    key = canonical_family(family)
+    return [name for name in method_names() if key in _METHODS[name].backbones]
 
 
 def canonical_name(name: str) -> str:
@@ -56,3 +67,17 @@ def method_class(name: str) -> type[Method]:
 def create_method(name: str, **options: Any) -> Method:
     """An instance of the named method with its default hyperparameters, overridden by `options`."""
     return method_class(name)(**options)
+
+
+def build_method(name: str, config: CaReConfig | None = None) -> Method:
+    """The named method with the user's CaRe configuration: the CaRe family and ZOO-Prune take their
+    hyperparameters from `config`, peers that draw random numbers its seed; every other field keeps its
+    default. Which fields each method reads is its class's ``hyperparameters``."""
+    from care_core.config import CaReConfig
+
+    return method_class(name).from_config(config if config is not None else CaReConfig())
+
+
+def score_label(name: str) -> str | None:
+    """What the method's per-token scores are ("psi_bar" for the PRCA-based methods), or None."""
+    return method_class(name).score_label

@@ -39,12 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import torch
-
+from care_core._lazy import torch
 from care_core.errors import MethodError
+from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype, matmul_precision
 
 Version = Literal["1_0", "2_0"]
 
@@ -163,19 +162,21 @@ class SparseVLM(Method):
     category: ClassVar[Category] = "merging"
     needs: ClassVar[frozenset[str]] = frozenset({"language_model"})
     paper: ClassVar[str] = "Zhang et al., SparseVLM: Visual Token Sparsification for Efficient VLM Inference, ICML 2025"
+    rank: ClassVar[int] = 13
+    cost_model: ClassVar[str | None] = "sparsevlm"
+    hyperparameters: ClassVar[frozenset[str]] = frozenset({"seed"})
 
     version: Version = "1_0"  # official default USE_VERSION; "2_0" = SparseVLM+ head selection, no recycling
     layer: int = 2  # LLM layer whose attention rates the visual tokens (official first pruning layer)
     recycle: bool | None = None  # None: as the version does (v1 recycles, v2 does not)
-    noise: float = 1e-6  # density tie-break noise of cluster_and_merge (drawn from a generator seeded with inputs.seed)
+    noise: float = 1e-6  # density tie-break noise of cluster_and_merge (drawn from a generator seeded with `seed`)
+    seed: int | None = None  # seed of that noise; None = inputs.seed
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         if self.version not in SCHEDULES:
             raise MethodError(f"sparsevlm: version must be '1_0' or '2_0', got {self.version!r}")
         lm = inputs.probe("language_model", self.name)
         n = inputs.num_tokens
-        if not 1 <= keep <= n:
-            raise MethodError(f"sparsevlm: keep must be between 1 and N = {n}, got {keep}")
         start, end = lm.image_span
         text_start, text_end = lm.text_span
         if end - start != n:
@@ -218,7 +219,7 @@ class SparseVLM(Method):
             pruned = torch.nonzero(pruned_mask).flatten()
             recycled, _ = recycle_count(pruned.numel())
             members = pruned[torch.topk(relevance[pruned], recycled).indices]
-            g = torch.Generator().manual_seed(inputs.seed)
+            g = torch.Generator().manual_seed(inputs.seed if self.seed is None else self.seed)
             noise = torch.rand(members.numel(), generator=g) * self.noise
             x = features[members].to(compute_dtype(features.dtype))
             with torch.no_grad():

@@ -13,11 +13,15 @@ matching"):
   ``amax``); ``merge_wavg`` is the size-weighted mean (``merge(x * size, "sum") / merge(size, "sum")``) and
   ``merge_source`` tracks which inputs every row holds; ``unmerge`` copies each output row back to its inputs.
 
-In ToMe the merging runs inside every ViT block (keys averaged over heads as the metric, proportional attention);
-there is no official recipe for a VLM token budget. The registered method ``tome`` is the harness chain of the
-golden ``tome_chain_*`` files, applied to the pre-projector features: while ``n > keep``: ``r = min(n - keep,
-n // 2)``, one official call with ``metric = current tokens`` and ``class_token=False``, size-weighted average
-carrying the sizes. So ``keep`` rows come out (576 -> 288 -> 144 -> 72 -> 64 for keep = 64).
+In ToMe the merging runs inside every ViT block (keys averaged over heads as the metric, proportional attention)
+with a constant ``r`` per block; there is no official recipe for a VLM token budget. The registered method ``tome``
+applies ToMe's constant schedule to the pre-projector features: ``calls`` matching calls (default 23, one per
+block of CLIP-L/14 up to LLaVA's feature layer) of ``r = ceil((N - keep) / calls)`` each (the last smaller, every
+one capped at ``n // 2``; further calls if the cap binds, :func:`tome_schedule`), ``metric = current tokens``,
+``class_token=False``, size-weighted average carrying the sizes. So ``keep`` rows come out. The golden
+``tome_chain_*`` harness chain (:func:`tome_chain` without ``r``: ``r = min(n - keep, n // 2)``) is not used for
+the method: each of its calls merges all of set A whenever ``n - keep >= n // 2``, so which tokens survive does
+not depend on the features at all (576 -> 64 keeps exactly the tokens at index 7 mod 8 on every image).
 
 Each output row's ``token_index`` is the patch that occupies it (the unmerged A token or the B token everything
 merged into), ``assignment`` is the row every input ended in (``merge_source``). Deviations: zero metric rows (NaN
@@ -30,12 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import torch
-
+from care_core._lazy import torch
 from care_core.errors import MethodError
+from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype, matmul_precision
 
 _EPS = 1e-12  # clamps zero metric norms only
 
@@ -144,8 +147,27 @@ class ToMeChain:
     steps: tuple[int, ...]  # token counts after every call, starting with N
 
 
-def tome_chain(x: torch.Tensor, keep: int) -> ToMeChain:
-    """Harness chain: repeat official calls (metric = current tokens, class_token=False, size-weighted) until keep."""
+def tome_schedule(num_tokens: int, keep: int, r: int | None = None) -> list[int]:
+    """r of every matching call from `num_tokens` down to `keep`: ``min(r, n - keep, n // 2)`` per call.
+
+    ``r = None`` is the harness chain's unbounded r (``min(n - keep, n // 2)``). Pure Python (flops uses it).
+    """
+    steps: list[int] = []
+    current = num_tokens
+    while current > keep:
+        step = min(current - keep, current // 2)
+        if r is not None:
+            step = min(step, r)
+        if step < 1:
+            raise MethodError(f"tome: cannot merge {current} tokens down to {keep} with r = {r}")
+        steps.append(step)
+        current -= step
+    return steps
+
+
+def tome_chain(x: torch.Tensor, keep: int, r: int | None = None) -> ToMeChain:
+    """Repeated official calls (metric = current tokens, class_token=False, size-weighted) until `keep` rows, with
+    the r of :func:`tome_schedule`; ``r=None`` is the golden harness chain."""
     n = x.shape[0]
     if not 1 <= keep <= n:
         raise MethodError(f"tome: keep must be between 1 and N = {n}, got {keep}")
@@ -153,9 +175,8 @@ def tome_chain(x: torch.Tensor, keep: int) -> ToMeChain:
     group = torch.arange(n, device=x.device)
     occupant = torch.arange(n, device=x.device)
     steps = [n]
-    while x.shape[0] > keep:
-        cur = x.shape[0]
-        match = bipartite_soft_matching(x, min(cur - keep, cur // 2), class_token=False)
+    for step in tome_schedule(n, keep, r):
+        match = bipartite_soft_matching(x, step, class_token=False)
         x, size = merge_wavg(match, x, size)
         group = match.row_of_input()[group]
         occupant = occupant[match.occupant()]
@@ -168,20 +189,32 @@ def tome_chain(x: torch.Tensor, keep: int) -> ToMeChain:
 @register
 @dataclass(frozen=True)
 class ToMe(Method):
-    """ToMe (Bolya et al., ICLR 2023): bipartite soft matching, repeated on the features until ``keep`` tokens.
+    """ToMe (Bolya et al., ICLR 2023): bipartite soft matching with a constant r per call until ``keep`` tokens.
 
-    Harness chain (no official VLM recipe): ``r = min(n - keep, n // 2)`` per call, metric = current tokens, no
-    protected class token, size-weighted average. Rows come out in ToMe's order ([unmerged A] ++ [B]).
+    ``calls`` calls of ``r = ceil((N - keep) / calls)`` (ToMe's constant schedule, one call per ViT block; no
+    official VLM recipe), metric = current tokens, no protected class token, size-weighted average. Rows come out
+    in ToMe's order ([unmerged A] ++ [B]).
     """
 
     name: ClassVar[str] = "tome"
     category: ClassVar[Category] = "merging"
     paper: ClassVar[str] = "Bolya et al., Token Merging: Your ViT But Faster, ICLR 2023"
+    rank: ClassVar[int] = 10
+    cost_model: ClassVar[str | None] = "tome"
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    calls: int = 23  # matching calls (ToMe merges once per ViT block; CLIP-L/14 blocks 1..23 feed LLaVA)
+
+    def r_per_call(self, num_tokens: int, keep: int) -> int:
+        """ToMe's constant r: ``ceil((N - keep) / calls)`` (at least 1)."""
+        if self.calls < 1:
+            raise MethodError(f"tome: calls must be >= 1, got {self.calls}")
+        return max(1, -(-(num_tokens - keep) // self.calls))
+
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         x = inputs.features
+        r = self.r_per_call(inputs.num_tokens, keep)
         with torch.no_grad():
-            chain = tome_chain(x.to(compute_dtype(x.dtype)), keep)
+            chain = tome_chain(x.to(compute_dtype(x.dtype)), keep, r)
         return MethodResult(
             tokens=chain.tokens.to(x.dtype),
             token_index=chain.occupant,

@@ -32,12 +32,11 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
-
+from care_core._lazy import torch
 from care_core.errors import MethodError
-from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods._core import compute_dtype, matmul_precision
+from care_core.methods.base import CLS_FAMILIES, Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype, matmul_precision
 
 _EPS = 1e-12  # clamps zero key norms only; any non-zero norm is used as the official code does
 
@@ -121,6 +120,9 @@ class VisionZip(Method):
     category: ClassVar[Category] = "merging"
     needs: ClassVar[frozenset[str]] = frozenset({"cls_attention", "keys", "hidden_with_cls"})
     paper: ClassVar[str] = "Yang et al., VisionZip: Longer is Better but Not Necessary in VLMs, CVPR 2025"
+    rank: ClassVar[int] = 7
+    cost_model: ClassVar[str | None] = "visionzip"
+    backbones: ClassVar[frozenset[str]] = CLS_FAMILIES  # reads CLS attention
 
     dominant_fraction: float = field(default=54 / 64)  # D = round_half_up(keep * fraction), CLS included
     dominant: int | None = None  # explicit D (CLS included); contextual = keep - dominant
@@ -133,10 +135,8 @@ class VisionZip(Method):
             return self.dominant, keep - self.dominant
         return dominant_split(keep, self.dominant_fraction)
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         n = inputs.num_tokens
-        if not 1 <= keep <= n:
-            raise MethodError(f"visionzip: keep must be between 1 and N = {n}, got {keep}")
         hidden = inputs.probe("hidden_with_cls", self.name)
         attention = inputs.probe("cls_attention", self.name)
         keys = inputs.probe("keys", self.name)

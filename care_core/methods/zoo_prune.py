@@ -10,22 +10,22 @@ to fp16 before the projector; here Eq. 1 runs in float32 at least (SPEC: never i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
-from care_core.anchors import diversity_greedy
-from care_core.care import resolve_directions
+from care_core._lazy import torch
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
 from care_core.methods.registry import register
-from care_core.precision import compute_dtype, matmul_precision
-from care_core.scoring import Projector, perturbation_responses
+
+if TYPE_CHECKING:
+    from care_core.scoring import Projector
 
 
 def zoo_sensitivity(
     features: torch.Tensor, projector: Projector, directions: torch.Tensor, h: float, engine: str = "fd"
 ) -> torch.Tensor:
-    """S (N,): mean over directions of ||M(v + h u) - M(v - h u)|| / 2h (ZOO-Prune's estimator)."""
+    """S (N,): mean over directions of ||M(v + h u) - M(v - h u)|| / 2h (ZOO-Prune's estimator, Eq. 1)."""
+    from care_core.scoring import perturbation_responses
+
     return perturbation_responses(features, projector, directions, h=h, engine=engine).mean(dim=0)
 
 
@@ -39,6 +39,9 @@ def sads_weights(sensitivity: torch.Tensor) -> torch.Tensor:
 
 def sads_select(embeddings: torch.Tensor, importance: torch.Tensor, keep: int) -> torch.Tensor:
     """SADS selection order (keep,) on `embeddings` with raw `importance` (min-max normalised here)."""
+    from care_core.anchors import diversity_greedy
+    from care_core.precision import matmul_precision
+
     with matmul_precision(allow_tf32=False):
         return diversity_greedy(sads_weights(importance), embeddings, keep, eps=1e-12)
 
@@ -46,12 +49,20 @@ def sads_select(embeddings: torch.Tensor, importance: torch.Tensor, keep: int) -
 @register
 @dataclass(frozen=True)
 class ZooPrune(Method):
-    """ZOO-Prune / "sense + diversity": the baseline CaRe's ablations start from (paper Table S5)."""
+    """ZOO-Prune / "sense + diversity": the baseline CaRe's ablations start from (paper Table S5).
+
+    Fields default to the official code (h = 0.01, m = 64); built from a CaReConfig
+    (``build_method("zoo-prune", config)``) it reads that config's h, m and seed, like the ablations whose
+    anchors it provides. Always the finite-difference estimator (ZOO-Prune's own definition).
+    """
 
     name: ClassVar[str] = "zoo-prune"
     aliases: ClassVar[tuple[str, ...]] = ("sense-diversity",)
     category: ClassVar[Category] = "selection"
     paper: ClassVar[str] = "Kim et al., ZOO-Prune, CVPR 2026 (arXiv 2509.24837)"
+    rank: ClassVar[int] = 5
+    cost_model: ClassVar[str | None] = "zoo-prune"
+    hyperparameters: ClassVar[frozenset[str]] = frozenset({"h", "m", "seed"})
 
     h: float = 0.01
     m: int = 64
@@ -60,6 +71,9 @@ class ZooPrune(Method):
 
     def scores(self, inputs: MethodInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(normalised sensitivity w, post-projector embeddings), both in compute precision."""
+        from care_core.care import resolve_directions
+        from care_core.precision import compute_dtype
+
         v = inputs.features.to(compute_dtype(inputs.features.dtype))
         u = resolve_directions(None, self.m, v.shape[1], self.seed, v)
         with torch.no_grad():
@@ -67,8 +81,12 @@ class ZooPrune(Method):
             embeddings = inputs.projector(inputs.features).to(v.dtype)
         return sads_weights(sensitivity), embeddings
 
-    def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        weights, embeddings = self.scores(inputs)
-        with matmul_precision(allow_tf32=False), torch.no_grad():
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        from care_core.anchors import diversity_greedy
+        from care_core.precision import matmul_precision
+
+        with inputs.stage("scoring"):
+            weights, embeddings = self.scores(inputs)
+        with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
             order = diversity_greedy(weights, embeddings, keep, eps=1e-12)
         return selection_result(inputs.features, order, weights, selection_order=order)

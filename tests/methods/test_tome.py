@@ -10,7 +10,7 @@ import torch
 
 from care_core.errors import MethodError
 from care_core.methods import create_method
-from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain
+from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain, tome_schedule
 
 from .conftest import make_inputs
 
@@ -85,3 +85,33 @@ def _check_file():
 def test_golden(path: Path) -> None:
     results = _check_file()(path)
     assert results and all(r.passed for r in results), [r for r in results if not r.passed]
+
+
+def test_schedule_is_tomes_constant_r() -> None:
+    # 512 tokens to merge in 23 calls: r = ceil(512 / 23) = 23 for 22 calls, then the remaining 6
+    assert create_method("tome").r_per_call(576, 64) == 23
+    assert tome_schedule(576, 64, 23) == [23] * 22 + [6]
+    assert tome_schedule(576, 64) == [288, 144, 72, 8]  # the golden harness chain
+    assert tome_schedule(10, 1, 100) == [5, 2, 1, 1]  # capped at n // 2 per call
+    result = create_method("tome")(make_inputs(n=576, seed=1), 64)
+    assert result.info["steps"][:3] == (576, 553, 530) and len(result.info["steps"]) == 24
+
+
+def test_survivors_depend_on_the_features() -> None:
+    """Issue #10 defect 9: the harness chain merges all of set A in every call, so 576 -> 64 kept exactly the
+    tokens at index 7 mod 8 on every image. With i.i.d. features (no positional structure) the kept tokens must
+    vary with the features and cover every residue."""
+    kept = []
+    for seed in range(3):
+        x = torch.randn(576, 16, generator=torch.Generator().manual_seed(seed))
+        inputs = make_inputs(n=576, seed=seed)
+        inputs.features = x
+        result = create_method("tome")(inputs, 64)
+        assert result.token_index.unique().numel() == 64
+        assert set((result.token_index % 8).tolist()) == set(range(8))
+        kept.append(set(result.token_index.tolist()))
+    assert kept[0] != kept[1] != kept[2]
+    # the rows are still size-weighted means of the inputs they hold
+    counts = torch.bincount(result.assignment, minlength=64).to(x.dtype)
+    means = torch.zeros(64, 16).index_add_(0, result.assignment, x) / counts[:, None]
+    assert torch.allclose(means, result.tokens, atol=1e-5)
