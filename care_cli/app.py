@@ -104,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     command = typer.main.get_command(app)
     try:
-        result = command.main(args=list(argv) if argv is not None else None, prog_name="care", standalone_mode=False)
+        args = list(argv) if argv is not None else sys.argv[1:]
+        result = command.main(args=args, prog_name="care", standalone_mode=False, obj={"argv": args})
     except CareError as exc:
         message = _one_line(exc)
         if isinstance(exc, BudgetError) and message.startswith(("keep ", "ratio ")):

@@ -34,6 +34,12 @@ Ratios = Annotated[
     list[float] | None,
     typer.Option("--ratio", "-r", help="Retention ratio in (0, 1] (repeatable).", metavar="FLOAT"),
 ]
+RatioSpecs = Annotated[
+    list[str] | None,
+    typer.Option("--ratio", "-r", metavar="RATIO",
+                 help="Retention ratio in (0, 1], repeatable; START:STOP:STEP gives a range (STOP included).",
+                 show_default=False),
+]  # fmt: skip
 Keeps = Annotated[list[int] | None, typer.Option("--keep", "-k", help="Tokens kept, K (repeatable).", metavar="INT")]
 Model = Annotated[
     str | None,
@@ -141,6 +147,30 @@ def check_ratios(ratios: list[float], keeps: list[int]) -> None:
     for keep in keeps:
         if keep < 1:
             raise UserError(f"--keep must be at least 1, got {keep}")
+
+
+def parse_ratio_specs(specs: list[str] | None) -> list[float]:
+    """Ratios from ``0.11`` or ``START:STOP:STEP`` (inclusive of STOP, to a tolerance) forms."""
+    out: list[float] = []
+    for spec in specs or []:
+        parts = spec.split(":")
+        try:
+            numbers = [float(p) for p in parts]
+        except ValueError:
+            raise UserError(f"--ratio {spec!r}: expected a number or START:STOP:STEP") from None
+        if len(numbers) == 1:
+            out.append(numbers[0])
+            continue
+        if len(numbers) != 3:
+            raise UserError(f"--ratio {spec!r}: a range is START:STOP:STEP")
+        start, stop, step = numbers
+        if not (math.isfinite(step) and step > 0) or not stop >= start:
+            raise UserError(f"--ratio {spec!r}: a range needs STOP >= START and STEP > 0")
+        count = math.floor((stop - start) / step + 1e-9) + 1
+        if count > 1000:
+            raise UserError(f"--ratio {spec!r}: {count} budgets; use a larger STEP")
+        out += [round(start + i * step, 10) for i in range(count)]
+    return out
 
 
 def budgets(ratios: list[float] | None, keeps: list[int] | None) -> list[Any]:

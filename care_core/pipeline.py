@@ -163,12 +163,8 @@ def backbone_info(adapter: VLMAdapter) -> BackboneInfo:
 
 def build_methods(names: Sequence[str], config: CaReConfig) -> dict[str, Method]:
     """The named methods (canonical names, order kept, duplicates dropped) configured from ``config``."""
-    from care_core.methods import canonical_name
+    from care_core.methods import build_method, canonical_name
 
-    try:
-        from care_core.methods import build_method  # type: ignore[attr-defined]
-    except ImportError:  # TODO(merge): provided by the methods package
-        build_method = _configured_method
     canonical = list(dict.fromkeys(canonical_name(n) for n in names))
     return {name: build_method(name, config) for name in canonical}
 
@@ -321,8 +317,7 @@ class ReductionPipeline:
                     run_clock = StageClock(adapter.device)
                     inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
                                           probes=probes, seed=self.config.seed)  # fmt: skip
-                    if hasattr(inputs, "stage_timer"):
-                        inputs.stage_timer = run_clock
+                    inputs.stage_timer = run_clock
                     with run_clock("method"):
                         result = method(inputs, k)
                     inner = sum(ms for stage, ms in run_clock.ms.items() if stage != "method")
@@ -388,8 +383,7 @@ class ReductionPipeline:
 
 def unavailable_reason(method: Method, adapter: VLMAdapter) -> str | None:
     """Why ``method`` cannot run on ``adapter`` (one line), or None when it can."""
-    serves = getattr(method, "serves", None)
-    if callable(serves) and not serves(adapter.family):
+    if not method.serves(adapter.family):
         return f"method {type(method).name!r} cannot run on {adapter.name} ({adapter.family} backbone)"
     try:
         adapter.check_probes(sorted(set(method.needs) - {"question"}), type(method).name)
@@ -397,16 +391,3 @@ def unavailable_reason(method: Method, adapter: VLMAdapter) -> str | None:
         return str(exc)
     return None
 
-
-def _configured_method(name: str, config: CaReConfig) -> Method:
-    import dataclasses
-
-    from care_core.methods import create_method, method_class
-
-    fields = {f.name for f in dataclasses.fields(method_class(name))}
-    options: dict[str, Any] = {}
-    if "seed" in fields:
-        options["seed"] = config.seed
-    if "config" in fields:
-        options["config"] = config
-    return create_method(name, **options)

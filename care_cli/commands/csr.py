@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import statistics
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -91,19 +93,40 @@ def _parse_line(path: Path, number: int, line: str) -> Pair:
     return Pair(number, image, record["question"])
 
 
+OutputDirOpt = Annotated[
+    Path | None,
+    typer.Option("--output-dir", help="Folder for per-process result shards and the run manifest: makes the run "
+                                      "resumable (see --resume). Needed to resume; optional otherwise."),
+]  # fmt: skip
+ResumeOpt = Annotated[
+    bool,
+    typer.Option("--resume", metavar="", help="Continue the run in --output-dir: compute only the pair x method x "
+                                              "budget results it lacks (same model and hyperparameters only)."),
+]  # fmt: skip
+ProcessesOpt = Annotated[
+    int,
+    typer.Option("--num-processes", "-n", help="Processes to split the pairs over (one GPU each on CUDA; CPU "
+                                               "processes otherwise), started through torchrun."),
+]  # fmt: skip
+
+
 @opt.with_config
 def csr(
+    ctx: typer.Context,
     image: ImageArg = None,
     question: QuestionOpt = None,
     data: DataOpt = None,
     method: opt.Methods = None,
-    ratio: opt.Ratios = None,
+    ratio: opt.RatioSpecs = None,
     keep: opt.Keeps = None,
     model: opt.Model = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     plot: PlotOpt = None,
     csv_path: CsvOpt = None,
+    output_dir: OutputDirOpt = None,
+    resume: ResumeOpt = False,
+    num_processes: ProcessesOpt = 1,
     skip_bad: SkipBadOpt = False,
     force: opt.Force = False,
     json_output: opt.Json = False,
@@ -111,8 +134,10 @@ def csr(
 ) -> None:
     """CSR (x100) of each method at each budget: how much question-relevant meaning survives.
 
-    At least one budget is required (--ratio and --keep are repeatable).
+    At least one budget is required (--ratio and --keep are repeatable; --ratio A:B:STEP gives a range).
+    Several budgets draw a CSR-against-budget curve with --plot.
     """
+    from care_cli import runs
     from care_cli.io import check_distinct_outputs, check_output_path
 
     assert config is not None
@@ -123,7 +148,11 @@ def csr(
     opt.check_question(question)
     if data is not None and question is not None:
         raise UserError("--question goes with IMAGE; with --data each line carries its own question")
-    budgets = opt.budgets(ratio, keep)
+    if num_processes < 1:
+        raise UserError(f"--num-processes must be at least 1, got {num_processes}")
+    if resume and output_dir is None:
+        raise UserError("--resume needs --output-dir (the folder of the run to continue)")
+    budgets = opt.budgets(opt.parse_ratio_specs(ratio), keep)
     names, every = opt.method_names(method)
     inputs_given = [p for p in (image, data) if p is not None]
     check_distinct_outputs({"--plot": plot, "--csv": csv_path})
@@ -137,9 +166,26 @@ def csr(
     else:
         assert image is not None and question is not None
         pairs, skipped = [Pair(None, image, question)], []
+    world = runs.World.from_env()
+    ident = runs.identity(model, dtype, config.to_dict())
+    if output_dir is not None:
+        runs.check_folder(output_dir, ident, resume)
+
+    if num_processes > 1 and world.size == 1:  # start the processes; they do the work and rank 0 reports
+        from care_cli.launch import launch, strip_option
+
+        argv = strip_option(strip_option(ctx.obj["argv"], "--num-processes"), "-n")
+        with contextlib.ExitStack() as stack:
+            if output_dir is None:
+                folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="care-csr-"))
+                argv += ["--output-dir", folder]
+            code = launch(argv, num_processes)
+        raise typer.Exit(code)
 
     report = run_pairs(pairs, names, budgets, config, model=model, device=device, dtype=dtype, skip_bad=skip_bad,
-                       every=every, quiet=json_output)  # fmt: skip
+                       every=every, quiet=json_output, folder=output_dir, world=world, ident=ident)  # fmt: skip
+    if not world.is_main:
+        return
     report["skipped"] = skipped + report["skipped"]
     if csv_file is not None:
         write_csv(csv_file, report)
@@ -165,56 +211,104 @@ def run_pairs(
     skip_bad: bool,
     every: bool,
     quiet: bool,
+    folder: Path | None = None,
+    world: Any = None,
+    ident: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every method x budget on every pair through the library pipeline; the report as a JSON-ready dict.
+    """Every method x budget on every pair (this process's share of them) through the library pipeline.
 
-    With 'all' (``every``), methods the backbone cannot serve are left out and listed under
-    ``methods_skipped``; methods named one by one must run (else a one-line error).
+    With ``folder``, finished pairs are appended to this rank's shard and results already there are not
+    recomputed; rank 0 merges all shards into the report. With 'all' (``every``), methods the backbone
+    cannot serve are left out and listed under ``methods_skipped``; methods named one by one must run.
     """
+    from care_cli import runs
     from care_cli.io import load_image
     from care_core.pipeline import ReductionPipeline
 
-    with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet):
+    world = world or runs.World()
+    runs.barrier(world)  # every process has checked the folder before any writes to it
+    if world.size > 1 and device in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"cuda:{world.local_rank}"
+    with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet or not world.is_main):
         pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
                                                  skip_unavailable=every)  # fmt: skip
     backbone = pipe.backbone
-    results: list[dict[str, Any]] = []
+    methods = list(pipe.methods)
+    labels = {b.label: b for b in budgets}
+    ids = [runs.pair_id(p.line, p.image, p.question) for p in pairs]
+    done: dict[tuple[str, str, str], dict[str, Any]] = {}
+    if folder is not None:
+        if world.is_main:
+            runs.write_manifest(folder, ident or {}, backbone.to_dict())
+        runs.barrier(world)
+        done = runs.read_shards(folder)
+    mine = world.take(list(zip(ids, pairs, strict=True)))
+    todo = []
+    for pid, pair in mine:
+        plan = {m: [b for b in budgets if (pid, m, b.label) not in done] for m in methods}
+        if any(plan.values()):
+            todo.append((pid, pair, plan))
+    fresh: dict[tuple[str, str, str], dict[str, Any]] = {}
     skipped: list[dict[str, Any]] = []
-    with render.progress("CSR", quiet=quiet) as progress:
-        task = progress.add_task("", total=len(pairs))
-        for pair in pairs:
+    label = "CSR" if world.size == 1 else f"CSR (rank 0 of {world.size})"
+    with contextlib.ExitStack() as stack, render.progress(label, quiet=quiet or not world.is_main) as progress:
+        shard = stack.enter_context(runs.shard(folder, world)) if folder is not None else None
+        task = progress.add_task("", total=len(todo))
+        for pid, pair, plan in todo:
             where = f"{pair.image}" if pair.line is None else f"line {pair.line} ({pair.image})"
             progress.update(task, description=pair.image.name)
             try:
                 picture = load_image(pair.image)
-                output = pipe(picture, pair.question, budgets, csr=True)
+                output = pipe(picture, pair.question, budgets, csr=True, plan=plan)
             except (UserError, ImageError, QuestionError) as exc:
                 if not skip_bad or pair.line is None:
                     raise UserError(f"{where}: {exc}") from exc
                 skipped.append({"line": pair.line, "reason": str(exc)})
                 progress.advance(task)
                 continue
-            for run in output.runs:
-                results.append({
-                    "line": pair.line, "image": str(pair.image), "question": pair.question,
-                    "backbone": backbone.name, "demo": backbone.demo,
-                    "method": run.method, "budget": run.budget.label, "N": output.num_tokens, "K": run.keep,
-                    "tokens_out": run.result.num_tokens, "csr": 100 * run.csr, "uniform_weights": run.uniform_weights,
-                })  # fmt: skip
+            records = [{
+                "pair_id": pid, "line": pair.line, "image": str(pair.image), "question": pair.question,
+                "backbone": backbone.name, "demo": backbone.demo,
+                "method": run.method, "budget": run.budget.label, "N": output.num_tokens, "K": run.keep,
+                "tokens_out": run.result.num_tokens, "csr": 100 * run.csr, "uniform_weights": run.uniform_weights,
+            } for run in output.runs]  # fmt: skip
+            if shard is not None:
+                shard.append(records)
+            fresh.update((runs.result_key(r), r) for r in records)
             progress.advance(task)
+    if folder is not None:
+        runs.barrier(world)  # every shard is complete
+        if not world.is_main:
+            runs.finish(world)
+            return {}
+        done = runs.read_shards(folder)
+        runs.finish(world)
+    else:
+        done = fresh
+    results = []
+    for pid in ids:
+        for name in methods:
+            for budget in labels:
+                record = done.get((pid, name, budget))
+                if record is not None:
+                    results.append({k: v for k, v in record.items() if k != "pair_id"})
     if not results:
         raise UserError("every pair was skipped; nothing to report")
-    methods = list(pipe.methods)
+    reported_pairs = {r["line"] if r["line"] is not None else r["image"] for r in results}
     return {
         "command": "csr",
         "backbone": backbone.to_dict(),
         "methods": methods,
         "methods_skipped": pipe.skipped,
-        "budgets": [b.label for b in budgets],
+        "budgets": list(labels),
         "config": config.to_dict(),
         "seed": config.seed,
-        "pairs": len(pairs) - len(skipped),
-        "summary": summarise(results, methods, [b.label for b in budgets]),
+        "pairs": len(reported_pairs),
+        "processes": world.size,
+        "summary": summarise(results, methods, list(labels)),
         "results": results,
         "skipped": skipped,
     }
