@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from care_core.methods import create_method
 from care_core.methods.zoo_prune import sads_select, sads_weights
 
-from .conftest import make_inputs
-
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
 
 def test_weights_min_max_and_constant_branch() -> None:
@@ -47,14 +41,6 @@ def test_registered_method_selects_with_sads_on_post_projector_tokens() -> None:
     assert torch.equal(result.info["selection_order"], sads_select(embeddings, weights, 12))
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason="no golden folder")
-def test_golden_files_pass() -> None:
-    sys.path.insert(0, str(SCRIPTS))
-    from check_golden import check_file
-
-    files = sorted(GOLDEN.glob("zooprune_*.npz"))
-    if not files:
-        pytest.skip("no zooprune golden files")
-    for path in files:
-        for case in check_file(path):
-            assert case.passed, f"{path.name} {case.case}: {case.max_diff} {case.note}"
+@pytest.mark.parametrize("name", GOLDEN_FILES["zooprune"])
+def test_golden(name: str) -> None:
+    assert_golden_passes(name)
