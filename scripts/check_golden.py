@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Check our ports of peer methods against golden outputs of their official code.
 
-    python scripts/check_golden.py ../shared/golden/*.npz
+    python scripts/check_golden.py                          # every tests/data/golden/*.npz
+    python scripts/check_golden.py tests/data/golden/tome_*.npz
 
-The method is chosen by the file-name prefix (see ../shared/golden/README.md). Prints one line per
-case, PASS or FAIL with the largest difference; exit status 1 if any case fails.
+The method is chosen by the file-name prefix (tests/data/golden/README.md describes every file; tolerances in
+docs/design.md §Golden tolerances). Prints one line per case, PASS or FAIL with the largest difference; exit
+status 1 if any case fails, or if no file is given and the default folder holds none.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from golden_checks import PREFIXES, CaseResult
 
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden"
+
+
+def default_files(folder: Path | None = None) -> list[Path]:
+    """The golden files checked when none are named: every ``*.npz`` of tests/data/golden/, sorted."""
+    return sorted((folder or DEFAULT_DIR).glob("*.npz"))
+
 
 def check_file(path: Path) -> list[CaseResult]:
     prefix = next((p for p in PREFIXES if path.name.startswith(p)), None)
@@ -36,10 +45,14 @@ def check_file(path: Path) -> list[CaseResult]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("files", nargs="*", type=Path, help="golden .npz files (default: tests/data/golden/*.npz)")
     args = parser.parse_args(argv)
+    files = args.files or default_files()
+    if not files:
+        print(f"FAIL no golden files in {DEFAULT_DIR}")
+        return 1
     failed = 0
-    for path in args.files:
+    for path in files:
         if not path.is_file():
             print(f"FAIL {path}: no such file")
             failed += 1

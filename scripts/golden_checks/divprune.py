@@ -1,4 +1,4 @@
-"""DivPrune golden files: ``divprune_*`` (official ``LlavaMetaForCausalLM.DivPrune``, see ../shared/golden/README.md).
+"""DivPrune golden files: ``divprune_*`` (official ``LlavaMetaForCausalLM.DivPrune``, see tests/data/golden/README.md).
 
 Per budget K: the official greedy order (``k{K}_selected_order``), its sorted form (``k{K}_kept_sorted``) and the
 rows (``k{K}_out_tokens``) against :func:`care_core.methods.divprune.divprune_select` with the released rule, and

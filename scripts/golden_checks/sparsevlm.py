@@ -1,5 +1,5 @@
 """SparseVLM golden files: ``sparsevlm_select_*`` (official ``attn_postprocess_topk`` / ``select_attn_head_by_sum``
-at layer 2) and ``sparsevlm_cluster_*`` (official ``cluster_and_merge``), see ../shared/golden/README.md.
+at layer 2) and ``sparsevlm_cluster_*`` (official ``cluster_and_merge``), see tests/data/golden/README.md.
 
 select: the attention block is written into a zero (H, 635, 635) attention as the README says, the raters are the
 stored positions + 611, and for every version and budget the relevance, the heads kept (v2) and the layer-2 keep

@@ -419,3 +419,116 @@ def test_budget_errors(kwargs):
         care_reduce(prob.features(), prob.projector(), prob.positions(), config=cfg_of(m=4), **kwargs)
     with pytest.raises(ValueError):
         budget(30, **kwargs)
+
+
+# ----------------------------------------------------------------------------- non-default hyperparameters
+# Every case above runs at tau_g = tau_s (0.07) and with the gate threshold far from every c_r, so a core that
+# swapped the two temperatures or used a strict gate would still pass. These cases draw each hyperparameter from
+# a range where it changes the result (docs/design.md §Hyperparameters), with tau_g and tau_s at least a factor
+# 2 apart, and put theta_c between two of the reference's own c_r values so the gate accepts and rejects.
+RANDOM_HPARAM_SEEDS = list(range(8))
+
+
+def _log_uniform(rng: np.random.Generator, low: float, high: float) -> float:
+    return float(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def draw_hyperparameters(rng: np.random.Generator) -> dict:
+    """Everything but theta_c (set from the data by `_split_gate`), away from the paper defaults."""
+    while True:
+        tau_g, tau_s = _log_uniform(rng, 0.02, 0.5), _log_uniform(rng, 0.02, 0.5)
+        if max(tau_g, tau_s) >= 2 * min(tau_g, tau_s):
+            break
+    return {
+        "h": _log_uniform(rng, 1e-4, 2e-3),  # Eq. 1 step; float64 fd keeps ~1e-12 relative at 1e-4
+        "m": int(rng.integers(8, 49)),  # directions
+        "lam": float(rng.uniform(0.0, 2.0)),  # risk penalty: 0 = mean only
+        "eta": float(rng.uniform(0.0, 1.0)),  # spatial weight in Eq. 4 (cosine is in [-1, 1])
+        "sigma_p": float(rng.uniform(0.05, 0.5)),  # spatial decay, positions in [0, 1]^2
+        "theta_s": float(rng.uniform(0.1, 0.8)),  # c_sim threshold on the top affinity
+        "tau_c": float(rng.uniform(0.03, 0.3)),
+        "tau_g": tau_g,
+        "tau_s": tau_s,
+        "alpha": float(rng.uniform(0.05, 1.0)),  # injection strength
+        "seed": int(rng.integers(0, 2**31 - 1)),
+    }
+
+
+def _split_gate(c: dict) -> float:
+    """theta_c halfway across the widest gap between consecutive sorted c_r in the middle 60 % of them: accepted
+    and rejected are both non-empty, and the gate margin is half that gap."""
+    values = np.sort(np.fromiter(c.values(), dtype=np.float64))
+    gaps = np.diff(values)
+    lo, hi = max(1, len(values) // 5), max(2, (4 * len(values)) // 5)
+    window = range(lo - 1, min(hi, len(gaps)))
+    best = max(window, key=lambda i: (gaps[i], -i))
+    return float((values[best] + values[best + 1]) / 2)
+
+
+def hyperparameter_case(seed: int):
+    """(problem, K, directions or None, config dict, reference result) for one random draw."""
+    rng = np.random.default_rng(20_000 + seed)
+    N = int(rng.integers(24, 121))
+    K = int(rng.integers(4, N // 3))
+    d_v = int(rng.integers(6, 33))
+    prob = make_problem(30_000 + seed, N, d_v, clustered=bool(seed % 2 == 0))
+    hp = draw_hyperparameters(rng)
+    U = None if seed % 3 == 0 else random_directions(seed, hp["m"], d_v)  # default recipe with a random seed too
+    first = run_ref(prob, K, U, engine="fd", **hp)
+    hp["theta_c"] = _split_gate(first["c"])
+    ref = run_ref(prob, K, U, engine="fd", **hp)
+    return prob, K, U, hp, ref
+
+
+@pytest.mark.parametrize("seed", RANDOM_HPARAM_SEEDS)
+def test_random_hyperparameters_equal_reference(seed):
+    prob, K, U, hp, ref = hyperparameter_case(seed)
+    assert ref["margin"] > 1e-8, "near-tie in the greedy: pick another seed"
+    assert ref["gate_margin"] > 1e-8, "near-tie at the gate: pick another seed"
+    assert 0 < len(ref["signals"]) < prob.N - K, "the gate must both accept and reject"
+    red = run_core(prob, K, cfg_of(engine="fd", **hp), U)
+    check_structure(red, prob.N, K)
+    assert_matches_reference(red, ref, scale=float(np.abs(prob.V).max()))
+    residuals = to_np(red.residuals)
+    np.testing.assert_allclose(
+        to_np(red.confidence), [ref["c"][int(r)] for r in residuals], rtol=0, atol=TOL, err_msg="c_r"
+    )
+
+
+def test_random_hyperparameters_are_sensitive():
+    """Guard: in the reference itself, swapping tau_g and tau_s changes the calibrated tokens (and usually R+) by
+    far more than the tolerance, so the comparison above would see a core that mixed them up."""
+    from tests.reference.care_reference import DEFAULTS, calibrate
+
+    for seed in RANDOM_HPARAM_SEEDS[:4]:
+        prob, _, _, hp, ref = hyperparameter_case(seed)
+        cfg = {**DEFAULTS, **hp}
+        swapped = {**cfg, "tau_g": cfg["tau_s"], "tau_s": cfg["tau_g"]}
+        tokens, _, _ = calibrate(prob.V, prob.P, ref["indices"].tolist(), ref["psi_bar"], swapped)
+        assert np.abs(tokens - ref["tokens"]).max() > 1e3 * TOL
+
+
+# ----------------------------------------------------------------------------- the gate's boundary (c_r = theta_c)
+# Eq. 6 accepts c_r >= theta_c. To tell >= from >, some residual's confidence must equal theta_c to the last bit
+# in both implementations. c_r = c_sim (1 + c_ent) / 2 is exactly 1.0 in float64 whenever the top affinity
+# clears theta_s by more than ~37 tau_c (the sigmoid rounds to 1) and c_ent = 1: K = 1 (k_f = 1, c_ent = 1 by
+# definition), or a tau_g so small that pi is one-hot (its other entries underflow to exactly 0). theta_c = 1.0
+# then sits exactly on those residuals' confidence.
+@pytest.mark.parametrize(("K", "tau_g", "seed"), [(1, 0.07, 79), (12, 1e-4, 77)])
+def test_confidence_equal_to_theta_c_is_a_signal(K, tau_g, seed):
+    prob = make_problem(seed, 60, 12, True)
+    U = random_directions(seed, 16, 12)
+    hp = {"m": 16, "theta_s": 0.0, "tau_c": 0.01, "tau_g": tau_g, "tau_s": 0.2, "eta": 0.3, "theta_c": 1.0}
+    ref = run_ref(prob, K, U, engine="fd", **hp)
+    at_threshold = sorted(r for r, c in ref["c"].items() if c == 1.0)
+    below = [c for c in ref["c"].values() if c != 1.0]
+    assert at_threshold, "construction failed: no residual has c_r == theta_c exactly"
+    assert below and max(below) < 1.0 - 1e-12, "the rest must be below the threshold by far more than rounding"
+    assert ref["signals"].tolist() == at_threshold, "reference: c_r == theta_c is accepted (>=)"
+    assert ref["margin"] > 1e-8
+    red = run_core(prob, K, cfg_of(engine="fd", **hp), U)
+    check_structure(red, prob.N, K)
+    confidence = dict(zip(to_np(red.residuals).tolist(), to_np(red.confidence).tolist(), strict=True))
+    assert all(confidence[r] == 1.0 for r in at_threshold), "core: c_r must be exactly theta_c for this test"
+    np.testing.assert_array_equal(to_np(red.signals), at_threshold, err_msg="c_r == theta_c must be a signal")
+    assert_matches_reference(red, {**ref, "gate_margin": 0.0}, scale=float(np.abs(prob.V).max()))

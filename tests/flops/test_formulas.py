@@ -20,7 +20,7 @@ def test_paper_baselines_within_half_a_percent(name: str, n: int, paper: float) 
 
 
 def test_spec_numbers_quoted() -> None:
-    # the exact figures of SPEC.md: 8.50 / 42.67 / 17.32
+    # the exact figures of docs/design.md §Paper issues: 8.50 / 42.67 / 17.32
     got = [round(fx.to_unit(fx.prefill_flops(((s.lm.layers, s.default_tokens),), s.lm, 64)), 2)
            for s in (SPECS["llava-1.5-7b"], SPECS["llava-next-7b"], SPECS["qwen2.5-vl-7b"])]  # fmt: skip
     assert got == [8.50, 42.67, 17.32]
@@ -40,7 +40,7 @@ def test_care_terms_as_spec_writes_them() -> None:
 
 
 def test_spec_projector_gap_figure() -> None:
-    # SPEC: "LLaVA-NeXT at 640 tokens: the formula's 2 m F_M(N) alone is about 15.5 TFLOPs"
+    # docs/design.md §Paper issues: at 640 LLaVA-NeXT tokens the formula's 2 m F_M(N) alone is about 15.5 TFLOPs
     cost = method_cost("care", SPECS["llava-next-7b"], 2880, 640)
     assert round(fx.to_unit(cost.score["2mF_M(N)"]), 1) == 15.5
 

@@ -49,7 +49,7 @@ def test_llava_next_matches_transformers_processor_and_model() -> None:
     for height, width in _sizes(600):
         ours = visual_tokens(NEXT, height, width)
         rows, cols = ours.grid
-        # the processor's count includes one newline token per high-res row; SPEC's N does not
+        # the processor's count includes one newline token per high-res row; our N does not (docs/design.md §LLaVA-NeXT)
         assert processor._get_number_of_features(height, width, 336, 336) == ours.tokens + rows, (height, width)
         tiles_h, tiles_w = get_anyres_image_grid_shape((height, width), pinpoints, 336)
         unpadded = unpad_image(torch.empty(1, tiles_h * 24, tiles_w * 24), (height, width))

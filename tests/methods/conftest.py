@@ -1,9 +1,15 @@
-"""Random method inputs with every probe synthesised, shared by the registry-driven tests."""
+"""Random method inputs with every probe synthesised, shared by the registry-driven tests; golden-file paths."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +95,57 @@ def make_inputs(
 @pytest.fixture
 def inputs() -> MethodInputs:
     return make_inputs()
+
+
+# ----------------------------------------------------------------------------- golden files
+# Outputs of the peer methods' official code, stored in the repository (tests/data/golden/README.md says what each
+# array is). Tests name their files explicitly: a missing file is a failure, never a skip or an empty
+# parametrisation.
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "data" / "golden"
+SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
+GOLDEN_FILES: dict[str, tuple[str, ...]] = {
+    "visionzip": ("visionzip_n64_d32.npz", "visionzip_e2e_tinyclip.npz"),
+    "divprune": ("divprune_n64_d32.npz", "divprune_dup_n16_d32.npz"),
+    "tome": ("tome_single_n577_d256.npz", "tome_chain_n64_d32.npz", "tome_chain_n576_d1024.npz"),
+    "prumerge": ("prumerge_n576_d256.npz",),
+    "ficoco_v": ("ficoco_v_n577_d256.npz",),
+    "sparsevlm": ("sparsevlm_select_n576.npz", "sparsevlm_cluster_n83_d1024.npz"),
+    "zooprune": ("zooprune_sads_n64_d32.npz", "zooprune_sads_constimp_n64_d32.npz"),
+}
+
+
+def golden_path(name: str) -> Path:
+    """tests/data/golden/<name>, failing the test (not skipping it) when the file is absent."""
+    path = GOLDEN_DIR / name
+    if not path.is_file():
+        pytest.fail(f"golden file missing: {path} (tests/data/golden/README.md lists them)", pytrace=False)
+    return path
+
+
+def load_golden(name: str) -> dict[str, np.ndarray]:
+    with np.load(golden_path(name)) as npz:
+        return {key: npz[key] for key in npz.files}
+
+
+@functools.lru_cache(maxsize=1)
+def check_golden_script() -> ModuleType:
+    """scripts/check_golden.py as a module (importing it puts scripts/ on sys.path, for golden_checks)."""
+    spec = importlib.util.spec_from_file_location("check_golden", SCRIPTS_DIR / "check_golden.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def golden_checker(module: str) -> ModuleType:
+    """One checker of scripts/golden_checks (e.g. "visionzip"), for tests that call its functions directly."""
+    check_golden_script()
+    return importlib.import_module(f"golden_checks.{module}")
+
+
+def assert_golden_passes(name: str) -> None:
+    """Every case of one golden file passes our port (the same check as scripts/check_golden.py)."""
+    results = check_golden_script().check_file(golden_path(name))
+    failed = [r for r in results if not r.passed]
+    assert results, f"{name}: the checker produced no cases"
+    assert not failed, f"{name}: " + "; ".join(f"{r.case}: {r.max_diff:.3g} {r.note}" for r in failed)

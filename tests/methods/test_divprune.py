@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,10 +9,7 @@ from care_core.errors import MethodError
 from care_core.methods import MethodInputs, create_method
 from care_core.methods.divprune import cosine_distance_matrix, divprune_select
 
-from .conftest import make_inputs
-
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
 
 def _inputs(features: torch.Tensor) -> MethodInputs:
@@ -70,14 +64,6 @@ def test_zero_tokens_select_distinct_indices() -> None:
     assert order.unique().numel() == 4
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason="no golden folder")
-def test_golden_files_pass() -> None:
-    sys.path.insert(0, str(SCRIPTS))
-    from check_golden import check_file
-
-    files = sorted(GOLDEN.glob("divprune_*.npz"))
-    if not files:
-        pytest.skip("no divprune golden files")
-    for path in files:
-        for case in check_file(path):
-            assert case.passed, f"{path.name} {case.case}: {case.max_diff} {case.note}"
+@pytest.mark.parametrize("name", GOLDEN_FILES["divprune"])
+def test_golden(name: str) -> None:
+    assert_golden_passes(name)

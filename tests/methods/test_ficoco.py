@@ -3,19 +3,13 @@ and the golden file."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from care_core.methods import create_method
 from care_core.methods.ficoco import FiCoCoV, ficoco_step, fresh_score_map, redundancy_scores, window_minima
 
-from .conftest import make_inputs
-
-ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
+from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
 # CLS + 3 patches: token 3 is the most redundant (low CLS logit, high mean patch logit); its softmax row peaks on
 # token 1 (one target: the 0.998-quantile of [0, 10, 0, 0] is 9.94, one entry above it).
@@ -94,14 +88,6 @@ def test_method_modes(row_order: str, penalty: str) -> None:
     assert torch.equal(again.tokens, result.tokens)  # no state leaks between images
 
 
-def _check_file():
-    spec = importlib.util.spec_from_file_location("check_golden", ROOT / "scripts" / "check_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.check_file
-
-
-@pytest.mark.parametrize("path", sorted(GOLDEN.glob("ficoco_v_*.npz")), ids=lambda p: p.name)
-def test_golden(path: Path) -> None:
-    results = _check_file()(path)
-    assert results and all(r.passed for r in results), [r for r in results if not r.passed]
+@pytest.mark.parametrize("name", GOLDEN_FILES["ficoco_v"])
+def test_golden(name: str) -> None:
+    assert_golden_passes(name)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,10 +16,7 @@ from care_core.methods.prumerge import (
     spread_fill,
 )
 
-from .conftest import make_inputs
-
-ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
+from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
 
 def test_outlier_ratio() -> None:
@@ -82,14 +76,6 @@ def test_adaptive_mode_count() -> None:
         method.output_count(inputs.num_tokens, 10)
 
 
-def _check_file():
-    spec = importlib.util.spec_from_file_location("check_golden", ROOT / "scripts" / "check_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.check_file
-
-
-@pytest.mark.parametrize("path", sorted(GOLDEN.glob("prumerge_*.npz")), ids=lambda p: p.name)
-def test_golden(path: Path) -> None:
-    results = _check_file()(path)
-    assert results and all(r.passed for r in results), [r for r in results if not r.passed]
+@pytest.mark.parametrize("name", GOLDEN_FILES["prumerge"])
+def test_golden(name: str) -> None:
+    assert_golden_passes(name)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +21,7 @@ from care_core.methods.sparsevlm import (
     text_raters,
 )
 
-from .conftest import make_inputs
-
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
 
 @dataclass
@@ -197,14 +192,6 @@ def test_span_mismatch_and_bad_version_are_errors() -> None:
         create_method("sparsevlm", version="3")(make_inputs(), 3)
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason="no golden folder")
-def test_golden_files_pass() -> None:
-    sys.path.insert(0, str(SCRIPTS))
-    from check_golden import check_file
-
-    files = sorted(GOLDEN.glob("sparsevlm_*.npz"))
-    if not files:
-        pytest.skip("no sparsevlm golden files")
-    for path in files:
-        for case in check_file(path):
-            assert case.passed, f"{path.name} {case.case}: {case.max_diff} {case.note}"
+@pytest.mark.parametrize("name", GOLDEN_FILES["sparsevlm"])
+def test_golden(name: str) -> None:
+    assert_golden_passes(name)

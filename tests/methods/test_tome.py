@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,10 +9,7 @@ from care_core.errors import MethodError
 from care_core.methods import create_method
 from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain, tome_schedule
 
-from .conftest import make_inputs
-
-ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
+from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
 
 def test_hand_case() -> None:
@@ -74,17 +68,9 @@ def test_method_and_degenerate_tokens() -> None:
         create_method("tome")(inputs, 0)
 
 
-def _check_file():
-    spec = importlib.util.spec_from_file_location("check_golden", ROOT / "scripts" / "check_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.check_file
-
-
-@pytest.mark.parametrize("path", sorted(GOLDEN.glob("tome_*.npz")), ids=lambda p: p.name)
-def test_golden(path: Path) -> None:
-    results = _check_file()(path)
-    assert results and all(r.passed for r in results), [r for r in results if not r.passed]
+@pytest.mark.parametrize("name", GOLDEN_FILES["tome"])
+def test_golden(name: str) -> None:
+    assert_golden_passes(name)
 
 
 def test_schedule_is_tomes_constant_r() -> None:

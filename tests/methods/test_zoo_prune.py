@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import copy
 
+import numpy as np
 import pytest
 import torch
 
-from care_core.methods import create_method
+from care_core.methods import MethodInputs, create_method
 from care_core.methods.zoo_prune import sads_select, sads_weights
+from tests.reference import care_reference as reference
 
-from .conftest import make_inputs
-
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
 
 def test_weights_min_max_and_constant_branch() -> None:
@@ -39,22 +37,50 @@ def test_constant_importance_starts_at_index_zero() -> None:
     assert sads_select(x, torch.ones(10), 3)[0].item() == 0
 
 
-def test_registered_method_selects_with_sads_on_post_projector_tokens() -> None:
-    inputs = make_inputs(seed=2)
-    method = create_method("zoo-prune")
-    weights, embeddings = method.scores(inputs)
-    result = method(inputs, 12)
-    assert torch.equal(result.info["selection_order"], sads_select(embeddings, weights, 12))
+def _independent(inputs: MethodInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pre-projector V, SADS weights, post-projector embeddings) in float64 numpy, from the reference module of
+    tests/reference (no care_core code): sensitivity = mean over the 64 default directions (seed 42) of the raw
+    Eq. 1 response with ZOO-Prune's h = 0.01, then min-max."""
+    layers = inputs.projector
+    W1, b1, W2, b2 = (t.detach().double().numpy() for t in (layers[0].weight, layers[0].bias, layers[2].weight,
+                                                             layers[2].bias))  # fmt: skip
+    V = inputs.features.double().numpy()
+    U = reference.default_directions(64, V.shape[1], 42)
+    sensitivity = reference.responses_fd(V, W1, b1, W2, b2, U, 0.01).mean(axis=0)
+    weights = (sensitivity - sensitivity.min()) / (sensitivity.max() - sensitivity.min() + 1e-8)
+    return V, weights, reference.mlp(V, W1, b1, W2, b2)
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason="no golden folder")
-def test_golden_files_pass() -> None:
-    sys.path.insert(0, str(SCRIPTS))
-    from check_golden import check_file
+def _float64(inputs: MethodInputs) -> MethodInputs:
+    projector = copy.deepcopy(inputs.projector).double()
+    return MethodInputs(inputs.features.double(), projector, inputs.positions.double(), grid=inputs.grid)
 
-    files = sorted(GOLDEN.glob("zooprune_*.npz"))
-    if not files:
-        pytest.skip("no zooprune golden files")
-    for path in files:
-        for case in check_file(path):
-            assert case.passed, f"{path.name} {case.case}: {case.max_diff} {case.note}"
+
+@pytest.mark.parametrize(("n", "keep", "seed"), [(100, 12, 2), (64, 30, 5)])
+def test_registered_method_equals_an_independent_float64_computation(n: int, keep: int, seed: int) -> None:
+    """The whole method against an independent recomputation: diversity 1 - cos on the post-projector embeddings
+    M(v), greedy argmax w_i min_S D with ties to the lowest index (float64 in, float64 maths)."""
+    inputs = _float64(make_inputs(n=n, d_v=16, seed=seed))
+    _, weights, embeddings = _independent(inputs)
+    order, margin = reference.greedy_anchors(embeddings, weights, keep, 1e-12)
+    assert margin > 1e-6, "near-tie in the greedy: pick another seed"
+
+    result = create_method("zoo-prune")(inputs, keep)
+    assert result.info["selection_order"].tolist() == order
+    assert result.token_index.tolist() == sorted(order)
+    np.testing.assert_allclose(result.scores.numpy(), weights, rtol=0, atol=1e-9)
+    assert torch.equal(result.tokens, inputs.features[sorted(order)])
+
+
+def test_pre_projector_diversity_would_be_seen() -> None:
+    """Guard for the test above: on its first input, diversity on the pre-projector features gives another order,
+    so a method that measured diversity before the projector would fail it."""
+    V, weights, embeddings = _independent(_float64(make_inputs(n=100, d_v=16, seed=2)))
+    post, _ = reference.greedy_anchors(embeddings, weights, 12, 1e-12)
+    pre, _ = reference.greedy_anchors(V, weights, 12, 1e-12)
+    assert post != pre
+
+
+@pytest.mark.parametrize("name", GOLDEN_FILES["zooprune"])
+def test_golden(name: str) -> None:
+    assert_golden_passes(name)
