@@ -1,6 +1,6 @@
 """LLaVA-NeXT (`LlavaNextForConditionalGeneration`, transformers 5.24) seen through :class:`VLMAdapter`.
 
-Visual tokens (SPEC, "What a visual token is"): the base view's 576 CLIP patch tokens, then the unpadded
+Visual tokens (docs/design.md §LLaVA-NeXT): the base view's 576 CLIP patch tokens, then the unpadded
 high-resolution grid, in exactly the order of the model's own ``pack_image_features`` but **without** the
 ``image_newline`` rows: N = 576 + rows * cols (2880 for 672x672, 2016 for 500x800, 2304 for 900x300). The
 features are CLIP layer ``vision_feature_layer`` (-2), CLS dropped, per crop, then packed (the packing only
@@ -18,7 +18,7 @@ space). ``views`` is 0 for base-view tokens and 1 for high-resolution ones; ``gr
 ``crop_index`` / ``patch_index`` (N,) long (crop 0 = base view; patch = raster index inside the crop's 24x24
 grid) and ``hires_grid`` (rows, cols) of the unpadded high-resolution grid.
 
-Language model. Rows are fed in the order given, without newline rows (SPEC: the reduced sequence is the K kept
+Language model. Rows are fed in the order given, without newline rows (design: the reduced sequence is the K kept
 tokens). Only when the rows are exactly all N tokens in packed order is the model's own sequence rebuilt, one
 ``image_newline`` after every high-resolution row (N + rows visual rows, see :meth:`visual_tokens_fed`), so
 K = N reproduces the standard processor path.

@@ -1,6 +1,7 @@
 """Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, transformers 5.24) seen through :class:`VLMAdapter`.
 
-Visual tokens (SPEC): one per merged 2x2 group of 14-pixel patches, in the raster order of the merged grid
+Visual tokens (docs/design.md §Qwen2.5-VL): one per merged 2x2 group of 14-pixel patches, in the raster
+order of the merged grid
 (the order the language model receives them). ``features`` row i is the concatenation of the group's four
 raw pre-merger patch vectors (4 * d_v; patches (0,0), (0,1), (1,0), (1,1) of the 2x2 block), taken from the
 vision tower's last hidden state with the window-attention permutation undone. The projector

@@ -124,7 +124,7 @@ def _zoo_score(spec: BackboneSpec, n: int, k: int, m: int) -> dict[str, int]:
     }
 
 
-_SUPP_B = "Supp. B as SPEC writes it: F_score + F_res + F_prefill(K)"
+_SUPP_B = "Supp. B as written: F_score + F_res + F_prefill(K)"
 
 
 @_model("care")

@@ -2,7 +2,7 @@
 
 - LLaVA-1.5: one shortest-edge-336 resize + centre crop, so always (336/14)² = 576.
 - LLaVA-NeXT (anyres): the base view (576) + the high-resolution grid after `unpad_image`, **without** the
-  `image_newline` rows (SPEC). The best resolution comes from `select_best_resolution` over the pinpoints.
+  `image_newline` rows (design). The best resolution comes from `select_best_resolution` over the pinpoints.
 - Qwen2.5-VL: `smart_resize` to multiples of patch·merge (28) within [min_pixels, max_pixels], then one token
   per merged 2×2 group: (H'/28)·(W'/28).
 
