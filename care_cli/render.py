@@ -56,17 +56,24 @@ def status(message: str, quiet: bool = False) -> Iterator[None]:
         yield
 
 
-def progress(label: str, quiet: bool = False) -> Any:
-    """A rich progress bar on stderr (disabled when quiet or stderr is not a terminal)."""
+def progress(label: str, quiet: bool = False, unit: str = "pairs") -> Any:
+    """A rich progress bar on stderr with items/s and ETA (disabled when quiet or stderr is not a terminal)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        ProgressColumn,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.text import Text
 
-    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.description}"), console=stderr, transient=True,
-                    disable=quiet or not stderr.is_terminal)  # fmt: skip
+    class Speed(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{speed:.2f} {unit}/s", style="progress.data.speed")
+
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), Speed(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"), console=stderr,
+                    transient=True, disable=quiet or not stderr.is_terminal)  # fmt: skip
