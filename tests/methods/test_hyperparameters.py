@@ -16,8 +16,8 @@ FIELDS = CaReConfig.field_names()
 FAMILY = ("care", "prca-only", "simple-calib", "confidence-calib", "prca+simple-calib")
 # theta_c = 0: every residual passes the gate (c_r >= 0), so the calibration fields act on the tokens
 BASE = CaReConfig(m=8, theta_c=0.0)
-CHANGED = {"h": 0.3, "m": 5, "lam": 2.0, "eta": 2.0, "theta_s": 0.9, "theta_c": 2.0, "alpha": 0.8, "sigma_p": 0.05,
-           "tau_g": 0.5, "tau_c": 0.5, "tau_s": 0.5, "eps": 0.5, "seed": 7, "engine": "fd",
+CHANGED = {"h": 0.3, "m": 5, "lam": 2.0, "eta": 2.0, "theta_s": 0.9, "theta_c": 1.0, "alpha": 0.8, "sigma_p": 0.05,
+           "tau_g": 0.5, "tau_c": 0.5, "tau_s": 0.5, "eps": 0.01, "seed": 7, "engine": "fd",
            "matmul_precision": "bf16"}  # fmt: skip
 # Where a change must show. h acts only through the finite-difference engine, matmul_precision only through jvp.
 BASE_FOR = {"h": {"engine": "fd"}, "matmul_precision": {"engine": "jvp", "matmul_precision": "float32"}}
@@ -97,10 +97,10 @@ def test_an_ignored_hyperparameter_changes_nothing(name: str, field: str, inputs
 
 
 def test_theta_c_bounds_the_gate(inputs) -> None:
-    """c_r lies in (0, 1]: theta_c = 0 accepts every residual token, theta_c > 1 none (Eq. 6)."""
+    """c_r lies in (0, 1]: theta_c = 0 accepts every residual token, theta_c = 1 none here (c_sim < 1; Eq. 6)."""
     for name in ("care", "confidence-calib"):
         everyone = build_method(name, BASE)(inputs, 12)
-        nobody = build_method(name, dataclasses.replace(BASE, theta_c=1.01))(inputs, 12)
+        nobody = build_method(name, dataclasses.replace(BASE, theta_c=1.0))(inputs, 12)
         assert everyone.signals.numel() == 64 - 12 and nobody.signals.numel() == 0
         assert torch.equal(nobody.tokens, inputs.features[nobody.token_index])
 
