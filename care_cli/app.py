@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import typer
 
@@ -38,9 +39,26 @@ def _one_line(message: object) -> str:
     return " ".join(str(message).split())
 
 
+def _help_for_no_args(command: Any, args: Sequence[str]) -> str | None:
+    """The command whose help a bare invocation prints: "" for `care`, "reduce" for `care reduce`; else None.
+
+    The parser signals this with a usage error whose class (``NoArgsIsHelpError``) lives in a private module
+    (click's, or typer's vendored copy since 0.29), so it is recognised from the arguments instead, by the
+    parser's own rule: no arguments for a command with ``no_args_is_help``.
+    """
+    if not args:
+        return "" if getattr(command, "no_args_is_help", False) else None
+    if len(args) == 1:
+        sub = getattr(command, "commands", {}).get(args[0])
+        if sub is not None and getattr(sub, "no_args_is_help", False):
+            return str(args[0])
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; bad input gives `error: ...` on one line of stderr and exit code 2."""
     command = typer.main.get_command(app)
+    bare = _help_for_no_args(command, list(argv) if argv is not None else sys.argv[1:])
     try:
         result = command.main(args=list(argv) if argv is not None else None, prog_name="care", standalone_mode=False)
     except CareError as exc:
@@ -52,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("aborted", file=sys.stderr)
         return 130
     except typer.TyperException as exc:  # the parser's usage errors (bad option value, unknown option, …)
-        if type(exc).__name__ == "NoArgsIsHelpError":  # help was printed for a bare `care` / `care reduce`
+        if bare is not None:  # help was printed for a bare `care` (bare == "") / `care reduce` (bare == "reduce")
             return 0
         context = getattr(exc, "ctx", None)
         hint = f" (see 'care {context.info_name} --help')" if context is not None and context.parent else ""
