@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-
-try:  # typer >= 0.2x carries its own copy of click
-    from typer._click import exceptions as _cx  # type: ignore[import-not-found]
-except ImportError:  # older typer uses click itself
-    from click import exceptions as _cx
 
 from care_cli.commands import csr as csr_command
 from care_cli.commands import flops as flops_command
@@ -85,16 +80,24 @@ def _root(
     """CaRe (Calibrate Before Reason): visual token reduction for vision-language models, measured."""
 
 
-# click >= 8.2 (and typer's own copy) raises this after printing the help of a command called with no arguments.
-_NO_ARGS_IS_HELP: type[Exception] | None = getattr(_cx, "NoArgsIsHelpError", None)
-
-
-_EXITS: tuple[type[BaseException], ...] = tuple(c for c in (getattr(_cx, "Exit", None),) if c is not None)
-_ABORTS: tuple[type[BaseException], ...] = tuple(c for c in (getattr(_cx, "Abort", None),) if c is not None)
-
-
 def _one_line(message: object) -> str:
     return " ".join(str(message).split())
+
+
+def _help_for_no_args(command: Any, args: Sequence[str]) -> str | None:
+    """The command whose help a bare invocation prints: "" for `care`, "reduce" for `care reduce`; else None.
+
+    The parser signals this with a usage error whose class (``NoArgsIsHelpError``) lives in a private module
+    (click's, or typer's vendored copy since 0.29), so it is recognised from the arguments instead, by the
+    parser's own rule: no arguments for a command with ``no_args_is_help``.
+    """
+    if not args:
+        return "" if getattr(command, "no_args_is_help", False) else None
+    if len(args) == 1:
+        sub = getattr(command, "commands", {}).get(args[0])
+        if sub is not None and getattr(sub, "no_args_is_help", False):
+            return str(args[0])
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     A command called with no arguments prints its help and exits 2, like any other usage error.
     """
     command = typer.main.get_command(app)
+    args = list(argv) if argv is not None else sys.argv[1:]
+    bare = _help_for_no_args(command, args)
     try:
-        args = list(argv) if argv is not None else sys.argv[1:]
         result = command.main(args=args, prog_name="care", standalone_mode=False, obj={"argv": args})
     except CareError as exc:
         message = _one_line(exc)
@@ -112,19 +116,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = "--" + message  # the library's budget names are the CLI's flags
         print(f"error: {message}", file=sys.stderr)
         return 2
-    except (typer.Exit, *_EXITS) as exc:
-        return int(getattr(exc, "exit_code", 0))
-    except (typer.Abort, *_ABORTS, KeyboardInterrupt):
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         return 130
-    except _cx.UsageError as exc:
-        if _NO_ARGS_IS_HELP is not None and isinstance(exc, _NO_ARGS_IS_HELP):
-            return 2  # no arguments: the help was printed
-        context = exc.ctx
+    except typer.TyperException as exc:  # the parser's usage errors (bad option value, unknown option, …)
+        if bare is not None:  # a bare `care` / `care reduce`: the help was printed; still a usage error
+            return 2
+        context = getattr(exc, "ctx", None)
         hint = f" (see 'care {context.info_name} --help')" if context is not None and context.parent else ""
-        print(f"error: {_one_line(exc.format_message())}{hint}", file=sys.stderr)
-        return 2
-    except _cx.ClickException as exc:
-        print(f"error: {_one_line(exc.format_message())}", file=sys.stderr)
-        return int(exc.exit_code) or 2
+        print(f"error: {_one_line(exc.format_message())}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
+        return int(getattr(exc, "exit_code", 2))
     return result if isinstance(result, int) else 0

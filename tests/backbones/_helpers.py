@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from PIL import Image
@@ -12,6 +14,27 @@ from care_core.backbones.probes import attention_settings
 def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8))
+
+
+def forward_with_image_rows(adapter: Any, inputs: Any) -> tuple[Any, torch.Tensor]:
+    """``adapter.model(**inputs)`` and the rows its language model receives at the image placeholders.
+
+    Read from the decoder's ``inputs_embeds`` (not the output's ``image_outputs``, which only transformers
+    >= 5.24 returns), so the processor-path comparisons run on every supported version.
+    """
+    seen: dict[str, torch.Tensor] = {}
+
+    def grab(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen["embeds"] = kwargs["inputs_embeds"]
+
+    hook = adapter._language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = adapter.model(**inputs)
+    finally:
+        hook.remove()
+    placeholders = inputs["input_ids"][0] == adapter.image_token_id
+    return out, seen["embeds"][0][placeholders.to(seen["embeds"].device)]
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

@@ -12,7 +12,7 @@ from care_core.backbones import ImageTokens, LlavaNextAdapter
 from care_core.backbones.probes import VISION_PROBES, LanguageModelRun
 from care_core.methods.base import PROBES
 
-from ._helpers import Unchanged, noise_image, position_image
+from ._helpers import Unchanged, forward_with_image_rows, noise_image, position_image
 
 QUESTION = "What is in the image?"
 COUNTS = {(672, 672): (2880, 48), (500, 800): (2016, 30), (900, 300): (2304, 72)}  # N, newline rows
@@ -35,11 +35,10 @@ def standard(next_demo: LlavaNextAdapter, image: Any) -> dict[str, Any]:
     seen: dict[str, torch.Tensor] = {}
     hook = next_demo.projector.register_forward_hook(lambda m, a, o: seen.update(inp=a[0]))
     try:
-        with torch.no_grad():
-            out = next_demo.model(**inputs)
+        out, image_rows = forward_with_image_rows(next_demo, inputs)
     finally:
         hook.remove()
-    return {"inputs": inputs, "logits": out.logits[0], "projector_input": seen["inp"], "image": out.image_outputs}
+    return {"inputs": inputs, "logits": out.logits[0], "projector_input": seen["inp"], "image_rows": image_rows}
 
 
 # ---------------------------------------------------------------------------------------- tokens
@@ -82,7 +81,7 @@ def test_features_are_the_packed_projector_input(
     # projecting our tokens and re-inserting the newline rows is the model's image embedding sequence
     with torch.no_grad():
         rebuilt = next_demo._with_newlines(tokens, next_demo.projector(tokens.features))
-    assert torch.allclose(rebuilt, standard["image"].pooler_output[0], atol=1e-6)
+    assert torch.allclose(rebuilt, standard["image_rows"], atol=1e-6)
 
 
 # -------------------------------------------------------------------------------------- geometry

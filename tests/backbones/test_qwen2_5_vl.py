@@ -16,7 +16,7 @@ from care_core.errors import MethodError
 from care_core.methods.base import PROBES
 from care_core.scoring import responses_fd, responses_jvp, unit_directions
 
-from ._helpers import Unchanged, noise_image, position_image
+from ._helpers import Unchanged, forward_with_image_rows, noise_image, position_image
 
 QUESTION = "What is in the image?"
 SIZES = [(672, 672), (500, 800), (900, 300)]
@@ -35,9 +35,8 @@ def tokens(qwen_demo: Qwen2_5_VLAdapter, image: Any) -> ImageTokens:
 @pytest.fixture(scope="module")
 def standard(qwen_demo: Qwen2_5_VLAdapter, image: Any) -> dict[str, Any]:
     inputs = qwen_demo.processor(text=qwen_demo.prompt(QUESTION), images=image, return_tensors="pt")
-    with torch.no_grad():
-        out = qwen_demo.model(**inputs)
-    return {"inputs": inputs, "logits": out.logits[0], "image": out.image_outputs}
+    out, image_rows = forward_with_image_rows(qwen_demo, inputs)
+    return {"inputs": inputs, "logits": out.logits[0], "image_rows": image_rows}
 
 
 # ---------------------------------------------------------------------------------------- tokens
@@ -68,7 +67,7 @@ def test_features_and_merger_projector(qwen_demo: Qwen2_5_VLAdapter, tokens: Ima
         merger = qwen_demo.model.model.visual.merger
         d_v = qwen_demo.model.config.vision_config.hidden_size
         assert torch.equal(projected, merger(tokens.features.reshape(-1, d_v)))  # the merger, bit for bit
-    assert torch.allclose(projected, standard["image"].pooler_output[0], atol=1e-6)  # what the LM receives
+    assert torch.allclose(projected, standard["image_rows"], atol=1e-6)  # what the LM receives
     # the window permutation is undone: the tower's raw (window-ordered) states, regrouped, give the same tokens
     from transformers.vision_utils import get_vision_window_index
 
