@@ -30,6 +30,7 @@ def test_bare_invocation_prints_help_not_an_error(care, args: list[str]) -> None
     run = care(*args)  # help on stdout, no error line; a usage error all the same
     assert "Usage: care" in run.out
     assert "error:" not in run.err
+    assert run.code == 2
 
 
 def test_usage_error_is_one_line_and_exit_2(care) -> None:
