@@ -79,7 +79,7 @@ class VLMAdapter(ABC):
     family: str  # e.g. "llava-1.5"
     name: str  # what the user asked for: a demo name, a folder or a repo id
     is_demo: bool  # True for the embedded random-weight demo backbones
-    model: torch.nn.Module
+    model: Any  # a transformers PreTrainedModel: its attributes are dynamic, so typed loosely
     processor: Any
     #: probe name -> how this backbone builds it, where that differs from a single-grid CLIP tower
     probe_notes: ClassVar[dict[str, str]] = {}

@@ -26,7 +26,7 @@ from .probes import clip_vision_probes
 LLAVA15_FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
 
 
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
+def _inner(model: Any) -> Any:
     """The `LlavaModel` (5.x: ``model.model``); 4.x kept the parts on the top-level module."""
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "multi_modal_projector"):

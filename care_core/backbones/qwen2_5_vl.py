@@ -121,7 +121,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
 
     # ------------------------------------------------------------------ modules
     @property
-    def _inner(self) -> torch.nn.Module:
+    def _inner(self) -> Any:
         return self.model.model
 
     @property
