@@ -102,7 +102,7 @@ def csr_bar_chart(
     width = 0.8 / max(1, len(methods))
     plot_w = min(PLOT_MAX_IN, max(5.0, 1.0 + BAR_IN * len(methods) * len(budgets) / 0.8))
     fig = Figure(figsize=(plot_w, 4.2), dpi=dpi, facecolor="white", layout="constrained")
-    FigureCanvasAgg(fig)
+    canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     lows, highs = [], []
     for i, method in enumerate(methods):
@@ -134,7 +134,7 @@ def csr_bar_chart(
     ax.spines[["top", "right"]].set_visible(False)
     legend = fig.legend(loc="outside right upper", fontsize=FONT_PT, frameon=False, title="method",
                         title_fontsize=FONT_PT)  # fmt: skip
-    renderer = fig.canvas.get_renderer()
+    renderer = canvas.get_renderer()
     legend_w = legend.get_window_extent(renderer).width / dpi + 0.15
     fig.set_size_inches(plot_w + legend_w, 4.2 if len(methods) <= 12 else 4.2 + 0.16 * (len(methods) - 12))
     usable = (plot_w + legend_w - 0.3) * dpi

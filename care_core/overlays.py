@@ -601,8 +601,7 @@ def overlay_figure(
 
     # Measure titles, legend and footer (their size in pixels is set by the dpi alone), then lay out.
     fig = Figure(figsize=(4.0, 4.0), dpi=dpi, facecolor="white")
-    FigureCanvasAgg(fig)
-    renderer = fig.canvas.get_renderer()
+    renderer = FigureCanvasAgg(fig).get_renderer()
     image_w, image_h = _image_px(geometry, dpi)
     column_min = _px(COLUMN_MIN_IN, dpi)
     cbar_extra = _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi)
