@@ -12,8 +12,9 @@ stroke's outer edge is the footprint's edge), so neighbouring boxes never paint 
 
 Layout (a figure for a paper, at any aspect ratio and panel count), in inches rounded to whole pixels at
 ``dpi``: each image is drawn with the area of a :data:`IMAGE_SIDE_IN` square (its long side at most
-:data:`IMAGE_LONG_MAX_IN`), so a square image is 480 x 480 px at 150 dpi and a panorama is a wide band,
-not a strip. Panels (and the heat map) fill a row-major grid of columns at least :data:`COLUMN_MIN_IN`
+:data:`IMAGE_LONG_MAX_IN`, or longer, up to :data:`IMAGE_LONG_CAP_IN`, to keep the short side at least
+:data:`IMAGE_SHORT_MIN_IN`), so a square image is 480 x 480 px at 150 dpi and a panorama is a band, not
+a strip. Panels (and the heat map) fill a row-major grid of columns at least :data:`COLUMN_MIN_IN`
 wide, at most :data:`ROW_MAX_IN` a row, choosing the number of columns whose canvas is closest to
 :data:`TARGET_ASPECT`; titles, legend and footer are wrapped to the width they have, and
 :data:`MARGIN_IN` of white surrounds everything. White space is added only to keep the canvas between
@@ -51,6 +52,8 @@ SCORE_CMAP = "viridis"
 # Layout, in inches (rounded to whole pixels at the figure's dpi).
 IMAGE_SIDE_IN = 3.2  # each image has the area of a square of this side ...
 IMAGE_LONG_MAX_IN = 6.4  # ... unless its long side would exceed this
+IMAGE_SHORT_MIN_IN = 1.0  # a panorama's long side grows past IMAGE_LONG_MAX_IN to keep this short side ...
+IMAGE_LONG_CAP_IN = 12.0  # ... up to this long side
 COLUMN_MIN_IN = 2.2  # minimum width of a grid column (room for a wrapped title)
 ROW_MAX_IN = 14.0  # widest row of panels
 TARGET_ASPECT = 1.6  # the grid whose canvas (width / height) is closest to this wins
@@ -387,12 +390,16 @@ def _to_figure_px(ax: Any, boxes: np.ndarray, height_px: int) -> list[list[float
 
 
 def _image_px(geometry: TokenGeometry, dpi: float) -> tuple[int, int]:
-    """(width, height) in pixels: the area of an IMAGE_SIDE_IN square, the long side at most IMAGE_LONG_MAX_IN."""
+    """(width, height) in pixels: the area of an IMAGE_SIDE_IN square, the long side at most IMAGE_LONG_MAX_IN
+    unless that leaves the short side under IMAGE_SHORT_MIN_IN (a panorama), never over IMAGE_LONG_CAP_IN."""
     height, width = geometry.image_size
-    root = math.sqrt(width / height)
-    w_in, h_in = IMAGE_SIDE_IN * root, IMAGE_SIDE_IN / root
-    shrink = min(1.0, IMAGE_LONG_MAX_IN / max(w_in, h_in))
-    return _px(w_in * shrink, dpi), _px(h_in * shrink, dpi)
+    aspect = max(width / height, height / width)
+    long_in = IMAGE_SIDE_IN * math.sqrt(aspect)
+    if long_in > IMAGE_LONG_MAX_IN:
+        long_in = max(IMAGE_LONG_MAX_IN, min(IMAGE_LONG_CAP_IN, IMAGE_SHORT_MIN_IN * aspect))
+    short_in = long_in / aspect
+    w_in, h_in = (long_in, short_in) if width >= height else (short_in, long_in)
+    return _px(w_in, dpi), _px(h_in, dpi)
 
 
 def _text_measure(renderer: Any, size: float) -> Callable[[str], float]:
@@ -750,7 +757,7 @@ def _draw_scores(
     cax = _axes_px(fig, layout, left + layout.image_w + _px(CBAR_GAP_IN, dpi), top, _px(CBAR_W_IN, dpi),
                    layout.image_h)  # fmt: skip
     bar = fig.colorbar(mappable, cax=cax, format=FuncFormatter(lambda v, _pos: f"{v:.3g}"))
-    bar.ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
+    bar.ax.yaxis.set_major_locator(MaxNLocator(nbins=max(1, min(5, int(layout.image_h / (0.3 * dpi))))))
     bar.ax.tick_params(labelsize=TICK_PT)
     return {
         "method": panel.method,
