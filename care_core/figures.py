@@ -2,25 +2,109 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+
+# Okabe & Ito (2008), "Color Universal Design": eight colours told apart with any colour vision, plus grey;
+# ordered so that neighbouring methods never get the two blues. Every pair, and each against the overlays'
+# anchor red and signal green, is at least ΔE76 = 26 apart in CIELAB.
+METHOD_COLORS: tuple[str, ...] = (
+    "#0072B2",  # blue
+    "#E69F00",  # orange
+    "#009E73",  # bluish green
+    "#D55E00",  # vermillion
+    "#CC79A7",  # reddish purple
+    "#56B4E9",  # sky blue
+    "#F0E442",  # yellow
+    "#999999",  # grey
+    "#000000",  # black
+)
+# After all colours are used, the palette repeats with a hatch (the colour and the hatch tell methods apart).
+METHOD_HATCHES: tuple[str, ...] = ("", "///", "...", "xxx")
+CHART_DPI = 150.0
+FONT_PT = 9.0  # ticks, legend, axis labels: legible at CHART_DPI (no text below 8 pt)
+TITLE_PT = 10.0
+NOTE_COLOUR = "darkred"
+BAR_IN = 0.22  # width of one bar (narrower once the plot would be wider than PLOT_MAX_IN)
+PLOT_MAX_IN = 10.0
+ZERO_BASE_RATIO = 0.5  # the y axis starts at 0 unless every bar's lowest point is above this share of the top
 
 
-def csr_bar_chart(rows: Sequence[dict[str, Any]], *, title: str, note: str | None = None) -> Figure:
+def method_style(index: int) -> tuple[str, str]:
+    """(colour, hatch) of the `index`-th method of a chart."""
+    colour = METHOD_COLORS[index % len(METHOD_COLORS)]
+    hatch = METHOD_HATCHES[(index // len(METHOD_COLORS)) % len(METHOD_HATCHES)]
+    return colour, hatch
+
+
+def csr_axis_range(lows: Sequence[float], highs: Sequence[float]) -> tuple[float, float]:
+    """The y range of a CSR chart: from 0, or zoomed in when all values are close.
+
+    ``lows`` / ``highs`` are each bar's mean - std and mean + std (x 100). The axis starts at 0 unless
+    every ``low`` is above half the highest ``high``; then it starts at the whole number just below the
+    lowest ``low`` minus a margin of 10% of the spread (at least 0.5), so that close values (e.g. all
+    between 40 and 45) can be told apart, and the axis label says where it starts. The top is the
+    highest ``high`` plus the same margin, capped at 100 unless a value is above 100.
+    """
+    finite_lo = [v for v in lows if math.isfinite(v)]
+    finite_hi = [v for v in highs if math.isfinite(v)]
+    if not finite_lo or not finite_hi:
+        return 0.0, 100.0
+    lo, hi = min(finite_lo), max(finite_hi)
+    pad = max(0.1 * (hi - lo), 0.5)
+    top = hi + pad
+    top = min(100.0, top) if hi <= 100 else top
+    top = math.ceil(top) if top < 100 else top
+    bottom = 0.0
+    if lo > ZERO_BASE_RATIO * hi and lo > 0:
+        bottom = float(max(0, math.floor(lo - pad)))
+    if top <= bottom:
+        top = bottom + 1.0
+    return bottom, float(top)
+
+
+def _wrap(text: str, max_px: float, renderer: Any, size: float) -> str:
+    prop = FontProperties(size=size)
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        current = ""
+        for word in paragraph.split(" "):
+            candidate = f"{current} {word}" if current else word
+            if current and renderer.get_text_width_height_descent(candidate, prop, ismath=False)[0] > max_px:
+                lines.append(current)
+                current = word
+            else:
+                current = candidate
+        lines.append(current)
+    return "\n".join(lines)
+
+
+def csr_bar_chart(
+    rows: Sequence[dict[str, Any]], *, title: str, note: str | None = None, dpi: float = CHART_DPI
+) -> Figure:
     """Grouped bars of 100 x CSR: one group per budget, one bar per method, std as error bars.
 
     `rows` hold `method`, `budget`, `mean`, `std` (as `care csr` summarises them), in display order.
+    Methods get colour-blind-safe colours (:data:`METHOD_COLORS`, then hatched); the legend sits right of
+    the axes, never over a bar; the y range follows :func:`csr_axis_range`; ``note`` (e.g. the demo
+    backbone's warning) is a footer wrapped to the figure's width. Laid out with matplotlib's
+    constrained layout, so everything lies inside the canvas when saved with the figure's size.
     """
     methods = list(dict.fromkeys(r["method"] for r in rows))
     budgets = list(dict.fromkeys(r["budget"] for r in rows))
     lookup = {(r["method"], r["budget"]): r for r in rows}
     width = 0.8 / max(1, len(methods))
-    fig = Figure(figsize=(max(6.0, 1.2 + 0.45 * len(methods) * len(budgets)), 4.2), dpi=120)
+    plot_w = min(PLOT_MAX_IN, max(5.0, 1.0 + BAR_IN * len(methods) * len(budgets) / 0.8))
+    fig = Figure(figsize=(plot_w, 4.2), dpi=dpi, facecolor="white", layout="constrained")
+    canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    palette = matplotlib.colormaps["tab20"]
+    lows, highs = [], []
     for i, method in enumerate(methods):
         xs, means, stds = [], [], []
         for j, budget in enumerate(budgets):
@@ -28,18 +112,33 @@ def csr_bar_chart(rows: Sequence[dict[str, Any]], *, title: str, note: str | Non
             if row is None:
                 continue
             xs.append(j - 0.4 + width * (i + 0.5))
-            means.append(row["mean"])
-            stds.append(row["std"])
-        color = palette(i % 20)
-        ax.bar(xs, means, width=width * 0.92, yerr=stds, capsize=2, label=method, color=color, edgecolor="black",
-               linewidth=0.4)  # fmt: skip
+            means.append(float(row["mean"]))
+            stds.append(float(row["std"]) if math.isfinite(float(row["std"])) else 0.0)
+            lows.append(means[-1] - stds[-1])
+            highs.append(means[-1] + stds[-1])
+        colour, hatch = method_style(i)
+        dark = sum(to_rgb(colour)) < 1.2
+        ax.bar(xs, means, width=width * 0.92, yerr=stds, label=method, color=colour, edgecolor="black",
+               linewidth=0.5, hatch=hatch or None, hatchcolor="white" if dark else "black",
+               error_kw={"ecolor": "0.2", "elinewidth": 0.9, "capsize": 2.0, "capthick": 0.9})  # fmt: skip
+    bottom, top = csr_axis_range(lows, highs)
+    ax.set_ylim(bottom, top)
     ax.set_xticks(range(len(budgets)), budgets)
-    ax.set_ylabel("CSR (×100)")
-    ax.set_ylim(0, 105)
-    ax.set_title(title)
+    ax.set_xlim(-0.5, len(budgets) - 0.5)
+    ylabel = "CSR (×100)" if bottom == 0 else f"CSR (×100), axis from {bottom:g}"
+    ax.set_ylabel(ylabel, fontsize=FONT_PT)
+    ax.set_xlabel("budget", fontsize=FONT_PT)
+    ax.tick_params(labelsize=FONT_PT)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="small", ncols=min(4, len(methods)), loc="lower right")
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+    legend = fig.legend(loc="outside right upper", fontsize=FONT_PT, frameon=False, title="method",
+                        title_fontsize=FONT_PT)  # fmt: skip
+    renderer = canvas.get_renderer()
+    legend_w = legend.get_window_extent(renderer).width / dpi + 0.15
+    fig.set_size_inches(plot_w + legend_w, 4.2 if len(methods) <= 12 else 4.2 + 0.16 * (len(methods) - 12))
+    usable = (plot_w + legend_w - 0.3) * dpi
+    ax.set_title(_wrap(title, usable, renderer, TITLE_PT), fontsize=TITLE_PT)
     if note:
-        fig.text(0.5, 0.01, note, ha="center", va="bottom", fontsize="small", color="darkred")
-    fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
+        fig.supxlabel(_wrap(note, usable, renderer, FONT_PT), fontsize=FONT_PT, color=NOTE_COLOUR)
     return fig

@@ -10,15 +10,23 @@ sees (outside ``seen_box``, e.g. LLaVA-1.5's centre crop) is hatched grey. Mergi
 input token by the output token it merged into. Box outlines are drawn *inside* each footprint (the
 stroke's outer edge is the footprint's edge), so neighbouring boxes never paint over each other.
 
-The layout is fixed in inches and rounded to whole pixels at ``dpi``: the figure saved with that dpi
-(and without ``bbox_inches="tight"``) is exactly ``size_px`` pixels, and the reported boxes are in that
-canvas, ``(0, 0)`` at the top-left pixel.
+Layout (a figure for a paper, at any aspect ratio and panel count), in inches rounded to whole pixels at
+``dpi``: each image is drawn with the area of a :data:`IMAGE_SIDE_IN` square (its long side at most
+:data:`IMAGE_LONG_MAX_IN`, or longer, up to :data:`IMAGE_LONG_CAP_IN`, to keep the short side at least
+:data:`IMAGE_SHORT_MIN_IN`), so a square image is 480 x 480 px at 150 dpi and a panorama is a band, not
+a strip. Panels (and the heat map) fill a row-major grid of columns at least :data:`COLUMN_MIN_IN`
+wide, at most :data:`ROW_MAX_IN` a row, choosing the number of columns whose canvas is closest to
+:data:`TARGET_ASPECT`; titles, legend and footer are wrapped to the width they have, and
+:data:`MARGIN_IN` of white surrounds everything. White space is added only to keep the canvas between
+1:3 and 3:1. The canvas thus depends on the image's aspect ratio, the panels and their text, never on
+the image's resolution. The figure saved with that dpi (and without ``bbox_inches="tight"``) is exactly
+``size_px`` pixels, and the reported boxes are in that canvas, ``(0, 0)`` at the top-left pixel.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,8 +35,11 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.text import Text
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 RED = "#ff0000"  # Calib-Anchors / kept tokens
 GREEN = "#00c000"  # accepted calibration signals
@@ -39,20 +50,30 @@ MERGE_ALPHA = 0.45
 SCORE_CMAP = "viridis"
 
 # Layout, in inches (rounded to whole pixels at the figure's dpi).
-IMAGE_MAX_IN = 3.6  # the longer side of each panel's image
-SLOT_MIN_IN = 2.9  # minimum width of a panel (room for its title)
-MARGIN_IN = 0.12
-GAP_IN = 0.22
-TITLE_LINE_IN = 0.17
-TITLE_PAD_IN = 0.16
-LEGEND_ROW_IN = 0.22
-LEGEND_PAD_IN = 0.12
-NOTE_IN = 0.24
+IMAGE_SIDE_IN = 3.2  # each image has the area of a square of this side ...
+IMAGE_LONG_MAX_IN = 6.4  # ... unless its long side would exceed this
+IMAGE_SHORT_MIN_IN = 1.0  # a panorama's long side grows past IMAGE_LONG_MAX_IN to keep this short side ...
+IMAGE_LONG_CAP_IN = 12.0  # ... up to this long side
+COLUMN_MIN_IN = 2.2  # minimum width of a grid column (room for a wrapped title)
+ROW_MAX_IN = 14.0  # widest row of panels
+TARGET_ASPECT = 1.6  # the grid whose canvas (width / height) is closest to this wins
+MAX_ASPECT = 3.0  # the canvas stays between 1:MAX_ASPECT and MAX_ASPECT:1
+MARGIN_IN = 0.1
+GAP_X_IN = 0.2  # between columns
+GAP_Y_IN = 0.14  # between rows
+TITLE_PAD_IN = 0.05  # between a title and its image
+LEGEND_PAD_IN = 0.08  # between the grid and the legend
+NOTE_PAD_IN = 0.04  # between the legend and the footer
 CBAR_GAP_IN = 0.08
 CBAR_W_IN = 0.12
-CBAR_LABELS_IN = 0.45
-TITLE_PT = 8.5
-LEGEND_PT = 8.0
+CBAR_LABELS_IN = 0.55
+TITLE_PT = 9.0
+LEGEND_PT = 8.5
+NOTE_PT = 8.5
+TICK_PT = 8.0
+MIN_FONT_PT = 8.0  # no text is smaller
+LINE_SPACING = 1.2
+NOTE_COLOUR = "darkred"
 
 View = Literal["high", "base"]
 _VIEW_CODES: dict[str, int] = {"base": 0, "high": 1}
@@ -173,18 +194,30 @@ class OverlayFigure:
         }
 
 
+@dataclass
+class _Cell:
+    """One grid cell: a method's panel, or the heat map with its colorbar."""
+
+    title: Text  # placed once the layout is known
+    content_w: int  # pixels: the image (and, for the heat map, its colorbar)
+    width: int  # pixels: the content, or a column's minimum width when wider
+    title_w: int
+    title_h: int
+
+
 @dataclass(frozen=True)
 class _Layout:
-    width: int  # figure pixels
+    width: int  # canvas pixels
     height: int
-    title_lines: int
     image_w: int
     image_h: int
-    image_top: int  # pixels from the figure's top edge
-    slots: list[tuple[int, int]]  # (left, width) of each slot, pixels
-    legend_top: int
+    image_origins: list[tuple[int, int]]  # (left, top) of each cell's image, pixels from the top-left corner
+    title_anchors: list[tuple[float, int]]  # (centre x, bottom y) of each cell's title
     legend_ncols: int
-    cbar_left: int | None
+    legend_anchor: tuple[float, int]  # (centre x, top y)
+    note: str | None  # the footer, wrapped to the canvas
+    note_anchor: tuple[float, int]  # (centre x, top y)
+    aspect_score: float = field(default=0.0, compare=False)
 
 
 def _numpy(value: Any) -> np.ndarray:
@@ -366,51 +399,154 @@ def _to_figure_px(ax: Any, boxes: np.ndarray, height_px: int) -> list[list[float
     return [[round(float(v), 3) for v in row] for row in out]
 
 
-def _layout(
-    geometry: TokenGeometry, num_panels: int, with_scores: bool, title_lines: int, legend_items: int,
-    note: bool, dpi: float,
-) -> _Layout:  # fmt: skip
+def _image_px(geometry: TokenGeometry, dpi: float) -> tuple[int, int]:
+    """(width, height) in pixels: the area of an IMAGE_SIDE_IN square, the long side at most IMAGE_LONG_MAX_IN
+    unless that leaves the short side under IMAGE_SHORT_MIN_IN (a panorama), never over IMAGE_LONG_CAP_IN."""
     height, width = geometry.image_size
-    long_side = max(height, width)
-    image_w = _px(IMAGE_MAX_IN * width / long_side, dpi)
-    image_h = _px(IMAGE_MAX_IN * height / long_side, dpi)
-    margin, gap = _px(MARGIN_IN, dpi), _px(GAP_IN, dpi)
-    slot_w = max(image_w, _px(SLOT_MIN_IN, dpi))
-    widths = [slot_w] * num_panels
-    cbar_extra = _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi) if with_scores else 0
-    if with_scores:
-        widths.append(max(slot_w, image_w + cbar_extra))
-    slots, x = [], margin
-    for w in widths:
-        slots.append((x, w))
-        x += w + gap
-    fig_w = x - gap + margin
-    legend_ncols = max(1, min(legend_items, int((fig_w / dpi) // 2.3)))
-    legend_rows = math.ceil(legend_items / legend_ncols) if legend_items else 0
-    title_h = _px(TITLE_PAD_IN + TITLE_LINE_IN * title_lines, dpi)
-    image_top = margin + title_h
-    legend_top = image_top + image_h + _px(0.06, dpi)
-    legend_h = _px(LEGEND_PAD_IN + LEGEND_ROW_IN * legend_rows, dpi) if legend_rows else 0
-    fig_h = legend_top + legend_h + (_px(NOTE_IN, dpi) if note else 0) + margin
-    cbar_left = None
-    if with_scores:
-        left, w = slots[-1]
-        cbar_left = left + (w - image_w - cbar_extra) // 2 + image_w + _px(CBAR_GAP_IN, dpi)
-    return _Layout(fig_w, fig_h, title_lines, image_w, image_h, image_top, slots, legend_top, legend_ncols, cbar_left)
+    aspect = max(width / height, height / width)
+    long_in = IMAGE_SIDE_IN * math.sqrt(aspect)
+    if long_in > IMAGE_LONG_MAX_IN:
+        long_in = max(IMAGE_LONG_MAX_IN, min(IMAGE_LONG_CAP_IN, IMAGE_SHORT_MIN_IN * aspect))
+    short_in = long_in / aspect
+    w_in, h_in = (long_in, short_in) if width >= height else (short_in, long_in)
+    return _px(w_in, dpi), _px(h_in, dpi)
 
 
-def _image_axes(fig: Figure, layout: _Layout, slot: int, geometry: TokenGeometry, *, centre: bool = True) -> Any:
-    left, width = layout.slots[slot]
-    x = left + (width - layout.image_w) // 2 if centre else left
-    bottom = layout.height - layout.image_top - layout.image_h
-    ax = fig.add_axes((x / layout.width, bottom / layout.height, layout.image_w / layout.width,
-                       layout.image_h / layout.height))  # fmt: skip
+def _text_measure(renderer: Any, size: float) -> Callable[[str], float]:
+    """Width in pixels of one line of text at `size` points (mathtext where the line has a ``$``)."""
+    prop = FontProperties(size=size)
+
+    def measure(line: str) -> float:
+        return float(renderer.get_text_width_height_descent(line, prop, ismath="$" in line)[0])
+
+    return measure
+
+
+def wrap_text(text: str, max_px: float, measure: Callable[[str], float]) -> str:
+    """Greedy wrap of each line to `max_px`: at `` · `` separators first, then at spaces (words never split)."""
+    return "\n".join(part for line in text.split("\n") for part in _wrap_line(line, max_px, measure))
+
+
+def _wrap_line(line: str, max_px: float, measure: Callable[[str], float]) -> list[str]:
+    if measure(line) <= max_px:
+        return [line]
+    for sep in (" · ", " "):
+        parts = line.split(sep)
+        if len(parts) == 1:
+            continue
+        lines, current = [], parts[0]
+        for part in parts[1:]:
+            candidate = current + sep + part
+            if measure(candidate) <= max_px:
+                current = candidate
+            else:
+                lines.append(current)
+                current = part
+        lines.append(current)
+        if sep == " ":
+            return lines
+        return [piece for sub in lines for piece in _wrap_line(sub, max_px, measure)]
+    return [line]
+
+
+def _size_px(artist: Any, renderer: Any) -> tuple[int, int]:
+    box = artist.get_window_extent(renderer)
+    return math.ceil(box.width), math.ceil(box.height)
+
+
+def _legend(fig: Figure, handles: list[Any], ncols: int) -> Any:
+    return fig.legend(handles=handles, loc="upper center", ncols=ncols, frameon=False, fontsize=LEGEND_PT,
+                      borderaxespad=0.0, handlelength=1.6, columnspacing=1.4)  # fmt: skip
+
+
+def _layout(
+    cells: list[_Cell], image_w: int, image_h: int, legend_sizes: list[tuple[int, int]], note: str | None,
+    note_measure: Callable[[str], float], note_lines: tuple[int, int], dpi: float,
+) -> _Layout:  # fmt: skip
+    """The grid (number of columns) whose canvas is closest to TARGET_ASPECT, and where everything goes."""
+    best: _Layout | None = None
+    count = len(cells)
+    for ncols in range(1, count + 1):
+        rows = math.ceil(count / ncols)
+        if math.ceil(count / rows) != ncols:
+            continue  # the same rows with a ragged last one: keep the balanced grid only
+        candidate = _grid(cells, ncols, image_w, image_h, legend_sizes, note, note_measure, note_lines, dpi)
+        if candidate is None:
+            continue
+        if best is None or candidate.aspect_score < best.aspect_score:
+            best = candidate
+    if best is None:  # even one column is wider than ROW_MAX_IN: a single column it is
+        best = _grid(cells, 1, image_w, image_h, legend_sizes, note, note_measure, note_lines, dpi, force=True)
+    assert best is not None
+    return best
+
+
+def _grid(
+    cells: list[_Cell], ncols: int, image_w: int, image_h: int, legend_sizes: list[tuple[int, int]],
+    note: str | None, note_measure: Callable[[str], float], note_lines: tuple[int, int], dpi: float, *,
+    force: bool = False,
+) -> _Layout | None:  # fmt: skip
+    count = len(cells)
+    rows = math.ceil(count / ncols)
+    margin, gap_x, gap_y = _px(MARGIN_IN, dpi), _px(GAP_X_IN, dpi), _px(GAP_Y_IN, dpi)
+    title_pad = _px(TITLE_PAD_IN, dpi)
+    col_w = [max(cells[i].width for i in range(c, count, ncols)) for c in range(ncols)]
+    grid_w = sum(col_w) + gap_x * (ncols - 1)
+    if not force and ncols > 1 and grid_w > _px(ROW_MAX_IN, dpi):
+        return None
+    row_title = [max(cells[i].title_h for i in range(r * ncols, min(count, (r + 1) * ncols))) for r in range(rows)]
+    row_h = [t + title_pad + image_h for t in row_title]
+    grid_h = sum(row_h) + gap_y * (rows - 1)
+    legend_ncols, legend_w, legend_h = 0, 0, 0
+    if legend_sizes:
+        room = max(grid_w, legend_sizes[0][0])
+        legend_ncols = max(k for k in range(1, len(legend_sizes) + 1) if legend_sizes[k - 1][0] <= room)
+        legend_w, legend_h = legend_sizes[legend_ncols - 1]
+    inner_w = max(grid_w, legend_w)
+    wrapped = wrap_text(note, inner_w, note_measure) if note else None
+    note_h = note_lines[0] + wrapped.count("\n") * note_lines[1] if wrapped else 0
+    legend_top = grid_h + (_px(LEGEND_PAD_IN, dpi) if legend_sizes else 0)
+    note_top = legend_top + legend_h + (_px(NOTE_PAD_IN, dpi) if wrapped else 0)
+    content_h = note_top + note_h
+    natural_w, natural_h = inner_w + 2 * margin, content_h + 2 * margin
+    width = max(natural_w, math.ceil(natural_h / MAX_ASPECT))
+    height = max(natural_h, math.ceil(width / MAX_ASPECT))
+    aspect = natural_w / natural_h
+    score = abs(math.log(aspect / TARGET_ASPECT)) + (10.0 if not 1 / MAX_ASPECT <= aspect <= MAX_ASPECT else 0.0)
+    ox, oy = (width - inner_w) // 2, (height - content_h) // 2
+    grid_left = ox + (inner_w - grid_w) // 2
+    # Images of a column share their left edge (a heat map's colorbar hangs on the right); each title is
+    # centred on its image, kept inside its column.
+    col_content = [max(cells[i].content_w for i in range(c, count, ncols)) for c in range(ncols)]
+    origins, anchors = [], []
+    for i, cell in enumerate(cells):
+        r, c = divmod(i, ncols)
+        col_left = grid_left + sum(col_w[:c]) + gap_x * c
+        top = oy + sum(row_h[:r]) + gap_y * r + row_title[r] + title_pad
+        left = col_left + (col_w[c] - col_content[c]) // 2
+        origins.append((left, top))
+        half = cell.title_w / 2
+        centre = min(max(left + image_w / 2, col_left + half), col_left + col_w[c] - half)
+        anchors.append((centre, top - title_pad))
+    centre = ox + inner_w / 2
+    return _Layout(width, height, image_w, image_h, origins, anchors, legend_ncols, (centre, oy + legend_top),
+                   wrapped, (centre, oy + note_top), score)  # fmt: skip
+
+
+def _image_axes(fig: Figure, layout: _Layout, slot: int, geometry: TokenGeometry) -> Any:
+    left, top = layout.image_origins[slot]
+    ax = _axes_px(fig, layout, left, top, layout.image_w, layout.image_h)
     height, img_width = geometry.image_size
     ax.set_xlim(0, img_width)
     ax.set_ylim(height, 0)
     ax.set_aspect("auto")
     ax.set_axis_off()
     return ax
+
+
+def _axes_px(fig: Figure, layout: _Layout, left: int, top: int, width: int, height: int) -> Any:
+    bottom = layout.height - top - height
+    return fig.add_axes((left / layout.width, bottom / layout.height, width / layout.width, height / layout.height))
 
 
 def _axes_extent(ax: Any, geometry: TokenGeometry, height_px: int) -> list[float]:
@@ -438,12 +574,13 @@ def overlay_figure(
     note: str | None = None,
     dpi: float = 150.0,
 ) -> OverlayFigure:
-    """One row of panels on the original image, one per method, plus an optional heat map of scores.
+    """Panels on the original image, one per method, plus an optional heat map of scores, in a grid.
 
     ``image`` is the original (H, W, 3) uint8 picture; ``geometry`` the tokens' footprints in it.
     ``view`` picks LLaVA-NeXT's base or high-resolution tokens (ignored, with a note, for one-view
     backbones). ``show_scores`` adds a heat map of the first panel's scores that has them (psi_bar for
-    CaRe); ``links`` draws a thin line from each signal to the anchor it mostly feeds.
+    CaRe); ``links`` draws a thin line from each signal to the anchor it mostly feeds. ``note`` (e.g. the
+    demo backbone's warning) is a footer wrapped to the canvas. See the module docstring for the layout.
     """
     image = np.asarray(image)
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
@@ -474,15 +611,47 @@ def overlay_figure(
 
     summaries = [panel_summary(p, n, drawn) for p in panels]
     titles = [_title(p, s, backbone, view_line) for p, s in zip(panels, summaries, strict=True)]
-    title_lines = max(t.count("\n") + 1 for t in titles)
     categories = {p.category for p in panels}
     has_signals = any(p.signals is not None for p in panels)
     unseen = bool(_unseen_rects(geometry))
     handles = _legend_handles(categories, has_signals, unseen, links and has_signals)
-    layout = _layout(geometry, len(panels), with_scores, title_lines, len(handles), note is not None, dpi)
 
-    fig = Figure(figsize=(layout.width / dpi, layout.height / dpi), dpi=dpi, facecolor="white")
-    FigureCanvasAgg(fig)
+    # Measure titles, legend and footer (their size in pixels is set by the dpi alone), then lay out.
+    fig = Figure(figsize=(4.0, 4.0), dpi=dpi, facecolor="white")
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    image_w, image_h = _image_px(geometry, dpi)
+    column_min = _px(COLUMN_MIN_IN, dpi)
+    cbar_extra = _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi)
+    title_measure = _text_measure(renderer, TITLE_PT)
+    contents = [(title, image_w) for title in titles]
+    scores_title = scores_label = None
+    if with_scores and scored is not None:
+        scores_title, scores_label = _scores_title(scored, backbone, view_line)
+        contents.append((scores_title, image_w + cbar_extra))
+    cells = []
+    for text, content_w in contents:
+        width = max(content_w, column_min)
+        artist = fig.text(0, 0, wrap_text(text, width, title_measure), fontsize=TITLE_PT, ha="center",
+                          va="bottom", linespacing=LINE_SPACING)  # fmt: skip
+        cells.append(_Cell(artist, content_w, width, *_size_px(artist, renderer)))
+    legend_sizes = []
+    for k in range(1, len(handles) + 1):
+        trial = _legend(fig, handles, k)
+        legend_sizes.append(_size_px(trial, renderer))
+        trial.remove()
+    note_lines = (0, 0)  # height of one line of the footer, and what each further line adds
+    if note:
+        probe = fig.text(0, 0, "Ag", fontsize=NOTE_PT, linespacing=LINE_SPACING)
+        first = _size_px(probe, renderer)[1]
+        probe.set_text("Ag\nAg")
+        note_lines = (first, _size_px(probe, renderer)[1] - first)
+        probe.remove()
+    layout = _layout(cells, image_w, image_h, legend_sizes, note, _text_measure(renderer, NOTE_PT), note_lines,
+                     dpi)  # fmt: skip
+    fig.set_size_inches(layout.width / dpi, layout.height / dpi)
+    for cell, (x, y) in zip(cells, layout.title_anchors, strict=True):
+        cell.title.set_position((x / layout.width, 1 - y / layout.height))
+
     base = _display_image(image, layout.image_w, layout.image_h)
     height, width = geometry.image_size
     scale_x, scale_y = layout.image_w / width, layout.image_h / height
@@ -491,7 +660,7 @@ def overlay_figure(
     inset_x, inset_y = stroke / 2 / scale_x, stroke / 2 / scale_y
 
     infos: list[PanelInfo] = []
-    for slot, (panel, summary, title) in enumerate(zip(panels, summaries, titles, strict=True)):
+    for slot, (panel, summary) in enumerate(zip(panels, summaries, strict=True)):
         ax = _image_axes(fig, layout, slot, geometry)
         anchors = panel.anchors
         anchors = anchors[drawn[anchors]] if anchors.size else anchors
@@ -519,7 +688,6 @@ def overlay_figure(
                                              joinstyle="miter", snap=False, zorder=4))  # fmt: skip
         ax.set_xlim(0, width)
         ax.set_ylim(height, 0)
-        ax.set_title(title, fontsize=TITLE_PT, pad=4, linespacing=1.25)
         infos.append(PanelInfo(
             method=panel.method,
             category=panel.category,
@@ -532,15 +700,16 @@ def overlay_figure(
         ))  # fmt: skip
 
     scores_info = None
-    if with_scores and scored is not None:
-        scores_info = _draw_scores(fig, layout, geometry, base, drawn, scored, backbone, view_line, dpi)
+    if with_scores and scored is not None and scores_label is not None:
+        scores_info = _draw_scores(fig, layout, len(panels), geometry, base, drawn, scored, scores_label, dpi)
     if handles:
-        fig.legend(handles=handles, loc="upper center", ncols=layout.legend_ncols, frameon=False,
-                   fontsize=LEGEND_PT, bbox_to_anchor=(0.5, 1 - layout.legend_top / layout.height),
-                   handlelength=1.6, columnspacing=1.4)  # fmt: skip
-    if note:
-        fig.text(0.5, _px(MARGIN_IN, dpi) / layout.height, note, ha="center", va="bottom", fontsize=LEGEND_PT,
-                 color="darkred")  # fmt: skip
+        legend = _legend(fig, handles, layout.legend_ncols)
+        x, y = layout.legend_anchor
+        legend.set_bbox_to_anchor((x / layout.width, 1 - y / layout.height), transform=fig.transFigure)
+    if layout.note:
+        x, y = layout.note_anchor
+        fig.text(x / layout.width, 1 - y / layout.height, layout.note, ha="center", va="top", fontsize=NOTE_PT,
+                 color=NOTE_COLOUR, linespacing=LINE_SPACING)  # fmt: skip
     return OverlayFigure(fig, float(dpi), (layout.width, layout.height), infos, scores_info, notes)
 
 
@@ -563,18 +732,24 @@ def _draw_links(
                                          zorder=2))  # fmt: skip
 
 
+def _scores_title(panel: PanelInput, backbone: str, view_line: str | None) -> tuple[str, str]:
+    """The heat map's title and the JSON label of its scores."""
+    is_psi = _is_psi_bar(panel.method)
+    label = "psi_bar" if is_psi else "scores"
+    heading = r"$\bar{\psi}$ (psi_bar)" if is_psi else "scores"
+    lines = [f"{heading} — {panel.method}", backbone]
+    if view_line:
+        lines.append(view_line)
+    return "\n".join(lines), label
+
+
 def _draw_scores(
-    fig: Figure, layout: _Layout, geometry: TokenGeometry, base: np.ndarray, drawn: np.ndarray, panel: PanelInput,
-    backbone: str, view_line: str | None, dpi: float,
+    fig: Figure, layout: _Layout, slot: int, geometry: TokenGeometry, base: np.ndarray, drawn: np.ndarray,
+    panel: PanelInput, label: str, dpi: float,
 ) -> dict[str, Any]:  # fmt: skip
     assert panel.scores is not None
-    slot = len(layout.slots) - 1
-    left, width = layout.slots[slot]
-    cbar_extra = _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi)
-    ax_left = left + (width - layout.image_w - cbar_extra) // 2
-    bottom = layout.height - layout.image_top - layout.image_h
-    ax = fig.add_axes((ax_left / layout.width, bottom / layout.height, layout.image_w / layout.width,
-                       layout.image_h / layout.height))  # fmt: skip
+    left, top = layout.image_origins[slot]
+    ax = _axes_px(fig, layout, left, top, layout.image_w, layout.image_h)
     height, img_width = geometry.image_size
     ax.set_axis_off()
     grey = base.mean(axis=2, keepdims=True).repeat(3, axis=2) * 0.6 + 0.4
@@ -589,18 +764,11 @@ def _draw_scores(
     _draw_unseen(ax, geometry)
     ax.set_xlim(0, img_width)
     ax.set_ylim(height, 0)
-    is_psi = _is_psi_bar(panel.method)
-    label = "psi_bar" if is_psi else "scores"
-    heading = r"$\bar{\psi}$ (psi_bar)" if is_psi else "scores"
-    lines = [f"{heading} — {panel.method}", backbone]
-    if view_line:
-        lines.append(view_line)
-    ax.set_title("\n".join(lines), fontsize=TITLE_PT, pad=4, linespacing=1.25)
-    assert layout.cbar_left is not None
-    cax = fig.add_axes((layout.cbar_left / layout.width, bottom / layout.height, _px(CBAR_W_IN, dpi) / layout.width,
-                        layout.image_h / layout.height))  # fmt: skip
-    bar = fig.colorbar(mappable, cax=cax)
-    bar.ax.tick_params(labelsize=LEGEND_PT - 1)
+    cax = _axes_px(fig, layout, left + layout.image_w + _px(CBAR_GAP_IN, dpi), top, _px(CBAR_W_IN, dpi),
+                   layout.image_h)  # fmt: skip
+    bar = fig.colorbar(mappable, cax=cax, format=FuncFormatter(lambda v, _pos: f"{v:.3g}"))
+    bar.ax.yaxis.set_major_locator(MaxNLocator(nbins=max(1, min(5, int(layout.image_h / (0.3 * dpi))))))
+    bar.ax.tick_params(labelsize=TICK_PT)
     return {
         "method": panel.method,
         "label": label,

@@ -75,7 +75,10 @@ def test_four_methods_in_one_call(care, tmp_path: Path) -> None:
     assert [p["method"] for p in report["panels"]] == methods
     png = read_png(out)
     extents = [p["image_extent"] for p in report["panels"]]
-    assert all(a[2] < b[0] for a, b in itertools.pairwise(extents))  # one row, left to right
+    order = sorted(range(len(extents)), key=lambda i: (extents[i][1], extents[i][0]))
+    assert order == list(range(len(methods)))  # a grid, row by row, left to right
+    for a, b in itertools.combinations(extents, 2):
+        assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]  # images never overlap
     for panel in report["panels"]:
         assert len(panel["anchors"]) == 48
         assert_edges(png, panel["anchors"], "red")
@@ -228,3 +231,43 @@ def test_bad_input_is_one_line_exit_2(care, photo: Path, tmp_path: Path, args: l
     assert run.err.startswith("error: ") and run.err.count("\n") == 1 and needle in run.err, run.err
     assert run.out == ""
     assert not (tmp_path / "o.png").exists()
+
+
+def assert_nothing_clipped(png: np.ndarray) -> None:
+    """The canvas' outer two-pixel frame is white: no text or image runs off the saved figure."""
+    frame = np.concatenate([png[:2].reshape(-1, 3), png[-2:].reshape(-1, 3), png[:, :2].reshape(-1, 3),
+                            png[:, -2:].reshape(-1, 3)])  # fmt: skip
+    assert frame.min() >= 250, "something is drawn on the canvas' outer frame (clipped)"
+
+
+@pytest.mark.parametrize(("backbone", "view"), [("tiny-llava", None), ("tiny-qwen2.5-vl", None),
+                                                 ("tiny-llava-next", "base")])  # fmt: skip
+def test_single_panel_default_dpi_is_not_clipped(care, photo: Path, tmp_path: Path, backbone: str,
+                                                 view: str | None) -> None:  # fmt: skip
+    out = tmp_path / "single.png"
+    args = ["--view", view] if view else []
+    run = care("visualize", photo, "-k", "64", "--model", backbone, *args, "--out", out, "--json")
+    assert run.code == 0, run.err
+    report = run.json()
+    png = read_png(out)
+    assert [png.shape[1], png.shape[0]] == report["figure_px"]
+    assert_nothing_clipped(png)
+    assert_edges(png, report["panels"][0]["anchors"], "red")
+
+
+@pytest.mark.parametrize(("width", "height"), [(1600, 300), (300, 1600)], ids=["wide", "tall"])
+def test_panorama_figure_is_bounded_and_drawn(care, tmp_path: Path, width: int, height: int) -> None:
+    image = tmp_path / "panorama.png"
+    Image.fromarray((np.random.default_rng(0).random((height, width, 3)) * 255).astype(np.uint8)).save(image)
+    out = tmp_path / "panorama_fig.png"
+    run = care("visualize", image, "--model", "tiny-qwen2.5-vl", "--method", "care", "--method", "zoo-prune",
+               "--keep", "32", "--scores", "--out", out, "--json")  # fmt: skip
+    assert run.code == 0, run.err
+    report = run.json()
+    png = read_png(out)
+    fw, fh = report["figure_px"]
+    assert 1 / 3 <= fw / fh <= 3, report["figure_px"]
+    assert_nothing_clipped(png)
+    for panel in report["panels"]:
+        assert_edges(png, panel["anchors"], "red")
+        assert_edges(png, panel["signals"], "green")
