@@ -142,3 +142,60 @@ def csr_bar_chart(
     if note:
         fig.supxlabel(_wrap(note, usable, renderer, FONT_PT), fontsize=FONT_PT, color=NOTE_COLOUR)
     return fig
+
+
+CURVE_MIN_BUDGETS = 3  # `care csr --plot` draws curves from this many budgets on, grouped bars below it
+
+
+def csr_budget_curves(
+    rows: Sequence[dict[str, Any]], *, title: str, note: str | None = None, dpi: float = CHART_DPI
+) -> Figure:
+    """CSR (x100) against the share of visual tokens kept, one line per method, 95% confidence band.
+
+    `rows` hold `method`, `mean`, `ci95` (half-width of the 95% interval of the mean over pairs) and
+    `kept_pct` (mean 100 K / N over pairs), one per method x budget, as `care csr` summarises them. The x
+    axis is the kept share, so ratio and keep budgets share one axis. Colours as :func:`csr_bar_chart`
+    (colour-blind safe; a line style per repeated colour); legend right of the axes; ``note`` as a footer.
+    """
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    styles = ("-", "--", ":", "-.")
+    markers = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
+    fig = Figure(figsize=(6.4, 4.2), dpi=dpi, facecolor="white", layout="constrained")
+    canvas = FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    lows, highs = [], []
+    for i, method in enumerate(methods):
+        points = sorted((float(r["kept_pct"]), float(r["mean"]), float(r.get("ci95") or 0.0))
+                        for r in rows if r["method"] == method)  # fmt: skip
+        xs = [p[0] for p in points]
+        ys = [p[1] for p in points]
+        half = [p[2] if math.isfinite(p[2]) else 0.0 for p in points]
+        colour, _ = method_style(i)
+        style = styles[(i // len(METHOD_COLORS)) % len(styles)]
+        ax.plot(xs, ys, color=colour, linestyle=style, marker=markers[i % len(markers)], markersize=4,
+                linewidth=1.6, label=method, zorder=3)  # fmt: skip
+        ax.fill_between(xs, [y - h for y, h in zip(ys, half, strict=True)],
+                        [y + h for y, h in zip(ys, half, strict=True)], color=colour, alpha=0.18, linewidth=0,
+                        zorder=2)  # fmt: skip
+        lows += [y - h for y, h in zip(ys, half, strict=True)]
+        highs += [y + h for y, h in zip(ys, half, strict=True)]
+    bottom, top = csr_axis_range(lows, highs)
+    ax.set_ylim(bottom, top)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("visual tokens kept (% of N)", fontsize=FONT_PT)
+    ylabel = "CSR (×100), mean ± 95% CI" + ("" if bottom == 0 else f", axis from {bottom:g}")
+    ax.set_ylabel(ylabel, fontsize=FONT_PT)
+    ax.tick_params(labelsize=FONT_PT)
+    ax.grid(alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+    legend = fig.legend(loc="outside right upper", fontsize=FONT_PT, frameon=False, title="method",
+                        title_fontsize=FONT_PT)  # fmt: skip
+    renderer = canvas.get_renderer()
+    legend_w = legend.get_window_extent(renderer).width / dpi + 0.15
+    fig.set_size_inches(6.4 + legend_w, 4.2 if len(methods) <= 12 else 4.2 + 0.16 * (len(methods) - 12))
+    usable = (6.4 + legend_w - 0.3) * dpi
+    fig.suptitle(_wrap(title, usable, renderer, TITLE_PT), fontsize=TITLE_PT)
+    if note:
+        fig.supxlabel(_wrap(note, usable, renderer, FONT_PT), fontsize=FONT_PT, color=NOTE_COLOUR)
+    return fig

@@ -29,7 +29,11 @@ DataOpt = Annotated[
     Path | None,
     typer.Option("--data", help='JSONL of {"image": ..., "question": ...}; image paths relative to the file.'),
 ]
-PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Grouped bar chart (PNG, PDF or SVG by extension).")]
+PlotOpt = Annotated[
+    Path | None,
+    typer.Option("--plot", help="Figure (.png, .pdf or .svg): grouped bars for one or two budgets, CSR-against-"
+                                "budget curves with a 95% band from three budgets on."),
+]  # fmt: skip
 CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Per-pair results as a .csv file.")]
 SkipBadOpt = Annotated[
     bool, typer.Option("--skip-bad", help="Skip bad JSONL lines and list them, instead of stopping.", metavar="")
@@ -315,15 +319,20 @@ def run_pairs(
 
 
 def summarise(results: list[dict[str, Any]], names: list[str], budgets: list[str]) -> list[dict[str, Any]]:
-    """Mean, population std and count of 100 x CSR per method x budget, in the order given."""
+    """Per method x budget, in the order given: mean, population std, count of 100 x CSR, the half-width of
+    its 95% confidence interval (normal approximation, sample std; 0 for one pair) and the mean kept share."""
     rows = []
     for name in names:
         for budget in budgets:
-            values = [r["csr"] for r in results if r["method"] == name and r["budget"] == budget]
-            if not values:
+            chosen = [r for r in results if r["method"] == name and r["budget"] == budget]
+            if not chosen:
                 continue
+            values = [r["csr"] for r in chosen]
+            n = len(values)
+            ci95 = 1.96 * statistics.stdev(values) / math.sqrt(n) if n > 1 else 0.0
             rows.append({"method": name, "budget": budget, "mean": statistics.fmean(values),
-                         "std": statistics.pstdev(values) if len(values) > 1 else 0.0, "n": len(values)})  # fmt: skip
+                         "std": statistics.pstdev(values) if n > 1 else 0.0, "n": n, "ci95": ci95,
+                         "kept_pct": statistics.fmean(100 * r["K"] / r["N"] for r in chosen)})  # fmt: skip
     return rows
 
 
@@ -340,12 +349,14 @@ def write_csv(path: Path, report: dict[str, Any]) -> None:
 
 
 def write_plot(path: Path, report: dict[str, Any]) -> None:
+    """Grouped bars for one or two budgets; CSR-against-budget curves with a 95% band from three on."""
     from care_cli.io import atomic_write_bytes
-    from care_core.figures import csr_bar_chart
+    from care_core.figures import CURVE_MIN_BUDGETS, csr_bar_chart, csr_budget_curves
 
     backbone = report["backbone"]
     title = f"CSR ×100 on {backbone['name']} ({report['pairs']} pair{'s' if report['pairs'] != 1 else ''})"
-    figure = csr_bar_chart(report["summary"], title=title, note=backbone["note"])
+    draw = csr_budget_curves if len(report["budgets"]) >= CURVE_MIN_BUDGETS else csr_bar_chart
+    figure = draw(report["summary"], title=title, note=backbone["note"])
     buffer = io.BytesIO()
     figure.savefig(buffer, format=path.suffix.lower().lstrip("."), dpi=150)
     atomic_write_bytes(path, buffer.getvalue())
