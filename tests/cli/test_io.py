@@ -15,9 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from care_cli import io as care_io
-from care_core import images as care_images
 from care_cli.errors import UserError
-from care_core.errors import ImageError
 from care_cli.io import (
     atomic_write_bytes,
     atomic_write_text,
@@ -25,6 +23,8 @@ from care_cli.io import (
     load_image,
     save_safetensors_atomic,
 )
+from care_core import images as care_images
+from care_core.errors import ImageError
 
 RED = (255, 0, 0)
 WHITE = (255, 255, 255)
