@@ -173,7 +173,8 @@ class ReductionPipeline:
     """A loaded backbone and configured methods; call it on images.
 
     ``skip_unavailable``: leave out (and list in :attr:`skipped`) methods this backbone cannot serve,
-    instead of raising MethodError -- what ``--method all`` wants.
+    instead of raising MethodError -- what ``--method all`` wants. ``memoize``: share budget-independent
+    work between budgets and methods of one image (same results; off only to measure what it saves).
     """
 
     def __init__(
@@ -183,8 +184,10 @@ class ReductionPipeline:
         config: CaReConfig | None = None,
         *,
         skip_unavailable: bool = False,
+        memoize: bool = True,
     ) -> None:
         self.adapter = adapter
+        self.memoize = memoize
         self.config = config or CaReConfig()
         self.skipped: list[dict[str, str]] = []
         self.methods: dict[str, Method] = {}
@@ -311,12 +314,14 @@ class ReductionPipeline:
                     if csr:
                         reference = csr_reference(full, question_embeds)
             runs: list[MethodRun] = []
+            # one set of inputs per image: its memo lets budget-independent work (PRCA's psi_bar, ZOO-Prune's
+            # sensitivity) run once for every budget and every method that shares it
+            inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
+                                  probes=probes, seed=self.config.seed, memo={} if self.memoize else None)  # fmt: skip
             for name, method in self.methods.items():
                 wanted = ks if plan is None else {b: ks[b] for b in plan.get(name, ()) if b in ks}
                 for budget, k in wanted.items():
                     run_clock = StageClock(adapter.device)
-                    inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
-                                          probes=probes, seed=self.config.seed)  # fmt: skip
                     inputs.stage_timer = run_clock
                     with run_clock("method"):
                         result = method(inputs, k)

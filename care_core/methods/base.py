@@ -13,7 +13,7 @@ This module imports no torch at import time (``care methods`` and ``care flops``
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, final
@@ -91,10 +91,21 @@ class MethodInputs:
     probes: dict[str, Any] = field(default_factory=dict)  # keys of PROBES
     seed: int = 0
     stage_timer: StageTimer | None = None  # optional: stage name -> context manager that times it
+    # Optional per-image scratch space, owned by the caller: methods keep what does not depend on the budget
+    # (PRCA's psi_bar, ZOO-Prune's sensitivity) so that several budgets and methods compute it once.
+    memo: dict[Hashable, Any] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.features.shape[0])
+
+    def memoized(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()``, or its earlier value for ``key`` on these same inputs when a memo is kept."""
+        if self.memo is None:
+            return compute()
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     def probe(self, name: str, method: str) -> Any:
         if name not in self.probes or self.probes[name] is None:

@@ -41,6 +41,11 @@ GATED_FIELDS = frozenset({"eta", "theta_s", "theta_c", "alpha", "sigma_p", "tau_
 UNGATED_FIELDS = frozenset({"alpha", "tau_s", "eps"})  # Eq. 7–9 with c_r = 1
 
 
+def prca_key(config: CaReConfig) -> tuple[object, ...]:
+    """Memo key of PRCA's psi_bar: the fields Eq. 1–3 read (not the budget, not the calibration's)."""
+    return ("prca", *(getattr(config, name) for name in sorted(PRCA_FIELDS)))
+
+
 @dataclass(frozen=True)
 class _CaReFamily(Method):
     config: CaReConfig = field(default_factory=CaReConfig)
@@ -61,13 +66,16 @@ class _CaReFamily(Method):
 
         v = inputs.features.to(compute_dtype(inputs.features.dtype))
         if self.anchors_from == "zoo-prune":
+            zoo = ZooPrune.from_config(self.config)
             with inputs.stage("scoring"):
-                weights, embeddings = ZooPrune.from_config(self.config).scores(inputs)
+                weights, embeddings = inputs.memoized(("zoo-prune", zoo.h, zoo.m, zoo.seed, zoo.engine),
+                                                      lambda: zoo.scores(inputs))  # fmt: skip
             with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
                 return diversity_greedy(weights, embeddings, keep, eps=1e-12), weights, v.to(weights.dtype)
         with inputs.stage("scoring"):
-            u = resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v)
-            psi_bar = prca_scores(v, inputs.projector, u, self.config)
+            psi_bar = inputs.memoized(prca_key(self.config), lambda: prca_scores(
+                v, inputs.projector, resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v),
+                self.config))  # fmt: skip
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
             return diversity_greedy(psi_bar, v, keep, self.config.eps), psi_bar, v
 

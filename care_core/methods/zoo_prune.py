@@ -86,7 +86,8 @@ class ZooPrune(Method):
         from care_core.precision import matmul_precision
 
         with inputs.stage("scoring"):
-            weights, embeddings = self.scores(inputs)
+            weights, embeddings = inputs.memoized(("zoo-prune", self.h, self.m, self.seed, self.engine),
+                                                  lambda: self.scores(inputs))  # fmt: skip
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
             order = diversity_greedy(weights, embeddings, keep, eps=1e-12)
         return selection_result(inputs.features, order, weights, selection_order=order)

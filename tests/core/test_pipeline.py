@@ -124,3 +124,37 @@ def test_answers_warm_up_alternate_and_report_medians() -> None:
     for answer in answers:  # the cold first call was a warm-up: no timed prefill carries its 300 ms
         assert answer.prefill_ms < 150 and answer.repeats == 3
         assert answer.total_ms >= 4
+
+
+def test_budget_independent_work_is_shared_and_changes_nothing(image: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import care_core.care
+    import care_core.methods.zoo_prune
+
+    names = ["care", "prca-only", "prca+simple-calib", "zoo-prune", "simple-calib", "confidence-calib"]
+    budgets = [Budget.keep(8), Budget.keep(16), Budget.ratio(0.1)]
+    shared = ReductionPipeline.from_pretrained("tiny-llava", methods=names, config=CaReConfig(m=16), device="cpu")
+    alone = ReductionPipeline(shared.adapter, names, CaReConfig(m=16), memoize=False)
+    tokens = shared.encode(image)
+    calls = {"prca": 0, "zoo": 0}
+    prca, zoo = care_core.care.prca_scores, care_core.methods.zoo_prune.ZooPrune.scores
+
+    def count_prca(*args: Any, **kwargs: Any) -> Any:
+        calls["prca"] += 1
+        return prca(*args, **kwargs)
+
+    def count_zoo(self: Any, inputs: Any) -> Any:
+        calls["zoo"] += 1
+        return zoo(self, inputs)
+
+    monkeypatch.setattr(care_core.care, "prca_scores", count_prca)
+    monkeypatch.setattr(care_core.methods.zoo_prune.ZooPrune, "scores", count_zoo)
+    with_memo = shared(tokens, None, budgets)
+    counted = dict(calls)
+    without = alone(tokens, None, budgets)
+    assert counted["zoo"] == 1  # three ZOO-Prune-anchored methods x three budgets: one sensitivity
+    assert counted["prca"] <= 1 + len(budgets)  # prca-only and prca+simple-calib share one psi_bar
+    assert calls["zoo"] - counted["zoo"] == 3 * len(budgets)
+    for a, b in zip(with_memo.runs, without.runs, strict=True):
+        assert (a.method, a.budget) == (b.method, b.budget)
+        assert torch.equal(a.result.tokens, b.result.tokens)
+        assert torch.equal(a.result.token_index, b.result.token_index)
