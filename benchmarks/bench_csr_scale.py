@@ -1,0 +1,221 @@
+"""CSR at data-set scale: pairs/s of `care csr` on a full-size LLaVA-NeXT-7B (random weights), every method that
+serves it x 3 budgets, three ways in one run on the same pairs:
+
+1. the pair-by-pair loop of the first release (one process; every method and budget computes everything);
+2. the library pipeline on one GPU (one process; budget-independent work shared per image);
+3. the pipeline sharded over every visible GPU by `care csr --num-processes` (torchrun), when there are >= 2.
+
+    python benchmarks/bench_csr_scale.py                 # on a CUDA machine (~5 min on one H100)
+    python benchmarks/bench_csr_scale.py --tiny --pairs 4 --device cpu   # smoke test of the script anywhere
+
+Random weights give real timings (the cost does not depend on the values), meaningless CSR. Prints a table and
+writes a new dated JSON file under benchmarks/results/ (never an existing one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+BUDGETS = (640, 320, 160)
+QUESTIONS = ("What is in the image?", "What colour is the main object?", "Where was this taken?",
+             "Is there a person?", "What is on the left?", "How many objects are there?",
+             "What is the person doing?", "Describe the background.")  # fmt: skip
+PHOTOS = ("astronaut.jpg", "coffee.jpg", "chelsea.jpg")
+
+
+def make_pairs(folder: Path, count: int) -> Path:
+    lines = [json.dumps({"image": str(ROOT / "examples" / PHOTOS[i % 3]), "question": QUESTIONS[i % len(QUESTIONS)]})
+             for i in range(count)]  # fmt: skip
+    path = folder / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def build_adapter(device: str, tiny: bool) -> Any:
+    """LLaVA-NeXT-7B (CLIP-L/336 + Vicuna-7B shapes), seeded random weights, bf16 on CUDA, as benchmarks/gpu.py."""
+    from gpu import build_llava_next
+
+    from care_core.backbones.llava_next import LlavaNextAdapter
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, processor = build_llava_next(dev, dtype, tiny)
+    return LlavaNextAdapter(model, processor, name="llava-next-7b (random weights)" if not tiny else "tiny-next")
+
+
+def old_loop(adapter: Any, pairs: list[Any], names: list[str], config: Any) -> float:
+    """The first release's `run_csr` loop: per pair encode, reference, probes; per method x budget everything."""
+    from care_core.csr import csr_from_reference, csr_reference
+    from care_core.images import load_image
+    from care_core.methods import MethodInputs, build_method
+    from care_core.pipeline import Budget
+
+    methods = {name: build_method(name, config) for name in names}
+    needs = sorted(set().union(*(m.needs for m in methods.values())) - {"question"})
+    budgets = [Budget.keep(k) for k in BUDGETS]
+    sync(adapter)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for pair in pairs:
+            picture = load_image(pair["image"])
+            question = adapter.question_embeddings(pair["question"])
+            tokens = adapter.encode_image(picture)
+            reference = csr_reference(adapter.projector(tokens.features), question)
+            probes = adapter.probe_inputs(tokens, needs, question=pair["question"]) if needs else {}
+            probes["question"] = question
+            inputs = MethodInputs(
+                tokens.features, adapter.projector, tokens.positions, grid=tokens.grid, probes=probes, seed=config.seed
+            )  # fmt: skip  (no memo: as the first release)
+            for method in methods.values():
+                for budget in budgets:
+                    result = method(inputs, budget.resolve(tokens.num_tokens))
+                    csr_from_reference(reference, adapter.projector(result.tokens.to(adapter.dtype)))
+    sync(adapter)
+    return time.perf_counter() - start
+
+
+def pipeline_run(adapter: Any, pairs: list[Any], names: list[str], config: Any) -> float:
+    from care_core.images import load_image
+    from care_core.pipeline import Budget, ReductionPipeline
+
+    pipe = ReductionPipeline(adapter, names, config)
+    budgets = [Budget.keep(k) for k in BUDGETS]
+    sync(adapter)
+    start = time.perf_counter()
+    for pair in pairs:
+        pipe(load_image(pair["image"]), pair["question"], budgets, csr=True)
+    sync(adapter)
+    return time.perf_counter() - start
+
+
+def sync(adapter: Any) -> None:
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of the sharded run: build the model, wait for all ranks, time this rank's share, report."""
+    import torch.distributed as dist
+
+    from care_cli.runs import World
+    from care_core.config import CaReConfig
+
+    world = World.from_env()
+    device = f"cuda:{world.local_rank}" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    adapter = build_adapter(device, args.tiny)
+    names = served(adapter)
+    pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
+    pipeline_run(adapter, pairs[: world.size], names, CaReConfig())  # warm-up
+    dist.init_process_group("gloo")
+    dist.barrier()
+    start = time.perf_counter()
+    seconds = pipeline_run(adapter, world.take(pairs), names, CaReConfig())
+    dist.barrier()
+    wall = time.perf_counter() - start
+    if world.is_main:
+        Path(args.report).write_text(json.dumps({"wall_s": wall, "rank0_s": seconds, "processes": world.size}))
+    dist.destroy_process_group()
+
+
+def served(adapter: Any) -> list[str]:
+    from care_core.methods import methods_for_backbone
+
+    return methods_for_backbone(adapter.family)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=24)
+    parser.add_argument("--tiny", action="store_true", help="tiny widths (smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--report", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.out is not None and args.out.exists():
+        raise SystemExit(f"error: {args.out} exists; benchmarks write new files only")
+    from care_cli.versions import versions
+    from care_core.config import CaReConfig
+
+    console = Console()
+    scratch = Path(tempfile.mkdtemp(prefix="care-bench-csr-"))
+    data = make_pairs(scratch, args.pairs)
+    pairs = [json.loads(line) for line in data.read_text().splitlines()]
+    device = args.device if args.device != "cuda" else "cuda:0"
+    adapter = build_adapter(device, args.tiny)
+    names = served(adapter)
+    config = CaReConfig()
+    pipeline_run(adapter, pairs[:2], names, config)  # warm-up: kernels, allocator, demo caches
+    old_s = old_loop(adapter, pairs, names, config)
+    new_s = pipeline_run(adapter, pairs, names, config)
+    card = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
+    rows = [
+        {"run": "first release: pair-by-pair loop", "processes": 1, "seconds": old_s},
+        {"run": "pipeline, 1 process", "processes": 1, "seconds": new_s},
+    ]
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    if gpus >= 2:
+        del adapter
+        torch.cuda.empty_cache()
+        report = scratch / "sharded.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               str(Path(__file__).resolve()), "--worker", "--data", str(data), "--report", str(report),
+               "--device", "cuda"] + (["--tiny"] if args.tiny else [])  # fmt: skip
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
+        sharded = json.loads(report.read_text())
+        rows.append({"run": f"pipeline, {gpus} processes (torchrun, one GPU each)", "processes": gpus,
+                     "seconds": sharded["wall_s"]})  # fmt: skip
+    for row in rows:
+        row["pairs_per_s"] = len(pairs) / row["seconds"]
+    base = rows[0]["pairs_per_s"]
+    single = rows[1]["pairs_per_s"]
+    for row in rows:
+        row["vs_first_release"] = row["pairs_per_s"] / base
+        row["vs_one_process"] = row["pairs_per_s"] / single
+    table = Table(
+        title=f"care csr, LLaVA-NeXT-7B (random weights), {len(names)} methods x {len(BUDGETS)} budgets "
+        f"(K = {', '.join(map(str, BUDGETS))}), {len(pairs)} pairs — {card}",
+        title_justify="left",
+    )
+    for col in ("run", "pairs/s", "s", "× first release", "× one process"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for row in rows:
+        cells = (f"{row['pairs_per_s']:.2f}", f"{row['seconds']:.1f}", f"{row['vs_first_release']:.2f}",
+                 f"{row['vs_one_process']:.2f}")  # fmt: skip
+        table.add_row(row["run"], *cells)
+    console.print(table)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    slug = "".join(c if c.isalnum() else "-" for c in card.lower()).strip("-")
+    out = args.out or ROOT / "benchmarks/results" / f"{stamp}-{slug}-bench_csr_scale.json"
+    payload = {"date": stamp, "card": card, "gpus": gpus, "tiny": args.tiny, "methods": names,
+               "budgets": list(BUDGETS), "pairs": len(pairs), "rows": rows, "versions": versions()}  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "x", encoding="utf-8") as handle:
+        handle.write(json.dumps(payload, indent=2) + "\n")
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
