@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -12,14 +13,14 @@ Engine = Literal["jvp", "fd"]
 MatmulPrecision = Literal["auto", "float32", "tf32", "bf16"]
 
 
-def _hyper(default: Any, symbol: str, text: str, low: float | None = None, high: float | None = None,
+def _hyper(default: Any, symbol: str, text: str, low: float | None = None, high: Any = None,
            *, open_low: bool = False) -> Any:
     """A hyperparameter field: its symbol, a one-line meaning and its meaningful range, for the CLI and errors."""
     return field(default=default, metadata={"symbol": symbol, "help": text, "low": low, "high": high,
                                             "open_low": open_low})  # fmt: skip
 
 
-def _range_text(meta: dict[str, Any], cfg: Any = None) -> str:
+def _range_text(meta: Mapping[str, Any], cfg: Any = None) -> str:
     low, high = meta["low"], meta["high"]
     if callable(high):
         high = high(cfg) if cfg is not None else None

@@ -321,8 +321,8 @@ def _compose(
         dim[rows, cols] = False
     out[dim] *= DIM
     if fills:
-        for i, colour in fills.items():
-            rows, cols = _box_slices(geometry.boxes[i], sx, sy, (h, w))
+        for token, colour in fills.items():
+            rows, cols = _box_slices(geometry.boxes[token], sx, sy, (h, w))
             out[rows, cols] = (1 - MERGE_ALPHA) * out[rows, cols] + MERGE_ALPHA * np.asarray(colour, dtype=np.float32)
     return out
 

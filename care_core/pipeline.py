@@ -312,6 +312,7 @@ class ReductionPipeline:
                 with clock("reference"):
                     full = adapter.projector(tokens.features)
                     if csr:
+                        assert question_embeds is not None
                         reference = csr_reference(full, question_embeds)
             runs: list[MethodRun] = []
             # one set of inputs per image: its memo lets budget-independent work (PRCA's psi_bar, ZOO-Prune's
@@ -340,7 +341,8 @@ class ReductionPipeline:
             full_answer = None
             if generate:
                 assert asked is not None and full is not None
-                feeds = [(None, full, None)] + [(item, item.projected, item.result.token_index) for item in runs]
+                feeds: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = [(None, full, None)]
+                feeds += [(item, item.projected, item.result.token_index) for item in runs]
                 answers = self._answers(tokens, asked, feeds, max_new_tokens, repeats)
                 full_answer = answers[0]
                 for item, answer in zip(runs, answers[1:], strict=True):

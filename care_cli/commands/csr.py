@@ -277,7 +277,7 @@ def run_pairs(
                 "pair_id": pid, "line": pair.line, "image": str(pair.image), "question": pair.question,
                 "backbone": backbone.name, "demo": backbone.demo,
                 "method": run.method, "budget": run.budget.label, "N": output.num_tokens, "K": run.keep,
-                "tokens_out": run.result.num_tokens, "csr": 100 * run.csr, "uniform_weights": run.uniform_weights,
+                "tokens_out": run.result.num_tokens, "csr": _x100(run.csr), "uniform_weights": run.uniform_weights,
             } for run in output.runs]  # fmt: skip
             if shard is not None:
                 shard.append(records)
@@ -316,6 +316,12 @@ def run_pairs(
         "results": results,
         "skipped": skipped,
     }
+
+
+def _x100(csr: float | None) -> float:
+    if csr is None:
+        raise AssertionError("the pipeline ran with csr=True, so every run has a CSR")
+    return 100 * csr
 
 
 def summarise(results: list[dict[str, Any]], names: list[str], budgets: list[str]) -> list[dict[str, Any]]:

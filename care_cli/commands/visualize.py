@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -151,7 +151,8 @@ def build_figure(
     geometry = TokenGeometry.from_tokens(output.tokens)
     if view is not None and geometry.views is None:
         notes.append(f"--view {view} ignored: the {backbone.family} backbone has a single view of the image")
-    drawing = overlay_figure(np.asarray(picture), geometry, panels, backbone=backbone.name, view=view or "high",
+    side: Literal["high", "base"] = "base" if view == "base" else "high"
+    drawing = overlay_figure(np.asarray(picture), geometry, panels, backbone=backbone.name, view=side,
                              show_scores=scores, links=links, note=backbone.note, dpi=dpi)  # fmt: skip
     notes.extend(drawing.notes)
     figure = drawing.to_dict()

@@ -33,7 +33,7 @@ def count_flops(fn: Callable[[], Any]) -> tuple[int, dict[str, int]]:
     from torch.utils.flop_counter import FlopCounterMode
 
     register_cpu_sdpa_formula()
-    counter = FlopCounterMode(display=False, depth=None)
+    counter = FlopCounterMode(display=False, depth=None)  # type: ignore[arg-type]  # None: every depth
     with counter, torch.no_grad():
         fn()
     per_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}

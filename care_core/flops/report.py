@@ -68,8 +68,8 @@ def resolve_tokens(spec: BackboneSpec, tokens: int | None, image: tuple[int, int
     if image is not None:
         count = visual_tokens(spec, *image)
         return TokenSource(count.tokens, "--image-size", f"N for a {image[0]}×{image[1]} image", count, image)
-    count = visual_tokens(spec, *spec.default_image) if spec.default_image else None
-    return TokenSource(spec.default_tokens, "default", spec.default_tokens_note, count, spec.default_image)
+    default = visual_tokens(spec, *spec.default_image) if spec.default_image else None
+    return TokenSource(spec.default_tokens, "default", spec.default_tokens_note, default, spec.default_image)
 
 
 def resolve_budgets(spec: BackboneSpec, n: int, keeps: Sequence[int], ratios: Sequence[float]) -> list[int]:

@@ -356,9 +356,10 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
             return BackboneSpec(name, "llava (config)", "llava", lm, projector, vision, per_crop,
                                 f"one {image}×{image} view: {per_crop} tokens", (image, image),
                                 paper_budgets=(192, 128, 64), source=str(path))  # fmt: skip
-        pinpoints = tuple(tuple(int(v) for v in p) for p in config.image_grid_pinpoints)
-        if not pinpoints or any(len(p) != 2 or min(p) < 1 for p in pinpoints):
+        raw_pinpoints = [tuple(int(v) for v in p) for p in config.image_grid_pinpoints]
+        if not raw_pinpoints or any(len(p) != 2 or min(p) < 1 for p in raw_pinpoints):
             raise BackboneSpecError(f"{path}: image_grid_pinpoints must be a list of [height, width] pairs")
+        pinpoints = tuple((p[0], p[1]) for p in raw_pinpoints)
         spec = BackboneSpec(name, "llava_next (config)", "llava_next", lm, projector, vision, 0, "",
                             None, pinpoints, paper_budgets=(640, 320, 160), source=str(path))  # fmt: skip
         from care_core.flops.tokens import visual_tokens
@@ -391,7 +392,8 @@ def _with_qwen_pixels(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
     if not preprocessor.is_file():
         return spec
     data = _load_json(preprocessor)
-    size = data.get("size") if isinstance(data.get("size"), dict) else {}
+    raw_size = data.get("size")
+    size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
     low = data.get("min_pixels", size.get("shortest_edge", spec.min_pixels))
     high = data.get("max_pixels", size.get("longest_edge", spec.max_pixels))
     return replace(spec, min_pixels=_positive(low, "min_pixels", preprocessor),

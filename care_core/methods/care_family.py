@@ -22,7 +22,7 @@ the registered method are one code path; every calibrated result converts to the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from care_core._lazy import torch
 from care_core.config import CaReConfig
@@ -66,7 +66,7 @@ class _CaReFamily(Method):
 
         v = inputs.features.to(compute_dtype(inputs.features.dtype))
         if self.anchors_from == "zoo-prune":
-            zoo = ZooPrune.from_config(self.config)
+            zoo = cast(ZooPrune, ZooPrune.from_config(self.config))
             with inputs.stage("scoring"):
                 weights, embeddings = inputs.memoized(("zoo-prune", zoo.h, zoo.m, zoo.seed, zoo.engine),
                                                       lambda: zoo.scores(inputs))  # fmt: skip
