@@ -33,7 +33,7 @@ def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
     """``{"image": BaseModelOutputWithPooling(pooler_output=[rows])}``: pre-encoded visual rows for one image."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    return {"image": BaseModelOutputWithPooling(pooler_output=[rows])}
+    return {"image": BaseModelOutputWithPooling(pooler_output=[rows])}  # type: ignore[arg-type]  # one per image
 
 
 _A = TypeVar("_A", bound="ChatAdapter")
@@ -89,7 +89,7 @@ class ChatAdapter(VLMAdapter):
             model = getattr(transformers, cls.model_class).from_pretrained(str(folder), **kwargs)
             model = model.to(device).eval()
             model.requires_grad_(False)
-        return cls(model, processor, name=name, is_demo=is_demo)
+        return cls(model, processor, name=name, is_demo=is_demo)  # type: ignore[call-arg]  # the subclasses' constructor
 
     @property
     def tokenizer(self) -> Any:
