@@ -16,12 +16,13 @@ import sys
 import types
 import warnings
 from collections.abc import MutableMapping, MutableSequence, MutableSet
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from care_core import CaReConfig, care_reduce, kernels
+from care_core import CaReConfig, Reduction, care_reduce, kernels
 from care_core.anchors import diversity_greedy, diversity_greedy_gram, unit_rows
 from care_core.errors import CareError
 from care_core.kernels import triton_enabled
@@ -413,3 +414,54 @@ def test_care_reduce_on_cuda_matches_the_cpu_with_fused_kernels() -> None:
     torch.testing.assert_close(gpu.psi_bar.cpu(), cpu.psi_bar, atol=5e-3, rtol=0)
     overlap = len(set(gpu.indices.tolist()) & set(cpu.indices.tolist()))
     assert overlap >= 36  # tf32 scores on the GPU vs float32 on the CPU: near-ties may swap
+
+
+@cuda
+def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not triton_enabled(torch.device("cuda")):
+        pytest.skip("Triton is not available")
+    features = _clustered(576, 64, seed=50, dtype=torch.float32).cuda()
+    mlp = _mlp(64, 256, 512, seed=51, dtype=torch.float32).cuda()
+    positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(52)).cuda()
+    calls = {"jvp_norms": 0, "greedy_order": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*args: object, name: str = name, real: object = real, **kwargs: object) -> torch.Tensor:
+            calls[name] += 1
+            return real(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernels, name, counted)
+
+    def reduce(**settings: Any) -> Reduction:
+        return care_reduce(features, mlp, positions, keep=64, config=CaReConfig(**settings))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        default = reduce()  # tf32 scoring on cuBLAS, fused greedy
+        assert calls == {"jvp_norms": 0, "greedy_order": 1}
+        reduce(matmul_precision="bf16")
+        assert calls == {"jvp_norms": 1, "greedy_order": 2}
+        fused = reduce(kernel="fused")  # tf32 scoring through the fused kernel too
+        assert calls == {"jvp_norms": 2, "greedy_order": 3}
+        plain = reduce(kernel="torch")
+        assert calls == {"jvp_norms": 2, "greedy_order": 3}
+    for got in (fused, plain):
+        torch.testing.assert_close(got.psi_bar, default.psi_bar, atol=2e-3, rtol=0)
+        shared = len(set(got.indices.tolist()) & set(default.indices.tolist()))
+        assert shared >= 60
+
+
+@cuda
+def test_scorer_on_cuda_with_a_bf16_projector_gives_the_functional_results() -> None:
+    features = _clustered(576, 64, seed=53, dtype=torch.float32).cuda()
+    mlp = _mlp(64, 256, 512, seed=54, dtype=torch.float32).cuda().bfloat16()
+    positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(55)).cuda()
+    cfg = CaReConfig(matmul_precision="bf16")
+    plain = care_reduce(features, mlp, positions, keep=64, config=cfg)
+    scorer = Scorer(mlp)
+    for _ in range(2):
+        kept = care_reduce(features, mlp, positions, keep=64, config=cfg, scorer=scorer)
+        assert torch.equal(kept.indices, plain.indices) and torch.equal(kept.signals, plain.signals)
+        torch.testing.assert_close(kept.psi_bar, plain.psi_bar, atol=1e-6, rtol=0)
+    assert scorer.kernel_failures == {}
