@@ -250,7 +250,7 @@ def test_a_kernel_that_fails_to_build_falls_back_for_that_call_only(monkeypatch:
         scorer.responses(features, u, h=5e-4, matmul="bf16")
     before = len(calls)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message="care: ")
         assert torch.equal(scorer.responses(features, u, h=5e-4, matmul="bf16"), reference)
     assert len(calls) == before and set(scorer.kernel_failures) == {"jvp"}
     scorer.clear()
@@ -363,7 +363,7 @@ def test_fused_and_pytorch_jvp_paths_agree(matmul: str, monkeypatch: pytest.Monk
     real = kernels.jvp_norms
     monkeypatch.setattr(kernels, "jvp_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a fallback would warn
+        warnings.filterwarnings("error", message="care: ")  # a fallback would warn
         fused = responses_jvp(features, mlp, u, matmul, kernel="fused")
     assert calls == [True]
     plain = responses_jvp(features, mlp, u, matmul, kernel="torch")
@@ -437,7 +437,7 @@ def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.Mon
         return care_reduce(features, mlp, positions, keep=64, config=CaReConfig(**settings))
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a fallback would warn
+        warnings.filterwarnings("error", message="care: ")  # a fallback would warn
         default = reduce()  # tf32 scoring on cuBLAS, fused greedy
         assert calls == {"jvp_norms": 0, "greedy_order": 1}
         reduce(matmul_precision="bf16")
