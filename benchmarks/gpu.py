@@ -52,6 +52,7 @@ from care_core import CaReConfig, care_reduce  # noqa: E402
 from care_core import scoring as scoring_module  # noqa: E402
 from care_core.anchors import diversity_greedy  # noqa: E402
 from care_core.care import resolve_directions  # noqa: E402
+from care_core.kernels import Kernel  # noqa: E402
 from care_core.methods import registry as method_registry  # noqa: E402
 from care_core.methods.base import MethodInputs  # noqa: E402
 from care_core.precision import matmul_precision  # noqa: E402
@@ -224,7 +225,7 @@ _SKETCHED: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def sketch_responses(
-    v: torch.Tensor, projector: torch.nn.Module, u: torch.Tensor, matmul: str, rank: int
+    v: torch.Tensor, projector: torch.nn.Module, u: torch.Tensor, matmul: str, rank: int, kernel: Kernel = "fused"
 ) -> torch.Tensor:
     """Experiment (not offered by the core): ||R J u|| with a seeded Gaussian sketch R (rank, d_out), R W2 cached."""
     mlp = _as_mlp(projector)
@@ -238,7 +239,8 @@ def sketch_responses(
             _SKETCHED[key] = r @ w2
     low = torch.bfloat16 if matmul == "bf16" else None
     with matmul_precision(allow_tf32=matmul == "tf32"), torch.no_grad():
-        return scoring_module._jvp_mlp(v, mlp, u, low, tf32=matmul == "tf32", second_weight=_SKETCHED[key])
+        w2 = _SKETCHED[key]
+        return scoring_module._jvp_mlp(v, mlp, u, low, tf32=matmul == "tf32", second_weight=w2, kernel=kernel)
 
 
 def bench_scoring(
@@ -277,24 +279,21 @@ def bench_scoring(
         ]
         for engine, matmul, path, no_triton, extra in variants:
             row: dict[str, Any] = {"N": n, "engine": engine, "matmul": matmul, "path": path, "K_for_overlap": k}
-            saved_fused_tf32 = scoring_module.FUSED_TF32
-            if no_triton is False:
-                scoring_module.FUSED_TF32 = True  # force the fused kernel for this row
+            # this row's kernel setting: "fused" forces the fused kernel on CUDA (a CareError if it cannot run)
+            kernel: Kernel = "torch" if no_triton else "fused" if no_triton is False and v.is_cuda else "auto"
+            row["kernel"] = kernel
             try:
                 with triton_disabled(bool(no_triton)):
 
-                    def run(engine=engine, matmul=matmul, extra=extra, v=v, u=u) -> torch.Tensor:
+                    def run(engine=engine, matmul=matmul, extra=extra, v=v, u=u, kernel=kernel) -> torch.Tensor:
                         if engine == "sketch":
-                            return sketch_responses(v, projector32, u, matmul, extra["sketch_rank"])
-                        return perturbation_responses(v, projector32, u, h=cfg.h, engine=engine, matmul=matmul)
+                            return sketch_responses(v, projector32, u, matmul, extra["sketch_rank"], kernel)
+                        return perturbation_responses(
+                            v, projector32, u, h=cfg.h, engine=engine, matmul=matmul, kernel=kernel
+                        )
 
-                    failures = len(scoring_module._FUSED_FAILED)
                     out = run()
                     row["ms"] = clock.median(run, reps=reps, warmup=2)
-                    if len(scoring_module._FUSED_FAILED) > failures:
-                        row["error"] = (
-                            "fused kernel failed, PyTorch path ran: " + scoring_module._FUSED_FAILED[-1][:200]
-                        )
                 err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
                 row["max_rel_err_vs_fp64"] = err
                 anchors = set(psi_and_anchors(out, v, k, cfg).tolist())
@@ -313,8 +312,6 @@ def bench_scoring(
                     row["x_floor"] = row["ms"] / row["floor_ms"]
             except Exception as exc:  # keep going: one failing variant must not lose the rest
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            finally:
-                scoring_module.FUSED_TF32 = saved_fused_tf32
             rows.append(row)
             print(f"  scoring N={n} {engine}/{matmul} {path}: {row.get('ms', float('nan')):.2f} ms "
                   f"err={row.get('max_rel_err_vs_fp64', float('nan')):.1e} "
@@ -666,7 +663,7 @@ def bench_workload(
     for k in BUDGETS[name]:
         for label, cfg, no_triton in (
             (
-                f"jvp (default: tf32, {'fused' if scoring_module.FUSED_TF32 else 'PyTorch'} scoring)",
+                f"jvp (default: tf32, kernel={CaReConfig().kernel!r}: PyTorch scoring)",
                 CaReConfig(),
                 False,
             ),
@@ -1064,8 +1061,7 @@ def main() -> None:
                 )
             results["workloads"].append(w)
             save()
-    results["fused_jvp_failures"] = list(scoring_module._FUSED_FAILED)
-    results["fused_tf32_default"] = scoring_module.FUSED_TF32
+    results["kernel_default"] = CaReConfig().kernel  # "auto": fused for bf16 scoring and anchors, tf32 on cuBLAS
     results["targets"] = targets(results)
     results["wall_s"] = time.perf_counter() - t0
     save()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from care_core import kernels
+from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
 
 
@@ -17,25 +19,39 @@ def cosine_similarity_matrix(a: torch.Tensor, b: torch.Tensor, eps: float) -> to
     return unit_rows(a, eps) @ unit_rows(b, eps).T
 
 
-def diversity_greedy(weights: torch.Tensor, features: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+def diversity_greedy(
+    weights: torch.Tensor,
+    features: torch.Tensor,
+    k: int,
+    eps: float,
+    *,
+    kernel: Kernel | KernelGate = "auto",
+) -> torch.Tensor:
     """Selection order of k tokens by Eq. 3; returns (k,) long indices in the order chosen.
 
     S starts at argmax w; each step adds argmax_{i not in S} w_i min_{j in S} (1 - cos(v_i, v_j)).
     Ties go to the lowest index (torch.argmax returns the first maximum). The running minimum is
     updated with one row of cosines per step and the loop never reads a value back to the host.
 
-    On CUDA (float32, N <= 16384, Triton present) the K steps run in one fused kernel over the cosine
-    Gram matrix (:mod:`care_core.kernels.greedy`): the same steps, one launch instead of ~8 per step.
-    Its cosines come from one float32 matmul instead of one matvec per step, so they can differ in the
-    last bit: the order is the same unless two candidates tie to within float32 rounding.
+    On CUDA (float32, N <= 16384, Triton present; ``kernel`` "auto" or "fused") the K steps run in one
+    fused kernel over the cosine Gram matrix (:mod:`care_core.kernels.greedy`): the same steps, one
+    launch instead of ~8 per step. Its cosines come from one float32 matmul instead of one matvec per
+    step, so they can differ in the last bit: the order is the same unless two candidates tie to within
+    float32 rounding. A kernel that cannot be built falls back to the loop ("auto") for this call.
     """
-    if _fused_greedy_applies(weights, features):
-        from care_core.kernels.greedy import greedy_order
-
+    gate = as_gate(kernel)
+    applies = (
+        weights.dtype == torch.float32
+        and features.dtype == torch.float32
+        and weights.shape[0] <= kernels.GREEDY_MAX_TOKENS
+    )
+    if gate.choose("greedy", weights.device, applies=applies) == "fused":
         unit = unit_rows(features, eps)
         with matmul_precision(allow_tf32=False):
             gram = unit @ unit.T
-        return greedy_order(weights, gram, k)
+        order = gate.attempt("greedy", lambda: kernels.greedy_order(weights, gram, k))
+        if order is not None:
+            return order
     n = weights.shape[0]
     unit = unit_rows(features, eps)
     order = torch.empty(k, dtype=torch.long, device=weights.device)
@@ -52,18 +68,6 @@ def diversity_greedy(weights: torch.Tensor, features: torch.Tensor, k: int, eps:
         selected.index_fill_(0, chosen, True)
         min_distance = torch.minimum(min_distance, 1 - unit @ unit.index_select(0, chosen)[0])
     return order
-
-
-def _fused_greedy_applies(weights: torch.Tensor, features: torch.Tensor) -> bool:
-    from care_core.kernels import triton_enabled
-
-    if weights.device.type != "cuda" or not triton_enabled(weights.device):
-        return False
-    if weights.dtype != torch.float32 or features.dtype != torch.float32:
-        return False
-    from care_core.kernels.greedy import MAX_TOKENS
-
-    return weights.shape[0] <= MAX_TOKENS
 
 
 def diversity_greedy_gram(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:

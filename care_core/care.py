@@ -13,9 +13,11 @@ from care_core.anchors import diversity_greedy
 from care_core.calibration import Calibration, calibrate
 from care_core.config import CaReConfig, resolve_budget
 from care_core.errors import CareError
+from care_core.kernels import KernelGate
 from care_core.precision import compute_dtype, matmul_precision
 from care_core.scoring import (
     Projector,
+    Scorer,
     influence_scores,
     perturbation_responses,
     robust_zscores,
@@ -78,10 +80,18 @@ def _check_inputs(features: torch.Tensor, positions: torch.Tensor) -> None:
 
 
 def resolve_directions(
-    directions: torch.Tensor | None, m: int, dim: int, seed: int, like: torch.Tensor
+    directions: torch.Tensor | None,
+    m: int,
+    dim: int,
+    seed: int,
+    like: torch.Tensor,
+    *,
+    scorer: Scorer | None = None,
 ) -> torch.Tensor:
-    """The (m, d_v) unit directions: the given ones, or m drawn from `seed` (Eq. 1)."""
+    """The (m, d_v) unit directions: the given ones, or m drawn from `seed` (Eq. 1), kept by `scorer` if any."""
     if directions is None:
+        if scorer is not None:
+            return scorer.directions(m, dim, seed, device=like.device, dtype=like.dtype)
         return unit_directions(m, dim, seed, device=like.device, dtype=like.dtype)
     if directions.ndim != 2 or directions.shape[1] != dim:
         raise CareError(f"directions must have shape (m, {dim}), got {tuple(directions.shape)}")
@@ -89,12 +99,26 @@ def resolve_directions(
 
 
 def prca_scores(
-    features: torch.Tensor, projector: Projector, directions: torch.Tensor, cfg: CaReConfig
+    features: torch.Tensor,
+    projector: Projector,
+    directions: torch.Tensor,
+    cfg: CaReConfig,
+    *,
+    scorer: Scorer | None = None,
 ) -> torch.Tensor:
-    """psi_bar (N,) of PRCA: Eq. 1 responses, Eq. 2 robust z-scores, psi = mu - lambda sigma, min-max."""
-    responses = perturbation_responses(
-        features, projector, directions, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision
-    )
+    """psi_bar (N,) of PRCA: Eq. 1 responses, Eq. 2 robust z-scores, psi = mu - lambda sigma, min-max.
+
+    With a `scorer` (made for `projector`) its prepared projector and kernel decisions are used.
+    """
+    if scorer is not None:
+        responses = scorer.responses(
+            features, directions, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision, kernel=cfg.kernel
+        )
+    else:
+        responses = perturbation_responses(
+            features, projector, directions, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision,
+            kernel=cfg.kernel,
+        )  # fmt: skip
     return influence_scores(robust_zscores(responses, cfg.eps), cfg.lam, cfg.eps)
 
 
@@ -126,6 +150,7 @@ def care_reduce(
     directions: torch.Tensor | None = None,
     *,
     stage_timer: StageTimer | None = None,
+    scorer: Scorer | None = None,
 ) -> Reduction:
     """Reduce N visual tokens to K calibrated tokens with CaRe.
 
@@ -134,7 +159,9 @@ def care_reduce(
     positions: (N, 2) normalised patch centres p. Exactly one of `ratio` (K = max(1, floor(ratio N)))
     and `keep` (K). directions: optional (m, d_v) unit directions; by default m are drawn from
     `config.seed`. stage_timer: optional callable returning a context manager per stage name
-    ("scoring", "anchors", "calibration"), for timing.
+    ("scoring", "anchors", "calibration"), for timing. scorer: optional :class:`~care_core.scoring.Scorer`
+    made for `projector`, which keeps the prepared projector, the directions and the kernel decisions
+    between calls (same results, bit for bit); without one every call computes them afresh.
 
     >>> import torch
     >>> from care_core import CaReConfig, care_reduce
@@ -146,19 +173,22 @@ def care_reduce(
     """
     cfg = config or CaReConfig()
     _check_inputs(features, positions)
+    if scorer is not None and scorer.projector is not projector:
+        raise CareError("scorer was made for another projector: use Scorer(projector) for this one")
     n, dim = features.shape
     k = resolve_budget(n, ratio, keep)
     timer = stage_timer or (lambda _name: nullcontext())
     dtype = compute_dtype(features.dtype)
     v = features.to(dtype)
     p = positions.to(device=v.device, dtype=dtype)
-    u = resolve_directions(directions, cfg.m, dim, cfg.seed, v)
+    u = resolve_directions(directions, cfg.m, dim, cfg.seed, v, scorer=scorer)
 
     with timer("scoring"):
-        psi_bar = prca_scores(v, projector, u, cfg)
+        psi_bar = prca_scores(v, projector, u, cfg, scorer=scorer)
+    gate = scorer.gate(cfg.kernel) if scorer is not None else KernelGate(cfg.kernel)
     with matmul_precision(allow_tf32=False), torch.no_grad():
         with timer("anchors"):
-            order = diversity_greedy(psi_bar, v, k, cfg.eps)
+            order = diversity_greedy(psi_bar, v, k, cfg.eps, kernel=gate)
             indices = order.sort().values
         with timer("calibration"):
             cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)

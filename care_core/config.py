@@ -50,6 +50,9 @@ class CaReConfig:
     seed: int = _hyper(42, "seed", "seed of the perturbation directions and of every random method", 0)
     engine: Engine = "jvp"  # "jvp": exact directional derivative; "fd": Eq. 1 literally
     matmul_precision: MatmulPrecision = "auto"  # jvp engine only: auto = float32 on CPU, tf32 on CUDA
+    # fused Triton kernels: "auto" where they apply and can run (bf16 jvp scoring, greedy anchors on CUDA),
+    # "torch" never, "fused" also for tf32 jvp scoring and a CareError where they cannot run
+    kernel: Literal["auto", "fused", "torch"] = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,6 +74,8 @@ class CaReConfig:
             raise ConfigError(
                 "matmul_precision", f"must be auto, float32, tf32 or bf16, got {self.matmul_precision!r}"
             )
+        if self.kernel not in ("auto", "fused", "torch"):
+            raise CareError(f"config: kernel must be auto, fused or torch, got {self.kernel!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,20 +6,23 @@ Two engines compute the response matrix C (m, N):
   the first layer is applied once to the m directions and shared by all tokens, so the cost is
   about m N d_hidden d_out multiply-adds; any other projector goes through ``torch.func.jvp``.
   On CUDA with bf16 matmuls that MLP path is one fused Triton kernel (``care_core.kernels``; also
-  for tf32 when ``FUSED_TF32`` is set); the CPU path is plain PyTorch.
+  for tf32 with ``kernel="fused"``); the CPU path is plain PyTorch.
+
+The functions are pure: every call computes what it needs (directions, a converted projector) and
+decides its kernel afresh. :class:`Scorer` is the user-owned object that keeps those between calls.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from care_core import kernels
+from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
 
 Projector = Callable[[torch.Tensor], torch.Tensor]
@@ -45,18 +48,6 @@ _ELEMENTWISE_ACTIVATIONS = (
 )
 _MLP_PROJECTORS = ("LlavaMultiModalProjector", "LlavaNextMultiModalProjector")
 
-# Use the fused kernel for tf32 matmuls too (bf16 uses it wherever it applies). Off: on an H200
-# (benchmarks/gpu.py, N = 2880, benchmarks/results/2026-11-26-gpu-h200.json) cuBLAS's tf32 matmuls over
-# chunks of materialised tangents took 20.0 ms against the fused kernel's 21.6 ms (floor 15.1), with the
-# same error; in bf16 the fused kernel wins (12.3 against 13.5 ms, floor 7.8).
-FUSED_TF32 = False
-
-# unit_directions() results by (m, dim, seed, device, dtype), oldest dropped first.
-_DIRECTIONS: dict[tuple[object, ...], torch.Tensor] = {}
-
-# Set when the fused kernel failed once in this process (then the PyTorch path is used).
-_FUSED_FAILED: list[str] = []
-
 # Elements of the largest intermediate per chunk (~256 MB in float32).
 _CHUNK_ELEMENTS = 1 << 26
 
@@ -67,19 +58,11 @@ def unit_directions(
     """m unit directions u_x = g_x / ||g_x||, g_x ~ N(0, I) (Eq. 1), drawn on the CPU in float64.
 
     Drawing on the CPU from a seeded ``torch.Generator`` gives the same directions on every device.
-    The last few (m, dim, seed, device, dtype) are cached: drawing and copying them to a GPU costs
-    about a millisecond per call, a host synchronisation included.
+    Drawn afresh on every call (about a millisecond with the copy to a GPU); a :class:`Scorer` keeps them.
     """
-    key = (m, dim, seed, str(torch.device(device)), dtype)
-    cached = _DIRECTIONS.get(key)
-    if cached is None:
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        g = torch.randn(m, dim, generator=generator, dtype=torch.float64)
-        cached = (g / g.norm(dim=1, keepdim=True)).to(device=device, dtype=dtype)
-        if len(_DIRECTIONS) >= 16:
-            _DIRECTIONS.pop(next(iter(_DIRECTIONS)))
-        _DIRECTIONS[key] = cached
-    return cached.clone()  # callers own their copy; a device-side clone costs microseconds
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.randn(m, dim, generator=generator, dtype=torch.float64)
+    return (g / g.norm(dim=1, keepdim=True)).to(device=device, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -104,28 +87,18 @@ def _as_mlp(projector: Projector) -> _MLP | None:
     return _MLP(first, act, second)
 
 
-# Converted copies of projectors (e.g. a bf16 model's projector in float32), reused while the source's
-# parameters are unchanged: same objects, storage and in-place version counters.
-_CONVERTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], nn.Module]] = weakref.WeakKeyDictionary()
+def prepare_projector(projector: Projector, dtype: torch.dtype, device: torch.device) -> Projector:
+    """The projector with its floating-point parameters in `dtype` on `device`.
 
-
-def _projector_in(projector: Projector, dtype: torch.dtype, device: torch.device) -> Projector:
-    """The projector with its parameters in `dtype` (a copy if they differ); plain callables as is."""
+    A module whose parameters already are is returned as is; otherwise a converted copy is made, on
+    every call (a :class:`Scorer` makes it once). Plain callables are returned as is.
+    """
     if not isinstance(projector, nn.Module):
         return projector
     params = [p for p in projector.parameters() if p.is_floating_point()]
     if all(p.dtype == dtype and p.device == device for p in params):
         return projector
-    try:
-        key = (dtype, device, *((id(p), p.data_ptr(), p._version) for p in projector.parameters()))
-    except RuntimeError:  # inference tensors have no version counter: no caching
-        return copy.deepcopy(projector).to(device=device, dtype=dtype)
-    cached = _CONVERTED.get(projector)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    converted = copy.deepcopy(projector).to(device=device, dtype=dtype)
-    _CONVERTED[projector] = (key, converted)
-    return converted
+    return copy.deepcopy(projector).to(device=device, dtype=dtype)
 
 
 def _chunk_size(m: int, per_direction: int) -> int:
@@ -158,27 +131,26 @@ def _jvp_mlp(
     *,
     tf32: bool = False,
     second_weight: torch.Tensor | None = None,
+    kernel: Kernel | KernelGate = "auto",
 ) -> torch.Tensor:
     """||W2 diag(act'(W1 v + b1)) W1 u|| for every token and direction, sharing W1 u across tokens.
 
-    On CUDA with bf16 matmuls (and tf32 when ``FUSED_TF32`` is set) the product, the matmul and the
-    norm run fused in one Triton kernel (:mod:`care_core.kernels.jvp`); otherwise (CPU, float32/float64
-    matmuls, tf32 by default, odd shapes) in chunks of directions with PyTorch. ``second_weight``
-    replaces W2 (``benchmarks/gpu.py`` uses it to measure a random-sketch approximation, which is not
-    offered: it keeps too few of the exact anchors).
+    The product, the matmul and the norm run fused in one Triton kernel (:mod:`care_core.kernels.jvp`)
+    where :func:`_fused_jvp_applies` and the ``kernel`` setting allow it; otherwise (CPU, float32/float64
+    matmuls, tf32 unless ``kernel="fused"``, odd shapes, a kernel that cannot be built) in chunks of
+    directions with PyTorch. ``second_weight`` replaces W2 (``benchmarks/gpu.py`` uses it to measure a
+    random-sketch approximation, which is not offered: it keeps too few of the exact anchors).
     """
+    gate = as_gate(kernel)
     pre = mlp.first(features)  # (N, d_hidden)
     slope = torch.func.jvp(mlp.act, (pre,), (torch.ones_like(pre),))[1]  # act'(W1 v + b1)
     lifted = directions @ mlp.first.weight.T  # (m, d_hidden): W1 u_x, shared by all tokens
     w2 = mlp.second.weight if second_weight is None else second_weight
-    if _fused_jvp_applies(features, w2, low, tf32):
-        from care_core.kernels.jvp import jvp_norms
-
-        try:
-            return jvp_norms(slope, lifted, w2, bf16=low is not None).to(features.dtype)
-        except Exception as exc:  # a Triton build problem must not break scoring: fall back, say so once
-            _FUSED_FAILED.append(repr(exc))
-            warnings.warn(f"care: fused jvp kernel unavailable ({exc!r}); using the PyTorch path", stacklevel=2)
+    applies = _fused_jvp_applies(features, w2, low, tf32, gate.kernel)
+    if gate.choose("jvp", features.device, applies=applies) == "fused":
+        fused = gate.attempt("jvp", lambda: kernels.jvp_norms(slope, lifted, w2, bf16=low is not None))
+        if fused is not None:
+            return fused.to(features.dtype)
     if low is not None:
         slope, lifted, w2 = slope.to(low), lifted.to(low), w2.to(low)
     n, hidden = pre.shape
@@ -194,21 +166,23 @@ def _jvp_mlp(
     return torch.cat(rows)
 
 
-def _fused_jvp_applies(features: torch.Tensor, w2: torch.Tensor, low: torch.dtype | None, tf32: bool) -> bool:
-    """Fused kernel: float32 features on CUDA, bf16 mode (tf32 too with FUSED_TF32), shapes it tiles."""
-    if features.device.type != "cuda" or features.dtype != torch.float32 or _FUSED_FAILED:
+def _fused_jvp_applies(
+    features: torch.Tensor, w2: torch.Tensor, low: torch.dtype | None, tf32: bool, kernel: str
+) -> bool:
+    """What the fused kernel computes: float32 features, bf16 matmuls (tf32 too with kernel="fused"), its shapes.
+
+    tf32 stays on cuBLAS in "auto" mode: on an H200 (benchmarks/gpu.py, N = 2880,
+    benchmarks/results/2026-11-26-gpu-h200.json) its tf32 matmuls over chunks of materialised tangents
+    took 20.0 ms against the fused kernel's 21.6 ms (floor 15.1), with the same error; in bf16 the fused
+    kernel wins (12.3 against 13.5 ms, floor 7.8). Device and Triton are checked by the gate.
+    """
+    if features.dtype != torch.float32:
         return False
-    if low is None and not (tf32 and FUSED_TF32):
-        return False  # full float32 matmuls (or tf32 with FUSED_TF32 off): PyTorch (cuBLAS) path
+    if low is None and not (tf32 and kernel == "fused"):
+        return False  # full float32 matmuls (or tf32 outside "fused" mode): PyTorch (cuBLAS) path
     if low is not None and low != torch.bfloat16:
         return False
-    from care_core.kernels import triton_enabled
-
-    if not triton_enabled(features.device):
-        return False
-    from care_core.kernels.jvp import supported
-
-    return supported(w2.shape[1], w2.shape[0])
+    return kernels.jvp_shape_supported(w2.shape[1], w2.shape[0])
 
 
 def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch.Tensor) -> torch.Tensor:
@@ -229,11 +203,17 @@ def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch
 
 @torch.no_grad()
 def responses_jvp(
-    features: torch.Tensor, projector: Projector, directions: torch.Tensor, matmul: str = "auto"
+    features: torch.Tensor,
+    projector: Projector,
+    directions: torch.Tensor,
+    matmul: str = "auto",
+    *,
+    kernel: Kernel | KernelGate = "auto",
 ) -> torch.Tensor:
     """C[x, i] = ||J_M(v_i) u_x||_2, the exact h -> 0 limit of Eq. 1; (m, N).
 
     `matmul`: "auto" (float32 on CPU, tf32 on CUDA), "float32", "tf32" or "bf16" (MLP path only).
+    `kernel`: "auto", "fused" or "torch" (see :mod:`care_core.kernels`), or a caller-owned gate.
     """
     on_cuda = features.device.type == "cuda"
     allow_tf32 = matmul == "tf32" or (matmul == "auto" and on_cuda)
@@ -243,7 +223,7 @@ def responses_jvp(
     with matmul_precision(allow_tf32=allow_tf32):
         mlp = _as_mlp(projector)
         if mlp is not None:
-            return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32)
+            return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32, kernel=kernel)
         return _jvp_generic(features, projector, directions)
 
 
@@ -255,13 +235,18 @@ def perturbation_responses(
     h: float,
     engine: str = "jvp",
     matmul: str = "auto",
+    kernel: Kernel | KernelGate = "auto",
 ) -> torch.Tensor:
-    """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype."""
-    projector = _projector_in(projector, features.dtype, features.device)
+    """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype.
+
+    A pure function: the projector is converted to the features' dtype and device on every call where
+    it differs (see :class:`Scorer` to do that once). `kernel` applies to the jvp engine's MLP path.
+    """
+    projector = prepare_projector(projector, features.dtype, features.device)
     if engine == "fd":
         return responses_fd(features, projector, directions, h)
     if engine == "jvp":
-        return responses_jvp(features, projector, directions, matmul)
+        return responses_jvp(features, projector, directions, matmul, kernel=kernel)
     raise ValueError(f"unknown engine {engine!r} (expected 'jvp' or 'fd')")
 
 
@@ -287,3 +272,99 @@ def influence_scores(zscores: torch.Tensor, lam: float, eps: float) -> torch.Ten
     sigma = ((zscores - mu) ** 2).mean(dim=0).sqrt()  # population std over directions
     psi = mu - lam * sigma
     return (psi - psi.min()) / (psi.max() - psi.min() + eps)
+
+
+class Scorer:
+    """User-owned PRCA scoring state for one projector: the functional core's results, kept.
+
+    The pure functions above recompute on every call what this object keeps between calls:
+
+    - the projector prepared for the compute dtype and device (e.g. the float32 copy of a bf16
+      projector), made once per (dtype, device) by :func:`prepare_projector`;
+    - the unit directions per (m, dim, seed, device, dtype), drawn once by :func:`unit_directions`
+      (the 16 most recent keys);
+    - the kernel decision: a fused kernel that failed to build here (Triton missing, a compilation
+      error) is not tried again by this scorer in "auto" mode (:attr:`kernel_failures`).
+
+    Results are bit-identical to the functional path. Invalidation: a prepared copy is tied to the
+    projector's weights at the time it was made; nothing watches them. After changing the weights
+    (loading a checkpoint, training, in-place edits) call :meth:`clear` or make a new Scorer. Where
+    the projector already is in the compute dtype on the features' device no copy is made and the
+    projector itself is used. One scorer per thread.
+
+    >>> import torch
+    >>> from care_core import CaReConfig, care_reduce
+    >>> from care_core.scoring import Scorer
+    >>> projector = torch.nn.Linear(8, 4).bfloat16()
+    >>> scorer = Scorer(projector)
+    >>> v, p = torch.randn(50, 8), torch.rand(50, 2)
+    >>> red = care_reduce(v, projector, p, keep=5, config=CaReConfig(m=8), scorer=scorer)
+    >>> red.indices.shape
+    torch.Size([5])
+    """
+
+    _MAX_DIRECTIONS = 16
+
+    def __init__(self, projector: Projector) -> None:
+        self._projector = projector
+        self._prepared: dict[tuple[torch.dtype, torch.device], Projector] = {}
+        self._directions: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
+        self._failed: dict[str, str] = {}
+
+    @property
+    def projector(self) -> Projector:
+        """The projector this scorer was made for (``care_reduce`` checks it is the one given)."""
+        return self._projector
+
+    @property
+    def kernel_failures(self) -> dict[str, str]:
+        """Fused kernels that failed to build for this scorer (name -> error); "auto" skips them."""
+        return dict(self._failed)
+
+    def clear(self) -> None:
+        """Drop every prepared copy, cached direction set and recorded kernel failure."""
+        self._prepared.clear()
+        self._directions.clear()
+        self._failed.clear()
+
+    def gate(self, kernel: Kernel = "auto") -> KernelGate:
+        """A kernel gate with `kernel` as setting that records failures in this scorer."""
+        return KernelGate(kernel, self._failed)
+
+    def prepared(self, dtype: torch.dtype, device: torch.device | str) -> Projector:
+        """The projector in `dtype` on `device`, converted on the first request (see :func:`prepare_projector`)."""
+        key = (dtype, torch.device(device))
+        found = self._prepared.get(key)
+        if found is None:
+            found = prepare_projector(self._projector, dtype, key[1])
+            self._prepared[key] = found
+        return found
+
+    def directions(
+        self, m: int, dim: int, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """:func:`unit_directions`, drawn once per key; each call gets its own copy."""
+        key = (m, dim, seed, torch.device(device), dtype)
+        found = self._directions.get(key)
+        if found is None:
+            found = unit_directions(m, dim, seed, device=device, dtype=dtype)
+            if len(self._directions) >= self._MAX_DIRECTIONS:
+                self._directions.pop(next(iter(self._directions)))
+            self._directions[key] = found
+        return found.clone()  # callers may change theirs; a device-side clone costs microseconds
+
+    def responses(
+        self,
+        features: torch.Tensor,
+        directions: torch.Tensor,
+        *,
+        h: float,
+        engine: str = "jvp",
+        matmul: str = "auto",
+        kernel: Kernel = "auto",
+    ) -> torch.Tensor:
+        """:func:`perturbation_responses` with the prepared projector and this scorer's kernel gate."""
+        projector = self.prepared(features.dtype, features.device)
+        return perturbation_responses(
+            features, projector, directions, h=h, engine=engine, matmul=matmul, kernel=self.gate(kernel)
+        )

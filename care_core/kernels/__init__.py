@@ -1,39 +1,177 @@
 """Optional fused GPU kernels (Triton) for the hot spots of CaRe; every one has a pure-PyTorch twin.
 
-Nothing here is imported unless a CUDA tensor reaches the core: ``import care_core`` never imports
-Triton, and on the CPU (or without Triton, or with ``CARE_DISABLE_TRITON=1``) the core runs its
-PyTorch code unchanged.
+Nothing here imports Triton until a fused kernel runs: ``import care_core`` never does, and on the CPU
+(or on ROCm, or without Triton, or with ``CARE_DISABLE_TRITON=1``) the core runs its PyTorch code.
 
 - :mod:`care_core.kernels.jvp`: the jvp engine's MLP path, ``||W2 diag(act'(W1 v_i + b1)) W1 u_x||``
   for every token i and direction x, with the elementwise product fused into the matmul's operand load
   and the squared norm into its epilogue: the (m, N, d_out) products never reach device memory. Used
-  for bf16 matmuls; for tf32 only with ``care_core.scoring.FUSED_TF32`` (cuBLAS was faster on an H200).
+  for bf16 matmuls; for tf32 only with ``kernel="fused"`` (cuBLAS was faster on an H200).
 - :mod:`care_core.kernels.greedy`: Eq. 3's K sequential greedy steps in one single-block kernel over a
   precomputed cosine Gram matrix: one launch, no host synchronisation, no per-step launches.
+
+Which path runs is the ``kernel`` setting (``CaReConfig.kernel``): "auto" (fused where it applies and
+can run), "torch" (never fused) or "fused" (fused wherever it applies, tf32 scoring included; a
+:class:`~care_core.errors.CareError` where it cannot run). The decision is made on every call; no
+module state remembers it. A :class:`KernelGate` owned by the caller (e.g. a
+:class:`care_core.scoring.Scorer`) may remember which kernels failed to build, for its own lifetime.
 """
 
 from __future__ import annotations
 
-import functools
 import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
 import torch
 
+from care_core.errors import CareError
 
-@functools.cache
-def _triton_importable() -> bool:
+Kernel = Literal["auto", "fused", "torch"]
+KERNELS: tuple[str, ...] = ("auto", "fused", "torch")
+Path = Literal["fused", "torch"]
+
+#: Shapes the fused jvp kernel tiles without masks (LLaVA: 4096 -> 4096).
+JVP_K_MULTIPLE = 64
+JVP_OUT_MULTIPLE = 256
+#: The largest N one program of the fused greedy holds in registers; larger inputs use the PyTorch loop.
+GREEDY_MAX_TOKENS = 16384
+
+T = TypeVar("T")
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """None when the fused kernels may run on ``device``, else why not (checked afresh on every call).
+
+    Needs an NVIDIA CUDA device (ROCm is skipped: the tf32 path's inline PTX cannot compile there),
+    an importable Triton, and ``CARE_DISABLE_TRITON`` unset or "0".
+    """
+    if device.type != "cuda":
+        return f"the fused kernels need a CUDA device, got {device.type!r}"
+    if torch.version.hip is not None:
+        return "the fused kernels are NVIDIA-only (this PyTorch is built for ROCm)"
+    if os.environ.get("CARE_DISABLE_TRITON", "").strip() not in ("", "0"):
+        return "the fused kernels are disabled by CARE_DISABLE_TRITON"
     try:
         import triton
         import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except ImportError as exc:
+        return f"Triton cannot be imported ({exc})"
+    return None
+
+
+def kernel_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean "this fused kernel cannot be built or launched here"; nothing else.
+
+    ImportError (Triton or a kernel module missing) and Triton's compilation, PTX-assembler and
+    hardware-resource (shared memory, registers) errors. Never ``torch.OutOfMemoryError`` or other
+    runtime errors: those propagate.
+    """
+    errors: list[type[Exception]] = [ImportError]
+    try:
+        from triton.compiler import errors as compiler_errors
+    except ImportError:
+        return tuple(errors)
+    errors.append(compiler_errors.CompilationError)
+    try:
+        from triton.runtime import errors as runtime_errors
+    except ImportError:
+        return tuple(errors)
+    for name in ("OutOfResources", "PTXASError"):
+        found = getattr(runtime_errors, name, None)
+        if isinstance(found, type) and issubclass(found, Exception):
+            errors.append(found)
+    return tuple(errors)
+
+
+def check_kernel(kernel: str) -> None:
+    """Raise CareError unless ``kernel`` is one of "auto", "fused", "torch"."""
+    if kernel not in KERNELS:
+        raise CareError(f"kernel must be 'auto', 'fused' or 'torch', got {kernel!r}")
+
+
+def choose_kernel(kernel: str, device: torch.device, *, applies: bool = True) -> Path:
+    """The code path for one call: "fused" or "torch"; a pure decision, made afresh on every call.
+
+    "torch" always gives "torch". Where the fused kernels cannot run on ``device`` (CPU, ROCm, no
+    Triton, disabled), "auto" gives "torch" and "fused" raises CareError. Otherwise the fused kernel
+    runs where it ``applies`` (dtype, shape and precision it handles), else the PyTorch path.
+    """
+    check_kernel(kernel)
+    if kernel == "torch":
+        return "torch"
+    reason = unavailable_reason(device)
+    if reason is not None:
+        if kernel == "fused":
+            raise CareError(f"kernel='fused' cannot run here: {reason}; use kernel='auto' or 'torch'")
+        return "torch"
+    return "fused" if applies else "torch"
+
+
+@dataclass
+class KernelGate:
+    """The kernel setting of a call and the fused kernels that failed to build under it.
+
+    A gate made per call (``KernelGate(kernel)``) forgets everything afterwards: a kernel that failed
+    is tried again on the next call. A gate kept by its owner (:class:`care_core.scoring.Scorer`)
+    skips, in "auto" mode, the kernels in ``failed`` for the owner's lifetime.
+    """
+
+    kernel: Kernel = "auto"
+    failed: dict[str, str] = field(default_factory=dict)  # kernel name -> repr of its build error
+
+    def __post_init__(self) -> None:
+        check_kernel(self.kernel)
+
+    def choose(self, name: str, device: torch.device, *, applies: bool = True) -> Path:
+        """:func:`choose_kernel`, and "torch" in "auto" mode for a kernel that failed on this gate."""
+        path = choose_kernel(self.kernel, device, applies=applies)
+        if path == "fused" and self.kernel == "auto" and name in self.failed:
+            return "torch"
+        return path
+
+    def attempt(self, name: str, fused: Callable[[], T]) -> T | None:
+        """Run ``fused``; None (and a warning) if it cannot be built here, in "auto" mode.
+
+        Only :func:`kernel_errors` are caught: out-of-memory and other errors propagate. In "fused"
+        mode a build failure is a CareError.
+        """
+        try:
+            return fused()
+        except kernel_errors() as exc:
+            if self.kernel == "fused":
+                raise CareError(f"kernel='fused': the fused {name} kernel cannot be built here ({exc!r})") from exc
+            self.failed[name] = repr(exc)
+            warnings.warn(f"care: fused {name} kernel unavailable ({exc!r}); using the PyTorch path", stacklevel=3)
+            return None
+
+
+def as_gate(kernel: Kernel | KernelGate) -> KernelGate:
+    """A gate for one call: the given one, or a fresh one for a setting string."""
+    return kernel if isinstance(kernel, KernelGate) else KernelGate(kernel)
+
+
+def jvp_norms(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+    """The fused jvp kernel (:func:`care_core.kernels.jvp.jvp_norms`); imports Triton when called."""
+    from care_core.kernels.jvp import jvp_norms as run
+
+    return run(slope, lifted, w2, bf16=bf16)
+
+
+def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
+    """The fused greedy kernel (:func:`care_core.kernels.greedy.greedy_order`); imports Triton when called."""
+    from care_core.kernels.greedy import greedy_order as run
+
+    return run(weights, gram, k)
 
 
 def triton_enabled(device: torch.device) -> bool:
-    """True when the fused kernels may run on ``device``: CUDA, Triton importable, not disabled by env."""
-    if device.type != "cuda":
-        return False
-    if os.environ.get("CARE_DISABLE_TRITON", "").strip() not in ("", "0"):
-        return False
-    return _triton_importable()
+    """True when the fused kernels may run on ``device`` (:func:`unavailable_reason` is None)."""
+    return unavailable_reason(device) is None
+
+
+def jvp_shape_supported(hidden: int, out_dim: int) -> bool:
+    """Shapes the fused jvp kernel takes without masks."""
+    return hidden % JVP_K_MULTIPLE == 0 and out_dim % JVP_OUT_MULTIPLE == 0

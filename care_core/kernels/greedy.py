@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from care_core.kernels import GREEDY_MAX_TOKENS
+
 #: The largest N one program holds (registers): larger inputs use the PyTorch loop.
-MAX_TOKENS = 16384
+MAX_TOKENS = GREEDY_MAX_TOKENS
 
 
 @triton.jit

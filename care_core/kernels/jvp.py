@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from care_core.kernels import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported
+
 
 def _cfg(bm: int, bn: int, bk: int, dirs: int, stages: int, warps: int) -> triton.Config:
     return triton.Config({"BM": bm, "BN": bn, "BK": bk, "DIRS": dirs, "GROUP": 8}, num_stages=stages, num_warps=warps)
@@ -48,8 +50,8 @@ _TF32_CONFIGS = [
 #: directions to DIR_PAD.
 ROW_PAD = 128
 DIR_PAD = 4
-K_MULTIPLE = 64
-OUT_MULTIPLE = 256
+K_MULTIPLE = JVP_K_MULTIPLE
+OUT_MULTIPLE = JVP_OUT_MULTIPLE
 
 
 @triton.jit
@@ -143,7 +145,7 @@ _kernel_tf32 = _autotuned(_TF32_CONFIGS)
 
 def supported(hidden: int, out_dim: int) -> bool:
     """Shapes the kernel takes without masks (LLaVA: 4096 -> 4096)."""
-    return hidden % K_MULTIPLE == 0 and out_dim % OUT_MULTIPLE == 0
+    return jvp_shape_supported(hidden, out_dim)
 
 
 def chosen_config(bf16: bool) -> str | None:

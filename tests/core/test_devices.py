@@ -1,11 +1,17 @@
-"""Same inputs and seed, same outputs on CPU and CUDA (skipped where no GPU is present)."""
+"""Same inputs and seed, same outputs on CPU and CUDA (skipped where no GPU is present); which kernel
+path each device gets (CPU and ROCm: PyTorch; NVIDIA CUDA with Triton: the fused kernels)."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
 
 from care_core import CaReConfig, care_reduce
+from care_core.errors import CareError
+from care_core.kernels import KernelGate, choose_kernel, unavailable_reason
 from care_core.scoring import unit_directions
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -23,6 +29,48 @@ def test_directions_do_not_depend_on_device_or_dtype() -> None:
     a = unit_directions(8, 16, seed=3, dtype=torch.float64)
     b = unit_directions(8, 16, seed=3, dtype=torch.float32)
     assert torch.allclose(a.float(), b) and torch.allclose(a.norm(dim=1), torch.ones(8, dtype=torch.float64))
+
+
+def _stand_in_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``import triton`` and ``import triton.language`` succeed (a stand-in where none is installed)."""
+    try:
+        import triton.language
+    except ImportError:
+        triton = types.ModuleType("triton")
+        language = types.ModuleType("triton.language")
+        triton.language = language  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "triton", triton)
+        monkeypatch.setitem(sys.modules, "triton.language", language)
+
+
+def test_dispatch_gives_torch_on_the_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert choose_kernel("auto", cpu) == "torch" and choose_kernel("torch", cpu) == "torch"
+    assert "CUDA device" in (unavailable_reason(cpu) or "")
+    with pytest.raises(CareError, match="kernel='fused' cannot run here"):
+        choose_kernel("fused", cpu)
+    with pytest.raises(CareError, match="kernel must be"):
+        choose_kernel("triton", cpu)
+
+
+def test_dispatch_on_nvidia_cuda_and_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    _stand_in_triton(monkeypatch)
+    monkeypatch.delenv("CARE_DISABLE_TRITON", raising=False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    cuda = torch.device("cuda", 0)
+    assert unavailable_reason(cuda) is None
+    assert choose_kernel("auto", cuda) == "fused" and choose_kernel("fused", cuda) == "fused"
+    assert choose_kernel("auto", cuda, applies=False) == "torch" and choose_kernel("torch", cuda) == "torch"
+    gate = KernelGate("auto", {"greedy": "CompilationError()"})  # a caller-owned record of a failed build
+    assert gate.choose("greedy", cuda) == "torch" and gate.choose("jvp", cuda) == "fused"
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")  # a ROCm build reports its devices as "cuda"
+    assert "ROCm" in (unavailable_reason(cuda) or "")
+    assert choose_kernel("auto", cuda) == "torch"
+    with pytest.raises(CareError, match="ROCm"):
+        choose_kernel("fused", cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv("CARE_DISABLE_TRITON", "1")
+    assert choose_kernel("auto", cuda) == "torch"
 
 
 def test_global_tf32_setting_is_restored() -> None:

@@ -1,26 +1,35 @@
-"""The fast code paths of issue #7 give the reference path's results.
+"""The fast code paths of issue #7 give the reference path's results; the core keeps no state (#11).
 
 CPU: the CPU scoring path is the reference code unchanged; the Gram-matrix greedy (the fused GPU
-kernel's PyTorch twin) picks the same anchors as the reference loop; the converted-projector cache is
-invalidated by weight changes; cached directions are handed out as copies. CUDA (skipped elsewhere):
-the fused Triton kernels against float64 and against the PyTorch paths, and no host synchronisation
-in anchor selection (neither the fused kernel nor the PyTorch loop).
+kernel's PyTorch twin) picks the same anchors as the reference loop; the pure functions convert and
+draw afresh on every call while a user-owned Scorer keeps its copies (bit-identical results); a fused
+kernel that fails to build falls back for that call only (a Scorer remembers), out-of-memory errors
+propagate; no module-level container of care_core changes during a call. CUDA (skipped elsewhere):
+the fused Triton kernels against float64 and against the PyTorch paths, which path each ``kernel``
+setting runs, and no host synchronisation in anchor selection (neither the fused kernel nor the loop).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+import types
+import warnings
+from collections.abc import MutableMapping, MutableSequence, MutableSet
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from care_core import CaReConfig, care_reduce
+from care_core import CaReConfig, Reduction, care_reduce, kernels
 from care_core.anchors import diversity_greedy, diversity_greedy_gram, unit_rows
+from care_core.errors import CareError
 from care_core.kernels import triton_enabled
 from care_core.scoring import (
-    _projector_in,
+    Scorer,
     perturbation_responses,
+    prepare_projector,
     responses_jvp,
     unit_directions,
 )
@@ -90,43 +99,235 @@ def test_gram_greedy_breaks_ties_at_the_lowest_index() -> None:
     assert order[:6].tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def test_converted_projector_is_cached_until_its_weights_change() -> None:
+def test_prepare_projector_is_pure_and_the_scorer_keeps_its_copy_until_cleared() -> None:
     mlp = _mlp(8, 16, 12, seed=0, dtype=torch.float64)
-    a = _projector_in(mlp, torch.float32, torch.device("cpu"))
-    b = _projector_in(mlp, torch.float32, torch.device("cpu"))
-    assert a is b and a is not mlp and next(a.parameters()).dtype == torch.float32
+    cpu = torch.device("cpu")
+    a = prepare_projector(mlp, torch.float32, cpu)
+    b = prepare_projector(mlp, torch.float32, cpu)
+    assert a is not b and a is not mlp and next(a.parameters()).dtype == torch.float32  # a copy per call
+    assert prepare_projector(mlp, torch.float64, cpu) is mlp
+    scorer = Scorer(mlp)
+    kept = scorer.prepared(torch.float32, cpu)
+    assert scorer.prepared(torch.float32, "cpu") is kept and kept is not mlp
     with torch.no_grad():
         mlp[2].weight.mul_(2)
-    c = _projector_in(mlp, torch.float32, torch.device("cpu"))
-    assert c is not a
-    torch.testing.assert_close(c[2].weight, mlp[2].weight.float())
-    assert _projector_in(mlp, torch.float64, torch.device("cpu")) is mlp
+    # documented rule: the copy is tied to the weights at preparation time, until clear()
+    torch.testing.assert_close(kept[2].weight, (mlp[2].weight / 2).float())
+    scorer.clear()
+    fresh = scorer.prepared(torch.float32, cpu)
+    assert fresh is not kept
+    torch.testing.assert_close(fresh[2].weight, mlp[2].weight.float())
 
 
-def test_unit_directions_cache_hands_out_copies() -> None:
+def test_directions_are_drawn_per_call_and_the_scorer_hands_out_copies() -> None:
     a = unit_directions(8, 16, seed=5)
     a.mul_(0)
     b = unit_directions(8, 16, seed=5)
     torch.testing.assert_close(b.norm(dim=1), torch.ones(8))
-    assert torch.equal(b, unit_directions(8, 16, seed=5))
-    assert not torch.equal(b, unit_directions(8, 16, seed=6))
+    scorer = Scorer(nn.Identity())
+    c = scorer.directions(8, 16, seed=5)
+    c.mul_(0)
+    d = scorer.directions(8, 16, seed=5)
+    assert torch.equal(d, b) and not torch.equal(d, scorer.directions(8, 16, seed=6))
+
+
+@pytest.mark.parametrize(
+    ("features_dtype", "projector_dtype", "engine"),
+    [
+        (torch.float32, torch.bfloat16, "jvp"),
+        (torch.float64, torch.float64, "jvp"),
+        (torch.float32, torch.float32, "fd"),
+    ],
+)
+def test_scorer_gives_bit_identical_results(
+    features_dtype: torch.dtype, projector_dtype: torch.dtype, engine: str
+) -> None:
+    features = _clustered(150, 16, seed=7, dtype=features_dtype)
+    mlp = _mlp(16, 32, 24, seed=8, dtype=projector_dtype)
+    positions = torch.rand(150, 2, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    cfg = CaReConfig(m=16, engine=engine)  # type: ignore[arg-type]
+    plain = care_reduce(features, mlp, positions, keep=20, config=cfg)
+    scorer = Scorer(mlp)
+    for _ in range(2):  # the second call reuses the prepared projector and directions
+        kept = care_reduce(features, mlp, positions, keep=20, config=cfg, scorer=scorer)
+        for name in ("indices", "anchor_order", "tokens", "signals", "psi_bar", "confidence"):
+            assert torch.equal(getattr(plain, name), getattr(kept, name)), name
+
+
+def test_scorer_for_another_projector_is_refused() -> None:
+    features = _clustered(30, 8, seed=1)
+    positions = torch.rand(30, 2, dtype=torch.float64)
+    with pytest.raises(CareError, match="another projector"):
+        care_reduce(features, _mlp(8, 16, 8, seed=2), positions, keep=5, scorer=Scorer(_mlp(8, 16, 8, seed=2)))
+
+
+def test_kernel_setting_is_validated_and_fused_on_the_cpu_is_a_clear_error() -> None:
+    with pytest.raises(CareError, match="kernel"):
+        CaReConfig(kernel="cuda")  # type: ignore[arg-type]
+    features = _clustered(40, 8, seed=3)
+    positions = torch.rand(40, 2, dtype=torch.float64)
+    with pytest.raises(CareError, match=r"kernel='fused' cannot run here.*CUDA"):
+        care_reduce(features, _mlp(8, 16, 8, seed=4), positions, keep=5, config=CaReConfig(m=4, kernel="fused"))
+    with pytest.raises(CareError, match="kernel='fused'"):
+        diversity_greedy(torch.rand(40), features.float(), 5, 1e-8, kernel="fused")
+
+
+def _compile_error(monkeypatch: pytest.MonkeyPatch) -> Exception:
+    """An instance of (a subclass of) Triton's CompilationError; a stand-in Triton where none is installed."""
+    try:
+        from triton.compiler.errors import CompilationError
+    except ImportError:
+        triton = types.ModuleType("triton")
+        compiler = types.ModuleType("triton.compiler")
+        errors = types.ModuleType("triton.compiler.errors")
+        errors.CompilationError = type("CompilationError", (Exception,), {})  # type: ignore[attr-defined]
+        compiler.errors = errors  # type: ignore[attr-defined]
+        triton.compiler = compiler  # type: ignore[attr-defined]
+        for name, module in (("triton", triton), ("triton.compiler", compiler), ("triton.compiler.errors", errors)):
+            monkeypatch.setitem(sys.modules, name, module)
+        CompilationError = errors.CompilationError  # type: ignore[attr-defined]
+
+    class FakeCompilationError(CompilationError):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            Exception.__init__(self, "inline asm cannot be compiled")
+
+        def __str__(self) -> str:
+            return "inline asm cannot be compiled"
+
+    assert issubclass(FakeCompilationError, kernels.kernel_errors())
+    return FakeCompilationError()
+
+
+def _failing(monkeypatch: pytest.MonkeyPatch, name: str, error: BaseException) -> list[int]:
+    """Make the fused kernels "available" on this machine and kernel `name` raise `error`; counts calls."""
+    calls: list[int] = []
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        raise error
+
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(kernels, name, broken)
+    return calls
+
+
+def _jvp_problem() -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
+    """float32, shapes the fused jvp kernel tiles (d_h % 64 == 0, d_out % 256 == 0)."""
+    features = _clustered(90, 16, seed=20, dtype=torch.float32)
+    return features, _mlp(16, 64, 256, 21, torch.float32), unit_directions(8, 16, 22)
+
+
+def test_jvp_dispatch_uses_the_fused_kernel_where_the_setting_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    features, mlp, u = _jvp_problem()
+    calls: list[bool] = []
+
+    def fake(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+        calls.append(bf16)
+        return torch.zeros(lifted.shape[0], slope.shape[0])
+
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(kernels, "jvp_norms", fake)
+    run = lambda matmul, kernel: perturbation_responses(features, mlp, u, h=5e-4, matmul=matmul, kernel=kernel)  # noqa: E731
+    assert torch.equal(run("bf16", "auto"), torch.zeros(8, 90)) and calls == [True]
+    assert run("tf32", "auto").abs().min() > 0 and calls == [True]  # tf32 stays on cuBLAS in auto mode
+    assert torch.equal(run("tf32", "fused"), torch.zeros(8, 90)) and calls == [True, False]
+    assert run("bf16", "torch").abs().min() > 0 and run("float32", "fused").abs().min() > 0
+    assert calls == [True, False]
+
+
+def test_a_kernel_that_fails_to_build_falls_back_for_that_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    features, mlp, u = _jvp_problem()
+    reference = perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16", kernel="torch")
+    calls = _failing(monkeypatch, "jvp_norms", _compile_error(monkeypatch))
+    for attempt in (1, 2):  # not sticky: the next call tries the kernel again
+        with pytest.warns(UserWarning, match="fused jvp kernel unavailable"):
+            got = perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16")
+        assert torch.equal(got, reference) and len(calls) == attempt
+    with pytest.raises(CareError, match="fused jvp kernel cannot be built"):
+        perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16", kernel="fused")
+    scorer = Scorer(mlp)  # a scorer remembers the failure for its own lifetime
+    with pytest.warns(UserWarning):
+        scorer.responses(features, u, h=5e-4, matmul="bf16")
+    before = len(calls)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="care: ")
+        assert torch.equal(scorer.responses(features, u, h=5e-4, matmul="bf16"), reference)
+    assert len(calls) == before and set(scorer.kernel_failures) == {"jvp"}
+    scorer.clear()
+    assert scorer.kernel_failures == {}
+
+
+def test_greedy_kernel_that_fails_to_build_falls_back_for_that_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    features = _clustered(200, 16, seed=30, dtype=torch.float32)
+    weights = torch.rand(200, generator=torch.Generator().manual_seed(31))
+    reference = diversity_greedy(weights, features, 25, 1e-8, kernel="torch")
+    calls = _failing(monkeypatch, "greedy_order", _compile_error(monkeypatch))
+    for attempt in (1, 2):
+        with pytest.warns(UserWarning, match="fused greedy kernel unavailable"):
+            assert torch.equal(diversity_greedy(weights, features, 25, 1e-8), reference)
+        assert len(calls) == attempt
+    with pytest.raises(CareError, match="fused greedy kernel cannot be built"):
+        diversity_greedy(weights, features, 25, 1e-8, kernel="fused")
+
+
+def test_missing_kernel_module_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    features, mlp, u = _jvp_problem()
+    calls = _failing(monkeypatch, "jvp_norms", ModuleNotFoundError("No module named 'triton'"))
+    with pytest.warns(UserWarning, match="fused jvp kernel unavailable"):
+        perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16")
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("illegal address")])
+def test_out_of_memory_and_other_runtime_errors_propagate(error: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    features, mlp, u = _jvp_problem()
+    _failing(monkeypatch, "jvp_norms", error)
+    _failing(monkeypatch, "greedy_order", error)
+    scorer = Scorer(mlp)
+    with pytest.raises(type(error), match=str(error)):
+        perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16")
+    with pytest.raises(type(error), match=str(error)):
+        scorer.responses(features, u, h=5e-4, matmul="bf16")
+    with pytest.raises(type(error), match=str(error)):
+        diversity_greedy(torch.rand(90), features, 5, 1e-8)
+    assert scorer.kernel_failures == {}
+
+
+def _module_state() -> dict[str, object]:
+    """Every care_core module's global names and a fingerprint of its mutable containers."""
+    state: dict[str, object] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("care_core") or module is None:
+            continue
+        names = sorted(k for k, v in vars(module).items() if not isinstance(v, types.ModuleType))
+        state[name] = [k for k in names if k != "__warningregistry__"]
+        for key, value in vars(module).items():
+            if key in ("__builtins__", "__warningregistry__"):
+                continue
+            if isinstance(value, MutableMapping):
+                state[f"{name}.{key}"] = [(id(k), id(v)) for k, v in list(value.items())]
+            elif isinstance(value, (MutableSequence, MutableSet)):
+                state[f"{name}.{key}"] = sorted(map(id, value))
+    return state
+
+
+def test_no_module_state_changes_during_a_call() -> None:
+    features = _clustered(120, 16, seed=40, dtype=torch.float32)
+    mlp = _mlp(16, 32, 24, seed=41, dtype=torch.bfloat16)  # a converted copy is needed
+    positions = torch.rand(120, 2, generator=torch.Generator().manual_seed(42))
+    cfg = CaReConfig(m=8, seed=12345)  # directions never drawn before in this process
+    before = _module_state()
+    assert "care_core.scoring" in before and "care_core.anchors" in before
+    care_reduce(features, mlp, positions, keep=10, config=cfg)
+    care_reduce(features.double(), mlp, positions, keep=10, config=CaReConfig(m=4, seed=54321, engine="fd"))
+    care_reduce(features, mlp, positions, keep=10, config=cfg, scorer=Scorer(mlp))
+    assert _module_state() == before
 
 
 def test_unknown_engine_is_an_error() -> None:
     features = _clustered(20, 8, seed=4)
     with pytest.raises(ValueError, match="unknown engine"):
         perturbation_responses(features, _mlp(8, 16, 8, seed=5), unit_directions(4, 8, seed=6), h=5e-4, engine="nope")
-
-
-def test_disabling_triton_changes_nothing_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    features = _clustered(150, 16, seed=7)
-    mlp = _mlp(16, 32, 24, seed=8)
-    positions = torch.rand(150, 2, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    cfg = CaReConfig(m=16)
-    a = care_reduce(features, mlp, positions, keep=20, config=cfg)
-    monkeypatch.setenv("CARE_DISABLE_TRITON", "1")
-    b = care_reduce(features, mlp, positions, keep=20, config=cfg)
-    assert torch.equal(a.indices, b.indices) and torch.equal(a.tokens, b.tokens)
 
 
 # ------------------------------------------------------------------------------------------ CUDA
@@ -152,14 +353,21 @@ def test_fused_jvp_kernel_against_float64(bf16: bool, n: int, m: int, d_h: int, 
 @cuda
 @pytest.mark.parametrize("matmul", ["tf32", "bf16"])
 def test_fused_and_pytorch_jvp_paths_agree(matmul: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("care_core.scoring.FUSED_TF32", True)
+    if not triton_enabled(torch.device("cuda")):
+        pytest.skip("Triton is not available")
     features = _clustered(700, 64, seed=10, dtype=torch.float32).cuda()
     mlp = _mlp(64, 256, 512, seed=11, dtype=torch.float32).cuda()
     u = unit_directions(64, 64, seed=12, device="cuda")
     ref = responses_jvp(features.double(), copy.deepcopy(mlp).double(), u.double())
-    fused = responses_jvp(features, mlp, u, matmul)
-    monkeypatch.setenv("CARE_DISABLE_TRITON", "1")
-    plain = responses_jvp(features, mlp, u, matmul)
+    calls: list[bool] = []
+    real = kernels.jvp_norms
+    monkeypatch.setattr(kernels, "jvp_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="care: ")  # a fallback would warn
+        fused = responses_jvp(features, mlp, u, matmul, kernel="fused")
+    assert calls == [True]
+    plain = responses_jvp(features, mlp, u, matmul, kernel="torch")
+    assert calls == [True]
     tol = 1e-2 if matmul == "bf16" else 2e-3
     for got in (fused, plain):
         assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < tol
@@ -206,3 +414,54 @@ def test_care_reduce_on_cuda_matches_the_cpu_with_fused_kernels() -> None:
     torch.testing.assert_close(gpu.psi_bar.cpu(), cpu.psi_bar, atol=5e-3, rtol=0)
     overlap = len(set(gpu.indices.tolist()) & set(cpu.indices.tolist()))
     assert overlap >= 36  # tf32 scores on the GPU vs float32 on the CPU: near-ties may swap
+
+
+@cuda
+def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not triton_enabled(torch.device("cuda")):
+        pytest.skip("Triton is not available")
+    features = _clustered(576, 64, seed=50, dtype=torch.float32).cuda()
+    mlp = _mlp(64, 256, 512, seed=51, dtype=torch.float32).cuda()
+    positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(52)).cuda()
+    calls = {"jvp_norms": 0, "greedy_order": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*args: object, name: str = name, real: object = real, **kwargs: object) -> torch.Tensor:
+            calls[name] += 1
+            return real(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernels, name, counted)
+
+    def reduce(**settings: Any) -> Reduction:
+        return care_reduce(features, mlp, positions, keep=64, config=CaReConfig(**settings))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="care: ")  # a fallback would warn
+        default = reduce()  # tf32 scoring on cuBLAS, fused greedy
+        assert calls == {"jvp_norms": 0, "greedy_order": 1}
+        reduce(matmul_precision="bf16")
+        assert calls == {"jvp_norms": 1, "greedy_order": 2}
+        fused = reduce(kernel="fused")  # tf32 scoring through the fused kernel too
+        assert calls == {"jvp_norms": 2, "greedy_order": 3}
+        plain = reduce(kernel="torch")
+        assert calls == {"jvp_norms": 2, "greedy_order": 3}
+    for got in (fused, plain):
+        torch.testing.assert_close(got.psi_bar, default.psi_bar, atol=2e-3, rtol=0)
+        shared = len(set(got.indices.tolist()) & set(default.indices.tolist()))
+        assert shared >= 60
+
+
+@cuda
+def test_scorer_on_cuda_with_a_bf16_projector_gives_the_functional_results() -> None:
+    features = _clustered(576, 64, seed=53, dtype=torch.float32).cuda()
+    mlp = _mlp(64, 256, 512, seed=54, dtype=torch.float32).cuda().bfloat16()
+    positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(55)).cuda()
+    cfg = CaReConfig(matmul_precision="bf16")
+    plain = care_reduce(features, mlp, positions, keep=64, config=cfg)
+    scorer = Scorer(mlp)
+    for _ in range(2):
+        kept = care_reduce(features, mlp, positions, keep=64, config=cfg, scorer=scorer)
+        assert torch.equal(kept.indices, plain.indices) and torch.equal(kept.signals, plain.signals)
+        torch.testing.assert_close(kept.psi_bar, plain.psi_bar, atol=1e-6, rtol=0)
+    assert scorer.kernel_failures == {}
