@@ -151,6 +151,7 @@ def care_reduce(
     *,
     stage_timer: StageTimer | None = None,
     scorer: Scorer | None = None,
+    psi_bar: torch.Tensor | None = None,
 ) -> Reduction:
     """Reduce N visual tokens to K calibrated tokens with CaRe.
 
@@ -162,6 +163,8 @@ def care_reduce(
     ("scoring", "anchors", "calibration"), for timing. scorer: optional :class:`~care_core.scoring.Scorer`
     made for `projector`, which keeps the prepared projector, the directions and the kernel decisions
     between calls (same results, bit for bit); without one every call computes them afresh.
+    psi_bar: optional (N,) PRCA scores already computed by :func:`prca_scores` with this config for these
+    features (e.g. shared between budgets); scoring is then skipped.
 
     >>> import torch
     >>> from care_core import CaReConfig, care_reduce
@@ -183,8 +186,13 @@ def care_reduce(
     p = positions.to(device=v.device, dtype=dtype)
     u = resolve_directions(directions, cfg.m, dim, cfg.seed, v, scorer=scorer)
 
-    with timer("scoring"):
-        psi_bar = prca_scores(v, projector, u, cfg, scorer=scorer)
+    if psi_bar is None:
+        with timer("scoring"):
+            psi_bar = prca_scores(v, projector, u, cfg, scorer=scorer)
+    elif psi_bar.shape != (n,):
+        raise CareError(f"psi_bar must have shape ({n},), got {tuple(psi_bar.shape)}")
+    else:
+        psi_bar = psi_bar.to(device=v.device, dtype=dtype)
     gate = scorer.gate(cfg.kernel) if scorer is not None else KernelGate(cfg.kernel)
     with matmul_precision(allow_tf32=False), torch.no_grad():
         with timer("anchors"):

@@ -75,7 +75,7 @@ class CaReConfig:
                 "matmul_precision", f"must be auto, float32, tf32 or bf16, got {self.matmul_precision!r}"
             )
         if self.kernel not in ("auto", "fused", "torch"):
-            raise CareError(f"config: kernel must be auto, fused or torch, got {self.kernel!r}")
+            raise ConfigError("kernel", f"must be auto, fused or torch, got {self.kernel!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -106,10 +106,6 @@ def summarise(pipe: Any, output: Any, max_new_tokens: int) -> dict[str, Any]:
     if run.answer is not None:
         answers = {"full": output.full_answer.to_dict(), "reduced": run.answer.to_dict(),
                    "question": output.question, "max_new_tokens": max_new_tokens}  # fmt: skip
-    uses = getattr(cls, "hyperparameters", None)
-    config = pipe.config.to_dict()
-    if uses is not None:
-        config = {k: v for k, v in config.items() if k in uses}
     return {
         "command": "reduce",
         "method": run.method,
@@ -131,7 +127,8 @@ def summarise(pipe: Any, output: Any, max_new_tokens: int) -> dict[str, Any]:
         "csr": None if run.csr is None else 100 * run.csr,
         "answers": answers,
         "timings_ms": timings,
-        "config": config,
+        "config": pipe.config.to_dict(),
+        "hyperparameters_used": sorted(cls.hyperparameters),
         "versions": versions(),
     }
 
@@ -194,7 +191,7 @@ def show_summary(summary: dict[str, Any]) -> None:
         rows.append(("calibration signals", f"{summary['num_signals']} of {residual} residual tokens "
                                             f"({100 * summary['signal_share']:.1f}%)"))  # fmt: skip
     config = summary["config"]
-    if "engine" in config:
+    if "engine" in summary["hyperparameters_used"]:
         rows.append(("engine", f"{config['engine']}, m = {config['m']}, seed = {config['seed']}"))
     if summary["csr"] is not None:
         rows.append(("CSR (×100)", f"{summary['csr']:.2f}  for “{summary['question']}”"))

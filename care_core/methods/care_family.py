@@ -61,7 +61,6 @@ class _CaReFamily(Method):
     def _anchors(self, inputs: MethodInputs, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(selection order, weights psi_bar, features in compute precision), timing "scoring" and "anchors"."""
         from care_core.anchors import diversity_greedy
-        from care_core.care import prca_scores, resolve_directions
         from care_core.precision import compute_dtype, matmul_precision
 
         v = inputs.features.to(compute_dtype(inputs.features.dtype))
@@ -71,13 +70,22 @@ class _CaReFamily(Method):
                 weights, embeddings = inputs.memoized(("zoo-prune", zoo.h, zoo.m, zoo.seed, zoo.engine),
                                                       lambda: zoo.scores(inputs))  # fmt: skip
             with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-                return diversity_greedy(weights, embeddings, keep, eps=1e-12), weights, v.to(weights.dtype)
+                order = diversity_greedy(weights, embeddings, keep, eps=1e-12, kernel=self.config.kernel)
+                return order, weights, v.to(weights.dtype)
         with inputs.stage("scoring"):
-            psi_bar = inputs.memoized(prca_key(self.config), lambda: prca_scores(
-                v, inputs.projector, resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v),
-                self.config))  # fmt: skip
+            psi_bar = self._psi_bar(inputs, v)
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            return diversity_greedy(psi_bar, v, keep, self.config.eps), psi_bar, v
+            return diversity_greedy(psi_bar, v, keep, self.config.eps, kernel=self.config.kernel), psi_bar, v
+
+    def _psi_bar(self, inputs: MethodInputs, v: torch.Tensor) -> torch.Tensor:
+        """PRCA's psi_bar (Eq. 1–2), shared through the inputs' memo by every budget and PRCA-anchored method."""
+        from care_core.care import prca_scores, resolve_directions
+
+        def compute() -> torch.Tensor:
+            directions = resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v)
+            return prca_scores(v, inputs.projector, directions, self.config)
+
+        return inputs.memoized(prca_key(self.config), compute)
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         from care_core.care import Reduction, calibrate_with
@@ -114,12 +122,18 @@ class CaRe(_CaReFamily):
     hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS | GATED_FIELDS
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        """:func:`care_core.care.care_reduce` with this config and the inputs' stage timer."""
+        """:func:`care_core.care.care_reduce` with this config and the inputs' stage timer (and, where the
+        inputs keep a memo, the psi_bar another budget or PRCA-anchored method already computed)."""
         from care_core.care import care_reduce
+        from care_core.precision import compute_dtype
 
+        psi_bar = None
+        if inputs.memo is not None:
+            with inputs.stage("scoring"):
+                psi_bar = self._psi_bar(inputs, inputs.features.to(compute_dtype(inputs.features.dtype)))
         reduction = care_reduce(
             inputs.features, inputs.projector, inputs.positions, keep=keep, config=self.config,
-            stage_timer=inputs.stage_timer,
+            stage_timer=inputs.stage_timer, psi_bar=psi_bar,
         )  # fmt: skip
         return reduction.to_method_result()
 

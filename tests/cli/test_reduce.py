@@ -55,13 +55,13 @@ def test_every_hyperparameter_is_an_option(care, photo: Path) -> None:
         "reduce", photo, "--keep", "20", "--json", "--h", "0.001", "--m", "8", "--lambda", "0.3", "--eta", "0.2",
         "--theta-s", "0.3", "--theta-c", "0.5", "--alpha", "0.2", "--sigma-p", "0.3", "--tau-g", "0.05",
         "--tau-c", "0.2", "--tau-s", "0.1", "--eps", "1e-7", "--seed", "3", "--engine", "fd",
-        "--matmul-precision", "float32",
+        "--matmul-precision", "float32", "--kernel", "torch",
     )  # fmt: skip
     assert run.code == 0, run.err
     assert run.json()["config"] == {
         "h": 0.001, "m": 8, "lam": 0.3, "eta": 0.2, "theta_s": 0.3, "theta_c": 0.5, "alpha": 0.2, "sigma_p": 0.3,
         "tau_g": 0.05, "tau_c": 0.2, "tau_s": 0.1, "eps": 1e-7, "seed": 3, "engine": "fd",
-        "matmul_precision": "float32",
+        "matmul_precision": "float32", "kernel": "torch",
     }  # fmt: skip
     assert set(CaReConfig.field_names()) == set(run.json()["config"])
 

@@ -12,7 +12,8 @@ from care_core.methods import MethodResult, build_method, method_class, method_n
 
 from .conftest import make_inputs
 
-FIELDS = CaReConfig.field_names()
+# `kernel` chooses how the maths runs (fused or PyTorch), not what it computes: tests/core checks it.
+FIELDS = [name for name in CaReConfig.field_names() if name != "kernel"]
 FAMILY = ("care", "prca-only", "simple-calib", "confidence-calib", "prca+simple-calib")
 # theta_c = 0: every residual passes the gate (c_r >= 0), so the calibration fields act on the tokens
 BASE = CaReConfig(m=8, theta_c=0.0)
