@@ -29,11 +29,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lmms_eval.api.model import lmms
-from lmms_eval.models.registry_v2 import ModelManifest
-
 from care_core.errors import CareError, MethodError
 from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
+
+#: model id -> (class in this module, aliases)
+MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "care": ("CareLMM", ("care_vtr",)),
+    "care_llava": ("CareLlava", ("care_llava_next",)),
+    "care_qwen2_5_vl": ("CareQwen2_5_VL", ()),
+}
+
+
+def manifests() -> list[Any]:
+    """The entry point of group ``lmms_eval.models``: one ``ModelManifest`` per model id.
+
+    Defined before this module imports lmms_eval: importing ``lmms_eval.models`` builds its registry, which loads
+    this entry point, possibly while this very module is still being imported.
+    """
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return [
+        ModelManifest(model_id=model_id, simple_class_path=f"{__name__}.{name}", aliases=aliases)
+        for model_id, (name, aliases) in MODEL_IDS.items()
+    ]
+
+
+from lmms_eval.api.model import lmms  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -208,22 +229,11 @@ class CareQwen2_5_VL(CareLMM):
 
 
 MODELS: tuple[type[CareLMM], ...] = (CareLMM, CareLlava, CareQwen2_5_VL)
-_ALIASES = {"care": ("care_vtr",), "care_llava": ("care_llava_next",), "care_qwen2_5_vl": ()}
-
-
-def manifests() -> list[ModelManifest]:
-    """The entry point of group ``lmms_eval.models``: one manifest per model id."""
-    return [
-        ModelManifest(
-            model_id=cls.model_id, simple_class_path=f"{__name__}.{cls.__name__}", aliases=_ALIASES[cls.model_id]
-        )
-        for cls in MODELS
-    ]
 
 
 def model_class(model_id: str) -> type[CareLMM]:
     for cls in MODELS:
-        if model_id == cls.model_id or model_id in _ALIASES[cls.model_id]:
+        if model_id == cls.model_id or model_id in MODEL_IDS[cls.model_id][1]:
             return cls
     raise ModelArgsError(f"unknown care model {model_id!r} (known: {', '.join(c.model_id for c in MODELS)})")
 
