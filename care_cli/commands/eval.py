@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -327,6 +328,7 @@ def _setting_report(
             "visual_tokens": sum(fed) / len(fed) if fed else None,
             "num_tokens": (sum(r["num_tokens"] for r in mine.values()) / len(mine)) if mine else None,
             "seconds_per_sample": sum(seconds) / len(seconds) if seconds else None,
+            "seconds_per_sample_median": statistics.median(seconds) if seconds else None,
             "answers": answers,
         }
     files: list[str] = []
