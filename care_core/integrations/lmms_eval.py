@@ -125,6 +125,12 @@ class CareLMM(lmms):
         self._rank = _env_int("RANK", 0)
         self._world_size = max(1, _env_int("WORLD_SIZE", 1))
         if adapter is None:
+            from care_core.errors import ModelLoadError
+            from care_core.integrations import broken_torchvision
+
+            broken = broken_torchvision()
+            if broken:
+                raise ModelLoadError(broken)
             adapter = load_adapter(spec)
         self.adapter = adapter
         self._check_family()

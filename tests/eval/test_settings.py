@@ -81,3 +81,20 @@ def test_care_eval_without_the_extra_exits_2_with_the_install_line(care, monkeyp
     assert result.code == 2
     assert result.err.strip() == f"error: care eval needs lmms-eval: {EVAL_EXTRA_HINT}"
     assert result.out == ""
+
+
+def test_a_torchvision_that_cannot_be_imported_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import sys
+
+    from care_core.integrations import broken_torchvision
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        return object() if name == "torchvision" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # `import torchvision` now fails, as a mismatched build does
+    message = broken_torchvision()
+    assert message is not None and "pip uninstall torchvision" in message and "\n" not in message
