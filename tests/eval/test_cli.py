@@ -24,6 +24,7 @@ def test_acceptance_json_has_the_metric_of_every_setting(care) -> None:
     result = care("eval", "--model", "tiny-llava", "--method", "care", "--method", "random", "--keep", "64",
                   "--tasks", POPE, "--limit", "3", "--json", "--device", "cpu")  # fmt: skip
     assert result.code == 0, result.err
+    assert result.err == ""  # --json: one JSON object on stdout, nothing on stderr
     report = result.json()
     assert report["command"] == "eval" and report["tasks"] == ["care_pope_examples"]
     assert [s["setting"] for s in report["settings"]] == ["none", "care K=64", "random K=64"]
@@ -111,3 +112,12 @@ def test_errors_are_one_line_exit_2(care, args: list[str], message: str) -> None
     lines = result.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.err
     assert result.out == ""
+
+
+def test_no_arguments_shows_help_and_help_is_plain(care) -> None:
+    bare = care("eval")
+    assert bare.code == 2 and "Usage" in bare.out + bare.err
+    helped = care("eval", "--help")
+    assert helped.code == 0 and "<bool>" not in helped.out and "<list[" not in helped.out, helped.out
+    options = ("--tasks", "--method", "--keep", "--ratio", "--limit", "--output-dir", "--num-processes", "--lambda")
+    assert all(option in helped.out for option in options), helped.out
