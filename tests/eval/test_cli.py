@@ -121,3 +121,19 @@ def test_no_arguments_shows_help_and_help_is_plain(care) -> None:
     assert helped.code == 0 and "<bool>" not in helped.out and "<list[" not in helped.out, helped.out
     options = ("--tasks", "--method", "--keep", "--ratio", "--limit", "--output-dir", "--num-processes", "--lambda")
     assert all(option in helped.out for option in options), helped.out
+
+
+def test_retention_is_the_share_of_the_unreduced_metric() -> None:
+    from care_cli.commands.eval import _tables
+
+    def setting(method: str | None, keep: int | None, value: float) -> dict[str, Any]:
+        entry = {"metrics": {"acc": value, "f1": 0.5}, "metric_order": ["acc", "f1"], "visual_tokens": keep or 576,
+                 "seconds_per_sample": 0.1, "samples": 4, "computed": 4}  # fmt: skip
+        return {"setting": method or "none", "method": method, "keep": keep, "ratio": None, "tasks": {"t": entry}}
+
+    rows = _tables([setting(None, None, 0.8), setting("care", 64, 0.6), setting("random", 64, 0.0)], ["t"])["t"]
+    assert [(r["budget"], r["metric"], r["value"]) for r in rows] == [("all", "acc", 0.8), ("K=64", "acc", 0.6),
+                                                                      ("K=64", "acc", 0.0)]  # fmt: skip
+    assert [r["retention"] for r in rows] == [100.0, pytest.approx(75.0), 0.0]
+    zero = _tables([setting(None, None, 0.0), setting("care", 64, 0.5)], ["t"])["t"]
+    assert [r["retention"] for r in zero] == [None, None]  # no share of nothing
