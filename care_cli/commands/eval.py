@@ -144,7 +144,8 @@ def _quiet_lmms_eval(verbose: bool) -> None:
 
     logger.remove()
     logger.add(sys.stderr, level="INFO" if verbose else "ERROR", format="{level}: {message}")
-    if not verbose:
+    if not verbose:  # lmms-eval's own bars ("Postprocessing", request building) pass disable= and ignore TQDM_DISABLE
+        import lmms_eval.api.task as task_module
         import lmms_eval.evaluator as evaluator
         from tqdm import tqdm
 
@@ -152,7 +153,8 @@ def _quiet_lmms_eval(verbose: bool) -> None:
             kwargs["disable"] = True
             return tqdm(*args, **kwargs)
 
-        evaluator.tqdm = silent_tqdm  # its "Postprocessing" bar ignores TQDM_DISABLE
+        evaluator.tqdm = silent_tqdm
+        task_module.tqdm = silent_tqdm  # type: ignore[attr-defined]
     with contextlib.suppress(Exception):
         import datasets
 
