@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from care_cli.commands import csr as csr_command
+from care_cli.commands import eval as eval_command
 from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
@@ -32,6 +33,7 @@ app.command("csr", no_args_is_help=True)(csr_command.csr)
 app.command("methods")(methods_command.methods)
 app.command("flops")(flops_command.flops)
 app.command("visualize", no_args_is_help=True)(visualize_command.visualize)
+app.command("eval", no_args_is_help=True)(eval_command.eval_command)
 
 
 def _plain_help_types() -> None:

@@ -159,4 +159,4 @@ def test_method_all_is_the_same_list_everywhere(care, photo: Path, tmp_path: Pat
 
 def test_every_command_is_registered() -> None:
     names = {c.name for c in app.registered_commands}
-    assert names == {"reduce", "csr", "methods", "flops", "visualize"}
+    assert names == {"reduce", "csr", "methods", "flops", "visualize", "eval"}

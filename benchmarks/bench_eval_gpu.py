@@ -1,0 +1,197 @@
+"""Throughput of `care eval` at full scale: LLaVA-NeXT-7B (random weights, bf16), unreduced vs CaRe K=160.
+
+    python benchmarks/bench_eval_gpu.py                       # 1 GPU, and 2 GPUs when two are visible (~4-6 min, H100)
+    python benchmarks/bench_eval_gpu.py --tiny --device cpu --processes 1   # smoke test of the script (tiny widths)
+
+What it does:
+1. builds LLaVA-NeXT-7B (CLIP-L/336 24 layers, Vicuna-7B, anyres pinpoints; ``benchmarks/gpu.py``'s builder) with
+   seeded random weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor, the byte
+   tokenizer of the demos) to a local folder, so that ``--model <folder>`` loads it like any checkpoint;
+2. writes a copy of the shipped task ``examples/tasks/care_pope_examples`` whose documents are repeated ``--copies``
+   times (12 x copies samples; the same photos and questions), to have enough samples for a rate;
+3. runs ``care eval --model <folder> --method care --keep 160 --tasks <task>`` exactly as a user would (a separate
+   process, ``--num-processes N`` for N GPUs) and reads its summary JSON: per setting (all tokens / CaRe K=160) the
+   wall time of lmms-eval's pass, samples per second, and the mean / median model seconds per sample.
+
+Random weights: answers run to ``max_new_tokens`` (8) every time, so timings compare like with like, and accuracy
+means nothing. The first setting (all tokens) also pays the process's first CUDA calls; the median per sample is
+immune to that. Writes a NEW file ``benchmarks/results/<date>-eval-gpu-<card>[-N].json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = ROOT / "examples" / "tasks" / "care_pope_examples"
+KEEP = 160
+
+
+def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
+    """LLaVA-NeXT-7B with random weights, saved to ``folder``; returns what it cost."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT))
+    import gpu  # benchmarks/gpu.py: the repository's 7B builders
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    start = time.perf_counter()
+    model, processor = gpu.build_llava_next(torch.device(device), dtype, tiny)
+    built = time.perf_counter() - start
+    params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    model.save_pretrained(str(folder))
+    processor.save_pretrained(str(folder))
+    saved = time.perf_counter() - start
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"parameters": params, "dtype": str(dtype).removeprefix("torch."), "build_s": built, "save_s": saved,
+            "tiny": tiny}  # fmt: skip
+
+
+def write_task(folder: Path, copies: int) -> str:
+    """The shipped POPE-style task with its documents repeated ``copies`` times (images by absolute path)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("utils.py",):
+        shutil.copy(TASK / name, folder / name)
+    config = (TASK / "care_pope_examples.yaml").read_text(encoding="utf-8")
+    name = f"care_pope_examples_x{copies}"
+    (folder / f"{name}.yaml").write_text(re.sub(r"(?m)^task: .*$", f"task: {name}", config), encoding="utf-8")
+    rows = [json.loads(line) for line in (TASK / "data.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    lines = []
+    for copy in range(copies):
+        for row in rows:
+            item = dict(row, question_id=copy * len(rows) + row["question_id"])
+            item["image"] = str((TASK / row["image"]).resolve())
+            lines.append(json.dumps(item))
+    (folder / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return name
+
+
+def run_care_eval(model: Path, task: Path, processes: int, device: str, dtype: str, work: Path) -> dict[str, Any]:
+    out = work / f"out-n{processes}"
+    command = [sys.executable, "-m", "care_cli", "eval", "--model", str(model), "--method", "care",
+               "--keep", str(KEEP), "--tasks", str(task), "--device", device, "--dtype", dtype,
+               "--output-dir", str(out), "--json"]  # fmt: skip
+    if processes > 1:
+        command += ["--num-processes", str(processes)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets"),
+           "CARE_HOME": str(work / "care_home")}  # fmt: skip
+    print(f"$ {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    total = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"care eval failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    report = json.loads(done.stdout)
+    rows = []
+    for setting in report["settings"]:
+        (entry,) = setting["tasks"].values()
+        rows.append({
+            "setting": setting["setting"], "processes": processes, "samples": entry["samples"],
+            "wall_s": setting["wall_seconds"], "samples_per_s": setting["samples_per_second"],
+            "model_s_per_sample_mean": entry["seconds_per_sample"],
+            "model_s_per_sample_median": entry["seconds_per_sample_median"],
+            "visual_tokens": entry["visual_tokens"], "num_tokens": entry["num_tokens"],
+        })  # fmt: skip
+    return {"processes": processes, "command_s": total, "rows": rows, "backbone": report["backbone"]}
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "device": device}  # fmt: skip
+    try:
+        from importlib.metadata import version
+
+        env["lmms_eval"] = version("lmms_eval")
+    except Exception:
+        env["lmms_eval"] = None
+    if torch.cuda.is_available():
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return env
+
+
+def card_slug(env: dict[str, Any]) -> str:
+    gpus = env.get("gpus") or ["cpu"]
+    match = re.search(r"(H100|H200|A100|L40S|L4|B200)", gpus[0])
+    return (match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", gpus[0].lower())).lower()
+
+
+def new_results_path(env: dict[str, Any]) -> Path:
+    base = ROOT / "benchmarks" / "results" / f"{dt.date.today().isoformat()}-eval-gpu-{card_slug(env)}"
+    path, number = base.with_suffix(".json"), 2
+    while path.exists():
+        path, number = Path(f"{base}-{number}.json"), number + 1
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny, a smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
+    parser.add_argument("--copies", type=int, default=4, help="repeat the 12 task documents this many times")
+    parser.add_argument("--processes", default="auto", help="comma list, e.g. 1,2; auto: 1, and 2 with 2+ GPUs")
+    parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: a new dated file)")
+    args = parser.parse_args()
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device; run with --tiny --device cpu for a smoke test")
+    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+    if args.processes == "auto":
+        processes = [1, 2] if gpus >= 2 else [1]
+    else:
+        processes = [int(p) for p in args.processes.split(",")]
+    env = environment(args.device)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    with tempfile.TemporaryDirectory(prefix="care-bench-eval-", dir=args.work) as scratch:
+        work = Path(scratch)
+        model = work / ("llava-next-tiny" if args.tiny else "llava-next-7b-random")
+        print(f"building {'tiny' if args.tiny else '7B'} LLaVA-NeXT with random weights into {model} ...", flush=True)
+        built = build_model(model, "cuda:0" if args.device.startswith("cuda") else "cpu", args.tiny)
+        print(f"  {built['parameters'] / 1e9:.2f} B parameters, built {built['build_s']:.1f} s, saved "
+              f"{built['save_s']:.1f} s", flush=True)  # fmt: skip
+        task = work / "task"
+        task_name = write_task(task, args.copies)
+        runs = [run_care_eval(model, task, n, args.device, dtype, work) for n in processes]
+    rows = [row for run in runs for row in run["rows"]]
+    print(f"\ncare eval on {task_name} ({rows[0]['samples']} samples), LLaVA-NeXT-{'tiny' if args.tiny else '7B'} "
+          f"random weights, {dtype}, {env.get('gpus', ['cpu'])[0]}")  # fmt: skip
+    print(f"{'setting':<14}{'procs':>6}{'tokens':>8}{'samples/s':>11}{'wall s':>9}{'s/sample (mean)':>17}"
+          f"{'(median)':>10}")  # fmt: skip
+    for row in rows:
+        print(f"{row['setting']:<14}{row['processes']:>6}{row['visual_tokens']:>8.0f}{row['samples_per_s']:>11.2f}"
+              f"{row['wall_s']:>9.1f}{row['model_s_per_sample_mean']:>17.3f}"
+              f"{row['model_s_per_sample_median']:>10.3f}")  # fmt: skip
+    payload = {"benchmark": "care eval throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+               "environment": env, "model": built, "task": task_name, "keep": KEEP, "runs": runs,
+               "rows": rows}  # fmt: skip
+    out = args.out or new_results_path(env)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

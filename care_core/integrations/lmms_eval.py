@@ -1,0 +1,497 @@
+"""lmms-eval models that answer with a reduced set of visual tokens, and the helpers ``care eval`` runs on.
+
+Registered through the entry point group ``lmms_eval.models`` (see :func:`manifests`):
+
+* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL; aliases ``care_vtr``);
+* ``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints only (alias ``care_llava_next``);
+* ``care_qwen2_5_vl``: Qwen2.5-VL checkpoints only.
+
+``model_args``: ``pretrained`` (a local folder, a cached repo id or a demo name such as ``tiny-llava``),
+``method`` (any registered method, or ``none`` for all visual tokens), ``keep=K`` or ``ratio=R``, ``device``,
+``dtype`` and CaRe's hyperparameters by their CaReConfig names (``lam``, ``m``, ``seed``, ...)::
+
+    lmms-eval --model care --model_args pretrained=tiny-llava,method=visionzip,keep=64 \\
+        --include_path examples/tasks/care_pope_examples --tasks care_pope_examples
+
+Each sample is answered through the library's reduced-token path, the same code as ``care reduce --generate``:
+the image is encoded once, :class:`care_core.pipeline.ReductionPipeline` reduces its N visual tokens to K and
+projects them, and the adapter's ``generate(question, tokens, projected, kept=...)`` decodes greedily with exactly
+those K rows as the image. Requests are answered one at a time (each sample has its own reduction).
+This is the only module of care that imports ``lmms_eval``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from care_core.errors import CareError, MethodError
+from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
+
+#: model id -> (class in this module, aliases)
+MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "care": ("CareLMM", ("care_vtr",)),
+    "care_llava": ("CareLlava", ("care_llava_next",)),
+    "care_qwen2_5_vl": ("CareQwen2_5_VL", ()),
+}
+
+
+def manifests() -> list[Any]:
+    """The entry point of group ``lmms_eval.models``: one ``ModelManifest`` per model id.
+
+    Defined before this module imports lmms_eval: importing ``lmms_eval.models`` builds its registry, which loads
+    this entry point, possibly while this very module is still being imported.
+    """
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return [
+        ModelManifest(model_id=model_id, simple_class_path=f"{__name__}.{name}", aliases=aliases)
+        for model_id, (name, aliases) in MODEL_IDS.items()
+    ]
+
+
+from lmms_eval.api.model import lmms  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+    from care_core.backbones.base import ImageTokens, VLMAdapter
+    from care_core.pipeline import ReductionPipeline
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class EvalTaskError(CareError):
+    """A task cannot be evaluated: unknown, needs the hub while offline, or asks for something care cannot do."""
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One answered request: what the language model saw and how long the sample took."""
+
+    task: str
+    doc_id: int
+    visual_tokens: int  # visual rows the language model received
+    num_tokens: int  # N, the image's visual tokens before reduction
+    seconds: float  # encode + reduce + generate
+    answer: str
+
+
+class CareLMM(lmms):
+    """An lmms-eval "simple" model: a care backbone answering with K visual tokens (or all of them).
+
+    Build it from ``model_args`` (what lmms-eval does), or with :meth:`from_spec` around an adapter that is
+    already loaded (what ``care eval`` does, to evaluate many methods and budgets on one loaded model).
+    """
+
+    is_simple = True
+    model_id: ClassVar[str] = "care"
+    #: backbone families this model id serves (None: every family care can load)
+    families: ClassVar[tuple[str, ...] | None] = None
+
+    def __init__(self, **model_args: Any) -> None:
+        super().__init__()
+        self._setup(parse_model_args(model_args), None)
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: EvalSpec,
+        adapter: VLMAdapter | None = None,
+        *,
+        on_sample: Callable[[int, int], None] | None = None,
+    ) -> CareLMM:
+        """The model for ``spec``; ``adapter`` (a loaded backbone) is reused instead of loading ``spec.pretrained``.
+
+        ``on_sample(done, total)`` is called after every answered request (a progress bar's hook).
+        """
+        self = cls.__new__(cls)
+        lmms.__init__(self)
+        self._setup(spec, adapter)
+        self.on_sample = on_sample
+        return self
+
+    def _setup(self, spec: EvalSpec, adapter: VLMAdapter | None) -> None:
+        from care_core.pipeline import ReductionPipeline
+
+        self.spec = spec
+        self.on_sample: Callable[[int, int], None] | None = None
+        self.records: list[SampleRecord] = []
+        self._rank = _env_int("RANK", 0)
+        self._world_size = max(1, _env_int("WORLD_SIZE", 1))
+        if adapter is None:
+            from care_core.errors import ModelLoadError
+            from care_core.integrations import broken_torchvision
+
+            broken = broken_torchvision()
+            if broken:
+                raise ModelLoadError(broken)
+            adapter = load_adapter(spec)
+        self.adapter = adapter
+        self._check_family()
+        self.pipeline: ReductionPipeline | None = None
+        if spec.method is not None:
+            self.pipeline = ReductionPipeline(adapter, [spec.method], spec.config)  # MethodError if it cannot serve
+
+    def _check_family(self) -> None:
+        family = self.adapter.family
+        if self.families is not None and family not in self.families:
+            served = " and ".join(self.families)
+            raise ModelArgsError(
+                f"model {self.model_id!r} serves {served} checkpoints; {self.spec.pretrained} is a {family} model "
+                f"(use --model {model_id_for(family)} or --model care)"
+            )
+
+    # ------------------------------------------------------------------ what lmms-eval reads
+    def __str__(self) -> str:  # the response cache keys on str(model) when it is given an instance
+        return f"care({self.spec.fingerprint()})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def config(self) -> Any:
+        return self.adapter.model.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.adapter, "tokenizer", None)
+
+    def clean(self) -> None:
+        """Keep the model: ``care eval`` evaluates several settings on the same loaded backbone."""
+
+    # ------------------------------------------------------------------ answering
+    def answer(self, image: Image.Image, question: str, max_new_tokens: int) -> tuple[str, int, int]:
+        """Greedy answer to ``question`` about ``image`` from the reduced visual tokens.
+
+        Returns (answer, visual rows the language model received, N visual tokens before reduction).
+        """
+        import torch
+
+        adapter = self.adapter
+        with torch.no_grad():
+            tokens = adapter.encode_image(image)
+            projected, kept = self._visual_rows(tokens, question)
+            text = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept)
+        fed = adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
+        return text, fed, tokens.num_tokens
+
+    def _visual_rows(self, tokens: ImageTokens, question: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(projected rows, kept token indices): all N tokens without a method, else the method's K."""
+        if self.pipeline is None:
+            return self.adapter.projector(tokens.features), None
+        out = self.pipeline(tokens, question, [self.spec.budget])
+        run = out.runs[0]
+        return run.projected, run.result.token_index
+
+    def generate_until(self, requests: Sequence[Any]) -> list[str]:
+        answers: list[str] = []
+        total = len(requests)
+        for done, request in enumerate(requests, start=1):
+            context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
+            doc = self.task_dict[task][split][doc_id]
+            image = _one_image(doc_to_visual(doc), task, doc_id)
+            kwargs = dict(gen_kwargs or {})
+            max_new = int(kwargs.get("max_new_tokens") or kwargs.get("max_gen_toks") or DEFAULT_MAX_NEW_TOKENS)
+            start = time.perf_counter()
+            text, fed, n = self.answer(image, context, max_new)
+            seconds = time.perf_counter() - start
+            text = cut_at_stop(text, kwargs.get("until"))
+            self.records.append(SampleRecord(task, int(doc_id), fed, n, seconds, text))
+            answers.append(text)
+            if self.on_sample is not None:
+                self.on_sample(done, total)
+        return answers
+
+    def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
+        task = requests[0].args[-2] if requests else "?"
+        raise EvalTaskError(
+            f"task {task} scores answers by log-likelihood (multiple choice); care models answer generate_until "
+            "tasks only"
+        )
+
+    def generate_until_multi_round(self, requests: Sequence[Any]) -> list[str]:
+        raise EvalTaskError("multi-round generation is not supported by care models")
+
+
+class CareLlava(CareLMM):
+    """``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints."""
+
+    model_id = "care_llava"
+    families = ("llava-1.5", "llava-next")
+
+
+class CareQwen2_5_VL(CareLMM):
+    """``care_qwen2_5_vl``: Qwen2.5-VL checkpoints."""
+
+    model_id = "care_qwen2_5_vl"
+    families = ("qwen2.5-vl",)
+
+
+MODELS: tuple[type[CareLMM], ...] = (CareLMM, CareLlava, CareQwen2_5_VL)
+
+
+def model_class(model_id: str) -> type[CareLMM]:
+    for cls in MODELS:
+        if model_id == cls.model_id or model_id in MODEL_IDS[cls.model_id][1]:
+            return cls
+    raise ModelArgsError(f"unknown care model {model_id!r} (known: {', '.join(c.model_id for c in MODELS)})")
+
+
+def model_id_for(family: str) -> str:
+    for cls in MODELS:
+        if cls.families is not None and family in cls.families:
+            return cls.model_id
+    return CareLMM.model_id
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def rank_device(device: str) -> str:
+    """``device`` for this process: with several processes, ``auto``/``cuda`` become ``cuda:LOCAL_RANK``."""
+    import torch
+
+    if _env_int("WORLD_SIZE", 1) > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{_env_int('LOCAL_RANK', 0)}"
+    return device
+
+
+def load_adapter(spec: EvalSpec) -> VLMAdapter:
+    """The backbone of ``spec`` (offline), on this process's device."""
+    from care_core.backbones import load_backbone
+
+    dtype = None if spec.dtype == "auto" else spec.dtype
+    return load_backbone(spec.pretrained, device=rank_device(spec.device), dtype=dtype)
+
+
+def check_methods(specs: Iterable[EvalSpec], adapter: VLMAdapter) -> None:
+    """MethodError (one line) for the first method the loaded backbone cannot serve."""
+    from care_core.methods import build_method
+    from care_core.pipeline import unavailable_reason
+
+    for spec in specs:
+        if spec.method is None:
+            continue
+        reason = unavailable_reason(build_method(spec.method, spec.config), adapter)
+        if reason is not None:
+            raise MethodError(reason)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+def _one_image(visuals: Any, task: str, doc_id: Any) -> Image.Image:
+    from PIL import Image
+
+    items = list(visuals) if isinstance(visuals, (list, tuple)) else [visuals]
+    flat: list[Any] = []
+    for item in items:
+        flat.extend(item if isinstance(item, (list, tuple)) else [item])
+    flat = [item for item in flat if item is not None]
+    if len(flat) != 1:
+        raise EvalTaskError(f"task {task}, document {doc_id}: {len(flat)} images; care models take exactly one image")
+    item = flat[0]
+    if isinstance(item, (str, Path)):
+        from care_core.images import load_image
+
+        return load_image(Path(item))
+    if not isinstance(item, Image.Image):
+        raise EvalTaskError(f"task {task}, document {doc_id}: the visual is a {type(item).__name__}, not an image")
+    return item
+
+
+def cut_at_stop(text: str, until: Any) -> str:
+    """``text`` up to the first of the stop strings ``until`` (a string or a list of strings)."""
+    stops = [until] if isinstance(until, str) else list(until or [])
+    for stop in stops:
+        if isinstance(stop, str) and stop:
+            text = text.split(stop, 1)[0]
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+@dataclass(frozen=True)
+class TaskSelection:
+    """What ``--tasks`` named: task names, the local folders that hold user tasks, and each local task's file."""
+
+    names: list[str]
+    include_paths: list[str]
+    local: dict[str, str]  # task name -> its YAML file
+
+
+def _index(paths: list[str]) -> dict[str, dict[str, Any]]:
+    from lmms_eval.tasks import TaskManager
+
+    return dict(TaskManager("ERROR", include_path=paths, include_defaults=False).task_index) if paths else {}
+
+
+def select_tasks(specs: Sequence[str]) -> TaskSelection:
+    """Task names from ``--tasks`` entries: lmms-eval task names, local task folders and task YAML files.
+
+    ``--tasks file.yaml`` is broken in lmms-eval 0.7.3, so a file's folder becomes an include path and the task is
+    selected by the name its YAML gives. EvalTaskError for a path that does not exist or holds no task.
+    """
+    names: list[str] = []
+    include: list[str] = []
+    local: dict[str, str] = {}
+    for raw in specs:
+        spec = raw.strip()
+        if not spec:
+            continue
+        path = Path(spec).expanduser()
+        looks_like_path = path.suffix.lower() in (".yaml", ".yml") or "/" in spec or spec.startswith(".")
+        if not path.exists():
+            if looks_like_path:
+                raise EvalTaskError(f"--tasks {spec}: no such task folder or YAML file")
+            names.append(spec)
+            continue
+        folder = path.resolve() if path.is_dir() else path.resolve().parent
+        index = _index([str(folder)])
+        if path.is_dir():
+            found = sorted(n for n, e in index.items() if e.get("type") in ("task", "group"))
+        else:
+            found = sorted(n for n, e in index.items() if Path(str(e.get("yaml_path", ""))).resolve() == path.resolve())
+        if not found:
+            raise EvalTaskError(f"--tasks {spec}: holds no lmms-eval task (a YAML file with a 'task:' name)")
+        if str(folder) not in include:
+            include.append(str(folder))
+        for name in found:
+            local[name] = str(index[name].get("yaml_path"))
+            names.append(name)
+    if not names:
+        raise EvalTaskError("--tasks: give at least one task")
+    return TaskSelection(list(dict.fromkeys(names)), include, local)
+
+
+def task_manager(selection: TaskSelection) -> Any:
+    """A TaskManager that knows the selected tasks: built-in tasks are indexed only when one is named by name.
+
+    EvalTaskError for an unknown name, and for a local task whose name a built-in task would silently replace.
+    """
+    import difflib
+
+    from lmms_eval.tasks import TaskManager
+
+    builtin = [n for n in selection.names if n not in selection.local]
+    manager = TaskManager("ERROR", include_path=selection.include_paths or None, include_defaults=bool(builtin))
+    if builtin:
+        clash = [n for n in selection.local if manager.task_index.get(n, {}).get("yaml_path") != selection.local[n]]
+        if clash:
+            raise EvalTaskError(f"local task {clash[0]} ({selection.local[clash[0]]}) has the name of a built-in "
+                                "lmms-eval task, which would replace it; rename it (its 'task:' key)")  # fmt: skip
+        matched = set(manager.match_tasks(builtin))
+        for name in builtin:
+            if name not in matched and "*" not in name:
+                close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.7)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise EvalTaskError(f"unknown task {name!r}{hint}; list lmms-eval's tasks with 'lmms-eval --tasks "
+                                    "list', or pass a local task folder or YAML file")  # fmt: skip
+    return manager
+
+
+def load_tasks(names: Sequence[str], manager: Any) -> dict[str, Any]:
+    """Build the tasks (downloads nothing when offline); a missing hub dataset is an EvalTaskError saying what to do."""
+    from lmms_eval.tasks import get_task_dict
+
+    try:
+        return get_task_dict(list(names), manager)
+    except CareError:
+        raise
+    except Exception as exc:
+        raise task_error(exc, names, manager) from exc
+
+
+def task_error(exc: BaseException, names: Sequence[str], manager: Any) -> CareError:
+    """A one-line error for an exception raised while building tasks."""
+    text = " ".join(str(exc).split())
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+    hub_words = ("offline", "connect", "couldn't reach", "not found on the hub", "huggingface.co", "localentrynotfound",
+                 "cannot find the requested files", "doesn't exist on the hub")  # fmt: skip
+    if offline or any(w in (type(exc).__name__ + text).lower() for w in hub_words):
+        datasets = []
+        for name in names:
+            config = _task_config(name, manager)
+            path = config.get("dataset_path")
+            if isinstance(path, str) and path not in ("json", "csv", "parquet", "text", "arrow", "pandas"):
+                datasets.append((name, path, config.get("dataset_name")))
+        if datasets:
+            name, path, subset = datasets[0]
+            subset_arg = f", '{subset}'" if subset else ""
+            return EvalTaskError(
+                f"task {name} needs the dataset {path} from the Hugging Face hub, which is not in the local cache "
+                f"(offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}); pre-download it where the hub is "
+                f"reachable: python -c \"import datasets; datasets.load_dataset('{path}'{subset_arg})\" (same "
+                "HF_HOME), then copy that cache here"
+            )
+    return EvalTaskError(f"cannot load the task(s) {', '.join(names)}: {type(exc).__name__}: {text[:300]}")
+
+
+def _task_config(name: str, manager: Any) -> dict[str, Any]:
+    entry = manager.task_index.get(name, {})
+    yaml_path = entry.get("yaml_path")
+    if not isinstance(yaml_path, str):
+        return {}
+    try:
+        from lmms_eval import utils
+
+        return dict(utils.load_yaml_config(yaml_path, mode="simple"))
+    except Exception:
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------- results
+def primary_metrics(results: dict[str, Any], task: str) -> list[str]:
+    """The task's metric names in its metric_list order (the first is the one ``care eval`` tabulates)."""
+    config = results.get("configs", {}).get(task, {})
+    names = [m.get("metric") for m in config.get("metric_list", []) if isinstance(m, dict) and m.get("metric")]
+    values = task_metrics(results, task)
+    ordered = [n for n in names if n in values] + [n for n in values if n not in names]
+    return ordered
+
+
+def task_metrics(results: dict[str, Any], task: str) -> dict[str, float]:
+    """``{metric: value}`` of one task (the "none" filter; stderr entries left out)."""
+    out: dict[str, float] = {}
+    for key, value in results.get("results", {}).get(task, {}).items():
+        if "," not in key or "_stderr" in key or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        metric, _, filt = key.partition(",")
+        if filt == "none" or metric not in out:
+            out[metric] = float(value)
+    return out
+
+
+def sample_answers(results: dict[str, Any], task: str) -> dict[str, str]:
+    """``{doc_id: answer}`` from the logged samples of one task (the model's raw answers)."""
+    answers: dict[str, str] = {}
+    for sample in results.get("samples", {}).get(task, []):
+        resps = sample.get("resps") or [[""]]
+        first = resps[0]
+        answers[str(sample["doc_id"])] = first[0] if isinstance(first, list) else str(first)
+    return answers
+
+
+def merge_leftover_cache(cache_root: Path) -> int:
+    """Merge the per-rank response databases of earlier runs (also killed ones) into ``cache_root/cache.db``.
+
+    lmms-eval merges a run's databases only when the run succeeds; merging what a killed run left lets a rerun with
+    any number of processes find every finished sample. Returns the number of rows merged.
+    """
+    from glob import glob
+
+    from lmms_eval.caching.response_cache import ResponseCache
+
+    shards = sorted(glob(str(cache_root / "runs" / "*" / "rank_*.db")))
+    if not shards:
+        return 0
+    return int(ResponseCache.merge_shards(shards, str(cache_root / "cache.db")))

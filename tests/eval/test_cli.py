@@ -1,0 +1,139 @@
+"""`care eval`: the acceptance command, result files and resume, data-parallel processes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lmms_eval")
+
+from .conftest import POPE, ROOT, VQA
+
+
+def answers(report: dict[str, Any]) -> dict[str, dict[str, dict[str, str]]]:
+    return {s["setting"]: {t: v["answers"] for t, v in s["tasks"].items()} for s in report["settings"]}
+
+
+def test_acceptance_json_has_the_metric_of_every_setting(care) -> None:
+    result = care("eval", "--model", "tiny-llava", "--method", "care", "--method", "random", "--keep", "64",
+                  "--tasks", POPE, "--limit", "3", "--json", "--device", "cpu")  # fmt: skip
+    assert result.code == 0, result.err
+    assert result.err == ""  # --json: one JSON object on stdout, nothing on stderr
+    report = result.json()
+    assert report["command"] == "eval" and report["tasks"] == ["care_pope_examples"]
+    assert [s["setting"] for s in report["settings"]] == ["none", "care K=64", "random K=64"]
+    rows = report["tables"]["care_pope_examples"]
+    assert [(r["method"], r["budget"], r["visual_tokens"]) for r in rows] == [
+        ("none", "all", 576), ("care", "K=64", 64), ("random", "K=64", 64)]  # fmt: skip
+    for row in rows:
+        assert row["metric"] == "pope_accuracy" and 0.0 <= row["value"] <= 1.0
+        assert row["samples"] == 3 and row["computed"] == 3 and row["seconds_per_sample"] > 0
+    for setting in report["settings"]:
+        assert set(setting["tasks"]["care_pope_examples"]["metrics"]) == {"pope_accuracy", "pope_f1", "pope_yes_ratio"}
+    assert report["backbone"]["demo"] is True and report["output_dir"] is None
+
+
+def test_table_two_tasks_output_dir_and_resume(care, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    tasks = f"{POPE},{VQA / 'care_vqa_examples.yaml'}"
+    args = ["eval", "--model", "tiny-llava", "--method", "random", "--keep", "32", "--tasks", tasks, "--limit", "2",
+            "--output-dir", out, "--device", "cpu"]  # fmt: skip
+    first = care(*args)
+    assert first.code == 0, first.err
+    for text in ("care_pope_examples", "care_vqa_examples", "exact_match", "retention %", "visual tokens", "s / sample",
+                 "random", "K=32", "demo backbone"):  # fmt: skip
+        assert text in first.out
+    summary = json.loads((out / "care_eval_summary.json").read_text())
+    assert [s["setting"] for s in summary["settings"]] == ["none", "random K=32"]
+    for slug in ("none", "random-k32"):
+        files = sorted(p.name for p in (out / "lmms_eval" / slug / "tiny-llava").iterdir())
+        assert any(f.endswith("_results.json") for f in files)
+        assert any(f.endswith("_samples_care_vqa_examples.jsonl") for f in files)
+    assert all(t["computed"] == 2 for s in summary["settings"] for t in s["tasks"].values())
+    again = care(*args[:-2], "--json", "--device", "cpu")  # same folder: every answer comes from the cache
+    assert again.code == 0, again.err
+    resumed = again.json()
+    assert all(t["computed"] == 0 and t["samples"] == 2 for s in resumed["settings"] for t in s["tasks"].values())
+    assert answers(resumed) == answers(summary)
+    # a killed run (of any process count) leaves only its per-rank databases, unmerged: they are still reused
+    cache = out / "cache"
+    for leftover in [cache / "cache.db", cache / "cache.audit.jsonl", *cache.glob("runs/*/.*ed")]:
+        leftover.unlink()
+    (cache / "runs" / "care-eval").rename(cache / "runs" / "killed-run")
+    more = care(*args[:-4], "--limit", "3", "--output-dir", out, "--json", "--device", "cpu")
+    assert more.code == 0, more.err
+    assert all(t["computed"] == 1 and t["samples"] == 3 for s in more.json()["settings"] for t in s["tasks"].values())
+
+
+def test_two_cpu_processes_give_the_answers_of_one(care, tmp_path: Path) -> None:
+    args = ["eval", "--model", "tiny-llava", "--method", "care", "--keep", "48", "--tasks", str(POPE), "--limit", "5",
+            "--device", "cpu", "--json"]  # fmt: skip
+    single = care(*args)
+    assert single.code == 0, single.err
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "care_cli", *args, "--num-processes", "2",
+                           "--output-dir", str(tmp_path / "two")], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    double = json.loads(done.stdout)
+    assert double["processes"] == 2 and single.json()["processes"] == 1
+    assert answers(double) == answers(single.json())
+    assert all(len(a) == 5 for s in answers(double).values() for a in s.values())
+    assert (tmp_path / "two" / "care_eval_summary.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tasks", "examples/tasks/nope", "--keep", "8"], "--tasks examples/tasks/nope: no such task folder"),
+        (["--tasks", str(POPE), "--keep", "8", "--limit", "0"], "--limit must be"),
+        (["--tasks", str(POPE), "--keep", "8", "--num-processes", "0"], "--num-processes must be at least 1"),
+        (["--tasks", str(POPE), "--keep", "0"], "--keep must be at least 1"),
+        (["--tasks", str(POPE)], "give at least one budget"),
+        (["--tasks", str(POPE), "--keep", "8", "--method", "nosuch"], "unknown method 'nosuch'"),
+        (["--tasks", str(POPE), "--keep", "8", "--output-dir", str(POPE)], "overlaps the task folder"),
+        (
+            ["--tasks", str(POPE), "--keep", "8", "--model", "tiny-qwen2.5-vl", "--method", "visionzip"],
+            "method 'visionzip' cannot run on tiny-qwen2.5-vl",
+        ),
+        (["--tasks", "popee", "--keep", "8"], "unknown task 'popee' (did you mean pope"),
+        (["--tasks", "pope", "--keep", "8"], "needs the dataset lmms-lab-encoder/POPE from the Hugging Face hub"),
+    ],
+)
+def test_errors_are_one_line_exit_2(care, args: list[str], message: str) -> None:
+    result = care("eval", *args)
+    assert result.code == 2
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.err
+    assert result.out == ""
+
+
+def test_no_arguments_shows_help_and_help_is_plain(care) -> None:
+    bare = care("eval")
+    assert bare.code == 2 and "Usage" in bare.out + bare.err
+    helped = care("eval", "--help")
+    assert helped.code == 0 and "<bool>" not in helped.out and "<list[" not in helped.out, helped.out
+    options = ("--tasks", "--method", "--keep", "--ratio", "--limit", "--output-dir", "--num-processes", "--lambda")
+    assert all(option in helped.out for option in options), helped.out
+
+
+def test_retention_is_the_share_of_the_unreduced_metric() -> None:
+    from care_cli.commands.eval import _tables
+
+    def setting(method: str | None, keep: int | None, value: float) -> dict[str, Any]:
+        entry = {"metrics": {"acc": value, "f1": 0.5}, "metric_order": ["acc", "f1"], "visual_tokens": keep or 576,
+                 "seconds_per_sample": 0.1, "samples": 4, "computed": 4}  # fmt: skip
+        return {"setting": method or "none", "method": method, "keep": keep, "ratio": None, "tasks": {"t": entry}}
+
+    rows = _tables([setting(None, None, 0.8), setting("care", 64, 0.6), setting("random", 64, 0.0)], ["t"])["t"]
+    assert [(r["budget"], r["metric"], r["value"]) for r in rows] == [("all", "acc", 0.8), ("K=64", "acc", 0.6),
+                                                                      ("K=64", "acc", 0.0)]  # fmt: skip
+    assert [r["retention"] for r in rows] == [100.0, pytest.approx(75.0), 0.0]
+    zero = _tables([setting(None, None, 0.0), setting("care", 64, 0.5)], ["t"])["t"]
+    assert [r["retention"] for r in zero] == [None, None]  # no share of nothing

@@ -1,0 +1,170 @@
+"""The lmms-eval models: entry point, the reduced-token path (exactly K visual tokens), every demo backbone."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lmms_eval")
+
+from care_core.backbones import load_backbone
+from care_core.errors import MethodError
+from care_core.integrations import lmms_eval as plugin
+from care_core.integrations.settings import EvalSpec, ModelArgsError
+from care_core.pipeline import Budget, ReductionPipeline
+
+from .conftest import POPE, ROOT
+
+
+@pytest.fixture(scope="module")
+def llava() -> Any:
+    return load_backbone("tiny-llava", device="cpu")
+
+
+class Spy:
+    """Counts the image placeholders of every prompt the language model decodes from (its real input)."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter
+        self.counts: list[int] = []
+        self.rows: list[int] = []
+        self._greedy = adapter._greedy
+
+    def __call__(self, inputs: dict[str, Any], max_new_tokens: int) -> str:
+        self.counts.append(int((inputs["input_ids"] == self.adapter.image_token_id).sum()))
+        self.rows.append(int(inputs["mm_encoder_outputs"]["image"].pooler_output[0].shape[0]))
+        return self._greedy(inputs, max_new_tokens)
+
+
+@pytest.fixture
+def spy(llava: Any) -> Iterator[Spy]:
+    watcher = Spy(llava)
+    llava._greedy = watcher
+    yield watcher
+    del llava._greedy
+
+
+def evaluate(lm: Any, limit: int = 2) -> dict[str, Any]:
+    from lmms_eval.evaluator import simple_evaluate
+
+    selection = plugin.select_tasks([str(POPE)])
+    return simple_evaluate(model=lm, tasks=selection.names, task_manager=plugin.task_manager(selection), limit=limit,
+                           verbosity="ERROR", bootstrap_iters=0)  # fmt: skip
+
+
+def test_entry_point_registers_every_model_id() -> None:
+    from lmms_eval import models
+
+    assert models.get_model("care") is plugin.CareLMM
+    assert models.get_model("care_vtr") is plugin.CareLMM
+    assert models.get_model("care_llava") is plugin.CareLlava
+    assert models.get_model("care_llava_next") is plugin.CareLlava
+    assert models.get_model("care_qwen2_5_vl") is plugin.CareQwen2_5_VL
+    assert {m.model_id for m in plugin.manifests()} == {"care", "care_llava", "care_qwen2_5_vl"}
+
+
+@pytest.mark.parametrize(("method", "keep"), [("care", 64), ("visionzip", 32)])
+def test_reduced_runs_feed_exactly_k_visual_tokens(llava: Any, spy: Spy, method: str, keep: int) -> None:
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=method, keep=keep), llava)
+    results = evaluate(lm)
+    assert spy.counts == [keep, keep] and spy.rows == [keep, keep]
+    assert [r.visual_tokens for r in lm.records] == [keep, keep]
+    assert [r.num_tokens for r in lm.records] == [576, 576]
+    assert "pope_accuracy" in plugin.task_metrics(results, "care_pope_examples")
+    assert list(plugin.sample_answers(results, "care_pope_examples").values()) == [r.answer for r in lm.records]
+
+
+def test_unreduced_run_feeds_all_tokens(llava: Any, spy: Spy) -> None:
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava)
+    evaluate(lm, limit=1)
+    assert spy.counts == [576] and [r.visual_tokens for r in lm.records] == [576]
+
+
+def test_answers_are_those_of_the_library_pipeline(llava: Any) -> None:
+    """Same code path as `care reduce --generate`: ReductionPipeline's answer for the same image and prompt."""
+    from PIL import Image
+
+    question = "Is there a cat in the image?\nAnswer the question using a single word or phrase."
+    with Image.open(ROOT / "examples" / "chelsea.jpg") as picture:
+        image = picture.convert("RGB")
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=48), llava)
+    text, fed, n = lm.answer(image, question, max_new_tokens=6)
+    pipe = ReductionPipeline(llava, ["care"])
+    out = pipe(image, question, [Budget.keep(48)], generate=True, max_new_tokens=6, repeats=1)
+    assert (text, fed, n) == (out.runs[0].answer.text, out.runs[0].answer.visual_tokens, 576)
+    assert lm.answer(image, question, 6)[0] == text  # deterministic
+
+
+def test_model_args_are_checked_before_loading() -> None:
+    with pytest.raises(ModelArgsError, match="unknown key 'kep'"):
+        plugin.CareLMM(pretrained="tiny-llava", method="care", kep=64)
+    with pytest.raises(ModelArgsError, match="needs exactly one budget"):
+        plugin.CareLMM(pretrained="tiny-llava", method="care")
+
+
+def test_model_ids_check_the_backbone_family(llava: Any) -> None:
+    spec = EvalSpec(pretrained="tiny-llava", method="care", keep=8)
+    with pytest.raises(ModelArgsError, match=r"care_qwen2_5_vl.*llava-1\.5 model.*--model care_llava"):
+        plugin.CareQwen2_5_VL.from_spec(spec, llava)
+    assert plugin.CareLlava.from_spec(spec, llava).adapter is llava
+
+
+def test_loglikelihood_tasks_are_refused_in_one_line(llava: Any) -> None:
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava)
+    with pytest.raises(plugin.EvalTaskError, match="generate_until tasks only"):
+        lm.loglikelihood([])
+
+
+def test_helpers() -> None:
+    assert plugin.cut_at_stop("yes.\nQ: next", ["\nQ:", "</s>"]) == "yes."
+    assert plugin.cut_at_stop("no", "\n") == "no"
+    assert plugin.cut_at_stop("no", None) == "no"
+    with pytest.raises(plugin.EvalTaskError, match="no such task folder"):
+        plugin.select_tasks(["examples/tasks/nope"])
+    selection = plugin.select_tasks([str(POPE / "care_pope_examples.yaml"), str(POPE)])
+    assert selection.names == ["care_pope_examples"] and selection.include_paths == [str(POPE)]
+
+
+@pytest.mark.parametrize(("model", "keep", "rows"), [("tiny-llava-next", 16, 2928), ("tiny-qwen2.5-vl", 16, 324)])
+def test_every_demo_backbone_evaluates(model: str, keep: int, rows: int) -> None:
+    adapter = load_backbone(model, device="cpu")
+    counted: list[int] = []
+    greedy = adapter._greedy
+
+    def spy(inputs: dict[str, Any], max_new_tokens: int) -> str:
+        counted.append(int((inputs["input_ids"] == adapter.image_token_id).sum()))
+        return greedy(inputs, max_new_tokens)
+
+    adapter._greedy = spy
+    for method, size, fed in ((None, None, rows), ("care", keep, keep)):
+        lm = plugin.CareLMM.from_spec(EvalSpec(pretrained=model, method=method, keep=size), adapter)
+        results = evaluate(lm, limit=1)
+        assert "pope_accuracy" in plugin.task_metrics(results, "care_pope_examples")
+        assert [r.visual_tokens for r in lm.records] == [fed]
+    assert counted == [rows, keep]
+    if model == "tiny-qwen2.5-vl":
+        with pytest.raises(MethodError, match="visionzip"):
+            plugin.check_methods([EvalSpec(pretrained=model, method="visionzip", keep=8)], adapter)
+
+
+def test_lmms_eval_cli_runs_the_plugin(tmp_path: Path) -> None:
+    """lmms-eval's own command line finds the model through the entry point and evaluates the shipped task."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "lmms_eval", "--model", "care", "--model_args",
+               "pretrained=tiny-llava,method=visionzip,keep=64,device=cpu", "--tasks", "care_pope_examples",
+               "--include_path", str(POPE), "--limit", "2", "--output_path", str(tmp_path),
+               "--log_samples"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    found = glob.glob(str(tmp_path / "*" / "*_results.json"))  # its exit code is 0 even on errors
+    assert found, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads(Path(found[0]).read_text())
+    assert "pope_accuracy,none" in results["results"]["care_pope_examples"]
+    assert results["config"]["model_args"].startswith("pretrained=tiny-llava,method=visionzip,keep=64")
