@@ -25,6 +25,7 @@ __all__ = [
     "save_safetensors_atomic",
 ]
 
+
 def check_output_path(
     out: Path,
     inputs: Sequence[Path],

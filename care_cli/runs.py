@@ -84,8 +84,9 @@ def check_folder(folder: Path, ident: dict[str, Any], resume: bool) -> None:
             raise UserError(f"--output-dir {folder}: has result shards but no {MANIFEST}; use another folder")
         return
     if not resume:
-        raise UserError(f"--output-dir {folder}: holds a run already; pass --resume to continue it, "
-                        "or use another folder")
+        raise UserError(
+            f"--output-dir {folder}: holds a run already; pass --resume to continue it, or use another folder"
+        )
     try:
         saved = json.loads(manifest.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

@@ -13,8 +13,9 @@ Engine = Literal["jvp", "fd"]
 MatmulPrecision = Literal["auto", "float32", "tf32", "bf16"]
 
 
-def _hyper(default: Any, symbol: str, text: str, low: float | None = None, high: Any = None,
-           *, open_low: bool = False) -> Any:
+def _hyper(
+    default: Any, symbol: str, text: str, low: float | None = None, high: Any = None, *, open_low: bool = False
+) -> Any:
     """A hyperparameter field: its symbol, a one-line meaning and its meaningful range, for the CLI and errors."""
     return field(default=default, metadata={"symbol": symbol, "help": text, "low": low, "high": high,
                                             "open_low": open_low})  # fmt: skip
@@ -71,9 +72,7 @@ class CaReConfig:
         if self.engine not in ("jvp", "fd"):
             raise ConfigError("engine", f"must be 'jvp' or 'fd', got {self.engine!r}")
         if self.matmul_precision not in ("auto", "float32", "tf32", "bf16"):
-            raise ConfigError(
-                "matmul_precision", f"must be auto, float32, tf32 or bf16, got {self.matmul_precision!r}"
-            )
+            raise ConfigError("matmul_precision", f"must be auto, float32, tf32 or bf16, got {self.matmul_precision!r}")
         if self.kernel not in ("auto", "fused", "torch"):
             raise ConfigError("kernel", f"must be auto, fused or torch, got {self.kernel!r}")
 

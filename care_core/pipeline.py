@@ -43,8 +43,10 @@ class Budget:
 
     @classmethod
     def ratio(cls, value: float) -> Budget:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and 0 < value <= 1
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and 0 < value <= 1)
         ):
             raise BudgetError(f"ratio must be in (0, 1], got {value!r}")
         return cls("ratio", float(value))

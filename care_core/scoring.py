@@ -77,7 +77,7 @@ def _as_mlp(projector: Projector) -> _MLP | None:
     if isinstance(projector, nn.Sequential) and len(projector) == 3:
         first, act, second = projector
     elif type(projector).__name__ in _MLP_PROJECTORS:
-        first, act, second = projector.linear_1, projector.act, projector.linear_2  # type: ignore[union-attr]
+        first, act, second = projector.linear_1, projector.act, projector.linear_2  # type: ignore[attr-defined]
     else:
         return None
     if not (isinstance(first, nn.Linear) and isinstance(second, nn.Linear)):
@@ -196,7 +196,7 @@ def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch
         c = u.shape[0]
         points = features.expand(c, n, dim).reshape(-1, dim)
         tangents = u[:, None].expand(c, n, dim).reshape(-1, dim)
-        _, jv = torch.func.jvp(projector, (points,), (tangents,))
+        _, jv = torch.func.jvp(projector, (points,), (tangents,))  # type: ignore[misc]  # (primal, tangent) out
         rows.append(jv.reshape(c, n, -1).norm(dim=-1))
     return torch.cat(rows)
 

@@ -315,7 +315,7 @@ def _setting_report(
 
     per_task: dict[str, Any] = {}
     for task in tasks:
-        mine = {}
+        mine: dict[Any, Any] = {}
         for record in records:  # padding copies of a document on other ranks repeat its record: keep the first
             if record["task"] == task:
                 mine.setdefault(record["doc_id"], record)
