@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     items = heldout_items(args.questions)
     start = time.perf_counter()
     ctx = mp.get_context("spawn")
-    with ctx.Pool(args.workers, initializer=_init, initargs=(args.model, args.home, methods, args.keep, args.seed)) as pool:
+    init_args = (args.model, args.home, methods, args.keep, args.seed)
+    with ctx.Pool(args.workers, initializer=_init, initargs=init_args) as pool:
         rows = pool.map(_one, items, chunksize=2)
     seconds = time.perf_counter() - start
     summary = summarise(rows, methods, args.keep)
@@ -258,10 +259,15 @@ def main(argv: list[str] | None = None) -> None:
         "heldout_split_seed": HELDOUT_SPLIT,
         "method_seed": args.seed,
         "keeps": args.keep,
-        "host": {"machine": platform.node(), "cpus": mp.cpu_count(), "workers": args.workers,
-                 "torch": torch.__version__, "python": platform.python_version(),
-                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                 "note": "answers computed on the CPU (float32, one thread per worker)"},  # fmt: skip
+        "host": {
+            "machine": platform.node(),
+            "cpus": mp.cpu_count(),
+            "workers": args.workers,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "note": "answers computed on the CPU (float32, one thread per worker)",
+        },
         "wall_seconds": round(seconds, 1),
         **summary,
     }

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
+
+if TYPE_CHECKING:
+    import torch
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross")
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -151,8 +153,7 @@ def _place(rng: np.random.Generator, height: int, width: int, count: int) -> lis
             cx = ox + float(rng.uniform(margin, side - margin))
             cy = oy + float(rng.uniform(margin, side - margin))
             clear = all(
-                max(abs(cx - o.center[0]), abs(cy - o.center[1])) > (length + o.side) / 2 + 0.03 * side
-                for o in objects
+                max(abs(cx - o.center[0]), abs(cy - o.center[1])) > (length + o.side) / 2 + 0.03 * side for o in objects
             )
             if clear:
                 shape, colour = combos[int(rng.integers(0, len(combos)))]
@@ -275,6 +276,8 @@ def answer_question(
     """Greedy answer of ``adapter`` to ``question`` about the image of ``tokens`` (its ImageTokens), through
     ``adapter.generate``; with ``method`` (a registered method instance) and ``keep`` the language model gets
     only the method's K rows (``kept`` = their token indices). Returns (answer text, the projected rows fed)."""
+    import torch
+
     from .methods import MethodInputs
 
     with torch.no_grad():

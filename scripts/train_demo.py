@@ -4,13 +4,17 @@ own generate path, and write the weights to ship.
     python scripts/train_demo.py --backbone tiny-llava --out DIR            # train + evaluate (GPU: --device cuda)
     python scripts/train_demo.py --backbone tiny-llava --install-from DIR   # copy DIR's weights into the package
 
-Recipe (seeded, one command): scenes of split seed 0 (held-out questions: split seed 1) are drawn by worker
-processes, centre-cropped exactly as the backbone's processor does and kept as uint8 on the device. Every step
-encodes a batch of images with the vision tower (layer -2, CLS dropped: what the model hands its projector),
-projects them and feeds the language model the prompt ``adapter.prompt(question)`` with the image placeholder
-replaced by the projected rows, followed by `` answer</s>``; the loss is on the answer tokens only. In 60% of
-the steps the language model sees a random subset of the visual tokens (K log-uniform in 24..576, in raster or
-shuffled order), so that it reads whatever rows it is given, as token reduction feeds it.
+Recipe (seeded, one command): 24,000 scenes of split seed 0 (held-out questions: split seed 1) are drawn by
+worker processes, centre-cropped exactly as the backbone's (PIL) processor does and kept as uint8 on the device.
+Every step encodes a batch of 128 images with the vision tower (layer -2, CLS dropped: what the model hands its
+projector), projects them and feeds the language model the prompt ``adapter.prompt(question)`` with the image
+placeholder replaced by the projected rows, followed by `` answer</s>``; the answer loss is on the answer tokens
+only. A dense auxiliary loss (a linear head that is not shipped) asks the vision features for the colour and shape
+of the object at each patch and for the patch's row and column. After the first 30% of the steps, half the steps
+feed a random subset of the visual tokens (K log-uniform in 48..576, in raster or shuffled order), so that the
+language model reads whatever rows it is given, as token reduction feeds it. AdamW (lr 1.5e-3, cosine, 5%
+warm-up), 5000 steps. Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side
+by side: held-out 86.6% and 85.8%).
 
 Writes DIR/<backbone>.safetensors (float16, the file that ships), DIR/<backbone>.json (command, time, device,
 held-out accuracy per question type, with all tokens and with random selection at K=64) and DIR/log.txt.

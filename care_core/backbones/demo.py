@@ -1,9 +1,14 @@
-"""Embedded demo backbones: real geometry, tiny widths, seeded random weights, built offline.
+"""Embedded demo backbones: real geometry, tiny widths, built offline.
 
 A demo is built once into ``<care home>/demo/<name>-v<version>/`` with ``save_pretrained`` (model and
-processor) and then loaded through exactly the same code path as any real checkpoint folder. Its
-answers are meaningless (random weights); its token counts, shapes and module layout are the real
-model family's, so every command works end to end without a download.
+processor) and then loaded through exactly the same code path as any real checkpoint folder. Its token counts,
+shapes and module layout are the real model family's, so every command works end to end without a download.
+
+``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
+``demo_weights/manifest.json``; trained by ``scripts/train_demo.py`` on the synthetic shapes world of
+:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. The other demos, and
+``tiny-llava-random``, have seeded random weights and meaningless answers. Every demo folder holds a marker
+(``care_demo.json``) with the weight file's sha256, checked on each load: a damaged cached copy is restored.
 """
 
 from __future__ import annotations
