@@ -78,11 +78,22 @@ class VLMAdapter(ABC):
 
     family: str  # e.g. "llava-1.5"
     name: str  # what the user asked for: a demo name, a folder or a repo id
-    is_demo: bool  # True for the embedded random-weight demo backbones
+    is_demo: bool  # True for the embedded demo backbones (by name, or through a folder with a demo marker)
     model: Any  # a transformers PreTrainedModel: its attributes are dynamic, so typed loosely
     processor: Any
+    #: one line for the user when the backbone is a demo (trained on synthetic shapes, or random weights); None for
+    #: real models. Set by the loader.
+    demo_note: str | None = None
+    _notices: list[str] | None = None
     #: probe name -> how this backbone builds it, where that differs from a single-grid CLIP tower
     probe_notes: ClassVar[dict[str, str]] = {}
+
+    @property
+    def notices(self) -> list[str]:
+        """One-line notices from loading (e.g. a damaged cached demo restored); the CLI shows them on stderr."""
+        if self._notices is None:
+            self._notices = []
+        return self._notices
 
     @property
     def device(self) -> torch.device:

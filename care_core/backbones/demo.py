@@ -1,14 +1,20 @@
-"""Embedded demo backbones: real geometry, tiny widths, seeded random weights, built offline.
+"""Embedded demo backbones: real geometry, tiny widths, built offline.
 
 A demo is built once into ``<care home>/demo/<name>-v<version>/`` with ``save_pretrained`` (model and
-processor) and then loaded through exactly the same code path as any real checkpoint folder. Its
-answers are meaningless (random weights); its token counts, shapes and module layout are the real
-model family's, so every command works end to end without a download.
+processor) and then loaded through exactly the same code path as any real checkpoint folder. Its token counts,
+shapes and module layout are the real model family's, so every command works end to end without a download.
+
+``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
+``demo_weights/manifest.json``; trained by ``scripts/train_demo.py`` on the synthetic shapes world of
+:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. The other demos, and
+``tiny-llava-random``, have seeded random weights and meaningless answers. Every demo folder holds a marker
+(``care_demo.json``) with the weight file's sha256, checked on each load: a damaged cached copy is restored.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -20,9 +26,19 @@ from typing import Any
 
 import torch
 
+from ..errors import ModelLoadError
 from ._hf import quiet_transformers
 
 MARKER = "care_demo.json"
+WEIGHTS_DIR = Path(__file__).resolve().parent / "demo_weights"
+MANIFEST = "manifest.json"
+WEIGHTS_FILE = "model.safetensors"
+
+RANDOM_DEMO_NOTE = "demo backbone: random weights — its numbers say nothing about a real model"
+TRAINED_DEMO_NOTE = (
+    "demo backbone: tiny model trained on synthetic shapes — it knows coloured shapes only; "
+    "its numbers say nothing about a real model"
+)
 
 # The chat template of the llava-hf LLaVA-1.5 checkpoints: "USER: <image>\n{question} ASSISTANT:".
 LLAVA15_CHAT_TEMPLATE = (
@@ -93,10 +109,20 @@ class DemoBackbone:
     seed: int
     description: str
     build: Callable[[int], tuple[Any, Any]]
+    #: file name of the trained weights shipped in ``demo_weights/`` (None: random weights from ``seed``)
+    weights: str | None = None
 
     @property
     def folder_name(self) -> str:
         return f"{self.name}-v{self.version}"
+
+    @property
+    def trained(self) -> bool:
+        return self.weights is not None
+
+    @property
+    def note(self) -> str:
+        return TRAINED_DEMO_NOTE if self.trained else RANDOM_DEMO_NOTE
 
 
 def build_byte_tokenizer(
@@ -142,7 +168,28 @@ def build_byte_tokenizer(
     return tok
 
 
-def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class TinySizes:
+    """Widths and depths of a tiny CLIP tower + Llama language model (the geometry is the real model's)."""
+
+    vision_hidden: int = 64
+    vision_intermediate: int = 128
+    vision_layers: int = 3
+    text_hidden: int = 64
+    text_intermediate: int = 160
+    text_layers: int = 4  # enough layers for in-LLM methods (FastV layer 1, SparseVLM layer 2)
+    heads: int = 4
+
+
+#: the random-weight demos' sizes
+RANDOM_SIZES = TinySizes()
+#: the trained tiny-llava: twice as wide, one more vision layer (about 1.6 M parameters, 3 MB in float16)
+TRAINED_SIZES = TinySizes(
+    vision_hidden=128, vision_intermediate=256, vision_layers=4, text_hidden=128, text_intermediate=320
+)
+
+
+def build_tiny_llava(seed: int = 0, sizes: TinySizes = RANDOM_SIZES) -> tuple[Any, Any]:
     """LLaVA-1.5 with the real geometry (CLIP 336 px, patch 14, 24x24 = 576 tokens, layer -2,
     strategy "default") and tiny widths; weights drawn from ``seed`` without touching the
     caller's global RNG. Returns ``(model, processor)`` in eval mode, float32, on the CPU."""
@@ -154,8 +201,8 @@ def build_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     tok = build_byte_tokenizer(["<image>"])
-    vision_config = _tiny_clip_config()
-    text_config = _tiny_llama_config(tok, max_positions=4096)
+    vision_config = _tiny_clip_config(sizes)
+    text_config = _tiny_llama_config(tok, max_positions=4096, sizes=sizes)
     config = LlavaConfig(
         vision_config=vision_config,
         text_config=text_config,
@@ -192,16 +239,16 @@ def _seeded(model_cls: Any, config: Any, seed: int) -> Any:
         return model_cls(config).eval()
 
 
-def _tiny_llama_config(tok: Any, max_positions: int) -> Any:
+def _tiny_llama_config(tok: Any, max_positions: int, sizes: TinySizes = RANDOM_SIZES) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=_vocab_size(tok),
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=4,  # enough layers for in-LLM methods (FastV layer 1, SparseVLM layer 2)
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=sizes.text_hidden,
+        intermediate_size=sizes.text_intermediate,
+        num_hidden_layers=sizes.text_layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.heads,
         max_position_embeddings=max_positions,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -209,14 +256,14 @@ def _tiny_llama_config(tok: Any, max_positions: int) -> Any:
     )
 
 
-def _tiny_clip_config() -> Any:
+def _tiny_clip_config(sizes: TinySizes = RANDOM_SIZES) -> Any:
     from transformers import CLIPVisionConfig
 
     return CLIPVisionConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
+        hidden_size=sizes.vision_hidden,
+        intermediate_size=sizes.vision_intermediate,
+        num_hidden_layers=sizes.vision_layers,
+        num_attention_heads=sizes.heads,
         image_size=336,
         patch_size=14,
         projection_dim=32,
@@ -308,9 +355,25 @@ def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
     return model, processor
 
 
+def build_trained_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-llava's architecture (:data:`TRAINED_SIZES`), weights drawn from ``seed``: the starting
+    point of ``scripts/train_demo.py`` and the skeleton the shipped weights are loaded into."""
+    return build_tiny_llava(seed, TRAINED_SIZES)
+
+
 DEMO_BACKBONES: dict[str, DemoBackbone] = {
     "tiny-llava": DemoBackbone(
         name="tiny-llava",
+        version=3,
+        family="llava-1.5",
+        seed=0,
+        description="LLaVA-1.5 geometry (CLIP-336/14, 576 tokens), tiny weights trained on synthetic shapes "
+        "(scripts/train_demo.py); demo only",
+        build=build_trained_tiny_llava,
+        weights="tiny-llava.safetensors",
+    ),
+    "tiny-llava-random": DemoBackbone(
+        name="tiny-llava-random",
         version=2,
         family="llava-1.5",
         seed=0,
@@ -338,36 +401,128 @@ DEMO_BACKBONES: dict[str, DemoBackbone] = {
 }
 
 
-def demo_marker(spec: DemoBackbone) -> dict[str, Any]:
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(folder: Path = WEIGHTS_DIR) -> dict[str, Any]:
+    """``demo_weights/manifest.json``: file name -> {"sha256", "bytes", ...}; {} when there is none."""
+    try:
+        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def shipped_weights(spec: DemoBackbone) -> tuple[Path, dict[str, Any]]:
+    """The shipped weight file of a trained demo and its manifest entry, checked (ModelLoadError if unusable)."""
+    assert spec.weights is not None
+    path = WEIGHTS_DIR / spec.weights
+    entry = read_manifest().get(spec.weights)
+    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+        raise ModelLoadError(f"{spec.name}: no entry for {spec.weights} in {WEIGHTS_DIR / MANIFEST}; reinstall care")
+    if not path.is_file() or file_sha256(path) != entry["sha256"]:
+        raise ModelLoadError(
+            f"{spec.name}: the weights shipped with care ({path}) are missing or damaged; reinstall care"
+        )
+    return path, entry
+
+
+def demo_marker(spec: DemoBackbone, sha256: str | None = None) -> dict[str, Any]:
     return {
         "name": spec.name,
         "version": spec.version,
         "family": spec.family,
         "seed": spec.seed,
-        "weights": "random weights",
+        "weights": "trained on synthetic shapes" if spec.trained else "random weights",
         "description": spec.description,
+        "note": spec.note,
+        "sha256": sha256,
     }
 
 
-def _is_built(folder: Path, spec: DemoBackbone) -> bool:
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The folder's ``care_demo.json`` (None when absent or unreadable)."""
     try:
-        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+        marker = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return marker.get("name") == spec.name and marker.get("version") == spec.version
+        return None
+    return marker if isinstance(marker, dict) else None
 
 
-def ensure_demo(name: str, home: Path) -> Path:
-    """Build demo ``name`` under ``home/demo/`` unless it is already there; return its folder.
+def marker_note(marker: dict[str, Any]) -> str:
+    """The demo note a marker stands for (older markers carry none: their demos had random weights)."""
+    note = marker.get("note")
+    if isinstance(note, str) and note:
+        return note
+    return TRAINED_DEMO_NOTE if "trained" in str(marker.get("weights", "")) else RANDOM_DEMO_NOTE
 
-    The build goes to a temporary sibling folder that is renamed into place with ``os.replace``,
-    so a concurrent process either sees no folder, or a complete one.
+
+def weights_problem(folder: Path, marker: dict[str, Any]) -> str | None:
+    """Why the folder's weight file does not match the hash its marker records (None: it matches, or no hash)."""
+    expected = marker.get("sha256")
+    if not isinstance(expected, str):
+        return None
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    wanted = marker.get("bytes")
+    if isinstance(wanted, int) and size < wanted:
+        return f"truncated ({size} of {wanted} bytes)"
+    if file_sha256(path) != expected:
+        return "corrupt (sha256 mismatch)"
+    return None
+
+
+def _is_built(folder: Path, spec: DemoBackbone) -> bool:
+    marker = read_marker(folder)
+    return marker is not None and marker.get("name") == spec.name and marker.get("version") == spec.version
+
+
+@dataclass(frozen=True)
+class DemoInstall:
+    """Where a demo lives, and what happened on the way (one-line notices for the user)."""
+
+    folder: Path
+    notices: tuple[str, ...] = ()
+
+
+def install_demo(name: str, home: Path) -> DemoInstall:
+    """Build demo ``name`` under ``home/demo/`` unless a complete, intact copy is there; return where it is.
+
+    A trained demo is the spec's architecture saved with ``save_pretrained`` (config, processor) whose
+    ``model.safetensors`` is a byte copy of the shipped weights (sha256 from ``demo_weights/manifest.json``);
+    a random one is built from its seed. The marker records the weight file's sha256, checked on every call:
+    a truncated, edited or missing weight file is rebuilt (restored) and reported in ``notices``. The build
+    goes to a temporary sibling folder renamed into place with ``os.replace``, so a concurrent process sees
+    no folder, or a complete one.
     """
     spec = DEMO_BACKBONES[name]
     root = Path(home) / "demo"
     target = root / spec.folder_name
-    if _is_built(target, spec):
-        return target
+    notices: list[str] = []
+    marker = read_marker(target) if _is_built(target, spec) else None
+    if marker is not None:
+        problem = weights_problem(target, marker)
+        if problem is None:
+            return DemoInstall(target)
+        source = "the copy shipped with care" if spec.trained else f"seed {spec.seed}"
+        notices.append(f"{spec.name}: cached weights in {target} were {problem}; restored from {source}")
+    _build_into(spec, root, target)
+    return DemoInstall(target, tuple(notices))
+
+
+def _intact(folder: Path, spec: DemoBackbone) -> bool:
+    marker = read_marker(folder) if _is_built(folder, spec) else None
+    return marker is not None and weights_problem(folder, marker) is None
+
+
+def _build_into(spec: DemoBackbone, root: Path, target: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.tmp-", dir=root))
     try:
@@ -375,9 +530,14 @@ def ensure_demo(name: str, home: Path) -> Path:
             model, processor = spec.build(spec.seed)
             model.save_pretrained(str(tmp))
             processor.save_pretrained(str(tmp))
-        (tmp / MARKER).write_text(json.dumps(demo_marker(spec), indent=2) + "\n", encoding="utf-8")
-        if target.exists() and not _is_built(target, spec):
-            # a stale or half-deleted folder from an older run: move it aside, then replace it
+        if spec.trained:
+            source, _ = shipped_weights(spec)
+            shutil.copyfile(source, tmp / WEIGHTS_FILE)
+        weights = tmp / WEIGHTS_FILE
+        marker = {**demo_marker(spec, file_sha256(weights)), "bytes": weights.stat().st_size}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+        if target.exists() and not _intact(target, spec):
+            # a stale, damaged or half-deleted folder: move it aside, then replace it
             stale = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.stale-", dir=root))
             with contextlib.suppress(OSError):
                 os.replace(target, stale / "old")
@@ -385,8 +545,12 @@ def ensure_demo(name: str, home: Path) -> Path:
         try:
             os.replace(tmp, target)
         except OSError:
-            if not _is_built(target, spec):  # lost a race to a process that built it: fine
+            if not _intact(target, spec):  # lost a race to a process that built it: fine
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+def ensure_demo(name: str, home: Path) -> Path:
+    """:func:`install_demo`'s folder (notices dropped)."""
+    return install_demo(name, home).folder

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .base import VLMAdapter
-from .demo import DEMO_BACKBONES, ensure_demo
+from .demo import DEMO_BACKBONES, install_demo, marker_note, read_marker, weights_problem
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DTYPES = {
@@ -156,8 +156,18 @@ def _load_folder(
         raise ModelLoadError(f"{shown} is a file, expected a model folder")
     model_type = _read_model_type(folder, shown)
     adapter_cls: Any = _adapter_registry()[model_type]
+    marker = read_marker(folder)  # a demo folder (care_demo.json) keeps its note when loaded as a folder
+    if marker is not None:
+        problem = weights_problem(folder, marker)
+        if problem is not None:
+            demo = marker.get("name", "demo")
+            raise ModelLoadError(
+                f"{shown}: the demo's weights are {problem}; load it by name (--model {demo}) to restore it"
+            )
     try:
-        return adapter_cls.from_folder(folder, name=name, is_demo=is_demo, device=device, dtype=dtype)
+        adapter = adapter_cls.from_folder(
+            folder, name=name, is_demo=is_demo or marker is not None, device=device, dtype=dtype
+        )
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -167,6 +177,8 @@ def _load_folder(
         raise ModelLoadError(
             f"cannot load the {model_type} model in {shown} (missing or corrupt files?): {type(exc).__name__}: {detail}"
         ) from exc
+    adapter.demo_note = marker_note(marker) if marker is not None else None
+    return adapter
 
 
 def _resolve_repo_id(repo_id: str) -> Path:
@@ -219,8 +231,11 @@ def load_backbone(
         raise ModelLoadError(f"no model given; {_accepted_forms()}")
 
     if model in DEMO_BACKBONES:
-        folder = ensure_demo(model, Path(home) if home is not None else care_home())
-        return _load_folder(folder, name=model, is_demo=True, device=dev, dtype=dt)
+        installed = install_demo(model, Path(home) if home is not None else care_home())
+        adapter = _load_folder(installed.folder, name=model, is_demo=True, device=dev, dtype=dt)
+        adapter.demo_note = DEMO_BACKBONES[model].note
+        adapter.notices.extend(installed.notices)
+        return adapter
 
     path = Path(model).expanduser()
     if path.exists():

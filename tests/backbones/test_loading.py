@@ -49,7 +49,7 @@ def test_demo_default_and_marker(demo: LlavaAdapter, demo_home: Path) -> None:
     assert demo.name == "tiny-llava" and demo.is_demo and demo.family == "llava-1.5"
     marker = json.loads((folder / MARKER).read_text())
     assert marker["name"] == "tiny-llava" and marker["version"] == DEMO_BACKBONES["tiny-llava"].version
-    assert "random weights" in marker["weights"] and "seed" in marker
+    assert marker["weights"] == "trained on synthetic shapes" and "seed" in marker and "sha256" in marker
     # loaded from the folder through the ordinary from_pretrained path
     assert Path(demo.model.name_or_path) == folder
     assert demo.model.config.vision_config.image_size == 336 and demo.model.config.vision_config.patch_size == 14
