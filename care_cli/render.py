@@ -15,6 +15,12 @@ stdout = Console(soft_wrap=False)
 stderr = Console(stderr=True)
 
 
+def print_notices(notices: list[str]) -> None:
+    """The backbone loader's one-line notices (e.g. a damaged cached demo restored), on stderr."""
+    for notice in notices:
+        stderr.print(f"[yellow]note:[/] {notice}", highlight=False)
+
+
 def print_json(payload: dict[str, Any]) -> None:
     """Exactly one JSON object on stdout (plain write: no rich markup or wrapping)."""
     sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")

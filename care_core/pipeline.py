@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 #: The question used where one is needed (a question-reading method, ``generate``) and none is given.
 DEFAULT_QUESTION = "Describe the image."
-RANDOM_DEMO_NOTE = "demo backbone: random weights — its numbers say nothing about a real model"
 
 
 @dataclass(frozen=True)
@@ -150,8 +149,10 @@ class BackboneInfo:
 
 
 def backbone_info(adapter: VLMAdapter) -> BackboneInfo:
-    note = getattr(adapter, "demo_note", None)
-    if note is None and adapter.is_demo:
+    from care_core.backbones.demo import RANDOM_DEMO_NOTE
+
+    note = adapter.demo_note
+    if note is None and adapter.is_demo:  # an adapter built by hand with is_demo=True
         note = RANDOM_DEMO_NOTE
     return BackboneInfo(
         name=str(adapter.name),

@@ -239,6 +239,8 @@ def run_pairs(
     with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet or not world.is_main):
         pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
                                                  skip_unavailable=every)  # fmt: skip
+    if world.is_main:
+        render.print_notices(pipe.adapter.notices)
     backbone = pipe.backbone
     methods = list(pipe.methods)
     labels = {b.label: b for b in budgets}

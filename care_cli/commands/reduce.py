@@ -74,6 +74,7 @@ def reduce(
     budget = Budget.ratio(ratio) if ratio is not None else Budget.keep(int(keep))  # type: ignore[arg-type]
     with render.status("Loading backbone (the demo is built on first use)…", quiet=json_output):
         pipe = ReductionPipeline.from_pretrained(model, methods=[name], config=config, device=device, dtype=dtype)
+    render.print_notices(pipe.adapter.notices)
     output = pipe(picture, question, [budget], csr=question is not None, generate=generate,
                   max_new_tokens=max_new_tokens, repeats=repeats)  # fmt: skip
     summary = summarise(pipe, output, max_new_tokens)

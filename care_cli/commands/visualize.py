@@ -141,6 +141,7 @@ def build_figure(
     with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet):
         pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
                                                  skip_unavailable=every)  # fmt: skip
+    render.print_notices(pipe.adapter.notices)
     with render.status("Encoding the image and running the methods…", quiet=quiet):
         output = pipe(picture, question, [budget])
     backbone = pipe.backbone
