@@ -21,7 +21,7 @@ def test_single_pair_all_methods(care, photo: Path) -> None:
     assert run.code == 0, run.err
     report = run.json()
     assert report["methods"] == method_names() and report["budgets"] == ["K=64"]
-    assert report["backbone"]["demo"] is True and "random weights" in report["backbone"]["note"]
+    assert report["backbone"]["demo"] is True and "trained on synthetic shapes" in report["backbone"]["note"]
     assert {r["method"] for r in report["summary"]} == set(method_names())
     for row in report["results"]:
         assert 0 <= row["csr"] <= 100 and row["N"] == 576 and row["K"] == 64
@@ -47,7 +47,7 @@ def test_jsonl_three_methods_two_budgets_writes_everything(care, tmp_path: Path)
     with Image.open(out_png) as im:
         assert im.format == "PNG" and im.width > 300
     table = care(*args)
-    assert table.code == 0 and "CSR" in table.out and "zoo-prune" in table.out and "random weights" in table.out
+    assert table.code == 0 and "CSR" in table.out and "zoo-prune" in table.out and "synthetic shapes" in table.out
 
 
 def test_reference_is_computed_once_per_pair(care, monkeypatch: pytest.MonkeyPatch) -> None:

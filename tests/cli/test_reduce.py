@@ -22,7 +22,7 @@ def test_ratio_011_gives_63_of_576(care, photo: Path) -> None:
     summary = run.json()
     assert (summary["N"], summary["K"]) == (576, 63)
     assert summary["backbone"]["demo"] is True
-    assert "random weights" in summary["backbone"]["note"]
+    assert "trained on synthetic shapes" in summary["backbone"]["note"]
     anchors = summary["anchors"]
     assert anchors == sorted(anchors) and len(set(anchors)) == 63
     assert sorted(summary["anchor_order"]) == anchors
@@ -37,7 +37,7 @@ def test_ratio_011_gives_63_of_576(care, photo: Path) -> None:
 def test_human_output_says_demo_backbone(care, photo: Path) -> None:
     run = care("reduce", photo, "--keep", "64")
     assert run.code == 0, run.err
-    assert "demo backbone: random weights" in run.out
+    assert "demo backbone: tiny model trained on synthetic shapes" in run.out
     assert "K = 64" in run.out and "N = 576" in run.out
     assert "scoring" in run.out and "calibration" in run.out
 

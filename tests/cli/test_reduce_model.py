@@ -51,4 +51,4 @@ def test_model_path_human_output_has_no_demo_note(care, photo: Path, saved_tiny)
     _, folder, _ = saved_tiny
     run = care("reduce", photo, "--model", folder, "--keep", "10")
     assert run.code == 0, run.err
-    assert "random weights" not in run.out and str(folder.name) in run.out
+    assert "demo backbone" not in run.out and str(folder.name) in run.out
