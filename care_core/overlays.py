@@ -16,7 +16,7 @@ Layout (a figure for a paper, at any aspect ratio and panel count), in inches ro
 :data:`IMAGE_SHORT_MIN_IN`), so a square image is 480 x 480 px at 150 dpi and a panorama is a band, not
 a strip. Panels (and the heat map) fill a row-major grid of columns at least :data:`COLUMN_MIN_IN`
 wide, at most :data:`ROW_MAX_IN` a row, choosing the number of columns whose canvas is closest to
-:data:`TARGET_ASPECT`; titles, legend and footer are wrapped to the width they have, and
+:data:`TARGET_SIDE_RATIO`; titles, legend and footer are wrapped to the width they have, and
 :data:`MARGIN_IN` of white surrounds everything. White space is added only to keep the canvas between
 1:3 and 3:1. The canvas thus depends on the image's aspect ratio, the panels and their text, never on
 the image's resolution. The figure saved with that dpi (and without ``bbox_inches="tight"``) is exactly
@@ -56,8 +56,8 @@ IMAGE_SHORT_MIN_IN = 1.0  # a panorama's long side grows past IMAGE_LONG_MAX_IN 
 IMAGE_LONG_CAP_IN = 12.0  # ... up to this long side
 COLUMN_MIN_IN = 2.2  # minimum width of a grid column (room for a wrapped title)
 ROW_MAX_IN = 14.0  # widest row of panels
-TARGET_ASPECT = 1.6  # the grid whose canvas (width / height) is closest to this wins
-MAX_ASPECT = 3.0  # the canvas stays between 1:MAX_ASPECT and MAX_ASPECT:1
+TARGET_SIDE_RATIO = 1.6  # the grid whose canvas (width / height) is closest to this wins
+MAX_SIDE_RATIO = 3.0  # the canvas stays between 1:MAX_SIDE_RATIO and MAX_SIDE_RATIO:1
 MARGIN_IN = 0.1
 GAP_X_IN = 0.2  # between columns
 GAP_Y_IN = 0.14  # between rows
@@ -463,7 +463,7 @@ def _layout(
     cells: list[_Cell], image_w: int, image_h: int, legend_sizes: list[tuple[int, int]], note: str | None,
     note_measure: Callable[[str], float], note_lines: tuple[int, int], dpi: float,
 ) -> _Layout:  # fmt: skip
-    """The grid (number of columns) whose canvas is closest to TARGET_ASPECT, and where everything goes."""
+    """The grid (number of columns) whose canvas is closest to TARGET_SIDE_RATIO, and where everything goes."""
     best: _Layout | None = None
     count = len(cells)
     for ncols in range(1, count + 1):
@@ -509,10 +509,11 @@ def _grid(
     note_top = legend_top + legend_h + (_px(NOTE_PAD_IN, dpi) if wrapped else 0)
     content_h = note_top + note_h
     natural_w, natural_h = inner_w + 2 * margin, content_h + 2 * margin
-    width = max(natural_w, math.ceil(natural_h / MAX_ASPECT))
-    height = max(natural_h, math.ceil(width / MAX_ASPECT))
+    width = max(natural_w, math.ceil(natural_h / MAX_SIDE_RATIO))
+    height = max(natural_h, math.ceil(width / MAX_SIDE_RATIO))
     aspect = natural_w / natural_h
-    score = abs(math.log(aspect / TARGET_ASPECT)) + (10.0 if not 1 / MAX_ASPECT <= aspect <= MAX_ASPECT else 0.0)
+    outside = not 1 / MAX_SIDE_RATIO <= aspect <= MAX_SIDE_RATIO
+    score = abs(math.log(aspect / TARGET_SIDE_RATIO)) + (10.0 if outside else 0.0)
     ox, oy = (width - inner_w) // 2, (height - content_h) // 2
     grid_left = ox + (inner_w - grid_w) // 2
     # Images of a column share their left edge (a heat map's colorbar hangs on the right); each title is

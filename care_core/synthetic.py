@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross")
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -172,7 +174,7 @@ def _questions(rng: np.random.Generator, objects: Sequence[SceneObject], height:
     shape_count = {s: sum(o.shape == s for o in objects) for s in SHAPES}
     colour_count = {c: sum(o.colour == c for o in objects) for c in COLOURS}
 
-    def pick(items: Sequence[object]) -> object:
+    def pick(items: Sequence[T]) -> T:
         return items[int(rng.integers(0, len(items)))]
 
     unique_shapes = [o for o in objects if shape_count[o.shape] == 1]
@@ -194,7 +196,7 @@ def _questions(rng: np.random.Generator, objects: Sequence[SceneObject], height:
         absent = [(s, c) for s in SHAPES for c in COLOURS if (s, c) not in present]
         # mostly near misses: the shape or the colour is in the scene, the pair is not
         near = [(s, c) for s, c in absent if shape_count[s] or colour_count[c]]
-        s, c = pick(near if near and rng.random() < 0.7 else absent)  # type: ignore[misc]
+        s, c = pick(near if near and rng.random() < 0.7 else absent)
         out.append(QA(f"Is there a {c} {s}?", "no", "exists"))
     if rng.random() < 0.5:
         out.append(QA("How many shapes are there?", str(len(objects)), "count"))
@@ -207,7 +209,7 @@ def _questions(rng: np.random.Generator, objects: Sequence[SceneObject], height:
     vertical = [o for o in named if abs(o.center[1] - height / 2) > _POSITION_MARGIN * side]
     options = [("h", o) for o in horizontal] + [("v", o) for o in vertical]
     if options:
-        axis, o = pick(options)  # type: ignore[misc]
+        axis, o = pick(options)
         if axis == "h":
             answer = "left" if o.center[0] < width / 2 else "right"
             out.append(QA(f"Is the {o.name} on the left or the right?", answer, "position"))

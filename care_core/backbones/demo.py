@@ -88,7 +88,7 @@ QWEN25VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-QWEN_SPECIAL_TOKENS = [
+QWEN_CONTROL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
     "<|im_end|>",
@@ -311,7 +311,7 @@ def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
 
     from .qwen_processor import CareQwen2_5_VLProcessor
 
-    tok = build_byte_tokenizer(QWEN_SPECIAL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tid = tok.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config={

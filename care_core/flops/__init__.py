@@ -14,11 +14,11 @@ from care_core.flops.formulas import (
 )
 from care_core.flops.methods import MethodCost, cost_model_names, method_cost
 from care_core.flops.report import FlopsOptions, flops_report
-from care_core.flops.specs import SPECS, BackboneSpec, BackboneSpecError, from_config, resolve_backbone
+from care_core.flops.specs import KNOWN_BACKBONES, BackboneSpec, BackboneSpecError, from_config, resolve_backbone
 from care_core.flops.tokens import parse_image_size, visual_tokens
 
 __all__ = [
-    "SPECS",
+    "KNOWN_BACKBONES",
     "BackboneSpec",
     "BackboneSpecError",
     "FlopsOptions",

@@ -179,9 +179,9 @@ def attach_paper(row: dict[str, Any], spec: BackboneSpec, n: int) -> None:
 
 def table_s1_vs_ours(options: FlopsOptions) -> list[dict[str, Any]]:
     """Every Table S1 row beside our figure for it (that backbone at the paper's N, these options)."""
-    from care_core.flops.specs import SPECS
+    from care_core.flops.specs import KNOWN_BACKBONES
 
-    by_key = {spec.paper_key: spec for spec in SPECS.values() if spec.paper_key}
+    by_key = {spec.paper_key: spec for spec in KNOWN_BACKBONES.values() if spec.paper_key}
     out = []
     for entry in paper_data.TABLE_S1:
         spec = by_key[entry.backbone]

@@ -151,7 +151,7 @@ _LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the 
 _NEXT_NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
 _QWEN_NOTE = "Qwen2.5-VL: the paper's representative sample of 1110 merged tokens (Table S1 caption)"
 
-SPECS: dict[str, BackboneSpec] = {
+KNOWN_BACKBONES: dict[str, BackboneSpec] = {
     spec.name: spec
     for spec in (
         BackboneSpec(
@@ -195,11 +195,11 @@ SPECS: dict[str, BackboneSpec] = {
     )
 }  # fmt: skip
 
-_ALIASES: dict[str, str] = {alias.lower(): spec.name for spec in SPECS.values() for alias in spec.aliases}
+_ALIASES: dict[str, str] = {alias.lower(): spec.name for spec in KNOWN_BACKBONES.values() for alias in spec.aliases}
 
 
 def backbone_names() -> list[str]:
-    return list(SPECS)
+    return list(KNOWN_BACKBONES)
 
 
 def short_names() -> dict[str, str]:
@@ -213,20 +213,20 @@ def resolve_backbone(name: str) -> BackboneSpec:
     if not key:
         raise BackboneSpecError("--backbone is empty")
     lowered = key.lower()
-    if lowered in SPECS:
-        return SPECS[lowered]
+    if lowered in KNOWN_BACKBONES:
+        return KNOWN_BACKBONES[lowered]
     if lowered in _ALIASES:
-        return SPECS[_ALIASES[lowered]]
+        return KNOWN_BACKBONES[_ALIASES[lowered]]
     path = Path(key).expanduser()
     if path.exists():
         return from_config(path)
     looks_like_path = key.endswith(".json") or key.startswith((".", "/", "~")) or "\\" in key
     if looks_like_path:
         raise BackboneSpecError(f"no such file or folder: {key}")
-    choices = list(SPECS) + list(_ALIASES)
+    choices = list(KNOWN_BACKBONES) + list(_ALIASES)
     close = difflib.get_close_matches(lowered, choices, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(dict.fromkeys(close))}?" if close else ""
-    known = ", ".join([*short_names(), *SPECS])
+    known = ", ".join([*short_names(), *KNOWN_BACKBONES])
     raise BackboneSpecError(f"unknown backbone {name!r}{hint} (known: {known}; or a local config.json or model folder)")
 
 
@@ -406,7 +406,7 @@ def _signature(spec: BackboneSpec) -> tuple[Any, ...]:
 
 def _match_paper(spec: BackboneSpec) -> BackboneSpec:
     """A config with exactly a registry backbone's dims takes that backbone's display name and paper rows."""
-    for known in SPECS.values():
+    for known in KNOWN_BACKBONES.values():
         if _signature(known) == _signature(spec):
             return replace(spec, display=known.display, paper_key=known.paper_key,
                            default_tokens=known.default_tokens, default_tokens_note=known.default_tokens_note,

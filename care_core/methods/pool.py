@@ -3,7 +3,7 @@
 Rule (always exactly K output rows, every input token in exactly one cell):
 
 1. Output layout. If K = h * w for some h <= rows, w <= cols whose aspect h / w is within a factor
-   :data:`ASPECT_TOLERANCE` of the input's rows / cols, use the closest such h x w grid (ties: smaller h).
+   :data:`RATIO_TOLERANCE` of the input's rows / cols, use the closest such h x w grid (ties: smaller h).
    Otherwise use h = round(sqrt(K * rows / cols)) horizontal bands (clamped to [ceil(K / cols), min(rows, K)]);
    with K = h * q + r, r of the bands (spread evenly, ``floor((i + 1) r / h) > floor(i r / h)``) get q + 1 cells and
    the others q. A regular grid is the case r = 0.
@@ -27,7 +27,7 @@ from care_core.methods._core import compute_dtype
 from care_core.methods.base import SINGLE_GRID_FAMILIES, Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
 
-ASPECT_TOLERANCE = 1.5  # an exact h x w factorisation is used if its aspect is within this factor of the input's
+RATIO_TOLERANCE = 1.5  # an exact h x w factorisation is used if its aspect is within this factor of the input's
 
 
 def pool_layout(grid: tuple[int, int], keep: int) -> list[int]:
@@ -42,7 +42,7 @@ def pool_layout(grid: tuple[int, int], keep: int) -> list[int]:
             distortion = abs(math.log(h / (keep // h)) - target)
             if best is None or distortion < best[0] - 1e-12:
                 best = (distortion, h)
-    if best is not None and best[0] <= math.log(ASPECT_TOLERANCE) + 1e-12:
+    if best is not None and best[0] <= math.log(RATIO_TOLERANCE) + 1e-12:
         h = best[1]
         return [keep // h] * h
     h = round(math.sqrt(keep * rows / cols))

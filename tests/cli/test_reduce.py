@@ -221,3 +221,24 @@ def test_uncached_real_ids_give_the_same_clean_error(care, photo: Path) -> None:
     for repo in ("llava-hf/llava-v1.6-vicuna-7b-hf", "Qwen/Qwen2.5-VL-7B-Instruct"):
         run = care("reduce", photo, "--keep", "8", "--model", repo)
         assert run.code == 2 and "local Hugging Face cache" in run.err and f"hf download {repo}" in run.err
+
+
+def test_hyperparameters_reach_the_ablations(care, photo: Path) -> None:
+    """`--alpha` reaches prca+simple-calib (it used to reach only `care`); an ignored one changes nothing."""
+    runs = {
+        alpha: care("reduce", photo, "--keep", "32", "--method", "prca+simple-calib", "--alpha", alpha, "--json")
+        for alpha in ("0.15", "0.3")
+    }
+    for run in runs.values():
+        assert run.code == 0, run.err
+    default, changed = runs["0.15"].json(), runs["0.3"].json()
+    assert default["anchors"] == changed["anchors"]  # alpha acts after the anchors (Eq. 9)
+    assert default["config"]["alpha"] == 0.15 and changed["config"]["alpha"] == 0.3
+    assert "alpha" in changed["hyperparameters_used"]
+    assert default["csr"] is None
+    with_q = [care("reduce", photo, "--keep", "32", "--method", "prca+simple-calib", "--alpha", a, "-q", "What is it?",
+                   "--json").json()["csr"] for a in ("0.15", "0.3")]  # fmt: skip
+    assert with_q[0] != with_q[1]  # the calibrated tokens, and so what survives, changed
+    ignored = care("reduce", photo, "--keep", "32", "--method", "prca+simple-calib", "--theta-c", "0.5", "-q",
+                   "What is it?", "--json").json()["csr"]  # fmt: skip
+    assert ignored == with_q[0]  # the ungated ablation reads no theta_c

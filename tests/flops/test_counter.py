@@ -17,7 +17,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 
 from care_core.flops import formulas as fx
 from care_core.flops.counter import count_flops, register_cpu_sdpa_formula
-from care_core.flops.specs import SPECS, LanguageModelSpec, ProjectorSpec, VisionSpec
+from care_core.flops.specs import KNOWN_BACKBONES, LanguageModelSpec, ProjectorSpec, VisionSpec
 
 REL = 1e-3
 
@@ -85,7 +85,7 @@ def test_cpu_sdpa_formula_is_registered() -> None:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("w", [64 + 64, 576 + 64, 2880 + 64])
 def test_vicuna_7b_layer_on_meta(attn: str, w: int) -> None:
-    spec = SPECS["llava-1.5-7b"].lm
+    spec = KNOWN_BACKBONES["llava-1.5-7b"].lm
     config = LlamaConfig(
         hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads, num_hidden_layers=1, max_position_embeddings=4096,
@@ -96,7 +96,7 @@ def test_vicuna_7b_layer_on_meta(attn: str, w: int) -> None:
 
 @pytest.mark.parametrize("w", [111 + 64, 1110 + 64])
 def test_qwen25_7b_layer_on_meta(w: int) -> None:
-    spec = SPECS["qwen2.5-vl-7b"].lm
+    spec = KNOWN_BACKBONES["qwen2.5-vl-7b"].lm
     config = Qwen2Config(
         hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads, num_hidden_layers=1, max_position_embeddings=32768,
@@ -117,7 +117,7 @@ def _llava_projector(hidden: int) -> LlavaMultiModalProjector:
 
 @pytest.mark.parametrize("name", ["llava-1.5-7b", "llava-1.5-13b", "llava-next-7b"])
 def test_llava_projector_f_m(name: str) -> None:
-    spec = SPECS[name]
+    spec = KNOWN_BACKBONES[name]
     projector = _llava_projector(spec.lm.hidden)
     assert spec.projector.linears == ((projector.linear_1.in_features, projector.linear_1.out_features),
                                       (projector.linear_2.in_features, projector.linear_2.out_features))  # fmt: skip
@@ -128,7 +128,7 @@ def test_llava_projector_f_m(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2.5-vl-3b"])
 def test_qwen_merger_f_m(name: str) -> None:
-    spec = SPECS[name]
+    spec = KNOWN_BACKBONES[name]
     with torch.device("meta"):
         merger = Qwen2_5_VLPatchMerger(dim=spec.projector.out_dim, context_dim=1280, spatial_merge_size=2)
     n = spec.default_tokens
@@ -140,7 +140,7 @@ def test_qwen_merger_f_m(name: str) -> None:
 # (d) the score term: 2m F_M(N) = the projector on 2m·N rows (m perturbation pairs) -------------------------
 @pytest.mark.parametrize("name", ["llava-1.5-7b", "qwen2.5-vl-7b"])
 def test_score_term_is_projector_on_2mN_rows(name: str) -> None:
-    spec, m = SPECS[name], 64
+    spec, m = KNOWN_BACKBONES[name], 64
     n = spec.default_tokens
     terms = fx.score_terms(n, 128, m, spec.projector, spec.lm.hidden)
     if spec.family == "llava":

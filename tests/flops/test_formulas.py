@@ -7,13 +7,13 @@ import pytest
 from care_core.flops import formulas as fx
 from care_core.flops.methods import cost_model_names, method_cost, sparsevlm_counts
 from care_core.flops.report import FlopsOptions, flops_report
-from care_core.flops.specs import SPECS
+from care_core.flops.specs import KNOWN_BACKBONES
 
 
 @pytest.mark.parametrize(("name", "n", "paper"), [("llava-1.5-7b", 576, 8.54), ("llava-next-7b", 2880, 42.7),
                                                   ("qwen2.5-vl-7b", 1110, 17.3)])  # fmt: skip
 def test_paper_baselines_within_half_a_percent(name: str, n: int, paper: float) -> None:
-    spec = SPECS[name]
+    spec = KNOWN_BACKBONES[name]
     assert spec.default_tokens == n
     ours = fx.to_unit(fx.prefill_flops(fx.uniform_schedule(spec.lm, n), spec.lm, 64))
     assert abs(ours - paper) / paper < 0.005, ours
@@ -22,12 +22,12 @@ def test_paper_baselines_within_half_a_percent(name: str, n: int, paper: float) 
 def test_spec_numbers_quoted() -> None:
     # the exact figures of docs/design.md §Paper issues: 8.50 / 42.67 / 17.32
     got = [round(fx.to_unit(fx.prefill_flops(((s.lm.layers, s.default_tokens),), s.lm, 64)), 2)
-           for s in (SPECS["llava-1.5-7b"], SPECS["llava-next-7b"], SPECS["qwen2.5-vl-7b"])]  # fmt: skip
+           for s in (KNOWN_BACKBONES[n] for n in ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b"))]  # fmt: skip
     assert got == [8.50, 42.67, 17.32]
 
 
 def test_care_terms_as_spec_writes_them() -> None:
-    spec = SPECS["llava-1.5-7b"]
+    spec = KNOWN_BACKBONES["llava-1.5-7b"]
     n, k, m, t = 576, 192, 64, 64
     cost = method_cost("care", spec, n, k, m, t)
     f_m = 2 * n * (1024 * 4096 + 4096 * 4096)
@@ -41,12 +41,12 @@ def test_care_terms_as_spec_writes_them() -> None:
 
 def test_spec_projector_gap_figure() -> None:
     # docs/design.md §Paper issues: at 640 LLaVA-NeXT tokens the formula's 2 m F_M(N) alone is about 15.5 TFLOPs
-    cost = method_cost("care", SPECS["llava-next-7b"], 2880, 640)
+    cost = method_cost("care", KNOWN_BACKBONES["llava-next-7b"], 2880, 640)
     assert round(fx.to_unit(cost.score["2mF_M(N)"]), 1) == 15.5
 
 
 def test_macs_are_half_of_flops() -> None:
-    spec = SPECS["llava-next-7b"]
+    spec = KNOWN_BACKBONES["llava-next-7b"]
     flops = flops_report(spec, keeps=[640], methods=["care", "fastv"], options=FlopsOptions())
     macs = flops_report(spec, keeps=[640], methods=["care", "fastv"], options=FlopsOptions(convention="macs"))
     assert macs["unit"] == "TMACs" and flops["unit"] == "TFLOPs"
@@ -56,7 +56,7 @@ def test_macs_are_half_of_flops() -> None:
 
 
 def test_gqa_changes_only_grouped_models() -> None:
-    vicuna, qwen = SPECS["llava-1.5-7b"].lm, SPECS["qwen2.5-vl-7b"].lm
+    vicuna, qwen = KNOWN_BACKBONES["llava-1.5-7b"].lm, KNOWN_BACKBONES["qwen2.5-vl-7b"].lm
     assert fx.layer_flops(640, vicuna, gqa=True) == fx.layer_flops(640, vicuna)
     assert fx.layer_flops(640, qwen, gqa=True) < fx.layer_flops(640, qwen)
     # hf_internals.md §5: Qwen2-7B dims at W = 640 count 304.171 GFLOP; the MHA formula gives 332.357
@@ -65,9 +65,9 @@ def test_gqa_changes_only_grouped_models() -> None:
 
 
 def test_equivalent_tokens() -> None:
-    lm = SPECS["llava-1.5-7b"].lm
+    lm = KNOWN_BACKBONES["llava-1.5-7b"].lm
     assert fx.equivalent_tokens(((32, 192),), lm, 64) == pytest.approx(192)
-    fastv = method_cost("fastv", SPECS["llava-1.5-7b"], 576, 192)
+    fastv = method_cost("fastv", KNOWN_BACKBONES["llava-1.5-7b"], 576, 192)
     assert fastv.schedule == ((2, 576), (30, 192))
     assert fx.layer_average_tokens(fastv.schedule) == pytest.approx((2 * 576 + 30 * 192) / 32)
     eq = fx.equivalent_tokens(fastv.schedule, lm, 64)
@@ -79,12 +79,12 @@ def test_sparsevlm_published_schedule() -> None:
     counts, pruned, clusters, _ = sparsevlm_counts(576, 192)
     assert [c - cl for c, cl in zip(counts, clusters, strict=True)] == [300, 200, 110]
     assert pruned[0] == 276 and clusters[0] == 9  # int(276·0.3)+1 = 83 recycled -> int(83/10)+1 = 9 centres
-    cost = method_cost("sparsevlm", SPECS["llava-1.5-7b"], 576, 192)
+    cost = method_cost("sparsevlm", KNOWN_BACKBONES["llava-1.5-7b"], 576, 192)
     assert cost.schedule == ((3, 576), (4, counts[0]), (9, counts[1]), (16, counts[2]))
 
 
 def test_every_method_covers_all_layers_and_is_non_negative() -> None:
-    for spec in SPECS.values():
+    for spec in KNOWN_BACKBONES.values():
         n = spec.default_tokens
         for name in ["baseline", *cost_model_names()]:
             for k in (1, n // 9, n // 3, n):
@@ -95,14 +95,14 @@ def test_every_method_covers_all_layers_and_is_non_negative() -> None:
 
 
 def test_pre_llm_methods_prefill_equals_care() -> None:
-    spec = SPECS["llava-1.5-7b"]
+    spec = KNOWN_BACKBONES["llava-1.5-7b"]
     care = fx.prefill_flops(method_cost("care", spec, 576, 128).schedule, spec.lm, 64)
     for name in ("zoo-prune", "divprune", "visionzip", "tome", "random", "pool", "ficoco-v"):
         assert fx.prefill_flops(method_cost(name, spec, 576, 128).schedule, spec.lm, 64) == care
 
 
 def test_optional_terms() -> None:
-    spec = SPECS["llava-1.5-7b"]
+    spec = KNOWN_BACKBONES["llava-1.5-7b"]
     assert fx.lm_head_flops(spec.lm) == 2 * 4096 * 32064
     report = flops_report(spec, keeps=[64], options=FlopsOptions(lm_head=True, vision_tower=True))
     row = report["rows"][0]
@@ -117,4 +117,4 @@ def test_optional_terms() -> None:
 
 def test_schedule_must_cover_the_model() -> None:
     with pytest.raises(ValueError):
-        fx.check_schedule([(3, 10)], SPECS["llava-1.5-7b"].lm)
+        fx.check_schedule([(3, 10)], KNOWN_BACKBONES["llava-1.5-7b"].lm)

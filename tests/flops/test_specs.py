@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from care_core.errors import CareError
-from care_core.flops.specs import SPECS, BackboneSpecError, from_config, resolve_backbone
+from care_core.flops.specs import KNOWN_BACKBONES, BackboneSpecError, from_config, resolve_backbone
 
 LLAVA_HF_7B = {  # llava-hf/llava-1.5-7b-hf config.json (text_config names Vicuna and sets only the vocab)
     "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
@@ -41,17 +41,20 @@ def _write(folder: Path, data: object, name: str = "config.json") -> Path:
 
 
 def test_published_numbers() -> None:
-    lm = {name: (s.lm.layers, s.lm.hidden, s.lm.intermediate, s.lm.heads, s.lm.kv_heads) for name, s in SPECS.items()}
+    lm = {
+        name: (s.lm.layers, s.lm.hidden, s.lm.intermediate, s.lm.heads, s.lm.kv_heads)
+        for name, s in KNOWN_BACKBONES.items()
+    }
     assert lm == {
         "llava-1.5-7b": (32, 4096, 11008, 32, 32), "llava-1.5-13b": (40, 5120, 13824, 40, 40),
         "llava-next-7b": (32, 4096, 11008, 32, 32), "llava-next-13b": (40, 5120, 13824, 40, 40),
         "qwen2.5-vl-3b": (36, 2048, 11008, 16, 2), "qwen2.5-vl-7b": (28, 3584, 18944, 28, 4),
     }  # fmt: skip
-    assert SPECS["llava-1.5-7b"].projector.linears == ((1024, 4096), (4096, 4096))
-    assert SPECS["llava-1.5-13b"].projector.linears == ((1024, 5120), (5120, 5120))
-    assert SPECS["qwen2.5-vl-7b"].projector.linears == ((5120, 5120), (5120, 3584))
-    assert SPECS["qwen2.5-vl-3b"].projector.linears == ((5120, 5120), (5120, 2048))
-    assert SPECS["llava-1.5-7b"].vision.layers == 24 and SPECS["qwen2.5-vl-7b"].vision.layers == 32
+    assert KNOWN_BACKBONES["llava-1.5-7b"].projector.linears == ((1024, 4096), (4096, 4096))
+    assert KNOWN_BACKBONES["llava-1.5-13b"].projector.linears == ((1024, 5120), (5120, 5120))
+    assert KNOWN_BACKBONES["qwen2.5-vl-7b"].projector.linears == ((5120, 5120), (5120, 3584))
+    assert KNOWN_BACKBONES["qwen2.5-vl-3b"].projector.linears == ((5120, 5120), (5120, 2048))
+    assert KNOWN_BACKBONES["llava-1.5-7b"].vision.layers == 24 and KNOWN_BACKBONES["qwen2.5-vl-7b"].vision.layers == 32
 
 
 @pytest.mark.parametrize(("name", "full"), [("llava-1.5", "llava-1.5-7b"), ("llava-next", "llava-next-7b"),
@@ -70,7 +73,7 @@ def test_unknown_name_suggests() -> None:
 
 def test_llava_hf_config_resolves_to_vicuna_dims(tmp_path: Path) -> None:
     spec = from_config(_write(tmp_path / "llava", LLAVA_HF_7B))
-    ref = SPECS["llava-1.5-7b"]
+    ref = KNOWN_BACKBONES["llava-1.5-7b"]
     assert (spec.lm, spec.projector, spec.vision) == (ref.lm, ref.projector, ref.vision)
     assert spec.paper_key == "LLaVA-1.5-7B" and spec.default_tokens == 576
     assert from_config(tmp_path / "llava").lm == ref.lm  # the folder works too
@@ -82,7 +85,7 @@ def test_llava_next_and_qwen_configs(tmp_path: Path) -> None:
                                                  "image_grid_pinpoints": pins}))  # fmt: skip
     assert nxt.paper_key == "LLaVA-NeXT-7B" and nxt.default_tokens == 2880
     qwen = from_config(_write(tmp_path / "qwen", QWEN_7B))
-    ref = SPECS["qwen2.5-vl-7b"]
+    ref = KNOWN_BACKBONES["qwen2.5-vl-7b"]
     assert (qwen.lm, qwen.projector, qwen.vision) == (ref.lm, ref.projector, ref.vision)
     _write(tmp_path / "qwen", {"min_pixels": 200704, "max_pixels": 1003520}, "preprocessor_config.json")
     assert from_config(tmp_path / "qwen").max_pixels == 1003520

@@ -11,10 +11,10 @@ from transformers.models.llava_next.modeling_llava_next import get_anyres_image_
 from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
-from care_core.flops.specs import SPECS
+from care_core.flops.specs import KNOWN_BACKBONES
 from care_core.flops.tokens import ImageSizeError, parse_image_size, squarest_grid, visual_tokens
 
-NEXT, QWEN, LLAVA = SPECS["llava-next-7b"], SPECS["qwen2.5-vl-7b"], SPECS["llava-1.5-7b"]
+NEXT, QWEN, LLAVA = KNOWN_BACKBONES["llava-next-7b"], KNOWN_BACKBONES["qwen2.5-vl-7b"], KNOWN_BACKBONES["llava-1.5-7b"]
 
 
 @pytest.mark.parametrize(("size", "n"), [((672, 672), 2880), ((500, 800), 2016), ((900, 300), 2304)])
