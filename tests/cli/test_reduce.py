@@ -37,7 +37,7 @@ def test_ratio_011_gives_63_of_576(care, photo: Path) -> None:
 def test_human_output_says_demo_backbone(care, photo: Path) -> None:
     run = care("reduce", photo, "--keep", "64")
     assert run.code == 0, run.err
-    assert "demo backbone: tiny model trained on synthetic shapes" in run.out
+    assert "demo backbone: tiny model trained on synthetic shapes" in " ".join(run.out.split())
     assert "K = 64" in run.out and "N = 576" in run.out
     assert "scoring" in run.out and "calibration" in run.out
 
