@@ -409,3 +409,10 @@ def unavailable_reason(method: Method, adapter: VLMAdapter) -> str | None:
     elif family not in CLS_FAMILIES and type(method).backbones <= CLS_FAMILIES:
         why = ": it needs the vision tower's CLS token, which this backbone does not have"
     return f"method {name!r} cannot run on {adapter.name} ({adapter.family} backbone){why}"
+
+
+def method_unavailable(name: str, config: CaReConfig, adapter: VLMAdapter) -> str | None:
+    """Why the registered method ``name`` cannot run on ``adapter`` (one line), or None when it can."""
+    from care_core.methods import build_method
+
+    return unavailable_reason(build_method(name, config), adapter)

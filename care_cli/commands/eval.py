@@ -245,14 +245,11 @@ def run_eval(
         adapter = plugin.load_adapter(specs[0])
     skipped: list[dict[str, str]] = []
     if every:
-        from care_core.methods import build_method
-        from care_core.pipeline import unavailable_reason
+        from care_core.pipeline import method_unavailable
 
         kept = []
         for spec in specs:
-            reason = (
-                None if spec.method is None else unavailable_reason(build_method(spec.method, spec.config), adapter)
-            )
+            reason = None if spec.method is None else method_unavailable(spec.method, spec.config, adapter)
             if reason is None:
                 kept.append(spec)
             elif spec.method not in {s["method"] for s in skipped}:
