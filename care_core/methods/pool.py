@@ -92,7 +92,7 @@ class Pool(Method):
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         if inputs.grid is None:
-            raise MethodError("pool needs the tokens to form one raster grid (inputs.grid), which was not given")
+            raise MethodError("pool needs the visual tokens to form one raster grid, and these do not")
         rows, cols = inputs.grid
         n = inputs.num_tokens
         if rows * cols != n:

@@ -160,3 +160,25 @@ def test_method_all_is_the_same_list_everywhere(care, photo: Path, tmp_path: Pat
 def test_every_command_is_registered() -> None:
     names = {c.name for c in app.registered_commands}
     assert names == {"reduce", "csr", "methods", "flops", "visualize", "eval"}
+
+
+@pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        (["--keep", "577"], "error: --keep must be between 1 and N = 576"),
+        (["--ratio", "1.5"], "error: --ratio must be in (0, 1]"),
+        (["--keep", "0"], "error: --keep must be"),
+        (["--keep", "8", "--max-new-tokens", "0"], "error: --max-new-tokens must be"),
+        (["--keep", "8", "--question", " "], "error: --question is empty"),
+    ],
+)
+def test_error_wording_names_the_flag(care, photo: Path, args: list[str], start: str) -> None:
+    run = care("reduce", photo, *args)
+    assert run.code == 2 and run.err.startswith(start) and run.err.count("\n") == 1, run.err
+
+
+def test_errors_start_on_the_first_line(care, tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"image": str(EXAMPLES / "astronaut.jpg"), "question": "x"}) + "\nnot json\n")
+    run = care("csr", "--data", data, "--keep", "8")
+    assert run.code == 2 and run.err.startswith("error: ") and run.err.count("\n") == 1, repr(run.err)
