@@ -15,7 +15,6 @@ writes a new dated JSON file under benchmarks/results/ (never an existing one).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -32,6 +31,8 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _results import check_new, stamp, write_result  # noqa: E402
+
 BUDGETS = (640, 320, 160)
 QUESTIONS = ("What is in the image?", "What colour is the main object?", "Where was this taken?",
              "Is there a person?", "What is on the left?", "How many objects are there?",
@@ -154,8 +155,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if args.out is not None and args.out.exists():
-        raise SystemExit(f"error: {args.out} exists; benchmarks write new files only")
+    check_new(args.out)
     from care_cli.versions import versions
     from care_core.config import CaReConfig
 
@@ -206,15 +206,10 @@ def main() -> None:
                  f"{row['vs_one_process']:.2f}")  # fmt: skip
         table.add_row(row["run"], *cells)
     console.print(table)
-    stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     slug = "".join(c if c.isalnum() else "-" for c in card.lower()).strip("-")
-    out = args.out or ROOT / "benchmarks/results" / f"{stamp}-{slug}-bench_csr_scale.json"
-    payload = {"date": stamp, "card": card, "gpus": gpus, "tiny": args.tiny, "methods": names,
+    payload = {"date": stamp(), "card": card, "gpus": gpus, "tiny": args.tiny, "methods": names,
                "budgets": list(BUDGETS), "pairs": len(pairs), "rows": rows, "versions": versions()}  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "x", encoding="utf-8") as handle:
-        handle.write(json.dumps(payload, indent=2) + "\n")
-    console.print(f"wrote {out}")
+    console.print(f"wrote {write_result(payload, f'{slug}-bench_csr_scale', args.out)}")
 
 
 if __name__ == "__main__":

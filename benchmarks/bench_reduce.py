@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _results import check_new, write_result
 from rich.console import Console
 from rich.table import Table
 
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    _check_out(args.out)
+    check_new(args.out)
     reps = 1 if args.quick else args.reps
     sizes = [576] if args.quick else [576, 2880]
 
@@ -138,17 +138,7 @@ def main() -> None:
         "cli_stages_demo_backbone": cli_rows,
         "core": core_rows,
     }  # fmt: skip
-    stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    out = args.out or ROOT / "benchmarks/results" / f"{stamp}-cpu-bench_reduce.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "x", encoding="utf-8") as handle:  # "x": never replace a committed result
-        handle.write(json.dumps(payload, indent=2) + "\n")
-    console.print(f"wrote {out}")
-
-
-def _check_out(path: Path | None) -> None:
-    if path is not None and path.exists():
-        raise SystemExit(f"error: {path} exists; benchmarks write new files only")
+    console.print(f"wrote {write_result(payload, 'cpu-bench_reduce', args.out)}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ benchmarks/results/ (never an existing one).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
 import platform
 import statistics
@@ -20,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from _results import check_new, stamp, write_result
 from rich.console import Console
 from rich.table import Table
 
@@ -59,8 +58,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.out is not None and args.out.exists():
-        raise SystemExit(f"error: {args.out} exists; benchmarks write new files only")
+    check_new(args.out)
     console = Console()
     rows = []
     for command in COMMANDS:
@@ -82,14 +80,9 @@ def main() -> None:
                       ",".join(map(str, row["exit_codes"])), ", ".join(row["heavy_imports"]) or "none",
                       "yes" if row["under_1s"] else "NO")  # fmt: skip
     console.print(table)
-    stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    out = args.out or ROOT / "benchmarks/results" / f"{stamp}-cpu-bench_startup.json"
-    payload = {"date": stamp, "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+    payload = {"date": stamp(), "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
                "python": platform.python_version(), "reps": args.reps, "rows": rows}  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "x", encoding="utf-8") as handle:
-        handle.write(json.dumps(payload, indent=2) + "\n")
-    console.print(f"wrote {out}")
+    console.print(f"wrote {write_result(payload, 'cpu-bench_startup', args.out)}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,24 @@ def _wrap(text: str, max_px: float, renderer: Any, size: float) -> str:
     return "\n".join(lines)
 
 
+def _legend_and_note(
+    fig: Figure, canvas: FigureCanvasAgg, plot_w: float, methods: int, note: str | None, dpi: float
+) -> tuple[Any, float]:
+    """The method legend right of the axes, the canvas widened to hold it, and ``note`` as a wrapped footer.
+
+    Returns the renderer and the usable text width in pixels (for wrapping the title).
+    """
+    legend = fig.legend(loc="outside right upper", fontsize=FONT_PT, frameon=False, title="method",
+                        title_fontsize=FONT_PT)  # fmt: skip
+    renderer = canvas.get_renderer()
+    legend_w = legend.get_window_extent(renderer).width / dpi + 0.15
+    fig.set_size_inches(plot_w + legend_w, 4.2 if methods <= 12 else 4.2 + 0.16 * (methods - 12))
+    usable = (plot_w + legend_w - 0.3) * dpi
+    if note:
+        fig.supxlabel(_wrap(note, usable, renderer, FONT_PT), fontsize=FONT_PT, color=NOTE_COLOUR)
+    return renderer, usable
+
+
 def csr_bar_chart(
     rows: Sequence[dict[str, Any]], *, title: str, note: str | None = None, dpi: float = CHART_DPI
 ) -> Figure:
@@ -132,15 +150,8 @@ def csr_bar_chart(
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     ax.spines[["top", "right"]].set_visible(False)
-    legend = fig.legend(loc="outside right upper", fontsize=FONT_PT, frameon=False, title="method",
-                        title_fontsize=FONT_PT)  # fmt: skip
-    renderer = canvas.get_renderer()
-    legend_w = legend.get_window_extent(renderer).width / dpi + 0.15
-    fig.set_size_inches(plot_w + legend_w, 4.2 if len(methods) <= 12 else 4.2 + 0.16 * (len(methods) - 12))
-    usable = (plot_w + legend_w - 0.3) * dpi
+    renderer, usable = _legend_and_note(fig, canvas, plot_w, len(methods), note, dpi)
     ax.set_title(_wrap(title, usable, renderer, TITLE_PT), fontsize=TITLE_PT)
-    if note:
-        fig.supxlabel(_wrap(note, usable, renderer, FONT_PT), fontsize=FONT_PT, color=NOTE_COLOUR)
     return fig
 
 
@@ -189,13 +200,6 @@ def csr_budget_curves(
     ax.grid(alpha=0.3)
     ax.set_axisbelow(True)
     ax.spines[["top", "right"]].set_visible(False)
-    legend = fig.legend(loc="outside right upper", fontsize=FONT_PT, frameon=False, title="method",
-                        title_fontsize=FONT_PT)  # fmt: skip
-    renderer = canvas.get_renderer()
-    legend_w = legend.get_window_extent(renderer).width / dpi + 0.15
-    fig.set_size_inches(6.4 + legend_w, 4.2 if len(methods) <= 12 else 4.2 + 0.16 * (len(methods) - 12))
-    usable = (6.4 + legend_w - 0.3) * dpi
+    renderer, usable = _legend_and_note(fig, canvas, 6.4, len(methods), note, dpi)
     fig.suptitle(_wrap(title, usable, renderer, TITLE_PT), fontsize=TITLE_PT)
-    if note:
-        fig.supxlabel(_wrap(note, usable, renderer, FONT_PT), fontsize=FONT_PT, color=NOTE_COLOUR)
     return fig
