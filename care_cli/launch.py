@@ -7,6 +7,7 @@ the processes print their own one-line errors, and the exit code is theirs.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -35,6 +36,10 @@ def launch(argv: Sequence[str], num_processes: int) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_processes)))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    for name in list(logging.root.manager.loggerDict):  # the launcher's own log lines (e.g. "failed (exitcode: 2)")
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={num_processes}", "--module", "care_cli", *argv]

@@ -513,13 +513,38 @@ def install_demo(name: str, home: Path) -> DemoInstall:
             return DemoInstall(target)
         source = "the copy shipped with care" if spec.trained else f"seed {spec.seed}"
         notices.append(f"{spec.name}: cached weights in {target} were {problem}; restored from {source}")
+    if _other_rank_builds():
+        _wait_until_intact(target, spec)
+        return DemoInstall(target, tuple(notices))
     _build_into(spec, root, target)
     return DemoInstall(target, tuple(notices))
 
 
+def _other_rank_builds() -> bool:
+    """True in a process group's rank > 0: there transformers' save_pretrained writes nothing (only rank 0
+    saves), so rank 0 builds the demo and the other ranks wait for it."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+
+
+def _wait_until_intact(target: Path, spec: DemoBackbone, timeout_s: float = 900.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not _intact(target, spec):
+        if time.monotonic() > deadline:
+            raise ModelLoadError(f"{spec.name}: rank 0 did not finish building {target} in {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def _intact(folder: Path, spec: DemoBackbone) -> bool:
     marker = read_marker(folder) if _is_built(folder, spec) else None
-    return marker is not None and weights_problem(folder, marker) is None
+    return marker is not None and (folder / "config.json").is_file() and weights_problem(folder, marker) is None
 
 
 def _build_into(spec: DemoBackbone, root: Path, target: Path) -> None:
@@ -534,6 +559,8 @@ def _build_into(spec: DemoBackbone, root: Path, target: Path) -> None:
             source, _ = shipped_weights(spec)
             shutil.copyfile(source, tmp / WEIGHTS_FILE)
         weights = tmp / WEIGHTS_FILE
+        if not ((tmp / "config.json").is_file() and weights.is_file()):
+            raise ModelLoadError(f"{spec.name}: building the demo in {tmp} wrote no config.json or weights")
         marker = {**demo_marker(spec, file_sha256(weights)), "bytes": weights.stat().st_size}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         if target.exists() and not _intact(target, spec):

@@ -29,8 +29,10 @@ def make_pairs(folder: Path, count: int) -> Path:
     return path
 
 
-def care_process(*args: object, **kwargs: object) -> subprocess.Popen[str]:
+def care_process(*args: object, home: Path | None = None, **kwargs: object) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if home is not None:
+        env["CARE_HOME"] = str(home)
     return subprocess.Popen([sys.executable, "-m", "care_cli", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)  # type: ignore[call-overload]  # fmt: skip
 
@@ -131,3 +133,16 @@ def test_ratio_range_form(care, photo: Path) -> None:
     assert run.json()["budgets"] == ["ratio 0.05", "ratio 0.1", "ratio 0.15", "ratio 0.2"]
     bad = care("csr", photo, "-q", "x", "--ratio", "0.5:0.1:0.1")
     assert bad.code == 2 and "STOP >= START" in bad.err
+
+
+def test_first_use_with_two_processes_builds_the_demo_once(single, tmp_path: Path) -> None:
+    """On a fresh CARE_HOME both processes want the demo: rank 0 builds it (inside a process group,
+    transformers saves only on rank 0), the other waits, and the run equals the one-process run."""
+    data, reference = single
+    home = tmp_path / "home"
+    code, out, err = finish(care_process("csr", "--data", data, *METHODS, *BUDGETS, "-n", "2", "--json", home=home))
+    assert code == 0, err
+    assert err == ""
+    assert json.loads(out)["results"] == reference["results"]
+    (folder,) = (home / "demo").iterdir()
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
