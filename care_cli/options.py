@@ -131,22 +131,16 @@ def with_config(func: F) -> F:
     return command  # type: ignore[return-value]
 
 
-def check_budget(ratio: float | None, keep: int | None) -> None:
-    """Reject a bad budget before any model is loaded (keep <= N is checked once N is known)."""
+def budget(ratio: float | None, keep: int | None) -> Any:
+    """The one budget of a single-budget command, checked before any model is loaded (keep <= N is checked
+    once N is known). Range errors are the library's (``Budget``), shown with the flag's name."""
+    from care_core.pipeline import Budget
+
     if ratio is not None and keep is not None:
         raise UserError("give either --ratio or --keep, not both")
     if ratio is None and keep is None:
         raise UserError("give a budget: --ratio R (fraction kept, in (0, 1]) or --keep K")
-    check_ratios([ratio] if ratio is not None else [], [keep] if keep is not None else [])
-
-
-def check_ratios(ratios: list[float], keeps: list[int]) -> None:
-    for ratio in ratios:
-        if not (math.isfinite(ratio) and 0 < ratio <= 1):
-            raise UserError(f"--ratio must be in (0, 1], got {ratio:g}")
-    for keep in keeps:
-        if keep < 1:
-            raise UserError(f"--keep must be at least 1, got {keep}")
+    return Budget.ratio(ratio) if ratio is not None else Budget.keep(keep)  # type: ignore[arg-type]
 
 
 def parse_ratio_specs(specs: list[str] | None) -> list[float]:
@@ -179,7 +173,6 @@ def budgets(ratios: list[float] | None, keeps: list[int] | None) -> list[Any]:
 
     if not ratios and not keeps:
         raise UserError("give at least one budget: --ratio R or --keep K (both repeatable)")
-    check_ratios(ratios or [], keeps or [])
     return budgets_from(ratios or [], keeps or [])
 
 

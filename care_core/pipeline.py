@@ -52,8 +52,10 @@ class Budget:
 
     @classmethod
     def keep(cls, value: int) -> Budget:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BudgetError(f"keep must be an integer >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BudgetError(f"keep must be an integer, got {value!r}")
+        if value < 1:
+            raise BudgetError(f"keep must be at least 1, got {value}")
         return cls("keep", value)
 
     @property

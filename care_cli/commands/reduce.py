@@ -59,7 +59,7 @@ def reduce(
     from care_core.methods import canonical_name
 
     assert config is not None
-    opt.check_budget(ratio, keep)
+    budget = opt.budget(ratio, keep)
     opt.check_question(question)
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -69,9 +69,8 @@ def reduce(
     name = canonical_name(method)
     picture = load_image(image)
 
-    from care_core.pipeline import Budget, ReductionPipeline
+    from care_core.pipeline import ReductionPipeline
 
-    budget = Budget.ratio(ratio) if ratio is not None else Budget.keep(int(keep))  # type: ignore[arg-type]
     with render.status("Loading backbone (the demo is built on first use)…", quiet=json_output):
         pipe = ReductionPipeline.from_pretrained(model, methods=[name], config=config, device=device, dtype=dtype)
     render.print_notices(pipe.adapter.notices)

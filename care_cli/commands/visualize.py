@@ -72,7 +72,7 @@ def visualize(
     from care_cli.io import atomic_write_bytes, check_output_path, load_image
 
     assert config is not None
-    opt.check_budget(ratio, keep)
+    budget = opt.budget(ratio, keep)
     names, every = opt.method_names(method)
     if view is not None and view.strip().lower() not in ("high", "base"):
         raise UserError(f"--view must be 'high' or 'base', got {view!r}")
@@ -84,7 +84,7 @@ def visualize(
     opt.check_question(question)
     picture = load_image(image)
 
-    report, drawing = build_figure(picture, names, config, every=every, ratio=ratio, keep=keep, model=model,
+    report, drawing = build_figure(picture, names, config, every=every, budget=budget, model=model,
                                    device=device, dtype=dtype, view=view.strip().lower() if view else None,
                                    scores=scores, links=links, question=question, dpi=dpi,
                                    quiet=json_output)  # fmt: skip
@@ -119,8 +119,7 @@ def build_figure(
     config: CaReConfig,
     *,
     every: bool,
-    ratio: float | None,
-    keep: int | None,
+    budget: Any,
     model: str | None,
     device: str,
     dtype: str,
@@ -135,9 +134,8 @@ def build_figure(
     import numpy as np
 
     from care_core.overlays import PanelInput, TokenGeometry, overlay_figure
-    from care_core.pipeline import Budget, ReductionPipeline
+    from care_core.pipeline import ReductionPipeline
 
-    budget = Budget.ratio(ratio) if ratio is not None else Budget.keep(int(keep))  # type: ignore[arg-type]
     with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet):
         pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
                                                  skip_unavailable=every)  # fmt: skip
