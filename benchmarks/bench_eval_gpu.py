@@ -1,6 +1,6 @@
 """Throughput of `care eval` at full scale: LLaVA-NeXT-7B (random weights, bf16), unreduced vs CaRe K=160.
 
-    python benchmarks/bench_eval_gpu.py                       # 1 GPU, and 2 GPUs when two are visible (~4-6 min, H100)
+    python benchmarks/bench_eval_gpu.py                       # 1 GPU, and 2 GPUs when two are visible (~5 min)
     python benchmarks/bench_eval_gpu.py --tiny --device cpu --processes 1   # smoke test of the script (tiny widths)
 
 What it does:
@@ -14,8 +14,8 @@ What it does:
    wall time of lmms-eval's pass, samples per second, and the mean / median model seconds per sample.
 
 Random weights: answers run to ``max_new_tokens`` (8) every time, so timings compare like with like, and accuracy
-means nothing. The first setting (all tokens) also pays the process's first CUDA calls; the median per sample is
-immune to that. Writes a NEW file ``benchmarks/results/<date>-eval-gpu-<card>[-N].json`` (or ``--out``).
+means nothing. On a GPU, ``care eval`` answers once untimed before each setting, so the first CUDA calls of a process
+are not in the timed pass. Writes a NEW file ``benchmarks/results/<date>-eval-gpu-<card>[-N].json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def run_care_eval(model: Path, task: Path, processes: int, device: str, dtype: s
                "--output-dir", str(out), "--json"]  # fmt: skip
     if processes > 1:
         command += ["--num-processes", str(processes)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets"),
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets"),
            "CARE_HOME": str(work / "care_home")}  # fmt: skip
     print(f"$ {' '.join(command)}", flush=True)
     start = time.perf_counter()
@@ -146,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny, a smoke test)")
     parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
-    parser.add_argument("--copies", type=int, default=4, help="repeat the 12 task documents this many times")
+    parser.add_argument("--copies", type=int, default=16, help="repeat the 12 task documents this many times")
     parser.add_argument("--processes", default="auto", help="comma list, e.g. 1,2; auto: 1, and 2 with 2+ GPUs")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: a new dated file)")

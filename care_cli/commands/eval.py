@@ -258,6 +258,8 @@ def run_eval(
     plugin.check_methods(specs, adapter)
     backbone = backbone_info(adapter).to_dict()
     settings: list[dict[str, Any]] = []
+    # on a GPU each setting first answers once untimed, so that seconds per sample are the steady state
+    warm_up = adapter.device.type == "cuda"
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     with render.progress("care eval", quiet=quiet or not world.is_main) as progress:
         bar = progress.add_task("", total=None)
@@ -268,6 +270,8 @@ def run_eval(
                 progress.update(bar, completed=done, total=total)
 
             lm = plugin.CareLMM.from_spec(spec, adapter, on_sample=on_sample)
+            if warm_up:
+                lm.warm_up()
             start = time.perf_counter()
             results = simple_evaluate(
                 model=lm, model_args=spec.model_args_string(), tasks=list(selection.names), task_manager=manager,
@@ -288,6 +292,7 @@ def run_eval(
         "tasks": list(selection.names),
         "limit": limit,
         "processes": world.size,
+        "warm_up": warm_up,
         "config": specs[0].config.to_dict(),
         "methods_skipped": skipped,
         "settings": settings,

@@ -182,6 +182,16 @@ class CareLMM(lmms):
         fed = adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
         return text, fed, tokens.num_tokens
 
+    def warm_up(self) -> None:
+        """One untimed, unrecorded answer on a plain grey picture.
+
+        The first calls on a GPU pay one-time costs (CUDA context, cuBLAS handles, Triton kernels being compiled)
+        that would otherwise land on the first timed sample of the first setting.
+        """
+        from PIL import Image
+
+        self.answer(Image.new("RGB", (336, 336), (128, 128, 128)), "Describe the image.", 2)
+
     def _visual_rows(self, tokens: ImageTokens, question: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(projected rows, kept token indices): all N tokens without a method, else the method's K."""
         if self.pipeline is None:

@@ -103,6 +103,12 @@ def test_answers_are_those_of_the_library_pipeline(llava: Any) -> None:
     assert lm.answer(image, question, 6)[0] == text  # deterministic
 
 
+def test_warm_up_answers_through_the_reduced_path_and_records_nothing(llava: Any, spy: Spy) -> None:
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=40), llava)
+    lm.warm_up()
+    assert spy.counts == [40] and lm.records == []
+
+
 def test_model_args_are_checked_before_loading() -> None:
     with pytest.raises(ModelArgsError, match="unknown key 'kep'"):
         plugin.CareLMM(pretrained="tiny-llava", method="care", kep=64)
