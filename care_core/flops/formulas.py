@@ -8,13 +8,16 @@ Conventions (every function returns FLOPs; `to_unit` turns them into TFLOPs or T
 - `macs` convention: every figure is the FLOPs figure halved (1 MAC = 2 FLOPs), the O(·) terms included, so
   TMACs = TFLOPs / 2 exactly.
 
-Supp. B (N visual tokens, K kept, N_d = N - K, T text tokens, W = T + K, m directions, d_v the pre-projector
+Supp. B as written (N visual tokens, K kept, N_d = N - K, T text tokens, W = T + K, m directions, d_v the pre-projector
 token width, H/I the LLM hidden/FFN width, L layers):
     F_score   = 2 m F_M(N) + m N H + N² d_v + K N
     F_res     = N_d K d_v + N_d K
     F_layer   = 8 W H² + 6 W H I + 4 W² H         (`gqa`: 4 W H q + 4 W H kv + 6 W H I + 4 W² q)
     F_prefill = Σ over the layer schedule of F_layer(T + tokens of that segment)
     F_M(N)    = 2 N Σ_linear (in · out)
+
+Supp. B's 2 m F_M(N) is what the ``fd`` engine runs. The default ``jvp`` engine runs, for LLaVA's projector
+(d_v -> d_h -> d_out), F_1(N) + F_1(m) + 2 m N d_h d_out in its place (:func:`jvp_response_terms`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
 
 Convention = Literal["flops", "macs"]
+Engine = Literal["jvp", "fd"]  # PRCA's response engines (``CaReConfig.engine``)
+ENGINES: tuple[Engine, ...] = ("jvp", "fd")
 CONVENTIONS: tuple[str, ...] = ("flops", "macs")
 UNITS = {"flops": "TFLOPs", "macs": "TMACs"}
 
@@ -43,10 +48,54 @@ def projector_flops(projector: ProjectorSpec, n: int) -> int:
     return 2 * n * projector.macs_per_token
 
 
-def score_terms(n: int, k: int, m: int, projector: ProjectorSpec, hidden: int) -> dict[str, int]:
-    """Eq. score_flops: perturbation responses through M, their magnitudes, pairwise diversity, greedy selection."""
+def jvp_response_terms(n: int, m: int, projector: ProjectorSpec) -> dict[str, int]:
+    """The perturbation responses as the ``jvp`` engine computes them (``care_core.scoring.responses_jvp``).
+
+    A Linear -> activation -> Linear projector (LLaVA's ``mlp2x_gelu``): the first layer once on the N tokens,
+    its weight once on the m directions (W1 u, shared by every token), and the second layer on the m·N tangents
+    act'(W1 v + b1) ⊙ W1 u. Any other projector (the Qwen2.5-VL merger) goes through ``torch.func.jvp`` on the
+    m·N (token, direction) rows: a primal pass, m F_M(N), and a tangent pass whose every matmul is done twice
+    (forward-mode AD's rule for a product, x_t W + x W_t, also multiplies by the weights' zero tangent), 2 m F_M(N):
+    1.5 times Supp. B's count.
+    """
+    if projector.kind == "mlp2x_gelu" and len(projector.linears) == 2:
+        (d_in, d_hidden), (_, d_out) = projector.linears
+        return {
+            "F_1(N)": 2 * n * d_in * d_hidden,
+            "F_1(m)": 2 * m * d_in * d_hidden,
+            "2mN d_h d_out": 2 * m * n * d_hidden * d_out,
+        }
     return {
-        "2mF_M(N)": 2 * m * projector_flops(projector, n),
+        "mF_M(N) primal": m * projector_flops(projector, n),
+        "2mF_M(N) tangent": 2 * m * projector_flops(projector, n),
+    }
+
+
+def jvp_response_note(projector: ProjectorSpec) -> str:
+    """One line on what :func:`jvp_response_terms` counts for this projector."""
+    if projector.kind == "mlp2x_gelu" and len(projector.linears) == 2:
+        return (
+            "responses as the jvp engine runs them: F_1(N) (first layer on the N tokens) + F_1(m) (W1 on the "
+            "m directions) + 2mN d_h d_out (second layer on the m·N tangents), in place of Supp. B's 2mF_M(N)"
+        )
+    return ("responses as the jvp engine runs them: torch.func.jvp on the m·N rows, a primal pass mF_M(N) and a "
+            "tangent pass 2mF_M(N) (forward-mode AD also multiplies by the weights' zero tangents), in place of "
+            "Supp. B's 2mF_M(N)")  # fmt: skip
+
+
+def score_terms(n: int, k: int, m: int, projector: ProjectorSpec, hidden: int, engine: Engine = "fd") -> dict[str, int]:
+    """Eq. score_flops: perturbation responses through M, their magnitudes, pairwise diversity, greedy selection.
+
+    ``engine="fd"``: the responses as Supp. B writes them, 2 m F_M(N) (what the ``fd`` engine runs);
+    ``engine="jvp"``: as the exact-derivative engine runs them (:func:`jvp_response_terms`).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    responses = (
+        {"2mF_M(N)": 2 * m * projector_flops(projector, n)} if engine == "fd" else jvp_response_terms(n, m, projector)
+    )
+    return {
+        **responses,
         "mNH": m * n * hidden,
         "N^2 d_v": n * n * projector.token_dim,
         "KN": k * n,

@@ -21,12 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from care_core.config import CaReConfig
 from care_core.errors import MethodError
 from care_core.flops import formulas as fx
 
 if TYPE_CHECKING:
     from care_core.flops.specs import BackboneSpec
 
+DEFAULT_ENGINE: fx.Engine = CaReConfig.engine  # the response engine care_reduce runs by default
 DEFAULT_M = 64  # CaRe / ZOO-Prune perturbation directions (paper Supp. C; ZOO-Prune NOISERECOV_NUM)
 BASELINE = "baseline"
 _BASELINE_NAMES = (BASELINE, "full")
@@ -78,14 +80,43 @@ def canonical_method(name: str) -> str:
     return canonical
 
 
-def method_cost(name: str, spec: BackboneSpec, n: int, k: int, m: int = DEFAULT_M, text_tokens: int = 64) -> MethodCost:
-    """The cost of method `name` (or "baseline") from the formula its class names as ``cost_model``."""
+def follows_engine(name: str) -> bool:
+    """Whether method `name`'s scoring runs on ``CaReConfig.engine`` (PRCA: it lists ``engine`` among the
+    hyperparameters it reads). ZOO-Prune's anchors are always finite differences, as ZOO-Prune defines them."""
     from care_core.methods import method_class
 
     canonical = canonical_method(name)
+    return canonical != BASELINE and "engine" in method_class(canonical).hyperparameters
+
+
+def method_cost(
+    name: str,
+    spec: BackboneSpec,
+    n: int,
+    k: int,
+    m: int = DEFAULT_M,
+    text_tokens: int = 64,
+    engine: fx.Engine = DEFAULT_ENGINE,
+) -> MethodCost:
+    """The cost of method `name` (or "baseline") from the formula its class names as ``cost_model``.
+
+    For the methods whose scoring follows the response engine (:func:`follows_engine`), ``engine="fd"`` keeps
+    Supp. B's 2 m F_M(N) and ``engine="jvp"`` (the library default) counts what that engine runs instead.
+    """
+    from care_core.methods import method_class
+
+    if engine not in fx.ENGINES:
+        raise MethodError(f"engine must be one of {', '.join(fx.ENGINES)}, got {engine!r}")
+    canonical = canonical_method(name)
     key = BASELINE if canonical == BASELINE else method_class(canonical).cost_model
     assert key is not None
-    return dataclasses.replace(_MODELS[key](spec, n, k, m, text_tokens), method=canonical)
+    cost = dataclasses.replace(_MODELS[key](spec, n, k, m, text_tokens), method=canonical)
+    if engine == "fd" or not follows_engine(canonical) or "2mF_M(N)" not in cost.score:
+        return cost
+    score = {**fx.jvp_response_terms(n, m, spec.projector)}
+    score.update((term, value) for term, value in cost.score.items() if term != "2mF_M(N)")
+    note = cost.note.replace("Supp. B as written: ", "").replace("Supp. B ", "")
+    return dataclasses.replace(cost, score=score, note=f"{note}; {fx.jvp_response_note(spec.projector)}")
 
 
 def _uniform(spec: BackboneSpec, tokens: int) -> fx.Schedule:

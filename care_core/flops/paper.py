@@ -76,7 +76,9 @@ def paper_value(backbone: str | None, method: str, tokens: int) -> PaperRow | No
 
 
 def gap_analysis(spec: BackboneSpec, text_tokens: int = 64, m: int = 64) -> list[dict[str, Any]]:
-    """For each Table S1 CaRe row of this backbone: what the paper's total implies vs what the formula gives."""
+    """For each Table S1 CaRe row of this backbone: the overhead the paper's total implies (its total minus our
+    prefill), beside CaRe's overhead as each response engine runs it (``fd``: Supp. B's formula; ``jvp``: the
+    exact derivative, the default), and which engine's count is closest ("tie" where both count the same)."""
     from care_core.flops.methods import method_cost
 
     out = []
@@ -84,18 +86,23 @@ def gap_analysis(spec: BackboneSpec, text_tokens: int = 64, m: int = 64) -> list
         if row.backbone != spec.paper_key or row.method != "care" or row.tflops is None:
             continue
         n = spec.default_tokens
-        cost = method_cost("care", spec, n, row.tokens, m, text_tokens)
-        prefill = fx.prefill_flops(cost.schedule, spec.lm, text_tokens)
-        score, residual = sum(cost.score.values()), sum(cost.residual.values())
+        costs = {engine: method_cost("care", spec, n, row.tokens, m, text_tokens, engine) for engine in fx.ENGINES}
+        prefill = fx.prefill_flops(costs["fd"].schedule, spec.lm, text_tokens)
+        overhead = {e: sum(c.score.values()) + sum(c.residual.values()) for e, c in costs.items()}
         d_hidden, d_out = spec.projector.linears[-1]
         hypothesis = m * n * d_hidden * d_out
         implied = row.tflops * 1e12 - prefill
+        nearest: str = min(fx.ENGINES, key=lambda e: abs(overhead[e] - implied))
+        closest = "tie" if overhead["jvp"] == overhead["fd"] else nearest
         out.append({
             "backbone": row.backbone, "N": n, "tokens": row.tokens, "paper_tflops": row.tflops,
             "our_prefill_tflops": fx.to_unit(prefill),
             "paper_overhead_tflops": implied / 1e12,
-            "our_overhead_tflops": fx.to_unit(score + residual),
-            "our_2mF_M_tflops": fx.to_unit(cost.score["2mF_M(N)"]),
+            "our_overhead_tflops": fx.to_unit(overhead["fd"]),
+            "our_overhead_tflops_by_engine": {e: fx.to_unit(v) for e, v in overhead.items()},
+            "closest_engine": closest,
+            "paper_overhead_over_engine": {e: implied / v for e, v in overhead.items()},
+            "our_2mF_M_tflops": fx.to_unit(costs["fd"].score["2mF_M(N)"]),
             "m_N_dhidden_dout_tera": hypothesis / 1e12,
             "paper_overhead_over_hypothesis": implied / hypothesis,
         })  # fmt: skip

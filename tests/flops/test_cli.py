@@ -13,9 +13,35 @@ def test_acceptance_table_llava_next(care) -> None:
     assert run.err == ""
     out = run.out
     assert "LLaVA-NeXT-7B" in out and "TFLOPs" in out and "constant 1" in out and "T = 64" in out
-    for figure in ("42.675", "42.700", "12.500", "8.200", "6.100", "15.471"):  # ours, the paper's, 2mF_M(N)
+    for figure in ("42.675", "42.700", "12.500", "8.200", "6.100", "6.219", "15.47"):  # ours, the paper's, jvp, fd
         assert figure in out, figure
-    assert "Paper Table S1" in out and "Why the CaRe rows differ" in out and "adopt neither" in out
+    assert "Paper Table S1" in out and "Why the CaRe rows differ" in out and "closest: jvp" in out
+    assert "jvp engine" in out and "adopt none" in out
+
+
+def test_engine_jvp_scoring_term_and_fd_keeps_supp_b(care) -> None:
+    """The acceptance command: the jvp scoring term is what the jvp code path runs (counted with FlopCounterMode
+    in tests/flops/test_counter.py); --engine fd keeps Supp. B's numbers; the default is the library's (jvp)."""
+    from care_core.config import CaReConfig
+
+    jvp = care("flops", "--backbone", "llava-next", "--keep", "160", "--engine", "jvp", "--json").json()
+    fd = care("flops", "--backbone", "llava-next", "--keep", "160", "--engine", "fd", "--json").json()
+    default = care("flops", "--backbone", "llava-next", "--keep", "160", "--json").json()
+    assert CaReConfig().engine == "jvp" and default["rows"] == jvp["rows"]
+    assert jvp["options"]["engine"] == "jvp" and fd["options"]["engine"] == "fd"
+    n, m = 2880, 64
+    responses = 2 * n * 1024 * 4096 + 2 * m * 1024 * 4096 + 2 * m * n * 4096 * 4096
+    selection = m * n * 4096 + n * n * 1024 + 160 * n
+    care_jvp, care_fd = jvp["rows"][1], fd["rows"][1]
+    assert care_jvp["engine"] == "jvp" and jvp["rows"][0]["engine"] is None
+    assert care_jvp["terms"]["score"] == pytest.approx((responses + selection) / 1e12, rel=1e-12)
+    assert care_jvp["breakdown"]["score"]["2mN d_h d_out"] == pytest.approx(2 * m * n * 4096**2 / 1e12)
+    f_m = 2 * n * (1024 * 4096 + 4096 * 4096)
+    assert care_fd["terms"]["score"] == pytest.approx((2 * m * f_m + selection) / 1e12, rel=1e-12)
+    assert round(care_fd["terms"]["score"], 1) == 15.5 and round(care_jvp["terms"]["score"], 1) == 6.2
+    assert care_fd["terms"]["prefill"] == care_jvp["terms"]["prefill"]
+    bad = care("flops", "--engine", "exact")
+    assert bad.code == 2 and "--engine" in bad.err
 
 
 def test_json_has_the_spec_keys(care) -> None:
@@ -35,7 +61,10 @@ def test_json_has_the_spec_keys(care) -> None:
     assert rows[0]["terms"]["score"] == 0 and rows[0]["paper_tflops"] == 42.7
     assert abs(rows[0]["paper_diff_pct"]) < 0.5
     assert [r["paper_tflops"] for r in rows[1:]] == [12.5, 8.2, 6.1]
-    assert round(rows[1]["terms"]["score"], 1) == 15.5
+    assert round(rows[1]["terms"]["score"], 1) == 6.2  # the jvp engine, the default
+    gaps = report["paper"]["gap_analysis"]
+    assert [g["closest_engine"] for g in gaps] == ["jvp"] * 3
+    assert all(1.0 < g["paper_overhead_over_hypothesis"] < 1.04 for g in gaps)
     assert len(report["paper"]["table_s1"]) == 11 and len(report["paper"]["table_s1_vs_ours"]) == 11
     assert report["backbone"]["lm"]["hidden"] == 4096 and report["backbone"]["tokens"] == 2880
 

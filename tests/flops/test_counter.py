@@ -153,6 +153,42 @@ def test_score_term_is_projector_on_2mN_rows(name: str) -> None:
     _close(counted, terms["2mF_M(N)"])
 
 
+# (e) the jvp engine's response terms, counted on the code path care_reduce runs (care_core.scoring) -----------
+@pytest.mark.parametrize(("name", "n"), [("llava-1.5-7b", None), ("llava-next-7b", None), ("llava-next-7b", 100)])
+def test_jvp_response_terms_match_the_jvp_code_path(name: str, n: int | None) -> None:
+    from care_core.scoring import responses_jvp
+
+    spec, m = KNOWN_BACKBONES[name], 64
+    n = n or spec.default_tokens
+    projector = _llava_projector(spec.lm.hidden)
+    features = torch.empty(n, 1024, device="meta")
+    directions = torch.empty(m, 1024, device="meta")
+    counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
+    terms = fx.jvp_response_terms(n, m, spec.projector)
+    assert set(terms) == {"F_1(N)", "F_1(m)", "2mN d_h d_out"}
+    _close(counted, sum(terms.values()))
+    # Supp. B's 2mF_M(N) is 2.5x more at d_v = 1024, d_h = d_out = 4096: the jvp engine does not run it
+    assert fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden, "fd")["2mF_M(N)"] > 2.4 * sum(terms.values())
+
+
+def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp() -> None:
+    """The merger is no Linear-act-Linear: torch.func.jvp runs a primal pass and a tangent pass that multiplies
+    by the weights' zero tangents too: 3 m F_M(N), 1.5 times Supp. B's 2 m F_M(N)."""
+    from care_core.backbones.qwen2_5_vl import QwenMergerProjector
+    from care_core.scoring import responses_jvp
+
+    spec, m, n = KNOWN_BACKBONES["qwen2.5-vl-7b"], 8, 50
+    with torch.device("meta"):
+        merger = Qwen2_5_VLPatchMerger(dim=spec.projector.out_dim, context_dim=1280, spatial_merge_size=2)
+    projector = QwenMergerProjector(merger)
+    features = torch.empty(n, spec.projector.token_dim, device="meta")
+    directions = torch.empty(m, spec.projector.token_dim, device="meta")
+    counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
+    terms = fx.jvp_response_terms(n, m, spec.projector)
+    _close(counted, sum(terms.values()))
+    assert 2 * sum(terms.values()) == 3 * fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden, "fd")["2mF_M(N)"]
+
+
 # optional vision-tower term --------------------------------------------------------------------------------
 def test_tiny_clip_tower_matches_formula() -> None:
     config = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

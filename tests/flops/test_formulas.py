@@ -29,10 +29,15 @@ def test_spec_numbers_quoted() -> None:
 def test_care_terms_as_spec_writes_them() -> None:
     spec = KNOWN_BACKBONES["llava-1.5-7b"]
     n, k, m, t = 576, 192, 64, 64
-    cost = method_cost("care", spec, n, k, m, t)
+    cost = method_cost("care", spec, n, k, m, t, engine="fd")
     f_m = 2 * n * (1024 * 4096 + 4096 * 4096)
     assert fx.projector_flops(spec.projector, n) == f_m
     assert sum(cost.score.values()) == 2 * m * f_m + m * n * 4096 + n * n * 1024 + k * n
+    # the jvp engine (the default): first layer on N tokens and on m directions, second layer on m·N tangents
+    jvp = method_cost("care", spec, n, k, m, t)
+    first, second = 2 * 1024 * 4096, 2 * 4096 * 4096
+    assert sum(jvp.score.values()) == n * first + m * first + m * n * second + m * n * 4096 + n * n * 1024 + k * n
+    assert jvp.residual == cost.residual and jvp.schedule == cost.schedule
     assert sum(cost.residual.values()) == (n - k) * k * 1024 + (n - k) * k
     w = t + k
     layer = 8 * w * 4096**2 + 6 * w * 4096 * 11008 + 4 * w * w * 4096
@@ -41,8 +46,17 @@ def test_care_terms_as_spec_writes_them() -> None:
 
 def test_spec_projector_gap_figure() -> None:
     # docs/design.md §Paper issues: at 640 LLaVA-NeXT tokens the formula's 2 m F_M(N) alone is about 15.5 TFLOPs
-    cost = method_cost("care", KNOWN_BACKBONES["llava-next-7b"], 2880, 640)
+    cost = method_cost("care", KNOWN_BACKBONES["llava-next-7b"], 2880, 640, engine="fd")
     assert round(fx.to_unit(cost.score["2mF_M(N)"]), 1) == 15.5
+
+
+@pytest.mark.parametrize("method", ["care", "prca-only", "prca+simple-calib"])
+def test_prca_methods_follow_the_engine_zoo_anchors_do_not(method: str) -> None:
+    spec = KNOWN_BACKBONES["llava-next-7b"]
+    assert "2mF_M(N)" in method_cost(method, spec, 2880, 160, engine="fd").score
+    assert "2mN d_h d_out" in method_cost(method, spec, 2880, 160, engine="jvp").score
+    for zoo in ("zoo-prune", "simple-calib", "confidence-calib"):  # always finite differences, as ZOO-Prune defines
+        assert method_cost(zoo, spec, 2880, 160, engine="jvp") == method_cost(zoo, spec, 2880, 160, engine="fd")
 
 
 def test_macs_are_half_of_flops() -> None:
