@@ -1,0 +1,198 @@
+"""Which tokens each method keeps on the trained demo, measured against the object the question is about.
+
+    python benchmarks/bench_demo_coverage.py [--model tiny-llava] [--questions 250] [--keep 64] [--workers 2]
+
+For held-out synthetic questions (split seed 1, as ``bench_demo_accuracy.py``) about an object ("What colour
+is the circle?", "Is the red square on the left or the right?", "Is there a blue cross?" answered yes), every
+registered method reduces the image's 576 tokens to K, and we read off, from the patch labels of the scene (the
+object drawn at each patch centre, through the processor's own resize and crop):
+
+- ``on objects``: the share of the kept tokens that lie on any object (the objects cover a few % of the patches);
+- ``named kept``: how often at least one patch of the object asked about is among the kept tokens;
+- ``named reaches``: how often at least one of its patches reaches the language model, kept or merged into a
+  kept token (the method's ``assignment``; for CaRe, a calibration signal injected into an anchor).
+
+It explains the accuracy table of ``bench_demo_accuracy.py``: a method that never keeps the question's object has
+to carry it some other way. Reductions run on the CPU in float32 (one thread per worker). Prints a table and
+writes JSON to a new dated file under benchmarks/results/ (never overwriting one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import multiprocessing as mp
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for extra in (ROOT, ROOT / "benchmarks"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+from bench_demo_accuracy import (  # noqa: E402
+    HELDOUT_SPLIT,
+    configured_method,
+    heldout_items,
+    load_photos,
+    use_pil_image_processor,
+)
+
+_state: dict[str, Any] = {}
+
+
+def _init(model: str, methods: list[str], keeps: list[int], seed: int) -> None:
+    from care_core.backbones import load_backbone
+
+    torch.set_num_threads(1)
+    adapter = load_backbone(model, device="cpu", dtype="float32")
+    use_pil_image_processor(adapter)
+    _state.update(adapter=adapter, photos=load_photos(), keeps=keeps, seed=seed,
+                  methods={m: configured_method(m, seed) for m in methods})  # fmt: skip
+
+
+def patch_objects(adapter: Any, scene: Any) -> np.ndarray:
+    """(576,) int: 1 + the index of the object drawn at each patch centre (0: background)."""
+    from care_core.synthetic import label_image
+
+    ip = adapter.processor.image_processor
+    labels = ip(images=label_image(scene), return_tensors="np", do_rescale=False, do_normalize=False, resample=0)
+    side = int(adapter.model.config.vision_config.patch_size)
+    return np.asarray(labels["pixel_values"][0, 0, side // 2 :: side, side // 2 :: side], dtype=np.int64).reshape(-1)
+
+
+def asked_about(objects: Any, question: str, qtype: str, answer: str) -> list[int]:
+    """1 + the indices of the objects the question is about (``care_core.synthetic``'s phrasings); [] for counts
+    and for "is there a ...?" answered no."""
+
+    def match(obj: Any) -> bool:
+        if qtype == "colour":
+            return question.endswith(f"the {obj.shape}?")
+        if qtype == "shape":
+            return question.endswith(f"is {obj.colour}?")
+        if qtype == "exists":
+            return answer == "yes" and question.endswith(f"a {obj.name}?")
+        if qtype == "position":
+            return question.startswith(f"Is the {obj.name} ")
+        return False
+
+    return [i + 1 for i, obj in enumerate(objects) if match(obj)]
+
+
+def _one(item: tuple[int, str, str, str]) -> dict[str, Any] | None:
+    from care_core.errors import MethodError
+    from care_core.methods import MethodInputs
+    from care_core.synthetic import make_scene
+
+    index, question, answer, qtype = item
+    adapter = _state["adapter"]
+    scene = make_scene(HELDOUT_SPLIT, index, photos=_state["photos"])
+    named = asked_about(scene.objects, question, qtype, answer)
+    at = patch_objects(adapter, scene)
+    if not named or not np.isin(at, named).any():
+        return None
+    tokens = adapter.encode_image(scene.image)
+    row: dict[str, Any] = {"type": qtype, "cells": {}}
+    with torch.no_grad():
+        question_embeds = adapter.question_embeddings(question)
+        for name, method in _state["methods"].items():
+            needs = sorted(set(method.needs) - {"question"})
+            try:
+                probes = adapter.probe_inputs(tokens, needs, question=question) if needs else {}
+            except MethodError as exc:
+                row["cells"][name] = {"error": str(exc)}
+                continue
+            probes["question"] = question_embeds
+            inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
+                                  probes=probes, seed=_state["seed"])  # fmt: skip
+            for k in _state["keeps"]:
+                result = method(inputs, k)
+                kept = result.token_index[result.token_index >= 0].numpy()
+                reaches = kept if result.assignment is None else np.nonzero(result.assignment.numpy() >= 0)[0]
+                row["cells"][f"{name}@{k}"] = {
+                    "on_objects": float((at[kept] > 0).mean()) if kept.size else 0.0,
+                    "named_kept": int(np.isin(at[kept], named).any()),
+                    "named_reaches": int(np.isin(at[reaches], named).any()),
+                }
+    row["object_share"] = float((at > 0).mean())
+    return row
+
+
+def summarise(rows: list[dict[str, Any]], methods: list[str], keeps: list[int]) -> dict[str, Any]:
+    cells, skipped = [], {}
+    for name in methods:
+        for k in keeps:
+            got = [r["cells"].get(f"{name}@{k}") or r["cells"].get(name) for r in rows]
+            if any(g is None or "error" in g for g in got):
+                skipped[name] = next((g["error"] for g in got if g and "error" in g), "not run")
+                continue
+            cells.append({
+                "method": name, "K": k,
+                "on_objects_pct": round(100 * sum(g["on_objects"] for g in got) / len(got), 2),
+                "named_kept_pct": round(100 * sum(g["named_kept"] for g in got) / len(got), 2),
+                "named_reaches_pct": round(100 * sum(g["named_reaches"] for g in got) / len(got), 2),
+            })  # fmt: skip
+    return {"questions_about_an_object": len(rows),
+            "object_patch_share_pct": round(100 * sum(r["object_share"] for r in rows) / len(rows), 2),
+            "cells": cells, "skipped_methods": skipped}  # fmt: skip
+
+
+def show(summary: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for header in ("method", "K", "on objects %", "named kept %", "named reaches %"):
+        first = header == "method"
+        table.add_column(header, justify="left" if first else "right", style="cyan" if first else None)
+    for c in summary["cells"]:
+        table.add_row(c["method"], str(c["K"]), f"{c['on_objects_pct']:.1f}", f"{c['named_kept_pct']:.1f}",
+                      f"{c['named_reaches_pct']:.1f}")  # fmt: skip
+    Console().print(table)
+
+
+def main() -> None:
+    from _results import write_result
+
+    from care_core.methods import method_names
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llava")
+    parser.add_argument("--questions", type=int, default=250, help="held-out questions drawn (types balanced)")
+    parser.add_argument("--keep", type=int, action="append", help="K (repeatable; default 64)")
+    parser.add_argument("--method", action="append", help="method (repeatable; default every registered one)")
+    parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2)))
+    parser.add_argument("--seed", type=int, default=42, help="seed of the methods that draw random numbers")
+    parser.add_argument("--out", type=Path, help="results JSON (default: a new dated file)")
+    args = parser.parse_args()
+    keeps = args.keep or [64]
+    methods = args.method or method_names()
+    items = heldout_items(args.questions)
+    start = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(args.workers, initializer=_init, initargs=(args.model, methods, keeps, args.seed)) as pool:
+        rows = [r for r in pool.map(_one, items, chunksize=4) if r is not None]
+    summary = summarise(rows, methods, keeps)
+    wall = time.perf_counter() - start
+    title = (f"{args.model}: {summary['questions_about_an_object']} held-out questions about an object "
+             f"(objects cover {summary['object_patch_share_pct']:.1f}% of the patches); demo backbone: tiny model "
+             "trained on synthetic shapes")  # fmt: skip
+    show(summary, title)
+    payload = {"benchmark": "bench_demo_coverage", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+               "command": "python benchmarks/bench_demo_coverage.py " + " ".join(sys.argv[1:]), "model": args.model,
+               "questions_drawn": args.questions, "heldout_split_seed": HELDOUT_SPLIT, "method_seed": args.seed,
+               "keeps": keeps, "wall_seconds": round(wall, 1),
+               "host": {"machine": platform.machine(), "cpus": mp.cpu_count(), "workers": args.workers,
+                        "torch": torch.__version__, "python": platform.python_version()},
+               **summary}  # fmt: skip
+    print(f"wrote {write_result(payload, 'cpu-bench_demo_coverage', args.out)}")
+
+
+if __name__ == "__main__":
+    main()
