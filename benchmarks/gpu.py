@@ -57,6 +57,7 @@ from care_core.methods import registry as method_registry  # noqa: E402
 from care_core.methods.base import MethodInputs  # noqa: E402
 from care_core.precision import matmul_precision  # noqa: E402
 from care_core.scoring import (  # noqa: E402
+    Scorer,
     _as_mlp,
     influence_scores,
     perturbation_responses,
@@ -349,6 +350,48 @@ def bench_scoring(
             except Exception as exc:
                 rows.append({"N": n, "path": "fused kernel only", "error": f"{type(exc).__name__}: {exc}"[:300]})
                 traceback.print_exc()
+    return rows
+
+
+def bench_care_reduce(
+    features_by_n: dict[int, torch.Tensor],
+    positions_by_n: dict[int, torch.Tensor],
+    projector32: torch.nn.Module,
+    rates: dict[str, float],
+    clock: Clock,
+    keep_by_n: dict[int, int],
+    reps: int,
+) -> list[dict[str, Any]]:
+    """The whole of ``care_reduce`` (scoring, anchors, calibration) as a caller runs it with a Scorer it owns:
+    wall time per call (CUDA events around the call) and its ratio to the floor of the exact derivative at the
+    chosen matmul precision (m·N·d_h·d_out multiply-adds at the card's measured rate)."""
+    mlp = _as_mlp(projector32)
+    assert mlp is not None
+    d_h, d_out = mlp.second.weight.shape[1], mlp.second.weight.shape[0]
+    rows = []
+    for n, feats in features_by_n.items():
+        v, p = feats.float(), positions_by_n[n]
+        k = keep_by_n[n]
+        for precision in ("auto", "bf16"):
+            cfg = CaReConfig(matmul_precision=precision)
+            scorer = Scorer(projector32)
+            row: dict[str, Any] = {"N": n, "K": k, "matmul": "tf32" if precision == "auto" else precision}
+            try:
+
+                def run(cfg=cfg, scorer=scorer, v=v, p=p, k=k) -> Any:
+                    return care_reduce(v, projector32, p, keep=k, config=cfg, scorer=scorer)
+
+                run()
+                row["ms"] = clock.median(run, reps=max(reps, 10), warmup=3)
+                rate = rates["bf16" if precision == "bf16" else "tf32"]
+                row["floor_ms"] = 2 * M_DIRECTIONS * n * d_h * d_out / (rate * 1e12) * 1e3
+                row["x_floor"] = row["ms"] / row["floor_ms"]
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print(f"  care_reduce N={n} K={k} {row['matmul']}: {row.get('ms', float('nan')):.2f} ms, floor "
+                  f"{row.get('floor_ms', float('nan')):.2f} ms ({row.get('x_floor', float('nan')):.2f}x) "
+                  f"{row.get('error', '')}", flush=True)  # fmt: skip
     return rows
 
 
@@ -1019,6 +1062,11 @@ def main() -> None:
     if args.only in ("all", "micro"):
         print("== scoring", flush=True)
         results["scoring"] = bench_scoring(features_by_n, projector32, rates, clock, {576: 64, 2880: 160}, args.reps)
+        save()
+        print("== care_reduce end to end", flush=True)
+        positions_by_n = {576: tokens15.positions, 2880: tokens_next.positions}
+        results["care_reduce"] = bench_care_reduce(features_by_n, positions_by_n, projector32, rates, clock,
+                                                   {576: 64, 2880: 160}, args.reps)  # fmt: skip
         save()
         print("== anchors", flush=True)
         results["anchors"] = bench_anchors(features_by_n, clock, {576: (192, 128, 64), 2880: (640, 320, 160)},
