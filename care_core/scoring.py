@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from care_core import kernels
+from care_core._chunks import chunk_size as _chunk_size
+from care_core._chunks import generic_jvp_chunk
 from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
 
@@ -47,9 +49,6 @@ _ELEMENTWISE_ACTIVATIONS = (
     "ELU",
 )
 _MLP_PROJECTORS = ("LlavaMultiModalProjector", "LlavaNextMultiModalProjector")
-
-# Elements of the largest intermediate per chunk (~256 MB in float32).
-_CHUNK_ELEMENTS = 1 << 26
 
 
 def unit_directions(
@@ -99,10 +98,6 @@ def prepare_projector(projector: Projector, dtype: torch.dtype, device: torch.de
     if all(p.dtype == dtype and p.device == device for p in params):
         return projector
     return copy.deepcopy(projector).to(device=device, dtype=dtype)
-
-
-def _chunk_size(m: int, per_direction: int) -> int:
-    return max(1, min(m, _CHUNK_ELEMENTS // max(1, per_direction)))
 
 
 @torch.no_grad()
@@ -186,12 +181,35 @@ def _fused_jvp_applies(
 
 
 def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch.Tensor) -> torch.Tensor:
+    """||J_M(v) u|| for any projector: ``torch.func.jvp`` at the N tokens, vmapped over chunks of directions.
+
+    The primal pass does not depend on the direction, so under ``vmap`` it runs once per chunk of c directions
+    instead of once per direction: a chunk costs F_M(N) (primal) + c F_M(N) (tangents) + F_M(N) (forward-mode
+    AD's product rule also multiplies the tokens by the weights' zero tangent, once, unbatched).
+    """
     n, dim = features.shape
     m = directions.shape[0]
-    out_dim = projector(features[:1]).shape[-1]
-    step = _chunk_size(m, n * max(dim, out_dim) * 2)
+    out_dim = getattr(projector, "out_features", None)  # else one row through the projector tells
+    if not isinstance(out_dim, int):
+        out_dim = int(projector(features[:1]).shape[-1])
+    step = generic_jvp_chunk(m, n, dim, out_dim)
+
+    def along(u: torch.Tensor) -> torch.Tensor:
+        _, jv = torch.func.jvp(projector, (features,), (u.expand(n, dim),))  # type: ignore[misc]
+        return jv.norm(dim=-1)
+
+    try:
+        rows = [torch.func.vmap(along)(directions[start : start + step]) for start in range(0, m, step)]
+    except (RuntimeError, NotImplementedError):  # a projector vmap cannot batch: one row per (direction, token)
+        return _jvp_rows(features, projector, directions, step)
+    return torch.cat(rows)
+
+
+def _jvp_rows(features: torch.Tensor, projector: Projector, directions: torch.Tensor, step: int) -> torch.Tensor:
+    """The generic jvp without vmap: the projector on all (direction, token) rows of a chunk (3 m F_M(N))."""
+    n, dim = features.shape
     rows = []
-    for start in range(0, m, step):
+    for start in range(0, directions.shape[0], step):
         u = directions[start : start + step]
         c = u.shape[0]
         points = features.expand(c, n, dim).reshape(-1, dim)

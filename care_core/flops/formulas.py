@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from care_core._chunks import generic_jvp_chunk
+
 if TYPE_CHECKING:
     from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
 
@@ -53,10 +55,10 @@ def jvp_response_terms(n: int, m: int, projector: ProjectorSpec) -> dict[str, in
 
     A Linear -> activation -> Linear projector (LLaVA's ``mlp2x_gelu``): the first layer once on the N tokens,
     its weight once on the m directions (W1 u, shared by every token), and the second layer on the m·N tangents
-    act'(W1 v + b1) ⊙ W1 u. Any other projector (the Qwen2.5-VL merger) goes through ``torch.func.jvp`` on the
-    m·N (token, direction) rows: a primal pass, m F_M(N), and a tangent pass whose every matmul is done twice
-    (forward-mode AD's rule for a product, x_t W + x W_t, also multiplies by the weights' zero tangent), 2 m F_M(N):
-    1.5 times Supp. B's count.
+    act'(W1 v + b1) ⊙ W1 u. Any other projector (the Qwen2.5-VL merger) goes through ``torch.func.jvp`` at the N
+    tokens, vmapped over chunks of directions (``care_core._chunks``): per chunk one primal pass F_M(N), the
+    chunk's tangents, and one more F_M(N) because forward-mode AD's product rule (x_t W + x W_t) also multiplies
+    the tokens by the weights' zero tangent: (m + 2 · chunks) F_M(N) in all.
     """
     if projector.kind == "mlp2x_gelu" and len(projector.linears) == 2:
         (d_in, d_hidden), (_, d_out) = projector.linears
@@ -65,10 +67,10 @@ def jvp_response_terms(n: int, m: int, projector: ProjectorSpec) -> dict[str, in
             "F_1(m)": 2 * m * d_in * d_hidden,
             "2mN d_h d_out": 2 * m * n * d_hidden * d_out,
         }
-    return {
-        "mF_M(N) primal": m * projector_flops(projector, n),
-        "2mF_M(N) tangent": 2 * m * projector_flops(projector, n),
-    }
+    chunks = math.ceil(m / generic_jvp_chunk(m, n, projector.token_dim, projector.out_dim))
+    f_m = projector_flops(projector, n)
+    return {"mF_M(N) tangents": m * f_m, "F_M(N) primal per chunk": chunks * f_m,
+            "F_M(N) zero tangent per chunk": chunks * f_m}  # fmt: skip
 
 
 def jvp_response_note(projector: ProjectorSpec) -> str:
@@ -78,9 +80,11 @@ def jvp_response_note(projector: ProjectorSpec) -> str:
             "responses as the jvp engine runs them: F_1(N) (first layer on the N tokens) + F_1(m) (W1 on the "
             "m directions) + 2mN d_h d_out (second layer on the m·N tangents), in place of Supp. B's 2mF_M(N)"
         )
-    return ("responses as the jvp engine runs them: torch.func.jvp on the m·N rows, a primal pass mF_M(N) and a "
-            "tangent pass 2mF_M(N) (forward-mode AD also multiplies by the weights' zero tangents), in place of "
-            "Supp. B's 2mF_M(N)")  # fmt: skip
+    return (
+        "responses as the jvp engine runs them: torch.func.jvp at the N tokens, vmapped over chunks of directions: "
+        "mF_M(N) for the tangents, plus per chunk a primal pass and a product with the weights' zero tangent "
+        "(F_M(N) each), in place of Supp. B's 2mF_M(N)"
+    )
 
 
 def score_terms(n: int, k: int, m: int, projector: ProjectorSpec, hidden: int, engine: Engine = "fd") -> dict[str, int]:

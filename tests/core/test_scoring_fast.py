@@ -465,3 +465,51 @@ def test_scorer_on_cuda_with_a_bf16_projector_gives_the_functional_results() -> 
         assert torch.equal(kept.indices, plain.indices) and torch.equal(kept.signals, plain.signals)
         torch.testing.assert_close(kept.psi_bar, plain.psi_bar, atol=1e-6, rtol=0)
     assert scorer.kernel_failures == {}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the generic jvp path (projectors that are not Linear-act-Linear, e.g. Qwen2.5-VL's merger), issue #15
+class _NormedMLP(nn.Module):
+    """LayerNorm then an MLP: not recognised as Linear-act-Linear, so the generic jvp path scores it."""
+
+    def __init__(self, d_v: int, d_h: int, d_out: int) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(d_v), _mlp(d_v, d_h, d_out, seed=3)
+        self.out_features = d_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(x))
+
+
+def _jvp_one_by_one(features: torch.Tensor, projector: nn.Module, directions: torch.Tensor) -> torch.Tensor:
+    """||J u|| direction by direction, token by token batch: the definition, no vmap, no chunks."""
+    rows = []
+    for u in directions:
+        _, jv = torch.func.jvp(projector, (features,), (u.expand_as(features),))
+        rows.append(jv.norm(dim=-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("vmap_fails", [False, True])
+def test_generic_jvp_path_matches_the_definition_with_or_without_vmap(vmap_fails: bool, monkeypatch) -> None:
+    from care_core import scoring
+
+    calls: list[int] = []
+    rows_path = scoring._jvp_rows
+    monkeypatch.setattr(scoring, "_jvp_rows", lambda *a: calls.append(1) or rows_path(*a))
+    if vmap_fails:  # a projector whose ops vmap cannot batch: the error torch.func raises then
+
+        def no_vmap(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("vmap: this operation has no batching rule")
+
+        monkeypatch.setattr(torch.func, "vmap", no_vmap)
+    features = _clustered(37, 12, seed=5)
+    projector = _NormedMLP(12, 24, 16).double()
+    directions = unit_directions(9, 12, seed=2, dtype=torch.float64)
+    got = responses_jvp(features, projector, directions)
+    assert len(calls) == int(vmap_fails)  # vmap batches the directions; the row-by-row path only as a fallback
+    want = _jvp_one_by_one(features, projector, directions)
+    assert got.shape == (9, 37)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    fd = perturbation_responses(features, projector, directions, h=1e-6, engine="fd")
+    torch.testing.assert_close(got, fd, rtol=1e-6, atol=1e-9)  # Eq. 1's h -> 0 limit

@@ -171,13 +171,15 @@ def test_jvp_response_terms_match_the_jvp_code_path(name: str, n: int | None) ->
     assert fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden, "fd")["2mF_M(N)"] > 2.4 * sum(terms.values())
 
 
-def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp() -> None:
-    """The merger is no Linear-act-Linear: torch.func.jvp runs a primal pass and a tangent pass that multiplies
-    by the weights' zero tangents too: 3 m F_M(N), 1.5 times Supp. B's 2 m F_M(N)."""
+@pytest.mark.parametrize(("n", "m"), [(50, 8), (1110, 64)])  # one chunk of directions; 13 chunks of 5
+def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp(n: int, m: int) -> None:
+    """The merger is no Linear-act-Linear: torch.func.jvp vmapped over chunks of directions runs, per chunk, one
+    primal pass and one product with the weights' zero tangent besides the chunk's tangents."""
+    from care_core._chunks import generic_jvp_chunk
     from care_core.backbones.qwen2_5_vl import QwenMergerProjector
     from care_core.scoring import responses_jvp
 
-    spec, m, n = KNOWN_BACKBONES["qwen2.5-vl-7b"], 8, 50
+    spec = KNOWN_BACKBONES["qwen2.5-vl-7b"]
     with torch.device("meta"):
         merger = Qwen2_5_VLPatchMerger(dim=spec.projector.out_dim, context_dim=1280, spatial_merge_size=2)
     projector = QwenMergerProjector(merger)
@@ -186,7 +188,10 @@ def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp() -> None:
     counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
     terms = fx.jvp_response_terms(n, m, spec.projector)
     _close(counted, sum(terms.values()))
-    assert 2 * sum(terms.values()) == 3 * fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden, "fd")["2mF_M(N)"]
+    chunks = -(-m // generic_jvp_chunk(m, n, spec.projector.token_dim, spec.projector.out_dim))
+    assert chunks == (1 if m == 8 else 13)
+    f_m = fx.projector_flops(spec.projector, n)
+    assert sum(terms.values()) == (m + 2 * chunks) * f_m  # Supp. B: 2 m F_M(N)
 
 
 # optional vision-tower term --------------------------------------------------------------------------------
