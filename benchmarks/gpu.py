@@ -244,6 +244,11 @@ def sketch_responses(
         return scoring_module._jvp_mlp(v, mlp, u, low, tf32=matmul == "tf32", second_weight=w2, kernel=kernel)
 
 
+def floor_ms(macs: int, rate_tflops: float) -> float:
+    """The time of ``macs`` multiply-adds at a measured matmul rate (TFLOP/s, 2 FLOPs per multiply-add), in ms."""
+    return 2 * macs / (rate_tflops * 1e12) * 1e3
+
+
 def bench_scoring(
     features_by_n: dict[int, torch.Tensor],
     projector32: torch.nn.Module,
@@ -301,15 +306,15 @@ def bench_scoring(
                 row["anchor_overlap"] = len(anchors & ref_anchors) / k
                 if engine == "jvp" and matmul in ("tf32", "bf16", "auto"):
                     rate = rates["bf16" if matmul == "bf16" else "tf32"]
-                    row["floor_ms"] = 2 * macs / (rate * 1e12) * 1e3
+                    row["floor_ms"] = floor_ms(macs, rate)
                     row["x_floor"] = row["ms"] / row["floor_ms"]
                 elif engine == "sketch":
                     rate = rates["bf16" if matmul == "bf16" else "tf32"]
                     r = extra["sketch_rank"]
-                    row["floor_ms"] = 2 * M_DIRECTIONS * n * d_h * r / (rate * 1e12) * 1e3
+                    row["floor_ms"] = floor_ms(M_DIRECTIONS * n * d_h * r, rate)
                     row["x_floor"] = row["ms"] / row["floor_ms"]
                 elif engine == "jvp":
-                    row["floor_ms"] = 2 * macs / (rates["fp32"] * 1e12) * 1e3
+                    row["floor_ms"] = floor_ms(macs, rates["fp32"])
                     row["x_floor"] = row["ms"] / row["floor_ms"]
             except Exception as exc:  # keep going: one failing variant must not lose the rest
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -335,7 +340,7 @@ def bench_scoring(
                     kern()
                     ms = clock.median(kern, reps=reps, warmup=2)
                     rate = rates["bf16" if bf16 else "tf32"]
-                    floor = 2 * macs / (rate * 1e12) * 1e3
+                    floor = floor_ms(macs, rate)
                     tuner = kernels_jvp._kernel_bf16 if bf16 else kernels_jvp._kernel_tf32
                     timings = {str(c): t for c, t in (getattr(tuner, "configs_timings", None) or {}).items()}
                     rows.append({
@@ -384,7 +389,7 @@ def bench_care_reduce(
                 run()
                 row["ms"] = clock.median(run, reps=max(reps, 10), warmup=3)
                 rate = rates["bf16" if precision == "bf16" else "tf32"]
-                row["floor_ms"] = 2 * M_DIRECTIONS * n * d_h * d_out / (rate * 1e12) * 1e3
+                row["floor_ms"] = floor_ms(M_DIRECTIONS * n * d_h * d_out, rate)
                 row["x_floor"] = row["ms"] / row["floor_ms"]
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -11,6 +11,7 @@ def chunk_size(m: int, per_direction: int) -> int:
     return max(1, min(m, CHUNK_ELEMENTS // max(1, per_direction)))
 
 
-def generic_jvp_chunk(m: int, n: int, dim: int, out_dim: int) -> int:
-    """Directions per chunk of the generic jvp path (any projector that is not Linear-act-Linear)."""
+def two_pass_chunk(m: int, n: int, dim: int, out_dim: int) -> int:
+    """Directions per chunk where each direction holds two (N, max(dim, out_dim)) intermediates: the fd engine's
+    +h / -h points, the generic jvp path's primal and tangent (any projector that is not Linear-act-Linear)."""
     return chunk_size(m, n * max(dim, out_dim) * 2)

@@ -23,7 +23,7 @@ from torch import nn
 
 from care_core import kernels
 from care_core._chunks import chunk_size as _chunk_size
-from care_core._chunks import generic_jvp_chunk
+from care_core._chunks import two_pass_chunk
 from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
 
@@ -100,13 +100,18 @@ def prepare_projector(projector: Projector, dtype: torch.dtype, device: torch.de
     return copy.deepcopy(projector).to(device=device, dtype=dtype)
 
 
+def _out_features(projector: Projector, features: torch.Tensor) -> int:
+    """The projector's output width: its ``out_features`` where it says, else from one row through it."""
+    width = getattr(projector, "out_features", None)
+    return width if isinstance(width, int) else int(projector(features[:1]).shape[-1])
+
+
 @torch.no_grad()
 def responses_fd(features: torch.Tensor, projector: Projector, directions: torch.Tensor, h: float) -> torch.Tensor:
     """C[x, i] = ||M(v_i + h u_x) - M(v_i - h u_x)||_2 / (2h)  (Eq. 1), literally; (m, N)."""
     n, dim = features.shape
     m = directions.shape[0]
-    out_dim = projector(features[:1]).shape[-1]
-    step = _chunk_size(m, n * max(dim, out_dim) * 2)
+    step = two_pass_chunk(m, n, dim, _out_features(projector, features))
     rows = []
     with matmul_precision(allow_tf32=False):
         for start in range(0, m, step):
@@ -189,10 +194,7 @@ def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch
     """
     n, dim = features.shape
     m = directions.shape[0]
-    out_dim = getattr(projector, "out_features", None)  # else one row through the projector tells
-    if not isinstance(out_dim, int):
-        out_dim = int(projector(features[:1]).shape[-1])
-    step = generic_jvp_chunk(m, n, dim, out_dim)
+    step = two_pass_chunk(m, n, dim, _out_features(projector, features))
 
     def along(u: torch.Tensor) -> torch.Tensor:
         _, jv = torch.func.jvp(projector, (features,), (u.expand(n, dim),))  # type: ignore[misc]

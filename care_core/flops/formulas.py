@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from care_core._chunks import generic_jvp_chunk
+from care_core._chunks import two_pass_chunk
 
 if TYPE_CHECKING:
     from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
@@ -60,22 +60,27 @@ def jvp_response_terms(n: int, m: int, projector: ProjectorSpec) -> dict[str, in
     chunk's tangents, and one more F_M(N) because forward-mode AD's product rule (x_t W + x W_t) also multiplies
     the tokens by the weights' zero tangent: (m + 2 · chunks) F_M(N) in all.
     """
-    if projector.kind == "mlp2x_gelu" and len(projector.linears) == 2:
+    if _is_linear_act_linear(projector):
         (d_in, d_hidden), (_, d_out) = projector.linears
         return {
             "F_1(N)": 2 * n * d_in * d_hidden,
             "F_1(m)": 2 * m * d_in * d_hidden,
             "2mN d_h d_out": 2 * m * n * d_hidden * d_out,
         }
-    chunks = math.ceil(m / generic_jvp_chunk(m, n, projector.token_dim, projector.out_dim))
+    chunks = math.ceil(m / two_pass_chunk(m, n, projector.token_dim, projector.out_dim))
     f_m = projector_flops(projector, n)
     return {"mF_M(N) tangents": m * f_m, "F_M(N) primal per chunk": chunks * f_m,
             "F_M(N) zero tangent per chunk": chunks * f_m}  # fmt: skip
 
 
+def _is_linear_act_linear(projector: ProjectorSpec) -> bool:
+    """The projectors the jvp engine scores on its MLP path (``care_core.scoring._as_mlp``)."""
+    return projector.kind == "mlp2x_gelu" and len(projector.linears) == 2
+
+
 def jvp_response_note(projector: ProjectorSpec) -> str:
     """One line on what :func:`jvp_response_terms` counts for this projector."""
-    if projector.kind == "mlp2x_gelu" and len(projector.linears) == 2:
+    if _is_linear_act_linear(projector):
         return (
             "responses as the jvp engine runs them: F_1(N) (first layer on the N tokens) + F_1(m) (W1 on the "
             "m directions) + 2mN d_h d_out (second layer on the m·N tangents), in place of Supp. B's 2mF_M(N)"
@@ -87,19 +92,12 @@ def jvp_response_note(projector: ProjectorSpec) -> str:
     )
 
 
-def score_terms(n: int, k: int, m: int, projector: ProjectorSpec, hidden: int, engine: Engine = "fd") -> dict[str, int]:
-    """Eq. score_flops: perturbation responses through M, their magnitudes, pairwise diversity, greedy selection.
-
-    ``engine="fd"``: the responses as Supp. B writes them, 2 m F_M(N) (what the ``fd`` engine runs);
-    ``engine="jvp"``: as the exact-derivative engine runs them (:func:`jvp_response_terms`).
-    """
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    responses = (
-        {"2mF_M(N)": 2 * m * projector_flops(projector, n)} if engine == "fd" else jvp_response_terms(n, m, projector)
-    )
+def score_terms(n: int, k: int, m: int, projector: ProjectorSpec, hidden: int) -> dict[str, int]:
+    """Eq. score_flops as Supp. B writes it (the responses as the ``fd`` engine runs them): perturbation responses
+    through M, their magnitudes, pairwise diversity, greedy selection. ``care_core.flops.methods.method_cost``
+    puts :func:`jvp_response_terms` in place of 2 m F_M(N) for the jvp engine."""
     return {
-        **responses,
+        "2mF_M(N)": 2 * m * projector_flops(projector, n),
         "mNH": m * n * hidden,
         "N^2 d_v": n * n * projector.token_dim,
         "KN": k * n,

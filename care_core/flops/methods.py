@@ -113,7 +113,7 @@ def method_cost(
     cost = dataclasses.replace(_MODELS[key](spec, n, k, m, text_tokens), method=canonical)
     if engine == "fd" or not follows_engine(canonical) or "2mF_M(N)" not in cost.score:
         return cost
-    score = {**fx.jvp_response_terms(n, m, spec.projector)}
+    score = fx.jvp_response_terms(n, m, spec.projector)
     score.update((term, value) for term, value in cost.score.items() if term != "2mF_M(N)")
     note = cost.note.replace("Supp. B as written: ", "").replace("Supp. B ", "")
     return dataclasses.replace(cost, score=score, note=f"{note}; {fx.jvp_response_note(spec.projector)}")

@@ -168,14 +168,14 @@ def test_jvp_response_terms_match_the_jvp_code_path(name: str, n: int | None) ->
     assert set(terms) == {"F_1(N)", "F_1(m)", "2mN d_h d_out"}
     _close(counted, sum(terms.values()))
     # Supp. B's 2mF_M(N) is 2.5x more at d_v = 1024, d_h = d_out = 4096: the jvp engine does not run it
-    assert fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden, "fd")["2mF_M(N)"] > 2.4 * sum(terms.values())
+    assert fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden)["2mF_M(N)"] > 2.4 * sum(terms.values())
 
 
 @pytest.mark.parametrize(("n", "m"), [(50, 8), (1110, 64)])  # one chunk of directions; 13 chunks of 5
 def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp(n: int, m: int) -> None:
     """The merger is no Linear-act-Linear: torch.func.jvp vmapped over chunks of directions runs, per chunk, one
     primal pass and one product with the weights' zero tangent besides the chunk's tangents."""
-    from care_core._chunks import generic_jvp_chunk
+    from care_core._chunks import two_pass_chunk
     from care_core.backbones.qwen2_5_vl import QwenMergerProjector
     from care_core.scoring import responses_jvp
 
@@ -188,7 +188,7 @@ def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp(n: int, m: i
     counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
     terms = fx.jvp_response_terms(n, m, spec.projector)
     _close(counted, sum(terms.values()))
-    chunks = -(-m // generic_jvp_chunk(m, n, spec.projector.token_dim, spec.projector.out_dim))
+    chunks = -(-m // two_pass_chunk(m, n, spec.projector.token_dim, spec.projector.out_dim))
     assert chunks == (1 if m == 8 else 13)
     f_m = fx.projector_flops(spec.projector, n)
     assert sum(terms.values()) == (m + 2 * chunks) * f_m  # Supp. B: 2 m F_M(N)
