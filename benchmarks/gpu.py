@@ -249,6 +249,19 @@ def floor_ms(macs: int, rate_tflops: float) -> float:
     return 2 * macs / (rate_tflops * 1e12) * 1e3
 
 
+def triangular_fraction(d_h: int, bf16: bool, torch_path: bool | None) -> float:
+    """The share of the dense second layer's multiply-adds the triangular path ran: B = 4 column blocks on
+    cuBLAS, one block per output tile (the autotuner's BN) in the fused kernel."""
+    from care_core._chunks import TRIANGULAR_BLOCKS, triangular_macs
+
+    if torch_path:
+        return triangular_macs(d_h, TRIANGULAR_BLOCKS) / d_h**2
+    from care_core.kernels import jvp as kernels_jvp
+
+    found = re.search(r"BN: (\d+)", kernels_jvp.chosen_config(bf16, upper=True) or "")
+    return triangular_macs(d_h, d_h // int(found.group(1))) / d_h**2 if found else float("nan")
+
+
 def bench_scoring(
     features_by_n: dict[int, torch.Tensor],
     projector32: torch.nn.Module,
@@ -280,6 +293,9 @@ def bench_scoring(
             ("jvp", "tf32", "fused Triton kernel", False, {}),
             ("jvp", "bf16", "PyTorch chunks (before #7)", True, {}),
             ("jvp", "bf16", "fused Triton kernel", False, {}),
+            ("jvp", "tf32", "triangular factor, fused kernel (Scorer default on CUDA)", None, {"tri": True}),
+            ("jvp", "tf32", "triangular factor, cuBLAS column blocks", True, {"tri": True}),
+            ("jvp", "bf16", "triangular factor, fused kernel", None, {"tri": True}),
             ("sketch", "bf16", "sketch rank 512 (experiment)", False, {"sketch_rank": 512}),
             ("sketch", "bf16", "sketch rank 1024 (experiment)", False, {"sketch_rank": 1024}),
         ]
@@ -290,10 +306,15 @@ def bench_scoring(
             row["kernel"] = kernel
             try:
                 with triton_disabled(bool(no_triton)):
+                    tri = Scorer(projector32, second_layer="triangular") if extra.get("tri") else None
 
-                    def run(engine=engine, matmul=matmul, extra=extra, v=v, u=u, kernel=kernel) -> torch.Tensor:
+                    def run(
+                        engine=engine, matmul=matmul, extra=extra, v=v, u=u, kernel=kernel, tri=tri
+                    ) -> torch.Tensor:
                         if engine == "sketch":
                             return sketch_responses(v, projector32, u, matmul, extra["sketch_rank"], kernel)
+                        if tri is not None:
+                            return tri.responses(v, u, h=cfg.h, matmul=matmul, kernel=kernel)
                         return perturbation_responses(
                             v, projector32, u, h=cfg.h, engine=engine, matmul=matmul, kernel=kernel
                         )
@@ -308,6 +329,8 @@ def bench_scoring(
                     rate = rates["bf16" if matmul == "bf16" else "tf32"]
                     row["floor_ms"] = floor_ms(macs, rate)
                     row["x_floor"] = row["ms"] / row["floor_ms"]
+                    if extra.get("tri"):
+                        row["second_layer_macs_fraction"] = triangular_fraction(d_h, matmul == "bf16", no_triton)
                 elif engine == "sketch":
                     rate = rates["bf16" if matmul == "bf16" else "tf32"]
                     r = extra["sketch_rank"]
@@ -379,24 +402,36 @@ def bench_care_reduce(
         k = keep_by_n[n]
         for precision in ("auto", "bf16"):
             cfg = CaReConfig(matmul_precision=precision)
-            scorer = Scorer(projector32)
-            row: dict[str, Any] = {"N": n, "K": k, "matmul": "tf32" if precision == "auto" else precision}
-            try:
+            results: dict[str, Any] = {}
+            for layer in ("auto", "dense"):
+                scorer = Scorer(projector32, second_layer=layer)
+                row: dict[str, Any] = {"N": n, "K": k, "matmul": "tf32" if precision == "auto" else precision,
+                                       "scorer": f"Scorer(second_layer={layer!r})" + (
+                                           " (the default: triangular factor on CUDA)" if layer == "auto" else
+                                           " (the dense second layer, as before)")}  # fmt: skip
+                try:
 
-                def run(cfg=cfg, scorer=scorer, v=v, p=p, k=k) -> Any:
-                    return care_reduce(v, projector32, p, keep=k, config=cfg, scorer=scorer)
+                    def run(cfg=cfg, scorer=scorer, v=v, p=p, k=k) -> Any:
+                        return care_reduce(v, projector32, p, keep=k, config=cfg, scorer=scorer)
 
-                run()
-                row["ms"] = clock.median(run, reps=max(reps, 10), warmup=3)
-                rate = rates["bf16" if precision == "bf16" else "tf32"]
-                row["floor_ms"] = floor_ms(M_DIRECTIONS * n * d_h * d_out, rate)
-                row["x_floor"] = row["ms"] / row["floor_ms"]
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
-            print(f"  care_reduce N={n} K={k} {row['matmul']}: {row.get('ms', float('nan')):.2f} ms, floor "
-                  f"{row.get('floor_ms', float('nan')):.2f} ms ({row.get('x_floor', float('nan')):.2f}x) "
-                  f"{row.get('error', '')}", flush=True)  # fmt: skip
+                    results[layer] = run()
+                    row["ms"] = clock.median(run, reps=max(reps, 10), warmup=3)
+                    rate = rates["bf16" if precision == "bf16" else "tf32"]
+                    row["floor_ms"] = floor_ms(M_DIRECTIONS * n * d_h * d_out, rate)
+                    row["x_floor"] = row["ms"] / row["floor_ms"]
+                    if layer == "auto" and v.is_cuda:
+                        row["second_layer_macs_fraction"] = triangular_fraction(d_h, precision == "bf16", False)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                rows.append(row)
+                print(f"  care_reduce N={n} K={k} {row['matmul']} {layer}: {row.get('ms', float('nan')):.2f} ms, "
+                      f"floor {row.get('floor_ms', float('nan')):.2f} ms ({row.get('x_floor', float('nan')):.2f}x) "
+                      f"{row.get('error', '')}", flush=True)  # fmt: skip
+            if len(results) == 2:  # the default against the dense path: same anchors, same signals?
+                a, b = results["auto"], results["dense"]
+                rows[-2]["same_anchors_as_dense"] = bool(torch.equal(a.indices, b.indices))
+                rows[-2]["same_signals_as_dense"] = bool(torch.equal(a.signals, b.signals))
+                rows[-2]["psi_bar_max_abs_diff_vs_dense"] = float((a.psi_bar - b.psi_bar).abs().max())
     return rows
 
 
@@ -703,6 +738,7 @@ def bench_workload(
     out["resident_gib"] = weights_gib  # both models' weights (and the other workload's leftovers)
     projector = adapter.projector
     features = tokens.features
+    scorer = Scorer(projector)  # as ReductionPipeline keeps one per projector
     text_len = int(adapter._encode_prompt(QUESTION, 1)["input_ids"].shape[1]) - 1
     out["text_tokens"] = text_len
 
@@ -711,12 +747,12 @@ def bench_workload(
     for k in BUDGETS[name]:
         for label, cfg, no_triton in (
             (
-                f"jvp (default: tf32, kernel={CaReConfig().kernel!r}: PyTorch scoring)",
+                "jvp (default: tf32, the Scorer's triangular factor, fused kernel)",
                 CaReConfig(),
                 False,
             ),
             ("jvp bf16 (fused)", CaReConfig(matmul_precision="bf16"), False),
-            ("jvp tf32, PyTorch paths (before #7)", CaReConfig(), True),
+            ("jvp tf32, PyTorch paths (triangular factor in cuBLAS column blocks)", CaReConfig(), True),
             ("fd (float32, tf32 off)", CaReConfig(engine="fd"), False),
         ):
             if label.startswith("fd") and k != BUDGETS[name][-1]:
@@ -725,7 +761,7 @@ def bench_workload(
                 stats = median_stages(
                     clock,
                     lambda timer, k=k, cfg=cfg: care_reduce(features, projector, tokens.positions, keep=k,
-                                                            config=cfg, stage_timer=timer),
+                                                            config=cfg, stage_timer=timer, scorer=scorer),
                     reps=max(1, reps if not label.startswith("fd") else 2),
                 )  # fmt: skip
             stage_rows.append({"K": k, "variant": label, **{f"{s}_ms": v for s, v in stats.items()}})
@@ -790,7 +826,7 @@ def bench_workload(
                 def reduce(method=method, needs=needs, k=k) -> Any:
                     probes = adapter.probe_inputs(tokens, needs, QUESTION) if needs else {}
                     inputs = MethodInputs(features=features, projector=projector, positions=tokens.positions,
-                                          grid=tokens.grid, probes=probes, seed=0)  # fmt: skip
+                                          grid=tokens.grid, probes=probes, seed=0, scorer=scorer)  # fmt: skip
                     with torch.no_grad():
                         return method(inputs, k)
 
@@ -855,7 +891,7 @@ def bench_workload(
 
                 def ttft(entry=entry, k=k) -> Any:
                     feats = tower()
-                    red = care_reduce(feats, projector, tokens.positions, keep=k)
+                    red = care_reduce(feats, projector, tokens.positions, keep=k, scorer=scorer)
                     rows = projector(red.tokens)
                     return entry["_graph"](rows) if "_graph" in entry else None
 
@@ -976,6 +1012,16 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
             out["jvp_default_10x_faster_than_fd_fp32"] = (
                 f"fd {fd[0]['ms']:.1f} ms / jvp {r['ms']:.2f} ms = {ratio:.1f}x -> {verdict}"
             )
+    for r in results.get("care_reduce", []):
+        if "ms" not in r or r["matmul"] != "tf32" or "auto" not in r["scorer"]:
+            continue
+        bound = 1.2 if r["N"] == 2880 else 1.4
+        out[f"care_reduce_N{r['N']}_within_{bound}x_floor"] = (
+            f"{r['ms']:.2f} ms = {r['x_floor']:.2f}x floor {r['floor_ms']:.2f} ms -> "
+            + ("MET" if r["x_floor"] <= bound else "NOT MET")
+            + f"; same anchors/signals as the dense path: {r.get('same_anchors_as_dense')}/"
+            f"{r.get('same_signals_as_dense')}"
+        )
     bf = [r for r in sc if r["engine"] == "jvp" and r["matmul"] == "bf16" and r["path"] == "fused Triton kernel"]
     if bf:
         out["jvp_bf16_x_floor"] = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 # Elements of the largest intermediate per chunk (~256 MB in float32).
 CHUNK_ELEMENTS = 1 << 26
 
@@ -15,3 +17,22 @@ def two_pass_chunk(m: int, n: int, dim: int, out_dim: int) -> int:
     """Directions per chunk where each direction holds two (N, max(dim, out_dim)) intermediates: the fd engine's
     +h / -h points, the generic jvp path's primal and tangent (any projector that is not Linear-act-Linear)."""
     return chunk_size(m, n * max(dim, out_dim) * 2)
+
+
+# Column blocks of the block-triangular second layer (care_core.scoring.triangular_factor): block b of the
+# output needs only the hidden units from the block's first column on, so B blocks cost (B + 1) / 2B of a
+# dense layer's multiply-adds (5/8 at B = 4). More blocks skip more of the triangle but give narrower matmuls
+# (B = 8 and 16 were slower than 4 on an H200 at N = 2880).
+TRIANGULAR_BLOCKS = 4
+
+
+def block_bounds(width: int, blocks: int = TRIANGULAR_BLOCKS) -> list[tuple[int, int]]:
+    """[lo, hi) column ranges of `blocks` near-equal blocks of `width` (fewer when width < blocks)."""
+    blocks = max(1, min(blocks, width))
+    edges = [width * b // blocks for b in range(blocks + 1)]
+    return [(lo, hi) for lo, hi in itertools.pairwise(edges) if hi > lo]
+
+
+def triangular_macs(width: int, blocks: int = TRIANGULAR_BLOCKS) -> int:
+    """Multiply-adds per row of t R^T through the blocks, R upper triangular (width, width)."""
+    return sum((width - lo) * (hi - lo) for lo, hi in block_bounds(width, blocks))

@@ -40,6 +40,17 @@ def gate_confidence(affinity: torch.Tensor, k: int, *, tau_g: float, tau_c: floa
     return c_sim * (1 + c_ent) / 2
 
 
+def residual_indices(is_anchor: torch.Tensor, k: int, *, sync_free: bool) -> torch.Tensor:
+    """R: the indices where ``is_anchor`` is False, ascending; ``k`` distinct anchors are marked.
+
+    ``sync_free`` (CUDA): a stable sort puts the N - k residuals first in index order, so their count is known
+    without reading the mask back; the rest of the calibration is then queued while the GPU still scores.
+    """
+    if sync_free:
+        return torch.argsort(is_anchor.to(torch.int32), stable=True)[: is_anchor.shape[0] - k]
+    return torch.nonzero(~is_anchor).flatten()
+
+
 def calibrate(
     features: torch.Tensor,
     positions: torch.Tensor,
@@ -59,15 +70,16 @@ def calibrate(
 ) -> Calibration:
     """Calibrate the anchors (ascending `anchors`) with residual tokens, Eq. 4–9.
 
-    `weights` is psi_bar (N,). With `gated=False` every residual token is a signal with c_r = 1
-    (the paper's "simple calibration" ablation). With K = N there is nothing to calibrate.
+    `weights` is psi_bar (N,); the anchors are distinct (as Eq. 3 selects them). With `gated=False` every
+    residual token is a signal with c_r = 1 (the paper's "simple calibration" ablation). With K = N there is
+    nothing to calibrate.
     """
     n = features.shape[0]
     k = anchors.shape[0]
     device = features.device
     is_anchor = torch.zeros(n, dtype=torch.bool, device=device)
     is_anchor[anchors] = True
-    residuals = torch.nonzero(~is_anchor).flatten()
+    residuals = residual_indices(is_anchor, k, sync_free=device.type == "cuda")
     v_anc = features[anchors]
     if residuals.numel() == 0:
         empty = torch.empty(0, dtype=torch.long, device=device)
@@ -88,6 +100,7 @@ def calibrate(
     signal = (mass.T @ v_res) / (mass.sum(dim=0)[:, None] + eps)  # g_j (Eq. 8)
     shifted = v_anc + alpha * signal
     tokens = v_anc.norm(dim=1, keepdim=True) / (shifted.norm(dim=1, keepdim=True) + eps) * shifted  # Eq. 9
-    signals = residuals[accepted]
-    targets = anchors[assignment[accepted].argmax(dim=1)]
+    accepted_at = torch.nonzero(accepted).flatten()  # the one host synchronisation (R+ has a data-dependent size)
+    signals = residuals[accepted_at]
+    targets = anchors[assignment.argmax(dim=1)[accepted_at]]
     return Calibration(tokens, residuals, confidence, signals, targets)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from care_core.backbones.base import ImageTokens, VLMAdapter
     from care_core.methods.base import Method, MethodResult
+    from care_core.scoring import Scorer
 
 #: The question used where one is needed (a question-reading method, ``generate``) and none is given.
 DEFAULT_QUESTION = "Describe the image."
@@ -207,6 +208,17 @@ class ReductionPipeline:
         if not self.methods:
             raise MethodError(f"none of the methods can run on {adapter.name}")
         self.load_timings_ms: dict[str, float] = {}
+        self._scorer: Scorer | None = None
+
+    @property
+    def scorer(self) -> Scorer:
+        """PRCA's scoring state for the adapter's projector, kept across images: the float32 copy of the
+        projector, the directions and, on CUDA, the second layer's triangular factor (made on first use)."""
+        if self._scorer is None or self._scorer.projector is not self.adapter.projector:
+            from care_core.scoring import Scorer
+
+            self._scorer = Scorer(self.adapter.projector)
+        return self._scorer
 
     @classmethod
     def from_pretrained(
@@ -323,7 +335,8 @@ class ReductionPipeline:
             # one set of inputs per image: its memo lets budget-independent work (PRCA's psi_bar, ZOO-Prune's
             # sensitivity) run once for every budget and every method that shares it
             inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
-                                  probes=probes, seed=self.config.seed, memo={} if self.memoize else None)  # fmt: skip
+                                  probes=probes, seed=self.config.seed, memo={} if self.memoize else None,
+                                  scorer=self.scorer)  # fmt: skip
             for name, method in self.methods.items():
                 wanted = ks if plan is None else {b: ks[b] for b in plan.get(name, ()) if b in ks}
                 for budget, k in wanted.items():

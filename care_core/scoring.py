@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from care_core import kernels
+from care_core._chunks import TRIANGULAR_BLOCKS, block_bounds, two_pass_chunk
 from care_core._chunks import chunk_size as _chunk_size
-from care_core._chunks import two_pass_chunk
 from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
 
@@ -107,6 +107,31 @@ def _out_features(projector: Projector, features: torch.Tensor) -> int:
 
 
 @torch.no_grad()
+def triangular_factor(weight: torch.Tensor) -> torch.Tensor | None:
+    """R (d_h, d_h), upper triangular, of W2 = Q R (reduced QR, in float64), in W2's dtype and device.
+
+    Q has orthonormal columns, so ||W2 t|| = ||Q R t|| = ||R t|| for every t: the jvp's norms can go
+    through R and skip its zero triangle (:data:`~care_core._chunks.TRIANGULAR_BLOCKS`). None where W2
+    (d_out, d_h) has fewer rows than columns (R would not be square). A float64 QR of a 4096 x 4096 W2
+    takes about 0.2 s on an H200: a :class:`Scorer` makes it once.
+    """
+    d_out, d_h = weight.shape
+    if d_out < d_h:
+        return None
+    r = torch.linalg.qr(weight.detach().double(), mode="r").R
+    return r.to(weight.dtype).contiguous()
+
+
+def _upper_products(tangent: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """tangent @ R^T for upper-triangular R, block column by block column: block [lo, hi) of the output
+    needs only hidden units lo.. (R[lo:hi, :lo] = 0), (B + 1) / 2B of the dense multiply-adds."""
+    out = tangent.new_empty(tangent.shape[0], r.shape[0])
+    for lo, hi in block_bounds(r.shape[0], TRIANGULAR_BLOCKS):
+        torch.mm(tangent[:, lo:], r[lo:hi, lo:].T, out=out[:, lo:hi])
+    return out
+
+
+@torch.no_grad()
 def responses_fd(features: torch.Tensor, projector: Projector, directions: torch.Tensor, h: float) -> torch.Tensor:
     """C[x, i] = ||M(v_i + h u_x) - M(v_i - h u_x)||_2 / (2h)  (Eq. 1), literally; (m, N)."""
     n, dim = features.shape
@@ -132,8 +157,12 @@ def _jvp_mlp(
     tf32: bool = False,
     second_weight: torch.Tensor | None = None,
     kernel: Kernel | KernelGate = "auto",
+    factor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """||W2 diag(act'(W1 v + b1)) W1 u|| for every token and direction, sharing W1 u across tokens.
+
+    ``factor``: W2's triangular factor R (:func:`triangular_factor`) in W2's place; the norms are the
+    same and the second layer costs (B + 1) / 2B of its multiply-adds (the fused kernel: about half).
 
     The product, the matmul and the norm run fused in one Triton kernel (:mod:`care_core.kernels.jvp`)
     where :func:`_fused_jvp_applies` and the ``kernel`` setting allow it; otherwise (CPU, float32/float64
@@ -143,12 +172,21 @@ def _jvp_mlp(
     """
     gate = as_gate(kernel)
     pre = mlp.first(features)  # (N, d_hidden)
-    slope = torch.func.jvp(mlp.act, (pre,), (torch.ones_like(pre),))[1]  # act'(W1 v + b1)
+    slope = _activation_slope(mlp.act, pre)  # act'(W1 v + b1)
     lifted = directions @ mlp.first.weight.T  # (m, d_hidden): W1 u_x, shared by all tokens
     w2 = mlp.second.weight if second_weight is None else second_weight
-    applies = _fused_jvp_applies(features, w2, low, tf32, gate.kernel)
+    upper = factor is not None
+    if factor is not None:
+        w2 = factor
+    applies = _fused_jvp_applies(features, w2, low, tf32, gate.kernel, upper=upper)
     if gate.choose("jvp", features.device, applies=applies) == "fused":
-        fused = gate.attempt("jvp", lambda: kernels.jvp_norms(slope, lifted, w2, bf16=low is not None))
+        bf16 = low is not None
+        fused = gate.attempt(
+            "jvp",
+            (lambda: kernels.jvp_norms(slope, lifted, w2, bf16=bf16, upper=True))
+            if upper
+            else (lambda: kernels.jvp_norms(slope, lifted, w2, bf16=bf16)),
+        )
         if fused is not None:
             return fused.to(features.dtype)
     if low is not None:
@@ -159,27 +197,49 @@ def _jvp_mlp(
     rows = []
     for start in range(0, m, step):
         tangent = slope[None] * lifted[start : start + step, None]  # (c, N, d_hidden)
-        out = tangent @ w2.T
+        if upper:
+            out = _upper_products(tangent.reshape(-1, hidden), w2).reshape(tangent.shape[0], n, -1)
+        else:
+            out = tangent @ w2.T
         if low is not None:
             out = out.float()  # norms of bf16 products are accumulated in float32
         rows.append(out.norm(dim=-1).to(features.dtype))
     return torch.cat(rows)
 
 
-def _fused_jvp_applies(
-    features: torch.Tensor, w2: torch.Tensor, low: torch.dtype | None, tf32: bool, kernel: str
-) -> bool:
-    """What the fused kernel computes: float32 features, bf16 matmuls (tf32 too with kernel="fused"), its shapes.
+def _activation_slope(act: Callable[[torch.Tensor], torch.Tensor], pre: torch.Tensor) -> torch.Tensor:
+    """act'(pre), elementwise: forward-mode AD with a unit tangent.
 
-    tf32 stays on cuBLAS in "auto" mode: on an H200 (benchmarks/gpu.py, N = 2880,
-    benchmarks/results/2026-11-26-gpu-h200.json) its tf32 matmuls over chunks of materialised tangents
-    took 20.0 ms against the fused kernel's 21.6 ms (floor 15.1), with the same error; in bf16 the fused
-    kernel wins (12.3 against 13.5 ms, floor 7.8). Device and Triton are checked by the gate.
+    GELU (``nn.GELU``, transformers' ``GELUActivation``) calls the op forward-mode AD itself runs for it,
+    ``gelu_backward(ones, pre)`` (the same values, bit for bit), without ``torch.func``'s per-call setup
+    (about 0.2 ms of host time, which at N = 576 is on the GPU's critical path).
+    """
+    approximate = None
+    if isinstance(act, nn.GELU):
+        approximate = act.approximate
+    elif type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is nn.functional.gelu:
+        approximate = "none"
+    if approximate is not None:
+        return torch.ops.aten.gelu_backward(torch.ones_like(pre), pre, approximate=approximate)
+    return torch.func.jvp(act, (pre,), (torch.ones_like(pre),))[1]
+
+
+def _fused_jvp_applies(
+    features: torch.Tensor, w2: torch.Tensor, low: torch.dtype | None, tf32: bool, kernel: str, *, upper: bool = False
+) -> bool:
+    """What the fused kernel computes: float32 features, bf16 matmuls, tf32 through a triangular factor (or with
+    kernel="fused"), its shapes.
+
+    Dense tf32 stays on cuBLAS in "auto" mode: on an H200 (N = 2880, benchmarks/results/2026-11-26-gpu-h200.json)
+    its tf32 matmuls over chunks of materialised tangents took 20.0 ms against the fused kernel's 21.6 ms (floor
+    15.1). Through the triangular factor the fused kernel skips R's zero triangle tile by tile and took 10.6 ms
+    against cuBLAS's 14.9 ms over blocks of columns (same card, 2026-11-26). In bf16 the fused kernel wins
+    either way. Device and Triton are checked by the gate.
     """
     if features.dtype != torch.float32:
         return False
-    if low is None and not (tf32 and kernel == "fused"):
-        return False  # full float32 matmuls (or tf32 outside "fused" mode): PyTorch (cuBLAS) path
+    if low is None and not (tf32 and (kernel == "fused" or upper)):
+        return False  # full float32 matmuls (or dense tf32 outside "fused" mode): PyTorch (cuBLAS) path
     if low is not None and low != torch.bfloat16:
         return False
     return kernels.jvp_shape_supported(w2.shape[1], w2.shape[0])
@@ -229,11 +289,14 @@ def responses_jvp(
     matmul: str = "auto",
     *,
     kernel: Kernel | KernelGate = "auto",
+    factor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C[x, i] = ||J_M(v_i) u_x||_2, the exact h -> 0 limit of Eq. 1; (m, N).
 
     `matmul`: "auto" (float32 on CPU, tf32 on CUDA), "float32", "tf32" or "bf16" (MLP path only).
     `kernel`: "auto", "fused" or "torch" (see :mod:`care_core.kernels`), or a caller-owned gate.
+    `factor`: the triangular factor of the projector's second layer (:func:`triangular_factor`), for
+    a Linear-act-Linear projector; ignored by any other.
     """
     on_cuda = features.device.type == "cuda"
     allow_tf32 = matmul == "tf32" or (matmul == "auto" and on_cuda)
@@ -243,7 +306,7 @@ def responses_jvp(
     with matmul_precision(allow_tf32=allow_tf32):
         mlp = _as_mlp(projector)
         if mlp is not None:
-            return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32, kernel=kernel)
+            return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32, kernel=kernel, factor=factor)
         return _jvp_generic(features, projector, directions)
 
 
@@ -256,17 +319,19 @@ def perturbation_responses(
     engine: str = "jvp",
     matmul: str = "auto",
     kernel: Kernel | KernelGate = "auto",
+    factor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype.
 
     A pure function: the projector is converted to the features' dtype and device on every call where
-    it differs (see :class:`Scorer` to do that once). `kernel` applies to the jvp engine's MLP path.
+    it differs (see :class:`Scorer` to do that once). `kernel` and `factor` (the second layer's
+    triangular factor, see :func:`triangular_factor`) apply to the jvp engine's MLP path.
     """
     projector = prepare_projector(projector, features.dtype, features.device)
     if engine == "fd":
         return responses_fd(features, projector, directions, h)
     if engine == "jvp":
-        return responses_jvp(features, projector, directions, matmul, kernel=kernel)
+        return responses_jvp(features, projector, directions, matmul, kernel=kernel, factor=factor)
     raise ValueError(f"unknown engine {engine!r} (expected 'jvp' or 'fd')")
 
 
@@ -304,9 +369,16 @@ class Scorer:
     - the unit directions per (m, dim, seed, device, dtype), drawn once by :func:`unit_directions`
       (the 16 most recent keys);
     - the kernel decision: a fused kernel that failed to build here (Triton missing, a compilation
-      error) is not tried again by this scorer in "auto" mode (:attr:`kernel_failures`).
+      error) is not tried again by this scorer in "auto" mode (:attr:`kernel_failures`);
+    - for a Linear-act-Linear projector, the triangular factor R of its second layer
+      (:func:`triangular_factor`), per (dtype, device), where ``second_layer`` asks for it: the jvp
+      engine's norms then go through R, the same norms for (B + 1) / 2B of the multiply-adds.
 
-    Results are bit-identical to the functional path. Invalidation: a prepared copy is tied to the
+    ``second_layer``: "auto" (through R on CUDA, W2 itself elsewhere), "dense" (always W2) or
+    "triangular" (through R wherever the projector has one). Results are bit-identical to the
+    functional path where the second layer is dense (always on the CPU in "auto" mode); through R they
+    are the same to float rounding (float64: about 1e-14 relative; tf32: the same error against float64
+    as the dense path, about 1e-4). Invalidation: a prepared copy is tied to the
     projector's weights at the time it was made; nothing watches them. After changing the weights
     (loading a checkpoint, training, in-place edits) call :meth:`clear` or make a new Scorer. Where
     the projector already is in the compute dtype on the features' device no copy is made and the
@@ -324,9 +396,14 @@ class Scorer:
     """
 
     _MAX_DIRECTIONS = 16
+    SECOND_LAYERS = ("auto", "dense", "triangular")
 
-    def __init__(self, projector: Projector) -> None:
+    def __init__(self, projector: Projector, *, second_layer: str = "auto") -> None:
+        if second_layer not in self.SECOND_LAYERS:
+            raise ValueError(f"second_layer must be one of {self.SECOND_LAYERS}, got {second_layer!r}")
         self._projector = projector
+        self.second_layer = second_layer
+        self._factors: dict[tuple[torch.dtype, torch.device], torch.Tensor | None] = {}
         self._prepared: dict[tuple[torch.dtype, torch.device], Projector] = {}
         self._directions: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._failed: dict[str, str] = {}
@@ -342,8 +419,9 @@ class Scorer:
         return dict(self._failed)
 
     def clear(self) -> None:
-        """Drop every prepared copy, cached direction set and recorded kernel failure."""
+        """Drop every prepared copy, triangular factor, cached direction set and recorded kernel failure."""
         self._prepared.clear()
+        self._factors.clear()
         self._directions.clear()
         self._failed.clear()
 
@@ -359,6 +437,17 @@ class Scorer:
             found = prepare_projector(self._projector, dtype, key[1])
             self._prepared[key] = found
         return found
+
+    def factor(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+        """The triangular factor of the prepared projector's second layer where ``second_layer`` uses one
+        on `device` (and the projector is Linear-act-Linear with d_out >= d_h), else None; made once."""
+        key = (dtype, torch.device(device))
+        if self.second_layer == "dense" or (self.second_layer == "auto" and key[1].type != "cuda"):
+            return None
+        if key not in self._factors:
+            mlp = _as_mlp(self.prepared(*key))
+            self._factors[key] = None if mlp is None else triangular_factor(mlp.second.weight)
+        return self._factors[key]
 
     def directions(
         self, m: int, dim: int, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
@@ -385,6 +474,7 @@ class Scorer:
     ) -> torch.Tensor:
         """:func:`perturbation_responses` with the prepared projector and this scorer's kernel gate."""
         projector = self.prepared(features.dtype, features.device)
+        factor = self.factor(features.dtype, features.device) if engine == "jvp" else None
         return perturbation_responses(
-            features, projector, directions, h=h, engine=engine, matmul=matmul, kernel=self.gate(kernel)
+            features, projector, directions, h=h, engine=engine, matmul=matmul, kernel=self.gate(kernel), factor=factor
         )

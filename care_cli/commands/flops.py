@@ -26,6 +26,11 @@ class EngineChoice(str, Enum):
     fd = "fd"
 
 
+class SecondLayerChoice(str, Enum):
+    dense = "dense"
+    triangular = "triangular"
+
+
 Backbone = Annotated[
     str,
     typer.Option(
@@ -65,6 +70,12 @@ EngineOpt = Annotated[
                  "care reduce runs) or fd (Eq. 1 literally: Supp. B's 2mF_M(N)). Default: the library's.",
                  rich_help_panel=_COUNT, show_default=False),
 ]  # fmt: skip
+SecondLayerOpt = Annotated[
+    SecondLayerChoice,
+    typer.Option("--second-layer", help="How the jvp engine applies the projector's second layer: dense (the "
+                 "functional core, the CPU) or triangular (through W2's triangular factor, what the pipeline's "
+                 "Scorer runs on CUDA).", rich_help_panel=_COUNT),
+]  # fmt: skip
 Gqa = Annotated[
     bool,
     typer.Option("--gqa", help="Count K/V projections and attention from the KV/query heads.", rich_help_panel=_COUNT),
@@ -92,6 +103,7 @@ def flops(
     text_tokens: TextTokens = 64,
     convention: ConventionOpt = ConventionChoice.flops,
     engine: EngineOpt = None,
+    second_layer: SecondLayerOpt = SecondLayerChoice.dense,
     gqa: Gqa = False,
     lm_head: LmHead = False,
     vision_tower: VisionTower = False,
@@ -103,7 +115,8 @@ def flops(
     from care_core.flops.methods import DEFAULT_ENGINE
 
     options = FlopsOptions(text_tokens=text_tokens, convention=convention.value, gqa=gqa, lm_head=lm_head,
-                           vision_tower=vision_tower, engine=engine.value if engine else DEFAULT_ENGINE)  # fmt: skip
+                           vision_tower=vision_tower, engine=engine.value if engine else DEFAULT_ENGINE,
+                           second_layer=second_layer.value)  # fmt: skip
     image = parse_image_size(image_size) if image_size is not None else None
     spec = resolve_backbone(backbone)
     report = flops_report(spec, tokens=tokens, image=image, keeps=keep or [], ratios=ratio or [],
@@ -138,6 +151,13 @@ def _caption(report: dict[str, Any]) -> str:
     engine = report["options"]["engine"]
     scoring = ("PRCA responses as the jvp engine runs them (the default; --engine fd: Supp. B's 2mF_M(N))"
                if engine == "jvp" else "PRCA responses as Supp. B writes them, 2mF_M(N) (the fd engine)")  # fmt: skip
+    if engine == "jvp":
+        triangular = report["options"].get("second_layer") == "triangular"
+        scoring += (
+            "; second layer through its triangular factor, as a Scorer runs it on CUDA"
+            if triangular
+            else "; dense second layer (on CUDA the pipeline's Scorer runs --second-layer triangular)"
+        )
     return (
         f"{unit} ({conv}: {how}); T = {report['text_tokens']} text tokens; {scoring}; O(·) terms taken with "
         f"constant 1; {gqa}; "

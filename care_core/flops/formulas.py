@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from care_core._chunks import two_pass_chunk
+from care_core._chunks import triangular_macs, two_pass_chunk
 
 if TYPE_CHECKING:
     from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 Convention = Literal["flops", "macs"]
 Engine = Literal["jvp", "fd"]  # PRCA's response engines (``CaReConfig.engine``)
 ENGINES: tuple[Engine, ...] = ("jvp", "fd")
+SecondLayer = Literal["dense", "triangular"]  # how the jvp engine applies the projector's second layer
+SECOND_LAYERS: tuple[SecondLayer, ...] = ("dense", "triangular")
+#: Output columns per tile of the fused jvp kernel (its autotuner's pick for LLaVA's 4096 -> 4096 on H100 and
+#: H200, tf32 and bf16): through the triangular factor, each tile skips the hidden units left of it.
+FUSED_TILE_COLUMNS = 256
 CONVENTIONS: tuple[str, ...] = ("flops", "macs")
 UNITS = {"flops": "TFLOPs", "macs": "TMACs"}
 
@@ -50,7 +55,9 @@ def projector_flops(projector: ProjectorSpec, n: int) -> int:
     return 2 * n * projector.macs_per_token
 
 
-def jvp_response_terms(n: int, m: int, projector: ProjectorSpec) -> dict[str, int]:
+def jvp_response_terms(
+    n: int, m: int, projector: ProjectorSpec, second_layer: SecondLayer = "dense", blocks: int | None = None
+) -> dict[str, int]:
     """The perturbation responses as the ``jvp`` engine computes them (``care_core.scoring.responses_jvp``).
 
     A Linear -> activation -> Linear projector (LLaVA's ``mlp2x_gelu``): the first layer once on the N tokens,
@@ -59,14 +66,22 @@ def jvp_response_terms(n: int, m: int, projector: ProjectorSpec) -> dict[str, in
     tokens, vmapped over chunks of directions (``care_core._chunks``): per chunk one primal pass F_M(N), the
     chunk's tangents, and one more F_M(N) because forward-mode AD's product rule (x_t W + x W_t) also multiplies
     the tokens by the weights' zero tangent: (m + 2 · chunks) F_M(N) in all.
+
+    ``second_layer="triangular"`` (what a ``Scorer`` runs on CUDA, e.g. the pipeline's; needs d_out >= d_h): the
+    second layer goes through the d_h x d_h triangular factor R of W2 = QR in ``blocks`` column blocks, each
+    needing only the hidden units from its first column on: ``2mN · triangular_macs(d_h, blocks)``. ``blocks``
+    defaults to the fused kernel's tiles (d_h / 256); the PyTorch path uses 4 (``care_core._chunks``). The
+    one-off QR is not counted (made once per projector, not per image).
     """
     if _is_linear_act_linear(projector):
         (d_in, d_hidden), (_, d_out) = projector.linears
-        return {
-            "F_1(N)": 2 * n * d_in * d_hidden,
-            "F_1(m)": 2 * m * d_in * d_hidden,
-            "2mN d_h d_out": 2 * m * n * d_hidden * d_out,
-        }
+        terms = {"F_1(N)": 2 * n * d_in * d_hidden, "F_1(m)": 2 * m * d_in * d_hidden}
+        if second_layer == "triangular" and d_out >= d_hidden:
+            b = blocks if blocks is not None else max(1, d_hidden // FUSED_TILE_COLUMNS)
+            terms[f"2mN R-triangle ({b} blocks)"] = 2 * m * n * triangular_macs(d_hidden, b)
+        else:
+            terms["2mN d_h d_out"] = 2 * m * n * d_hidden * d_out
+        return terms
     chunks = math.ceil(m / two_pass_chunk(m, n, projector.token_dim, projector.out_dim))
     f_m = projector_flops(projector, n)
     return {"mF_M(N) tangents": m * f_m, "F_M(N) primal per chunk": chunks * f_m,
@@ -78,8 +93,15 @@ def _is_linear_act_linear(projector: ProjectorSpec) -> bool:
     return projector.kind == "mlp2x_gelu" and len(projector.linears) == 2
 
 
-def jvp_response_note(projector: ProjectorSpec) -> str:
+def jvp_response_note(projector: ProjectorSpec, second_layer: SecondLayer = "dense") -> str:
     """One line on what :func:`jvp_response_terms` counts for this projector."""
+    if _is_linear_act_linear(projector) and second_layer == "triangular" and projector.linears[1][1] >= \
+            projector.linears[1][0]:  # fmt: skip
+        return (
+            "responses as the jvp engine runs them with a Scorer on CUDA: F_1(N) + F_1(m) + the second layer through "
+            "its triangular factor R (W2 = QR, ||W2 t|| = ||R t||) in blocks of 256 columns, each from its first "
+            "hidden unit on, in place of Supp. B's 2mF_M(N)"
+        )
     if _is_linear_act_linear(projector):
         return (
             "responses as the jvp engine runs them: F_1(N) (first layer on the N tokens) + F_1(m) (W1 on the "

@@ -97,11 +97,14 @@ def method_cost(
     m: int = DEFAULT_M,
     text_tokens: int = 64,
     engine: fx.Engine = DEFAULT_ENGINE,
+    second_layer: fx.SecondLayer = "dense",
 ) -> MethodCost:
     """The cost of method `name` (or "baseline") from the formula its class names as ``cost_model``.
 
     For the methods whose scoring follows the response engine (:func:`follows_engine`), ``engine="fd"`` keeps
-    Supp. B's 2 m F_M(N) and ``engine="jvp"`` (the library default) counts what that engine runs instead.
+    Supp. B's 2 m F_M(N) and ``engine="jvp"`` (the library default) counts what that engine runs instead, with
+    the projector's second layer ``second_layer`` ("dense": the functional core, the CPU; "triangular": a
+    ``Scorer`` on CUDA, e.g. the pipeline's; see :func:`care_core.flops.formulas.jvp_response_terms`).
     """
     from care_core.methods import method_class
 
@@ -113,10 +116,10 @@ def method_cost(
     cost = dataclasses.replace(_MODELS[key](spec, n, k, m, text_tokens), method=canonical)
     if engine == "fd" or not follows_engine(canonical) or "2mF_M(N)" not in cost.score:
         return cost
-    score = fx.jvp_response_terms(n, m, spec.projector)
+    score = fx.jvp_response_terms(n, m, spec.projector, second_layer)
     score.update((term, value) for term, value in cost.score.items() if term != "2mF_M(N)")
     note = cost.note.replace("Supp. B as written: ", "").replace("Supp. B ", "")
-    return dataclasses.replace(cost, score=score, note=f"{note}; {fx.jvp_response_note(spec.projector)}")
+    return dataclasses.replace(cost, score=score, note=f"{note}; {fx.jvp_response_note(spec.projector, second_layer)}")
 
 
 def _uniform(spec: BackboneSpec, tokens: int) -> fx.Schedule:

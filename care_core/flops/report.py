@@ -33,10 +33,13 @@ class FlopsOptions:
     vision_tower: bool = False
     m: int = DEFAULT_M
     engine: fx.Engine = DEFAULT_ENGINE  # PRCA's response engine whose work is counted
+    second_layer: fx.SecondLayer = "dense"  # the jvp engine's second layer: dense, or through its triangular factor
 
     def __post_init__(self) -> None:
         if self.engine not in fx.ENGINES:
             raise CareError(f"--engine must be one of {', '.join(fx.ENGINES)}, got {self.engine!r}")
+        if self.second_layer not in fx.SECOND_LAYERS:
+            raise CareError(f"--second-layer must be one of {', '.join(fx.SECOND_LAYERS)}, got {self.second_layer!r}")
         if self.convention not in fx.CONVENTIONS:
             raise CareError(f"--convention must be one of {', '.join(fx.CONVENTIONS)}, got {self.convention!r}")
         if self.text_tokens < 0:
@@ -49,6 +52,9 @@ FORMULAS = {
     "F_score": "2 m F_M(N) + m N H + N^2 d_v + K N   (Supp. B; what --engine fd runs)",
     "F_score --engine jvp": "F_1(N) + F_1(m) + 2 m N d_h d_out + m N H + N^2 d_v + K N for a Linear-act-Linear "
     "projector (F_1: its first layer; d_h, d_out: the second's in/out); other projectors: as Supp. B",
+    "F_score --engine jvp --second-layer triangular": "the second layer through W2's triangular factor R (d_h x d_h, "
+    "W2 = QR) in blocks of 256 columns: 2 m N sum_b (d_h - first column of b) * 256 in place of 2 m N d_h d_out "
+    "(what a Scorer runs on CUDA, e.g. the pipeline's)",
     "F_res": "N_d K d_v + N_d K   (N_d = N - K)",
     "F_layer": "8 W H^2 + 6 W H I + 4 W^2 H   (W = T + visual tokens of the layer)",
     "F_layer --gqa": "4 W H q + 4 W H kv + 6 W H I + 4 W^2 q   (q = heads·head_dim, kv = kv_heads·head_dim)",
@@ -148,7 +154,7 @@ def _tera(values: dict[str, int], convention: fx.Convention = "flops") -> dict[s
 def build_row(spec: BackboneSpec, method: str, n: int, k: int, options: FlopsOptions,
               extra: dict[str, int]) -> dict[str, Any]:  # fmt: skip
     cost = method_cost(method, spec, n, k if method != "baseline" else n, options.m, options.text_tokens,
-                       options.engine)  # fmt: skip
+                       options.engine, options.second_layer)  # fmt: skip
     t = options.text_tokens
     prefill = fx.prefill_flops(cost.schedule, spec.lm, t, options.gqa)
     terms_flops = {"score": sum(cost.score.values()), "residual": sum(cost.residual.values()), "prefill": prefill}
@@ -164,6 +170,7 @@ def build_row(spec: BackboneSpec, method: str, n: int, k: int, options: FlopsOpt
         "method": cost.method,
         "tokens": cost.tokens,
         "engine": options.engine if follows_engine(cost.method) else None,
+        "second_layer": options.second_layer if follows_engine(cost.method) and options.engine == "jvp" else None,
         "avg_tokens": round(fx.equivalent_tokens(cost.schedule, spec.lm, t, options.gqa), 2),
         "layer_avg_tokens": round(fx.layer_average_tokens(cost.schedule), 2),
         "schedule": [list(segment) for segment in cost.schedule],

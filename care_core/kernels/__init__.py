@@ -153,11 +153,13 @@ def as_gate(kernel: Kernel | KernelGate) -> KernelGate:
     return kernel if isinstance(kernel, KernelGate) else KernelGate(kernel)
 
 
-def jvp_norms(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+def jvp_norms(
+    slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, upper: bool = False
+) -> torch.Tensor:
     """The fused jvp kernel (:func:`care_core.kernels.jvp.jvp_norms`); imports Triton when called."""
     from care_core.kernels.jvp import jvp_norms as run
 
-    return run(slope, lifted, w2, bf16=bf16)
+    return run(slope, lifted, w2, bf16=bf16, upper=upper)
 
 
 def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:

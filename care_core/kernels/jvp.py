@@ -84,7 +84,7 @@ def _sqnorm_kernel(
     n_pad, m, d_h, d_out,
     stride_s, stride_a, stride_w, stride_pblk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRS: tl.constexpr, GROUP: tl.constexpr,
-    BF16: tl.constexpr, ROUND: tl.constexpr,
+    BF16: tl.constexpr, ROUND: tl.constexpr, UPPER: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     dir_blocks = m // DIRS
@@ -105,6 +105,12 @@ def _sqnorm_kernel(
     w_ptrs = w_ptr + offs_j[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # (BK, BN) view of W2ᵀ
     x0 = xb * DIRS
     a_ptrs = a_ptr + x0 * stride_a + offs_k
+    k_start = 0
+    if UPPER:  # W2 is upper triangular (R of a QR): its rows in this block are zero left of the block
+        k_start = pid_j * BN
+        s_ptrs += k_start
+        w_ptrs += k_start
+        a_ptrs += k_start
 
     acc0 = tl.zeros((BM, BN), dtype=tl.float32)
     if DIRS >= 2:
@@ -112,7 +118,7 @@ def _sqnorm_kernel(
     if DIRS >= 4:
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, d_h, BK):
+    for _ in range(k_start, d_h, BK):
         s = tl.load(s_ptrs).to(tl.float32)
         w = tl.load(w_ptrs)
         acc0 = _dot(_scaled(s, a_ptrs, BF16, ROUND), w, acc0, BF16)
@@ -141,6 +147,9 @@ def _autotuned(configs):  # type: ignore[no-untyped-def]
 
 _kernel_bf16 = _autotuned(_BF16_CONFIGS)
 _kernel_tf32 = _autotuned(_TF32_CONFIGS)
+# The triangular variant's best tiles differ (its programs' work varies with the output block): own searches.
+_kernel_bf16_upper = _autotuned(_BF16_CONFIGS)
+_kernel_tf32_upper = _autotuned(_TF32_CONFIGS)
 
 
 def supported(hidden: int, out_dim: int) -> bool:
@@ -148,9 +157,15 @@ def supported(hidden: int, out_dim: int) -> bool:
     return jvp_shape_supported(hidden, out_dim)
 
 
-def chosen_config(bf16: bool) -> str | None:
+def _kernel(bf16: bool, upper: bool):  # type: ignore[no-untyped-def]
+    if upper:
+        return _kernel_bf16_upper if bf16 else _kernel_tf32_upper
+    return _kernel_bf16 if bf16 else _kernel_tf32
+
+
+def chosen_config(bf16: bool, upper: bool = False) -> str | None:
     """The autotuner's pick for the last shape it saw (for benchmark reports)."""
-    kernel = _kernel_bf16 if bf16 else _kernel_tf32
+    kernel = _kernel(bf16, upper)
     best = getattr(kernel, "best_config", None)
     return None if best is None else str(best)
 
@@ -161,12 +176,16 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
-def jvp_norms(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+def jvp_norms(
+    slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, upper: bool = False
+) -> torch.Tensor:
     """C[x, i] = ||W2 (slope_i ⊙ lifted_x)||, (m, N) float32, on CUDA.
 
     slope (N, d_h), lifted (m, d_h), w2 (d_out, d_h). ``bf16``: bf16 operands (the product rounded
     once, after the float32 multiply) with float32 accumulation; else tf32 operands (rounded to
-    nearest) with float32 accumulation.
+    nearest) with float32 accumulation. ``upper``: w2 is upper triangular (the R factor of
+    :func:`care_core.scoring.triangular_factor`, d_h x d_h); each output block skips the columns left
+    of it, about half the multiply-adds.
     """
     n, hidden = slope.shape
     m = lifted.shape[0]
@@ -190,11 +209,13 @@ def jvp_norms(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf
     def grid(meta):  # type: ignore[no-untyped-def]
         return ((m_pad // meta["DIRS"]) * (n_pad // meta["BM"]) * (out_dim // meta["BN"]),)
 
-    kernel = _kernel_bf16 if bf16 else _kernel_tf32
+    if upper and out_dim != hidden:
+        raise ValueError(f"upper=True needs a square (d_h, d_h) factor, got {tuple(w2.shape)}")
+    kernel = _kernel(bf16, upper)
     kernel[grid](
         s, a, w, partial,
         n_pad, m_pad, hidden, out_dim,
         s.stride(0), a.stride(0), w.stride(0), partial.stride(0),
-        BF16=bf16, ROUND=True,
+        BF16=bf16, ROUND=True, UPPER=upper,
     )  # fmt: skip
     return partial.sum(dim=0)[:m, :n].sqrt()  # blocks past d_out / BN stay zero

@@ -23,6 +23,7 @@ from care_core.errors import MethodError
 
 if TYPE_CHECKING:
     from care_core.config import CaReConfig
+    from care_core.scoring import Scorer
 
 Category = Literal["selection", "merging", "calibration"]
 StageTimer = Callable[[str], AbstractContextManager[object]]  # stage name -> context manager (as care.StageTimer)
@@ -94,6 +95,9 @@ class MethodInputs:
     # Optional per-image scratch space, owned by the caller: methods keep what does not depend on the budget
     # (PRCA's psi_bar, ZOO-Prune's sensitivity) so that several budgets and methods compute it once.
     memo: dict[Hashable, Any] | None = None
+    # Optional scoring state for `projector`, owned by the caller across images (a prepared float32 copy, the
+    # directions, the second layer's triangular factor on CUDA): PRCA scoring uses it where given.
+    scorer: Scorer | None = None
 
     @property
     def num_tokens(self) -> int:

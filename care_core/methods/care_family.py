@@ -82,8 +82,8 @@ class _CaReFamily(Method):
         from care_core.care import prca_scores, resolve_directions
 
         def compute() -> torch.Tensor:
-            directions = resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v)
-            return prca_scores(v, inputs.projector, directions, self.config)
+            directions = resolve_directions(None, self.config.m, v.shape[1], self.config.seed, v, scorer=inputs.scorer)
+            return prca_scores(v, inputs.projector, directions, self.config, scorer=inputs.scorer)
 
         return inputs.memoized(prca_key(self.config), compute)
 
@@ -122,8 +122,8 @@ class CaRe(_CaReFamily):
     hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS | GATED_FIELDS
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        """:func:`care_core.care.care_reduce` with this config and the inputs' stage timer (and, where the
-        inputs keep a memo, the psi_bar another budget or PRCA-anchored method already computed)."""
+        """:func:`care_core.care.care_reduce` with this config, the inputs' stage timer and scorer (and, where
+        the inputs keep a memo, the psi_bar another budget or PRCA-anchored method already computed)."""
         from care_core.care import care_reduce
         from care_core.precision import compute_dtype
 
@@ -133,7 +133,7 @@ class CaRe(_CaReFamily):
                 psi_bar = self._psi_bar(inputs, inputs.features.to(compute_dtype(inputs.features.dtype)))
         reduction = care_reduce(
             inputs.features, inputs.projector, inputs.positions, keep=keep, config=self.config,
-            stage_timer=inputs.stage_timer, psi_bar=psi_bar,
+            stage_timer=inputs.stage_timer, psi_bar=psi_bar, scorer=inputs.scorer,
         )  # fmt: skip
         return reduction.to_method_result()
 

@@ -44,6 +44,27 @@ def test_engine_jvp_scoring_term_and_fd_keeps_supp_b(care) -> None:
     assert bad.code == 2 and "--engine" in bad.err
 
 
+def test_second_layer_triangular_counts_what_a_cuda_scorer_runs(care) -> None:
+    tri = care("flops", "--backbone", "llava-next", "--keep", "160", "--second-layer", "triangular", "--json").json()
+    dense = care("flops", "--backbone", "llava-next", "--keep", "160", "--json").json()
+    assert tri["options"]["second_layer"] == "triangular" and dense["options"]["second_layer"] == "dense"
+    n, m = 2880, 64
+    # 16 tiles of 256 output columns, tile b from hidden unit 256 b on: sum_b (4096 - 256 b) 256 = 17/32 of 4096²
+    triangle = 2 * m * n * sum((4096 - 256 * b) * 256 for b in range(16))
+    assert tri["rows"][1]["breakdown"]["score"]["2mN R-triangle (16 blocks)"] == pytest.approx(triangle / 1e12)
+    saved = (2 * m * n * 4096**2 - triangle) / 1e12
+    assert dense["rows"][1]["terms"]["score"] - tri["rows"][1]["terms"]["score"] == pytest.approx(saved)
+    assert tri["rows"][1]["second_layer"] == "triangular" and tri["rows"][0]["second_layer"] is None
+    fd = care("flops", "--backbone", "llava-next", "--keep", "160", "--engine", "fd", "--second-layer", "triangular",
+              "--json").json()  # fmt: skip
+    assert fd["rows"][1]["terms"] == care("flops", "--backbone", "llava-next", "--keep", "160", "--engine", "fd",
+                                          "--json").json()["rows"][1]["terms"]  # fmt: skip
+    table = care("flops", "--backbone", "llava-next", "--keep", "160", "--second-layer", "triangular")
+    assert table.code == 0 and "triangular factor" in table.out
+    bad = care("flops", "--second-layer", "sparse")
+    assert bad.code == 2 and "--second-layer" in bad.err
+
+
 def test_json_has_the_spec_keys(care) -> None:
     run = care("flops", "--backbone", "llava-next", "--keep", "640", "--keep", "320", "--keep", "160", "--paper",
                "--json")  # fmt: skip

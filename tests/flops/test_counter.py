@@ -171,6 +171,30 @@ def test_jvp_response_terms_match_the_jvp_code_path(name: str, n: int | None) ->
     assert fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden)["2mF_M(N)"] > 2.4 * sum(terms.values())
 
 
+@pytest.mark.parametrize("n", [2880, 100])
+def test_triangular_second_layer_terms_match_the_code_path(n: int) -> None:
+    """--second-layer triangular: the PyTorch path's column blocks of W2's factor R, counted by FlopCounterMode."""
+    from care_core._chunks import TRIANGULAR_BLOCKS
+    from care_core.scoring import responses_jvp
+
+    spec, m = KNOWN_BACKBONES["llava-next-7b"], 64
+    projector = _llava_projector(spec.lm.hidden)
+    features = torch.empty(n, 1024, device="meta")
+    directions = torch.empty(m, 1024, device="meta")
+    factor = torch.empty(4096, 4096, device="meta")  # R of W2 = QR (its values do not change the count)
+    counted, _ = count_flops(
+        lambda: responses_jvp(features, projector, directions, "float32", kernel="torch", factor=factor)
+    )
+    terms = fx.jvp_response_terms(n, m, spec.projector, "triangular", blocks=TRIANGULAR_BLOCKS)
+    _close(counted, sum(terms.values()))
+    # by hand: 4 blocks of 1024 columns need 4096, 3072, 2048, 1024 hidden units: 5/8 of 2mN·4096²
+    assert terms["2mN R-triangle (4 blocks)"] == 2 * m * n * 4096 * 4096 * 5 // 8
+    # the default counts the fused kernel's 256-column tiles: 17/32 of dense
+    assert fx.jvp_response_terms(n, m, spec.projector, "triangular")["2mN R-triangle (16 blocks)"] == (
+        2 * m * n * 4096 * 4096 * 17 // 32
+    )
+
+
 @pytest.mark.parametrize(("n", "m"), [(50, 8), (1110, 64)])  # one chunk of directions; 13 chunks of 5
 def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp(n: int, m: int) -> None:
     """The merger is no Linear-act-Linear: torch.func.jvp vmapped over chunks of directions runs, per chunk, one
