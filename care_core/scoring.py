@@ -180,13 +180,8 @@ def _jvp_mlp(
         w2 = factor
     applies = _fused_jvp_applies(features, w2, low, tf32, gate.kernel, upper=upper)
     if gate.choose("jvp", features.device, applies=applies) == "fused":
-        bf16 = low is not None
-        fused = gate.attempt(
-            "jvp",
-            (lambda: kernels.jvp_norms(slope, lifted, w2, bf16=bf16, upper=True))
-            if upper
-            else (lambda: kernels.jvp_norms(slope, lifted, w2, bf16=bf16)),
-        )
+        triangle = {"upper": True} if upper else {}  # the dense call keeps the kernel's plain signature
+        fused = gate.attempt("jvp", lambda: kernels.jvp_norms(slope, lifted, w2, bf16=low is not None, **triangle))
         if fused is not None:
             return fused.to(features.dtype)
     if low is not None:

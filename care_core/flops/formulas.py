@@ -76,7 +76,7 @@ def jvp_response_terms(
     if _is_linear_act_linear(projector):
         (d_in, d_hidden), (_, d_out) = projector.linears
         terms = {"F_1(N)": 2 * n * d_in * d_hidden, "F_1(m)": 2 * m * d_in * d_hidden}
-        if second_layer == "triangular" and d_out >= d_hidden:
+        if _through_triangle(projector, second_layer):
             b = blocks if blocks is not None else max(1, d_hidden // FUSED_TILE_COLUMNS)
             terms[f"2mN R-triangle ({b} blocks)"] = 2 * m * n * triangular_macs(d_hidden, b)
         else:
@@ -93,14 +93,22 @@ def _is_linear_act_linear(projector: ProjectorSpec) -> bool:
     return projector.kind == "mlp2x_gelu" and len(projector.linears) == 2
 
 
+def _through_triangle(projector: ProjectorSpec, second_layer: SecondLayer) -> bool:
+    """Whether the jvp engine's second layer runs through W2's triangular factor (it needs d_out >= d_h, as
+    ``care_core.scoring.triangular_factor`` does)."""
+    if second_layer != "triangular" or not _is_linear_act_linear(projector):
+        return False
+    (_, d_hidden), (_, d_out) = projector.linears
+    return d_out >= d_hidden
+
+
 def jvp_response_note(projector: ProjectorSpec, second_layer: SecondLayer = "dense") -> str:
     """One line on what :func:`jvp_response_terms` counts for this projector."""
-    if _is_linear_act_linear(projector) and second_layer == "triangular" and projector.linears[1][1] >= \
-            projector.linears[1][0]:  # fmt: skip
+    if _through_triangle(projector, second_layer):
         return (
             "responses as the jvp engine runs them with a Scorer on CUDA: F_1(N) + F_1(m) + the second layer through "
-            "its triangular factor R (W2 = QR, ||W2 t|| = ||R t||) in blocks of 256 columns, each from its first "
-            "hidden unit on, in place of Supp. B's 2mF_M(N)"
+            f"its triangular factor R (W2 = QR, ||W2 t|| = ||R t||) in blocks of {FUSED_TILE_COLUMNS} columns, each "
+            "from its first hidden unit on, in place of Supp. B's 2mF_M(N)"
         )
     if _is_linear_act_linear(projector):
         return (
