@@ -10,7 +10,8 @@ What it does:
 2. writes a copy of the shipped task ``examples/tasks/care_pope_examples`` whose documents are repeated ``--copies``
    times (12 x copies samples; the same photos and questions), to have enough samples for a rate;
 3. runs ``care eval --model <folder> --method care --keep 160 --tasks <task>`` exactly as a user would (a separate
-   process, ``--num-processes N`` for N GPUs) and reads its summary JSON: per setting (all tokens / CaRe K=160) the
+   process, ``--num-processes N`` for N GPUs; ``--cuda-graphs`` and ``--no-cuda-graphs``, see ``--decoding``) and
+   reads its summary JSON: per setting (all tokens / CaRe K=160) the
    wall time of lmms-eval's pass, samples per second, and the mean / median model seconds per sample.
 
 Random weights: answers run to ``max_new_tokens`` (8) every time, so timings compare like with like, and accuracy
@@ -82,13 +83,17 @@ def write_task(folder: Path, copies: int) -> str:
     return name
 
 
-def run_care_eval(model: Path, task: Path, processes: int, device: str, dtype: str, work: Path) -> dict[str, Any]:
-    out = work / f"out-n{processes}"
+def run_care_eval(
+    model: Path, task: Path, processes: int, device: str, dtype: str, work: Path, decoding: str
+) -> dict[str, Any]:
+    out = work / f"out-n{processes}-{decoding}"
     command = [sys.executable, "-m", "care_cli", "eval", "--model", str(model), "--method", "care",
                "--keep", str(KEEP), "--tasks", str(task), "--device", device, "--dtype", dtype,
                "--output-dir", str(out), "--json"]  # fmt: skip
     if processes > 1:
         command += ["--num-processes", str(processes)]
+    if decoding != "auto":
+        command.append("--cuda-graphs" if decoding == "graphs" else "--no-cuda-graphs")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets"),
            "CARE_HOME": str(work / "care_home")}  # fmt: skip
@@ -103,13 +108,14 @@ def run_care_eval(model: Path, task: Path, processes: int, device: str, dtype: s
     for setting in report["settings"]:
         (entry,) = setting["tasks"].values()
         rows.append({
-            "setting": setting["setting"], "processes": processes, "samples": entry["samples"],
+            "setting": setting["setting"], "processes": processes, "decoding": decoding, "samples": entry["samples"],
             "wall_s": setting["wall_seconds"], "samples_per_s": setting["samples_per_second"],
             "model_s_per_sample_mean": entry["seconds_per_sample"],
             "model_s_per_sample_median": entry["seconds_per_sample_median"],
             "visual_tokens": entry["visual_tokens"], "num_tokens": entry["num_tokens"],
         })  # fmt: skip
-    return {"processes": processes, "command_s": total, "rows": rows, "backbone": report["backbone"]}
+    return {"processes": processes, "decoding": decoding, "command_s": total, "rows": rows,
+            "backbone": report["backbone"]}  # fmt: skip
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -149,6 +155,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
     parser.add_argument("--copies", type=int, default=16, help="repeat the 12 task documents this many times")
     parser.add_argument("--processes", default="auto", help="comma list, e.g. 1,2; auto: 1, and 2 with 2+ GPUs")
+    parser.add_argument(
+        "--decoding",
+        default="graphs,eager",
+        help="comma list of graphs (--cuda-graphs), eager (--no-cuda-graphs), auto (neither)",
+    )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default: a new dated file)")
     args = parser.parse_args()
@@ -173,14 +184,17 @@ def main() -> None:
               f"{built['save_s']:.1f} s", flush=True)  # fmt: skip
         task = work / "task"
         task_name = write_task(task, args.copies)
-        runs = [run_care_eval(model, task, n, args.device, dtype, work) for n in processes]
+        decodings = [d.strip() for d in args.decoding.split(",") if d.strip()]
+        if args.device == "cpu":
+            decodings = [d for d in decodings if d != "graphs"] or ["eager"]
+        runs = [run_care_eval(model, task, n, args.device, dtype, work, d) for n in processes for d in decodings]
     rows = [row for run in runs for row in run["rows"]]
     print(f"\ncare eval on {task_name} ({rows[0]['samples']} samples), LLaVA-NeXT-{'tiny' if args.tiny else '7B'} "
           f"random weights, {dtype}, {env.get('gpus', ['cpu'])[0]}")  # fmt: skip
-    print(f"{'setting':<14}{'procs':>6}{'tokens':>8}{'samples/s':>11}{'wall s':>9}{'s/sample (mean)':>17}"
-          f"{'(median)':>10}")  # fmt: skip
+    print(f"{'setting':<14}{'decoding':>9}{'procs':>6}{'tokens':>8}{'samples/s':>11}{'wall s':>9}"
+          f"{'s/sample (mean)':>17}{'(median)':>10}")  # fmt: skip
     for row in rows:
-        print(f"{row['setting']:<14}{row['processes']:>6}{row['visual_tokens']:>8.0f}{row['samples_per_s']:>11.2f}"
+        print(f"{row['setting']:<14}{row['decoding']:>9}{row['processes']:>6}{row['visual_tokens']:>8.0f}{row['samples_per_s']:>11.2f}"
               f"{row['wall_s']:>9.1f}{row['model_s_per_sample_mean']:>17.3f}"
               f"{row['model_s_per_sample_median']:>10.3f}")  # fmt: skip
     payload = {"benchmark": "care eval throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(),

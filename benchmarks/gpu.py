@@ -12,7 +12,10 @@ What it measures (CUDA events, warm-ups, medians):
 * anchor selection (Eq. 3) with the fused kernel and with the PyTorch loop, with CUDA's sync checker on;
 * CaRe's three stages through ``care_reduce`` (fd and jvp engines);
 * per backbone and budget K: every registered method's own time (probes included), the projector, the
-  prefill (eager, through the adapter; and replayed from a CUDA graph), time to first token, peak memory.
+  prefill (eager, through the adapter; and replayed from a CUDA graph), time to first token, peak memory;
+* the user-facing generate path (``ReductionPipeline(..., generate=True)``, CaRe at one K per backbone) with
+  transformers' generate and with the adapters' CUDA-graph decoding: first token from the vision features
+  and whole answers, all tokens against CaRe's.
 
 Writes ``benchmarks/results/<date>-gpu-<card>.json`` (or ``--out``) with the card, versions and every figure.
 Weights are random (timings don't depend on their values). LLaVA-NeXT-7B: when no LLaVA-NeXT adapter is
@@ -913,6 +916,55 @@ def bench_workload(
     return out
 
 
+# ----------------------------------------------------------------------------------------- generate path
+def bench_generate(
+    name: str, adapter: Any, tokens: Any, tower_ms: float, keep: int, reps: int, max_new_tokens: int = 32
+) -> list[dict[str, Any]]:
+    """The user-facing path: ReductionPipeline(..., generate=True) with CaRe at K = keep, eager and from graphs.
+
+    Every figure is the pipeline's own Answer (medians of ``reps`` alternating rounds after warm-ups); the
+    speed-up is the first token from the vision features with all tokens (projector + prefill) over CaRe's
+    (care_reduce + projector + prefill).
+    """
+    from care_core.pipeline import Budget, ReductionPipeline
+
+    pipe = ReductionPipeline(adapter, ["care"])
+    rows: list[dict[str, Any]] = []
+    texts: dict[bool, tuple[str, str]] = {}
+    for graphs in (False, True):
+        label = "cuda graphs (static cache)" if graphs else "eager (transformers generate)"
+        try:
+            out = pipe(tokens, QUESTION, [Budget.keep(keep)], generate=True, max_new_tokens=max_new_tokens,
+                       repeats=reps, cuda_graph=graphs)  # fmt: skip
+        except Exception as exc:
+            rows.append({"workload": name, "decoding": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            traceback.print_exc()
+            continue
+        full, red = out.full_answer, out.runs[0].answer
+        assert full is not None and red is not None
+        texts[graphs] = (full.text, red.text)
+        row: dict[str, Any] = {"workload": name, "decoding": label, "K": keep, "max_new_tokens": max_new_tokens,
+                               "answer_decoding": [full.decoding, red.decoding]}  # fmt: skip
+        for side, ans in (("full", full), ("care", red)):
+            row[f"{side}_visual_rows"] = ans.visual_tokens
+            row[f"{side}_prefill_forward_ms"] = ans.prefill_ms
+            row[f"{side}_first_token_ms"] = ans.first_token_ms
+            row[f"{side}_first_token_from_features_ms"] = ans.first_token_from_features_ms
+            row[f"{side}_ttft_incl_tower_ms"] = tower_ms + (ans.first_token_from_features_ms or float("nan"))
+            row[f"{side}_total_ms"] = ans.total_ms
+        row["speedup_first_token_incl_care"] = full.first_token_from_features_ms / red.first_token_from_features_ms
+        row["speedup_ttft_incl_tower"] = row["full_ttft_incl_tower_ms"] / row["care_ttft_incl_tower_ms"]
+        row["speedup_total"] = full.total_ms / red.total_ms
+        rows.append(row)
+        print(f"  [{name}] generate path, {label}: first token from features {full.first_token_from_features_ms:.2f}"
+              f" -> {red.first_token_from_features_ms:.2f} ms ({row['speedup_first_token_incl_care']:.2f}x); "
+              f"{max_new_tokens} tokens {full.total_ms:.1f} -> {red.total_ms:.1f} ms", flush=True)  # fmt: skip
+    if len(texts) == 2:
+        for row in rows:
+            row["answers_equal_eager_vs_graph"] = [texts[False][0] == texts[True][0], texts[False][1] == texts[True][1]]
+    return rows
+
+
 # ----------------------------------------------------------------------------------------- report
 def fmt(value: Any, digits: int = 2) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -990,6 +1042,33 @@ def print_tables(results: dict[str, Any]) -> None:
                           fmt(r.get("ttft_eager_ms")),
                           fmt(r.get("peak_over_resident_gib")) if "error" not in r else r["error"][:40])  # fmt: skip
             console.print(t)
+    if results.get("generate"):
+        t = Table(title="Generate path (ReductionPipeline + adapter.generate), ms: first token from the vision "
+                        "features (method + projector + prefill), medians")  # fmt: skip
+        for c in (
+            "workload",
+            "decoding",
+            "K",
+            "all: first token",
+            "all: from features",
+            "CaRe: first token",
+            "CaRe: from features",
+            "speed-up",
+            "incl. tower",
+            "32 tokens all / CaRe",
+            "same answers",
+        ):
+            t.add_column(c, justify="left" if c in ("workload", "decoding") else "right")
+        for r in results["generate"]:
+            if "error" in r:
+                t.add_row(r["workload"], r["decoding"], r["error"][:60])
+                continue
+            t.add_row(r["workload"], r["decoding"], fmt(r["K"]), fmt(r["full_first_token_ms"]),
+                      fmt(r["full_first_token_from_features_ms"]), fmt(r["care_first_token_ms"]),
+                      fmt(r["care_first_token_from_features_ms"]), fmt(r["speedup_first_token_incl_care"]),
+                      fmt(r["speedup_ttft_incl_tower"]), f"{r['full_total_ms']:.0f} / {r['care_total_ms']:.0f}",
+                      fmt(r.get("answers_equal_eager_vs_graph")))  # fmt: skip
+        console.print(t)
     if results.get("targets"):
         for k, v in results["targets"].items():
             console.print(f"target {k}: {v}")
@@ -1027,6 +1106,13 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         out["jvp_bf16_x_floor"] = (
             f"{bf[0]['ms']:.2f} ms = {bf[0]['x_floor']:.2f}x bf16 floor {bf[0]['floor_ms']:.2f} ms"
         )
+    for r in results.get("generate", []):
+        if r["workload"] == "llava-next-7b" and "error" not in r:
+            s = r["speedup_first_token_incl_care"]
+            mode = "graph" if r["decoding"].startswith("cuda") else "eager"
+            out[f"next_K160_generate_path_incl_care_{mode}"] = f"{s:.2f}x" + (
+                " -> " + ("MET" if s >= 3 else "NOT MET") if mode == "graph" else " (reported)"
+            )
     for w in results.get("workloads", []):
         if w["workload"] != "llava-next-7b" or "methods" not in w:
             continue
@@ -1046,7 +1132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--only", choices=("all", "micro", "models"), default="all")
+    parser.add_argument("--only", choices=("all", "micro", "models", "generate"), default="all")
     parser.add_argument("--tiny", action="store_true", help="tiny widths (smoke test of this script)")
     parser.add_argument("--methods", default="all", help="comma-separated method names, or 'all'")
     parser.add_argument("--no-graphs", action="store_true")
@@ -1159,6 +1245,16 @@ def main() -> None:
                     + ")"
                 )
             results["workloads"].append(w)
+            save()
+    if args.only in ("all", "generate"):
+        print("== generate path (ReductionPipeline, CaRe)", flush=True)
+        gen_plans = [("llava-1.5-7b", adapter, tokens15, llava15_tower(adapter, tokens15), 64)]
+        if next_adapter is not None:
+            gen_plans.append(("llava-next-7b", next_adapter, tokens_next, tower_next, 160))
+        results["generate"] = []
+        for name, wl_adapter, tokens, tower, keep in gen_plans:
+            tower_ms = clock.median(tower, reps=args.reps)
+            results["generate"] += bench_generate(name, wl_adapter, tokens, tower_ms, keep, args.reps)
             save()
     results["kernel_default"] = CaReConfig().kernel  # "auto": fused for bf16 scoring and anchors, tf32 on cuBLAS
     results["targets"] = targets(results)

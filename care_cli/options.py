@@ -199,3 +199,12 @@ def existing_file(path: Path, option: str) -> Path:
     if path.is_dir():
         raise UserError(f"{option} {path}: is a folder, expected a file")
     return path
+
+
+CudaGraphs = Annotated[
+    bool | None,
+    typer.Option("--cuda-graphs/--no-cuda-graphs", show_default=False,
+                 help="Answers: prefill and decode from captured CUDA graphs over a static KV cache. Default: on "
+                      "where the backbone allows it (CUDA; LLaVA-family decoders with sdpa or eager attention and "
+                      "no logit processors), else transformers' generate. --no-cuda-graphs: always the latter."),
+]  # fmt: skip

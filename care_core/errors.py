@@ -34,3 +34,7 @@ class ConfigError(CareError):
         super().__init__(f"{field} {message}")
         self.field = field
         self.detail = message
+
+
+class GenerationError(CareError):
+    """A generation option cannot be honoured here (e.g. CUDA graphs asked for without a CUDA device)."""

@@ -14,7 +14,7 @@ never writes files; stage timings are returned in milliseconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from care_core.backbones.base import ImageTokens, VLMAdapter
-    from care_core.methods.base import Method, MethodResult
+    from care_core.methods.base import Method, MethodInputs, MethodResult
     from care_core.scoring import Scorer
 
 #: The question used where one is needed (a question-reading method, ``generate``) and none is given.
@@ -79,17 +79,29 @@ def budgets_from(ratios: Iterable[float] = (), keeps: Iterable[int] = ()) -> lis
 
 @dataclass(frozen=True)
 class Answer:
-    """A greedy answer and what it cost: medians over ``repeats`` alternating, warmed-up runs."""
+    """A greedy answer and what it cost: medians over ``repeats`` alternating, warmed-up runs.
+
+    ``prefill_ms``: the language model's forward over the prompt (all positions' logits, eager).
+    ``first_token_ms``: :meth:`generate` with one new token from the projected rows -- the prefill as the
+    generate path runs it. ``first_token_from_features_ms``: the same, timed from the vision features: the
+    method (none for all tokens) and the projector first. ``total_ms``: the whole answer. ``decoding``:
+    ``"cuda-graph"`` (replayed graphs over a static KV cache) or ``"eager"`` (``model.generate``).
+    """
 
     text: str
     visual_tokens: int  # visual rows the language model received
     prefill_ms: float
     total_ms: float
     repeats: int
+    first_token_ms: float | None = None
+    first_token_from_features_ms: float | None = None
+    decoding: str = "eager"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"visual_tokens": self.visual_tokens, "answer": self.text, "prefill_ms": self.prefill_ms,
-                "total_ms": self.total_ms, "repeats": self.repeats}  # fmt: skip
+        return {"visual_tokens": self.visual_tokens, "answer": self.text, "decoding": self.decoding,
+                "prefill_ms": self.prefill_ms, "first_token_ms": self.first_token_ms,
+                "first_token_from_features_ms": self.first_token_from_features_ms, "total_ms": self.total_ms,
+                "repeats": self.repeats}  # fmt: skip
 
 
 @dataclass
@@ -276,6 +288,7 @@ class ReductionPipeline:
         max_new_tokens: int = 32,
         repeats: int = 3,
         plan: Mapping[str, Sequence[Budget]] | None = None,
+        cuda_graph: bool | None = None,
     ) -> ImageResult:
         """Run every method at every budget on one image (or on tokens from :meth:`encode`).
 
@@ -283,7 +296,8 @@ class ReductionPipeline:
         :data:`DEFAULT_QUESTION` where none is given (``question_defaulted`` says so). ``generate`` answers
         with all tokens and with each reduction: one untimed warm-up each, then ``repeats`` rounds in
         alternating order; times are medians. ``plan`` (method -> budgets) runs only those pairs, e.g. what a
-        resumed run still lacks; by default every method runs at every budget.
+        resumed run still lacks; by default every method runs at every budget. ``cuda_graph`` goes to the
+        adapter's ``generate`` (None: graphs where the adapter finds them safe).
         """
         import torch
 
@@ -361,12 +375,32 @@ class ReductionPipeline:
                 assert asked is not None and full is not None
                 feeds: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = [(None, full, None)]
                 feeds += [(item, item.projected, item.result.token_index) for item in runs]
-                answers = self._answers(tokens, asked, feeds, max_new_tokens, repeats)
+                features = tokens.features
+
+                def project_all() -> tuple[torch.Tensor, None]:
+                    return adapter.projector(features), None
+
+                prepare = [project_all] + [self._rerun(item, inputs) for item in runs]
+                answers = self._answers(tokens, asked, feeds, max_new_tokens, repeats, prepare=prepare,
+                                        cuda_graph=cuda_graph)  # fmt: skip
                 full_answer = answers[0]
                 for item, answer in zip(runs, answers[1:], strict=True):
                     item.answer = answer
         return ImageResult(tokens, asked, defaulted, runs, full_answer,
                            {key: round(ms, 3) for key, ms in clock.ms.items()})  # fmt: skip
+
+    def _rerun(self, item: MethodRun, inputs: MethodInputs) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """``item``'s method again from the features (nothing memoised, nothing timed inside), then the projector."""
+        import dataclasses
+
+        method, adapter, k = self.methods[item.method], self.adapter, item.keep
+        fresh = dataclasses.replace(inputs, memo=None, stage_timer=None)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            result = method(fresh, k)
+            return adapter.projector(result.tokens.to(adapter.dtype)), result.token_index
+
+        return run
 
     def _answers(
         self,
@@ -375,14 +409,26 @@ class ReductionPipeline:
         feeds: list[tuple[Any, torch.Tensor, torch.Tensor | None]],
         max_new_tokens: int,
         repeats: int,
+        *,
+        prepare: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor | None]]] | None = None,
+        cuda_graph: bool | None = None,
     ) -> list[Answer]:
-        """Greedy answers for each feed; a warm-up prefill each, then rounds in alternating order, medians."""
+        """Greedy answers for each feed: warm-ups first (a prefill and a whole answer each, which also captures
+        any CUDA graphs), then rounds in alternating order; medians. ``prepare[i]`` recomputes feed i's rows
+        from the features for the timed first token from features."""
         adapter = self.adapter
+        options: dict[str, Any] = {} if cuda_graph is None else {"cuda_graph": cuda_graph}
+
+        def generate(projected: torch.Tensor, kept: torch.Tensor | None, new_tokens: int) -> str:
+            return adapter.generate(question, tokens, projected, max_new_tokens=new_tokens, kept=kept, **options)
+
         for _, projected, kept in feeds:  # warm-up: first-call costs (allocations, kernels) stay out of the times
             adapter.language_model_logits(question, tokens, projected, kept=kept)
-        prefill: list[list[float]] = [[] for _ in feeds]
-        total: list[list[float]] = [[] for _ in feeds]
+        for _, projected, kept in feeds:
+            generate(projected, kept, max_new_tokens)
+        times: dict[str, list[list[float]]] = {}
         texts: list[str] = ["" for _ in feeds]
+        decoding: list[str] = ["eager" for _ in feeds]
         order = list(range(len(feeds)))
         for round_index in range(repeats):
             for i in order if round_index % 2 == 0 else order[::-1]:
@@ -390,17 +436,31 @@ class ReductionPipeline:
                 clock = StageClock(adapter.device)
                 with clock("prefill"):
                     adapter.language_model_logits(question, tokens, projected, kept=kept)
+                with clock("first_token"):
+                    generate(projected, kept, 1)
+                if prepare is not None:
+                    with clock("first_token_from_features"):
+                        rows, rows_kept = prepare[i]()
+                        generate(rows, rows_kept, 1)
                 with clock("total"):
-                    texts[i] = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept)
-                prefill[i].append(clock.ms["prefill"])
-                total[i].append(clock.ms["total"])
+                    texts[i] = generate(projected, kept, max_new_tokens)
+                decoding[i] = getattr(adapter, "last_decoding", "eager")
+                for stage, ms in clock.ms.items():
+                    times.setdefault(stage, [[] for _ in feeds])[i].append(ms)
+
+        def med(stage: str, i: int) -> float | None:
+            return median_ms(times[stage][i]) if stage in times else None
+
         return [
             Answer(
                 text=texts[i],
                 visual_tokens=adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept),
-                prefill_ms=median_ms(prefill[i]),
-                total_ms=median_ms(total[i]),
+                prefill_ms=median_ms(times["prefill"][i]),
+                total_ms=median_ms(times["total"][i]),
                 repeats=repeats,
+                first_token_ms=med("first_token", i),
+                first_token_from_features_ms=med("first_token_from_features", i),
+                decoding=decoding[i],
             )
             for i, (_, projected, kept) in enumerate(feeds)
         ]

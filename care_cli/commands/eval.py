@@ -78,6 +78,7 @@ def eval_command(
     limit: LimitOpt = None,
     output_dir: OutputDirOpt = None,
     num_processes: ProcessesOpt = 1,
+    cuda_graphs: opt.CudaGraphs = None,
     verbose: VerboseOpt = False,
     json_output: opt.Json = False,
     config: CaReConfig | None = None,
@@ -106,12 +107,13 @@ def eval_command(
     if broken:
         raise UserError(broken)
     pretrained = model or "tiny-llava"
-    specs = [EvalSpec(pretrained=pretrained, method=None, device=device, dtype=dtype, config=config)]
+    specs = [EvalSpec(pretrained=pretrained, method=None, device=device, dtype=dtype, config=config,
+                      cuda_graph=cuda_graphs)]  # fmt: skip
     for name in names:
         for budget in budgets:
             size = {"keep": int(budget.value)} if budget.kind == "keep" else {"ratio": float(budget.value)}
             specs.append(EvalSpec(pretrained=pretrained, method=name, device=device, dtype=dtype, config=config,
-                                  **size))  # fmt: skip
+                                  cuda_graph=cuda_graphs, **size))  # fmt: skip
     _quiet_lmms_eval(verbose)
     from care_core.integrations import lmms_eval as plugin
 

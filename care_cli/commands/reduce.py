@@ -45,6 +45,7 @@ def reduce(
     generate: Generate = False,
     max_new_tokens: MaxNewTokens = 32,
     repeats: Repeats = 3,
+    cuda_graphs: opt.CudaGraphs = None,
     out: Out = None,
     force: opt.Force = False,
     json_output: opt.Json = False,
@@ -65,6 +66,8 @@ def reduce(
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {repeats}")
+    if cuda_graphs is not None and not generate:
+        raise UserError("--cuda-graphs/--no-cuda-graphs apply to --generate answers; add --generate")
     out_path = check_output_path(out, [image], force, suffixes=(".safetensors",)) if out is not None else None
     name = canonical_name(method)
     picture = load_image(image)
@@ -74,9 +77,13 @@ def reduce(
     with render.status("Loading backbone (the demo is built on first use)…", quiet=json_output):
         pipe = ReductionPipeline.from_pretrained(model, methods=[name], config=config, device=device, dtype=dtype)
     render.print_notices(pipe.adapter.notices)
+    if cuda_graphs:
+        reason = pipe.adapter.graph_generation_reason()
+        if reason is not None:
+            raise UserError(f"--cuda-graphs: {reason}")
     output = pipe(picture, question, [budget], csr=question is not None, generate=generate,
-                  max_new_tokens=max_new_tokens, repeats=repeats)  # fmt: skip
-    summary = summarise(pipe, output, max_new_tokens)
+                  max_new_tokens=max_new_tokens, repeats=repeats, cuda_graph=cuda_graphs)  # fmt: skip
+    summary = summarise(pipe, output, max_new_tokens, cuda_graphs=cuda_graphs)
     summary["image"] = {"path": str(image), "height": picture.height, "width": picture.width}
     if out_path is not None:
         write_reduction(out_path, output, summary)
@@ -87,7 +94,7 @@ def reduce(
         show_summary(summary)
 
 
-def summarise(pipe: Any, output: Any, max_new_tokens: int) -> dict[str, Any]:
+def summarise(pipe: Any, output: Any, max_new_tokens: int, cuda_graphs: bool | None = None) -> dict[str, Any]:
     """The JSON-ready report of one reduction."""
     from care_cli.versions import versions
     from care_core.methods import method_class
@@ -104,8 +111,14 @@ def summarise(pipe: Any, output: Any, max_new_tokens: int) -> dict[str, Any]:
     timings["total"] = round(sum(timings.values()), 3)
     answers = None
     if run.answer is not None:
-        answers = {"full": output.full_answer.to_dict(), "reduced": run.answer.to_dict(),
+        full, reduced = output.full_answer, run.answer
+        answers = {"full": full.to_dict(), "reduced": reduced.to_dict(),
                    "question": output.question, "max_new_tokens": max_new_tokens}  # fmt: skip
+        if full.first_token_from_features_ms and reduced.first_token_from_features_ms:
+            answers["speedup_first_token"] = full.first_token_from_features_ms / reduced.first_token_from_features_ms
+        if full.decoding != "cuda-graph":
+            off = "--no-cuda-graphs" if cuda_graphs is False else pipe.adapter.graph_generation_reason()
+            answers["cuda_graphs_off"] = off
     return {
         "command": "reduce",
         "method": run.method,
@@ -206,12 +219,30 @@ def show_summary(summary: dict[str, Any]) -> None:
 
         asked = answers["question"] + ("  (default question)" if summary["question_defaulted"] else "")
         reps = answers["full"]["repeats"]
-        table = Table(title=f"Answers to “{asked}” (greedy; ms = median of {reps} alternating runs after a warm-up)",
+        decoding = answers["full"]["decoding"]
+        how = ("replayed CUDA graphs over a static KV cache" if decoding == "cuda-graph"
+               else "transformers' generate" + (f" ({answers['cuda_graphs_off']})" if answers.get("cuda_graphs_off")
+                                                else ""))  # fmt: skip
+        table = Table(title=f"Answers to “{asked}” (greedy, {how}; ms = median of {reps} alternating runs after "
+                            "a warm-up)",
                       title_justify="left", caption=backbone["note"], caption_style="bold yellow")  # fmt: skip
-        for col in ("visual tokens fed", "prefill ms", "total ms", "answer"):
+        columns = ("visual tokens fed", "first token ms", "from features ms", "total ms", "answer")
+        for col in columns:
             table.add_column(col, justify="right" if col != "answer" else "left", overflow="fold")
         for label in ("full", "reduced"):
             run = answers[label]
-            table.add_row(f"{run['visual_tokens']} ({label})", f"{run['prefill_ms']:,.1f}", f"{run['total_ms']:,.1f}",
+            table.add_row(f"{run['visual_tokens']} ({label})", _ms(run["first_token_ms"]),
+                          _ms(run["first_token_from_features_ms"]), _ms(run["total_ms"]),
                           repr(run["answer"]))  # fmt: skip
         render.stdout.print(table)
+        speedup = answers.get("speedup_first_token")
+        if speedup:
+            render.stdout.print(
+                f"first token from the features with {summary['method']} against all tokens: {speedup:.2f}× "
+                f"({'faster' if speedup >= 1 else 'slower'}; method + projector + prefill against projector + "
+                "prefill)"
+            )
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
-from ..errors import ModelLoadError, QuestionError
+from ..errors import GenerationError, ModelLoadError, QuestionError
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
@@ -51,6 +51,9 @@ class ChatAdapter(VLMAdapter):
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
     model_class: str  # the transformers class that loads this family, e.g. "LlavaForConditionalGeneration"
+    last_decoding = "eager"  # how the latest generate call decoded: "cuda-graph" or "eager"
+    _greedy_graphs: Any = None  # the StaticGreedy of generate's CUDA-graph path (made on first use)
+    _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
     image_token: str
     image_token_id: int
 
@@ -208,11 +211,70 @@ class ChatAdapter(VLMAdapter):
         projected: torch.Tensor,
         max_new_tokens: int = 32,
         kept: torch.Tensor | None = None,
+        *,
+        cuda_graph: bool | None = None,
     ) -> str:
+        """Greedy answer; ``cuda_graph``: None = replayed CUDA graphs over a static cache where
+        :meth:`graph_generation_reason` finds nothing against them, else ``model.generate``; True = graphs or
+        GenerationError; False = ``model.generate``."""
         inputs = self._lm_inputs(question, tokens, projected, kept)
         if max_new_tokens < 1:
             return ""
-        return self._greedy(inputs, max_new_tokens)
+        reason = None if cuda_graph is False else self._graph_reason(inputs, max_new_tokens)
+        if cuda_graph is False or reason is not None:
+            if cuda_graph:
+                raise GenerationError(f"cannot generate from CUDA graphs: {reason}")
+            self.last_decoding = "eager"
+            return self._greedy(inputs, max_new_tokens)
+        try:
+            with torch.no_grad():
+                ids = self._static_greedy().generate(self._prompt_embeddings(inputs), max_new_tokens)
+        except Exception as exc:  # a capture this backbone's modules do not allow: say so, decode eagerly from now on
+            self._graph_failure = f"capturing the decoder failed ({type(exc).__name__}: {' '.join(str(exc).split())})"
+            self._greedy_graphs = None
+            if cuda_graph:
+                raise GenerationError(f"cannot generate from CUDA graphs: {self._graph_failure}") from exc
+            self.last_decoding = "eager"
+            return self._greedy(inputs, max_new_tokens)
+        self.last_decoding = "cuda-graph"
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def graph_generation_reason(self, length: int | None = None) -> str | None:
+        """Why :meth:`generate` would not replay CUDA graphs on this backbone (one line), or None when it would.
+
+        ``length``: prompt plus new tokens, where known.
+        """
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device; {self.name} runs on {self.device.type}"
+        if self._graph_failure is not None:
+            return self._graph_failure
+        from .static_generation import unsupported_reason
+
+        return unsupported_reason(self.model, length)
+
+    def _graph_reason(self, inputs: dict[str, Any], max_new_tokens: int) -> str | None:
+        extra = sorted(set(inputs) - {"input_ids", "attention_mask", "mm_encoder_outputs"})
+        if extra:
+            return f"the {self.family} prompt carries {', '.join(extra)} beside its embeddings"
+        return self.graph_generation_reason(int(inputs["input_ids"].shape[1]) + max_new_tokens)
+
+    def _static_greedy(self) -> Any:
+        """The adapter's :class:`~care_core.backbones.static_generation.StaticGreedy` (made on first use)."""
+        from .static_generation import StaticGreedy
+
+        greedy = self._greedy_graphs
+        if greedy is None or greedy.model is not self.model or greedy.stale:
+            greedy = StaticGreedy(self.model, graphs=True)
+            self._greedy_graphs = greedy
+        return greedy
+
+    def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """(1, L, d_t) input embeddings of a prompt from :meth:`_lm_inputs`, visual rows in its placeholders."""
+        ids = inputs["input_ids"]
+        visual = inputs["mm_encoder_outputs"]["image"].pooler_output[0]
+        embeds = self.model.get_input_embeddings()(ids)
+        mask = (ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
+        return embeds.masked_scatter(mask, visual.to(embeds.dtype))
 
     # ------------------------------------------------------------------ probes
     def _vision_probes(self, tokens: ImageTokens, names: set[str]) -> dict[str, Any]:
@@ -254,16 +316,13 @@ class ChatAdapter(VLMAdapter):
         inputs = self._lm_inputs(question, tokens, projected, None, probe=True)
         model = self.model
         image_token_id = self.image_token_id
-        visual = inputs["mm_encoder_outputs"]["image"].pooler_output[0]
         ids = inputs["input_ids"]
 
         def forward() -> Any:
             return model(**inputs, use_cache=False)
 
         def embeddings() -> torch.Tensor:
-            embeds = model.get_input_embeddings()(ids)
-            mask = (ids == image_token_id).unsqueeze(-1).expand_as(embeds)
-            return embeds.masked_scatter(mask, visual.to(embeds.dtype))[0]
+            return self._prompt_embeddings(inputs)[0]
 
         return LanguageModelRun(
             forward=forward,

@@ -173,8 +173,18 @@ class VLMAdapter(ABC):
         projected: torch.Tensor,
         max_new_tokens: int = 32,
         kept: torch.Tensor | None = None,
+        *,
+        cuda_graph: bool | None = None,
     ) -> str:
-        """Greedy answer of the language model fed `projected` (K, d_t) as its visual tokens (``kept`` as above)."""
+        """Greedy answer of the language model fed `projected` (K, d_t) as its visual tokens (``kept`` as above).
+
+        ``cuda_graph``: None = replay CUDA graphs over a static KV cache where :meth:`graph_generation_reason`
+        allows, else the eager path; True = graphs or GenerationError; False = eager.
+        """
+
+    def graph_generation_reason(self, length: int | None = None) -> str | None:
+        """Why :meth:`generate` would not replay CUDA graphs here (one line), or None when it would."""
+        return f"the {self.family} adapter generates eagerly only"
 
     @abstractmethod
     def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:

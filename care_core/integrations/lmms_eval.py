@@ -134,6 +134,12 @@ class CareLMM(lmms):
             adapter = load_adapter(spec)
         self.adapter = adapter
         self._check_family()
+        if spec.cuda_graph:
+            from care_core.errors import GenerationError
+
+            reason = adapter.graph_generation_reason()
+            if reason is not None:
+                raise GenerationError(f"cuda_graph=true: {reason}")
         self.pipeline: ReductionPipeline | None = None
         if spec.method is not None:
             self.pipeline = ReductionPipeline(adapter, [spec.method], spec.config)  # MethodError if it cannot serve
@@ -178,7 +184,8 @@ class CareLMM(lmms):
         with torch.no_grad():
             tokens = adapter.encode_image(image)
             projected, kept = self._visual_rows(tokens, question)
-            text = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept)
+            options = {} if self.spec.cuda_graph is None else {"cuda_graph": self.spec.cuda_graph}
+            text = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept, **options)
         fed = adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
         return text, fed, tokens.num_tokens
 

@@ -16,7 +16,7 @@ from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, ConfigError, MethodError
 
 #: Keys of ``model_args`` besides the CaReConfig fields.
-MODEL_KEYS = ("pretrained", "method", "keep", "ratio", "device", "dtype")
+MODEL_KEYS = ("pretrained", "method", "keep", "ratio", "device", "dtype", "cuda_graph")
 #: Keys lmms-eval's own CLI adds (``--batch_size``, ``--max_batch_size``, ``--device``); accepted, batch size ignored
 #: (samples are answered one at a time: each has its own reduction).
 RUNNER_KEYS = ("batch_size", "max_batch_size")
@@ -38,6 +38,9 @@ class EvalSpec:
     device: str = "auto"
     dtype: str = "auto"
     config: CaReConfig = field(default_factory=CaReConfig)
+    # generate from replayed CUDA graphs: None = where the backbone allows it; like the device, not in the
+    # fingerprint (it moves float rounding only)
+    cuda_graph: bool | None = None
 
     @property
     def budget(self) -> Any:
@@ -71,6 +74,8 @@ class EvalSpec:
             out["ratio"] = self.ratio
         out["device"] = self.device
         out["dtype"] = self.dtype
+        if self.cuda_graph is not None:
+            out["cuda_graph"] = self.cuda_graph
         default = CaReConfig().to_dict()
         out.update({k: v for k, v in self.config.to_dict().items() if v != default[k]})
         return out
@@ -95,12 +100,24 @@ def _text(key: str, value: Any) -> str:
     return str(value).strip()
 
 
+def _auto_bool(key: str, value: Any) -> bool | None:
+    text = str(value).strip().lower()
+    if text in ("auto", "none"):
+        return None
+    if text in ("true", "1", "on", "yes"):
+        return True
+    if text in ("false", "0", "off", "no"):
+        return False
+    raise _bad(key, "auto, true or false", value)
+
+
 def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "care") -> EvalSpec:
     """An :class:`EvalSpec` from ``model_args`` key/values (strings, or numbers as lmms-eval parses them).
 
     ``method`` is a registered method (or alias) or ``none``; a method needs exactly one of ``keep`` (an integer
     >= 1) and ``ratio`` (in (0, 1]); ``none`` takes neither. CaReConfig fields (``lam``, ``m``, ``seed``, ...) set
-    the hyperparameters. Anything else is a :class:`ModelArgsError` (one line).
+    the hyperparameters; ``cuda_graph`` (auto, true, false) how answers are decoded. Anything else is a
+    :class:`ModelArgsError` (one line).
     """
     hyper = set(CaReConfig.field_names())
     known = [*MODEL_KEYS, *sorted(hyper), *RUNNER_KEYS]
@@ -158,7 +175,7 @@ def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "c
         raise ModelArgsError(f"model_args: {exc}") from None
     spec = EvalSpec(pretrained=pretrained, method=method, keep=keep, ratio=ratio,
                     device=_text("device", args.get("device", "auto")), dtype=_text("dtype", args.get("dtype", "auto")),
-                    config=config)  # fmt: skip
+                    config=config, cuda_graph=_auto_bool("cuda_graph", args.get("cuda_graph", "auto")))  # fmt: skip
     try:
         spec.budget  # noqa: B018  (checks the budget)
     except BudgetError as exc:

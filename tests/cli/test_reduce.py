@@ -203,6 +203,25 @@ def test_generate_answers_with_all_and_reduced_tokens(care, photo: Path, backbon
     for label in ("full", "reduced"):
         assert isinstance(answers[label]["answer"], str)
         assert answers[label]["prefill_ms"] > 0 and answers[label]["total_ms"] > 0
+        assert answers[label]["first_token_ms"] > 0 and answers[label]["decoding"] in ("eager", "cuda-graph")
+        assert answers[label]["first_token_from_features_ms"] > 0
+    full, reduced = answers["full"], answers["reduced"]
+    ratio = full["first_token_from_features_ms"] / reduced["first_token_from_features_ms"]
+    assert answers["speedup_first_token"] == pytest.approx(ratio)
+
+
+def test_cuda_graph_options(care, photo: Path) -> None:
+    run = care("reduce", photo, "--keep", "16", "--cuda-graphs")
+    assert run.code == 2 and "add --generate" in run.err and len(run.err.strip().splitlines()) == 1
+    if not torch.cuda.is_available():  # the CPU demo: asking for graphs is a one-line error, not a fallback
+        run = care("reduce", photo, "--keep", "16", "--generate", "--cuda-graphs")
+        assert run.code == 2 and "CUDA graphs need a CUDA device" in run.err
+        assert len(run.err.strip().splitlines()) == 1
+    run = care("reduce", photo, "--keep", "16", "--generate", "--no-cuda-graphs", "--max-new-tokens", "2", "--json")
+    assert run.code == 0, run.err
+    answers = run.json()["answers"]
+    assert answers["full"]["decoding"] == answers["reduced"]["decoding"] == "eager"
+    assert answers["cuda_graphs_off"] == "--no-cuda-graphs"  # says why they were off
 
 
 def test_generate_human_output(care, photo: Path) -> None:

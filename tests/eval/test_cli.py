@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("lmms_eval")
 
@@ -112,6 +113,14 @@ def test_errors_are_one_line_exit_2(care, args: list[str], message: str) -> None
     lines = result.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.err
     assert result.out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_cuda_graphs_without_cuda_are_refused_before_any_answer(care) -> None:
+    result = care("eval", "--tasks", str(POPE), "--keep", "8", "--cuda-graphs")
+    assert result.code == 2, result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and "cuda_graph=true: CUDA graphs need a CUDA device" in lines[0], result.err
 
 
 def test_no_arguments_shows_help_and_help_is_plain(care) -> None:

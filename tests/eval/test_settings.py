@@ -30,6 +30,20 @@ def test_none_alias_ratio_and_round_trip() -> None:
     assert parse_model_args(again) == spec
 
 
+def test_cuda_graph_key() -> None:
+    assert parse_model_args({"keep": 4}).cuda_graph is None
+    for text, value in (("auto", None), ("true", True), ("On", True), ("0", False), ("false", False)):
+        spec = parse_model_args({"keep": 4, "cuda_graph": text})
+        assert spec.cuda_graph is value
+        again = dict(part.split("=", 1) for part in spec.model_args_string().split(","))
+        assert parse_model_args(again) == spec
+    with pytest.raises(ModelArgsError, match="cuda_graph must be auto, true or false"):
+        parse_model_args({"keep": 4, "cuda_graph": "sometimes"})
+    # like the device, the decoding path moves float rounding only: the response cache is shared
+    eager = EvalSpec(method="care", keep=64, cuda_graph=False)
+    assert eager.fingerprint() == EvalSpec(method="care", keep=64).fingerprint()
+
+
 def test_fingerprint_changes_with_what_changes_answers() -> None:
     base = EvalSpec(method="care", keep=64)
     assert base.fingerprint() == EvalSpec(method="care", keep=64, device="cuda").fingerprint()

@@ -1,0 +1,324 @@
+"""Greedy decoding over a static KV cache, prefill and decode steps replayed from captured CUDA graphs.
+
+``model.generate`` launches every kernel of every layer from Python, step after step. On a 7B language model
+with a few hundred prompt rows (what a reduction leaves) that launch time is most of the prefill, so the
+time saved by dropping visual tokens is lost to the host. :class:`StaticGreedy` runs the language model's own
+modules (embedding table, decoder layers, final norm, LM head) in a fixed-shape loop whose pieces are captured
+once and replayed:
+
+- **prefill**: the prompt's input embeddings, right-padded to a multiple of :data:`BUCKET` rows, through every
+  layer with causal attention; keys and values go to the static cache; the argmax at the last real row is the
+  first token. Causal attention keeps the real rows blind to the padding, and decoding overwrites the padded
+  cache rows before any query can see them. One graph per padded length.
+- **decode**: one token in, one token out; keys and values written at the current position, attention over the
+  whole cache with every later position masked. One graph per cache capacity.
+
+The maths is the eager forward's (same modules, same attention functions); only float rounding may differ from
+``model.generate``'s kernels. :func:`unsupported_reason` says where this loop would not be the model's own
+computation (other decoders, sliding windows, logit processors in the generation config, ...); there the
+adapters keep ``model.generate``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby lengths share a graph
+CAPACITY_STEP = 256  # the cache grows in steps of this many positions
+MAX_PREFILL_GRAPHS = 8  # padded lengths whose prefill graph is kept (least recently used dropped first)
+DECODERS = frozenset({"llama", "mistral", "qwen2"})  # decoder layers whose forward this loop drives as they are
+ATTENTION = frozenset({"sdpa", "eager"})  # attention functions that take the decode step's additive mask
+
+# generation-config fields that change greedy tokens, with the value that leaves them alone
+_NEUTRAL_PROCESSORS: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "sequence_bias": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "exponential_decay_length_penalty": (None,),
+    "stop_strings": (None,),
+    "watermarking_config": (None,),
+}
+
+
+def _text_config(model: Any) -> Any:
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def _rope_type(text_config: Any) -> str:
+    for key in ("rope_parameters", "rope_scaling"):
+        params = getattr(text_config, key, None)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")):
+            return str(params.get("rope_type", params.get("type")))
+    return "default"
+
+
+def sliding_window(model: Any) -> int | None:
+    """The decoder's attention window (None: full attention)."""
+    cfg = _text_config(model)
+    if not getattr(cfg, "use_sliding_window", True):
+        return None
+    window = getattr(cfg, "sliding_window", None)
+    return int(window) if window else None
+
+
+def unsupported_reason(model: Any, length: int | None = None) -> str | None:
+    """Why :class:`StaticGreedy` would not compute ``model``'s greedy answer (one line), or None.
+
+    ``length``: prompt plus new tokens, where known (a sliding window matters only beyond its width).
+    """
+    inner = getattr(model, "model", None)
+    lm = getattr(inner, "language_model", None)
+    head = getattr(model, "lm_head", None)
+    if lm is None or head is None or not all(hasattr(lm, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(model).__name__} has no language model with embed_tokens, layers, norm and rotary_emb"
+    cfg = _text_config(model)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in DECODERS:
+        return f"the {kind} decoder is not one the static loop drives ({', '.join(sorted(DECODERS))})"
+    attention = getattr(cfg, "_attn_implementation", None) or "eager"
+    if attention not in ATTENTION:
+        return f"attention implementation {attention!r} takes no additive mask (static decoding needs sdpa or eager)"
+    rope = _rope_type(cfg)
+    if "dynamic" in rope or "longrope" in rope:
+        return f"rope type {rope!r} rescales with the sequence length (a host-side decision no graph can replay)"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return "the decoder mixes attention types per layer"
+    window = sliding_window(model)
+    if window is not None and length is not None and length > window:
+        return f"{length} positions exceed the decoder's sliding window of {window}"
+    generation = getattr(model, "generation_config", None)
+    for name, neutral in _NEUTRAL_PROCESSORS.items():
+        value = getattr(generation, name, None)
+        if value not in neutral:
+            return f"the generation config sets {name}={value!r}, which model.generate applies and this loop does not"
+    return None
+
+
+def eos_ids(model: Any) -> frozenset[int]:
+    """The token ids that end greedy generation (the generation config's, as ``model.generate`` reads them)."""
+    value = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if value is None:
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(int(v) for v in value)
+
+
+class StaticKV:
+    """Every layer's keys and values in preallocated (1, kv_heads, capacity, head_dim) buffers.
+
+    The decoder layers call :meth:`update` as they call a transformers cache. Where the rows go is set by the
+    driver (``write``: positions, a tensor the graphs read on replay); in prefill the attention sees only the
+    new rows (the cache was empty before them), in decode the whole buffer (the mask hides what lies ahead).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.capacity = capacity
+        self.write: torch.Tensor | None = None
+        self.prefill = True
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        assert self.write is not None
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if key.shape[1] != keys.shape[1] or key.shape[-1] != keys.shape[-1]:
+            raise RuntimeError(f"layer {layer_idx} gave keys {tuple(key.shape)}; the cache holds {tuple(keys.shape)}")
+        keys.index_copy_(2, self.write, key.to(keys.dtype))
+        values.index_copy_(2, self.write, value.to(values.dtype))
+        if self.prefill:
+            return key, value
+        return keys, values
+
+
+@dataclass
+class _Prefill:
+    """The static inputs and the captured graph of one padded prompt length."""
+
+    embeds: torch.Tensor  # (1, rows, d)
+    last: torch.Tensor  # (1,) index of the prompt's last real row
+    mask: torch.Tensor | None  # (1, 1, rows, rows) causal additive mask; None with sdpa (is_causal)
+    graph: Any = None
+
+
+class StaticGreedy:
+    """Greedy decoding of a transformers VLM's language model from input embeddings.
+
+    ``graphs``: capture and replay CUDA graphs (CUDA only); otherwise the same loop runs eagerly, which is
+    what the CPU tests check against ``model.generate``. The first call at a new padded length runs eagerly
+    and captures on the way out; later calls replay. Holds the cache (``2 · layers · kv_heads · head_dim ·
+    capacity`` values) until dropped.
+    """
+
+    def __init__(self, model: Any, *, graphs: bool) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.model = model
+        self.lm = model.model.language_model
+        self.head = model.lm_head
+        self.layers = list(self.lm.layers)
+        cfg = _text_config(model)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.eager_attention = (getattr(cfg, "_attn_implementation", None) or "eager") == "eager"
+        params = inspect.signature(type(self.layers[0]).forward).parameters
+        self.cache_keyword = "cache" if "cache" in params else "past_key_values"
+        weight = self.lm.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the language model is on {self.device}")
+        self.graphs = graphs
+        self.eos = eos_ids(model)
+        self.weights = self._weights()
+        self.kv: StaticKV | None = None
+        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)  # the next token (decode input)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # where the next token goes
+        self.prefills: OrderedDict[int, _Prefill] = OrderedDict()
+        self.decode_graph: Any = None
+        self.captures = 0  # graphs captured so far (for tests and reports)
+        self.pool: Any = None
+        self.stream: Any = None
+        self._new_pool()
+
+    # ------------------------------------------------------------------ state
+    def _weights(self) -> tuple[tuple[int, torch.dtype], ...]:
+        # one tensor per module (the first): every call pays this, and a walk over all ~300 tensors of a 7B model
+        # costs half a millisecond of host time; moves and casts (.to, .half, .cuda) replace them all
+        owners = (self.lm.embed_tokens, self.lm.norm, self.head, *self.layers)
+        return tuple((t.data_ptr(), t.dtype) for t in (next(m.parameters()) for m in owners))
+
+    @property
+    def stale(self) -> bool:
+        """True when the model's tensors were moved or cast (``.to``, ``.half``), or a module's first parameter
+        replaced: the graphs would read the old memory."""
+        return self._weights() != self.weights
+
+    def _new_pool(self) -> None:
+        if self.graphs:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(self.device)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if self.kv is not None and self.kv.capacity >= needed:
+            return
+        capacity = CAPACITY_STEP * math.ceil(needed / CAPACITY_STEP)
+        self.prefills.clear()  # the graphs write into the old buffers
+        self.decode_graph = None
+        self.kv = None
+        self.kv = StaticKV(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+        self.positions = torch.arange(capacity, device=self.device)
+        self._new_pool()
+
+    def _bucket(self, rows: int) -> _Prefill:
+        entry = self.prefills.get(rows)
+        if entry is None:
+            hidden = int(self.lm.embed_tokens.weight.shape[1])
+            mask = None
+            if self.eager_attention:  # eager attention is causal only through its mask
+                mask = torch.full((rows, rows), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+                mask = mask.triu(1)[None, None]
+            embeds = torch.zeros((1, rows, hidden), dtype=self.dtype, device=self.device)
+            entry = _Prefill(embeds, torch.zeros(1, dtype=torch.long, device=self.device), mask)
+            self.prefills[rows] = entry
+            while len(self.prefills) > MAX_PREFILL_GRAPHS:
+                self.prefills.popitem(last=False)
+        self.prefills.move_to_end(rows)
+        return entry
+
+    # ------------------------------------------------------------------ the two steps
+    def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        embeddings = self.lm.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=embeddings,
+                        use_cache=True, **{self.cache_keyword: self.kv})  # fmt: skip
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def _next_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lm.norm(hidden)).argmax(-1)  # (1, 1)
+
+    def _prefill_step(self, entry: _Prefill) -> None:
+        assert self.kv is not None
+        rows = int(entry.embeds.shape[1])
+        self.kv.write, self.kv.prefill = self.positions[:rows], True
+        hidden = self._layers(entry.embeds, self.positions[None, :rows], entry.mask)
+        self.token.copy_(self._next_token(hidden.index_select(1, entry.last)))
+        self.position.copy_(entry.last + 1)
+
+    def _decode_step(self) -> None:
+        assert self.kv is not None
+        self.kv.write, self.kv.prefill = self.position, False
+        hidden = self.lm.embed_tokens(self.token)
+        ahead = self.positions > self.position  # positions no query may see yet (and the prompt's padding)
+        mask = torch.zeros(ahead.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ahead, torch.finfo(self.dtype).min
+        )
+        hidden = self._layers(hidden, self.position[None], mask[None, None, None])
+        self.token.copy_(self._next_token(hidden))
+        self.position.add_(1)
+
+    def _run(self, step: Callable[[], None], graph: Any) -> Any:
+        """Replay ``graph``; without one, run ``step`` (and capture it when graphs are on). Returns the graph."""
+        with torch.no_grad():
+            if not self.graphs:
+                step()
+                return None
+            if graph is not None:
+                graph.replay()
+                return graph
+            stream = self.stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                step()  # the real step, and the warm-up the capture needs on its stream
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                step()  # recorded, not run: the state the eager step left stands
+            self.captures += 1
+            return graph
+
+    # ------------------------------------------------------------------ public
+    def generate(self, embeds: torch.Tensor, max_new_tokens: int, eos: Iterable[int] | None = None) -> list[int]:
+        """Greedy token ids after the prompt ``embeds`` ((L, d) or (1, L, d)); stops after an end token."""
+        embeds = embeds.reshape(-1, embeds.shape[-1])
+        length = int(embeds.shape[0])
+        if max_new_tokens < 1:
+            return []
+        rows = BUCKET * math.ceil(length / BUCKET)
+        self._ensure_capacity(max(rows, length + max_new_tokens - 1))
+        entry = self._bucket(rows)
+        entry.embeds[0, :length].copy_(embeds)
+        entry.embeds[0, length:].zero_()
+        entry.last.fill_(length - 1)
+        entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
+        stop = self.eos if eos is None else frozenset(eos)
+        out: list[int] = []
+        for step in range(max_new_tokens):
+            token = int(self.token)
+            out.append(token)
+            if token in stop or step == max_new_tokens - 1:
+                break
+            self.decode_graph = self._run(self._decode_step, self.decode_graph)
+        return out
