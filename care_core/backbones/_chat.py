@@ -220,24 +220,25 @@ class ChatAdapter(VLMAdapter):
         inputs = self._lm_inputs(question, tokens, projected, kept)
         if max_new_tokens < 1:
             return ""
-        reason = None if cuda_graph is False else self._graph_reason(inputs, max_new_tokens)
-        if cuda_graph is False or reason is not None:
-            if cuda_graph:
-                raise GenerationError(f"cannot generate from CUDA graphs: {reason}")
-            self.last_decoding = "eager"
-            return self._greedy(inputs, max_new_tokens)
-        try:
-            with torch.no_grad():
-                ids = self._static_greedy().generate(self._prompt_embeddings(inputs), max_new_tokens)
-        except Exception as exc:  # a capture this backbone's modules do not allow: say so, decode eagerly from now on
-            self._graph_failure = f"capturing the decoder failed ({type(exc).__name__}: {' '.join(str(exc).split())})"
-            self._greedy_graphs = None
-            if cuda_graph:
-                raise GenerationError(f"cannot generate from CUDA graphs: {self._graph_failure}") from exc
-            self.last_decoding = "eager"
-            return self._greedy(inputs, max_new_tokens)
-        self.last_decoding = "cuda-graph"
-        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        reason = "--no-cuda-graphs" if cuda_graph is False else self._graph_reason(inputs, max_new_tokens)
+        failure: Exception | None = None
+        if reason is None:
+            try:
+                with torch.no_grad():
+                    ids = self._static_greedy().generate(self._prompt_embeddings(inputs), max_new_tokens)
+            except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
+                failure = exc
+                reason = self._graph_failure = (
+                    f"capturing the decoder failed ({type(exc).__name__}: {' '.join(str(exc).split())})"
+                )
+                self._greedy_graphs = None
+            else:
+                self.last_decoding = "cuda-graph"
+                return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if cuda_graph:
+            raise GenerationError(f"cannot generate from CUDA graphs: {reason}") from failure
+        self.last_decoding = "eager"
+        return self._greedy(inputs, max_new_tokens)
 
     def graph_generation_reason(self, length: int | None = None) -> str | None:
         """Why :meth:`generate` would not replay CUDA graphs on this backbone (one line), or None when it would.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,7 +226,7 @@ class StaticGreedy:
         capacity = CAPACITY_STEP * math.ceil(needed / CAPACITY_STEP)
         self.prefills.clear()  # the graphs write into the old buffers
         self.decode_graph = None
-        self.kv = None
+        self.kv = None  # the old buffers go before the new ones are allocated
         self.kv = StaticKV(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
         self.positions = torch.arange(capacity, device=self.device)
         self._new_pool()
@@ -300,7 +300,7 @@ class StaticGreedy:
             return graph
 
     # ------------------------------------------------------------------ public
-    def generate(self, embeds: torch.Tensor, max_new_tokens: int, eos: Iterable[int] | None = None) -> list[int]:
+    def generate(self, embeds: torch.Tensor, max_new_tokens: int) -> list[int]:
         """Greedy token ids after the prompt ``embeds`` ((L, d) or (1, L, d)); stops after an end token."""
         embeds = embeds.reshape(-1, embeds.shape[-1])
         length = int(embeds.shape[0])
@@ -313,12 +313,11 @@ class StaticGreedy:
         entry.embeds[0, length:].zero_()
         entry.last.fill_(length - 1)
         entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
-        stop = self.eos if eos is None else frozenset(eos)
         out: list[int] = []
         for step in range(max_new_tokens):
             token = int(self.token)
             out.append(token)
-            if token in stop or step == max_new_tokens - 1:
+            if token in self.eos or step == max_new_tokens - 1:
                 break
             self.decode_graph = self._run(self._decode_step, self.decode_graph)
         return out
