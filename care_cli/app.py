@@ -18,7 +18,7 @@ from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
 from care_cli.commands import visualize as visualize_command
-from care_core.errors import BudgetError, CareError
+from care_core.errors import CareError
 
 app = typer.Typer(
     name="care",
@@ -86,6 +86,14 @@ def _one_line(message: object) -> str:
     return " ".join(str(message).split())
 
 
+def flags_of(command: Any, args: Sequence[str]) -> dict[str, str]:
+    """Each parameter of the command that `args` invoke, mapped to its long flag as the command declares it:
+    the one table through which library errors (which name parameters) are shown with the CLI's flags."""
+    sub = getattr(command, "commands", {}).get(args[0]) if args else None
+    params = getattr(sub, "params", [])
+    return {p.name: max(p.opts, key=len) for p in params if p.opts and p.opts[0].startswith("-")}
+
+
 def _help_for_no_args(command: Any, args: Sequence[str]) -> str | None:
     """The command whose help a bare invocation prints: "" for `care`, "reduce" for `care reduce`; else None.
 
@@ -113,10 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = command.main(args=args, prog_name="care", standalone_mode=False, obj={"argv": args})
     except CareError as exc:
-        message = _one_line(exc)
-        if isinstance(exc, BudgetError) and message.startswith(("keep ", "ratio ")):
-            message = "--" + message  # the library's budget names are the CLI's flags
-        print(f"error: {message}", file=sys.stderr)
+        flags = flags_of(command, args)
+        print(f"error: {_one_line(exc.render(lambda name: flags.get(name, name)))}", file=sys.stderr)
         return 2
     except typer.Exit as exc:
         return int(exc.exit_code)

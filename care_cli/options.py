@@ -19,7 +19,6 @@ import typer
 
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
-from care_core.errors import ConfigError
 
 _DEFAULT = CaReConfig()
 _HYPER = "CaRe hyperparameters (paper defaults)"
@@ -103,11 +102,8 @@ def _hyper_parameters() -> list[inspect.Parameter]:
 
 
 def build_config(values: dict[str, Any]) -> CaReConfig:
-    """A CaReConfig from option values; an out-of-range value is a one-line error naming its flag and range."""
-    try:
-        return CaReConfig(**values)
-    except ConfigError as exc:
-        raise UserError(f"{flag_of(exc.field)} {exc.detail}") from None
+    """A CaReConfig from option values (an out-of-range value raises ConfigError, shown with its flag)."""
+    return CaReConfig(**values)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -134,7 +130,7 @@ def with_config(func: F) -> F:
 def budget(ratio: float | None, keep: int | None) -> Any:
     """The one budget of a single-budget command, checked before any model is loaded (keep <= N is checked
     once N is known). Range errors are the library's (``Budget``), shown with the flag's name."""
-    from care_core.pipeline import Budget
+    from care_core.budget import Budget
 
     if ratio is not None and keep is not None:
         raise UserError("give either --ratio or --keep, not both")
@@ -169,7 +165,7 @@ def parse_ratio_specs(specs: list[str] | None) -> list[float]:
 
 def budgets(ratios: list[float] | None, keeps: list[int] | None) -> list[Any]:
     """Budgets of a multi-budget command, checked before any model is loaded."""
-    from care_core.pipeline import budgets_from
+    from care_core.budget import budgets_from
 
     if not ratios and not keeps:
         raise UserError("give at least one budget: --ratio R or --keep K (both repeatable)")

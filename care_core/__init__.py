@@ -13,15 +13,17 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CaReConfig": "care_core.config",
-    "resolve_budget": "care_core.config",
+    "resolve_budget": "care_core.budget",
+    "Budget": "care_core.budget",
     "Reduction": "care_core.care",
     "care_reduce": "care_core.care",
     "csr_score": "care_core.csr",
 }
 
 if TYPE_CHECKING:
+    from care_core.budget import Budget, resolve_budget
     from care_core.care import Reduction, care_reduce
-    from care_core.config import CaReConfig, resolve_budget
+    from care_core.config import CaReConfig
     from care_core.csr import csr_score
 
 
@@ -33,4 +35,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'care_core' has no attribute {name!r}")
 
 
-__all__ = ["CaReConfig", "Reduction", "__version__", "care_reduce", "csr_score", "resolve_budget"]
+__all__ = ["Budget", "CaReConfig", "Reduction", "__version__", "care_reduce", "csr_score", "resolve_budget"]

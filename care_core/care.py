@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from care_core.anchors import diversity_greedy
+from care_core.budget import resolve_budget
 from care_core.calibration import Calibration, calibrate
-from care_core.config import CaReConfig, resolve_budget
+from care_core.config import CaReConfig
 from care_core.errors import CareError
 from care_core.kernels import KernelGate
 from care_core.precision import compute_dtype, matmul_precision

@@ -1,4 +1,4 @@
-"""CaReConfig: the paper's hyperparameters (Supp. C) in one dataclass, and the token budget rule."""
+"""CaReConfig: the paper's hyperparameters (Supp. C) in one dataclass (the budget rule is care_core.budget)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from care_core.errors import BudgetError, ConfigError
+from care_core.errors import ConfigError
 
 Engine = Literal["jvp", "fd"]
 MatmulPrecision = Literal["auto", "float32", "tf32", "bf16"]
@@ -92,22 +92,3 @@ class CaReConfig:
                 text = _range_text(f.metadata, cls())
                 out[f.name] = text.replace(f"{1 + cls().eta:g}]", "1 + eta]") if f.name == "theta_s" else text
         return out
-
-
-def resolve_budget(num_tokens: int, ratio: float | None = None, keep: int | None = None) -> int:
-    """K = max(1, floor(ratio * N)) from a retention ratio, or K = keep; exactly one must be given."""
-    if num_tokens < 1:
-        raise BudgetError(f"there are no visual tokens to reduce (N = {num_tokens})")
-    if (ratio is None) == (keep is None):
-        raise BudgetError("give exactly one of ratio (fraction kept) and keep (number of tokens kept)")
-    if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-            raise BudgetError(f"ratio must be a number in (0, 1], got {ratio!r}")
-        if not (math.isfinite(ratio) and 0 < ratio <= 1):
-            raise BudgetError(f"ratio must be in (0, 1], got {ratio}")
-        return max(1, math.floor(ratio * num_tokens))
-    if isinstance(keep, bool) or not isinstance(keep, int):
-        raise BudgetError(f"keep must be an integer, got {keep!r}")
-    if not 1 <= keep <= num_tokens:
-        raise BudgetError(f"keep must be between 1 and N = {num_tokens}, got {keep}")
-    return keep

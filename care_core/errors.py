@@ -1,10 +1,40 @@
-"""Errors the library raises for bad user input; the CLI turns each into one line and exit code 2."""
+"""Errors the library raises for bad user input; the CLI turns each into one line and exit code 2.
+
+A message names the library's parameters, never a command-line flag: ``{keep}`` in a message stands for the
+parameter ``keep``. ``str(error)`` shows the bare names (``keep must be …``); the CLI renders the same message
+with its own flags (``--keep must be …``) through :meth:`CareError.render`.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
+_PARAMETER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
+
 
 class CareError(ValueError):
-    """Base class: a problem with what the user asked for (not a bug)."""
+    """Base class: a problem with what the user asked for (not a bug).
+
+    ``parameter``: the parameter the message is about, or None. With one, the message is the rest of the
+    sentence ("must be in (0, 1], got 2") and the parameter's name is put in front of it. Other parameters
+    may be named inside the message as ``{name}``.
+    """
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        self.parameter = parameter
+        self.detail = message
+        self.template = message if parameter is None else "{" + parameter + "} " + message
+        super().__init__(self.render())
+
+    @property
+    def parameters(self) -> list[str]:
+        """Every parameter the message names, in order."""
+        return _PARAMETER.findall(self.template)
+
+    def render(self, name_of: Callable[[str], str] = str) -> str:
+        """The message with each named parameter spelled by ``name_of`` (the CLI passes its flag lookup)."""
+        return _PARAMETER.sub(lambda match: name_of(match.group(1)), self.template)
 
 
 class BudgetError(CareError):
@@ -31,9 +61,8 @@ class ConfigError(CareError):
     """A hyperparameter is outside its meaningful range; ``field`` names it (a CaReConfig field)."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field} {message}")
+        super().__init__(message, parameter=field)
         self.field = field
-        self.detail = message
 
 
 class GenerationError(CareError):

@@ -13,13 +13,13 @@ never writes files; stage timings are returned in milliseconds.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from care_core.config import CaReConfig, resolve_budget
-from care_core.errors import BudgetError, MethodError, QuestionError
+from care_core.budget import Budget
+from care_core.config import CaReConfig
+from care_core.errors import BudgetError, CareError, MethodError, QuestionError
 from care_core.timing import StageClock, median_ms
 
 if TYPE_CHECKING:
@@ -32,49 +32,6 @@ if TYPE_CHECKING:
 
 #: The question used where one is needed (a question-reading method, ``generate``) and none is given.
 DEFAULT_QUESTION = "Describe the image."
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A token budget: a retention ratio (K = max(1, floor(ratio N))) or an absolute K."""
-
-    kind: Literal["ratio", "keep"]
-    value: float
-
-    @classmethod
-    def ratio(cls, value: float) -> Budget:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and 0 < value <= 1)
-        ):
-            raise BudgetError(f"ratio must be in (0, 1], got {value!r}")
-        return cls("ratio", float(value))
-
-    @classmethod
-    def keep(cls, value: int) -> Budget:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BudgetError(f"keep must be an integer, got {value!r}")
-        if value < 1:
-            raise BudgetError(f"keep must be at least 1, got {value}")
-        return cls("keep", value)
-
-    @property
-    def label(self) -> str:
-        return f"ratio {self.value:g}" if self.kind == "ratio" else f"K={int(self.value)}"
-
-    def resolve(self, num_tokens: int) -> int:
-        if self.kind == "ratio":
-            return resolve_budget(num_tokens, ratio=self.value)
-        return resolve_budget(num_tokens, keep=int(self.value))
-
-
-def budgets_from(ratios: Iterable[float] = (), keeps: Iterable[int] = ()) -> list[Budget]:
-    """Budgets in the order given (ratios, then keeps), duplicates dropped; at least one."""
-    budgets = [Budget.ratio(r) for r in ratios] + [Budget.keep(k) for k in keeps]
-    if not budgets:
-        raise BudgetError("give at least one budget: a ratio or a keep")
-    return list(dict.fromkeys(budgets))
 
 
 @dataclass(frozen=True)
@@ -306,15 +263,15 @@ class ReductionPipeline:
         from care_core.methods.base import MethodInputs
 
         if question is not None and not question.strip():
-            raise QuestionError("the question is empty")
+            raise QuestionError("is empty", parameter="question")
         if csr and question is None:
             raise QuestionError("CSR needs a question")
         if not budgets:
             raise BudgetError("give at least one budget")
         if max_new_tokens < 1:
-            raise BudgetError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+            raise CareError(f"must be at least 1, got {max_new_tokens}", parameter="max_new_tokens")
         if repeats < 1:
-            raise BudgetError(f"repeats must be at least 1, got {repeats}")
+            raise CareError(f"must be at least 1, got {repeats}", parameter="repeats")
         reads_question = bool(self.needs & {"question", "language_model"})
         defaulted = question is None and (reads_question or generate)
         asked = DEFAULT_QUESTION if defaulted else question

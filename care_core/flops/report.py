@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from typing import Any
 
-from care_core.errors import BudgetError, CareError, MethodError
+from care_core.budget import check_keep, keep_from_ratio
+from care_core.errors import CareError, MethodError
 from care_core.flops import formulas as fx
 from care_core.flops import paper as paper_data
 from care_core.flops.methods import (
@@ -37,15 +36,17 @@ class FlopsOptions:
 
     def __post_init__(self) -> None:
         if self.engine not in fx.ENGINES:
-            raise CareError(f"--engine must be one of {', '.join(fx.ENGINES)}, got {self.engine!r}")
+            raise CareError(f"must be one of {', '.join(fx.ENGINES)}, got {self.engine!r}", parameter="engine")
         if self.second_layer not in fx.SECOND_LAYERS:
-            raise CareError(f"--second-layer must be one of {', '.join(fx.SECOND_LAYERS)}, got {self.second_layer!r}")
+            raise CareError(f"must be one of {', '.join(fx.SECOND_LAYERS)}, got {self.second_layer!r}",
+                            parameter="second_layer")  # fmt: skip
         if self.convention not in fx.CONVENTIONS:
-            raise CareError(f"--convention must be one of {', '.join(fx.CONVENTIONS)}, got {self.convention!r}")
+            raise CareError(f"must be one of {', '.join(fx.CONVENTIONS)}, got {self.convention!r}",
+                            parameter="convention")  # fmt: skip
         if self.text_tokens < 0:
-            raise CareError(f"--text-tokens must be >= 0, got {self.text_tokens}")
+            raise CareError(f"must be >= 0, got {self.text_tokens}", parameter="text_tokens")
         if self.m < 1:
-            raise CareError(f"m must be >= 1, got {self.m}")
+            raise CareError(f"must be >= 1, got {self.m}", parameter="m")
 
 
 FORMULAS = {
@@ -79,10 +80,10 @@ class TokenSource:
 
 def resolve_tokens(spec: BackboneSpec, tokens: int | None, image: tuple[int, int] | None) -> TokenSource:
     if tokens is not None and image is not None:
-        raise CareError("give either --tokens or --image-size, not both")
+        raise CareError("give either {tokens} or {image_size}, not both")
     if tokens is not None:
         if tokens < 1:
-            raise CareError(f"--tokens must be at least 1, got {tokens}")
+            raise CareError(f"must be at least 1, got {tokens}", parameter="tokens")
         return TokenSource(tokens, "--tokens", f"N = {tokens} given with --tokens")
     if image is not None:
         count = visual_tokens(spec, *image)
@@ -94,19 +95,9 @@ def resolve_tokens(spec: BackboneSpec, tokens: int | None, image: tuple[int, int
 def resolve_budgets(spec: BackboneSpec, n: int, keeps: Sequence[int], ratios: Sequence[float]) -> list[int]:
     """K values, --keep ones then --ratio ones (both repeatable, duplicates dropped, as `care csr` takes them);
     none given: the paper's budgets for this backbone (its fractions of N)."""
-    values: list[int] = []
-    for keep in keeps:
-        if keep < 1:
-            raise BudgetError(f"--keep must be at least 1, got {keep}")
-        if keep > n:
-            raise BudgetError(f"--keep {keep} is more than the N = {n} visual tokens")
-        values.append(keep)
-    for ratio in ratios:
-        if not (math.isfinite(ratio) and 0 < ratio <= 1):
-            raise BudgetError(f"--ratio must be in (0, 1], got {ratio}")
-        values.append(max(1, math.floor(Fraction(str(ratio)) * n)))
+    values = [check_keep(keep, n) for keep in keeps] + [keep_from_ratio(ratio, n) for ratio in ratios]
     if not keeps and not ratios:
-        values = [max(1, math.floor(f * n)) for f in spec.default_budget_fractions()]
+        values = [keep_from_ratio(fraction, n) for fraction in spec.default_budget_fractions()]
     return list(dict.fromkeys(values))
 
 

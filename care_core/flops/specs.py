@@ -211,7 +211,7 @@ def resolve_backbone(name: str) -> BackboneSpec:
     """A registry name or alias (case-insensitive), a config.json, or a model folder holding one."""
     key = name.strip()
     if not key:
-        raise BackboneSpecError("--backbone is empty")
+        raise BackboneSpecError("is empty", parameter="backbone")
     lowered = key.lower()
     if lowered in KNOWN_BACKBONES:
         return KNOWN_BACKBONES[lowered]

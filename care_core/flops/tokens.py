@@ -40,10 +40,10 @@ def parse_image_size(text: str) -> tuple[int, int]:
     """'672x672', '500×800' or '500,800' -> (height, width)."""
     match = re.fullmatch(r"\s*(\d+)\s*[x×X,]\s*(\d+)\s*", text)
     if not match:
-        raise ImageSizeError(f"--image-size must be HEIGHTxWIDTH in pixels (e.g. 672x672), got {text!r}")
+        raise ImageSizeError(f"must be HEIGHTxWIDTH in pixels (e.g. 672x672), got {text!r}", parameter="image_size")
     height, width = int(match.group(1)), int(match.group(2))
     if height < 1 or width < 1:
-        raise ImageSizeError(f"--image-size needs positive sides, got {height}x{width}")
+        raise ImageSizeError(f"needs positive sides, got {height}x{width}", parameter="image_size")
     return height, width
 
 

@@ -45,7 +45,7 @@ class EvalSpec:
     @property
     def budget(self) -> Any:
         """The :class:`care_core.pipeline.Budget` of the reduction (None without a method)."""
-        from care_core.pipeline import Budget
+        from care_core.budget import Budget
 
         if self.method is None:
             return None

@@ -12,14 +12,14 @@ This module imports no torch at import time (``care methods`` and ``care flops``
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, final
 
 from care_core._lazy import torch
-from care_core.errors import MethodError
+from care_core.budget import check_keep
+from care_core.errors import BudgetError, MethodError
 
 if TYPE_CHECKING:
     from care_core.config import CaReConfig
@@ -168,12 +168,11 @@ class Method:
 
     @final
     def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        """Check the budget (an integer, not a bool, 1 <= keep <= N; MethodError otherwise), then :meth:`reduce`."""
-        n = inputs.num_tokens
-        if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
-            raise MethodError(f"{self.name}: the budget K must be an integer between 1 and N = {n}, got {keep!r}")
-        if not 1 <= keep <= n:
-            raise MethodError(f"{self.name}: the budget K must be between 1 and N = {n}, got K = {keep!r}")
+        """Check the budget (care_core.budget's rule: an integer, 1 <= keep <= N), then :meth:`reduce`."""
+        try:
+            keep = check_keep(keep, inputs.num_tokens)
+        except BudgetError as exc:
+            raise MethodError(f"{self.name}: the budget K {exc.detail}") from None
         return self.reduce(inputs, int(keep))
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:

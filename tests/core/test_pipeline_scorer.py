@@ -9,7 +9,8 @@ import torch
 
 from care_core import CaReConfig
 from care_core.images import load_image
-from care_core.pipeline import Budget, ReductionPipeline
+from care_core.budget import Budget
+from care_core.pipeline import ReductionPipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

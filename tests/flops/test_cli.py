@@ -154,8 +154,8 @@ def test_unknown_backbone_suggests(care) -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--keep", "577"], "more than the N = 576"),
-        (["--keep", "0"], "at least 1"),
+        (["--keep", "577"], "between 1 and N = 576, got 577"),
+        (["--keep", "0"], "--keep must be between 1 and N = 576, got 0"),
         (["--ratio", "0"], "(0, 1]"),
         (["--ratio", "1.5"], "(0, 1]"),
         (["--tokens", "100", "--image-size", "10x10"], "not both"),
