@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from care_core import CaReConfig, care_reduce, csr_score
-from care_core.images import load_image
 from care_core.budget import Budget
+from care_core.images import load_image
 from care_core.pipeline import ReductionPipeline
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from care_core import CaReConfig, care_reduce, csr_score
+from care_core.budget import Budget, budgets_from
 from care_core.errors import BudgetError, MethodError, QuestionError
 from care_core.images import load_image
-from care_core.budget import Budget, budgets_from
 from care_core.pipeline import DEFAULT_QUESTION, ReductionPipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from care_core import CaReConfig
-from care_core.images import load_image
 from care_core.budget import Budget
+from care_core.images import load_image
 from care_core.pipeline import ReductionPipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip("lmms_eval")
 
 from care_core.backbones import load_backbone
+from care_core.budget import Budget
 from care_core.errors import MethodError
 from care_core.integrations import lmms_eval as plugin
 from care_core.integrations.settings import EvalSpec, ModelArgsError
-from care_core.budget import Budget
 from care_core.pipeline import ReductionPipeline
 
 from .conftest import POPE, ROOT

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from care_core.budget import Budget
 from care_core.config import CaReConfig
 from care_core.integrations import EVAL_EXTRA_HINT, lmms_eval_missing
 from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
-from care_core.budget import Budget
 
 
 def test_defaults_and_values_as_lmms_eval_parses_them() -> None:
