@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from care_core import kernels
@@ -52,22 +54,8 @@ def diversity_greedy(
         order = gate.attempt("greedy", lambda: kernels.greedy_order(weights, gram, k))
         if order is not None:
             return order
-    n = weights.shape[0]
     unit = unit_rows(features, eps)
-    order = torch.empty(k, dtype=torch.long, device=weights.device)
-    selected = torch.zeros(n, dtype=torch.bool, device=weights.device)
-    chosen = torch.argmax(weights).view(1)  # 1-element tensors: indexing with them needs no sync
-    order[0:1] = chosen
-    selected.index_fill_(0, chosen, True)
-    min_distance = 1 - unit @ unit.index_select(0, chosen)[0]
-    minus_inf = torch.full((), float("-inf"), dtype=weights.dtype, device=weights.device)  # a fill: no host copy
-    for step in range(1, k):
-        score = torch.where(selected, minus_inf, weights * min_distance)
-        chosen = torch.argmax(score).view(1)
-        order[step : step + 1] = chosen
-        selected.index_fill_(0, chosen, True)
-        min_distance = torch.minimum(min_distance, 1 - unit @ unit.index_select(0, chosen)[0])
-    return order
+    return _greedy_order(weights, k, lambda chosen: unit @ unit.index_select(0, chosen)[0])
 
 
 def diversity_greedy_gram(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
@@ -76,18 +64,23 @@ def diversity_greedy_gram(weights: torch.Tensor, gram: torch.Tensor, k: int) -> 
     Same steps and tie rule as :func:`diversity_greedy`, reading row ``gram[chosen]`` instead of computing
     ``unit @ unit[chosen]``; used to check the kernel and as its reference on the CPU.
     """
+    return _greedy_order(weights, k, lambda chosen: gram.index_select(0, chosen)[0])
+
+
+def _greedy_order(weights: torch.Tensor, k: int, cosines: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The Eq. 3 loop; ``cosines(chosen)`` is the (N,) row cos(v_i, v_chosen) for a 1-element index tensor."""
     n = weights.shape[0]
     order = torch.empty(k, dtype=torch.long, device=weights.device)
     selected = torch.zeros(n, dtype=torch.bool, device=weights.device)
-    chosen = torch.argmax(weights).view(1)
+    chosen = torch.argmax(weights).view(1)  # 1-element tensors: indexing with them needs no sync
     order[0:1] = chosen
     selected.index_fill_(0, chosen, True)
-    min_distance = 1 - gram.index_select(0, chosen)[0]
+    min_distance = 1 - cosines(chosen)
     minus_inf = torch.full((), float("-inf"), dtype=weights.dtype, device=weights.device)  # a fill: no host copy
     for step in range(1, k):
         score = torch.where(selected, minus_inf, weights * min_distance)
         chosen = torch.argmax(score).view(1)
         order[step : step + 1] = chosen
         selected.index_fill_(0, chosen, True)
-        min_distance = torch.minimum(min_distance, 1 - gram.index_select(0, chosen)[0])
+        min_distance = torch.minimum(min_distance, 1 - cosines(chosen))
     return order

@@ -18,13 +18,19 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from care_core.errors import ImageError
 
-__all__ = ["load_image"]
+__all__ = ["load_image", "to_rgb"]
 
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 # Exceptions Pillow's decoders raise for corrupt or truncated data.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
 _BOMB_RE = re.compile(r"\((\d+) pixels\) exceeds limit of (\d+) pixels")
+# What an OS error while reaching the file means to the user; the first matching type wins.
+_ACCESS_PROBLEMS: tuple[tuple[type[OSError], str], ...] = (
+    (FileNotFoundError, "no such file"),
+    (PermissionError, "permission denied"),
+    (IsADirectoryError, "is a directory, not an image file"),
+)
 
 
 def _one_line(text: object) -> str:
@@ -34,8 +40,15 @@ def _one_line(text: object) -> str:
 
 @contextlib.contextmanager
 def _strict_truncation() -> Iterator[None]:
-    """Make sure truncated files raise while decoding, even if something else enabled leniency."""
+    """Make sure truncated files raise while decoding, even if something else enabled leniency.
+
+    Pillow reads this setting only from its module global, so it cannot be passed per call; it is left
+    alone when already strict (the default) and otherwise restored on exit, error or not.
+    """
     previous = ImageFile.LOAD_TRUNCATED_IMAGES
+    if not previous:
+        yield
+        return
     ImageFile.LOAD_TRUNCATED_IMAGES = False
     try:
         yield
@@ -77,8 +90,16 @@ def _float_to_rgb(im: Image.Image) -> Image.Image:
     return Image.fromarray(gray, mode="L").convert("RGB")
 
 
-def _to_rgb(im: Image.Image) -> Image.Image:
-    """Convert any Pillow mode to 8-bit RGB; transparency is composited over white."""
+def to_rgb(im: Image.Image) -> Image.Image:
+    """A new 8-bit RGB image from one in any Pillow mode; the library's one RGB converter.
+
+    Transparency (alpha bands, ``tRNS``) is composited over white; 16-bit and 32-bit integer grayscale
+    is scaled to 8 bits (value / 257, or by the maximum when wider than 16 bits); float images in
+    [0, 1] are scaled to [0, 255], other floats clipped. An RGB image comes back as a copy.
+    Raises TypeError for anything that is not a PIL image.
+    """
+    if not isinstance(im, Image.Image):
+        raise TypeError(f"expected a PIL image, got {type(im).__name__}")
     if im.mode in _SIXTEEN_BIT_MODES:
         return _sixteen_bit_to_rgb(im)
     if im.mode == "F":
@@ -102,6 +123,24 @@ def _orient(im: Image.Image) -> Image.Image:
     return oriented if oriented is not None else im
 
 
+# The name care_cli.io still imports; to_rgb is the public one.
+_to_rgb = to_rgb
+
+
+def _access_problem(exc: OSError) -> str | None:
+    """What an OS error while reaching the file means ("no such file", ...), or None for any other."""
+    return next((problem for kind, problem in _ACCESS_PROBLEMS if isinstance(exc, kind)), None)
+
+
+def _decode_problem(exc: Exception) -> str:
+    """One-line reason for an error Pillow raised while opening or decoding a file."""
+    if isinstance(exc, OSError) and (problem := _access_problem(exc)) is not None:
+        return problem
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image file Pillow can read"
+    return f"cannot decode image, truncated or corrupt ({_one_line(exc)})"
+
+
 def load_image(path: str | Path) -> Image.Image:
     """Load an image file as a fully decoded 8-bit RGB image (first frame, EXIF-oriented).
 
@@ -111,12 +150,9 @@ def load_image(path: str | Path) -> Image.Image:
     p = Path(path).expanduser()
     try:
         st = p.stat()
-    except FileNotFoundError:
-        raise ImageError(f"{name}: no such file") from None
-    except PermissionError:
-        raise ImageError(f"{name}: permission denied") from None
     except OSError as exc:
-        raise ImageError(f"{name}: cannot access file ({_one_line(exc.strerror or exc)})") from None
+        problem = _access_problem(exc) or f"cannot access file ({_one_line(exc.strerror or exc)})"
+        raise ImageError(f"{name}: {problem}") from None
     if p.is_dir():
         raise ImageError(f"{name}: is a directory, not an image file")
     if not p.is_file():
@@ -127,20 +163,12 @@ def load_image(path: str | Path) -> Image.Image:
     try:
         with _strict_truncation(), Image.open(p) as im:
             im.load()
-            return _to_rgb(_orient(im))
+            return to_rgb(_orient(im))
     except ImageError:
         raise
-    except FileNotFoundError:
-        raise ImageError(f"{name}: no such file") from None
-    except PermissionError:
-        raise ImageError(f"{name}: permission denied") from None
-    except IsADirectoryError:
-        raise ImageError(f"{name}: is a directory, not an image file") from None
     except Image.DecompressionBombError as exc:
         raise ImageError(_bomb_message(name, exc)) from None
-    except UnidentifiedImageError:
-        raise ImageError(f"{name}: not an image file Pillow can read") from None
     except MemoryError:
         raise ImageError(f"{name}: not enough memory to decode the image") from None
     except _DECODE_ERRORS as exc:
-        raise ImageError(f"{name}: cannot decode image, truncated or corrupt ({_one_line(exc)})") from None
+        raise ImageError(f"{name}: {_decode_problem(exc)}") from None

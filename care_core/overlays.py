@@ -41,6 +41,8 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from care_core.figures import NOTE_COLOUR
+
 RED = "#ff0000"  # Calib-Anchors / kept tokens
 GREEN = "#00c000"  # accepted calibration signals
 DIM = 0.3  # brightness factor of discarded tokens' footprints
@@ -73,7 +75,6 @@ NOTE_PT = 8.5
 TICK_PT = 8.0
 MIN_FONT_PT = 8.0  # no text is smaller
 LINE_SPACING = 1.2
-NOTE_COLOUR = "darkred"
 
 View = Literal["high", "base"]
 _VIEW_CODES: dict[str, int] = {"base": 0, "high": 1}
@@ -563,6 +564,175 @@ def _merge_fills(panel: PanelInput, drawn: np.ndarray) -> dict[int, tuple[float,
             for i in np.flatnonzero(drawn & (panel.assignment >= 0))}  # fmt: skip
 
 
+def _checked_image(image: np.ndarray, geometry: TokenGeometry, panels: Sequence[PanelInput], dpi: float) -> np.ndarray:
+    """`image` as an array, once it, the panels and the dpi fit together (ValueError otherwise)."""
+    image = np.asarray(image)
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"image must be an (H, W, 3) uint8 array, got {image.shape} {image.dtype}")
+    if tuple(image.shape[:2]) != tuple(geometry.image_size):
+        raise ValueError(f"image is {image.shape[1]}x{image.shape[0]} but the tokens' image_size is "
+                         f"{geometry.image_size[1]}x{geometry.image_size[0]} (width x height)")  # fmt: skip
+    if not panels:
+        raise ValueError("overlay_figure needs at least one panel")
+    if dpi <= 0:
+        raise ValueError(f"dpi must be positive, got {dpi}")
+    n = geometry.num_tokens
+    for p in panels:
+        if p.assignment is not None and p.assignment.shape[0] != n:
+            raise ValueError(f"{p.method}: assignment has {p.assignment.shape[0]} entries, the geometry {n} tokens")
+    return image
+
+
+def _drawn_view(geometry: TokenGeometry, view: View | None) -> tuple[np.ndarray, str | None]:
+    """(the tokens drawn, the titles' line naming the view or None for a one-view backbone)."""
+    effective_view = None if geometry.views is None else view or "high"
+    drawn = drawn_mask(geometry, effective_view)
+    if effective_view is None:
+        return drawn, None
+    name = "high-resolution" if effective_view == "high" else "base"
+    return drawn, f"{name} view: {int(drawn.sum())} of {geometry.num_tokens} tokens drawn"
+
+
+def _title_cells(fig: Figure, renderer: Any, contents: list[tuple[str, int]], dpi: float) -> list[_Cell]:
+    """A cell per (title, content width): the title wrapped to its column and measured."""
+    column_min = _px(COLUMN_MIN_IN, dpi)
+    title_measure = _text_measure(renderer, TITLE_PT)
+    cells = []
+    for text, content_w in contents:
+        width = max(content_w, column_min)
+        artist = fig.text(0, 0, wrap_text(text, width, title_measure), fontsize=TITLE_PT, ha="center",
+                          va="bottom", linespacing=LINE_SPACING)  # fmt: skip
+        cells.append(_Cell(artist, content_w, width, *_size_px(artist, renderer)))
+    return cells
+
+
+def _legend_sizes(fig: Figure, renderer: Any, handles: list[Any]) -> list[tuple[int, int]]:
+    """(width, height) in pixels of the legend in 1, 2, ... columns."""
+    sizes = []
+    for k in range(1, len(handles) + 1):
+        trial = _legend(fig, handles, k)
+        sizes.append(_size_px(trial, renderer))
+        trial.remove()
+    return sizes
+
+
+def _note_lines(fig: Figure, renderer: Any, note: str | None) -> tuple[int, int]:
+    """Height of one line of the footer, and what each further line adds (0, 0 without a footer)."""
+    if not note:
+        return 0, 0
+    probe = fig.text(0, 0, "Ag", fontsize=NOTE_PT, linespacing=LINE_SPACING)
+    first = _size_px(probe, renderer)[1]
+    probe.set_text("Ag\nAg")
+    lines = (first, _size_px(probe, renderer)[1] - first)
+    probe.remove()
+    return lines
+
+
+def _lay_out(
+    fig: Figure, geometry: TokenGeometry, titles: list[str], scores_title: str | None, handles: list[Any],
+    note: str | None, dpi: float,
+) -> _Layout:  # fmt: skip
+    """Measure titles, legend and footer (their size in pixels is set by the dpi alone), choose the grid, size
+    the canvas and place the titles."""
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    image_w, image_h = _image_px(geometry, dpi)
+    contents = [(title, image_w) for title in titles]
+    if scores_title is not None:
+        contents.append((scores_title, image_w + _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi)))
+    cells = _title_cells(fig, renderer, contents, dpi)
+    legend_sizes = _legend_sizes(fig, renderer, handles)
+    note_lines = _note_lines(fig, renderer, note)
+    layout = _layout(cells, image_w, image_h, legend_sizes, note, _text_measure(renderer, NOTE_PT), note_lines,
+                     dpi)  # fmt: skip
+    fig.set_size_inches(layout.width / dpi, layout.height / dpi)
+    for cell, (x, y) in zip(cells, layout.title_anchors, strict=True):
+        cell.title.set_position((x / layout.width, 1 - y / layout.height))
+    return layout
+
+
+@dataclass(frozen=True)
+class _Canvas:
+    """What every panel draws on: the displayed image, the drawn tokens and the box outlines' width."""
+
+    base: np.ndarray  # float RGB of the image as displayed
+    drawn: np.ndarray  # (N,) bool
+    stroke_pt: float
+    inset_x: float  # data units that keep an outline inside its footprint
+    inset_y: float
+
+    @classmethod
+    def of(cls, image: np.ndarray, geometry: TokenGeometry, drawn: np.ndarray, layout: _Layout, dpi: float) -> _Canvas:
+        height, width = geometry.image_size
+        scale_x, scale_y = layout.image_w / width, layout.image_h / height
+        stroke = _stroke_px(geometry, drawn, scale_x, scale_y)
+        base = _display_image(image, layout.image_w, layout.image_h)
+        return cls(base, drawn, stroke * 72.0 / dpi, stroke / 2 / scale_x, stroke / 2 / scale_y)
+
+
+def _panel_tokens(panel: PanelInput, drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(drawn anchors, drawn signals, (N,) bool of the tokens shown undimmed)."""
+    anchors = panel.anchors
+    anchors = anchors[drawn[anchors]] if anchors.size else anchors
+    signals = panel.signals if panel.signals is not None else np.zeros(0, dtype=np.int64)
+    signals = signals[drawn[signals]] if signals.size else signals
+    kept = np.zeros(drawn.shape[0], dtype=bool)
+    kept[anchors] = True
+    kept[signals] = True
+    if panel.category == "merging" and panel.assignment is not None:
+        kept |= panel.assignment >= 0
+    return anchors, signals, kept
+
+
+def _outline(ax: Any, boxes: np.ndarray, canvas: _Canvas, colour: str, zorder: float) -> None:
+    """Box outlines drawn inside each footprint."""
+    ax.add_collection(PolyCollection(_inset_polygons(boxes, canvas.inset_x, canvas.inset_y), facecolors="none",
+                                     edgecolors=colour, linewidths=canvas.stroke_pt, joinstyle="miter", snap=False,
+                                     zorder=zorder))  # fmt: skip
+
+
+def _draw_panel(
+    fig: Figure, layout: _Layout, slot: int, panel: PanelInput, summary: dict[str, Any], geometry: TokenGeometry,
+    canvas: _Canvas, links: bool,
+) -> PanelInfo:  # fmt: skip
+    """One method's panel in grid cell `slot`, and where its boxes landed."""
+    ax = _image_axes(fig, layout, slot, geometry)
+    height, width = geometry.image_size
+    anchors, signals, kept = _panel_tokens(panel, canvas.drawn)
+    fills = _merge_fills(panel, canvas.drawn) if panel.category == "merging" and panel.assignment is not None else None
+    raster = _compose(canvas.base, geometry, canvas.drawn, kept, fills)
+    ax.imshow(raster, extent=(0, width, height, 0), aspect="auto", interpolation="antialiased", zorder=0)
+    _draw_unseen(ax, geometry)
+    if links and signals.size and panel.assignment is not None:
+        _draw_links(ax, geometry, panel, signals, canvas.drawn, canvas.stroke_pt)
+    if signals.size:
+        _outline(ax, geometry.boxes[signals], canvas, GREEN, 3)
+    if anchors.size:
+        _outline(ax, geometry.boxes[anchors], canvas, RED, 4)
+    ax.set_xlim(0, width)
+    ax.set_ylim(height, 0)
+    return PanelInfo(
+        method=panel.method,
+        category=panel.category,
+        summary=summary,
+        anchor_tokens=[int(i) for i in anchors],
+        signal_tokens=[int(i) for i in signals],
+        anchors=_to_figure_px(ax, geometry.boxes[anchors], layout.height),
+        signals=_to_figure_px(ax, geometry.boxes[signals], layout.height),
+        image_extent=_axes_extent(ax, geometry, layout.height),
+    )
+
+
+def _draw_legend_and_note(fig: Figure, layout: _Layout, handles: list[Any]) -> None:
+    if handles:
+        legend = _legend(fig, handles, layout.legend_ncols)
+        x, y = layout.legend_anchor
+        legend.set_bbox_to_anchor((x / layout.width, 1 - y / layout.height), transform=fig.transFigure)
+    if layout.note:
+        x, y = layout.note_anchor
+        fig.text(x / layout.width, 1 - y / layout.height, layout.note, ha="center", va="top", fontsize=NOTE_PT,
+                 color=NOTE_COLOUR, linespacing=LINE_SPACING)  # fmt: skip
+
+
 def overlay_figure(
     image: np.ndarray,
     geometry: TokenGeometry,
@@ -583,134 +753,33 @@ def overlay_figure(
     CaRe); ``links`` draws a thin line from each signal to the anchor it mostly feeds. ``note`` (e.g. the
     demo backbone's warning) is a footer wrapped to the canvas. See the module docstring for the layout.
     """
-    image = np.asarray(image)
-    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-        raise ValueError(f"image must be an (H, W, 3) uint8 array, got {image.shape} {image.dtype}")
-    if tuple(image.shape[:2]) != tuple(geometry.image_size):
-        raise ValueError(f"image is {image.shape[1]}x{image.shape[0]} but the tokens' image_size is "
-                         f"{geometry.image_size[1]}x{geometry.image_size[0]} (width x height)")  # fmt: skip
-    if not panels:
-        raise ValueError("overlay_figure needs at least one panel")
-    if dpi <= 0:
-        raise ValueError(f"dpi must be positive, got {dpi}")
+    image = _checked_image(image, geometry, panels, dpi)
     n = geometry.num_tokens
-    for p in panels:
-        if p.assignment is not None and p.assignment.shape[0] != n:
-            raise ValueError(f"{p.method}: assignment has {p.assignment.shape[0]} entries, the geometry {n} tokens")
+    drawn, view_line = _drawn_view(geometry, view)
     notes: list[str] = []
-    effective_view = None if geometry.views is None else view or "high"
-    drawn = drawn_mask(geometry, effective_view)
-    view_line = None
-    if effective_view is not None:
-        name = "high-resolution" if effective_view == "high" else "base"
-        view_line = f"{name} view: {int(drawn.sum())} of {n} tokens drawn"
-
     scored = next((p for p in panels if p.scores is not None and p.scores.shape[0] == n), None)
     if show_scores and scored is None:
         notes.append("no method here has per-token scores; the score panel is left out")
-    with_scores = show_scores and scored is not None
+    shown = scored if show_scores else None  # the panel whose scores the heat map shows
+    scores_title, scores_label = _scores_title(shown, backbone, view_line) if shown is not None else (None, None)
 
     summaries = [panel_summary(p, n, drawn) for p in panels]
     titles = [_title(p, s, backbone, view_line) for p, s in zip(panels, summaries, strict=True)]
-    categories = {p.category for p in panels}
     has_signals = any(p.signals is not None for p in panels)
     unseen = bool(_unseen_rects(geometry))
-    handles = _legend_handles(categories, has_signals, unseen, links and has_signals)
-
-    # Measure titles, legend and footer (their size in pixels is set by the dpi alone), then lay out.
+    handles = _legend_handles({p.category for p in panels}, has_signals, unseen, links and has_signals)
     fig = Figure(figsize=(4.0, 4.0), dpi=dpi, facecolor="white")
-    renderer = FigureCanvasAgg(fig).get_renderer()
-    image_w, image_h = _image_px(geometry, dpi)
-    column_min = _px(COLUMN_MIN_IN, dpi)
-    cbar_extra = _px(CBAR_GAP_IN + CBAR_W_IN + CBAR_LABELS_IN, dpi)
-    title_measure = _text_measure(renderer, TITLE_PT)
-    contents = [(title, image_w) for title in titles]
-    scores_title = scores_label = None
-    if with_scores and scored is not None:
-        scores_title, scores_label = _scores_title(scored, backbone, view_line)
-        contents.append((scores_title, image_w + cbar_extra))
-    cells = []
-    for text, content_w in contents:
-        width = max(content_w, column_min)
-        artist = fig.text(0, 0, wrap_text(text, width, title_measure), fontsize=TITLE_PT, ha="center",
-                          va="bottom", linespacing=LINE_SPACING)  # fmt: skip
-        cells.append(_Cell(artist, content_w, width, *_size_px(artist, renderer)))
-    legend_sizes = []
-    for k in range(1, len(handles) + 1):
-        trial = _legend(fig, handles, k)
-        legend_sizes.append(_size_px(trial, renderer))
-        trial.remove()
-    note_lines = (0, 0)  # height of one line of the footer, and what each further line adds
-    if note:
-        probe = fig.text(0, 0, "Ag", fontsize=NOTE_PT, linespacing=LINE_SPACING)
-        first = _size_px(probe, renderer)[1]
-        probe.set_text("Ag\nAg")
-        note_lines = (first, _size_px(probe, renderer)[1] - first)
-        probe.remove()
-    layout = _layout(cells, image_w, image_h, legend_sizes, note, _text_measure(renderer, NOTE_PT), note_lines,
-                     dpi)  # fmt: skip
-    fig.set_size_inches(layout.width / dpi, layout.height / dpi)
-    for cell, (x, y) in zip(cells, layout.title_anchors, strict=True):
-        cell.title.set_position((x / layout.width, 1 - y / layout.height))
+    layout = _lay_out(fig, geometry, titles, scores_title, handles, note, dpi)
 
-    base = _display_image(image, layout.image_w, layout.image_h)
-    height, width = geometry.image_size
-    scale_x, scale_y = layout.image_w / width, layout.image_h / height
-    stroke = _stroke_px(geometry, drawn, scale_x, scale_y)
-    stroke_pt = stroke * 72.0 / dpi
-    inset_x, inset_y = stroke / 2 / scale_x, stroke / 2 / scale_y
-
-    infos: list[PanelInfo] = []
-    for slot, (panel, summary) in enumerate(zip(panels, summaries, strict=True)):
-        ax = _image_axes(fig, layout, slot, geometry)
-        anchors = panel.anchors
-        anchors = anchors[drawn[anchors]] if anchors.size else anchors
-        signals = panel.signals if panel.signals is not None else np.zeros(0, dtype=np.int64)
-        signals = signals[drawn[signals]] if signals.size else signals
-        kept = np.zeros(n, dtype=bool)
-        kept[anchors] = True
-        kept[signals] = True
-        fills = None
-        if panel.category == "merging" and panel.assignment is not None:
-            kept |= panel.assignment >= 0
-            fills = _merge_fills(panel, drawn)
-        raster = _compose(base, geometry, drawn, kept, fills)
-        ax.imshow(raster, extent=(0, width, height, 0), aspect="auto", interpolation="antialiased", zorder=0)
-        _draw_unseen(ax, geometry)
-        if links and signals.size and panel.assignment is not None:
-            _draw_links(ax, geometry, panel, signals, drawn, stroke_pt)
-        if signals.size:
-            ax.add_collection(PolyCollection(_inset_polygons(geometry.boxes[signals], inset_x, inset_y),
-                                             facecolors="none", edgecolors=GREEN, linewidths=stroke_pt,
-                                             joinstyle="miter", snap=False, zorder=3))  # fmt: skip
-        if anchors.size:
-            ax.add_collection(PolyCollection(_inset_polygons(geometry.boxes[anchors], inset_x, inset_y),
-                                             facecolors="none", edgecolors=RED, linewidths=stroke_pt,
-                                             joinstyle="miter", snap=False, zorder=4))  # fmt: skip
-        ax.set_xlim(0, width)
-        ax.set_ylim(height, 0)
-        infos.append(PanelInfo(
-            method=panel.method,
-            category=panel.category,
-            summary=summary,
-            anchor_tokens=[int(i) for i in anchors],
-            signal_tokens=[int(i) for i in signals],
-            anchors=_to_figure_px(ax, geometry.boxes[anchors], layout.height),
-            signals=_to_figure_px(ax, geometry.boxes[signals], layout.height),
-            image_extent=_axes_extent(ax, geometry, layout.height),
-        ))  # fmt: skip
-
+    canvas = _Canvas.of(image, geometry, drawn, layout, dpi)
+    infos = [
+        _draw_panel(fig, layout, slot, panel, summary, geometry, canvas, links)
+        for slot, (panel, summary) in enumerate(zip(panels, summaries, strict=True))
+    ]
     scores_info = None
-    if with_scores and scored is not None and scores_label is not None:
-        scores_info = _draw_scores(fig, layout, len(panels), geometry, base, drawn, scored, scores_label, dpi)
-    if handles:
-        legend = _legend(fig, handles, layout.legend_ncols)
-        x, y = layout.legend_anchor
-        legend.set_bbox_to_anchor((x / layout.width, 1 - y / layout.height), transform=fig.transFigure)
-    if layout.note:
-        x, y = layout.note_anchor
-        fig.text(x / layout.width, 1 - y / layout.height, layout.note, ha="center", va="top", fontsize=NOTE_PT,
-                 color=NOTE_COLOUR, linespacing=LINE_SPACING)  # fmt: skip
+    if shown is not None and scores_label is not None:
+        scores_info = _draw_scores(fig, layout, len(panels), geometry, canvas.base, drawn, shown, scores_label, dpi)
+    _draw_legend_and_note(fig, layout, handles)
     return OverlayFigure(fig, float(dpi), (layout.width, layout.height), infos, scores_info, notes)
 
 
@@ -801,10 +870,3 @@ def _legend_handles(categories: set[str], has_signals: bool, unseen: bool, links
         handles.append(Patch(facecolor=UNSEEN_FACE, edgecolor=UNSEEN_HATCH, hatch="///", linewidth=0,
                              label="not seen by the model"))  # fmt: skip
     return handles
-
-
-def token_overlay(
-    image: np.ndarray, geometry: TokenGeometry, panel: PanelInput, *, backbone: str, **options: Any
-) -> OverlayFigure:
-    """One method on one image (see :func:`overlay_figure` for the options)."""
-    return overlay_figure(image, geometry, [panel], backbone=backbone, **options)

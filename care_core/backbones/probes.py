@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,8 +21,12 @@ import torch.nn.functional as F
 
 from ._hf import quiet_transformers
 
-# Probe names computed from one vision-tower forward (see care_core.methods.base.PROBES).
-VISION_PROBES = frozenset({"cls_attention", "attention_logits", "keys", "hidden_with_cls", "last_layer_qk"})
+# Probe names computed from one vision-tower forward (see care_core.methods.base.PROBES); the attention
+# probes are recomputed from the feature block's attention input.
+ATTENTION_PROBES = frozenset({"cls_attention", "attention_logits", "keys"})
+VISION_PROBES = ATTENTION_PROBES | {"hidden_with_cls", "last_layer_qk"}
+#: a model's ``vision_feature_layer``: one index into ``hidden_states``, or several (features concatenated)
+FeatureLayer = int | Sequence[int]
 DEFAULT_PROBE_QUESTION = "Describe the image."
 
 
@@ -137,11 +143,86 @@ def hidden_state_index(layer: int, num_layers: int) -> int:
     return index
 
 
+@dataclass(frozen=True)
+class _CapturePlan:
+    """What a capture hooks: ``indices`` into ``hidden_states`` (one per feature layer) and which probe groups."""
+
+    indices: list[int]
+    attention: bool  # an attention probe: the feature block's attention input
+    hidden: bool  # hidden_with_cls: the hidden states at ``indices``
+    last_qk: bool  # last_layer_qk: the last block's q_proj / k_proj outputs
+
+    def feature_block(self, layers: torch.nn.ModuleList) -> torch.nn.Module:
+        """The encoder block whose output is the (single) feature layer's hidden state."""
+        return layers[self.indices[0] - 1]
+
+
+def _capture_plan(num_layers: int, feature_layer: FeatureLayer, names: AbstractSet[str]) -> _CapturePlan:
+    """The plan for probes `names`; ValueError when the attention probes lack one block to read from."""
+    feature_layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+    indices = [hidden_state_index(int(i), num_layers) for i in feature_layers]
+    attention_names = ATTENTION_PROBES & set(names)
+    if attention_names and len(indices) != 1:
+        raise ValueError(f"{sorted(attention_names)} need a single vision feature layer, got {feature_layers}")
+    if attention_names and indices[0] == 0:
+        raise ValueError(f"{sorted(attention_names)}: feature layer {feature_layers[0]} is the embedding output")
+    return _CapturePlan(indices, bool(attention_names), "hidden_with_cls" in names, "last_layer_qk" in names)
+
+
+class _Captured:
+    """Tensors the hooks store by key; the forward stops once every expected key is in."""
+
+    def __init__(self) -> None:
+        self.values: dict[Any, torch.Tensor] = {}
+        self.expected: set[Any] = set()
+
+    def store(self, key: Any, value: torch.Tensor) -> None:
+        self.values[key] = value.detach()
+        if self.expected <= self.values.keys():
+            raise StopForward
+
+
+def _hook_plan(hooks: HookScope, layers: torch.nn.ModuleList, plan: _CapturePlan, captured: _Captured) -> None:
+    """Register the hooks `plan` needs, each storing into `captured` under a key it expects."""
+    store = captured.store
+    if plan.attention:
+        captured.expected.add("attn_input")
+        hooks.forward_pre_hook(
+            plan.feature_block(layers).self_attn,
+            lambda m, a, kw: store("attn_input", _hidden_input(a, kw)),
+            with_kwargs=True,
+        )
+    if plan.hidden:
+        for index in dict.fromkeys(plan.indices):
+            captured.expected.add(("hidden", index))
+            if index == 0:  # hidden_states[0] is the input of block 0
+                hooks.forward_pre_hook(
+                    layers[0],
+                    lambda m, a, kw, key=("hidden", index): store(key, _hidden_input(a, kw)),
+                    with_kwargs=True,
+                )
+            else:  # hidden_states[i] is the output of block i - 1
+                hooks.forward_hook(layers[index - 1], lambda m, a, o, key=("hidden", index): store(key, _first(o)))
+    if plan.last_qk:
+        last = layers[len(layers) - 1].self_attn
+        captured.expected.update({"last_q", "last_k"})
+        hooks.forward_hook(last.q_proj, lambda m, a, o: store("last_q", o))
+        hooks.forward_hook(last.k_proj, lambda m, a, o: store("last_k", o))
+
+
+def _run_tower(tower: torch.nn.Module, pixel_values: torch.Tensor, captured: _Captured) -> None:
+    """The tower's forward on `pixel_values` until the hooks have stored everything `captured` expects."""
+    param = next(tower.parameters())
+    pv = pixel_values.to(device=param.device, dtype=param.dtype)
+    with quiet_transformers():
+        stopped = run_until_stopped(lambda: tower(pixel_values=pv, return_dict=True))
+    if not stopped:
+        missing = sorted(map(str, captured.expected - captured.values.keys()))
+        raise RuntimeError(f"the vision tower forward never reached the probe hooks {missing}")
+
+
 def clip_vision_capture(
-    tower: torch.nn.Module,
-    pixel_values: torch.Tensor,
-    feature_layer: int | Sequence[int],
-    names: set[str] | frozenset[str],
+    tower: torch.nn.Module, pixel_values: torch.Tensor, feature_layer: FeatureLayer, names: AbstractSet[str]
 ) -> dict[str, Any]:
     """What the requested :data:`VISION_PROBES` need, captured in one (truncated) pass of a CLIP-style tower.
 
@@ -155,72 +236,27 @@ def clip_vision_capture(
     if unknown:
         raise ValueError(f"not vision probes: {sorted(unknown)}")
     layers = clip_encoder_layers(tower)
-    num_layers = len(layers)
-    feature_layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
-    indices = [hidden_state_index(int(i), num_layers) for i in feature_layers]
-    attention_names = {"cls_attention", "attention_logits", "keys"} & set(names)
-    if attention_names and len(indices) != 1:
-        raise ValueError(f"{sorted(attention_names)} need a single vision feature layer, got {feature_layers}")
-    if attention_names and indices[0] == 0:
-        raise ValueError(f"{sorted(attention_names)}: feature layer {feature_layers[0]} is the embedding output")
-
-    captured: dict[Any, torch.Tensor] = {}
-    needed: set[Any] = set()
-
-    def store(key: Any, value: torch.Tensor) -> None:
-        captured[key] = value.detach()
-        if needed <= captured.keys():
-            raise StopForward
-
+    plan = _capture_plan(len(layers), feature_layer, names)
+    captured = _Captured()
     with torch.no_grad(), HookScope() as hooks:
-        if attention_names:
-            block = layers[indices[0] - 1]
-            needed.add("attn_input")
-            hooks.forward_pre_hook(
-                block.self_attn, lambda m, a, kw: store("attn_input", _hidden_input(a, kw)), with_kwargs=True
-            )
-        if "hidden_with_cls" in names:
-            for index in dict.fromkeys(indices):
-                needed.add(("hidden", index))
-                if index == 0:  # hidden_states[0] is the input of block 0
-                    hooks.forward_pre_hook(
-                        layers[0],
-                        lambda m, a, kw, key=("hidden", index): store(key, _hidden_input(a, kw)),
-                        with_kwargs=True,
-                    )
-                else:  # hidden_states[i] is the output of block i - 1
-                    hooks.forward_hook(layers[index - 1], lambda m, a, o, key=("hidden", index): store(key, _first(o)))
-        if "last_layer_qk" in names:
-            last = layers[num_layers - 1].self_attn
-            needed.update({"last_q", "last_k"})
-            hooks.forward_hook(last.q_proj, lambda m, a, o: store("last_q", o))
-            hooks.forward_hook(last.k_proj, lambda m, a, o: store("last_k", o))
-        if not needed:
+        _hook_plan(hooks, layers, plan, captured)
+        if not captured.expected:
             return {}
-        param = next(tower.parameters())
-        pv = pixel_values.to(device=param.device, dtype=param.dtype)
-        with quiet_transformers():
-            stopped = run_until_stopped(lambda: tower(pixel_values=pv, return_dict=True))
-        if not stopped:
-            missing = sorted(map(str, needed - captured.keys()))
-            raise RuntimeError(f"the vision tower forward never reached the probe hooks {missing}")
+        _run_tower(tower, pixel_values, captured)
 
     out: dict[str, Any] = {}
-    if attention_names:
-        out["attn_input"] = captured["attn_input"]
-        out["attention"] = layers[indices[0] - 1].self_attn
-    if "hidden_with_cls" in names:
-        out["hidden"] = [captured[("hidden", i)] for i in indices]
-    if "last_layer_qk" in names:
-        out["last_q"], out["last_k"] = captured["last_q"], captured["last_k"]
+    if plan.attention:
+        out["attn_input"] = captured.values["attn_input"]
+        out["attention"] = plan.feature_block(layers).self_attn
+    if plan.hidden:
+        out["hidden"] = [captured.values[("hidden", i)] for i in plan.indices]
+    if plan.last_qk:
+        out["last_q"], out["last_k"] = captured.values["last_q"], captured.values["last_k"]
     return out
 
 
 def clip_vision_probes(
-    tower: torch.nn.Module,
-    pixel_values: torch.Tensor,
-    feature_layer: int | Sequence[int],
-    names: set[str] | frozenset[str],
+    tower: torch.nn.Module, pixel_values: torch.Tensor, feature_layer: FeatureLayer, names: AbstractSet[str]
 ) -> dict[str, torch.Tensor]:
     """The requested :data:`VISION_PROBES` of one image from one (truncated) pass of a CLIP-style tower.
 
@@ -240,7 +276,7 @@ def clip_vision_probes(
     captured = clip_vision_capture(tower, pixel_values, feature_layer, names)
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        attention_names = {"cls_attention", "attention_logits", "keys"} & set(names)
+        attention_names = ATTENTION_PROBES & set(names)
         if attention_names:
             out.update(_attention_probes(captured["attention"], captured["attn_input"][0], attention_names))
         if "hidden_with_cls" in names:
@@ -255,7 +291,7 @@ def _linear32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, linear.weight.float(), bias)
 
 
-def _attention_probes(attn: torch.nn.Module, x: torch.Tensor, names: set[str]) -> dict[str, torch.Tensor]:
+def _attention_probes(attn: torch.nn.Module, x: torch.Tensor, names: AbstractSet[str]) -> dict[str, torch.Tensor]:
     """cls_attention / attention_logits / keys from one attention module's (T, d) input, in float32."""
     heads = int(attn.num_heads)
     head_dim = int(attn.head_dim)

@@ -1,6 +1,6 @@
 """Analytic FLOPs of visual-token reduction (paper Supp. B), per-layer token schedules and backbone specs.
 
-Pure Python on exact integers: no torch needed except in `counter` (the FlopCounterMode cross-check).
+Pure Python on exact integers, no torch (the FlopCounterMode cross-check lives in `tests/flops/_counter.py`).
 """
 
 from care_core.flops.formulas import (

@@ -111,51 +111,66 @@ def _auto_bool(key: str, value: Any) -> bool | None:
     raise _bad(key, "auto, true or false", value)
 
 
-def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "care") -> EvalSpec:
-    """An :class:`EvalSpec` from ``model_args`` key/values (strings, or numbers as lmms-eval parses them).
-
-    ``method`` is a registered method (or alias) or ``none``; a method needs exactly one of ``keep`` (an integer
-    >= 1) and ``ratio`` (in (0, 1]); ``none`` takes neither. CaReConfig fields (``lam``, ``m``, ``seed``, ...) set
-    the hyperparameters; ``cuda_graph`` (auto, true, false) how answers are decoded. Anything else is a
-    :class:`ModelArgsError` (one line).
-    """
-    hyper = set(CaReConfig.field_names())
-    known = [*MODEL_KEYS, *sorted(hyper), *RUNNER_KEYS]
+def _check_keys(args: Mapping[str, Any], known: list[str]) -> None:
+    """ModelArgsError for the first key not in `known`, with the closest known key as a hint."""
     for key in args:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ModelArgsError(f"model_args: unknown key {key!r}{hint}; known: {', '.join(known)}")
-    pretrained = _text("pretrained", args.get("pretrained", "tiny-llava"))
-    method_arg = args.get("method", default_method if default_method is not None else NO_METHOD)
-    method: str | None = _text("method", method_arg).lower()
-    if method == NO_METHOD:
-        method = None
-    else:
-        from care_core.methods import canonical_name
 
-        try:
-            method = canonical_name(str(method))
-        except MethodError as exc:
-            raise ModelArgsError(f"model_args: {exc}") from None
-    keep = args.get("keep")
-    ratio = args.get("ratio")
-    if keep is not None:
-        if isinstance(keep, str) and keep.strip().isdigit():
-            keep = int(keep)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise _bad("keep", "an integer >= 1", keep)
-    if ratio is not None:
-        try:
-            ratio = float(ratio)
-        except (TypeError, ValueError):
-            raise _bad("ratio", "a number in (0, 1]", ratio) from None
-        if isinstance(args.get("ratio"), bool) or not 0 < ratio <= 1:
-            raise _bad("ratio", "a number in (0, 1]", args.get("ratio"))
+
+def _method(args: Mapping[str, Any], default_method: str | None) -> str | None:
+    """The canonical method name, or None for ``none``."""
+    method_arg = args.get("method", default_method if default_method is not None else NO_METHOD)
+    method = _text("method", method_arg).lower()
+    if method == NO_METHOD:
+        return None
+    from care_core.methods import canonical_name
+
+    try:
+        return canonical_name(method)
+    except MethodError as exc:
+        raise ModelArgsError(f"model_args: {exc}") from None
+
+
+def _keep(value: Any) -> int | None:
+    """``keep``: an integer >= 1 (or its digits), or None when not given."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad("keep", "an integer >= 1", value)
+    return value
+
+
+def _ratio(value: Any) -> float | None:
+    """``ratio``: a number in (0, 1], or None when not given."""
+    if value is None:
+        return None
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError):
+        raise _bad("ratio", "a number in (0, 1]", value) from None
+    if isinstance(value, bool) or not 0 < ratio <= 1:
+        raise _bad("ratio", "a number in (0, 1]", value)
+    return ratio
+
+
+def _budget(args: Mapping[str, Any], method: str | None) -> tuple[int | None, float | None]:
+    """(keep, ratio): exactly one of them for a method, neither for ``none``."""
+    keep = _keep(args.get("keep"))
+    ratio = _ratio(args.get("ratio"))
     if method is None and (keep is not None or ratio is not None):
         raise ModelArgsError("model_args: method=none keeps every visual token; drop keep/ratio or name a method")
     if method is not None and (keep is None) == (ratio is None):
         raise ModelArgsError(f"model_args: method={method} needs exactly one budget: keep=K or ratio=R")
+    return keep, ratio
+
+
+def _config(args: Mapping[str, Any], hyper: set[str]) -> CaReConfig:
+    """The CaReConfig with the hyperparameters named in `args` (numbers may come as text)."""
     values: dict[str, Any] = {}
     defaults = CaReConfig()
     for key in hyper & set(args):
@@ -170,9 +185,25 @@ def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "c
                 raise _bad(key, "a number", value) from None
         values[key] = value
     try:
-        config = CaReConfig(**values)
+        return CaReConfig(**values)
     except ConfigError as exc:
         raise ModelArgsError(f"model_args: {exc}") from None
+
+
+def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "care") -> EvalSpec:
+    """An :class:`EvalSpec` from ``model_args`` key/values (strings, or numbers as lmms-eval parses them).
+
+    ``method`` is a registered method (or alias) or ``none``; a method needs exactly one of ``keep`` (an integer
+    >= 1) and ``ratio`` (in (0, 1]); ``none`` takes neither. CaReConfig fields (``lam``, ``m``, ``seed``, ...) set
+    the hyperparameters; ``cuda_graph`` (auto, true, false) how answers are decoded. Anything else is a
+    :class:`ModelArgsError` (one line).
+    """
+    hyper = set(CaReConfig.field_names())
+    _check_keys(args, [*MODEL_KEYS, *sorted(hyper), *RUNNER_KEYS])
+    pretrained = _text("pretrained", args.get("pretrained", "tiny-llava"))
+    method = _method(args, default_method)
+    keep, ratio = _budget(args, method)
+    config = _config(args, hyper)
     spec = EvalSpec(pretrained=pretrained, method=method, keep=keep, ratio=ratio,
                     device=_text("device", args.get("device", "auto")), dtype=_text("dtype", args.get("dtype", "auto")),
                     config=config, cuda_graph=_auto_bool("cuda_graph", args.get("cuda_graph", "auto")))  # fmt: skip

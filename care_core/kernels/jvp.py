@@ -32,20 +32,23 @@ def _cfg(bm: int, bn: int, bk: int, dirs: int, stages: int, warps: int) -> trito
     return triton.Config({"BM": bm, "BN": bn, "BK": bk, "DIRS": dirs, "GROUP": 8}, num_stages=stages, num_warps=warps)
 
 
-_BF16_CONFIGS = [
-    _cfg(128, 256, 64, 1, 3, 8),
-    _cfg(128, 128, 64, 2, 3, 8),
-    _cfg(128, 128, 64, 2, 4, 8),
-    _cfg(128, 64, 64, 4, 4, 8),
-    _cfg(128, 64, 64, 4, 3, 8),
-]
-_TF32_CONFIGS = [
-    _cfg(128, 256, 32, 1, 3, 8),
-    _cfg(128, 128, 32, 2, 3, 8),
-    _cfg(128, 128, 32, 2, 4, 8),
-    _cfg(128, 64, 32, 4, 4, 8),
-    _cfg(128, 64, 32, 4, 3, 8),
-]
+# (BM, BN, DIRS, stages, warps) of each autotune candidate; bf16 and tf32 differ only in the K tile BK
+# (64 vs 32 elements: the same 128 bytes per row of an operand tile).
+_TILES = (
+    (128, 256, 1, 3, 8),
+    (128, 128, 2, 3, 8),
+    (128, 128, 2, 4, 8),
+    (128, 64, 4, 4, 8),
+    (128, 64, 4, 3, 8),
+)
+
+
+def _configs(bk: int) -> list[triton.Config]:
+    return [_cfg(bm, bn, bk, dirs, stages, warps) for bm, bn, dirs, stages, warps in _TILES]
+
+
+_BF16_CONFIGS = _configs(bk=64)
+_TF32_CONFIGS = _configs(bk=32)
 #: Every config's tiles divide these (checked by :func:`supported`): rows are padded to ROW_PAD,
 #: directions to DIR_PAD.
 ROW_PAD = 128

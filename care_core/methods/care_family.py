@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 
 from care_core._lazy import torch
 from care_core.config import CaReConfig
-from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
+from care_core.methods.base import Method, MethodInputs, MethodResult, selection_result
 from care_core.methods.registry import register
 from care_core.methods.zoo_prune import ZooPrune
 
@@ -48,11 +48,31 @@ def prca_key(config: CaReConfig) -> tuple[object, ...]:
 
 @dataclass(frozen=True)
 class _CaReFamily(Method):
+    """What CaRe and its ablations share; a variant names itself, its rank, fields, anchors and calibration as
+    class keywords, and its category, cost model and score label follow from those."""
+
     config: CaReConfig = field(default_factory=CaReConfig)
     paper: ClassVar[str] = PAPER
-    score_label: ClassVar[str | None] = "psi_bar"
     anchors_from: ClassVar[str] = "prca"  # "prca" or "zoo-prune"
     calibration: ClassVar[str] = "gated"  # "gated", "all" or "none"
+
+    def __init_subclass__(
+        cls,
+        *,
+        name: str,
+        rank: int,
+        hyperparameters: frozenset[str],
+        anchors_from: str = "prca",
+        calibration: str = "gated",
+        **kwargs: object,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.rank, cls.hyperparameters = name, rank, hyperparameters
+        cls.anchors_from, cls.calibration = anchors_from, calibration
+        cls.category = "selection" if calibration == "none" else "calibration"
+        cls.cost_model = name  # each variant has its own formula in care_core.flops.methods
+        # ZOO-Prune anchors are ranked by its normalised sensitivity, not psi_bar
+        cls.score_label = "psi_bar" if anchors_from == "prca" else None
 
     @classmethod
     def from_config(cls, config: CaReConfig) -> Method:
@@ -112,14 +132,8 @@ class _CaReFamily(Method):
 
 @register
 @dataclass(frozen=True)
-class CaRe(_CaReFamily):
+class CaRe(_CaReFamily, name="care", rank=0, hyperparameters=PRCA_FIELDS | GATED_FIELDS):
     """CaRe: perturbation-robust calibration anchors (Eq. 1–3) + confidence-gated calibration (Eq. 4–9)."""
-
-    name: ClassVar[str] = "care"
-    category: ClassVar[Category] = "calibration"
-    rank: ClassVar[int] = 0
-    cost_model: ClassVar[str | None] = "care"
-    hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS | GATED_FIELDS
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         """:func:`care_core.care.care_reduce` with this config, the inputs' stage timer and scorer (and, where
@@ -140,54 +154,34 @@ class CaRe(_CaReFamily):
 
 @register
 @dataclass(frozen=True)
-class PRCAOnly(_CaReFamily):
+class PRCAOnly(_CaReFamily, name="prca-only", rank=1, hyperparameters=PRCA_FIELDS, calibration="none"):
     """Ablation "Only Calib-Anchor": PRCA anchors handed over unchanged."""
 
-    name: ClassVar[str] = "prca-only"
-    category: ClassVar[Category] = "selection"
-    rank: ClassVar[int] = 1
-    cost_model: ClassVar[str | None] = "prca-only"
-    hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS
-    calibration: ClassVar[str] = "none"
-
 
 @register
 @dataclass(frozen=True)
-class SimpleCalib(_CaReFamily):
+class SimpleCalib(
+    _CaReFamily,
+    name="simple-calib",
+    rank=2,
+    hyperparameters=ZOO_FIELDS | UNGATED_FIELDS,
+    anchors_from="zoo-prune",
+    calibration="all",
+):
     """Ablation "Only Simple-Calib": ZOO-Prune anchors, every residual token injected (no gate, c_r = 1)."""
 
-    name: ClassVar[str] = "simple-calib"
-    category: ClassVar[Category] = "calibration"
-    rank: ClassVar[int] = 2
-    cost_model: ClassVar[str | None] = "simple-calib"
-    hyperparameters: ClassVar[frozenset[str]] = ZOO_FIELDS | UNGATED_FIELDS
-    score_label: ClassVar[str | None] = None  # ZOO-Prune's normalised sensitivity, not psi_bar
-    anchors_from: ClassVar[str] = "zoo-prune"
-    calibration: ClassVar[str] = "all"
-
 
 @register
 @dataclass(frozen=True)
-class ConfidenceCalib(_CaReFamily):
+class ConfidenceCalib(
+    _CaReFamily, name="confidence-calib", rank=3, hyperparameters=ZOO_FIELDS | GATED_FIELDS, anchors_from="zoo-prune"
+):
     """Ablation "Only Confidence-Calib": ZOO-Prune anchors + confidence-gated calibration (CGTC)."""
 
-    name: ClassVar[str] = "confidence-calib"
-    category: ClassVar[Category] = "calibration"
-    rank: ClassVar[int] = 3
-    cost_model: ClassVar[str | None] = "confidence-calib"
-    hyperparameters: ClassVar[frozenset[str]] = ZOO_FIELDS | GATED_FIELDS
-    score_label: ClassVar[str | None] = None
-    anchors_from: ClassVar[str] = "zoo-prune"
-
 
 @register
 @dataclass(frozen=True)
-class PRCASimpleCalib(_CaReFamily):
+class PRCASimpleCalib(
+    _CaReFamily, name="prca+simple-calib", rank=4, hyperparameters=PRCA_FIELDS | UNGATED_FIELDS, calibration="all"
+):
     """Ablation "Calib-Anchor+Simple-Calib": PRCA anchors, every residual token injected (no gate)."""
-
-    name: ClassVar[str] = "prca+simple-calib"
-    category: ClassVar[Category] = "calibration"
-    rank: ClassVar[int] = 4
-    cost_model: ClassVar[str | None] = "prca+simple-calib"
-    hyperparameters: ClassVar[frozenset[str]] = PRCA_FIELDS | UNGATED_FIELDS
-    calibration: ClassVar[str] = "all"

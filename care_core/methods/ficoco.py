@@ -115,6 +115,114 @@ class FiCoCoStep:
     score_map: torch.Tensor | None  # released map after the step (None for the paper penalty)
 
 
+def _released_penalty(
+    scores: torch.Tensor, score_map: torch.Tensor | None, grid: tuple[int, int] | None, t: int
+) -> torch.Tensor:
+    """The released local penalty on T tokens, in place on `scores` (T - 1,); returns the score map after the step.
+
+    The scores go into the map's live slots in slot order; the window minima of the map are penalised by slot
+    index used as token (row - 1) index, and those slots retire (``inf``).
+    """
+    if score_map is None:
+        raise MethodError("ficoco-v: the released local penalty needs the score map state")
+    new_map = score_map.clone()
+    if grid is None:
+        side = math.isqrt(new_map.numel())
+        grid = (side, side) if side * side == new_map.numel() else None
+    live = (new_map != torch.inf).nonzero().flatten()
+    count = min(live.numel(), t - 1)
+    new_map[live[:count]] = scores[:count].to(new_map.dtype)
+    slots = window_minima(new_map, grid)
+    slots = slots[slots < t - 1]  # slot index used as token (row - 1) index
+    _penalise(scores, slots)
+    new_map[slots] = torch.inf
+    return new_map
+
+
+def _paper_penalty(scores: torch.Tensor, origin: torch.Tensor | None, grid: tuple[int, int] | None) -> None:
+    """The paper's local penalty, in place on `scores`: 2x2 windows over the patch positions still present."""
+    if origin is None or grid is None:
+        return
+    patch = origin[1:] - 1
+    present = patch >= 0
+    board = torch.full((grid[0] * grid[1],), torch.inf, dtype=scores.dtype, device=scores.device)
+    board[patch[present]] = scores[present]
+    slot_row = torch.full_like(board, -1, dtype=torch.long)
+    slot_row[patch[present]] = present.nonzero().flatten()
+    mins = window_minima(board, grid)
+    mins = mins[torch.isfinite(board[mins])]
+    _penalise(scores, slot_row[mins])
+
+
+def _penalised_scores(
+    logits: torch.Tensor,
+    t: int,
+    local_penalty: Penalty,
+    score_map: torch.Tensor | None,
+    grid: tuple[int, int] | None,
+    origin: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(redundancy scores (T - 1,) after the local penalty, the released score map after the step or None)."""
+    scores = redundancy_scores(logits)
+    if local_penalty == "released":
+        return scores, _released_penalty(scores, score_map, grid, t)
+    if local_penalty == "paper":
+        _paper_penalty(scores, origin, grid)
+        return scores, None
+    raise MethodError(f"ficoco-v: unknown local_penalty {local_penalty!r}")
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """Correlate's result: where each merged row's weight goes."""
+
+    targets: torch.Tensor  # (r, k) target rows of every merged row (official indices)
+    rows: torch.Tensor  # (T - r,) input row of every output row
+    target_rows: torch.Tensor  # (r, k) output rows that receive the weight
+    top_values: torch.Tensor  # (T, k) softmax top-k values of every row
+    weights: torch.Tensor  # (r, k) weights of the merged rows, normalised per row
+
+
+def _released_targets(
+    probs: torch.Tensor, merge: torch.Tensor, remain: torch.Tensor, k: int, t: int, r: int
+) -> _Targets:
+    """Rows in ascending score order; targets by original token index (those >= T - r shifted down by r)."""
+    top_values, top_index = probs.topk(k, dim=-1)
+    targets = top_index[merge]
+    target_rows = torch.where(targets >= t - r, targets - r, targets)
+    if bool((target_rows < 0).any()):  # only possible for r > (t - 1) // 2; the official scatter fails too
+        raise MethodError(f"ficoco-v: released target addressing is undefined for r={r} of {t} tokens")
+    weights = (top_values / top_values.sum(dim=-1, keepdim=True))[merge]
+    return _Targets(targets, remain, target_rows, top_values, weights)
+
+
+def _paper_targets(probs: torch.Tensor, merge: torch.Tensor, remain: torch.Tensor, k: int, t: int) -> _Targets:
+    """Rows in token order; targets restricted to the remaining tokens, added to the rows that hold them."""
+    allowed = torch.ones(t, dtype=torch.bool, device=probs.device)
+    allowed[merge] = False
+    masked = probs[merge].masked_fill(~allowed, -1.0)  # only remaining tokens can be targets
+    values, targets = masked.topk(k, dim=-1)
+    top_values = probs.topk(k, dim=-1).values  # recorded like the official (all rows)
+    rows = remain.sort().values
+    return _Targets(
+        targets, rows, torch.searchsorted(rows, targets), top_values, values / values.sum(dim=-1, keepdim=True)
+    )
+
+
+def _compress(hidden: torch.Tensor, merge: torch.Tensor, found: _Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """(merged hidden states, accumulated weight (T - r, 1)): merge_ficoco_v with size=None, which scatter-adds
+    the weighted merged rows and divides every row by its accumulated weight."""
+    out = hidden[found.rows].clone()
+    size = torch.ones(found.rows.numel(), 1, dtype=hidden.dtype, device=hidden.device)
+    if found.targets.shape[1] > 0:
+        source = hidden[merge]
+        flat = found.target_rows.reshape(-1)
+        w = found.weights.to(hidden.dtype)
+        out.scatter_add_(0, flat[:, None].expand(-1, out.shape[1]), (source[:, None, :] * w[..., None]).flatten(0, 1))
+        size.scatter_add_(0, flat[:, None], w.reshape(-1, 1))
+    return out / size, size
+
+
 def ficoco_step(
     hidden: torch.Tensor,
     logits: torch.Tensor,
@@ -135,41 +243,9 @@ def ficoco_step(
     t = hidden.shape[0]
     if not 0 < r <= t - 1:
         raise MethodError(f"ficoco-v: cannot merge {r} of {t} tokens (row 0 is protected)")
-    device = hidden.device
-    scores = redundancy_scores(logits)
-    new_map = None
-    if local_penalty == "released":
-        if score_map is None:
-            raise MethodError("ficoco-v: the released local penalty needs the score map state")
-        new_map = score_map.clone()
-        if grid is None:
-            side = math.isqrt(new_map.numel())
-            grid = (side, side) if side * side == new_map.numel() else None
-        live = (new_map != torch.inf).nonzero().flatten()
-        count = min(live.numel(), t - 1)
-        new_map[live[:count]] = scores[:count].to(new_map.dtype)
-        slots = window_minima(new_map, grid)
-        slots = slots[slots < t - 1]  # slot index used as token (row - 1) index
-        _penalise(scores, slots)
-        new_map[slots] = torch.inf
-    elif local_penalty == "paper":
-        if origin is None or grid is None:
-            where = torch.empty(0, dtype=torch.long, device=device)
-        else:
-            patch = origin[1:] - 1
-            present = patch >= 0
-            board = torch.full((grid[0] * grid[1],), torch.inf, dtype=scores.dtype, device=device)
-            board[patch[present]] = scores[present]
-            slot_row = torch.full_like(board, -1, dtype=torch.long)
-            slot_row[patch[present]] = present.nonzero().flatten()
-            mins = window_minima(board, grid)
-            mins = mins[torch.isfinite(board[mins])]
-            where = slot_row[mins]
-        _penalise(scores, where)
-    else:
-        raise MethodError(f"ficoco-v: unknown local_penalty {local_penalty!r}")
-
-    ranked = torch.cat([torch.full((1,), torch.inf, dtype=scores.dtype, device=device), scores])
+    # Filter: penalised redundancy scores, row 0 protected (+inf), the r lowest merged
+    scores, new_map = _penalised_scores(logits, t, local_penalty, score_map, grid, origin)
+    ranked = torch.cat([torch.full((1,), torch.inf, dtype=scores.dtype, device=hidden.device), scores])
     order = torch.sort(ranked, stable=True).indices
     merge, remain = order[:r], order[r:]
 
@@ -179,44 +255,23 @@ def ficoco_step(
     k = int((merged_logits > threshold).sum(dim=-1).max())
     probs = torch.softmax(logits, dim=-1)
     if row_order == "released":
-        top_values, top_index = probs.topk(k, dim=-1)
-        targets = top_index[merge]
-        rows = remain
-        target_rows = torch.where(targets >= t - r, targets - r, targets)
-        if bool((target_rows < 0).any()):  # only possible for r > (t - 1) // 2; the official scatter fails too
-            raise MethodError(f"ficoco-v: released target addressing is undefined for r={r} of {t} tokens")
-        weights = (top_values / top_values.sum(dim=-1, keepdim=True))[merge]
+        found = _released_targets(probs, merge, remain, k, t, r)
     elif row_order == "paper":
-        allowed = torch.ones(t, dtype=torch.bool, device=device)
-        allowed[merge] = False
-        masked = probs[merge].masked_fill(~allowed, -1.0)  # only remaining tokens can be targets
-        values, targets = masked.topk(k, dim=-1)
-        top_values = probs.topk(k, dim=-1).values  # recorded like the official (all rows)
-        rows = remain.sort().values
-        target_rows = torch.searchsorted(rows, targets)
-        weights = values / values.sum(dim=-1, keepdim=True)
+        found = _paper_targets(probs, merge, remain, k, t)
     else:
         raise MethodError(f"ficoco-v: unknown row_order {row_order!r}")
 
-    # Compress (merge_ficoco_v with size=None): scatter-add weighted merged rows, divide by the accumulated weight
-    out = hidden[rows].clone()
-    size = torch.ones(rows.numel(), 1, dtype=hidden.dtype, device=device)
-    if k > 0:
-        source = hidden[merge]
-        flat = target_rows.reshape(-1)
-        w = weights.to(hidden.dtype)
-        out.scatter_add_(0, flat[:, None].expand(-1, out.shape[1]), (source[:, None, :] * w[..., None]).flatten(0, 1))
-        size.scatter_add_(0, flat[:, None], w.reshape(-1, 1))
+    merged, size = _compress(hidden, merge, found)
     return FiCoCoStep(
-        hidden=out / size,
+        hidden=merged,
         size=size[:, 0],
         order=order,
         merge=merge,
         remain=remain,
-        rows=rows,
-        targets=targets,
-        target_rows=target_rows,
-        top_values=top_values,
+        rows=found.rows,
+        targets=found.targets,
+        target_rows=found.target_rows,
+        top_values=found.top_values,
         scores=scores,
         score_map=new_map,
     )

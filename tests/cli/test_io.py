@@ -457,6 +457,48 @@ def test_guard_untouched_by_module() -> None:
     assert Image.MAX_IMAGE_PIXELS == 1024 * 1024 * 1024 // 4 // 3
 
 
+def _pillow_settings() -> tuple[object, object]:
+    return ImageFile.LOAD_TRUNCATED_IMAGES, Image.MAX_IMAGE_PIXELS
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_pillow_settings_unchanged_by_loading(tmp_path: Path, lenient: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Successful loads and every kind of failure leave Pillow's process-wide settings as the caller had them.
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", lenient)
+    before = _pillow_settings()
+    assert before == (lenient, 1024 * 1024 * 1024 // 4 // 3)
+    good = tmp_path / "good.png"
+    _noise((16, 12)).save(good)
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    text = tmp_path / "text.png"
+    text.write_text("not an image")
+    _check_rgb(load_image(good), (16, 12))
+    assert _pillow_settings() == before
+    for bad in (cut, tmp_path / "missing.png", text):
+        _user_error(bad)
+        assert _pillow_settings() == before
+
+
+def test_to_rgb_is_public_and_returns_a_new_rgb_image() -> None:
+    rgb = Image.new("RGB", (2, 1), RED)
+    out = care_images.to_rgb(rgb)
+    assert out is not rgb
+    assert out.mode == "RGB" and _pixel(out, (0, 0)) == RED
+    rgba = Image.new("RGBA", (2, 1), (255, 0, 0, 0))
+    rgba.putpixel((1, 0), (255, 0, 0, 255))
+    out = care_images.to_rgb(rgba)
+    assert out.mode == "RGB"
+    assert _pixel(out, (0, 0)) == WHITE  # fully transparent: the white background
+    assert _pixel(out, (1, 0)) == RED
+    assert "to_rgb" in care_images.__all__
+
+
+def test_to_rgb_rejects_what_is_not_an_image() -> None:
+    with pytest.raises(TypeError, match="expected a PIL image, got ndarray"):
+        care_images.to_rgb(np.zeros((2, 2, 3), dtype=np.uint8))  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can read anything")
 def test_unreadable(tmp_path: Path) -> None:
     path = tmp_path / "secret.png"

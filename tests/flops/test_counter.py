@@ -16,8 +16,9 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 
 from care_core.flops import formulas as fx
-from care_core.flops.counter import count_flops, register_cpu_sdpa_formula
 from care_core.flops.specs import KNOWN_BACKBONES, LanguageModelSpec, ProjectorSpec, VisionSpec
+
+from ._counter import count_flops, cpu_sdpa_mapping
 
 REL = 1e-3
 
@@ -72,13 +73,19 @@ def test_tiny_qwen2_gqa_layer_matches_gqa_formula(attn: str) -> None:
     assert fx.layer_flops(w, lm) > counted  # the plain 8WH² term over-counts K/V projections under GQA
 
 
-def test_cpu_sdpa_formula_is_registered() -> None:
-    from torch.utils.flop_counter import flop_registry
+def test_cpu_sdpa_op_counted_without_writing_torch_registry() -> None:
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    register_cpu_sdpa_formula()
-    assert register_cpu_sdpa_formula() is False  # idempotent
+    before = dict(flop_registry)
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    total, _ = count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert total == 2 * (2 * 1 * 2 * 5 * 7 * 8)  # QKᵀ and AV: 2·b·h·s_q·s_k·d each
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    assert op in flop_registry or op.default in flop_registry
+    counter = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_mapping())
+    with counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert counter.get_flop_counts()["Global"] == {op: total}  # counted as the CPU flash op itself
+    assert flop_registry == before
 
 
 # (b) full-size 7B decoder layers on the meta device -------------------------------------------------------
