@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from care_core.backbones.families import DEFAULT_DEMO
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, ConfigError, MethodError
 
@@ -31,7 +32,7 @@ class ModelArgsError(CareError):
 class EvalSpec:
     """One evaluated configuration: the backbone, the method (None: all visual tokens) and its budget."""
 
-    pretrained: str = "tiny-llava"
+    pretrained: str = DEFAULT_DEMO
     method: str | None = "care"
     keep: int | None = None
     ratio: float | None = None
@@ -126,7 +127,7 @@ def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "c
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ModelArgsError(f"model_args: unknown key {key!r}{hint}; known: {', '.join(known)}")
-    pretrained = _text("pretrained", args.get("pretrained", "tiny-llava"))
+    pretrained = _text("pretrained", args.get("pretrained", DEFAULT_DEMO))
     method_arg = args.get("method", default_method if default_method is not None else NO_METHOD)
     method: str | None = _text("method", method_arg).lower()
     if method == NO_METHOD:

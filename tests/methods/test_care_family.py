@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from care_core import CaReConfig, care_reduce
-from care_core.methods import MethodInputs, build_method, create_method
+from care_core.methods import MethodInputs, build_method
 from tests.core._problems import make_problem, to_np
 from tests.reference import care_reference as ref
 
@@ -191,5 +191,5 @@ def test_ablations_differ_where_the_table_says() -> None:
 
 
 def test_create_method_keeps_the_defaults() -> None:
-    assert create_method("care").config == CaReConfig()
+    assert build_method("care").config == CaReConfig()
     assert build_method("care").config == CaReConfig()
