@@ -53,15 +53,15 @@ class FlopsOptions:
 
 
 FORMULAS = {
-    "F_score": "2 m F_M(N) + m N H + N^2 d_v + K N   (Supp. B; what --engine fd runs)",
-    "F_score --engine jvp": "F_1(N) + F_1(m) + 2 m N d_h d_out + m N H + N^2 d_v + K N for a Linear-act-Linear "
+    "F_score": "2 m F_M(N) + m N H + N^2 d_v + K N   (Supp. B; what engine fd runs)",
+    "F_score (engine jvp)": "F_1(N) + F_1(m) + 2 m N d_h d_out + m N H + N^2 d_v + K N for a Linear-act-Linear "
     "projector (F_1: its first layer; d_h, d_out: the second's in/out); other projectors: as Supp. B",
-    "F_score --engine jvp --second-layer triangular": "the second layer through W2's triangular factor R (d_h x d_h, "
+    "F_score (engine jvp, second_layer triangular)": "the second layer through W2's triangular factor R (d_h x d_h, "
     "W2 = QR) in blocks of 256 columns: 2 m N sum_b (d_h - first column of b) * 256 in place of 2 m N d_h d_out "
     "(what a Scorer runs on CUDA, e.g. the pipeline's)",
     "F_res": "N_d K d_v + N_d K   (N_d = N - K)",
     "F_layer": "8 W H^2 + 6 W H I + 4 W^2 H   (W = T + visual tokens of the layer)",
-    "F_layer --gqa": "4 W H q + 4 W H kv + 6 W H I + 4 W^2 q   (q = heads·head_dim, kv = kv_heads·head_dim)",
+    "F_layer (gqa)": "4 W H q + 4 W H kv + 6 W H I + 4 W^2 q   (q = heads·head_dim, kv = kv_heads·head_dim)",
     "F_prefill": "sum over the layer schedule of F_layer",
     "F_M(N)": "2 N sum(in·out) over the projector's linear layers",
     "lm_head": "2 H V (logits of the last position only, as generate computes them in prefill)",
@@ -96,7 +96,7 @@ def resolve_tokens(spec: BackboneSpec, tokens: int | None, image: tuple[int, int
 
 
 def resolve_budgets(spec: BackboneSpec, n: int, keeps: Sequence[int], ratios: Sequence[float]) -> list[int]:
-    """K values, --keep ones then --ratio ones (both repeatable, duplicates dropped, as `care csr` takes them);
+    """K values, `keeps` then `ratios` (duplicates dropped, as `care csr` takes them);
     none given: the paper's budgets for this backbone (its fractions of N)."""
     values = [check_keep(keep, n) for keep in keeps] + [keep_from_ratio(ratio, n) for ratio in ratios]
     if not keeps and not ratios:

@@ -78,7 +78,7 @@ class ProjectorSpec:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """The vision tower (only for the optional `--vision-tower` term)."""
+    """The vision tower (only for the optional `vision_tower` term)."""
 
     kind: str  # "clip" or "qwen2.5-vit"
     layers: int
@@ -109,7 +109,7 @@ class BackboneSpec:
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     min_pixels: int = 0
     max_pixels: int = 0
-    paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; default --keep values
+    paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; the default budgets
     paper_key: str | None = None  # Table S1 / Table 1 backbone name, when these are the paper's dims
     source: str = ""
     aliases: tuple[str, ...] = field(default=(), compare=False)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class ImageSizeError(CareError):
-    """A malformed or impossible --image-size."""
+    """A malformed or impossible image size."""
 
 
 @dataclass(frozen=True)
