@@ -142,6 +142,11 @@ def demo_backbones() -> dict[str, DemoBackbone]:
     return {demo.name: demo for family in _FAMILIES.values() for demo in family.demos}
 
 
+def served_families(lmms_eval_model: str) -> tuple[str, ...]:
+    """The families whose records name ``lmms_eval_model`` as their lmms-eval model id."""
+    return tuple(family.name for family in _FAMILIES.values() if family.lmms_eval_model == lmms_eval_model)
+
+
 #: the demo every tool uses when no model is given
 DEFAULT_DEMO = "tiny-llava"
 
@@ -180,8 +185,3 @@ register_family(BackboneFamily(
                      "demo only"),
     ),
 ))  # fmt: skip
-
-
-def served_families(lmms_eval_model: str) -> tuple[str, ...]:
-    """The families whose records name ``lmms_eval_model`` as their lmms-eval model id."""
-    return tuple(family.name for family in _FAMILIES.values() if family.lmms_eval_model == lmms_eval_model)

@@ -36,6 +36,20 @@ FAMILIES = {"tiny-llava": "llava-1.5", "tiny-llava-next": "llava-next", "tiny-qw
 QUESTION = "What is in the image?"
 
 
+
+def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
+    from care_cli.options import Model
+    from care_core.backbones.families import DEFAULT_DEMO, backbone_family
+
+    demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl"]
+    assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
+    families = {**FAMILIES, "tiny-llava-random": "llava-1.5"}
+    for name in demos:
+        assert DEMO_BACKBONES[name].family == families[name]
+        assert DEMO_BACKBONES[name] in backbone_family(families[name]).demos
+    help_text = Model.__metadata__[0].help
+    assert all(name in help_text for name in demos)
+
 @pytest.fixture
 def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
