@@ -37,7 +37,11 @@ _DTYPES = {
 
 def adapter_class(model_type: str) -> type[VLMAdapter]:
     """The adapter of the family that loads ``config.json`` model_type ``model_type`` (the family registry's)."""
-    return import_path(backbone_family(model_type).adapter)  # type: ignore[no-any-return]
+    family = backbone_family(model_type)
+    adapter: type[VLMAdapter] = import_path(family.adapter)
+    if getattr(adapter, "family", None) != family.name:  # the record and its adapter must name each other
+        raise RuntimeError(f"{family.adapter} is the adapter of family {family.name!r} but says {adapter.family!r}")
+    return adapter
 
 
 def care_home() -> Path:

@@ -178,7 +178,7 @@ class Method:
 
     @classmethod
     def serves(cls, family: str) -> bool:
-        """Whether the method can run on backbone `family` (e.g. "qwen2.5-vl"): it offers every trait required."""
+        """Whether the method can run on backbone `family` (e.g. "qwen2.5-vl"): the family offers all it requires."""
         return not backbone_family(family).missing(cls.requires)
 
     @classmethod
