@@ -44,7 +44,7 @@ def load_photos() -> list[Any]:
 def configured_method(name: str, seed: int) -> Any:
     """The named method at its defaults, with ``seed`` wherever it draws random numbers (as ``care csr``)."""
     from care_core import CaReConfig
-    from care_core.methods import create_method, method_class
+    from care_core.methods import build_method, method_class
 
     fields = {f.name for f in dataclasses.fields(method_class(name))}
     options: dict[str, Any] = {}
@@ -52,7 +52,7 @@ def configured_method(name: str, seed: int) -> Any:
         options["seed"] = seed
     if "config" in fields:
         options["config"] = CaReConfig(seed=seed)
-    return create_method(name, **options)
+    return build_method(name, **options)
 
 
 def use_pil_image_processor(adapter: Any) -> None:

@@ -823,7 +823,7 @@ def bench_workload(
         for k in BUDGETS[name]:
             row: dict[str, Any] = {"method": method_name, "K": k}
             try:
-                method = method_registry.create_method(method_name)
+                method = method_registry.build_method(method_name)
                 needs = sorted(getattr(method, "needs", ()))
 
                 def reduce(method=method, needs=needs, k=k) -> Any:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from care_cli.errors import UserError
+from care_core.backbones.families import DEFAULT_DEMO, demo_backbones
 from care_core.config import CaReConfig
 
 _DEFAULT = CaReConfig()
@@ -44,9 +45,9 @@ Model = Annotated[
     str | None,
     typer.Option(
         "--model",
-        help="A demo name (tiny-llava, tiny-llava-next, tiny-qwen2.5-vl), a local model folder, or a Hugging Face "
-        "repo id in the local cache (offline). Default: the embedded tiny-llava demo (a tiny model, not a real "
-        "VLM; its caption says how it was made).",
+        help=f"A demo name ({', '.join(demo_backbones())}), a local model folder, or a Hugging Face repo id in the "
+        f"local cache (offline). Default: the embedded {DEFAULT_DEMO} demo (a tiny model, not a real VLM; its "
+        "caption says how it was made).",
         rich_help_panel=_BACKBONE,
     ),
 ]
@@ -71,10 +72,11 @@ Methods = Annotated[
 
 # Flag of each CaReConfig field where it is not the field name with dashes.
 _FLAGS = {"lam": "--lambda"}
-_CHOICES = {
-    "engine": ("jvp", "fd", "response engine: jvp (exact derivative) or fd (Eq. 1 literally)"),
-    "matmul_precision": ("auto", "float32", "tf32", "bf16", "jvp matmuls: auto, float32, tf32 or bf16"),
-    "kernel": ("auto", "fused", "torch", "kernels: auto (fused where available), fused, or torch"),
+# What each choice field of CaReConfig means; its values are the field's Literal type (shown by the option).
+_CHOICE_HELP = {
+    "engine": "response engine: jvp (exact derivative) or fd (Eq. 1 literally)",
+    "matmul_precision": "jvp matmuls (auto: float32 on the CPU, tf32 on CUDA)",
+    "kernel": "kernels: auto (fused where available), fused, or torch",
 }
 
 
@@ -89,13 +91,15 @@ def _hyper_parameters() -> list[inspect.Parameter]:
     params = []
     for f in fields(CaReConfig):
         meta = f.metadata
+        metavar = None
         if "help" in meta:
             text = f"{meta['symbol']}: {meta['help']}; {ranges[f.name].removeprefix('in ')}"
             annotation: Any = int if hints[f.name] is int else float
-        else:
-            *_, text = _CHOICES.get(f.name, (f.name,))
-            annotation = str
-        option = typer.Option(flag_of(f.name), help=f"{text}.", rich_help_panel=_HYPER)
+        else:  # a Literal: the option accepts exactly its values, listed in the help (a short metavar keeps
+            annotation = hints[f.name]  # the panel readable at 80 columns)
+            text = f"{_CHOICE_HELP.get(f.name, f.name)}; one of {', '.join(typing.get_args(annotation))}"
+            metavar = "<choice>"
+        option = typer.Option(flag_of(f.name), help=f"{text}.", rich_help_panel=_HYPER, metavar=metavar)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
                                         annotation=Annotated[annotation, option]))  # fmt: skip
     return params

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from care_cli.errors import UserError
+from care_core.backbones.families import DEFAULT_DEMO
 
 MANIFEST = "manifest.json"
 FORMAT = "care.csr-run/1"
@@ -67,7 +68,7 @@ def result_key(record: dict[str, Any]) -> tuple[str, str, str]:
 
 def identity(model: str | None, dtype: str, config: dict[str, Any]) -> dict[str, Any]:
     """What must match for results of two runs to be mixed."""
-    shown = model or "tiny-llava"
+    shown = model or DEFAULT_DEMO
     folder = Path(shown).expanduser()
     if folder.exists():
         shown = str(folder.resolve())

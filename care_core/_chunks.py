@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Literal, get_args
 
 # Elements of the largest intermediate per chunk (~256 MB in float32).
 CHUNK_ELEMENTS = 1 << 26
@@ -24,6 +25,10 @@ def two_pass_chunk(m: int, n: int, dim: int, out_dim: int) -> int:
 # dense layer's multiply-adds (5/8 at B = 4). More blocks skip more of the triangle but give narrower matmuls
 # (B = 8 and 16 were slower than 4 on an H200 at N = 2880).
 TRIANGULAR_BLOCKS = 4
+#: How the jvp engine applies a Linear-act-Linear projector's second layer: "dense" (W2 itself) or "triangular"
+#: (through W2's triangular factor R in column blocks); care_core.scoring.Scorer adds "auto" (triangular on CUDA).
+SecondLayer = Literal["dense", "triangular"]
+SECOND_LAYERS: tuple[SecondLayer, ...] = get_args(SecondLayer)
 
 
 def block_bounds(width: int, blocks: int = TRIANGULAR_BLOCKS) -> list[tuple[int, int]]:

@@ -5,12 +5,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from care_core.errors import ConfigError
 
+#: PRCA's response engines: "jvp" the exact directional derivative, "fd" Eq. 1 literally
 Engine = Literal["jvp", "fd"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+#: the jvp engine's matmul precision: auto = float32 on the CPU, tf32 on CUDA
 MatmulPrecision = Literal["auto", "float32", "tf32", "bf16"]
+MATMUL_PRECISIONS: tuple[MatmulPrecision, ...] = get_args(MatmulPrecision)
+#: which code path runs the hot spots (care_core.kernels): "auto" fused where it applies and can run, "fused"
+#: also for tf32 jvp scoring and a CareError where it cannot run, "torch" never fused
+Kernel = Literal["auto", "fused", "torch"]
+KERNELS: tuple[Kernel, ...] = get_args(Kernel)
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, values[:-1])) + f" or {values[-1]!r}"
 
 
 def _hyper(
@@ -53,7 +65,7 @@ class CaReConfig:
     matmul_precision: MatmulPrecision = "auto"  # jvp engine only: auto = float32 on CPU, tf32 on CUDA
     # fused Triton kernels: "auto" where they apply and can run (bf16 jvp scoring, greedy anchors on CUDA),
     # "torch" never, "fused" also for tf32 jvp scoring and a CareError where they cannot run
-    kernel: Literal["auto", "fused", "torch"] = "auto"
+    kernel: Kernel = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -69,12 +81,9 @@ class CaReConfig:
             high = high(self) if callable(high) else high
             if value < low or (f.metadata["open_low"] and value == low) or (high is not None and value > high):
                 raise ConfigError(f.name, f"must be {_range_text(f.metadata, self)}, got {value!r}")
-        if self.engine not in ("jvp", "fd"):
-            raise ConfigError("engine", f"must be 'jvp' or 'fd', got {self.engine!r}")
-        if self.matmul_precision not in ("auto", "float32", "tf32", "bf16"):
-            raise ConfigError("matmul_precision", f"must be auto, float32, tf32 or bf16, got {self.matmul_precision!r}")
-        if self.kernel not in ("auto", "fused", "torch"):
-            raise ConfigError("kernel", f"must be auto, fused or torch, got {self.kernel!r}")
+        for name, values in (("engine", ENGINES), ("matmul_precision", MATMUL_PRECISIONS), ("kernel", KERNELS)):
+            if getattr(self, name) not in values:
+                raise ConfigError(name, f"must be {_one_of(values)}, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

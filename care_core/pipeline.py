@@ -425,21 +425,15 @@ class ReductionPipeline:
 
 def unavailable_reason(method: Method, adapter: VLMAdapter) -> str | None:
     """Why ``method`` cannot run on ``adapter`` (one line), or None when it can."""
-    from care_core.methods.base import CLS_FAMILIES, SINGLE_GRID_FAMILIES, canonical_family
-
     name = type(method).name
     try:  # the probes a method needs say most precisely what is missing (e.g. a CLS token)
         adapter.check_probes(sorted(set(method.needs) - {"question"}), name)
     except MethodError as exc:
         return str(exc)
-    if method.serves(adapter.family):
+    lacking = method.why_not_served(adapter.family)
+    if lacking is None:
         return None
-    family = canonical_family(adapter.family)
-    why = ""
-    if family not in SINGLE_GRID_FAMILIES and type(method).backbones <= SINGLE_GRID_FAMILIES:
-        why = ": it needs the visual tokens to form one raster grid, and this backbone has several views"
-    elif family not in CLS_FAMILIES and type(method).backbones <= CLS_FAMILIES:
-        why = ": it needs the vision tower's CLS token, which this backbone does not have"
+    why = f": it needs {lacking}, which this backbone does not offer"
     return f"method {name!r} cannot run on {adapter.name} ({adapter.family} backbone){why}"
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from care_core import kernels
-from care_core._chunks import TRIANGULAR_BLOCKS, block_bounds, two_pass_chunk
+from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, two_pass_chunk
 from care_core._chunks import chunk_size as _chunk_size
 from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
@@ -391,7 +391,7 @@ class Scorer:
     """
 
     _MAX_DIRECTIONS = 16
-    SECOND_LAYERS = ("auto", "dense", "triangular")
+    SECOND_LAYERS = ("auto", *SECOND_LAYERS)
 
     def __init__(self, projector: Projector, *, second_layer: str = "auto") -> None:
         if second_layer not in self.SECOND_LAYERS:

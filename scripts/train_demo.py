@@ -363,13 +363,13 @@ _eval: dict[str, Any] = {}
 
 def _init_eval(folder: str, random_keep: int) -> None:
     from care_core.backbones import load_backbone
-    from care_core.methods import create_method
+    from care_core.methods import build_method
 
     torch.set_num_threads(1)
     adapter = load_backbone(folder, device="cpu", dtype="float32")
     use_pil_image_processor(adapter)
-    _eval.update(adapter=adapter, photos=load_photos(), random=create_method("random", seed=0),
-                 care=create_method("care"), keep=random_keep)  # fmt: skip
+    _eval.update(adapter=adapter, photos=load_photos(), random=build_method("random", seed=0),
+                 care=build_method("care"), keep=random_keep)  # fmt: skip
 
 
 def _eval_one(item: tuple[int, str, str, str]) -> tuple[str, int, int, int]:

@@ -89,6 +89,7 @@ def eval_command(
     metric), the visual tokens the language model saw and the seconds per sample.
     """
     from care_cli import runs
+    from care_core.backbones.families import DEFAULT_DEMO
     from care_core.integrations import broken_torchvision, lmms_eval_missing
     from care_core.integrations.settings import EvalSpec
 
@@ -106,7 +107,7 @@ def eval_command(
     broken = broken_torchvision()
     if broken:
         raise UserError(broken)
-    pretrained = model or "tiny-llava"
+    pretrained = model or DEFAULT_DEMO
     specs = [EvalSpec(pretrained=pretrained, method=None, device=device, dtype=dtype, config=config,
                       cuda_graph=cuda_graphs)]  # fmt: skip
     for name in names:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated, Any
 
 import typer
@@ -11,32 +10,22 @@ from rich.table import Table
 
 from care_cli import options as opt
 from care_cli import render
+from care_core._chunks import SecondLayer
+from care_core.backbones.families import DEFAULT_DEMO, demo_backbones, family_names
+from care_core.config import CaReConfig, Engine
+from care_core.flops.formulas import Convention
 
 _COUNT = "What is counted"
+DEFAULT_FAMILY = demo_backbones()[DEFAULT_DEMO].family  # the default demo's family, as everywhere
 _PAPER = "Paper comparison"
-
-
-class ConventionChoice(str, Enum):
-    flops = "flops"
-    macs = "macs"
-
-
-class EngineChoice(str, Enum):
-    jvp = "jvp"
-    fd = "fd"
-
-
-class SecondLayerChoice(str, Enum):
-    dense = "dense"
-    triangular = "triangular"
 
 
 Backbone = Annotated[
     str,
     typer.Option(
         "--backbone", "-b",
-        help="llava-1.5, llava-next or qwen2.5-vl (their 7B), a full name (llava-1.5-13b, llava-next-13b, "
-        "qwen2.5-vl-3b, ...), or a local config.json / model folder.",
+        help=f"A backbone family ({', '.join(family_names())}: its 7B model), a full name such as llava-1.5-13b "
+        "or qwen2.5-vl-3b, or a local config.json / model folder.",
     ),
 ]  # fmt: skip
 Tokens = Annotated[int | None, typer.Option("--tokens", "-n", help="N, the visual tokens before reduction.")]
@@ -60,18 +49,18 @@ Methods = Annotated[
 ]
 TextTokens = Annotated[int, typer.Option("--text-tokens", "-t", help="T, the text tokens in the prefill.")]
 ConventionOpt = Annotated[
-    ConventionChoice,
+    Convention,
     typer.Option("--convention", help="flops (1 multiply-add = 2) or macs (every figure halved).",
                  rich_help_panel=_COUNT),
 ]  # fmt: skip
 EngineOpt = Annotated[
-    EngineChoice | None,
-    typer.Option("--engine", help="PRCA's response engine whose work is counted: jvp (the library's default, what "
-                 "care reduce runs) or fd (Eq. 1 literally: Supp. B's 2mF_M(N)). Default: the library's.",
-                 rich_help_panel=_COUNT, show_default=False),
+    Engine,
+    typer.Option("--engine", help="PRCA's response engine whose work is counted: jvp (exact derivative, what care "
+                 "reduce runs by default) or fd (Eq. 1 literally: Supp. B's 2mF_M(N)).",
+                 rich_help_panel=_COUNT),
 ]  # fmt: skip
 SecondLayerOpt = Annotated[
-    SecondLayerChoice,
+    SecondLayer,
     typer.Option("--second-layer", help="How the jvp engine applies the projector's second layer: dense (the "
                  "functional core, the CPU) or triangular (through W2's triangular factor, what the pipeline's "
                  "Scorer runs on CUDA).", rich_help_panel=_COUNT),
@@ -94,16 +83,17 @@ Paper = Annotated[
 
 
 def flops(
-    backbone: Backbone = "llava-1.5",
+    ctx: typer.Context,
+    backbone: Backbone = DEFAULT_FAMILY,
     tokens: Tokens = None,
     image_size: ImageSize = None,
     keep: Keeps = None,
     ratio: Ratios = None,
     method: Methods = None,
     text_tokens: TextTokens = 64,
-    convention: ConventionOpt = ConventionChoice.flops,
-    engine: EngineOpt = None,
-    second_layer: SecondLayerOpt = SecondLayerChoice.dense,
+    convention: ConventionOpt = "flops",
+    engine: EngineOpt = CaReConfig.engine,
+    second_layer: SecondLayerOpt = "dense",
     gqa: Gqa = False,
     lm_head: LmHead = False,
     vision_tower: VisionTower = False,
@@ -112,11 +102,9 @@ def flops(
 ) -> None:
     """Analytic TFLOPs of the reduction and the prefill, term by term, with the counting convention stated."""
     from care_core.flops import FlopsOptions, flops_report, parse_image_size, resolve_backbone
-    from care_core.flops.methods import DEFAULT_ENGINE
 
-    options = FlopsOptions(text_tokens=text_tokens, convention=convention.value, gqa=gqa, lm_head=lm_head,
-                           vision_tower=vision_tower, engine=engine.value if engine else DEFAULT_ENGINE,
-                           second_layer=second_layer.value)  # fmt: skip
+    options = FlopsOptions(text_tokens=text_tokens, convention=convention, gqa=gqa, lm_head=lm_head,
+                           vision_tower=vision_tower, engine=engine, second_layer=second_layer)  # fmt: skip
     image = parse_image_size(image_size) if image_size is not None else None
     spec = resolve_backbone(backbone)
     report = flops_report(spec, tokens=tokens, image=image, keeps=keep or [], ratios=ratio or [],
@@ -124,7 +112,8 @@ def flops(
     if json_output:
         render.print_json(report)
     else:
-        show_report(report)
+        flags = {param.name: max(param.opts, key=len) for param in ctx.command.params if param.opts}
+        show_report(report, flags)
 
 
 # ------------------------------------------------------------------------------------------------ rendering
@@ -206,7 +195,8 @@ def _print(table: Table, needed: int) -> None:
     render.stdout.print(table, width=max(render.stdout.width, needed), crop=False)
 
 
-def show_report(report: dict[str, Any]) -> None:
+def show_report(report: dict[str, Any], flags: dict[str, str] | None = None) -> None:
+    """The report as tables; ``flags`` maps the library's parameter names to this command's flags."""
     macs = report["convention"] == "macs"
     unit = report["unit"]
     backbone = report["backbone"]
@@ -236,7 +226,8 @@ def show_report(report: dict[str, Any]) -> None:
     _add_rows(table, cells, ["bold" if r["method"] == "baseline" else None for r in report["rows"]], sections)
     _print(table, needed)
     out = render.stdout
-    out.print(f"[dim]N: {backbone['tokens_note']} ({backbone['tokens_source']}).[/dim]")
+    source = (flags or {}).get(backbone["tokens_source"], backbone["tokens_source"])  # "tokens" -> --tokens
+    out.print(f"[dim]N: {backbone['tokens_note']} ({source}).[/dim]")
     for method, note in dict.fromkeys((r["method"], r["note"]) for r in report["rows"]):
         out.print(f"[dim]• {method}: {note}[/dim]")
     if paper:

@@ -12,8 +12,9 @@ from care_cli import render
 
 
 def method_rows() -> list[dict[str, Any]]:
+    from care_core.backbones.families import family_names
     from care_core.config import CaReConfig
-    from care_core.methods import BACKBONE_FAMILIES, PROBES, method_class, method_names
+    from care_core.methods import PROBES, method_class, method_names
 
     config_fields = CaReConfig.field_names()
     rows = []
@@ -27,7 +28,7 @@ def method_rows() -> list[dict[str, Any]]:
             "needs_described": {k: PROBES[k] for k in sorted(cls.needs)},
             "hyperparameters": [f for f in config_fields if f in cls.hyperparameters],
             "ignores": [f for f in config_fields if f not in cls.hyperparameters],
-            "backbones": [family for family in BACKBONE_FAMILIES if family in cls.backbones],
+            "backbones": [family for family in family_names() if cls.serves(family)],
             "score_label": cls.score_label,
             "cost_model": cls.cost_model,
             "paper": cls.paper,
@@ -46,11 +47,11 @@ def _uses(row: dict[str, Any]) -> str:
 
 def methods(json_output: opt.Json = False) -> None:
     """List every registered token-reduction method."""
-    from care_core.methods import BACKBONE_FAMILIES
+    from care_core.backbones.families import family_names
 
     rows = method_rows()
     if json_output:
-        render.print_json({"command": "methods", "backbone_families": list(BACKBONE_FAMILIES), "methods": rows})
+        render.print_json({"command": "methods", "backbone_families": family_names(), "methods": rows})
         return
     table = Table(
         title="Registered methods",
@@ -65,7 +66,7 @@ def methods(json_output: opt.Json = False) -> None:
         table.add_column(col, style="bold cyan" if col == "name" else None, overflow="fold", no_wrap=not folds)
     for row in rows:
         name = row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
-        backbones = "all" if len(row["backbones"]) == len(BACKBONE_FAMILIES) else ", ".join(row["backbones"])
+        backbones = "all" if len(row["backbones"]) == len(family_names()) else ", ".join(row["backbones"])
         needs = ", ".join(row["needs"]) or "features + projector"
         table.add_row(name, row["category"], needs, _uses(row), backbones, row["paper"])
     render.stdout.print(table)

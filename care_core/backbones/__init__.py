@@ -1,17 +1,44 @@
-"""Backbone adapters (one per model family), offline loading and the embedded demo builders.
+"""Backbone adapters (one per model family), the family registry, offline loading and the embedded demos.
 
-`transformers` is imported only when a model is built or loaded, so importing this package is cheap.
+The names below are imported on first use, so that ``care_core.backbones.families`` (the family registry, read
+by ``care --help``) imports without torch; `transformers` is imported only when a model is built or loaded.
 """
 
-from .base import ImageTokens, VLMAdapter
-from .demo import DEMO_BACKBONES, DemoBackbone, ensure_demo
-from .llava import LlavaAdapter
-from .llava_next import LlavaNextAdapter
-from .loading import care_home, hf_hub_cache, load_backbone
-from .qwen2_5_vl import Qwen2_5_VLAdapter, QwenMergerProjector
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import ImageTokens, VLMAdapter
+    from .demo import DEMO_BACKBONES, ensure_demo
+    from .families import BackboneFamily, DemoBackbone, backbone_family, register_family
+    from .llava import LlavaAdapter
+    from .llava_next import LlavaNextAdapter
+    from .loading import care_home, hf_hub_cache, load_backbone
+    from .qwen2_5_vl import Qwen2_5_VLAdapter, QwenMergerProjector
+
+_HOMES = {
+    "ImageTokens": "base",
+    "VLMAdapter": "base",
+    "DEMO_BACKBONES": "demo",
+    "ensure_demo": "demo",
+    "BackboneFamily": "families",
+    "DemoBackbone": "families",
+    "backbone_family": "families",
+    "register_family": "families",
+    "LlavaAdapter": "llava",
+    "LlavaNextAdapter": "llava_next",
+    "care_home": "loading",
+    "hf_hub_cache": "loading",
+    "load_backbone": "loading",
+    "Qwen2_5_VLAdapter": "qwen2_5_vl",
+    "QwenMergerProjector": "qwen2_5_vl",
+}
 
 __all__ = [
     "DEMO_BACKBONES",
+    "BackboneFamily",
     "DemoBackbone",
     "ImageTokens",
     "LlavaAdapter",
@@ -19,8 +46,16 @@ __all__ = [
     "Qwen2_5_VLAdapter",
     "QwenMergerProjector",
     "VLMAdapter",
+    "backbone_family",
     "care_home",
     "ensure_demo",
     "hf_hub_cache",
     "load_backbone",
+    "register_family",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

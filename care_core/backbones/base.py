@@ -76,7 +76,7 @@ def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool
 class VLMAdapter(ABC):
     """A loaded vision-language model seen through the few operations token reduction needs."""
 
-    family: str  # e.g. "llava-1.5"
+    family: str  # the name of its record in care_core.backbones.families, e.g. "llava-1.5"
     name: str  # what the user asked for: a demo name, a folder or a repo id
     is_demo: bool  # True for the embedded demo backbones (by name, or through a folder with a demo marker)
     model: Any  # a transformers PreTrainedModel: its attributes are dynamic, so typed loosely
@@ -110,7 +110,7 @@ class VLMAdapter(ABC):
 
         return frozenset(PROBES)
 
-    def unavailable_reason(self, probe: str) -> str:
+    def why_probe_missing(self, probe: str) -> str:
         """Why ``probe`` is not in :attr:`capabilities` (a short clause, e.g. "Qwen2.5-VL has no CLS token")."""
         return f"the {self.family} backbone does not compute it"
 
@@ -130,7 +130,7 @@ class VLMAdapter(ABC):
         if not missing:
             return
         listed = ", ".join(missing)
-        reason = self.unavailable_reason(missing[0])
+        reason = self.why_probe_missing(missing[0])
         if method:
             raise MethodError(
                 f"method {method!r} cannot run on {self.name}: it needs {listed}, "

@@ -1,8 +1,10 @@
 """Embedded demo backbones: real geometry, tiny widths, built offline.
 
-A demo is built once into ``<care home>/demo/<name>-v<version>/`` with ``save_pretrained`` (model and
-processor) and then loaded through exactly the same code path as any real checkpoint folder. Its token counts,
-shapes and module layout are the real model family's, so every command works end to end without a download.
+Which demos exist, their versions and builders are the family registry's (:mod:`care_core.backbones.families`);
+this module holds the builders. A demo is built once into ``<care home>/demo/<name>-v<version>/`` with
+``save_pretrained`` (model and processor) and then loaded through exactly the same code path as any real checkpoint
+folder. Its token counts, shapes and module layout are the real model family's, so every command works end to end
+without a download.
 
 ``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
 ``demo_weights/manifest.json``; trained by ``scripts/train_demo.py`` on the synthetic shapes world of
@@ -19,7 +21,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,17 +29,12 @@ import torch
 
 from ..errors import ModelLoadError
 from ._hf import quiet_transformers
+from .families import RANDOM_DEMO_NOTE, TRAINED_DEMO_NOTE, DemoBackbone, demo_backbones
 
 MARKER = "care_demo.json"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "demo_weights"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "model.safetensors"
-
-RANDOM_DEMO_NOTE = "demo backbone: random weights — its numbers say nothing about a real model"
-TRAINED_DEMO_NOTE = (
-    "demo backbone: tiny model trained on synthetic shapes — it knows coloured shapes only; "
-    "its numbers say nothing about a real model"
-)
 
 # The chat template of the llava-hf LLaVA-1.5 checkpoints: "USER: <image>\n{question} ASSISTANT:".
 LLAVA15_CHAT_TEMPLATE = (
@@ -97,32 +93,6 @@ QWEN_CONTROL_TOKENS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
-
-
-@dataclass(frozen=True)
-class DemoBackbone:
-    """One embedded demo: how to build it (model, processor) from a seed."""
-
-    name: str
-    version: int
-    family: str
-    seed: int
-    description: str
-    build: Callable[[int], tuple[Any, Any]]
-    #: file name of the trained weights shipped in ``demo_weights/`` (None: random weights from ``seed``)
-    weights: str | None = None
-
-    @property
-    def folder_name(self) -> str:
-        return f"{self.name}-v{self.version}"
-
-    @property
-    def trained(self) -> bool:
-        return self.weights is not None
-
-    @property
-    def note(self) -> str:
-        return TRAINED_DEMO_NOTE if self.trained else RANDOM_DEMO_NOTE
 
 
 def build_byte_tokenizer(
@@ -361,44 +331,8 @@ def build_trained_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     return build_tiny_llava(seed, TRAINED_SIZES)
 
 
-DEMO_BACKBONES: dict[str, DemoBackbone] = {
-    "tiny-llava": DemoBackbone(
-        name="tiny-llava",
-        version=3,
-        family="llava-1.5",
-        seed=0,
-        description="LLaVA-1.5 geometry (CLIP-336/14, 576 tokens), tiny weights trained on synthetic shapes "
-        "(scripts/train_demo.py); demo only",
-        build=build_trained_tiny_llava,
-        weights="tiny-llava.safetensors",
-    ),
-    "tiny-llava-random": DemoBackbone(
-        name="tiny-llava-random",
-        version=2,
-        family="llava-1.5",
-        seed=0,
-        description="LLaVA-1.5 geometry (CLIP-336/14, 576 tokens), tiny random weights; demo only",
-        build=build_tiny_llava,
-    ),
-    "tiny-llava-next": DemoBackbone(
-        name="tiny-llava-next",
-        version=1,
-        family="llava-next",
-        seed=0,
-        description="LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672), "
-        "tiny random weights; demo only",
-        build=build_tiny_llava_next,
-    ),
-    "tiny-qwen2.5-vl": DemoBackbone(
-        name="tiny-qwen2.5-vl",
-        version=1,
-        family="qwen2.5-vl",
-        seed=0,
-        description="Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget), "
-        "tiny random weights; demo only",
-        build=build_tiny_qwen2_5_vl,
-    ),
-}
+#: demo name -> demo, from the family registry (each family's record names its demos and their builders above)
+DEMO_BACKBONES: dict[str, DemoBackbone] = demo_backbones()
 
 
 def file_sha256(path: Path) -> str:
@@ -502,7 +436,7 @@ def install_demo(name: str, home: Path) -> DemoInstall:
     goes to a temporary sibling folder renamed into place with ``os.replace``, so a concurrent process sees
     no folder, or a complete one.
     """
-    spec = DEMO_BACKBONES[name]
+    spec = demo_backbones()[name]
     root = Path(home) / "demo"
     target = root / spec.folder_name
     notices: list[str] = []

@@ -38,7 +38,6 @@ class LlavaAdapter(ChatAdapter):
     """Adapter for LLaVA-1.5 checkpoints (``model_type == "llava"``)."""
 
     family = "llava-1.5"
-    model_types = ("llava",)
     model_class = "LlavaForConditionalGeneration"
     FALLBACK_PROMPT = LLAVA15_FALLBACK_PROMPT
 

@@ -74,7 +74,6 @@ class LlavaNextAdapter(LlavaAdapter):
     """Adapter for LLaVA-NeXT checkpoints (``model_type == "llava_next"``); see the module docstring."""
 
     family = "llava-next"
-    model_types = ("llava_next",)
     model_class = "LlavaNextForConditionalGeneration"
     FALLBACK_PROMPT = LLAVA_NEXT_FALLBACK_PROMPT
     probe_notes: ClassVar[dict[str, str]] = {

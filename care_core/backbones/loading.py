@@ -17,7 +17,8 @@ import torch
 
 from ..errors import ModelLoadError
 from .base import VLMAdapter
-from .demo import DEMO_BACKBONES, install_demo, marker_note, read_marker, weights_problem
+from .demo import install_demo, marker_note, read_marker, weights_problem
+from .families import DEFAULT_DEMO, backbone_family, demo_backbones, import_path, model_types
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DTYPES = {
@@ -34,18 +35,13 @@ _DTYPES = {
 }
 
 
-def _adapter_registry() -> dict[str, type]:
-    """``config.json`` model_type -> adapter class, from each adapter's own ``model_types``."""
-    from .llava import LlavaAdapter
-    from .llava_next import LlavaNextAdapter
-    from .qwen2_5_vl import Qwen2_5_VLAdapter
-
-    registry: dict[str, type] = {}
-    for adapter in (LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter):
-        for model_type in adapter.model_types:
-            if registry.setdefault(model_type, adapter) is not adapter:
-                raise RuntimeError(f"model_type {model_type!r} is claimed by two adapters")
-    return registry
+def adapter_class(model_type: str) -> type[VLMAdapter]:
+    """The adapter of the family that loads ``config.json`` model_type ``model_type`` (the family registry's)."""
+    family = backbone_family(model_type)
+    adapter: type[VLMAdapter] = import_path(family.adapter)
+    if getattr(adapter, "family", None) != family.name:  # the record and its adapter must name each other
+        raise RuntimeError(f"{family.adapter} is the adapter of family {family.name!r} but says {adapter.family!r}")
+    return adapter
 
 
 def care_home() -> Path:
@@ -107,7 +103,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def _accepted_forms() -> str:
-    demos = ", ".join(sorted(DEMO_BACKBONES))
+    demos = ", ".join(sorted(demo_backbones()))
     return (
         f"expected a demo name ({demos}), a local model folder, "
         "or a Hugging Face repo id like org/name that is in the local cache"
@@ -134,10 +130,10 @@ def _read_model_type(folder: Path, shown: str) -> str:
     if not isinstance(config, dict):
         raise ModelLoadError(f"cannot read {config_path}: not a JSON object")
     model_type = config.get("model_type")
-    supported = ", ".join(sorted(_adapter_registry()))
+    supported = ", ".join(sorted(model_types()))
     if model_type is None:
         raise ModelLoadError(f"{config_path} has no model_type (supported: {supported})")
-    if model_type not in _adapter_registry():
+    if model_type not in model_types():
         raise ModelLoadError(f"unsupported model type {model_type} (supported: {supported})")
     return str(model_type)
 
@@ -155,7 +151,7 @@ def _load_folder(
     if folder.is_file():
         raise ModelLoadError(f"{shown} is a file, expected a model folder")
     model_type = _read_model_type(folder, shown)
-    adapter_cls: Any = _adapter_registry()[model_type]
+    adapter_cls: Any = adapter_class(model_type)
     marker = read_marker(folder)  # a demo folder (care_demo.json) keeps its note when loaded as a folder
     if marker is not None:
         problem = weights_problem(folder, marker)
@@ -217,23 +213,24 @@ def load_backbone(
 ) -> VLMAdapter:
     """Load a backbone offline and wrap it in its family's adapter.
 
-    ``model`` is a demo name (None means ``"tiny-llava"``), a local model folder, or a Hugging Face
-    repo id ``org/name`` present in the local HF cache. ``dtype`` None means float32 on the CPU and
-    bfloat16 on CUDA. Raises :class:`ModelLoadError` for anything that cannot be loaded.
+    ``model`` is a demo name (None means :data:`~care_core.backbones.families.DEFAULT_DEMO`), a local model
+    folder, or a Hugging Face repo id ``org/name`` present in the local HF cache. ``dtype`` None means float32
+    on the CPU and bfloat16 on CUDA. Raises :class:`ModelLoadError` for anything that cannot be loaded.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if model is None:
-        model = "tiny-llava"
+        model = DEFAULT_DEMO
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str) or not model.strip():
         raise ModelLoadError(f"no model given; {_accepted_forms()}")
 
-    if model in DEMO_BACKBONES:
+    demos = demo_backbones()
+    if model in demos:
         installed = install_demo(model, Path(home) if home is not None else care_home())
         adapter = _load_folder(installed.folder, name=model, is_demo=True, device=dev, dtype=dt)
-        adapter.demo_note = DEMO_BACKBONES[model].note
+        adapter.demo_note = demos[model].note
         adapter.notices.extend(installed.notices)
         return adapter
 
@@ -249,7 +246,7 @@ def load_backbone(
         message = f"{model} does not exist; {_accepted_forms()}"
     else:
         message = f"cannot find model {model!r}: no demo, folder or repo id by that name; {_accepted_forms()}"
-    close = difflib.get_close_matches(model.lower(), list(DEMO_BACKBONES), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(model.lower(), list(demos), n=1, cutoff=0.6)
     if close:
         message += f' (did you mean "{close[0]}"?)'
     raise ModelLoadError(message)

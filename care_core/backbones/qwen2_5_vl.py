@@ -87,7 +87,6 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     """Adapter for Qwen2.5-VL checkpoints (``model_type == "qwen2_5_vl"``); see the module docstring."""
 
     family = "qwen2.5-vl"
-    model_types = ("qwen2_5_vl",)
     FALLBACK_PROMPT = QWEN25VL_FALLBACK_PROMPT
     model_class = "Qwen2_5_VLForConditionalGeneration"
     probe_notes: ClassVar[dict[str, str]] = {
@@ -136,7 +135,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     def capabilities(self) -> frozenset[str]:
         return frozenset({"question", "language_model"})
 
-    def unavailable_reason(self, probe: str) -> str:
+    def why_probe_missing(self, probe: str) -> str:
         return NO_CLS
 
     # ------------------------------------------------------------------ vision

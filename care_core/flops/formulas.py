@@ -25,22 +25,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-from care_core._chunks import triangular_macs, two_pass_chunk
+from care_core._chunks import SecondLayer, triangular_macs, two_pass_chunk
 
 if TYPE_CHECKING:
     from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
 
+#: how figures are counted: "flops" (1 multiply-add = 2 FLOPs) or "macs" (every figure halved)
 Convention = Literal["flops", "macs"]
-Engine = Literal["jvp", "fd"]  # PRCA's response engines (``CaReConfig.engine``)
-ENGINES: tuple[Engine, ...] = ("jvp", "fd")
-SecondLayer = Literal["dense", "triangular"]  # how the jvp engine applies the projector's second layer
-SECOND_LAYERS: tuple[SecondLayer, ...] = ("dense", "triangular")
+CONVENTIONS: tuple[Convention, ...] = get_args(Convention)
 #: Output columns per tile of the fused jvp kernel (its autotuner's pick for LLaVA's 4096 -> 4096 on H100 and
 #: H200, tf32 and bf16): through the triangular factor, each tile skips the hidden units left of it.
 FUSED_TILE_COLUMNS = 256
-CONVENTIONS: tuple[str, ...] = ("flops", "macs")
 UNITS = {"flops": "TFLOPs", "macs": "TMACs"}
 
 

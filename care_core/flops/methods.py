@@ -21,15 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from care_core.config import CaReConfig
+from care_core._chunks import SecondLayer
+from care_core.config import ENGINES, CaReConfig, Engine
 from care_core.errors import MethodError
 from care_core.flops import formulas as fx
 
 if TYPE_CHECKING:
     from care_core.flops.specs import BackboneSpec
 
-DEFAULT_ENGINE: fx.Engine = CaReConfig.engine  # the response engine care_reduce runs by default
-DEFAULT_M = 64  # CaRe / ZOO-Prune perturbation directions (paper Supp. C; ZOO-Prune NOISERECOV_NUM)
+DEFAULT_ENGINE: Engine = CaReConfig.engine  # the response engine care_reduce runs by default
+DEFAULT_M: int = CaReConfig.m  # CaRe / ZOO-Prune perturbation directions (paper Supp. C; ZOO-Prune NOISERECOV_NUM)
 BASELINE = "baseline"
 _BASELINE_NAMES = (BASELINE, "full")
 
@@ -60,7 +61,7 @@ def _model(key: str) -> Callable[[Model], Model]:
 
 def cost_model_names(family: str | None = None) -> list[str]:
     """Every registered method with a cost model, in the registry's listing order (baseline excluded); with
-    `family` (e.g. "qwen2_5_vl"), only the methods that can run on that backbone family."""
+    `family` (e.g. "qwen2.5-vl"), only the methods that can run on that backbone family."""
     from care_core.methods import method_class, method_names, methods_for_backbone
 
     names = method_names() if family is None else methods_for_backbone(family)
@@ -96,8 +97,8 @@ def method_cost(
     k: int,
     m: int = DEFAULT_M,
     text_tokens: int = 64,
-    engine: fx.Engine = DEFAULT_ENGINE,
-    second_layer: fx.SecondLayer = "dense",
+    engine: Engine = DEFAULT_ENGINE,
+    second_layer: SecondLayer = "dense",
 ) -> MethodCost:
     """The cost of method `name` (or "baseline") from the formula its class names as ``cost_model``.
 
@@ -108,8 +109,8 @@ def method_cost(
     """
     from care_core.methods import method_class
 
-    if engine not in fx.ENGINES:
-        raise MethodError(f"engine must be one of {', '.join(fx.ENGINES)}, got {engine!r}")
+    if engine not in ENGINES:
+        raise MethodError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     canonical = canonical_method(name)
     key = BASELINE if canonical == BASELINE else method_class(canonical).cost_model
     assert key is not None
@@ -320,27 +321,26 @@ def _fastv(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
     )  # fmt: skip
 
 
-# SparseVLM v1 budgets for 576-token LLaVA-1.5-7B (Gumpest/SparseVLMs @ 26a5f48, notes/peer_methods.md):
-SPARSEVLM_LAYERS = (2, 6, 15)
-SPARSEVLM_SCHEDULES = {192: (300, 200, 110), 128: (303, 110, 36), 64: (66, 30, 17)}
-SPARSEVLM_REF_N = 576
-
-
 def sparsevlm_counts(n: int, k: int) -> tuple[list[int], list[int], list[int], str]:
-    """Per pruning layer: visual tokens after it (kept + v1 recycled cluster centres), tokens pruned, centres."""
-    if k in SPARSEVLM_SCHEDULES and n == SPARSEVLM_REF_N:
-        kept = list(SPARSEVLM_SCHEDULES[k])
+    """Per pruning layer: visual tokens after it (kept + v1 recycled cluster centres), tokens pruned, centres.
+
+    The schedules, pruning layers and recycling rule are the method's (:mod:`care_core.methods.sparsevlm`).
+    """
+    from care_core.methods.sparsevlm import SCHEDULE_TOKENS, SCHEDULES, recycle_count
+
+    schedules = SCHEDULES["1_0"]
+    if k in schedules and n == SCHEDULE_TOKENS:
+        kept = list(schedules[k])
         how = f"published v1 schedule for K={k}: keep {kept}"
     else:
-        ref = min(SPARSEVLM_SCHEDULES, key=lambda b: abs(b / SPARSEVLM_REF_N - k / n))
-        kept = [max(1, min(n, round(s * k / ref))) for s in SPARSEVLM_SCHEDULES[ref]]
+        ref = min(schedules, key=lambda b: (abs(b * n - k * SCHEDULE_TOKENS), b))  # nearest K/N; ties: smaller
+        kept = [max(1, min(n, round(s * k / ref))) for s in schedules[ref]]
         how = f"no published schedule for N={n}, K={k}: the K={ref} shape scaled by K/{ref} (declared), keep {kept}"
     counts, pruned_list, clusters, current = [], [], [], n
     for s in kept:
         s = min(s, current)
         pruned = current - s
-        # v1 recycling: the top 30% (+1) of the pruned tokens are clustered into int(p/10)+1 centres
-        c = (int(pruned * 0.3) + 1) // 10 + 1 if pruned > 0 else 0
+        c = recycle_count(pruned)[1] if pruned > 0 else 0  # v1 recycling: centres of the top 30% (+1) pruned
         counts.append(s + c)
         pruned_list.append(pruned)
         clusters.append(c)
@@ -351,7 +351,9 @@ def sparsevlm_counts(n: int, k: int) -> tuple[list[int], list[int], list[int], s
 @_model("sparsevlm")
 def _sparsevlm(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost:
     counts, pruned, clusters, how = sparsevlm_counts(n, k)
-    layers = [_scaled_layer(spec, layer) for layer in SPARSEVLM_LAYERS]
+    from care_core.methods.sparsevlm import PRUNING_LAYERS, recycle_count
+
+    layers = [_scaled_layer(spec, layer) for layer in PRUNING_LAYERS]
     cuts = [layer + 1 for layer in layers]  # the pruning layer itself still runs at the previous length
     schedule = _segments(spec, cuts, [n, *counts])
     h, raters = spec.lm.hidden, max(t, 1)
@@ -360,7 +362,7 @@ def _sparsevlm(spec: BackboneSpec, n: int, k: int, m: int, t: int) -> MethodCost
         "N T H (text raters)": n * t * h,
         "Σ heads·T·n (relevance)": sum(spec.lm.heads * raters * b for b in before),
     }
-    recycle = {"Σ p² H (density-peak kNN)": sum((int(p * 0.3) + 1) ** 2 * h for p in pruned if p > 0)}
+    recycle = {"Σ p² H (density-peak kNN)": sum(recycle_count(p)[0] ** 2 * h for p in pruned if p > 0)}
     return MethodCost(
         "sparsevlm", k, schedule, score, recycle,
         f"v1: prunes after layers {layers} (those layers still run at the previous length); {how}; counts "

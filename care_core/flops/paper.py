@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from care_core.config import ENGINES
 from care_core.flops import formulas as fx
 
 if TYPE_CHECKING:
@@ -86,13 +87,13 @@ def gap_analysis(spec: BackboneSpec, text_tokens: int = 64, m: int = 64) -> list
         if row.backbone != spec.paper_key or row.method != "care" or row.tflops is None:
             continue
         n = spec.default_tokens
-        costs = {engine: method_cost("care", spec, n, row.tokens, m, text_tokens, engine) for engine in fx.ENGINES}
+        costs = {engine: method_cost("care", spec, n, row.tokens, m, text_tokens, engine) for engine in ENGINES}
         prefill = fx.prefill_flops(costs["fd"].schedule, spec.lm, text_tokens)
         overhead = {e: sum(c.score.values()) + sum(c.residual.values()) for e, c in costs.items()}
         d_hidden, d_out = spec.projector.linears[-1]
         hypothesis = m * n * d_hidden * d_out
         implied = row.tflops * 1e12 - prefill
-        nearest: str = min(fx.ENGINES, key=lambda e: abs(overhead[e] - implied))
+        nearest: str = min(ENGINES, key=lambda e: abs(overhead[e] - implied))
         closest = "tie" if overhead["jvp"] == overhead["fd"] else nearest
         out.append({
             "backbone": row.backbone, "N": n, "tokens": row.tokens, "paper_tflops": row.tflops,

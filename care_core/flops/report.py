@@ -6,7 +6,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from care_core._chunks import SECOND_LAYERS, SecondLayer
+from care_core.backbones.families import backbone_family
 from care_core.budget import check_keep, keep_from_ratio
+from care_core.config import ENGINES, Engine
 from care_core.errors import CareError, MethodError
 from care_core.flops import formulas as fx
 from care_core.flops import paper as paper_data
@@ -31,14 +34,14 @@ class FlopsOptions:
     lm_head: bool = False
     vision_tower: bool = False
     m: int = DEFAULT_M
-    engine: fx.Engine = DEFAULT_ENGINE  # PRCA's response engine whose work is counted
-    second_layer: fx.SecondLayer = "dense"  # the jvp engine's second layer: dense, or through its triangular factor
+    engine: Engine = DEFAULT_ENGINE  # PRCA's response engine whose work is counted
+    second_layer: SecondLayer = "dense"  # the jvp engine's second layer: dense, or through its triangular factor
 
     def __post_init__(self) -> None:
-        if self.engine not in fx.ENGINES:
-            raise CareError(f"must be one of {', '.join(fx.ENGINES)}, got {self.engine!r}", parameter="engine")
-        if self.second_layer not in fx.SECOND_LAYERS:
-            raise CareError(f"must be one of {', '.join(fx.SECOND_LAYERS)}, got {self.second_layer!r}",
+        if self.engine not in ENGINES:
+            raise CareError(f"must be one of {', '.join(ENGINES)}, got {self.engine!r}", parameter="engine")
+        if self.second_layer not in SECOND_LAYERS:
+            raise CareError(f"must be one of {', '.join(SECOND_LAYERS)}, got {self.second_layer!r}",
                             parameter="second_layer")  # fmt: skip
         if self.convention not in fx.CONVENTIONS:
             raise CareError(f"must be one of {', '.join(fx.CONVENTIONS)}, got {self.convention!r}",
@@ -50,15 +53,15 @@ class FlopsOptions:
 
 
 FORMULAS = {
-    "F_score": "2 m F_M(N) + m N H + N^2 d_v + K N   (Supp. B; what --engine fd runs)",
-    "F_score --engine jvp": "F_1(N) + F_1(m) + 2 m N d_h d_out + m N H + N^2 d_v + K N for a Linear-act-Linear "
+    "F_score": "2 m F_M(N) + m N H + N^2 d_v + K N   (Supp. B; what engine fd runs)",
+    "F_score (engine jvp)": "F_1(N) + F_1(m) + 2 m N d_h d_out + m N H + N^2 d_v + K N for a Linear-act-Linear "
     "projector (F_1: its first layer; d_h, d_out: the second's in/out); other projectors: as Supp. B",
-    "F_score --engine jvp --second-layer triangular": "the second layer through W2's triangular factor R (d_h x d_h, "
+    "F_score (engine jvp, second_layer triangular)": "the second layer through W2's triangular factor R (d_h x d_h, "
     "W2 = QR) in blocks of 256 columns: 2 m N sum_b (d_h - first column of b) * 256 in place of 2 m N d_h d_out "
     "(what a Scorer runs on CUDA, e.g. the pipeline's)",
     "F_res": "N_d K d_v + N_d K   (N_d = N - K)",
     "F_layer": "8 W H^2 + 6 W H I + 4 W^2 H   (W = T + visual tokens of the layer)",
-    "F_layer --gqa": "4 W H q + 4 W H kv + 6 W H I + 4 W^2 q   (q = heads·head_dim, kv = kv_heads·head_dim)",
+    "F_layer (gqa)": "4 W H q + 4 W H kv + 6 W H I + 4 W^2 q   (q = heads·head_dim, kv = kv_heads·head_dim)",
     "F_prefill": "sum over the layer schedule of F_layer",
     "F_M(N)": "2 N sum(in·out) over the projector's linear layers",
     "lm_head": "2 H V (logits of the last position only, as generate computes them in prefill)",
@@ -72,7 +75,7 @@ FORMULAS = {
 @dataclass(frozen=True)
 class TokenSource:
     tokens: int
-    how: str  # "default", "--tokens", "--image-size"
+    how: str  # where N came from: "default", or the parameter that gave it ("tokens", "image_size")
     note: str
     count: TokenCount | None = None
     image: tuple[int, int] | None = None
@@ -84,16 +87,16 @@ def resolve_tokens(spec: BackboneSpec, tokens: int | None, image: tuple[int, int
     if tokens is not None:
         if tokens < 1:
             raise CareError(f"must be at least 1, got {tokens}", parameter="tokens")
-        return TokenSource(tokens, "--tokens", f"N = {tokens} given with --tokens")
+        return TokenSource(tokens, "tokens", f"N = {tokens} as given")
     if image is not None:
         count = visual_tokens(spec, *image)
-        return TokenSource(count.tokens, "--image-size", f"N for a {image[0]}×{image[1]} image", count, image)
+        return TokenSource(count.tokens, "image_size", f"N for a {image[0]}×{image[1]} image", count, image)
     default = visual_tokens(spec, *spec.default_image) if spec.default_image else None
     return TokenSource(spec.default_tokens, "default", spec.default_tokens_note, default, spec.default_image)
 
 
 def resolve_budgets(spec: BackboneSpec, n: int, keeps: Sequence[int], ratios: Sequence[float]) -> list[int]:
-    """K values, --keep ones then --ratio ones (both repeatable, duplicates dropped, as `care csr` takes them);
+    """K values, `keeps` then `ratios` (duplicates dropped, as `care csr` takes them);
     none given: the paper's budgets for this backbone (its fractions of N)."""
     values = [check_keep(keep, n) for keep in keeps] + [keep_from_ratio(ratio, n) for ratio in ratios]
     if not keeps and not ratios:
@@ -121,7 +124,7 @@ def resolve_methods(methods: Sequence[str], family: str | None = None) -> list[s
 def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int], str]:
     vision = spec.vision
     if vision.kind == "clip":
-        if spec.family == "llava_next":
+        if backbone_family(spec.family).crops:
             if source.count is not None:
                 crops, how = source.count.crops, f"{source.count.crops} crops (base + tiles) for this image"
             else:

@@ -78,7 +78,7 @@ class ProjectorSpec:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """The vision tower (only for the optional `--vision-tower` term)."""
+    """The vision tower (only for the optional `vision_tower` term)."""
 
     kind: str  # "clip" or "qwen2.5-vit"
     layers: int
@@ -99,7 +99,7 @@ class VisionSpec:
 class BackboneSpec:
     name: str  # registry name, e.g. "llava-1.5-7b", or "config:<path>"
     display: str  # e.g. "LLaVA-1.5-7B"
-    family: str  # "llava", "llava_next" or "qwen2_5_vl"
+    family: str  # its family's name in care_core.backbones.families: "llava-1.5", "llava-next" or "qwen2.5-vl"
     lm: LanguageModelSpec
     projector: ProjectorSpec
     vision: VisionSpec
@@ -109,7 +109,7 @@ class BackboneSpec:
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     min_pixels: int = 0
     max_pixels: int = 0
-    paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; default --keep values
+    paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; the default budgets
     paper_key: str | None = None  # Table S1 / Table 1 backbone name, when these are the paper's dims
     source: str = ""
     aliases: tuple[str, ...] = field(default=(), compare=False)
@@ -155,42 +155,42 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
     spec.name: spec
     for spec in (
         BackboneSpec(
-            "llava-1.5-7b", "LLaVA-1.5-7B", "llava", _VICUNA_7B, _llava_projector(4096), _CLIP_L336,
+            "llava-1.5-7b", "LLaVA-1.5-7B", "llava-1.5", _VICUNA_7B, _llava_projector(4096), _CLIP_L336,
             576, _LLAVA15_NOTE, (336, 336), paper_budgets=(192, 128, 64), paper_key="LLaVA-1.5-7B",
             source="llava-hf/llava-1.5-7b-hf config.json (Vicuna-7B-v1.5 = LlamaConfig defaults)",
-            aliases=("llava-1.5", "llava15", "llava-v1.5-7b", "llava-hf/llava-1.5-7b-hf", "liuhaotian/llava-v1.5-7b"),
+            aliases=("llava15", "llava-v1.5-7b", "llava-hf/llava-1.5-7b-hf", "liuhaotian/llava-v1.5-7b"),
         ),
         BackboneSpec(
-            "llava-1.5-13b", "LLaVA-1.5-13B", "llava", _VICUNA_13B, _llava_projector(5120), _CLIP_L336,
+            "llava-1.5-13b", "LLaVA-1.5-13B", "llava-1.5", _VICUNA_13B, _llava_projector(5120), _CLIP_L336,
             576, _LLAVA15_NOTE, (336, 336), paper_budgets=(192, 128, 64),
             source="llava-hf/llava-1.5-13b-hf config.json (Vicuna-13B-v1.5)",
             aliases=("llava-v1.5-13b", "llava-hf/llava-1.5-13b-hf", "liuhaotian/llava-v1.5-13b"),
         ),
         BackboneSpec(
-            "llava-next-7b", "LLaVA-NeXT-7B", "llava_next", _VICUNA_7B, _llava_projector(4096), _CLIP_L336,
+            "llava-next-7b", "LLaVA-NeXT-7B", "llava-next", _VICUNA_7B, _llava_projector(4096), _CLIP_L336,
             2880, _NEXT_NOTE, (672, 672), NEXT_PINPOINTS, paper_budgets=(640, 320, 160), paper_key="LLaVA-NeXT-7B",
             source="llava-hf/llava-v1.6-vicuna-7b-hf config.json",
-            aliases=("llava-next", "llava-1.6", "llava-v1.6-vicuna-7b", "llava-1.6-7b",
+            aliases=("llava-1.6", "llava-v1.6-vicuna-7b", "llava-1.6-7b",
                      "llava-hf/llava-v1.6-vicuna-7b-hf", "liuhaotian/llava-v1.6-vicuna-7b"),
         ),
         BackboneSpec(
-            "llava-next-13b", "LLaVA-NeXT-13B", "llava_next", _VICUNA_13B, _llava_projector(5120), _CLIP_L336,
+            "llava-next-13b", "LLaVA-NeXT-13B", "llava-next", _VICUNA_13B, _llava_projector(5120), _CLIP_L336,
             2880, _NEXT_NOTE, (672, 672), NEXT_PINPOINTS, paper_budgets=(640, 320, 160),
             source="llava-hf/llava-v1.6-vicuna-13b-hf config.json",
             aliases=("llava-v1.6-vicuna-13b", "llava-1.6-13b", "llava-hf/llava-v1.6-vicuna-13b-hf",
                      "liuhaotian/llava-v1.6-vicuna-13b"),
         ),
         BackboneSpec(
-            "qwen2.5-vl-3b", "Qwen2.5-VL-3B", "qwen2_5_vl", _QWEN25_3B, _qwen_merger(2048), _QWEN_VIT,
+            "qwen2.5-vl-3b", "Qwen2.5-VL-3B", "qwen2.5-vl", _QWEN25_3B, _qwen_merger(2048), _QWEN_VIT,
             1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, paper_budgets=(222, 111),
             source="Qwen/Qwen2.5-VL-3B-Instruct config.json",
             aliases=("qwen2.5-vl-3b-instruct", "qwen/qwen2.5-vl-3b-instruct", "qwen25-vl-3b"),
         ),
         BackboneSpec(
-            "qwen2.5-vl-7b", "Qwen2.5-VL-7B", "qwen2_5_vl", _QWEN25_7B, _qwen_merger(3584), _QWEN_VIT,
+            "qwen2.5-vl-7b", "Qwen2.5-VL-7B", "qwen2.5-vl", _QWEN25_7B, _qwen_merger(3584), _QWEN_VIT,
             1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, paper_budgets=(222, 111),
             paper_key="Qwen2.5-VL-7B", source="Qwen/Qwen2.5-VL-7B-Instruct config.json",
-            aliases=("qwen2.5-vl", "qwen", "qwen2.5-vl-7b-instruct", "qwen/qwen2.5-vl-7b-instruct", "qwen25-vl"),
+            aliases=("qwen", "qwen2.5-vl-7b-instruct", "qwen/qwen2.5-vl-7b-instruct", "qwen25-vl"),
         ),
     )
 }  # fmt: skip
@@ -198,13 +198,12 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
 _ALIASES: dict[str, str] = {alias.lower(): spec.name for spec in KNOWN_BACKBONES.values() for alias in spec.aliases}
 
 
-def backbone_names() -> list[str]:
-    return list(KNOWN_BACKBONES)
-
-
 def short_names() -> dict[str, str]:
-    """Short name -> full name (`llava-1.5` -> `llava-1.5-7b`, ...)."""
-    return {"llava-1.5": "llava-1.5-7b", "llava-next": "llava-next-7b", "qwen2.5-vl": "qwen2.5-vl-7b"}
+    """Family name -> the spec it stands for (`llava-1.5` -> `llava-1.5-7b`, ...): each family record's
+    ``flops_spec``."""
+    from care_core.backbones.families import families
+
+    return {family.name: family.flops_spec for family in families()}
 
 
 def resolve_backbone(name: str) -> BackboneSpec:
@@ -217,13 +216,15 @@ def resolve_backbone(name: str) -> BackboneSpec:
         return KNOWN_BACKBONES[lowered]
     if lowered in _ALIASES:
         return KNOWN_BACKBONES[_ALIASES[lowered]]
+    if lowered in short_names():
+        return KNOWN_BACKBONES[short_names()[lowered]]
     path = Path(key).expanduser()
     if path.exists():
         return from_config(path)
     looks_like_path = key.endswith(".json") or key.startswith((".", "/", "~")) or "\\" in key
     if looks_like_path:
         raise BackboneSpecError(f"no such file or folder: {key}")
-    choices = list(KNOWN_BACKBONES) + list(_ALIASES)
+    choices = [*short_names(), *KNOWN_BACKBONES, *_ALIASES]
     close = difflib.get_close_matches(lowered, choices, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(dict.fromkeys(close))}?" if close else ""
     known = ", ".join([*short_names(), *KNOWN_BACKBONES])
@@ -231,7 +232,6 @@ def resolve_backbone(name: str) -> BackboneSpec:
 
 
 # ---------------------------------------------------------------------------------------------- config.json
-_SUPPORTED = ("llava", "llava_next", "qwen2_5_vl")
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -274,11 +274,13 @@ def from_config(path: str | Path) -> BackboneSpec:
         path = path / "config.json"
         if not path.is_file():
             raise BackboneSpecError(f"{folder} has no config.json (give a model folder or its config.json)")
+    from care_core.backbones.families import model_types
+
     raw = _load_json(path)
     model_type = raw.get("model_type")
-    if model_type not in _SUPPORTED:
+    if model_type not in model_types():
         raise BackboneSpecError(
-            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(_SUPPORTED)})"
+            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(model_types())})"
         )
     _check_complete(raw, model_type, path)
     try:
@@ -329,6 +331,9 @@ def _check_complete(raw: dict[str, Any], model_type: str, path: Path) -> None:
 
 
 def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
+    from care_core.backbones.families import backbone_family
+
+    family = backbone_family(model_type)
     text = config.text_config
     layers = _positive(text.num_hidden_layers, "num_hidden_layers", path)
     hidden = _positive(text.hidden_size, "hidden_size", path)
@@ -353,14 +358,14 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
                             image_size=image, feature_tokens=per_crop)  # fmt: skip
         projector = _llava_projector(hidden, token_dim=v_hidden * n_layers)
         if model_type == "llava":
-            return BackboneSpec(name, "llava (config)", "llava", lm, projector, vision, per_crop,
+            return BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, per_crop,
                                 f"one {image}×{image} view: {per_crop} tokens", (image, image),
                                 paper_budgets=(192, 128, 64), source=str(path))  # fmt: skip
         raw_pinpoints = [tuple(int(v) for v in p) for p in config.image_grid_pinpoints]
         if not raw_pinpoints or any(len(p) != 2 or min(p) < 1 for p in raw_pinpoints):
             raise BackboneSpecError(f"{path}: image_grid_pinpoints must be a list of [height, width] pairs")
         pinpoints = tuple((p[0], p[1]) for p in raw_pinpoints)
-        spec = BackboneSpec(name, "llava_next (config)", "llava_next", lm, projector, vision, 0, "",
+        spec = BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, 0, "",
                             None, pinpoints, paper_budgets=(640, 320, 160), source=str(path))  # fmt: skip
         from care_core.flops.tokens import visual_tokens
 
@@ -382,8 +387,8 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
                         window_size=getattr(vc, "window_size", 112) or 112,
                         full_attention_layers=tuple(getattr(vc, "fullatt_block_indexes", ()) or ()))  # fmt: skip
     out = _positive(vc.out_hidden_size, "out_hidden_size", path)
-    return BackboneSpec(name, "qwen2_5_vl (config)", "qwen2_5_vl", lm, _qwen_merger(out, v_hidden, merge), vision,
-                        1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
+    return BackboneSpec(name, f"{family.display} (config)", family.name, lm, _qwen_merger(out, v_hidden, merge),
+                        vision, 1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
                         paper_budgets=(222, 111), source=str(path))  # fmt: skip
 
 

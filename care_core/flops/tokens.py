@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class ImageSizeError(CareError):
-    """A malformed or impossible --image-size."""
+    """A malformed or impossible image size."""
 
 
 @dataclass(frozen=True)
@@ -114,12 +114,12 @@ def visual_tokens(spec: BackboneSpec, height: int, width: int) -> TokenCount:
     """N for one image of height×width pixels on this backbone."""
     if height < 1 or width < 1:
         raise ImageSizeError(f"image size must be positive, got {height}x{width}")
-    if spec.family == "llava":
+    if spec.vision.kind == "clip" and not spec.grid_pinpoints:  # one fixed view (LLaVA-1.5)
         side = spec.vision.image_size
         per_side = side // spec.vision.patch_size
         return TokenCount(spec.vision.feature_tokens, grid=(per_side, per_side),
                           detail={"note": f"resized to {side} on the short side and centre-cropped"})  # fmt: skip
-    if spec.family == "llava_next":
+    if spec.grid_pinpoints:  # anyres crops (LLaVA-NeXT)
         return llava_next_tokens(height, width, spec)
     return qwen_tokens(height, width, spec)
 

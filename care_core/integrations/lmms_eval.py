@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from care_core.backbones.families import served_families
 from care_core.errors import CareError, MethodError
 from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
 
@@ -241,14 +242,14 @@ class CareLlava(CareLMM):
     """``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints."""
 
     model_id = "care_llava"
-    families = ("llava-1.5", "llava-next")
+    families = served_families(model_id)
 
 
 class CareQwen2_5_VL(CareLMM):
     """``care_qwen2_5_vl``: Qwen2.5-VL checkpoints."""
 
     model_id = "care_qwen2_5_vl"
-    families = ("qwen2.5-vl",)
+    families = served_families(model_id)
 
 
 MODELS: tuple[type[CareLMM], ...] = (CareLMM, CareLlava, CareQwen2_5_VL)
@@ -262,10 +263,10 @@ def model_class(model_id: str) -> type[CareLMM]:
 
 
 def model_id_for(family: str) -> str:
-    for cls in MODELS:
-        if cls.families is not None and family in cls.families:
-            return cls.model_id
-    return CareLMM.model_id
+    """The lmms-eval model id serving backbone ``family`` (its record's ``lmms_eval_model``)."""
+    from care_core.backbones.families import backbone_family
+
+    return backbone_family(family).lmms_eval_model
 
 
 # ---------------------------------------------------------------------------------------------- loading

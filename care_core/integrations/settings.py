@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from care_core.backbones.families import DEFAULT_DEMO
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, ConfigError, MethodError
 
@@ -31,7 +32,7 @@ class ModelArgsError(CareError):
 class EvalSpec:
     """One evaluated configuration: the backbone, the method (None: all visual tokens) and its budget."""
 
-    pretrained: str = "tiny-llava"
+    pretrained: str = DEFAULT_DEMO
     method: str | None = "care"
     keep: int | None = None
     ratio: float | None = None
@@ -200,7 +201,7 @@ def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "c
     """
     hyper = set(CaReConfig.field_names())
     _check_keys(args, [*MODEL_KEYS, *sorted(hyper), *RUNNER_KEYS])
-    pretrained = _text("pretrained", args.get("pretrained", "tiny-llava"))
+    pretrained = _text("pretrained", args.get("pretrained", DEFAULT_DEMO))
     method = _method(args, default_method)
     keep, ratio = _budget(args, method)
     config = _config(args, hyper)

@@ -27,10 +27,9 @@ from typing import Literal, TypeVar
 
 import torch
 
+from care_core.config import KERNELS, Kernel
 from care_core.errors import CareError
 
-Kernel = Literal["auto", "fused", "torch"]
-KERNELS: tuple[str, ...] = ("auto", "fused", "torch")
 Path = Literal["fused", "torch"]
 
 #: Shapes the fused jvp kernel tiles without masks (LLaVA: 4096 -> 4096).
@@ -42,7 +41,7 @@ GREEDY_MAX_TOKENS = 16384
 T = TypeVar("T")
 
 
-def unavailable_reason(device: torch.device) -> str | None:
+def why_not_fused(device: torch.device) -> str | None:
     """None when the fused kernels may run on ``device``, else why not (checked afresh on every call).
 
     Needs an NVIDIA CUDA device (ROCm is skipped: the tf32 path's inline PTX cannot compile there),
@@ -87,9 +86,9 @@ def kernel_errors() -> tuple[type[Exception], ...]:
 
 
 def check_kernel(kernel: str) -> None:
-    """Raise CareError unless ``kernel`` is one of "auto", "fused", "torch"."""
+    """Raise CareError unless ``kernel`` is one of :data:`care_core.config.KERNELS`."""
     if kernel not in KERNELS:
-        raise CareError(f"kernel must be 'auto', 'fused' or 'torch', got {kernel!r}")
+        raise CareError(f"must be one of {', '.join(KERNELS)}, got {kernel!r}", parameter="kernel")
 
 
 def choose_kernel(kernel: str, device: torch.device, *, applies: bool = True) -> Path:
@@ -102,7 +101,7 @@ def choose_kernel(kernel: str, device: torch.device, *, applies: bool = True) ->
     check_kernel(kernel)
     if kernel == "torch":
         return "torch"
-    reason = unavailable_reason(device)
+    reason = why_not_fused(device)
     if reason is not None:
         if kernel == "fused":
             raise CareError(f"kernel='fused' cannot run here: {reason}; use kernel='auto' or 'torch'")
@@ -170,8 +169,8 @@ def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Ten
 
 
 def triton_enabled(device: torch.device) -> bool:
-    """True when the fused kernels may run on ``device`` (:func:`unavailable_reason` is None)."""
-    return unavailable_reason(device) is None
+    """True when the fused kernels may run on ``device`` (:func:`why_not_fused` is None)."""
+    return why_not_fused(device) is None
 
 
 def jvp_shape_supported(hidden: int, out_dim: int) -> bool:

@@ -1,18 +1,16 @@
 """Token-reduction methods behind one contract (base.py), one module each, and their registry."""
 
 from care_core.methods.base import (
-    BACKBONE_FAMILIES,
     PROBES,
     Method,
     MethodInputs,
     MethodResult,
-    canonical_family,
+    backbone_family,
     selection_result,
 )
 from care_core.methods.registry import (
     build_method,
     canonical_name,
-    create_method,
     method_class,
     method_names,
     methods_for_backbone,
@@ -21,15 +19,13 @@ from care_core.methods.registry import (
 )
 
 __all__ = [
-    "BACKBONE_FAMILIES",
     "PROBES",
     "Method",
     "MethodInputs",
     "MethodResult",
+    "backbone_family",
     "build_method",
-    "canonical_family",
     "canonical_name",
-    "create_method",
     "method_class",
     "method_names",
     "methods_for_backbone",

@@ -19,23 +19,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, final
 
 from care_core._lazy import torch
 from care_core.budget import check_keep
-from care_core.errors import BudgetError, MethodError
+from care_core.errors import BudgetError, CareError, MethodError
 
 if TYPE_CHECKING:
+    from care_core.backbones.families import BackboneFamily, Trait
     from care_core.config import CaReConfig
     from care_core.scoring import Scorer
 
 Category = Literal["selection", "merging", "calibration"]
 StageTimer = Callable[[str], AbstractContextManager[object]]  # stage name -> context manager (as care.StageTimer)
-
-# Backbone families, named by their ``config.json`` model_type (the adapters' ``model_types``).
-BACKBONE_FAMILIES: tuple[str, ...] = ("llava", "llava_next", "qwen2_5_vl")
-# Other spellings of the same families (the adapters' ``family`` and the CLI's backbone names).
-FAMILY_ALIASES: dict[str, str] = {"llava-1.5": "llava", "llava-next": "llava_next", "qwen2.5-vl": "qwen2_5_vl"}
-# Families whose vision tower has a CLS token (Qwen2.5-VL has none): methods reading CLS probes serve only these.
-CLS_FAMILIES: frozenset[str] = frozenset({"llava", "llava_next"})
-# Families whose visual tokens form one raster grid (LLaVA-NeXT has two views, so no single grid).
-SINGLE_GRID_FAMILIES: frozenset[str] = frozenset({"llava", "qwen2_5_vl"})
 
 # Named inputs a method may need, beyond features, projector and positions.
 PROBES: dict[str, str] = {
@@ -49,14 +41,14 @@ PROBES: dict[str, str] = {
 }
 
 
-def canonical_family(family: str) -> str:
-    """The model_type naming of a backbone family ("llava-1.5" -> "llava"); MethodError if unknown."""
-    key = family.strip().lower()
-    key = FAMILY_ALIASES.get(key, key)
-    if key not in BACKBONE_FAMILIES:
-        known = ", ".join([*BACKBONE_FAMILIES, *FAMILY_ALIASES])
-        raise MethodError(f"unknown backbone family {family!r} (known: {known})")
-    return key
+def backbone_family(family: str) -> BackboneFamily:
+    """The registry's record of backbone `family` (its name or a config.json model_type); MethodError if unknown."""
+    from care_core.backbones.families import backbone_family as lookup
+
+    try:
+        return lookup(family)
+    except CareError as exc:
+        raise MethodError(str(exc)) from None
 
 
 class LanguageModelProbe(Protocol):
@@ -163,8 +155,9 @@ class Method:
     score_label: ClassVar[str | None] = None
     #: key of the method's cost model in ``care_core.flops.methods`` (None = no cost model)
     cost_model: ClassVar[str | None] = None
-    #: backbone families (model_type names, see BACKBONE_FAMILIES) the method can run on
-    backbones: ClassVar[frozenset[str]] = frozenset(BACKBONE_FAMILIES)
+    #: what the backbone's visual tokens must offer (traits of ``care_core.backbones.families``: "cls_token",
+    #: "single_grid"); a family serves the method when its record offers them all
+    requires: ClassVar[frozenset[Trait]] = frozenset()
 
     @final
     def __call__(self, inputs: MethodInputs, keep: int) -> MethodResult:
@@ -185,8 +178,16 @@ class Method:
 
     @classmethod
     def serves(cls, family: str) -> bool:
-        """Whether the method can run on backbone `family` (e.g. "qwen2_5_vl" or "qwen2.5-vl")."""
-        return canonical_family(family) in cls.backbones
+        """Whether the method can run on backbone `family` (e.g. "qwen2.5-vl"): the family offers all it requires."""
+        return not backbone_family(family).missing(cls.requires)
+
+    @classmethod
+    def why_not_served(cls, family: str) -> str | None:
+        """What the method needs that backbone `family` lacks (e.g. "the vision tower's CLS token"), or None."""
+        from care_core.backbones.families import TRAIT_NEEDS
+
+        missing = backbone_family(family).missing(cls.requires)
+        return " and ".join(TRAIT_NEEDS[trait] for trait in missing) or None
 
     @classmethod
     def from_config(cls, config: CaReConfig) -> Method:

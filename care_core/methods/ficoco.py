@@ -52,9 +52,10 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from care_core._lazy import F, torch
+from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype
-from care_core.methods.base import CLS_FAMILIES, Category, Method, MethodInputs, MethodResult
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
 
 BETA = 0.35  # weight of the CLS similarity in the redundancy score
@@ -302,7 +303,7 @@ class FiCoCoV(Method):
     paper: ClassVar[str] = "Han et al., Filter, Correlate, Compress: Training-Free Token Reduction for MLLMs, AAAI 2026"
     rank: ClassVar[int] = 11
     cost_model: ClassVar[str | None] = "ficoco-v"
-    backbones: ClassVar[frozenset[str]] = CLS_FAMILIES  # reads CLS-based probes
+    requires: ClassVar[frozenset[Trait]] = frozenset({"cls_token"})  # reads CLS-based probes
 
     r: int = 42  # tokens merged per step (official: 42 per CLIP layer 12-23)
     row_order: RowOrder = "released"

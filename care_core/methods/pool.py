@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from care_core._lazy import torch
+from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype
-from care_core.methods.base import SINGLE_GRID_FAMILIES, Category, Method, MethodInputs, MethodResult
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
 
 RATIO_TOLERANCE = 1.5  # an exact h x w factorisation is used if its aspect is within this factor of the input's
@@ -88,7 +89,7 @@ class Pool(Method):
     paper: ClassVar[str] = "spatial average pooling baseline (no paper; a standard control for token reduction)"
     rank: ClassVar[int] = 15
     cost_model: ClassVar[str | None] = "pool"
-    backbones: ClassVar[frozenset[str]] = SINGLE_GRID_FAMILIES  # needs one raster grid (not LLaVA-NeXT)
+    requires: ClassVar[frozenset[Trait]] = frozenset({"single_grid"})  # not LLaVA-NeXT (two views)
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         if inputs.grid is None:

@@ -46,9 +46,10 @@ from typing import ClassVar
 import numpy as np
 
 from care_core._lazy import torch
+from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype, matmul_precision
-from care_core.methods.base import CLS_FAMILIES, Category, Method, MethodInputs, MethodResult
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
 
 _EPS = 1e-12  # F.normalize's clamp
@@ -162,7 +163,7 @@ class PruMergePlus(Method):
     paper: ClassVar[str] = "Shang et al., LLaVA-PruMerge: Adaptive Token Reduction for Efficient LMMs, ICCV 2025"
     rank: ClassVar[int] = 8
     cost_model: ClassVar[str | None] = "prumerge+"
-    backbones: ClassVar[frozenset[str]] = CLS_FAMILIES  # reads the CLS row of the last layer
+    requires: ClassVar[frozenset[Trait]] = frozenset({"cls_token"})  # reads the CLS row of the last layer
 
     plus: bool = True  # PruMerge+ (spatial fill); False = PruMerge
     adaptive: bool = False  # True = the released adaptive token count (keep ignored)

@@ -6,11 +6,12 @@ hyperparameters it reads) is metadata on its class; the functions here only read
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import TYPE_CHECKING, Any
 
 from care_core.errors import MethodError
-from care_core.methods.base import Method, canonical_family
+from care_core.methods.base import Method
 
 if TYPE_CHECKING:
     from care_core.config import CaReConfig
@@ -41,10 +42,9 @@ def method_names() -> list[str]:
 
 
 def methods_for_backbone(family: str) -> list[str]:
-    """The registered methods that can run on backbone `family` ("llava", "llava-next", "qwen2.5-vl", ...),
+    """The registered methods that can run on backbone `family` ("llava-1.5", "llava-next", "qwen2.5-vl", ...),
     in listing order: the list every ``--method all`` uses."""
-    key = canonical_family(family)
-    return [name for name in method_names() if key in _METHODS[name].backbones]
+    return [name for name in method_names() if _METHODS[name].serves(family)]
 
 
 def canonical_name(name: str) -> str:
@@ -64,18 +64,15 @@ def method_class(name: str) -> type[Method]:
     return _METHODS[canonical_name(name)]
 
 
-def create_method(name: str, **options: Any) -> Method:
-    """An instance of the named method with its default hyperparameters, overridden by `options`."""
-    return method_class(name)(**options)
-
-
-def build_method(name: str, config: CaReConfig | None = None) -> Method:
-    """The named method with the user's CaRe configuration: the CaRe family and ZOO-Prune take their
-    hyperparameters from `config`, peers that draw random numbers its seed; every other field keeps its
-    default. Which fields each method reads is its class's ``hyperparameters``."""
-    from care_core.config import CaReConfig
-
-    return method_class(name).from_config(config if config is not None else CaReConfig())
+def build_method(name: str, config: CaReConfig | None = None, **options: Any) -> Method:
+    """The named method. With `config` (the user's CaRe configuration) the CaRe family and ZOO-Prune take their
+    hyperparameters from it and peers that draw random numbers its seed (which fields each method reads is its
+    class's ``hyperparameters``); without, every field keeps the method's default. `options` override fields."""
+    cls = method_class(name)
+    if config is None:
+        return cls(**options)
+    method = cls.from_config(config)
+    return dataclasses.replace(method, **options) if options else method  # type: ignore[type-var]
 
 
 def score_label(name: str) -> str | None:

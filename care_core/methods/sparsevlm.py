@@ -48,7 +48,9 @@ from care_core.methods.registry import register
 Version = Literal["1_0", "2_0"]
 
 PRUNING_LAYERS: tuple[int, ...] = (2, 6, 15)
-# visual tokens kept at layers 2, 6, 15 for RETAIN_TOKN = budget (score.py)
+# visual tokens kept at layers 2, 6, 15 for RETAIN_TOKN = budget (score.py), for LLaVA-1.5's N = SCHEDULE_TOKENS;
+# the one copy of the schedules: care_core.flops.methods costs SparseVLM from them too
+SCHEDULE_TOKENS = 576
 SCHEDULES: dict[str, dict[int, tuple[int, int, int]]] = {
     "1_0": {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)},
     "2_0": {192: (300, 200, 118), 128: (238, 108, 60), 96: (246, 54, 28), 64: (66, 34, 20)},

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from care_core._lazy import torch
+from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype, matmul_precision
-from care_core.methods.base import CLS_FAMILIES, Category, Method, MethodInputs, MethodResult
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
 
 _EPS = 1e-12  # clamps zero key norms only; any non-zero norm is used as the official code does
@@ -122,7 +123,7 @@ class VisionZip(Method):
     paper: ClassVar[str] = "Yang et al., VisionZip: Longer is Better but Not Necessary in VLMs, CVPR 2025"
     rank: ClassVar[int] = 7
     cost_model: ClassVar[str | None] = "visionzip"
-    backbones: ClassVar[frozenset[str]] = CLS_FAMILIES  # reads CLS attention
+    requires: ClassVar[frozenset[Trait]] = frozenset({"cls_token"})  # reads CLS attention
 
     dominant_fraction: float = field(default=54 / 64)  # D = round_half_up(keep * fraction), CLS included
     dominant: int | None = None  # explicit D (CLS included); contextual = keep - dominant

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from care_core.methods import MethodInputs, create_method
+from care_core.methods import MethodInputs, build_method
 from care_core.methods.divprune import divprune_select
 from golden_checks import CaseResult, compare
 
@@ -27,7 +27,7 @@ def _budgets(data: dict[str, np.ndarray]) -> list[int]:
 def _registered(features: torch.Tensor, keep: int) -> torch.Tensor:
     n = features.shape[0]
     inputs = MethodInputs(features, lambda x: x, torch.zeros(n, 2))
-    return create_method("divprune")(inputs, keep).token_index
+    return build_method("divprune")(inputs, keep).token_index
 
 
 def _distinct_prefix(order: np.ndarray) -> int:

@@ -27,13 +27,27 @@ from care_core.backbones.probes import VISION_PROBES
 from care_core.errors import CareError, MethodError, ModelLoadError
 from care_core.methods import MethodInputs
 from care_core.methods.base import PROBES
-from care_core.methods.registry import create_method, method_names
+from care_core.methods.registry import build_method, method_names
 
 from ._helpers import hub_key, noise_image, same_weights
 
 NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"]
 FAMILIES = {"tiny-llava": "llava-1.5", "tiny-llava-next": "llava-next", "tiny-qwen2.5-vl": "qwen2.5-vl"}
 QUESTION = "What is in the image?"
+
+
+def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
+    from care_cli.options import Model
+    from care_core.backbones.families import DEFAULT_DEMO, backbone_family
+
+    demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl"]
+    assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
+    families = {**FAMILIES, "tiny-llava-random": "llava-1.5"}
+    for name in demos:
+        assert DEMO_BACKBONES[name].family == families[name]
+        assert DEMO_BACKBONES[name] in backbone_family(families[name]).demos
+    help_text = Model.__metadata__[0].help
+    assert all(name in help_text for name in demos)
 
 
 @pytest.fixture
@@ -134,11 +148,11 @@ def test_every_method_runs_or_refuses_cleanly(
     question = adapter.question_embeddings(QUESTION)
     outcomes: dict[str, str] = {}
     for method_name in method_names():
-        fields = getattr(create_method(method_name), "__dataclass_fields__", {})
+        fields = getattr(build_method(method_name), "__dataclass_fields__", {})
         options: dict[str, Any] = (
             {"m": 8} if "m" in fields else {"config": CaReConfig(m=8)} if "config" in fields else {}
         )
-        method = create_method(method_name, **options)  # m = 8 directions: fast, same code paths
+        method = build_method(method_name, **options)  # m = 8 directions: fast, same code paths
         needs = sorted(method.needs - {"question"})
         try:
             adapter.check_probes(needs, method_name)
@@ -165,7 +179,7 @@ def test_every_method_runs_or_refuses_cleanly(
     elif name == "tiny-llava-next":
         assert refused <= {"pool"}  # pool needs one raster grid; NeXT has two views
     else:  # Qwen2.5-VL: no CLS token, so exactly the methods that need a vision-tower probe refuse
-        assert refused == {m for m in outcomes if create_method(m).needs & VISION_PROBES}
+        assert refused == {m for m in outcomes if build_method(m).needs & VISION_PROBES}
     assert {"care", "random", "fastv"} <= {m for m, o in outcomes.items() if o == "ran"}
 
 
@@ -351,11 +365,11 @@ def _hits(adapter: Any, sample: list[tuple[Any, ImageTokens]], method: str | Non
 
     runner = None
     if method is not None:
-        fields = getattr(create_method(method), "__dataclass_fields__", {})
+        fields = getattr(build_method(method), "__dataclass_fields__", {})
         options: dict[str, Any] = (
             {"seed": 0} if "seed" in fields else {"config": CaReConfig(seed=0)} if "config" in fields else {}
         )
-        runner = create_method(method, **options)
+        runner = build_method(method, **options)
     hits = 0
     for qa, tokens in sample:
         text, _ = answer_question(adapter, tokens, qa.question, method=runner, keep=keep)

@@ -11,7 +11,7 @@ import torch
 
 from care_core import CaReConfig, care_reduce
 from care_core.errors import CareError
-from care_core.kernels import KernelGate, choose_kernel, unavailable_reason
+from care_core.kernels import KernelGate, choose_kernel, why_not_fused
 from care_core.scoring import unit_directions
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -46,7 +46,7 @@ def _stand_in_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_dispatch_gives_torch_on_the_cpu() -> None:
     cpu = torch.device("cpu")
     assert choose_kernel("auto", cpu) == "torch" and choose_kernel("torch", cpu) == "torch"
-    assert "CUDA device" in (unavailable_reason(cpu) or "")
+    assert "CUDA device" in (why_not_fused(cpu) or "")
     with pytest.raises(CareError, match="kernel='fused' cannot run here"):
         choose_kernel("fused", cpu)
     with pytest.raises(CareError, match="kernel must be"):
@@ -58,13 +58,13 @@ def test_dispatch_on_nvidia_cuda_and_on_rocm(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("CARE_DISABLE_TRITON", raising=False)
     monkeypatch.setattr(torch.version, "hip", None)
     cuda = torch.device("cuda", 0)
-    assert unavailable_reason(cuda) is None
+    assert why_not_fused(cuda) is None
     assert choose_kernel("auto", cuda) == "fused" and choose_kernel("fused", cuda) == "fused"
     assert choose_kernel("auto", cuda, applies=False) == "torch" and choose_kernel("torch", cuda) == "torch"
     gate = KernelGate("auto", {"greedy": "CompilationError()"})  # a caller-owned record of a failed build
     assert gate.choose("greedy", cuda) == "torch" and gate.choose("jvp", cuda) == "fused"
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")  # a ROCm build reports its devices as "cuda"
-    assert "ROCm" in (unavailable_reason(cuda) or "")
+    assert "ROCm" in (why_not_fused(cuda) or "")
     assert choose_kernel("auto", cuda) == "torch"
     with pytest.raises(CareError, match="ROCm"):
         choose_kernel("fused", cuda)

@@ -206,7 +206,7 @@ def _failing(monkeypatch: pytest.MonkeyPatch, name: str, error: BaseException) -
         calls.append(1)
         raise error
 
-    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(kernels, "why_not_fused", lambda device: None)
     monkeypatch.setattr(kernels, name, broken)
     return calls
 
@@ -225,7 +225,7 @@ def test_jvp_dispatch_uses_the_fused_kernel_where_the_setting_says(monkeypatch: 
         calls.append(bf16)
         return torch.zeros(lifted.shape[0], slope.shape[0])
 
-    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(kernels, "why_not_fused", lambda device: None)
     monkeypatch.setattr(kernels, "jvp_norms", fake)
     run = lambda matmul, kernel: perturbation_responses(features, mlp, u, h=5e-4, matmul=matmul, kernel=kernel)  # noqa: E731
     assert torch.equal(run("bf16", "auto"), torch.zeros(8, 90)) and calls == [True]

@@ -100,7 +100,7 @@ def test_fused_kernel_gets_the_factor_for_tf32_in_auto_mode(monkeypatch: pytest.
         calls.append({"shape": tuple(w2.shape), "triu": bool(torch.equal(w2, w2.triu())), **kw})
         return torch.zeros(lifted.shape[0], slope.shape[0])
 
-    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(kernels, "why_not_fused", lambda device: None)
     monkeypatch.setattr(kernels, "jvp_norms", fake)
     factor = triangular_factor(mlp[2].weight)
     assert factor is not None

@@ -129,6 +129,15 @@ def test_image_size_sets_n(care) -> None:
     assert care("flops", "--backbone", "llava-1.5", "--tokens", "1000", "--keep", "999", "--json").json()["N"] == 1000
 
 
+def test_where_n_came_from_is_a_parameter_in_json_and_a_flag_on_screen(care) -> None:
+    report = care("flops", "--tokens", "1000", "--keep", "99", "--json").json()
+    assert report["backbone"]["tokens_source"] == "tokens" and "--" not in report["backbone"]["tokens_note"]
+    sized = care("flops", "--backbone", "llava-next", "--image-size", "500x800", "--keep", "100", "--json").json()
+    assert sized["backbone"]["tokens_source"] == "image_size"
+    assert "(--tokens)" in care("flops", "--tokens", "1000", "--keep", "99").out
+    assert "(--image-size)" in care("flops", "--backbone", "llava-next", "--image-size", "500x800").out
+
+
 def test_config_folder_backbone(care, tmp_path: Path) -> None:
     from .test_specs import LLAVA_HF_7B, _write
 

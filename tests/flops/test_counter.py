@@ -150,7 +150,7 @@ def test_score_term_is_projector_on_2mN_rows(name: str) -> None:
     spec, m = KNOWN_BACKBONES[name], 64
     n = spec.default_tokens
     terms = fx.score_terms(n, 128, m, spec.projector, spec.lm.hidden)
-    if spec.family == "llava":
+    if spec.family == "llava-1.5":
         module, rows = _llava_projector(spec.lm.hidden), torch.empty(2 * m * n, 1024, device="meta")
     else:
         with torch.device("meta"):

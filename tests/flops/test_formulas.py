@@ -97,6 +97,25 @@ def test_sparsevlm_published_schedule() -> None:
     assert cost.schedule == ((3, 576), (4, counts[0]), (9, counts[1]), (16, counts[2]))
 
 
+def test_sparsevlm_k96_uses_its_published_schedule() -> None:
+    """K = 96 on LLaVA-1.5-7B (N = 576): SparseVLM v1 publishes keep (238, 48, 26) after layers 2, 6, 15 (score.py
+    RETAIN_TOKN=96); each stage also recycles int((int(0.3 p) + 1) / 10) + 1 cluster centres of its p pruned tokens:
+    576 -> 238 kept, p = 338, 102 recycled, 11 centres: 249; -> 48, p = 201, 61 recycled, 7 centres: 55;
+    -> 26, p = 29, 9 recycled, 1 centre: 27. A pruning layer still runs at the previous length, so layers 0-2 see
+    576, 3-6 see 249, 7-15 see 55 and 16-31 see 27."""
+    report = flops_report(KNOWN_BACKBONES["llava-1.5-7b"], keeps=[96], methods=["sparsevlm"])
+    row = report["rows"][1]
+    assert row["schedule"] == [[3, 576], [4, 249], [9, 55], [16, 27]]
+    h, i, t = 4096, 11008, 64  # Vicuna-7B hidden and FFN widths; T = 64 text tokens (the report's default)
+
+    def layer(w: int) -> int:  # Supp. B: F_layer = 8 W H^2 + 6 W H I + 4 W^2 H
+        return 8 * w * h * h + 6 * w * h * i + 4 * w * w * h
+
+    prefill = 3 * layer(t + 576) + 4 * layer(t + 249) + 9 * layer(t + 55) + 16 * layer(t + 27)
+    assert prefill == 2_337_484_259_328
+    assert row["terms"]["prefill"] == pytest.approx(prefill / 1e12, rel=1e-12)
+
+
 def test_every_method_covers_all_layers_and_is_non_negative() -> None:
     for spec in KNOWN_BACKBONES.values():
         n = spec.default_tokens

@@ -76,6 +76,7 @@ def test_llava_hf_config_resolves_to_vicuna_dims(tmp_path: Path) -> None:
     ref = KNOWN_BACKBONES["llava-1.5-7b"]
     assert (spec.lm, spec.projector, spec.vision) == (ref.lm, ref.projector, ref.vision)
     assert spec.paper_key == "LLaVA-1.5-7B" and spec.default_tokens == 576
+    assert spec.family == ref.family == "llava-1.5"  # model_type "llava": the family's one spelling
     assert from_config(tmp_path / "llava").lm == ref.lm  # the folder works too
 
 
@@ -83,8 +84,9 @@ def test_llava_next_and_qwen_configs(tmp_path: Path) -> None:
     pins = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
     nxt = from_config(_write(tmp_path / "next", {**LLAVA_HF_7B, "model_type": "llava_next",
                                                  "image_grid_pinpoints": pins}))  # fmt: skip
-    assert nxt.paper_key == "LLaVA-NeXT-7B" and nxt.default_tokens == 2880
+    assert nxt.paper_key == "LLaVA-NeXT-7B" and nxt.default_tokens == 2880 and nxt.family == "llava-next"
     qwen = from_config(_write(tmp_path / "qwen", QWEN_7B))
+    assert qwen.family == "qwen2.5-vl"
     ref = KNOWN_BACKBONES["qwen2.5-vl-7b"]
     assert (qwen.lm, qwen.projector, qwen.vision) == (ref.lm, ref.projector, ref.vision)
     _write(tmp_path / "qwen", {"min_pixels": 200704, "max_pixels": 1003520}, "preprocessor_config.json")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import Method, create_method, method_class, method_names
+from care_core.methods import Method, build_method, method_class, method_names
 
 from .conftest import make_inputs
 
@@ -30,7 +30,7 @@ def test_call_is_the_base_template(name: str) -> None:
 @pytest.mark.parametrize("name", METHODS)
 def test_bad_budget_is_a_one_line_method_error(name: str, keep: object, small_inputs) -> None:
     with pytest.raises(MethodError) as info:
-        create_method(name)(small_inputs, keep)  # type: ignore[arg-type]
+        build_method(name)(small_inputs, keep)  # type: ignore[arg-type]
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"{name}:"), message
@@ -40,7 +40,7 @@ def test_bad_budget_is_a_one_line_method_error(name: str, keep: object, small_in
 @pytest.mark.parametrize("keep", [1, N])
 @pytest.mark.parametrize("name", METHODS)
 def test_extreme_budgets_give_the_documented_count(name: str, keep: int, small_inputs) -> None:
-    method = create_method(name)
+    method = build_method(name)
     result = method(small_inputs, keep)
     assert result.num_tokens == method.output_count(N, keep) == keep
     assert result.token_index.shape == (keep,)
@@ -54,13 +54,13 @@ def test_extreme_budgets_give_the_documented_count(name: str, keep: int, small_i
 def test_numpy_integers_are_integers(small_inputs) -> None:
     import numpy as np
 
-    assert create_method("random")(small_inputs, np.int64(5)).num_tokens == 5
+    assert build_method("random")(small_inputs, np.int64(5)).num_tokens == 5
     with pytest.raises(MethodError, match="integer"):
-        create_method("random")(small_inputs, np.float64(5.0))
+        build_method("random")(small_inputs, np.float64(5.0))
 
 
 def test_keep_n_on_care_keeps_every_token_uncalibrated(small_inputs) -> None:
-    result = create_method("care")(small_inputs, N)
+    result = build_method("care")(small_inputs, N)
     assert torch.equal(result.token_index, torch.arange(N))
     assert torch.equal(result.tokens, small_inputs.features)  # no residuals, nothing to calibrate
     assert result.signals is not None and result.signals.numel() == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from care_core import CaReConfig, care_reduce
-from care_core.methods import MethodInputs, build_method, create_method
+from care_core.methods import MethodInputs, build_method
 from tests.core._problems import make_problem, to_np
 from tests.reference import care_reference as ref
 
@@ -190,6 +190,9 @@ def test_ablations_differ_where_the_table_says() -> None:
     assert not math.isclose(float((out["care"].tokens - out["prca-only"].tokens).abs().max()), 0.0)
 
 
-def test_create_method_keeps_the_defaults() -> None:
-    assert create_method("care").config == CaReConfig()
-    assert build_method("care").config == CaReConfig()
+def test_build_method_takes_the_config_then_the_options() -> None:
+    assert build_method("care").config == CaReConfig()  # no config: the method's defaults
+    assert build_method("care", CaReConfig(m=8)).config.m == 8
+    assert build_method("random").seed is None  # its default: the inputs' seed
+    assert build_method("random", CaReConfig(seed=5)).seed == 5
+    assert build_method("random", CaReConfig(seed=5), seed=7).seed == 7  # an option overrides the config

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import MethodInputs, create_method
+from care_core.methods import MethodInputs, build_method
 from care_core.methods.divprune import cosine_distance_matrix, divprune_select
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
@@ -40,16 +40,16 @@ def test_official_rule_reselects_and_registered_rule_does_not() -> None:
     # step 0: every column's second-smallest is 0 (its twin) -> 0; step 1: -> 2; step 2: all min distances 0 -> 0
     assert divprune_select(x, 3).tolist() == [0, 2, 0]
     assert divprune_select(x, 3, mask_selected=True).tolist() == [0, 2, 1]  # lowest-index unselected instead
-    result = create_method("divprune")(_inputs(x), 3)
+    result = build_method("divprune")(_inputs(x), 3)
     assert result.token_index.tolist() == [0, 1, 2]
     assert result.info["selection_order"].tolist() == [0, 2, 1]
     with pytest.raises(MethodError, match="re-selected"):
-        create_method("divprune", mask_selected=False)(_inputs(x), 3)
+        build_method("divprune", mask_selected=False)(_inputs(x), 3)
 
 
 def test_registered_equals_official_without_exhaustion() -> None:
     inputs = make_inputs(seed=4)
-    result = create_method("divprune")(inputs, 30)
+    result = build_method("divprune")(inputs, 30)
     with torch.no_grad():
         official = divprune_select(inputs.projector(inputs.features), 30)
     assert torch.equal(result.info["selection_order"], official)  # runs on the post-projector tokens

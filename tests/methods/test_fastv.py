@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import MethodInputs, create_method
+from care_core.methods import MethodInputs, build_method
 from care_core.methods.fastv import fastv_scores, top_tokens
 
 from .test_sparsevlm import ScriptedLM
@@ -37,21 +37,21 @@ def test_top_tokens_ascending_ties_to_lowest_index() -> None:
 
 def test_default_uses_layer_1_and_keeps_top_in_order() -> None:
     inputs = _inputs({1: [0.1, 0.4, 0.0, 0.3, 0.2], 0: [0.9, 0.0, 0.0, 0.0, 0.9]})
-    result = create_method("fastv")(inputs, 2)  # K = 2: layer index 1
+    result = build_method("fastv")(inputs, 2)  # K = 2: layer index 1
     assert inputs.probes["language_model"].calls == [1]
     assert result.token_index.tolist() == [1, 3]
     assert torch.equal(result.tokens, inputs.features[[1, 3]])
     assert result.scores.tolist() == pytest.approx([0.05, 0.2, 0.0, 0.15, 0.1])
     assert result.assignment.tolist() == [-1, 0, -1, 1, -1]
-    assert create_method("fastv", agg_layer=1)(inputs, 2).token_index.tolist() == [0, 4]
+    assert build_method("fastv", agg_layer=1)(inputs, 2).token_index.tolist() == [0, 4]
 
 
 def test_invalid_layer_and_span_are_errors() -> None:
     inputs = _inputs({1: [0.1, 0.4, 0.0, 0.3, 0.2]})
     with pytest.raises(MethodError, match="agg_layer"):
-        create_method("fastv", agg_layer=0)(inputs, 2)
+        build_method("fastv", agg_layer=0)(inputs, 2)
     with pytest.raises(MethodError, match="no layer"):
-        create_method("fastv", agg_layer=9)(inputs, 2)
+        build_method("fastv", agg_layer=9)(inputs, 2)
     inputs.probes["language_model"].image = (2, 6)
     with pytest.raises(MethodError, match="image span"):
-        create_method("fastv")(inputs, 2)
+        build_method("fastv")(inputs, 2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from care_core.methods import create_method
+from care_core.methods import build_method
 from care_core.methods.ficoco import FiCoCoV, ficoco_step, fresh_score_map, redundancy_scores, window_minima
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
@@ -77,7 +77,7 @@ def test_method_official_schedule() -> None:
 @pytest.mark.parametrize("penalty", ["released", "paper"])
 def test_method_modes(row_order: str, penalty: str) -> None:
     inputs = make_inputs(seed=2, zeros=True)
-    method = create_method("ficoco-v", row_order=row_order, local_penalty=penalty)
+    method = build_method("ficoco-v", row_order=row_order, local_penalty=penalty)
     result = method(inputs, 10)
     assert result.num_tokens == 10 and torch.isfinite(result.tokens).all()
     assert (result.assignment >= -1).all() and (result.assignment < 10).all()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import MethodInputs, create_method
+from care_core.methods import MethodInputs, build_method
 from care_core.methods.pool import pool_cells, pool_layout
 
 
@@ -30,7 +30,7 @@ def test_layout_rule() -> None:
 
 
 def test_two_by_two_blocks_by_hand() -> None:
-    result = create_method("pool")(_grid_inputs(4, 4), 4)
+    result = build_method("pool")(_grid_inputs(4, 4), 4)
     # cells: rows {0,1} x cols {0,1} = tokens 0,1,4,5 (mean 2.5), then 2,3,6,7 (4.5), 8,9,12,13 (10.5), 10,11,14,15
     assert result.tokens[:, 0].tolist() == [2.5, 4.5, 10.5, 12.5]
     assert result.tokens[:, 1].tolist() == [1.0] * 4
@@ -39,7 +39,7 @@ def test_two_by_two_blocks_by_hand() -> None:
 
 
 def test_banded_layout_by_hand() -> None:
-    result = create_method("pool")(_grid_inputs(4, 4), 3)
+    result = build_method("pool")(_grid_inputs(4, 4), 3)
     assert result.assignment.view(4, 4).tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 2, 2], [1, 1, 2, 2]]
     assert result.tokens[:, 0].tolist() == [3.5, 10.5, 12.5]
     assert result.token_index.tolist() == [1, 8, 10]
@@ -58,6 +58,6 @@ def test_every_budget_gives_exactly_k_cells_partitioning_the_grid(grid: tuple[in
 
 def test_needs_a_matching_grid() -> None:
     with pytest.raises(MethodError, match="grid"):
-        create_method("pool")(MethodInputs(torch.zeros(16, 2), lambda v: v, torch.zeros(16, 2)), 4)
+        build_method("pool")(MethodInputs(torch.zeros(16, 2), lambda v: v, torch.zeros(16, 2)), 4)
     with pytest.raises(MethodError, match="grid"):
-        create_method("pool")(_grid_inputs(4, 4, grid=(3, 4)), 4)
+        build_method("pool")(_grid_inputs(4, 4, grid=(3, 4)), 4)

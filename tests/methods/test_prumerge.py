@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import create_method
+from care_core.methods import build_method
 from care_core.methods.prumerge import (
     PruMergePlus,
     cls_attention_from_qk,
@@ -55,16 +55,16 @@ def test_fixed_budget_methods() -> None:
     inputs = make_inputs(seed=7)
     qk = inputs.probes["last_layer_qk"]
     a = cls_attention_from_qk(qk[0], qk[1], inputs.features.shape[1])
-    plain = create_method("prumerge")(inputs, 16)
+    plain = build_method("prumerge")(inputs, 16)
     assert plain.num_tokens == 16 and plain.token_index[-1] == -1
     assert plain.token_index[:-1].tolist() == a.topk(15).indices.tolist()  # descending attention
-    plus = create_method("prumerge+")(inputs, 16)
+    plus = build_method("prumerge+")(inputs, 16)
     assert plus.num_tokens == 16 and plus.token_index[:-1].unique().numel() == 15
     n_top = min(int(inputs.num_tokens * plus.info["outlier_ratio"]), 15)
     assert plus.token_index[:n_top].tolist() == a.topk(n_top).indices.tolist()
     pruned = plus.assignment == 15
     assert pruned.sum() == inputs.num_tokens - 15  # every pruned patch goes to the summary row
-    assert torch.equal(create_method("prumerge+", plus=False)(inputs, 16).tokens, plain.tokens)
+    assert torch.equal(build_method("prumerge+", plus=False)(inputs, 16).tokens, plain.tokens)
 
 
 def test_adaptive_mode_count() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from care_core.methods import create_method
+from care_core.methods import build_method
 from care_core.methods.random_select import random_select
 
 from .conftest import make_inputs
@@ -21,10 +21,10 @@ def test_sorted_unique_and_seeded() -> None:
 
 def test_method_uses_inputs_seed_unless_overridden() -> None:
     inputs = make_inputs(seed=3)
-    result = create_method("random")(inputs, 20)
+    result = build_method("random")(inputs, 20)
     assert torch.equal(result.token_index, random_select(inputs.num_tokens, 20, 3))
     assert torch.equal(result.tokens, inputs.features[result.token_index])
-    override = create_method("random", seed=11)(inputs, 20)
+    override = build_method("random", seed=11)(inputs, 20)
     assert torch.equal(override.token_index, random_select(inputs.num_tokens, 20, 11))
     assert override.info["seed"] == 11
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import PROBES, MethodResult, canonical_name, create_method, method_class, method_names
+from care_core.methods import PROBES, MethodResult, build_method, canonical_name, method_class, method_names
 
 from .conftest import make_inputs
 
@@ -15,7 +15,7 @@ BUDGETS = [1, 16, 50]
 
 
 def _check_result(name: str, result: MethodResult, n: int, keep: int) -> None:
-    method = create_method(name)
+    method = build_method(name)
     assert result.tokens.ndim == 2 and result.tokens.shape[0] == method.output_count(n, keep)
     assert result.token_index.shape == (result.tokens.shape[0],)
     assert result.token_index.dtype == torch.long
@@ -51,14 +51,14 @@ def test_metadata(name: str) -> None:
 @pytest.mark.parametrize("name", METHODS)
 def test_contract_on_random_inputs(name: str, keep: int) -> None:
     inputs = make_inputs(seed=keep)
-    result = create_method(name)(inputs, keep)
+    result = build_method(name)(inputs, keep)
     _check_result(name, result, inputs.num_tokens, keep)
 
 
 @pytest.mark.parametrize("name", METHODS)
 def test_same_seed_same_output(name: str) -> None:
-    first = create_method(name)(make_inputs(seed=3), 20)
-    second = create_method(name)(make_inputs(seed=3), 20)
+    first = build_method(name)(make_inputs(seed=3), 20)
+    second = build_method(name)(make_inputs(seed=3), 20)
     assert torch.equal(first.token_index, second.token_index)
     assert torch.equal(first.tokens, second.tokens)
 
@@ -67,7 +67,7 @@ def test_same_seed_same_output(name: str) -> None:
 @pytest.mark.parametrize("name", METHODS)
 def test_no_nan_with_degenerate_tokens(name: str, case: str) -> None:
     inputs = make_inputs(seed=5, **{case: True})
-    result = create_method(name)(inputs, 24)
+    result = build_method(name)(inputs, 24)
     _check_result(name, result, inputs.num_tokens, 24)
 
 
@@ -79,7 +79,7 @@ def test_missing_probe_is_a_clear_error(name: str) -> None:
     inputs = make_inputs()
     inputs.probes = {}
     with pytest.raises(MethodError, match="needs"):
-        create_method(name)(inputs, 10)
+        build_method(name)(inputs, 10)
 
 
 def test_unknown_method_suggests_close_names() -> None:

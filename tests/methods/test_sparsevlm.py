@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import MethodInputs, create_method
+from care_core.methods import MethodInputs, build_method
 from care_core.methods.sparsevlm import (
     PRUNING_LAYERS,
     SCHEDULES,
@@ -144,7 +144,7 @@ def _scripted(n: int = 8, favourite: tuple[int, ...] = (6, 1, 3)) -> tuple[Metho
 
 def test_method_keeps_the_most_rated_tokens_from_layer_2() -> None:
     inputs, lm = _scripted()
-    result = create_method("sparsevlm", recycle=False)(inputs, 3)
+    result = build_method("sparsevlm", recycle=False)(inputs, 3)
     assert lm.calls == [2]
     assert result.token_index.tolist() == [1, 3, 6]
     assert torch.equal(result.tokens, inputs.features[[1, 3, 6]])
@@ -155,7 +155,7 @@ def test_method_keeps_the_most_rated_tokens_from_layer_2() -> None:
 def test_method_recycles_into_exactly_keep_rows() -> None:
     inputs = make_inputs(seed=7)
     n = inputs.num_tokens
-    result = create_method("sparsevlm")(inputs, 40)  # v1 default: recycling on
+    result = build_method("sparsevlm")(inputs, 40)  # v1 default: recycling on
     kept, clusters = recycle_split(n, 40)
     assert clusters > 0 and result.tokens.shape[0] == 40 and result.info["clusters"] == clusters
     assert result.info["kept"].numel() == kept
@@ -171,14 +171,14 @@ def test_method_recycles_into_exactly_keep_rows() -> None:
         assert members.any()
         assert torch.allclose(result.tokens[row], inputs.features[members].mean(0), atol=1e-5)
     assert set(result.token_index[kept:].tolist()) <= set(recycled.tolist())
-    v2 = create_method("sparsevlm", version="2_0")(inputs, 40)
+    v2 = build_method("sparsevlm", version="2_0")(inputs, 40)
     assert v2.info["clusters"] == 0 and v2.info["heads_kept"] is not None and v2.tokens.shape[0] == 40
 
 
 def test_equal_text_scores_fall_back_to_all_raters() -> None:
     inputs, lm = _scripted()
     lm.embeds = torch.zeros_like(lm.embeds)
-    result = create_method("sparsevlm", recycle=False)(inputs, 3)
+    result = build_method("sparsevlm", recycle=False)(inputs, 3)
     assert result.info["raters_fallback"] and result.info["raters"].tolist() == [0, 1, 2]
     assert torch.isfinite(result.scores).all()
 
@@ -187,9 +187,9 @@ def test_span_mismatch_and_bad_version_are_errors() -> None:
     inputs, lm = _scripted()
     lm.image = (2, 9)
     with pytest.raises(MethodError, match="image span"):
-        create_method("sparsevlm")(inputs, 3)
+        build_method("sparsevlm")(inputs, 3)
     with pytest.raises(MethodError, match="version"):
-        create_method("sparsevlm", version="3")(make_inputs(), 3)
+        build_method("sparsevlm", version="3")(make_inputs(), 3)
 
 
 @pytest.mark.parametrize("name", GOLDEN_FILES["sparsevlm"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import create_method
+from care_core.methods import build_method
 from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain, tome_schedule
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
@@ -61,11 +61,11 @@ def test_chain_schedule(n: int, keep: int, steps: tuple[int, ...]) -> None:
 
 def test_method_and_degenerate_tokens() -> None:
     inputs = make_inputs(seed=3, zeros=True)
-    result = create_method("tome")(inputs, 20)
+    result = build_method("tome")(inputs, 20)
     assert result.num_tokens == 20 and torch.isfinite(result.tokens).all()
     assert result.token_index.unique().numel() == 20
     with pytest.raises(MethodError):
-        create_method("tome")(inputs, 0)
+        build_method("tome")(inputs, 0)
 
 
 @pytest.mark.parametrize("name", GOLDEN_FILES["tome"])
@@ -75,11 +75,11 @@ def test_golden(name: str) -> None:
 
 def test_schedule_is_tomes_constant_r() -> None:
     # 512 tokens to merge in 23 calls: r = ceil(512 / 23) = 23 for 22 calls, then the remaining 6
-    assert create_method("tome").r_per_call(576, 64) == 23
+    assert build_method("tome").r_per_call(576, 64) == 23
     assert tome_schedule(576, 64, 23) == [23] * 22 + [6]
     assert tome_schedule(576, 64) == [288, 144, 72, 8]  # the golden harness chain
     assert tome_schedule(10, 1, 100) == [5, 2, 1, 1]  # capped at n // 2 per call
-    result = create_method("tome")(make_inputs(n=576, seed=1), 64)
+    result = build_method("tome")(make_inputs(n=576, seed=1), 64)
     assert result.info["steps"][:3] == (576, 553, 530) and len(result.info["steps"]) == 24
 
 
@@ -92,7 +92,7 @@ def test_survivors_depend_on_the_features() -> None:
         x = torch.randn(576, 16, generator=torch.Generator().manual_seed(seed))
         inputs = make_inputs(n=576, seed=seed)
         inputs.features = x
-        result = create_method("tome")(inputs, 64)
+        result = build_method("tome")(inputs, 64)
         assert result.token_index.unique().numel() == 64
         assert set((result.token_index % 8).tolist()) == set(range(8))
         kept.append(set(result.token_index.tolist()))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import create_method
+from care_core.methods import build_method
 from care_core.methods.visionzip import VisionZip, dominant_split, visionzip_reduce
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, golden_checker, load_golden, make_inputs
@@ -51,7 +51,7 @@ def test_hand_case_two_contextual_tokens() -> None:
 
 def test_method_rows_and_indices() -> None:
     inputs = make_inputs(seed=1)
-    result = create_method("visionzip")(inputs, 16)
+    result = build_method("visionzip")(inputs, 16)
     assert result.num_tokens == 16
     assert result.token_index[0] == -1  # the CLS row comes first
     assert torch.equal(result.tokens[0], inputs.probes["hidden_with_cls"][0])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from care_core.methods import MethodInputs, create_method
+from care_core.methods import MethodInputs, build_method
 from care_core.methods.zoo_prune import sads_select, sads_weights
 from tests.reference import care_reference as reference
 
@@ -65,7 +65,7 @@ def test_registered_method_equals_an_independent_float64_computation(n: int, kee
     order, margin = reference.greedy_anchors(embeddings, weights, keep, 1e-12)
     assert margin > 1e-6, "near-tie in the greedy: pick another seed"
 
-    result = create_method("zoo-prune")(inputs, keep)
+    result = build_method("zoo-prune")(inputs, keep)
     assert result.info["selection_order"].tolist() == order
     assert result.token_index.tolist() == sorted(order)
     np.testing.assert_allclose(result.scores.numpy(), weights, rtol=0, atol=1e-9)

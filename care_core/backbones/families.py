@@ -1,0 +1,187 @@
+"""The backbone-family registry: one frozen record per family, read by everything that needs a backbone fact.
+
+A record says how the family is spelled (its one user-facing name, e.g. ``llava-1.5``), which ``config.json``
+``model_type`` values it loads, which adapter class wraps it (a lazy ``module:attribute`` path), what its
+vision tokens offer the methods (a CLS token, one raster grid), its embedded demos, its ``care flops`` spec and
+its lmms-eval model id. The loader, the methods (:meth:`care_core.methods.Method.serves`), ``care flops``, the
+demos, the lmms-eval plugin and the CLI read these records; nothing else lists families.
+
+Adding a family: its adapter module, its flops spec (``care_core.flops.specs``), its demo builder
+(``care_core.backbones.demo``) and one :func:`register_family` call (here, beside the others).
+
+This module imports neither torch nor transformers (``care --help`` reads the demo names from it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from care_core.errors import CareError
+
+#: What a family's visual tokens may offer a method beyond features, projector and positions.
+Trait = Literal["cls_token", "single_grid"]
+TRAITS: tuple[Trait, ...] = get_args(Trait)
+#: What a method that requires the trait needs, in words (for "cannot run" messages).
+TRAIT_NEEDS: dict[Trait, str] = {
+    "cls_token": "the vision tower's CLS token",
+    "single_grid": "the visual tokens to form one raster grid",
+}
+
+RANDOM_DEMO_NOTE = "demo backbone: random weights — its numbers say nothing about a real model"
+TRAINED_DEMO_NOTE = (
+    "demo backbone: tiny model trained on synthetic shapes — it knows coloured shapes only; "
+    "its numbers say nothing about a real model"
+)
+
+
+def import_path(path: str) -> Any:
+    """The object a ``"package.module:attribute"`` path names (imported now)."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class DemoBackbone:
+    """One embedded demo: its name, version, family and how to build it (model, processor) from a seed."""
+
+    name: str
+    version: int
+    family: str
+    builder: str  # "module:function", function(seed) -> (model, processor); imported only when a demo is built
+    description: str
+    seed: int = 0
+    #: file name of the trained weights shipped in ``demo_weights/`` (None: random weights from ``seed``)
+    weights: str | None = None
+
+    def build(self, seed: int) -> tuple[Any, Any]:
+        return import_path(self.builder)(seed)  # type: ignore[no-any-return]
+
+    @property
+    def folder_name(self) -> str:
+        return f"{self.name}-v{self.version}"
+
+    @property
+    def trained(self) -> bool:
+        return self.weights is not None
+
+    @property
+    def note(self) -> str:
+        """The one-line demo note shown wherever the demo's results are."""
+        return TRAINED_DEMO_NOTE if self.trained else RANDOM_DEMO_NOTE
+
+
+@dataclass(frozen=True)
+class BackboneFamily:
+    """Everything care knows about one backbone family, in one place."""
+
+    name: str  # the one spelling, everywhere (JSON, metadata, care methods, flops): e.g. "llava-1.5"
+    display: str  # e.g. "LLaVA-1.5"
+    model_types: tuple[str, ...]  # the config.json model_type values this family loads
+    adapter: str  # "module:Class" of its VLMAdapter, imported when a model is loaded
+    has_cls_token: bool  # the vision tower has a CLS token (CLS-attention methods can run)
+    single_grid: bool  # the visual tokens form one raster grid (LLaVA-NeXT: a base view + high-res tiles)
+    crops: bool  # the image is cut into several crops (base view + tiles), each through the vision tower
+    flops_spec: str  # the care flops spec (care_core.flops.specs.KNOWN_BACKBONES) the family name stands for
+    lmms_eval_model: str  # the lmms-eval model id serving the family (care_core.integrations.lmms_eval)
+    demos: tuple[DemoBackbone, ...] = field(default=(), compare=False)
+
+    @property
+    def traits(self) -> frozenset[Trait]:
+        offered = {"cls_token": self.has_cls_token, "single_grid": self.single_grid}
+        return frozenset(trait for trait in TRAITS if offered[trait])
+
+    def missing(self, requires: frozenset[Trait]) -> list[Trait]:
+        """The traits of ``requires`` this family does not offer, in :data:`TRAITS` order."""
+        return [trait for trait in TRAITS if trait in requires and trait not in self.traits]
+
+
+_FAMILIES: dict[str, BackboneFamily] = {}
+_KEYS: dict[str, str] = {}  # lower-cased name or model_type -> family name
+
+
+def register_family(family: BackboneFamily) -> BackboneFamily:
+    """Add a family; its name and model types must be new (RuntimeError otherwise)."""
+    keys = [family.name.lower(), *(t.lower() for t in family.model_types)]
+    for key in keys:
+        if key in _KEYS and _KEYS[key] != family.name:
+            raise RuntimeError(f"backbone family key {key!r} is claimed by {_KEYS[key]!r} and {family.name!r}")
+    if family.name in _FAMILIES:
+        raise RuntimeError(f"backbone family {family.name!r} is registered twice")
+    _FAMILIES[family.name] = family
+    _KEYS.update(dict.fromkeys(keys, family.name))
+    return family
+
+
+def families() -> list[BackboneFamily]:
+    """Every registered family, in registration order."""
+    return list(_FAMILIES.values())
+
+
+def family_names() -> list[str]:
+    return list(_FAMILIES)
+
+
+def backbone_family(key: str) -> BackboneFamily:
+    """The family named ``key``, or loading config.json model_type ``key`` (case-insensitive); CareError if none."""
+    found = _KEYS.get(key.strip().lower())
+    if found is None:
+        known = ", ".join(_FAMILIES)
+        raise CareError(f"unknown backbone family {key!r} (known: {known})")
+    return _FAMILIES[found]
+
+
+def model_types() -> list[str]:
+    """Every config.json model_type some family loads."""
+    return [t for family in _FAMILIES.values() for t in family.model_types]
+
+
+def demo_backbones() -> dict[str, DemoBackbone]:
+    """Demo name -> demo, over every family."""
+    return {demo.name: demo for family in _FAMILIES.values() for demo in family.demos}
+
+
+def served_families(lmms_eval_model: str) -> tuple[str, ...]:
+    """The families whose records name ``lmms_eval_model`` as their lmms-eval model id."""
+    return tuple(family.name for family in _FAMILIES.values() if family.lmms_eval_model == lmms_eval_model)
+
+
+#: the demo every tool uses when no model is given
+DEFAULT_DEMO = "tiny-llava"
+
+_DEMO = "care_core.backbones.demo"
+_LLAVA_GEOMETRY = "LLaVA-1.5 geometry (CLIP-336/14, 576 tokens)"
+
+register_family(BackboneFamily(
+    name="llava-1.5", display="LLaVA-1.5", model_types=("llava",),
+    adapter="care_core.backbones.llava:LlavaAdapter", has_cls_token=True, single_grid=True, crops=False,
+    flops_spec="llava-1.5-7b", lmms_eval_model="care_llava",
+    demos=(
+        DemoBackbone(DEFAULT_DEMO, 3, "llava-1.5", f"{_DEMO}:build_trained_tiny_llava",
+                     f"{_LLAVA_GEOMETRY}, tiny weights trained on synthetic shapes (scripts/train_demo.py); demo only",
+                     weights="tiny-llava.safetensors"),
+        DemoBackbone("tiny-llava-random", 2, "llava-1.5", f"{_DEMO}:build_tiny_llava",
+                     f"{_LLAVA_GEOMETRY}, tiny random weights; demo only"),
+    ),
+))  # fmt: skip
+register_family(BackboneFamily(
+    name="llava-next", display="LLaVA-NeXT", model_types=("llava_next",),
+    adapter="care_core.backbones.llava_next:LlavaNextAdapter", has_cls_token=True, single_grid=False, crops=True,
+    flops_spec="llava-next-7b", lmms_eval_model="care_llava",
+    demos=(
+        DemoBackbone("tiny-llava-next", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
+                     "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672), tiny random "
+                     "weights; demo only"),
+    ),
+))  # fmt: skip
+register_family(BackboneFamily(
+    name="qwen2.5-vl", display="Qwen2.5-VL", model_types=("qwen2_5_vl",),
+    adapter="care_core.backbones.qwen2_5_vl:Qwen2_5_VLAdapter", has_cls_token=False, single_grid=True, crops=False,
+    flops_spec="qwen2.5-vl-7b", lmms_eval_model="care_qwen2_5_vl",
+    demos=(
+        DemoBackbone("tiny-qwen2.5-vl", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
+                     "Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget), tiny random weights; "
+                     "demo only"),
+    ),
+))  # fmt: skip
