@@ -17,11 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..pipeline import DEFAULT_QUESTION
 from ._hf import quiet_transformers
 
 # Probe names computed from one vision-tower forward (see care_core.methods.base.PROBES).
 VISION_PROBES = frozenset({"cls_attention", "attention_logits", "keys", "hidden_with_cls", "last_layer_qk"})
-DEFAULT_PROBE_QUESTION = "Describe the image."
+DEFAULT_PROBE_QUESTION = DEFAULT_QUESTION  # the language-model probe's question where none is given
 
 
 class StopForward(Exception):

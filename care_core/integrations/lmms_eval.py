@@ -185,7 +185,8 @@ class CareLMM(lmms):
             tokens = adapter.encode_image(image)
             projected, kept = self._visual_rows(tokens, question)
             options = {} if self.spec.cuda_graph is None else {"cuda_graph": self.spec.cuda_graph}
-            text = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept, **options)
+            out = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept, **options)
+            text = out.text
         fed = adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
         return text, fed, tokens.num_tokens
 
@@ -197,7 +198,9 @@ class CareLMM(lmms):
         """
         from PIL import Image
 
-        self.answer(Image.new("RGB", (336, 336), (128, 128, 128)), "Describe the image.", 2)
+        from care_core.pipeline import DEFAULT_QUESTION
+
+        self.answer(Image.new("RGB", (336, 336), (128, 128, 128)), DEFAULT_QUESTION, 2)
 
     def _visual_rows(self, tokens: ImageTokens, question: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(projected rows, kept token indices): all N tokens without a method, else the method's K."""
