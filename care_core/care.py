@@ -178,13 +178,12 @@ def care_reduce(
     and `keep` (K). directions: optional (m, d_v) unit directions; by default m are drawn from
     `config.seed`. stage_timer: optional callable returning a context manager per stage name
     ("scoring", "anchors", "calibration"), for timing. scorer: optional :class:`~care_core.scoring.Scorer`
-    made for `projector`, which keeps the prepared projector, the directions, the kernel decisions and
-    (on CUDA) the second layer's triangular factor between calls. Without one, the scorer kept on the
-    projector itself is used (:meth:`Scorer.for_projector <care_core.scoring.Scorer.for_projector>`, an
-    attribute of the module that dies with it; rebuilt when the weights are moved, cast or edited in
-    place): a plain call on CUDA gets the fast path, paying the factor's QR (~0.2 s at d_h = 4096) once
-    per projector. Results are bit-identical with or without a scorer on the CPU; see ``Scorer`` for
-    what the factor promises on CUDA.
+    made for `projector` (keeps the prepared projector, directions, kernel decisions and, on CUDA, the
+    second layer's triangular factor). Without one, the scorer kept on the projector itself
+    (:meth:`Scorer.for_projector <care_core.scoring.Scorer.for_projector>`: dies with the module, rebuilt
+    when its weights change), so a plain call on CUDA gets the fast path and pays the factor's QR (~0.2 s
+    at d_h = 4096) once per projector. CPU results are bit-identical either way; ``Scorer`` says what the
+    factor promises on CUDA.
     psi_bar: optional (N,) PRCA scores already computed by :func:`prca_scores` with this config for these
     features (e.g. shared between budgets); scoring is then skipped.
 
@@ -213,13 +212,6 @@ def care_reduce(
             indices = order.sort().values
         with timer("calibration"):
             cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)
-    return Reduction(
-        indices=indices,
-        anchor_order=order,
-        tokens=cal.tokens.to(features.dtype),
-        signals=cal.signals,
-        psi_bar=psi_bar,
-        residuals=cal.residuals,
-        confidence=cal.confidence,
-        signal_targets=cal.signal_targets,
-    )
+    return Reduction(indices=indices, anchor_order=order, tokens=cal.tokens.to(features.dtype), signals=cal.signals,
+                     psi_bar=psi_bar, residuals=cal.residuals, confidence=cal.confidence,
+                     signal_targets=cal.signal_targets)  # fmt: skip
