@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from care_core.errors import ImageError
+from care_core.errors import ImageError, one_line
 
 __all__ = ["load_image"]
 
@@ -25,11 +25,6 @@ _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 # Exceptions Pillow's decoders raise for corrupt or truncated data.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
 _BOMB_RE = re.compile(r"\((\d+) pixels\) exceeds limit of (\d+) pixels")
-
-
-def _one_line(text: object) -> str:
-    """Collapse any whitespace (newlines included) so a message stays on one line."""
-    return " ".join(str(text).split())
 
 
 @contextlib.contextmanager
@@ -50,7 +45,7 @@ def _bomb_message(name: str, exc: Exception) -> str:
         pixels, limit = match.groups()
         detail = f"image too large ({pixels} pixels > limit {limit})"
     else:
-        detail = f"image too large ({_one_line(exc)})"
+        detail = f"image too large ({one_line(exc)})"
     return f"{name}: {detail}; Pillow's decompression-bomb guard refused it"
 
 
@@ -107,7 +102,7 @@ def load_image(path: str | Path) -> Image.Image:
 
     Raises ImageError with a one-line message naming the path for anything that is not a readable image.
     """
-    name = _one_line(path)
+    name = one_line(path)
     p = Path(path).expanduser()
     try:
         st = p.stat()
@@ -116,7 +111,7 @@ def load_image(path: str | Path) -> Image.Image:
     except PermissionError:
         raise ImageError(f"{name}: permission denied") from None
     except OSError as exc:
-        raise ImageError(f"{name}: cannot access file ({_one_line(exc.strerror or exc)})") from None
+        raise ImageError(f"{name}: cannot access file ({one_line(exc.strerror or exc)})") from None
     if p.is_dir():
         raise ImageError(f"{name}: is a directory, not an image file")
     if not p.is_file():
@@ -143,4 +138,4 @@ def load_image(path: str | Path) -> Image.Image:
     except MemoryError:
         raise ImageError(f"{name}: not enough memory to decode the image") from None
     except _DECODE_ERRORS as exc:
-        raise ImageError(f"{name}: cannot decode image, truncated or corrupt ({_one_line(exc)})") from None
+        raise ImageError(f"{name}: cannot decode image, truncated or corrupt ({one_line(exc)})") from None

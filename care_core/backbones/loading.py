@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, one_line
 from .base import VLMAdapter
 from .demo import DEMO_BACKBONES, install_demo, marker_note, read_marker, weights_problem
 
@@ -171,7 +171,7 @@ def _load_folder(
     except ModelLoadError:
         raise
     except Exception as exc:
-        detail = " ".join(str(exc).split())
+        detail = one_line(exc)
         if len(detail) > 300:
             detail = detail[:300] + "..."
         raise ModelLoadError(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from care_core.errors import CareError, MethodError
+from care_core.errors import CareError, MethodError, one_line
 from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
 
 #: model id -> (class in this module, aliases)
@@ -433,7 +433,7 @@ def load_tasks(names: Sequence[str], manager: Any) -> dict[str, Any]:
 
 def task_error(exc: BaseException, names: Sequence[str], manager: Any) -> CareError:
     """A one-line error for an exception raised while building tasks."""
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
     hub_words = ("offline", "connect", "couldn't reach", "not found on the hub", "huggingface.co", "localentrynotfound",
                  "cannot find the requested files", "doesn't exist on the hub")  # fmt: skip
