@@ -279,21 +279,13 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def rank_device(device: str) -> str:
-    """``device`` for this process: with several processes, ``auto``/``cuda`` become ``cuda:LOCAL_RANK``."""
-    import torch
-
-    if _env_int("WORLD_SIZE", 1) > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        return f"cuda:{_env_int('LOCAL_RANK', 0)}"
-    return device
-
-
 def load_adapter(spec: EvalSpec) -> VLMAdapter:
     """The backbone of ``spec`` (offline), on this process's device."""
     from care_core.backbones import load_backbone
+    from care_core.backbones.loading import process_device
 
     dtype = None if spec.dtype == "auto" else spec.dtype
-    return load_backbone(spec.pretrained, device=rank_device(spec.device), dtype=dtype)
+    return load_backbone(spec.pretrained, device=process_device(spec.device), dtype=dtype)
 
 
 def check_methods(specs: Iterable[EvalSpec], adapter: VLMAdapter) -> None:
