@@ -492,7 +492,8 @@ def test_plain_care_reduce_on_cuda_goes_through_the_projectors_factor() -> None:
     positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(55)).cuda()
     cfg = CaReConfig(matmul_precision="bf16")
     plain = care_reduce(features, mlp, positions, keep=64, config=cfg)
-    assert Scorer.for_projector(mlp).factor(torch.float32, features.device) is not None  # made by the plain call
+    kept_on_projector = Scorer.for_projector(mlp)
+    assert kept_on_projector._factors.get((torch.float32, features.device)) is not None  # made by the plain call
     scorer = Scorer(mlp)  # a user-owned scorer: the same settings, the same kernels, the same results
     for _ in range(2):
         kept = care_reduce(features, mlp, positions, keep=64, config=cfg, scorer=scorer)
