@@ -284,13 +284,14 @@ class ReductionPipeline:
             else:
                 with clock("features"):
                     tokens = adapter.encode_image(image)
+            pairs = list(self._pairs(tokens, budgets, plan))  # a budget above N fails before any probe runs
             inputs = self.method_inputs(tokens, asked, clock=clock, question_embeddings=csr)
             full = reference = None
             if csr or generate:
                 with clock("reference"):
                     full = adapter.projector(tokens.features)
                     reference = csr_reference(full, inputs.probes["question"]) if csr else None
-            runs = [self._run(name, b, k, inputs, reference) for name, b, k in self._pairs(tokens, budgets, plan)]
+            runs = [self._run(name, budget, k, inputs, reference) for name, budget, k in pairs]
             full_answer = None
             if generate:
                 assert asked is not None and full is not None
