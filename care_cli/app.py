@@ -18,7 +18,7 @@ from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
 from care_cli.commands import visualize as visualize_command
-from care_core.errors import CareError
+from care_core.errors import CareError, one_line
 
 app = typer.Typer(
     name="care",
@@ -82,10 +82,6 @@ def _root(
     """CaRe (Calibrate Before Reason): visual token reduction for vision-language models, measured."""
 
 
-def _one_line(message: object) -> str:
-    return " ".join(str(message).split())
-
-
 def flags_of(command: Any, args: Sequence[str]) -> dict[str, str]:
     """Each parameter of the command that `args` invoke, mapped to its long flag as the command declares it:
     the one table through which library errors (which name parameters) are shown with the CLI's flags."""
@@ -122,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = command.main(args=args, prog_name="care", standalone_mode=False, obj={"argv": args})
     except CareError as exc:
         flags = flags_of(command, args)
-        print(f"error: {_one_line(exc.render(lambda name: flags.get(name, name)))}", file=sys.stderr)
+        print(f"error: {one_line(exc.render(lambda name: flags.get(name, name)))}", file=sys.stderr)
         return 2
     except typer.Exit as exc:
         return int(exc.exit_code)
@@ -134,6 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         context = getattr(exc, "ctx", None)
         hint = f" (see 'care {context.info_name} --help')" if context is not None and context.parent else ""
-        print(f"error: {_one_line(exc.format_message())}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"error: {one_line(exc.format_message())}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
         return int(getattr(exc, "exit_code", 2))
     return result if isinstance(result, int) else 0

@@ -14,13 +14,11 @@ from care_core.budget import resolve_budget
 from care_core.calibration import Calibration, calibrate
 from care_core.config import CaReConfig
 from care_core.errors import CareError
-from care_core.kernels import KernelGate
 from care_core.precision import compute_dtype, matmul_precision
 from care_core.scoring import (
     Projector,
     Scorer,
     influence_scores,
-    perturbation_responses,
     robust_zscores,
     unit_directions,
 )
@@ -109,17 +107,15 @@ def prca_scores(
 ) -> torch.Tensor:
     """psi_bar (N,) of PRCA: Eq. 1 responses, Eq. 2 robust z-scores, psi = mu - lambda sigma, min-max.
 
-    With a `scorer` (made for `projector`) its prepared projector and kernel decisions are used.
+    Scored through `scorer` (made for `projector`), or where none is given through the scorer kept on the
+    projector (:meth:`~care_core.scoring.Scorer.for_projector`): its prepared projector, kernel decisions and,
+    on CUDA, the second layer's triangular factor. :func:`~care_core.scoring.perturbation_responses` is the
+    functional path that keeps nothing.
     """
-    if scorer is not None:
-        responses = scorer.responses(
-            features, directions, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision, kernel=cfg.kernel
-        )
-    else:
-        responses = perturbation_responses(
-            features, projector, directions, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision,
-            kernel=cfg.kernel,
-        )  # fmt: skip
+    scorer = scorer if scorer is not None else Scorer.for_projector(projector)
+    responses = scorer.responses(
+        features, directions, h=cfg.h, engine=cfg.engine, matmul=cfg.matmul_precision, kernel=cfg.kernel
+    )
     return influence_scores(robust_zscores(responses, cfg.eps), cfg.lam, cfg.eps)
 
 
@@ -139,6 +135,26 @@ def calibrate_with(
             eta=cfg.eta, theta_s=cfg.theta_s, theta_c=cfg.theta_c, alpha=cfg.alpha, sigma_p=cfg.sigma_p,
             tau_g=cfg.tau_g, tau_c=cfg.tau_c, tau_s=cfg.tau_s, eps=cfg.eps, gated=gated,
         )  # fmt: skip
+
+
+def _scores(
+    v: torch.Tensor,
+    projector: Projector,
+    directions: torch.Tensor | None,
+    cfg: CaReConfig,
+    scorer: Scorer,
+    psi_bar: torch.Tensor | None,
+    timer: StageTimer,
+) -> torch.Tensor:
+    """psi_bar for :func:`care_reduce`: the one given (checked), or PRCA's, timed as "scoring"."""
+    n = v.shape[0]
+    if psi_bar is not None:
+        if psi_bar.shape != (n,):
+            raise CareError(f"psi_bar must have shape ({n},), got {tuple(psi_bar.shape)}")
+        return psi_bar.to(device=v.device, dtype=v.dtype)
+    u = resolve_directions(directions, cfg.m, v.shape[1], cfg.seed, v, scorer=scorer)
+    with timer("scoring"):
+        return prca_scores(v, projector, u, cfg, scorer=scorer)
 
 
 def care_reduce(
@@ -162,8 +178,12 @@ def care_reduce(
     and `keep` (K). directions: optional (m, d_v) unit directions; by default m are drawn from
     `config.seed`. stage_timer: optional callable returning a context manager per stage name
     ("scoring", "anchors", "calibration"), for timing. scorer: optional :class:`~care_core.scoring.Scorer`
-    made for `projector`, which keeps the prepared projector, the directions and the kernel decisions
-    between calls (same results, bit for bit); without one every call computes them afresh.
+    made for `projector` (keeps the prepared projector, directions, kernel decisions and, on CUDA, the
+    second layer's triangular factor). Without one, the scorer kept on the projector itself
+    (:meth:`Scorer.for_projector <care_core.scoring.Scorer.for_projector>`: dies with the module, rebuilt
+    when its weights change), so a plain call on CUDA gets the fast path and pays the factor's QR (~0.2 s
+    at d_h = 4096) once per projector. CPU results are bit-identical either way; ``Scorer`` says what the
+    factor promises on CUDA.
     psi_bar: optional (N,) PRCA scores already computed by :func:`prca_scores` with this config for these
     features (e.g. shared between budgets); scoring is then skipped.
 
@@ -179,35 +199,19 @@ def care_reduce(
     _check_inputs(features, positions)
     if scorer is not None and scorer.projector is not projector:
         raise CareError("scorer was made for another projector: use Scorer(projector) for this one")
-    n, dim = features.shape
-    k = resolve_budget(n, ratio, keep)
+    scorer = scorer if scorer is not None else Scorer.for_projector(projector)
+    k = resolve_budget(features.shape[0], ratio, keep)
     timer = stage_timer or (lambda _name: nullcontext())
-    dtype = compute_dtype(features.dtype)
-    v = features.to(dtype)
-    p = positions.to(device=v.device, dtype=dtype)
-    u = resolve_directions(directions, cfg.m, dim, cfg.seed, v, scorer=scorer)
-
-    if psi_bar is None:
-        with timer("scoring"):
-            psi_bar = prca_scores(v, projector, u, cfg, scorer=scorer)
-    elif psi_bar.shape != (n,):
-        raise CareError(f"psi_bar must have shape ({n},), got {tuple(psi_bar.shape)}")
-    else:
-        psi_bar = psi_bar.to(device=v.device, dtype=dtype)
-    gate = scorer.gate(cfg.kernel) if scorer is not None else KernelGate(cfg.kernel)
+    v = features.to(compute_dtype(features.dtype))
+    p = positions.to(device=v.device, dtype=v.dtype)
+    psi_bar = _scores(v, projector, directions, cfg, scorer, psi_bar, timer)
+    gate = scorer.gate(cfg.kernel)
     with matmul_precision(allow_tf32=False), torch.no_grad():
         with timer("anchors"):
             order = diversity_greedy(psi_bar, v, k, cfg.eps, kernel=gate)
             indices = order.sort().values
         with timer("calibration"):
             cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)
-    return Reduction(
-        indices=indices,
-        anchor_order=order,
-        tokens=cal.tokens.to(features.dtype),
-        signals=cal.signals,
-        psi_bar=psi_bar,
-        residuals=cal.residuals,
-        confidence=cal.confidence,
-        signal_targets=cal.signal_targets,
-    )
+    return Reduction(indices=indices, anchor_order=order, tokens=cal.tokens.to(features.dtype), signals=cal.signals,
+                     psi_bar=psi_bar, residuals=cal.residuals, confidence=cal.confidence,
+                     signal_targets=cal.signal_targets)  # fmt: skip

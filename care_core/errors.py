@@ -13,6 +13,11 @@ from collections.abc import Callable
 _PARAMETER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 
 
+def one_line(text: object) -> str:
+    """``str(text)`` on one line: every run of whitespace (newlines included) becomes one space."""
+    return " ".join(str(text).split())
+
+
 class CareError(ValueError):
     """Base class: a problem with what the user asked for (not a bug).
 

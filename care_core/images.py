@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from care_core.errors import ImageError
+from care_core.errors import ImageError, one_line
 
 __all__ = ["load_image", "to_rgb"]
 
@@ -31,11 +31,6 @@ _ACCESS_PROBLEMS: tuple[tuple[type[OSError], str], ...] = (
     (PermissionError, "permission denied"),
     (IsADirectoryError, "is a directory, not an image file"),
 )
-
-
-def _one_line(text: object) -> str:
-    """Collapse any whitespace (newlines included) so a message stays on one line."""
-    return " ".join(str(text).split())
 
 
 @contextlib.contextmanager
@@ -63,7 +58,7 @@ def _bomb_message(name: str, exc: Exception) -> str:
         pixels, limit = match.groups()
         detail = f"image too large ({pixels} pixels > limit {limit})"
     else:
-        detail = f"image too large ({_one_line(exc)})"
+        detail = f"image too large ({one_line(exc)})"
     return f"{name}: {detail}; Pillow's decompression-bomb guard refused it"
 
 
@@ -138,7 +133,7 @@ def _decode_problem(exc: Exception) -> str:
         return problem
     if isinstance(exc, UnidentifiedImageError):
         return "not an image file Pillow can read"
-    return f"cannot decode image, truncated or corrupt ({_one_line(exc)})"
+    return f"cannot decode image, truncated or corrupt ({one_line(exc)})"
 
 
 def load_image(path: str | Path) -> Image.Image:
@@ -146,12 +141,12 @@ def load_image(path: str | Path) -> Image.Image:
 
     Raises ImageError with a one-line message naming the path for anything that is not a readable image.
     """
-    name = _one_line(path)
+    name = one_line(path)
     p = Path(path).expanduser()
     try:
         st = p.stat()
     except OSError as exc:
-        problem = _access_problem(exc) or f"cannot access file ({_one_line(exc.strerror or exc)})"
+        problem = _access_problem(exc) or f"cannot access file ({one_line(exc.strerror or exc)})"
         raise ImageError(f"{name}: {problem}") from None
     if p.is_dir():
         raise ImageError(f"{name}: is a directory, not an image file")

@@ -8,25 +8,31 @@ Every command of the CLI and every integration goes through :class:`ReductionPip
 
 Per image it encodes once, computes the probes the methods need once, the full-sequence CSR reference
 once, then per method x budget: reduce -> project -> CSR and/or answers. The pipeline never prints and
-never writes files; stage timings are returned in milliseconds.
+never writes files; stage timings are returned in milliseconds. Answers from ``generate=True`` are one plain
+greedy answer each; :meth:`ReductionPipeline.time_answers` is the separate, explicit timed comparison (the
+protocol of :func:`care_core.timing.alternating_medians`) that ``care reduce --generate`` and the benchmarks call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from care_core.budget import Budget
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, MethodError, QuestionError
-from care_core.timing import StageClock, median_ms
+from care_core.timing import StageClock, Timed, alternating_medians
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
     from care_core.backbones.base import ImageTokens, VLMAdapter
+    from care_core.csr import CSRReference
+    from care_core.generation import Generation
     from care_core.methods.base import Method, MethodInputs, MethodResult
     from care_core.scoring import Scorer
 
@@ -36,23 +42,26 @@ DEFAULT_QUESTION = "Describe the image."
 
 @dataclass(frozen=True)
 class Answer:
-    """A greedy answer and what it cost: medians over ``repeats`` alternating, warmed-up runs.
+    """A greedy answer; from :meth:`ReductionPipeline.time_answers` also what it cost (medians over ``repeats``
+    alternating, warmed-up rounds; ``repeats`` 0 and no times for a plain answer of ``generate=True``).
 
     ``prefill_ms``: the language model's forward over the prompt (all positions' logits, eager).
     ``first_token_ms``: :meth:`generate` with one new token from the projected rows -- the prefill as the
     generate path runs it. ``first_token_from_features_ms``: the same, timed from the vision features: the
     method (none for all tokens) and the projector first. ``total_ms``: the whole answer. ``decoding``:
-    ``"cuda-graph"`` (replayed graphs over a static KV cache) or ``"eager"`` (``model.generate``).
+    ``"cuda-graph"`` (replayed graphs over a static KV cache) or ``"eager"`` (``model.generate``);
+    ``eager_reason``: why not graphs (None when graphs ran).
     """
 
     text: str
     visual_tokens: int  # visual rows the language model received
-    prefill_ms: float
-    total_ms: float
-    repeats: int
+    decoding: str = "eager"
+    eager_reason: str | None = None
+    prefill_ms: float | None = None
+    total_ms: float | None = None
+    repeats: int = 0
     first_token_ms: float | None = None
     first_token_from_features_ms: float | None = None
-    decoding: str = "eager"
 
     def to_dict(self) -> dict[str, Any]:
         return {"visual_tokens": self.visual_tokens, "answer": self.text, "decoding": self.decoding,
@@ -136,12 +145,17 @@ def backbone_info(adapter: VLMAdapter) -> BackboneInfo:
     )
 
 
-def build_methods(names: Sequence[str], config: CaReConfig) -> dict[str, Method]:
-    """The named methods (canonical names, order kept, duplicates dropped) configured from ``config``."""
-    from care_core.methods import build_method, canonical_name
+def build_methods(methods: Sequence[str | Method], config: CaReConfig) -> dict[str, Method]:
+    """The methods by canonical name (order kept, duplicates dropped): names are built from ``config``, a
+    :class:`~care_core.methods.base.Method` instance is taken as it is (with its own hyperparameters)."""
+    from care_core.methods import Method, build_method, canonical_name
 
-    canonical = list(dict.fromkeys(canonical_name(n) for n in names))
-    return {name: build_method(name, config) for name in canonical}
+    out: dict[str, Method] = {}
+    for item in methods:
+        name = type(item).name if isinstance(item, Method) else canonical_name(item)
+        if name not in out:
+            out[name] = item if isinstance(item, Method) else build_method(name, config)
+    return out
 
 
 class ReductionPipeline:
@@ -155,7 +169,7 @@ class ReductionPipeline:
     def __init__(
         self,
         adapter: VLMAdapter,
-        methods: Sequence[str] = ("care",),
+        methods: Sequence[str | Method] = ("care",),
         config: CaReConfig | None = None,
         *,
         skip_unavailable: bool = False,
@@ -174,20 +188,18 @@ class ReductionPipeline:
                 self.skipped.append({"method": name, "reason": reason})
             else:
                 raise MethodError(reason)
-        if not self.methods:
+        if not self.methods and methods:
             raise MethodError(f"none of the methods can run on {adapter.name}")
         self.load_timings_ms: dict[str, float] = {}
-        self._scorer: Scorer | None = None
 
     @property
     def scorer(self) -> Scorer:
-        """PRCA's scoring state for the adapter's projector, kept across images: the float32 copy of the
-        projector, the directions and, on CUDA, the second layer's triangular factor (made on first use)."""
-        if self._scorer is None or self._scorer.projector is not self.adapter.projector:
-            from care_core.scoring import Scorer
+        """PRCA's scoring state for the adapter's projector, kept with the projector across images and calls
+        (:meth:`~care_core.scoring.Scorer.for_projector`): the float32 copy of the projector, the directions and,
+        on CUDA, the second layer's triangular factor (made on first use, rebuilt when the weights change)."""
+        from care_core.scoring import Scorer
 
-            self._scorer = Scorer(self.adapter.projector)
-        return self._scorer
+        return Scorer.for_projector(self.adapter.projector)
 
     @classmethod
     def from_pretrained(
@@ -243,38 +255,27 @@ class ReductionPipeline:
         csr: bool = False,
         generate: bool = False,
         max_new_tokens: int = 32,
-        repeats: int = 3,
         plan: Mapping[str, Sequence[Budget]] | None = None,
         cuda_graph: bool | None = None,
     ) -> ImageResult:
         """Run every method at every budget on one image (or on tokens from :meth:`encode`).
 
         ``csr`` needs ``question``. A method that reads the question, and ``generate``, use
-        :data:`DEFAULT_QUESTION` where none is given (``question_defaulted`` says so). ``generate`` answers
-        with all tokens and with each reduction: one untimed warm-up each, then ``repeats`` rounds in
-        alternating order; times are medians. ``plan`` (method -> budgets) runs only those pairs, e.g. what a
-        resumed run still lacks; by default every method runs at every budget. ``cuda_graph`` goes to the
-        adapter's ``generate`` (None: graphs where the adapter finds them safe).
+        :data:`DEFAULT_QUESTION` where none is given (``question_defaulted`` says so). ``generate``: one greedy
+        answer with all tokens and one with each reduction (:meth:`answer`; untimed -- :meth:`time_answers`
+        times them). ``plan`` (method -> budgets) runs only those pairs, e.g. what a resumed run still lacks;
+        by default every method runs at every budget. ``cuda_graph`` goes to the adapter's ``generate`` (None:
+        graphs where the adapter finds them safe).
         """
         import torch
 
         from care_core.backbones.base import ImageTokens
-        from care_core.csr import csr_from_reference, csr_reference
-        from care_core.methods.base import MethodInputs
+        from care_core.csr import csr_reference
 
-        if question is not None and not question.strip():
-            raise QuestionError("is empty", parameter="question")
-        if csr and question is None:
-            raise QuestionError("CSR needs a question")
+        asked, defaulted = self._question(question, csr=csr, generate=generate)
         if not budgets:
             raise BudgetError("give at least one budget")
-        if max_new_tokens < 1:
-            raise CareError(f"must be at least 1, got {max_new_tokens}", parameter="max_new_tokens")
-        if repeats < 1:
-            raise CareError(f"must be at least 1, got {repeats}", parameter="repeats")
-        reads_question = bool(self.needs & {"question", "language_model"})
-        defaulted = question is None and (reads_question or generate)
-        asked = DEFAULT_QUESTION if defaulted else question
+        _check_new_tokens(max_new_tokens)
         adapter = self.adapter
         clock = StageClock(adapter.device)
         with torch.no_grad():
@@ -283,73 +284,175 @@ class ReductionPipeline:
             else:
                 with clock("features"):
                     tokens = adapter.encode_image(image)
-            n = tokens.num_tokens
-            ks = {b: b.resolve(n) for b in budgets}
-            vision_needs = sorted(self.needs - {"question"})
-            probes: dict[str, Any] = {}
-            if vision_needs:
-                with clock("probes"):
-                    probes = adapter.probe_inputs(tokens, vision_needs, question=asked)
-            question_embeds = None
-            if asked is not None and ("question" in self.needs or csr):
-                question_embeds = adapter.question_embeddings(asked)
-                probes["question"] = question_embeds
-            full = None
-            reference = None
+            pairs = list(self._pairs(tokens, budgets, plan))  # a budget above N fails before any probe runs
+            inputs = self.method_inputs(tokens, asked, clock=clock, question_embeddings=csr)
+            full = reference = None
             if csr or generate:
                 with clock("reference"):
                     full = adapter.projector(tokens.features)
-                    if csr:
-                        assert question_embeds is not None
-                        reference = csr_reference(full, question_embeds)
-            runs: list[MethodRun] = []
-            # one set of inputs per image: its memo lets budget-independent work (PRCA's psi_bar, ZOO-Prune's
-            # sensitivity) run once for every budget and every method that shares it
-            inputs = MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid,
-                                  probes=probes, seed=self.config.seed, memo={} if self.memoize else None,
-                                  scorer=self.scorer)  # fmt: skip
-            for name, method in self.methods.items():
-                wanted = ks if plan is None else {b: ks[b] for b in plan.get(name, ()) if b in ks}
-                for budget, k in wanted.items():
-                    run_clock = StageClock(adapter.device)
-                    inputs.stage_timer = run_clock
-                    with run_clock("method"):
-                        result = method(inputs, k)
-                    inner = sum(ms for stage, ms in run_clock.ms.items() if stage != "method")
-                    if inner:  # the method timed its own stages: "method" keeps only the time outside them
-                        run_clock.ms["method"] -= inner
-                    with run_clock("projection"):
-                        projected = adapter.projector(result.tokens.to(adapter.dtype))
-                    item = MethodRun(name, budget, k, result, projected)
-                    if reference is not None:
-                        with run_clock("csr"):
-                            item.csr = csr_from_reference(reference, projected)
-                        item.uniform_weights = bool(reference.uniform)
-                    item.timings_ms = {key: round(ms, 3) for key, ms in run_clock.ms.items()}
-                    runs.append(item)
+                    reference = csr_reference(full, inputs.probes["question"]) if csr else None
+            runs = [self._run(name, budget, k, inputs, reference) for name, budget, k in pairs]
             full_answer = None
             if generate:
                 assert asked is not None and full is not None
-                feeds: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = [(None, full, None)]
-                feeds += [(item, item.projected, item.result.token_index) for item in runs]
-                features = tokens.features
-
-                def project_all() -> tuple[torch.Tensor, None]:
-                    return adapter.projector(features), None
-
-                prepare = [project_all] + [self._rerun(item, inputs) for item in runs]
-                answers = self._answers(tokens, asked, feeds, max_new_tokens, repeats, prepare=prepare,
-                                        cuda_graph=cuda_graph)  # fmt: skip
-                full_answer = answers[0]
-                for item, answer in zip(runs, answers[1:], strict=True):
-                    item.answer = answer
+                options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "cuda_graph": cuda_graph}
+                full_answer = self.answer(tokens, asked, full, None, **options)
+                for item in runs:
+                    item.answer = self.answer(tokens, asked, item.projected, item.result.token_index, **options)
         return ImageResult(tokens, asked, defaulted, runs, full_answer,
                            {key: round(ms, 3) for key, ms in clock.ms.items()})  # fmt: skip
 
+    def _question(self, question: str | None, *, csr: bool, generate: bool) -> tuple[str | None, bool]:
+        """(the question used, whether :data:`DEFAULT_QUESTION` stood in for a missing one)."""
+        if question is not None and not question.strip():
+            raise QuestionError("is empty", parameter="question")
+        if csr and question is None:
+            raise QuestionError("CSR needs a question")
+        defaulted = question is None and (bool(self.needs & {"question", "language_model"}) or generate)
+        return (DEFAULT_QUESTION if defaulted else question), defaulted
+
+    def _pairs(
+        self, tokens: ImageTokens, budgets: Sequence[Budget], plan: Mapping[str, Sequence[Budget]] | None
+    ) -> Iterator[tuple[str, Budget, int]]:
+        """(method, budget, K) in run order: every method at every budget, or only the pairs of ``plan``."""
+        ks = {b: b.resolve(tokens.num_tokens) for b in budgets}
+        for name in self.methods:
+            wanted = ks if plan is None else {b: ks[b] for b in plan.get(name, ()) if b in ks}
+            for budget, k in wanted.items():
+                yield name, budget, k
+
+    def method_inputs(
+        self,
+        tokens: ImageTokens,
+        question: str | None,
+        *,
+        clock: StageClock | None = None,
+        question_embeddings: bool = False,
+        memo: bool = True,
+    ) -> MethodInputs:
+        """The methods' inputs for one image: the probes the methods need (timed as "probes" on ``clock``), the
+        question's embeddings where a method reads them (or ``question_embeddings``), the pipeline's scorer and,
+        with ``memo`` (and :attr:`memoize`), a memo that shares budget-independent work (PRCA's psi_bar,
+        ZOO-Prune's sensitivity) between every budget and method of the image."""
+        from care_core.methods.base import MethodInputs
+
+        vision_needs = sorted(self.needs - {"question"})
+        probes: dict[str, Any] = {}
+        if vision_needs:
+            with clock("probes") if clock is not None else nullcontext():
+                probes = self.adapter.probe_inputs(tokens, vision_needs, question=question)
+        if question is not None and ("question" in self.needs or question_embeddings):
+            probes["question"] = self.adapter.question_embeddings(question)
+        return MethodInputs(tokens.features, self.adapter.projector, tokens.positions, grid=tokens.grid,
+                            probes=probes, seed=self.config.seed, memo={} if self.memoize and memo else None,
+                            scorer=self.scorer)  # fmt: skip
+
+    def _run(
+        self, name: str, budget: Budget, k: int, inputs: MethodInputs, reference: CSRReference | None
+    ) -> MethodRun:
+        """Method ``name`` at K = ``k``, then the projector, then CSR against ``reference`` (where given); timed."""
+        from care_core.csr import csr_from_reference
+
+        adapter = self.adapter
+        clock = StageClock(adapter.device)
+        with clock("method"):  # a copy of the inputs carries this call's timer; the shared memo stays shared
+            result = self.methods[name](dataclasses.replace(inputs, stage_timer=clock), k)
+        inner = sum(ms for stage, ms in clock.ms.items() if stage != "method")
+        if inner:  # the method timed its own stages: "method" keeps only the time outside them
+            clock.ms["method"] -= inner
+        with clock("projection"):
+            projected = adapter.projector(result.tokens.to(adapter.dtype))
+        item = MethodRun(name, budget, k, result, projected)
+        if reference is not None:
+            with clock("csr"):
+                item.csr = csr_from_reference(reference, projected)
+            item.uniform_weights = bool(reference.uniform)
+        item.timings_ms = {key: round(ms, 3) for key, ms in clock.ms.items()}
+        return item
+
+    def answer(
+        self,
+        tokens: ImageTokens,
+        question: str,
+        projected: torch.Tensor,
+        kept: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int = 32,
+        cuda_graph: bool | None = None,
+    ) -> Answer:
+        """The greedy answer of the language model fed ``projected`` (``kept``: each row's token index, see
+        :meth:`~care_core.backbones.base.VLMAdapter.generate`); one plain, untimed ``generate``."""
+        out = self.adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept,
+                                    cuda_graph=cuda_graph)  # fmt: skip
+        fed = self.adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
+        return Answer(out.text, fed, out.decoding, out.eager_reason)
+
+    def time_answers(
+        self, result: ImageResult, *, max_new_tokens: int = 32, repeats: int = 3, cuda_graph: bool | None = None
+    ) -> ImageResult:
+        """``result`` with timed answers: with all tokens and with each run's rows, each side timed for its
+        prefill, its first token (from the rows, and from the vision features: the method re-run without memo,
+        then the projector) and its whole answer, by :func:`~care_core.timing.alternating_medians` (one untimed
+        warm-up round, which also captures any CUDA graphs, then ``repeats`` alternating rounds; medians).
+
+        The question is the result's, or :data:`DEFAULT_QUESTION` where it had none. What ``care reduce
+        --generate`` reports; the answers' texts are those of :meth:`answer`.
+        """
+        import torch
+
+        _check_new_tokens(max_new_tokens)
+        tokens = result.tokens
+        question = result.question if result.question is not None else DEFAULT_QUESTION
+        adapter = self.adapter
+        with torch.no_grad():
+            inputs = self.method_inputs(tokens, question, memo=False)
+            full = adapter.projector(tokens.features)
+            sides: list[tuple[torch.Tensor, torch.Tensor | None, Callable[[], tuple[torch.Tensor, Any]]]] = [
+                (full, None, lambda: (adapter.projector(tokens.features), None))
+            ]
+            sides += [(item.projected, item.result.token_index, self._rerun(item, inputs)) for item in result.runs]
+            feeds = [self._timed_feed(tokens, question, rows, kept, prepare, max_new_tokens, cuda_graph)
+                     for rows, kept, prepare in sides]  # fmt: skip
+            timed = alternating_medians(feeds, repeats, device=adapter.device)
+        answers = [_timed_answer(one, adapter.visual_tokens_fed(tokens, int(rows.shape[0]), kept))
+                   for one, (rows, kept, _) in zip(timed, sides, strict=True)]  # fmt: skip
+        runs = [dataclasses.replace(item, answer=answer) for item, answer in zip(result.runs, answers[1:], strict=True)]
+        defaulted = result.question_defaulted or result.question is None
+        return dataclasses.replace(result, question=question, question_defaulted=defaulted, runs=runs,
+                                   full_answer=answers[0])  # fmt: skip
+
+    def _timed_feed(
+        self,
+        tokens: ImageTokens,
+        question: str,
+        projected: torch.Tensor,
+        kept: torch.Tensor | None,
+        prepare: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+        max_new_tokens: int,
+        cuda_graph: bool | None,
+    ) -> Callable[[StageClock], Generation]:
+        """One side of :meth:`time_answers`: its stages on the clock it is given; returns the whole answer."""
+        adapter = self.adapter
+
+        def generate(rows: torch.Tensor, rows_kept: torch.Tensor | None, new_tokens: int) -> Generation:
+            return adapter.generate(question, tokens, rows, max_new_tokens=new_tokens, kept=rows_kept,
+                                    cuda_graph=cuda_graph)  # fmt: skip
+
+        def run(clock: StageClock) -> Generation:
+            with clock("prefill"):
+                adapter.language_model_logits(question, tokens, projected, kept=kept)
+            with clock("first_token"):
+                generate(projected, kept, 1)
+            with clock("first_token_from_features"):
+                rows, rows_kept = prepare()
+                generate(rows, rows_kept, 1)
+            with clock("total"):
+                return generate(projected, kept, max_new_tokens)
+
+        return run
+
     def _rerun(self, item: MethodRun, inputs: MethodInputs) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """``item``'s method again from the features (nothing memoised, nothing timed inside), then the projector."""
-        import dataclasses
-
         method, adapter, k = self.methods[item.method], self.adapter, item.keep
         fresh = dataclasses.replace(inputs, memo=None, stage_timer=None)
 
@@ -359,68 +462,25 @@ class ReductionPipeline:
 
         return run
 
-    def _answers(
-        self,
-        tokens: ImageTokens,
-        question: str,
-        feeds: list[tuple[Any, torch.Tensor, torch.Tensor | None]],
-        max_new_tokens: int,
-        repeats: int,
-        *,
-        prepare: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor | None]]] | None = None,
-        cuda_graph: bool | None = None,
-    ) -> list[Answer]:
-        """Greedy answers for each feed: warm-ups first (a prefill and a whole answer each, which also captures
-        any CUDA graphs), then rounds in alternating order; medians. ``prepare[i]`` recomputes feed i's rows
-        from the features for the timed first token from features."""
-        adapter = self.adapter
-        options: dict[str, Any] = {} if cuda_graph is None else {"cuda_graph": cuda_graph}
 
-        def generate(projected: torch.Tensor, kept: torch.Tensor | None, new_tokens: int) -> str:
-            return adapter.generate(question, tokens, projected, max_new_tokens=new_tokens, kept=kept, **options)
+def _check_new_tokens(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise CareError(f"must be at least 1, got {max_new_tokens}", parameter="max_new_tokens")
 
-        for _, projected, kept in feeds:  # warm-up: first-call costs (allocations, kernels) stay out of the times
-            adapter.language_model_logits(question, tokens, projected, kept=kept)
-        for _, projected, kept in feeds:
-            generate(projected, kept, max_new_tokens)
-        times: dict[str, list[list[float]]] = {}
-        texts: list[str] = ["" for _ in feeds]
-        decoding: list[str] = ["eager" for _ in feeds]
-        order = list(range(len(feeds)))
-        for round_index in range(repeats):
-            for i in order if round_index % 2 == 0 else order[::-1]:
-                _, projected, kept = feeds[i]
-                clock = StageClock(adapter.device)
-                with clock("prefill"):
-                    adapter.language_model_logits(question, tokens, projected, kept=kept)
-                with clock("first_token"):
-                    generate(projected, kept, 1)
-                if prepare is not None:
-                    with clock("first_token_from_features"):
-                        rows, rows_kept = prepare[i]()
-                        generate(rows, rows_kept, 1)
-                with clock("total"):
-                    texts[i] = generate(projected, kept, max_new_tokens)
-                decoding[i] = getattr(adapter, "last_decoding", "eager")
-                for stage, ms in clock.ms.items():
-                    times.setdefault(stage, [[] for _ in feeds])[i].append(ms)
 
-        def med(stage: str, i: int) -> float | None:
-            return median_ms(times[stage][i]) if stage in times else None
-
-        return [
-            Answer(
-                text=texts[i],
-                visual_tokens=adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept),
-                prefill_ms=median_ms(times["prefill"][i]),
-                total_ms=median_ms(times["total"][i]),
-                repeats=repeats,
-                first_token_ms=med("first_token", i),
-                first_token_from_features_ms=med("first_token_from_features", i),
-                decoding=decoding[i],
-            )
-            for i, (_, projected, kept) in enumerate(feeds)
-        ]
+def _timed_answer(timed: Timed[Generation], visual_tokens: int) -> Answer:
+    out, ms = timed.value, timed.medians_ms
+    return Answer(
+        text=out.text,
+        visual_tokens=visual_tokens,
+        decoding=out.decoding,
+        eager_reason=out.eager_reason,
+        prefill_ms=ms["prefill"],
+        total_ms=ms["total"],
+        repeats=timed.rounds,
+        first_token_ms=ms["first_token"],
+        first_token_from_features_ms=ms["first_token_from_features"],
+    )
 
 
 def unavailable_reason(method: Method, adapter: VLMAdapter) -> str | None:

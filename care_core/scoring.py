@@ -354,6 +354,21 @@ def influence_scores(zscores: torch.Tensor, lam: float, eps: float) -> torch.Ten
     return (psi - psi.min()) / (psi.max() - psi.min() + eps)
 
 
+def _fingerprint(projector: Projector) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
+    """(data pointer, version counter, dtype, device) of every parameter and buffer: what a moved, cast, replaced
+    or in-place edited weight changes. A few microseconds for a projector's handful of tensors."""
+    if not isinstance(projector, nn.Module):
+        return ()
+    out = []
+    for t in (*projector.parameters(), *projector.buffers()):
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor keeps no version counter
+            version = -1
+        out.append((t.data_ptr(), version, t.dtype, t.device))
+    return tuple(out)
+
+
 class Scorer:
     """User-owned PRCA scoring state for one projector: the functional core's results, kept.
 
@@ -370,14 +385,23 @@ class Scorer:
       engine's norms then go through R, the same norms for (B + 1) / 2B of the multiply-adds.
 
     ``second_layer``: "auto" (through R on CUDA, W2 itself elsewhere), "dense" (always W2) or
-    "triangular" (through R wherever the projector has one). Results are bit-identical to the
-    functional path where the second layer is dense (always on the CPU in "auto" mode); through R they
-    are the same to float rounding (float64: about 1e-14 relative; tf32: the same error against float64
-    as the dense path, about 1e-4). Invalidation: a prepared copy is tied to the
-    projector's weights at the time it was made; nothing watches them. After changing the weights
-    (loading a checkpoint, training, in-place edits) call :meth:`clear` or make a new Scorer. Where
-    the projector already is in the compute dtype on the features' device no copy is made and the
-    projector itself is used. One scorer per thread.
+    "triangular" (through R wherever the projector has one).
+
+    What a scorer promises. With a dense second layer (always on the CPU in "auto" mode) its results are
+    bit-identical to the functional path. Through R the responses are the dense ones to float rounding:
+    float64 about 1e-14 relative, float32 about 1e-6; in tf32 or bf16 each path carries its precision's
+    own error against float64 (about 1e-4 and 1e-2 relative) and R's is no larger than W2's. psi_bar
+    inherits that error (amplified by the robust z-scores' 1 / MAD), so anchors and signals are the
+    dense path's wherever the greedy's margins exceed it -- always in float64 on well-separated tokens;
+    in tf32/bf16 near-ties may swap as they do between any two kernels.
+
+    Staleness: the prepared copy and the factor are tied to the projector's weights. Every call
+    compares a fingerprint of its parameters (data pointer, dtype, device and version counter, which
+    in-place edits, ``load_state_dict`` and optimiser steps bump) and rebuilds them when it changed.
+    Edits through ``param.data`` bypass the version counter: call :meth:`clear` after those. Where the
+    projector already is in the compute dtype on the features' device no copy is made and the
+    projector itself is used. One scorer per thread. :meth:`for_projector` is the scorer kept on the
+    projector itself, which ``care_reduce`` and ``prca_scores`` use when given none.
 
     >>> import torch
     >>> from care_core import CaReConfig, care_reduce
@@ -392,6 +416,7 @@ class Scorer:
 
     _MAX_DIRECTIONS = 16
     SECOND_LAYERS = ("auto", *SECOND_LAYERS)
+    KEPT_AS = "_care_scorer"  # the attribute under which for_projector keeps a scorer on its projector
 
     def __init__(self, projector: Projector, *, second_layer: str = "auto") -> None:
         if second_layer not in self.SECOND_LAYERS:
@@ -402,6 +427,42 @@ class Scorer:
         self._prepared: dict[tuple[torch.dtype, torch.device], Projector] = {}
         self._directions: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._failed: dict[str, str] = {}
+        self._weights: tuple[tuple[int, int, torch.dtype, torch.device], ...] | None = _fingerprint(projector)
+
+    @classmethod
+    def for_projector(cls, projector: Projector) -> Scorer:
+        """The scorer kept on ``projector`` itself ("auto" second layer): made on first use and stored as the
+        module's attribute ``_care_scorer`` (not a parameter or buffer: no state dict, ``.to`` or ``parameters()``
+        sees it), so it lives and dies with the projector and no module-level cache exists. This is what a plain
+        ``care_reduce(features, projector, ...)`` scores through: on CUDA the triangular factor (a ~0.2 s QR at
+        d_h = 4096) is made on the first call and reused by every later one. A projector that is not an
+        ``nn.Module`` gets a new scorer per call. Copies and pickles of the projector carry an empty scorer."""
+        if not isinstance(projector, nn.Module):
+            return cls(projector)
+        kept = projector.__dict__.get(cls.KEPT_AS)
+        if isinstance(kept, Scorer) and kept.projector is projector:
+            return kept
+        kept = cls(projector)
+        setattr(projector, cls.KEPT_AS, kept)
+        return kept
+
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles keep the projector and the setting; the caches are rebuilt on first use."""
+        return {"projector": self._projector, "second_layer": self.second_layer}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self._projector = state["projector"]  # type: ignore[assignment]
+        self.second_layer = str(state["second_layer"])
+        self._factors, self._prepared, self._directions, self._failed = {}, {}, {}, {}
+        self._weights = None  # the projector may still be half-built (a deepcopy in progress): read on first use
+
+    def _check_weights(self) -> None:
+        """Drop the prepared copies and factors when the projector's weights changed since they were made."""
+        now = _fingerprint(self._projector)
+        if now != self._weights:
+            self._prepared.clear()
+            self._factors.clear()
+            self._weights = now
 
     @property
     def projector(self) -> Projector:
@@ -419,6 +480,7 @@ class Scorer:
         self._factors.clear()
         self._directions.clear()
         self._failed.clear()
+        self._weights = _fingerprint(self._projector)
 
     def gate(self, kernel: Kernel = "auto") -> KernelGate:
         """A kernel gate with `kernel` as setting that records failures in this scorer."""
@@ -426,6 +488,7 @@ class Scorer:
 
     def prepared(self, dtype: torch.dtype, device: torch.device | str) -> Projector:
         """The projector in `dtype` on `device`, converted on the first request (see :func:`prepare_projector`)."""
+        self._check_weights()
         key = (dtype, torch.device(device))
         found = self._prepared.get(key)
         if found is None:
@@ -439,6 +502,7 @@ class Scorer:
         key = (dtype, torch.device(device))
         if self.second_layer == "dense" or (self.second_layer == "auto" and key[1].type != "cuda"):
             return None
+        self._check_weights()
         if key not in self._factors:
             mlp = _as_mlp(self.prepared(*key))
             self._factors[key] = None if mlp is None else triangular_factor(mlp.second.weight)

@@ -276,29 +276,27 @@ def answer_question(
     max_new_tokens: int = 10,
 ) -> tuple[str, torch.Tensor]:
     """Greedy answer of ``adapter`` to ``question`` about the image of ``tokens`` (its ImageTokens), through
-    ``adapter.generate``; with ``method`` (a registered method instance) and ``keep`` the language model gets
-    only the method's K rows (``kept`` = their token indices). Returns (answer text, the projected rows fed)."""
+    :class:`~care_core.pipeline.ReductionPipeline` -- the path of ``care reduce --generate``: with ``method`` (a
+    registered method instance, its hyperparameters as given) and ``keep`` the pipeline reduces (probes, method,
+    projector) and the language model gets only the method's K rows; without, all N projected rows. The answer is
+    the pipeline's :meth:`~care_core.pipeline.ReductionPipeline.answer` (the adapter's ``generate``: replayed CUDA
+    graphs where it can). Returns (answer text, the projected rows fed)."""
     import torch
 
-    from .methods import MethodInputs
+    from .budget import Budget
+    from .config import CaReConfig
+    from .pipeline import ReductionPipeline
 
+    pipe = ReductionPipeline(adapter, [] if method is None else [method], CaReConfig(seed=seed))
     with torch.no_grad():
         if method is None:
-            projected = adapter.projector(tokens.features)
-            kept = None
+            projected, kept = adapter.projector(tokens.features), None
         else:
-            question_embeds = adapter.question_embeddings(question)
-            needs = sorted(set(method.needs) - {"question"})
-            probes = adapter.probe_inputs(tokens, needs, question=question) if needs else {}
-            probes["question"] = question_embeds
-            inputs = MethodInputs(
-                tokens.features, adapter.projector, tokens.positions, grid=tokens.grid, probes=probes, seed=seed
-            )
-            result = method(inputs, int(keep if keep is not None else tokens.num_tokens))
-            projected = adapter.projector(result.tokens.to(adapter.dtype))
-            kept = result.token_index
-        text = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept)
-    return text, projected
+            budget = Budget.keep(int(keep if keep is not None else tokens.num_tokens))
+            run = pipe(tokens, question, [budget]).runs[0]
+            projected, kept = run.projected, run.result.token_index
+        answer = pipe.answer(tokens, question, projected, kept, max_new_tokens=max_new_tokens)
+    return answer.text, projected
 
 
 def first_word(text: str) -> str:

@@ -231,11 +231,10 @@ def run_pairs(
 
     world = world or runs.World()
     runs.barrier(world)  # every process has checked the folder before any writes to it
-    if world.size > 1 and device in ("auto", "cuda"):
-        import torch
+    if world.size > 1:
+        from care_core.backbones.loading import process_device
 
-        if torch.cuda.is_available():
-            device = f"cuda:{world.local_rank}"
+        device = process_device(device, world_size=world.size, local_rank=world.local_rank)
     with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet or not world.is_main):
         pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
                                                  skip_unavailable=every)  # fmt: skip

@@ -188,8 +188,11 @@ def _init_distributed(world: Any) -> None:
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
-        torch.cuda.set_device(world.local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", world.local_rank))
+        from care_core.backbones.loading import process_device
+
+        mine = torch.device(process_device("cuda", world_size=world.size, local_rank=world.local_rank))
+        torch.cuda.set_device(mine)
+        dist.init_process_group("nccl", device_id=mine)
     else:
         dist.init_process_group("gloo")
 

@@ -3,6 +3,7 @@ placeholder-expanded prompt ids and greedy decoding through ``mm_encoder_outputs
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -10,7 +11,8 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
-from ..errors import GenerationError, ModelLoadError, QuestionError
+from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
+from ..generation import Decoding, Generation
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
@@ -51,7 +53,6 @@ class ChatAdapter(VLMAdapter):
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
     model_class: str  # the transformers class that loads this family, e.g. "LlavaForConditionalGeneration"
-    last_decoding = "eager"  # how the latest generate call decoded: "cuda-graph" or "eager"
     _greedy_graphs: Any = None  # the StaticGreedy of generate's CUDA-graph path (made on first use)
     _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
     image_token: str
@@ -84,7 +85,7 @@ class ChatAdapter(VLMAdapter):
             try:
                 processor = cls._load_processor(folder)
             except Exception as exc:
-                detail = " ".join(str(exc).split()).split(". ")[0]
+                detail = one_line(exc).split(". ")[0]
                 raise ModelLoadError(
                     f"cannot load the processor (tokenizer, image processor config) from {folder}: "
                     f"{type(exc).__name__}: {detail}"
@@ -160,8 +161,9 @@ class ChatAdapter(VLMAdapter):
             raise ValueError(f"projected must be (K >= 1, {hidden}); got {tuple(projected.shape)}")
         return projected.detach().to(device=emb.device, dtype=emb.dtype)
 
-    def _greedy(self, inputs: dict[str, Any], max_new_tokens: int) -> str:
-        """Greedy decoding of ``inputs`` (``input_ids``, ``attention_mask`` and model extras); new text only."""
+    def _greedy(self, inputs: dict[str, Any], max_new_tokens: int) -> tuple[int, ...]:
+        """Greedy decoding of ``inputs`` (``input_ids``, ``attention_mask`` and model extras) through
+        ``model.generate``; the new token ids only."""
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with torch.no_grad(), quiet_transformers():
@@ -172,8 +174,7 @@ class ChatAdapter(VLMAdapter):
                 num_beams=1,
                 pad_token_id=pad,
             )
-        new = out[0, inputs["input_ids"].shape[1] :]
-        return tok.decode(new, skip_special_tokens=True).strip()
+        return tuple(int(i) for i in out[0, inputs["input_ids"].shape[1] :].tolist())
 
     # ------------------------------------------------------------------ language model
     def _lm_inputs(
@@ -213,32 +214,32 @@ class ChatAdapter(VLMAdapter):
         kept: torch.Tensor | None = None,
         *,
         cuda_graph: bool | None = None,
-    ) -> str:
+    ) -> Generation:
         """Greedy answer; ``cuda_graph``: None = replayed CUDA graphs over a static cache where
         :meth:`graph_generation_reason` finds nothing against them, else ``model.generate``; True = graphs or
-        GenerationError; False = ``model.generate``."""
+        GenerationError; False = ``model.generate``. The result says which ran and why not graphs."""
+        start = time.perf_counter()
         inputs = self._lm_inputs(question, tokens, projected, kept)
         if max_new_tokens < 1:
-            return ""
-        reason = "--no-cuda-graphs" if cuda_graph is False else self._graph_reason(inputs, max_new_tokens)
-        failure: Exception | None = None
+            return Generation("", (), "eager", "no new tokens were asked for")
+        reason = "turned off (cuda_graph=False)" if cuda_graph is False else self._graph_reason(inputs, max_new_tokens)
+        decoding: Decoding = "eager"
         if reason is None:
             try:
                 with torch.no_grad():
-                    ids = self._static_greedy().generate(self._prompt_embeddings(inputs), max_new_tokens)
+                    ids = tuple(self._static_greedy().generate(self._prompt_embeddings(inputs), max_new_tokens))
+                decoding = "cuda-graph"
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
-                failure = exc
-                reason = self._graph_failure = (
-                    f"capturing the decoder failed ({type(exc).__name__}: {' '.join(str(exc).split())})"
-                )
+                reason = self._graph_failure = f"capturing the decoder failed ({type(exc).__name__}: {one_line(exc)})"
                 self._greedy_graphs = None
-            else:
-                self.last_decoding = "cuda-graph"
-                return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
-        if cuda_graph:
-            raise GenerationError(f"cannot generate from CUDA graphs: {reason}") from failure
-        self.last_decoding = "eager"
-        return self._greedy(inputs, max_new_tokens)
+                if cuda_graph:
+                    raise GenerationError(f"cannot generate from CUDA graphs: {reason}") from exc
+        elif cuda_graph:
+            raise GenerationError(f"cannot generate from CUDA graphs: {reason}")
+        if decoding == "eager":
+            ids = self._greedy(inputs, max_new_tokens)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
+        return Generation(text, ids, decoding, reason, elapsed_ms=(time.perf_counter() - start) * 1e3)
 
     def graph_generation_reason(self, length: int | None = None) -> str | None:
         """Why :meth:`generate` would not replay CUDA graphs on this backbone (one line), or None when it would.
@@ -289,8 +290,8 @@ class ChatAdapter(VLMAdapter):
         stopped as soon as the last hooked value is captured; the tower keeps its attention implementation
         (see :func:`~care_core.backbones.probes.clip_vision_probes` for shapes and dtypes). ``question`` is
         :meth:`question_embeddings`; ``language_model`` is a :class:`~care_core.backbones.probes.LanguageModelRun`
-        on the prompt with ``question`` (or "Describe the image.") and all N projected visual tokens, fed
-        like :meth:`language_model_logits` (one placeholder per token: no LLaVA-NeXT newline rows).
+        on the prompt with ``question`` (or :data:`~care_core.pipeline.DEFAULT_QUESTION`) and all N projected
+        visual tokens, fed like :meth:`language_model_logits` (one placeholder per token: no LLaVA-NeXT newline rows).
         """
         wanted = list(dict.fromkeys(names))
         self.check_probes(wanted)

@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from ..generation import Generation
+
 
 @dataclass
 class ImageTokens:
@@ -175,8 +177,9 @@ class VLMAdapter(ABC):
         kept: torch.Tensor | None = None,
         *,
         cuda_graph: bool | None = None,
-    ) -> str:
-        """Greedy answer of the language model fed `projected` (K, d_t) as its visual tokens (``kept`` as above).
+    ) -> Generation:
+        """Greedy answer of the language model fed `projected` (K, d_t) as its visual tokens (``kept`` as above):
+        its text, token ids, how it was decoded and why not from graphs (:class:`~care_core.generation.Generation`).
 
         ``cuda_graph``: None = replay CUDA graphs over a static KV cache where :meth:`graph_generation_reason`
         allows, else the eager path; True = graphs or GenerationError; False = eager.

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, one_line
 from .base import VLMAdapter
 from .demo import install_demo, marker_note, read_marker, weights_problem
 from .families import DEFAULT_DEMO, backbone_family, demo_backbones, import_path, model_types
@@ -64,6 +64,24 @@ def hf_hub_cache() -> Path:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         hf_home = os.path.join(xdg, "huggingface")
     return Path(os.path.expandvars(os.path.expanduser(hf_home))) / "hub"
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def process_device(device: str = "auto", *, world_size: int | None = None, local_rank: int | None = None) -> str:
+    """This process's device -- the one answer to "which GPU is mine". With several processes (``world_size`` > 1;
+    by default WORLD_SIZE, as torchrun and accelerate set it) on a machine with CUDA, "auto" and "cuda" become
+    ``cuda:{local_rank}`` (by default LOCAL_RANK); anything else ("cpu", an explicit "cuda:N", one process) is
+    ``device`` as given (:func:`resolve_device` then checks it)."""
+    size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    if size <= 1 or device not in ("auto", "cuda") or not torch.cuda.is_available():
+        return device
+    return f"cuda:{_env_int('LOCAL_RANK', 0) if local_rank is None else local_rank}"
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -167,7 +185,7 @@ def _load_folder(
     except ModelLoadError:
         raise
     except Exception as exc:
-        detail = " ".join(str(exc).split())
+        detail = one_line(exc)
         if len(detail) > 300:
             detail = detail[:300] + "..."
         raise ModelLoadError(

@@ -27,7 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from care_core.errors import CareError, ModelLoadError
+from care_core.errors import CareError, ModelLoadError, one_line
 
 
 class BackboneSpecError(ModelLoadError):
@@ -252,7 +252,7 @@ def _load_json(path: Path) -> dict[str, Any]:
 
 
 def _brief(exc: Exception, limit: int = 200) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    text = one_line(f"{type(exc).__name__}: {exc}")
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -32,7 +32,9 @@ def broken_torchvision() -> str | None:
     try:
         import torchvision  # noqa: F401
     except Exception as exc:
-        detail = " ".join(str(exc).split())[:160]
+        from care_core.errors import one_line
+
+        detail = one_line(exc)[:160]
         return (
             f"torchvision is installed but cannot be imported ({type(exc).__name__}: {detail}); it does not match "
             "your torch build. Install the torchvision built for your torch, or remove it: pip uninstall torchvision"

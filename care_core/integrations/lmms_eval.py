@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from care_core.backbones.families import served_families
-from care_core.errors import CareError, MethodError
+from care_core.errors import CareError, MethodError, one_line
 from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
 
 #: model id -> (class in this module, aliases)
@@ -186,7 +186,8 @@ class CareLMM(lmms):
             tokens = adapter.encode_image(image)
             projected, kept = self._visual_rows(tokens, question)
             options = {} if self.spec.cuda_graph is None else {"cuda_graph": self.spec.cuda_graph}
-            text = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept, **options)
+            out = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept, **options)
+            text = out.text
         fed = adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
         return text, fed, tokens.num_tokens
 
@@ -198,7 +199,9 @@ class CareLMM(lmms):
         """
         from PIL import Image
 
-        self.answer(Image.new("RGB", (336, 336), (128, 128, 128)), "Describe the image.", 2)
+        from care_core.pipeline import DEFAULT_QUESTION
+
+        self.answer(Image.new("RGB", (336, 336), (128, 128, 128)), DEFAULT_QUESTION, 2)
 
     def _visual_rows(self, tokens: ImageTokens, question: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(projected rows, kept token indices): all N tokens without a method, else the method's K."""
@@ -277,21 +280,13 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def rank_device(device: str) -> str:
-    """``device`` for this process: with several processes, ``auto``/``cuda`` become ``cuda:LOCAL_RANK``."""
-    import torch
-
-    if _env_int("WORLD_SIZE", 1) > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        return f"cuda:{_env_int('LOCAL_RANK', 0)}"
-    return device
-
-
 def load_adapter(spec: EvalSpec) -> VLMAdapter:
     """The backbone of ``spec`` (offline), on this process's device."""
     from care_core.backbones import load_backbone
+    from care_core.backbones.loading import process_device
 
     dtype = None if spec.dtype == "auto" else spec.dtype
-    return load_backbone(spec.pretrained, device=rank_device(spec.device), dtype=dtype)
+    return load_backbone(spec.pretrained, device=process_device(spec.device), dtype=dtype)
 
 
 def check_methods(specs: Iterable[EvalSpec], adapter: VLMAdapter) -> None:
@@ -431,7 +426,7 @@ def load_tasks(names: Sequence[str], manager: Any) -> dict[str, Any]:
 
 def task_error(exc: BaseException, names: Sequence[str], manager: Any) -> CareError:
     """A one-line error for an exception raised while building tasks."""
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
     hub_words = ("offline", "connect", "couldn't reach", "not found on the hub", "huggingface.co", "localentrynotfound",
                  "cannot find the requested files", "doesn't exist on the hub")  # fmt: skip

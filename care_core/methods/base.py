@@ -83,7 +83,10 @@ class MethodInputs:
     grid: tuple[int, int] | None = None  # (rows, cols) when the tokens are one raster grid
     probes: dict[str, Any] = field(default_factory=dict)  # keys of PROBES
     seed: int = 0
-    stage_timer: StageTimer | None = None  # optional: stage name -> context manager that times it
+    # Optional: stage name -> context manager that times it. Per call: give each call its own copy of the inputs,
+    # ``method(dataclasses.replace(inputs, stage_timer=clock), keep)`` (the memo stays shared); never rewrite it on
+    # inputs that other calls share.
+    stage_timer: StageTimer | None = None
     # Optional per-image scratch space, owned by the caller: methods keep what does not depend on the budget
     # (PRCA's psi_bar, ZOO-Prune's sensitivity) so that several budgets and methods compute it once.
     memo: dict[Hashable, Any] | None = None

@@ -123,7 +123,7 @@ def test_generate_and_logits_with_kept(demos: dict[str, Any], encoded: dict[str,
     kept = torch.tensor([n - 1, 0, -1, n // 2, 3])
     with torch.no_grad():
         projected = adapter.projector(tokens.features[kept.clamp(min=0)])
-    answer = adapter.generate(QUESTION, tokens, projected, max_new_tokens=3, kept=kept)
+    answer = adapter.generate(QUESTION, tokens, projected, max_new_tokens=3, kept=kept).text
     assert isinstance(answer, str)
     logits = adapter.language_model_logits(QUESTION, tokens, projected, kept=kept)
     full = adapter.language_model_logits(QUESTION, tokens, adapter.projector(tokens.features))

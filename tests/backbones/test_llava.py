@@ -196,8 +196,8 @@ def test_reduced_k_logits_and_generate(demo: LlavaAdapter) -> None:
     full_len = demo.language_model_logits(QUESTION, tokens, demo.projector(tokens.features)).shape[0]
     logits = demo.language_model_logits(QUESTION, tokens, projected)
     assert logits.shape == (full_len - 576 + 64, demo.model.config.text_config.vocab_size)
-    answer = demo.generate(QUESTION, tokens, projected, max_new_tokens=4)
+    answer = demo.generate(QUESTION, tokens, projected, max_new_tokens=4).text
     assert isinstance(answer, str)
-    assert answer == demo.generate(QUESTION, tokens, projected, max_new_tokens=4)  # greedy
+    assert answer == demo.generate(QUESTION, tokens, projected, max_new_tokens=4).text  # greedy
     with pytest.raises(ValueError):
         demo.language_model_logits(QUESTION, tokens, projected[:, :3])

@@ -172,10 +172,10 @@ def test_generate_with_reduced_tokens(next_demo: LlavaNextAdapter, tokens: Image
     kept = torch.arange(0, tokens.num_tokens, 16)
     with torch.no_grad():
         projected = next_demo.projector(tokens.features[kept])
-    answer = next_demo.generate(QUESTION, tokens, projected, max_new_tokens=3, kept=kept)
+    answer = next_demo.generate(QUESTION, tokens, projected, max_new_tokens=3, kept=kept).text
     assert isinstance(answer, str)
-    assert answer == next_demo.generate(QUESTION, tokens, projected, max_new_tokens=3, kept=kept)
-    assert next_demo.generate(QUESTION, tokens, projected, max_new_tokens=0, kept=kept) == ""
+    assert answer == next_demo.generate(QUESTION, tokens, projected, max_new_tokens=3, kept=kept).text
+    assert next_demo.generate(QUESTION, tokens, projected, max_new_tokens=0, kept=kept).text == ""
 
 
 # ------------------------------------------------------------------------------------------ probes

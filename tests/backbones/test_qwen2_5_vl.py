@@ -186,12 +186,12 @@ def test_generate_with_reduced_tokens(qwen_demo: Qwen2_5_VLAdapter, tokens: Imag
     kept = torch.arange(0, tokens.num_tokens, 7)
     with torch.no_grad():
         projected = qwen_demo.projector(tokens.features[kept])
-    answer = qwen_demo.generate(QUESTION, tokens, projected, max_new_tokens=4, kept=kept)
+    answer = qwen_demo.generate(QUESTION, tokens, projected, max_new_tokens=4, kept=kept).text
     assert isinstance(answer, str)
-    assert answer == qwen_demo.generate(QUESTION, tokens, projected, max_new_tokens=4, kept=kept)
+    assert answer == qwen_demo.generate(QUESTION, tokens, projected, max_new_tokens=4, kept=kept).text
     # K = N: the same greedy tokens as the standard path
     with torch.no_grad():
-        full = qwen_demo.generate(QUESTION, tokens, qwen_demo.projector(tokens.features), max_new_tokens=4)
+        full = qwen_demo.generate(QUESTION, tokens, qwen_demo.projector(tokens.features), max_new_tokens=4).text
         out = qwen_demo.model.generate(**standard["inputs"], max_new_tokens=4, do_sample=False)
     new = out[0, standard["inputs"]["input_ids"].shape[1] :]
     assert full == qwen_demo.tokenizer.decode(new, skip_special_tokens=True).strip()

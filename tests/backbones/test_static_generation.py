@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,15 @@ def test_generate_options_on_cpu(demo: Any, image: Any) -> None:
     tokens = demo.encode_image(image)
     projected, kept = demo.projector(tokens.features[:24]), torch.arange(24)
     auto = demo.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept)
-    assert demo.last_decoding == "eager"
-    assert auto == demo.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept, cuda_graph=False)
+    assert auto.decoding == "eager" and "CUDA graphs need a CUDA device" in (auto.eager_reason or "")
+    with torch.no_grad():
+        reference = _reference_ids(demo, demo._lm_inputs(QUESTION, tokens, projected, kept), 6)
+    assert list(auto.token_ids) == reference  # model.generate's new tokens, and their text
+    assert auto.text == demo.tokenizer.decode(reference, skip_special_tokens=True).strip()
+    off = demo.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept, cuda_graph=False)
+    assert off == dataclasses.replace(auto, eager_reason="turned off (cuda_graph=False)")
+    none = demo.generate(QUESTION, tokens, projected, max_new_tokens=0, kept=kept)
+    assert (none.text, none.token_ids) == ("", ())
     with pytest.raises(GenerationError, match="CUDA graphs need a CUDA device") as info:
         demo.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept, cuda_graph=True)
     assert len(str(info.value).splitlines()) == 1
@@ -155,11 +163,11 @@ def test_cuda_graphs_give_model_generate_answers(cuda_demos: dict[str, Any], ima
     with torch.no_grad():
         for projected, kept in _feeds(adapter, tokens):
             eager = adapter.generate(QUESTION, tokens, projected, max_new_tokens=10, kept=kept, cuda_graph=False)
-            assert adapter.last_decoding == "eager"
+            assert eager.decoding == "eager"
             for _ in range(2):  # the first call captures, the second replays
                 graph = adapter.generate(QUESTION, tokens, projected, max_new_tokens=10, kept=kept)
-                assert adapter.last_decoding == "cuda-graph"
-                assert graph == eager
+                assert graph.decoding == "cuda-graph" and graph.eager_reason is None
+                assert (graph.text, graph.token_ids) == (eager.text, eager.token_ids)
             inputs = adapter._lm_inputs(QUESTION, tokens, projected, kept)
             ids = adapter._static_greedy().generate(adapter._prompt_embeddings(inputs), 10)
             assert ids == _reference_ids(adapter, inputs, 10)
@@ -210,6 +218,7 @@ def test_a_failed_capture_falls_back_to_generate(cuda_demos: dict[str, Any], ima
     monkeypatch.setattr(StaticGreedy, "generate", broken)
     with pytest.raises(GenerationError, match="capturing the decoder failed"):
         adapter.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept, cuda_graph=True)
-    assert adapter.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept) == eager
-    assert adapter.last_decoding == "eager"
+    fallback = adapter.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept)
+    assert fallback.decoding == "eager" and (fallback.text, fallback.token_ids) == (eager.text, eager.token_ids)
+    assert "capturing the decoder failed" in (fallback.eager_reason or "")
     assert "capturing the decoder failed" in (adapter.graph_generation_reason() or "")

@@ -110,3 +110,19 @@ def test_cuda_bf16_inputs_are_scored_in_float32() -> None:
     red = care_reduce(features.bfloat16().cuda(), projector.bfloat16().cuda(), positions.cuda(), keep=40)
     assert red.tokens.dtype == torch.bfloat16 and red.psi_bar.dtype == torch.float32
     assert torch.isfinite(red.psi_bar).all() and red.indices.numel() == 40
+
+
+def test_process_device_gives_each_process_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core.backbones.loading import process_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert process_device("auto", world_size=4, local_rank=2) == "cuda:2"
+    assert process_device("cuda", world_size=2, local_rank=1) == "cuda:1"
+    for device in ("cpu", "cuda:0"):  # what the user named stays
+        assert process_device(device, world_size=4, local_rank=3) == device
+    assert process_device("auto", world_size=1, local_rank=3) == "auto"  # one process: resolve_device decides
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert process_device("auto") == "cuda:5"  # torchrun's / accelerate's environment by default
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert process_device("auto") == "auto"  # no CUDA: nothing to pick

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from care_core import CaReConfig, care_reduce, csr_score
+from care_core.backbones.base import ImageTokens
 from care_core.budget import Budget, budgets_from
 from care_core.errors import BudgetError, MethodError, QuestionError
+from care_core.generation import Generation
 from care_core.images import load_image
-from care_core.pipeline import DEFAULT_QUESTION, ReductionPipeline
+from care_core.methods import MethodInputs, build_method
+from care_core.pipeline import DEFAULT_QUESTION, ImageResult, MethodRun, ReductionPipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QUESTION = "What is the person holding?"
@@ -91,6 +94,8 @@ class _SlowFirstAdapter:
     """Records calls; the first language-model call of the process is slow, as a cold first forward is."""
 
     device = torch.device("cpu")
+    dtype = torch.float32
+    projector = torch.nn.Identity()
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -102,29 +107,51 @@ class _SlowFirstAdapter:
         time.sleep(0.002)
 
     def generate(self, question: str, tokens: Any, projected: torch.Tensor, max_new_tokens: int = 32,
-                 kept: Any = None) -> str:  # fmt: skip
+                 kept: Any = None, *, cuda_graph: bool | None = None) -> Generation:  # fmt: skip
         self.calls.append(("generate", int(projected.shape[0])))
         time.sleep(0.004)
-        return f"{projected.shape[0]} rows"
+        return Generation(f"{projected.shape[0]} rows", (1,) * max_new_tokens, "eager", "a stand-in adapter")
 
     def visual_tokens_fed(self, tokens: Any, rows: int, kept: Any = None) -> int:
-        return rows
+        return rows + 1  # e.g. a newline row the backbone adds
 
 
-def test_answers_warm_up_alternate_and_report_medians() -> None:
-    pipe = object.__new__(ReductionPipeline)
+def test_timed_answers_warm_up_alternate_and_keep_the_plain_answers() -> None:
+    """The timed comparison runs every side's stages after a warm-up, in alternating order; texts and decoding
+    are the adapter's answers, visual tokens what the backbone says it fed."""
     fake = _SlowFirstAdapter()
-    pipe.adapter = fake  # type: ignore[assignment]
-    feeds = [(None, torch.zeros(576, 4), None), (None, torch.zeros(64, 4), None), (None, torch.zeros(32, 4), None)]
-    answers = pipe._answers(None, "q", feeds, max_new_tokens=4, repeats=3)  # type: ignore[arg-type]
-    warm = fake.calls[:3]
-    assert warm == [("prefill", 576), ("prefill", 64), ("prefill", 32)]
-    timed = [rows for kind, rows in fake.calls[3:] if kind == "prefill"]
-    assert timed == [576, 64, 32, 32, 64, 576, 576, 64, 32]  # alternating order, so no side always goes first
-    assert [a.text for a in answers] == ["576 rows", "64 rows", "32 rows"]
-    for answer in answers:  # the cold first call was a warm-up: no timed prefill carries its 300 ms
-        assert answer.prefill_ms < 150 and answer.repeats == 3
-        assert answer.total_ms >= 4
+    pipe = object.__new__(ReductionPipeline)
+    pipe.adapter, pipe.config, pipe.memoize = fake, CaReConfig(), True  # type: ignore[assignment]
+    pipe.methods = {"random": build_method("random", pipe.config)}
+    features = torch.randn(576, 4, generator=torch.Generator().manual_seed(0))
+    tokens = ImageTokens(features, torch.rand(576, 2), torch.zeros(576, 4), (24, 24), (0.0, 0.0, 24.0, 24.0))
+    reduced = pipe.methods["random"](MethodInputs(features, fake.projector, tokens.positions), 64)
+    run = MethodRun("random", Budget.keep(64), 64, reduced, reduced.tokens)
+    plain = ImageResult(tokens, None, False, [run])
+    timed = pipe.time_answers(plain, max_new_tokens=4, repeats=3)
+    assert timed.question == DEFAULT_QUESTION and timed.question_defaulted  # no question: the default stands in
+    assert fake.calls[0] == ("prefill", 576) and fake.calls[4] == ("prefill", 64)  # warm-up: each side once
+    timed_prefills = [rows for kind, rows in fake.calls[8:] if kind == "prefill"]
+    assert timed_prefills == [576, 64, 64, 576, 576, 64]  # alternating order, so no side always goes first
+    full, red = timed.full_answer, timed.runs[0].answer
+    assert full is not None and red is not None and run.answer is None  # a new result; the given one unchanged
+    assert (full.text, full.visual_tokens, red.text, red.visual_tokens) == ("576 rows", 577, "64 rows", 65)
+    assert full.decoding == "eager" and full.eager_reason == "a stand-in adapter"
+    for answer in (full, red):  # the cold first call was a warm-up: no timed prefill carries its 300 ms
+        assert answer.prefill_ms is not None and answer.prefill_ms < 150 and answer.repeats == 3
+        assert answer.total_ms is not None and answer.total_ms >= 4
+        assert answer.first_token_ms is not None and answer.first_token_from_features_ms is not None
+
+
+def test_plain_answers_are_the_timed_answers(pipe: ReductionPipeline, image: Any) -> None:
+    plain = pipe(image, QUESTION, [Budget.keep(32)], generate=True, max_new_tokens=3)
+    assert plain.full_answer is not None and plain.full_answer.repeats == 0 and plain.full_answer.total_ms is None
+    timed = pipe.time_answers(plain, max_new_tokens=3, repeats=1)
+    for before, after in zip(plain.runs, timed.runs, strict=True):
+        assert before.answer is not None and after.answer is not None
+        assert (before.answer.text, before.answer.visual_tokens) == (after.answer.text, after.answer.visual_tokens)
+    assert timed.full_answer is not None and timed.full_answer.text == plain.full_answer.text
+    assert timed.full_answer.visual_tokens == plain.full_answer.visual_tokens == 576
 
 
 def test_budget_independent_work_is_shared_and_changes_nothing(image: Any, monkeypatch: pytest.MonkeyPatch) -> None:

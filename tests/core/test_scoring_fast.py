@@ -50,17 +50,11 @@ def _clustered(n: int, d: int, seed: int, clusters: int = 8, dtype: torch.dtype 
     return (centres[labels] + torch.randn(n, d, generator=g, dtype=torch.float64)).to(dtype)
 
 
-def _reference_jvp_mlp(features: torch.Tensor, mlp: nn.Sequential, directions: torch.Tensor) -> torch.Tensor:
-    """The jvp engine's MLP path exactly as it was before issue #7 (CPU reference)."""
-    first, act, second = mlp
-    pre = first(features)
-    slope = torch.func.jvp(act, (pre,), (torch.ones_like(pre),))[1]
-    lifted = directions @ first.weight.T
-    rows = []
-    for start in range(0, directions.shape[0], 7):
-        tangent = slope[None] * lifted[start : start + 7, None]
-        rows.append((tangent @ second.weight.T).norm(dim=-1))
-    return torch.cat(rows)
+def _jacobian_norms(features: torch.Tensor, projector: nn.Module, directions: torch.Tensor) -> torch.Tensor:
+    """||J_M(v_i) u_x|| from each token's full Jacobian (torch.func.jacrev, reverse mode): the definition, computed
+    by a different route than the engine's (forward mode, shared first layer, chunks)."""
+    jacobians = torch.stack([torch.func.jacrev(projector)(v) for v in features])  # (N, d_out, d_v)
+    return torch.einsum("nov,xv->xno", jacobians, directions).norm(dim=-1)
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -69,15 +63,15 @@ def test_triton_is_never_used_on_the_cpu() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_cpu_jvp_path_is_the_reference_code(dtype: torch.dtype) -> None:
+def test_cpu_jvp_mlp_path_gives_the_jacobian_norms(dtype: torch.dtype) -> None:
     features = _clustered(120, 24, seed=1, dtype=dtype)
     mlp = _mlp(24, 64, 40, seed=2, dtype=dtype)
     u = unit_directions(16, 24, seed=3, dtype=dtype)
     with torch.no_grad():
         got = responses_jvp(features, mlp, u, "float32")
-        ref = _reference_jvp_mlp(features, mlp, u)
+    want = _jacobian_norms(features.double(), _mlp(24, 64, 40, seed=2), u.double())
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -99,7 +93,7 @@ def test_gram_greedy_breaks_ties_at_the_lowest_index() -> None:
     assert order[:6].tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def test_prepare_projector_is_pure_and_the_scorer_keeps_its_copy_until_cleared() -> None:
+def test_prepare_projector_is_pure_and_the_scorer_follows_the_weights() -> None:
     mlp = _mlp(8, 16, 12, seed=0, dtype=torch.float64)
     cpu = torch.device("cpu")
     a = prepare_projector(mlp, torch.float32, cpu)
@@ -110,13 +104,52 @@ def test_prepare_projector_is_pure_and_the_scorer_keeps_its_copy_until_cleared()
     kept = scorer.prepared(torch.float32, cpu)
     assert scorer.prepared(torch.float32, "cpu") is kept and kept is not mlp
     with torch.no_grad():
-        mlp[2].weight.mul_(2)
-    # documented rule: the copy is tied to the weights at preparation time, until clear()
-    torch.testing.assert_close(kept[2].weight, (mlp[2].weight / 2).float())
-    scorer.clear()
+        mlp[2].weight.mul_(2)  # an in-place edit bumps the version counter: the copy is made again
     fresh = scorer.prepared(torch.float32, cpu)
     assert fresh is not kept
     torch.testing.assert_close(fresh[2].weight, mlp[2].weight.float())
+    mlp[0].weight = nn.Parameter(torch.zeros_like(mlp[0].weight))  # a replaced parameter: made again
+    assert torch.equal(scorer.prepared(torch.float32, cpu)[0].weight, torch.zeros(16, 8))
+    with torch.no_grad():
+        mlp[0].weight.data.fill_(1)  # through .data no counter moves: the documented case for clear()
+    assert torch.equal(scorer.prepared(torch.float32, cpu)[0].weight, torch.zeros(16, 8))
+    scorer.clear()
+    assert torch.equal(scorer.prepared(torch.float32, cpu)[0].weight, torch.ones(16, 8))
+
+
+def test_the_projector_keeps_its_own_scorer_and_plain_calls_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import weakref
+
+    from care_core import scoring
+
+    mlp = _mlp(16, 32, 24, seed=60, dtype=torch.bfloat16)  # scoring needs a float32 copy
+    kept = Scorer.for_projector(mlp)
+    assert Scorer.for_projector(mlp) is kept and kept.projector is mlp and kept.second_layer == "auto"
+    assert "_care_scorer" not in mlp.state_dict() and all(t.dtype == torch.bfloat16 for t in mlp.parameters())
+    conversions: list[int] = []
+    real = scoring.prepare_projector
+
+    def counted(projector: Any, *args: Any) -> Any:
+        out = real(projector, *args)
+        conversions.extend([1] if out is not projector else [])  # a converted copy was made
+        return out
+
+    monkeypatch.setattr(scoring, "prepare_projector", counted)
+    features = _clustered(80, 16, seed=61, dtype=torch.float32)
+    positions = torch.rand(80, 2, generator=torch.Generator().manual_seed(62))
+    first = care_reduce(features, mlp, positions, keep=10, config=CaReConfig(m=8))
+    again = care_reduce(features, mlp, positions, keep=10, config=CaReConfig(m=8))
+    assert conversions == [1]  # the second plain call reused the projector's float32 copy
+    assert torch.equal(first.psi_bar, again.psi_bar) and torch.equal(first.indices, again.indices)
+    copied = copy.deepcopy(mlp)  # a copy gets its own, empty scorer, tied to the copy
+    assert Scorer.for_projector(copied) is not kept and Scorer.for_projector(copied).projector is copied
+    assert len(conversions) == 1  # copying made no conversion
+    gone = weakref.ref(kept)
+    del mlp, kept, copied
+    gc.collect()
+    assert gone() is None  # the scorer lives and dies with its projector
+    assert callable(Scorer.for_projector(torch.tanh).projector)  # no module to keep it on: a scorer per call
 
 
 def test_directions_are_drawn_per_call_and_the_scorer_hands_out_copies() -> None:
@@ -453,18 +486,46 @@ def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.Mon
 
 
 @cuda
-def test_scorer_on_cuda_with_a_bf16_projector_gives_the_functional_results() -> None:
+def test_plain_care_reduce_on_cuda_goes_through_the_projectors_factor() -> None:
     features = _clustered(576, 64, seed=53, dtype=torch.float32).cuda()
     mlp = _mlp(64, 256, 512, seed=54, dtype=torch.float32).cuda().bfloat16()
     positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(55)).cuda()
     cfg = CaReConfig(matmul_precision="bf16")
     plain = care_reduce(features, mlp, positions, keep=64, config=cfg)
-    scorer = Scorer(mlp)
+    kept_on_projector = Scorer.for_projector(mlp)
+    assert kept_on_projector._factors.get((torch.float32, features.device)) is not None  # made by the plain call
+    scorer = Scorer(mlp)  # a user-owned scorer: the same settings, the same kernels, the same results
     for _ in range(2):
         kept = care_reduce(features, mlp, positions, keep=64, config=cfg, scorer=scorer)
         assert torch.equal(kept.indices, plain.indices) and torch.equal(kept.signals, plain.signals)
         torch.testing.assert_close(kept.psi_bar, plain.psi_bar, atol=1e-6, rtol=0)
     assert scorer.kernel_failures == {}
+
+
+@cuda
+@pytest.mark.parametrize("matmul", ["tf32", "bf16"])
+def test_factor_on_cuda_is_as_accurate_as_the_dense_second_layer(matmul: str) -> None:
+    """The scorer's promise: through R the responses and psi_bar are no further from float64 than W2's."""
+    features = _clustered(576, 64, seed=56, dtype=torch.float32)
+    mlp = _mlp(64, 256, 512, seed=57, dtype=torch.float64)
+    positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(58))
+    cfg = CaReConfig(matmul_precision=matmul)  # type: ignore[arg-type]
+    exact = care_reduce(features.double(), mlp, positions.double(), keep=64, config=CaReConfig())
+    u = unit_directions(cfg.m, 64, cfg.seed, device="cuda")
+    ref = responses_jvp(features.double(), mlp, u.cpu().double())
+    gpu = features.cuda(), copy.deepcopy(mlp).float().cuda(), positions.cuda()
+    errors: dict[str, tuple[float, float, int]] = {}
+    for layer in ("dense", "triangular"):
+        scorer = Scorer(gpu[1], second_layer=layer)
+        c = scorer.responses(gpu[0], u, h=cfg.h, matmul=matmul).double().cpu()
+        red = care_reduce(*gpu, keep=64, config=cfg, scorer=scorer)
+        shared = len(set(red.indices.tolist()) & set(exact.indices.tolist()))
+        errors[layer] = (((c - ref).abs().max() / ref.abs().max()).item(),
+                         (red.psi_bar.double().cpu() - exact.psi_bar).abs().max().item(), shared)  # fmt: skip
+    (c_dense, psi_dense, shared_dense), (c_tri, psi_tri, shared_tri) = errors["dense"], errors["triangular"]
+    assert c_tri <= 2 * c_dense + 1e-6, errors
+    assert psi_tri <= 2 * psi_dense + 1e-4, errors
+    assert shared_tri >= shared_dense - 2, errors  # near-ties may swap, as between any two kernels
 
 
 # ------------------------------------------------------------------------------------------------------------

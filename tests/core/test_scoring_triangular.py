@@ -130,3 +130,16 @@ def test_sync_free_residuals_equal_nonzero() -> None:
         expected = torch.tensor([i for i in range(n) if i not in set(anchors.tolist())], dtype=torch.long)
         assert torch.equal(residual_indices(mask, k, sync_free=True), expected)
         assert torch.equal(residual_indices(mask, k, sync_free=False), expected)
+
+
+def test_the_factor_follows_the_weights() -> None:
+    mlp = _mlp(12, 24, 32, seed=11)
+    scorer = Scorer(mlp, second_layer="triangular")
+    r = scorer.factor(torch.float64, "cpu")
+    assert r is not None and scorer.factor(torch.float64, "cpu") is r  # made once
+    with torch.no_grad():
+        mlp[2].weight.mul_(3)  # in place: the version counter moves, the factor is made again
+    r3 = scorer.factor(torch.float64, "cpu")
+    assert r3 is not None and r3 is not r
+    t = torch.randn(10, 24, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    torch.testing.assert_close((t @ r3.T).norm(dim=1), 3 * (t @ r.T).norm(dim=1), rtol=1e-12, atol=0)

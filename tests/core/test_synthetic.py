@@ -120,3 +120,30 @@ def test_writer_makes_jsonl_that_care_csr_reads(tmp_path: Path) -> None:
     assert not skipped and len(pairs) == 6 and all(p.image.is_file() for p in pairs)
     first = next(iter_questions(1, 1))[0]
     assert Image.open(pairs[0].image).tobytes() == first.image.tobytes()  # PNG: lossless
+
+
+def test_answer_question_answers_from_the_methods_rows() -> None:
+    """Through the pipeline: the language model gets the method's K projected rows (kept = their token indices),
+    or all N; the answer is the adapter's greedy answer to those rows."""
+    import torch
+
+    from care_core import CaReConfig
+    from care_core.methods import MethodInputs, build_method
+    from care_core.pipeline import ReductionPipeline
+    from care_core.synthetic import answer_question
+
+    adapter = ReductionPipeline.from_pretrained("tiny-llava", device="cpu").adapter
+    scene = make_scene(1, 0)
+    tokens = adapter.encode_image(scene.image)
+    question = scene.questions[0].question
+    method = build_method("care", config=CaReConfig(seed=0, m=8))
+    text, projected = answer_question(adapter, tokens, question, method=method, keep=32)
+    with torch.no_grad():
+        result = method(MethodInputs(tokens.features, adapter.projector, tokens.positions, grid=tokens.grid), 32)
+        rows = adapter.projector(result.tokens.to(adapter.dtype))
+        want = adapter.generate(question, tokens, rows, max_new_tokens=10, kept=result.token_index)
+    assert torch.equal(projected, rows) and text == want.text
+    full_text, full_rows = answer_question(adapter, tokens, question)
+    with torch.no_grad():
+        assert full_rows.shape[0] == tokens.num_tokens
+        assert full_text == adapter.generate(question, tokens, full_rows, max_new_tokens=10).text

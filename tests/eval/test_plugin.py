@@ -99,7 +99,7 @@ def test_answers_are_those_of_the_library_pipeline(llava: Any) -> None:
     lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=48), llava)
     text, fed, n = lm.answer(image, question, max_new_tokens=6)
     pipe = ReductionPipeline(llava, ["care"])
-    out = pipe(image, question, [Budget.keep(48)], generate=True, max_new_tokens=6, repeats=1)
+    out = pipe(image, question, [Budget.keep(48)], generate=True, max_new_tokens=6)
     assert (text, fed, n) == (out.runs[0].answer.text, out.runs[0].answer.visual_tokens, 576)
     assert lm.answer(image, question, 6)[0] == text  # deterministic
 
