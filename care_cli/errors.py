@@ -7,3 +7,8 @@ from care_core.errors import CareError
 
 class UserError(CareError):
     """A problem with a file, path or option the user gave."""
+
+
+def one_line(message: object) -> str:
+    """A message (or a path) on one line: runs of whitespace, newlines included, become one space."""
+    return " ".join(str(message).split())

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from care_cli.errors import UserError
-from care_core.images import _one_line, _to_rgb, load_image  # noqa: F401  (re-exported for the CLI)
+from care_cli.errors import UserError, one_line
+from care_core.images import load_image
 
 if TYPE_CHECKING:
     import torch
@@ -40,15 +40,17 @@ def check_output_path(
     (a device node, a FIFO, a socket: ``--force`` never replaces those), a file name whose extension does
     not match the format written (``suffixes``), and an existing file unless ``force``.
     """
-    name = _one_line(out)
+    name = one_line(out)
     target = Path(out).expanduser().resolve()
     if target.is_dir():
         raise UserError(f"{option} {name}: is a directory; give a file name for the output")
     parent = target.parent
     if not parent.exists():
-        raise UserError(f"{option} {name}: folder {_one_line(parent)} does not exist")
+        raise UserError(f"{option} {name}: folder {one_line(parent)} does not exist")
     if not parent.is_dir():
-        raise UserError(f"{option} {name}: {_one_line(parent)} is not a folder")
+        raise UserError(f"{option} {name}: {one_line(parent)} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {name}: folder {one_line(parent)} is not writable")
     for given in inputs:
         source = Path(given).expanduser().resolve()
         same = source == target
@@ -58,7 +60,7 @@ def check_output_path(
             except OSError:
                 same = False
         if same:
-            raise UserError(f"{option} {name}: is the input {_one_line(given)}; refusing to overwrite the input")
+            raise UserError(f"{option} {name}: is the input {one_line(given)}; refusing to overwrite the input")
     if suffixes is not None and Path(out).suffix.lower() not in suffixes:
         shown = " or ".join(", ".join(suffixes).rsplit(", ", 1))
         raise UserError(f"{option} {name}: the file name must end in {shown} (the format written)")
@@ -67,7 +69,7 @@ def check_output_path(
     except FileNotFoundError:
         return target
     except OSError as exc:
-        raise UserError(f"{option} {name}: cannot check it ({_one_line(exc.strerror or exc)})") from None
+        raise UserError(f"{option} {name}: cannot check it ({one_line(exc.strerror or exc)})") from None
     if not stat.S_ISREG(mode):
         raise UserError(f"{option} {name}: exists and is not a regular file; refusing to replace it")
     if not force:
@@ -83,7 +85,7 @@ def check_distinct_outputs(outputs: dict[str, Path | None]) -> None:
             continue
         key = Path(path).expanduser().resolve()
         if key in seen:
-            raise UserError(f"{seen[key]} and {option} name the same file {_one_line(path)}; give each its own")
+            raise UserError(f"{seen[key]} and {option} name the same file {one_line(path)}; give each its own")
         seen[key] = option
 
 
@@ -130,7 +132,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.replace(tmp_name, target)
         tmp_name = None
     except OSError as exc:
-        raise UserError(f"{_one_line(target)}: cannot write ({_one_line(exc.strerror or exc)})") from exc
+        raise UserError(f"{one_line(target)}: cannot write ({one_line(exc.strerror or exc)})") from exc
     finally:
         if tmp_name is not None:
             with contextlib.suppress(OSError):
