@@ -118,3 +118,13 @@ def test_unwritable_output_folder_is_refused_before_loading(care, tmp_path: Path
     monkeypatch.setattr(ReductionPipeline, "from_pretrained", no_loading)
     run = care(*[str(a).replace("{dir}", str(locked)) for a in args])
     assert run.code == 2 and "not writable" in run.err and run.err.count("\n") == 1, run.err
+
+
+def test_the_app_replaces_no_attribute_of_typer() -> None:
+    """Help types come from an option subclass; typer's own classes keep their own methods."""
+    import typer.core
+
+    from care_cli.app import CareOption
+
+    assert typer.core.TyperOption.display_type_rich.__module__ == "typer.core"
+    assert CareOption.display_type_rich.__module__ == "care_cli.app"
