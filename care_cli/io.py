@@ -36,7 +36,7 @@ def check_output_path(
 ) -> Path:
     """Validate an output path and return it resolved.
 
-    Refuses a directory, a missing parent folder, any input file, anything that is not a regular file
+    Refuses a directory, a missing or unwritable parent folder, any input file, anything that is not a regular file
     (a device node, a FIFO, a socket: ``--force`` never replaces those), a file name whose extension does
     not match the format written (``suffixes``), and an existing file unless ``force``.
     """
