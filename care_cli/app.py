@@ -6,11 +6,13 @@ transformers are imported when a command loads a model, after its arguments and 
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from care_cli.commands import csr as csr_command
 from care_cli.commands import eval as eval_command
@@ -20,43 +22,92 @@ from care_cli.commands import reduce as reduce_command
 from care_cli.commands import visualize as visualize_command
 from care_core.errors import CareError, one_line
 
+_EMOJI_CODE = re.compile(r"(:\S*?(?:-(?:emoji|text))?:)")  # the codes rich's markup turns into emoji
+_WORD_JOINER = "\u2060"  # invisible, zero width: splits an emoji code without changing what is shown
+
+
+def escape_help(text: str | None) -> str | None:
+    """A help text shown as written: rich markup (``[tag]``) escaped, and colon-delimited words that rich
+    would turn into emoji (``A:B:STEP`` holds ``:B:``) kept as text."""
+    if not text:
+        return text
+    from rich.markup import escape
+
+    text = escape(text)
+    if ":" not in text:
+        return text
+    from rich.emoji import Emoji
+
+    def keep(match: re.Match[str]) -> str:
+        code = match.group(1)
+        return code if Emoji.replace(code) == code else code[0] + _WORD_JOINER + code[1:]
+
+    return _EMOJI_CODE.sub(keep, text)
+
+
+class CareOption(typer.core.TyperOption):
+    """--help in users' words: no ``<bool>`` for flags (they take no value), ``<int> (repeatable)`` for repeatable
+    options instead of ``<list[int]>`` (typer versions that show types)."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        if self.is_flag:
+            return None
+        text = super().display_type_rich(ctx)
+        if isinstance(text, str) and text.startswith("<list[") and text.endswith("]>"):
+            return f"<{text[6:-2]}> (repeatable)"
+        return text
+
+
+def _as_care_option(param: Any) -> None:
+    if type(param) is typer.core.TyperOption:
+        param.__class__ = CareOption  # the same option, shown through the subclass (it adds no state)
+
+
+def _plain_help(command: typer.core.TyperCommand | typer.core.TyperGroup) -> None:
+    """Every help text of a command escaped, and its options shown through :class:`CareOption`."""
+    command.help = escape_help(command.help)
+    for param in command.params:
+        _as_care_option(param)
+        if isinstance(param, (typer.core.TyperOption, typer.core.TyperArgument)):
+            param.help = escape_help(param.help)
+
+
+class _PlainHelp:
+    """Help shown as written (see :func:`escape_help`), options through :class:`CareOption`, the help option too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _plain_help(self)  # type: ignore[arg-type]
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        _as_care_option(option)
+        return option
+
+
+class CareCommand(_PlainHelp, typer.core.TyperCommand):
+    """A ``care`` subcommand."""
+
+
+class CareGroup(_PlainHelp, typer.core.TyperGroup):
+    """The ``care`` group."""
+
+
 app = typer.Typer(
     name="care",
+    cls=CareGroup,
     help="CaRe (Calibrate Before Reason): visual token reduction for vision-language models, measured.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("reduce", no_args_is_help=True)(reduce_command.reduce)
-app.command("csr", no_args_is_help=True)(csr_command.csr)
-app.command("methods")(methods_command.methods)
-app.command("flops")(flops_command.flops)
-app.command("visualize", no_args_is_help=True)(visualize_command.visualize)
-app.command("eval", no_args_is_help=True)(eval_command.eval_command)
-
-
-def _plain_help_types() -> None:
-    """--help in users' words: no ``<bool>`` for flags (they take no value), ``<int>…`` for repeatable options
-    instead of ``<list[int]>`` (typer versions that show types)."""
-    option_class = getattr(getattr(typer, "core", None), "TyperOption", None)
-    display = getattr(option_class, "display_type_rich", None)
-    if option_class is None or display is None or getattr(display, "_care_patched", False):
-        return
-
-    def display_type_rich(self: object, ctx: object) -> str | None:
-        if getattr(self, "is_flag", False):
-            return None
-        text = display(self, ctx)
-        if isinstance(text, str) and text.startswith("<list[") and text.endswith("]>"):
-            return f"<{text[6:-2]}> (repeatable)"
-        return text
-
-    display_type_rich._care_patched = True  # type: ignore[attr-defined]
-    option_class.display_type_rich = display_type_rich  # type: ignore[method-assign]
-
-
-_plain_help_types()
+app.command("reduce", cls=CareCommand, no_args_is_help=True)(reduce_command.reduce)
+app.command("csr", cls=CareCommand, no_args_is_help=True)(csr_command.csr)
+app.command("methods", cls=CareCommand)(methods_command.methods)
+app.command("flops", cls=CareCommand)(flops_command.flops)
+app.command("visualize", cls=CareCommand, no_args_is_help=True)(visualize_command.visualize)
+app.command("eval", cls=CareCommand, no_args_is_help=True)(eval_command.eval_command)
 
 
 def _version(value: bool) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from care_cli.errors import UserError
 from care_core.errors import one_line
-from care_core.images import _to_rgb, load_image  # noqa: F401  (re-exported for the CLI)
+from care_core.images import load_image
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ def check_output_path(
 ) -> Path:
     """Validate an output path and return it resolved.
 
-    Refuses a directory, a missing parent folder, any input file, anything that is not a regular file
+    Refuses a directory, a missing or unwritable parent folder, any input file, anything that is not a regular file
     (a device node, a FIFO, a socket: ``--force`` never replaces those), a file name whose extension does
     not match the format written (``suffixes``), and an existing file unless ``force``.
     """
@@ -50,6 +50,8 @@ def check_output_path(
         raise UserError(f"{option} {name}: folder {one_line(parent)} does not exist")
     if not parent.is_dir():
         raise UserError(f"{option} {name}: {one_line(parent)} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {name}: folder {one_line(parent)} is not writable")
     for given in inputs:
         source = Path(given).expanduser().resolve()
         same = source == target

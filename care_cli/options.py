@@ -12,7 +12,6 @@ import math
 import typing
 from collections.abc import Callable
 from dataclasses import fields
-from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -21,7 +20,6 @@ from care_cli.errors import UserError
 from care_core.backbones.families import DEFAULT_DEMO, demo_backbones
 from care_core.config import CaReConfig
 
-_DEFAULT = CaReConfig()
 _HYPER = "CaRe hyperparameters (paper defaults)"
 _BACKBONE = "Backbone"
 
@@ -30,10 +28,6 @@ Ratio = Annotated[
     typer.Option("--ratio", "-r", help="Fraction of visual tokens kept, in (0, 1]: K = max(1, floor(ratio N))."),
 ]
 Keep = Annotated[int | None, typer.Option("--keep", "-k", help="Number of visual tokens kept (K), 1 ≤ K ≤ N.")]
-Ratios = Annotated[
-    list[float] | None,
-    typer.Option("--ratio", "-r", help="Retention ratio in (0, 1] (repeatable).", metavar="FLOAT"),
-]
 RatioSpecs = Annotated[
     list[str] | None,
     typer.Option("--ratio", "-r", metavar="RATIO",
@@ -190,15 +184,6 @@ def method_names(names: list[str] | None) -> tuple[list[str], bool]:
 def check_question(question: str | None) -> None:
     if question is not None and not question.strip():
         raise UserError("--question is empty")
-
-
-def existing_file(path: Path, option: str) -> Path:
-    """An input file the command reads: it must exist and not be a folder."""
-    if not path.exists():
-        raise UserError(f"{option} {path}: no such file")
-    if path.is_dir():
-        raise UserError(f"{option} {path}: is a folder, expected a file")
-    return path
 
 
 CudaGraphs = Annotated[

@@ -119,7 +119,6 @@ def _orient(im: Image.Image) -> Image.Image:
 
 
 # The name care_cli.io still imports; to_rgb is the public one.
-_to_rgb = to_rgb
 
 
 def _access_problem(exc: OSError) -> str | None:

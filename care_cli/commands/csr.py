@@ -370,22 +370,9 @@ def write_plot(path: Path, report: dict[str, Any]) -> None:
 
 
 def show_report(report: dict[str, Any]) -> None:
-    from rich.table import Table
+    from care_cli import tables
 
-    budgets = report["budgets"]
-    lookup = {(r["method"], r["budget"]): r for r in report["summary"]}
-    table = Table(title=f"CSR ×100 — mean ± std (n) over {report['pairs']} pair(s)", title_justify="left",
-                  caption=report["backbone"]["note"], caption_style="bold yellow")  # fmt: skip
-    table.add_column("method", style="bold cyan")
-    for b in budgets:
-        table.add_column(b, justify="right")
-    for name in report["methods"]:
-        cells = []
-        for b in budgets:
-            row = lookup.get((name, b))
-            cells.append("—" if row is None else f"{row['mean']:.2f} ± {row['std']:.2f} ({row['n']})")
-        table.add_row(name, *cells)
-    render.stdout.print(table)
+    tables.print_csr(report)
     for item in report["methods_skipped"]:
         render.stderr.print(f"[yellow]left out {item['method']}:[/] {item['reason']}")
     for item in report["skipped"]:

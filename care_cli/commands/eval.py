@@ -405,27 +405,10 @@ def _budget_label(setting: dict[str, Any]) -> str:
     return f"K={setting['keep']}" if setting["keep"] is not None else f"ratio {setting['ratio']:g}"
 
 
-def _num(value: Any, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
-
-
 def show_report(report: dict[str, Any]) -> None:
-    from rich.table import Table
+    from care_cli import tables
 
-    backbone = report["backbone"]
-    for task, rows in report["tables"].items():
-        metric = rows[0]["metric"] if rows else "metric"
-        samples = rows[0]["samples"] if rows else 0
-        table = Table(title=f"{task}: {metric}, {samples} samples, {backbone['name']}",
-                      title_justify="left", caption=backbone["note"], caption_style="bold yellow")  # fmt: skip
-        table.add_column("method", style="bold cyan")
-        for name in ("budget", metric or "metric", "retention %", "visual tokens", "s / sample"):
-            table.add_column(name, justify="right")
-        for row in rows:
-            table.add_row(row["method"], row["budget"], _num(row["value"], ".4f"),
-                          "—" if row["method"] == "none" else _num(row["retention"], ".1f"),
-                          _num(row["visual_tokens"], ".1f"), _num(row["seconds_per_sample"], ".3f"))  # fmt: skip
-        render.stdout.print(table)
+    tables.print_eval(report)
     for item in report["methods_skipped"]:
         render.stderr.print(f"[yellow]left out {item['method']}:[/] {item['reason']}")
     if report.get("summary"):

@@ -6,7 +6,6 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
-from rich.table import Table
 
 from care_cli import options as opt
 from care_cli import render
@@ -160,39 +159,24 @@ def _value(row: dict[str, Any], key: str, macs: bool) -> float:
     return terms.get(key, 0.0)
 
 
-def _width(header: str, cells: list[str]) -> int:
-    return max([len(line) for line in header.split("\n")] + [len(c) for c in cells])
+def _print(
+    title: str,
+    caption: str | None,
+    headers: list[tuple[str, str]],
+    rows: list[list[str]],
+    styles: list[str | None] | None = None,
+    sections: list[bool] | None = None,
+) -> None:
+    """A table whose figures are never cut: split into parts that repeat the row's keys where it is too wide.
 
-
-def _table(title: str, caption: str | None, headers: list[tuple[str, str]], rows: list[list[str]]) -> tuple[Table, int]:
-    """A table whose cells are never cut (no ellipsis, no folding of figures) and the width it needs.
-
-    Where the console is narrower, the `text` columns (the backbone, also named in the title) go first.
-    """
-    widths = [_width(h, [r[i] for r in rows]) for i, (h, _) in enumerate(headers)]
-    keep = list(range(len(headers)))
-    if sum(widths) + 3 * len(widths) + 1 > render.stdout.width:
-        keep = [i for i in keep if headers[i][1] != "text"]
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
-    for i in keep:
-        header, kind = headers[i]
-        table.add_column(header, justify="left" if kind in ("text", "key") else "right", no_wrap=True,
-                         min_width=widths[i], style="bold cyan" if kind == "key" else None)  # fmt: skip
-    table.columns_kept = keep  # type: ignore[attr-defined]
-    return table, sum(widths[i] + 3 for i in keep) + 1
-
-
-def _add_rows(table: Table, rows: list[list[str]], styles: list[str | None], sections: list[bool]) -> None:
-    keep = table.columns_kept  # type: ignore[attr-defined]
-    for line, style, section in zip(rows, styles, sections, strict=True):
-        if section:
-            table.add_section()
-        table.add_row(*[line[i] for i in keep], style=style)
-
-
-def _print(table: Table, needed: int) -> None:
-    """Print at the console's width, or wider when the figures need it (the terminal wraps; nothing is cut)."""
-    render.stdout.print(table, width=max(render.stdout.width, needed), crop=False)
+    Kinds: ``text`` (the backbone: left out where every row holds the same one, which the title names), ``key``
+    (the method), ``id`` (the tokens: a figure that identifies the row), ``num`` (a figure)."""
+    keep = [i for i, (_, kind) in enumerate(headers) if kind != "text" or len({r[i] for r in rows}) > 1]
+    columns = [render.Column(headers[i][0], "number" if headers[i][1] in ("id", "num") else "name",
+                             key=headers[i][1] != "num", style="bold cyan" if headers[i][1] == "key" else None)
+               for i in keep]  # fmt: skip
+    render.print_table(title, columns, [[r[i] for i in keep] for r in rows], caption=caption, row_styles=styles,
+                       sections=sections, box=box.SIMPLE_HEAD)  # fmt: skip
 
 
 def show_report(report: dict[str, Any], flags: dict[str, str] | None = None) -> None:
@@ -202,7 +186,7 @@ def show_report(report: dict[str, Any], flags: dict[str, str] | None = None) -> 
     backbone = report["backbone"]
     paper = report["options"]["paper"]
     terms = ["score", "residual", "prefill", *report["options"]["optional_terms"]]
-    headers = [("backbone", "text"), ("method", "key"), ("tokens", "num"), ("avg\ntokens", "num")]
+    headers = [("backbone", "text"), ("method", "key"), ("tokens", "id"), ("avg\ntokens", "num")]
     headers += [(f"{name.replace('_', ' ')}\n{unit}", "num") for name in terms] + [(f"total\n{unit}", "num")]
     if paper:
         headers += [("paper\nTFLOPs", "num"), ("ours − paper\nTFLOPs", "num"), ("ours − paper\n%", "num")]
@@ -222,9 +206,8 @@ def show_report(report: dict[str, Any], flags: dict[str, str] | None = None) -> 
     source = f" from {backbone['source']}" if backbone["name"].startswith("config:") else ""
     title = (f"Analytic {unit} — {backbone['display']}{source}: N = {report['N']} visual tokens, "
              f"T = {report['text_tokens']} text tokens")  # fmt: skip
-    table, needed = _table(title, _caption(report), headers, cells)
-    _add_rows(table, cells, ["bold" if r["method"] == "baseline" else None for r in report["rows"]], sections)
-    _print(table, needed)
+    _print(title, _caption(report), headers, cells, ["bold" if r["method"] == "baseline" else None
+                                                      for r in report["rows"]], sections)  # fmt: skip
     out = render.stdout
     source = (flags or {}).get(backbone["tokens_source"], backbone["tokens_source"])  # "tokens" -> --tokens
     out.print(f"[dim]N: {backbone['tokens_note']} ({source}).[/dim]")
@@ -237,7 +220,7 @@ def show_report(report: dict[str, Any], flags: dict[str, str] | None = None) -> 
 def show_paper(report: dict[str, Any]) -> None:
     out = render.stdout
     data = report["paper"]
-    headers = [("backbone", "text"), ("method", "key"), ("rate", "num"), ("tokens", "num"), ("paper", "num"),
+    headers = [("backbone", "text"), ("method", "key"), ("rate", "num"), ("tokens", "id"), ("paper", "num"),
                ("ours", "num"), ("score", "num"), ("residual", "num"), ("prefill", "num"),
                ("ours − paper", "num"), ("%", "num")]  # fmt: skip
     cells = [
@@ -247,9 +230,7 @@ def show_paper(report: dict[str, Any]) -> None:
         for row in data["table_s1_vs_ours"]
     ]  # fmt: skip
     title = "Paper Table S1 (TFLOPs, as printed) beside ours (TFLOPs, these options, the paper's N)"
-    table, needed = _table(title, None, headers, cells)
-    _add_rows(table, cells, [None] * len(cells), [False] * len(cells))
-    _print(table, needed)
+    _print(title, None, headers, cells)
     gaps = data["gap_analysis"]
     if gaps:
         out.print("[bold]Why the CaRe rows differ[/bold] (TFLOPs; m = 64 directions):")

@@ -1,14 +1,20 @@
-"""`care methods`: every registered method, its category, the inputs it needs, the CaRe hyperparameters it
-reads, the backbones it runs on and its paper (all read from the method classes; no torch is imported)."""
+"""`care methods [NAME]`: every registered method with its category and what it does; with NAME, the inputs it
+needs, the CaRe hyperparameters it reads (as their flags), the backbones it runs on and its paper (all read from
+the method classes; no torch is imported)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from rich.table import Table
+import typer
 
 from care_cli import options as opt
 from care_cli import render
+
+NameArg = Annotated[
+    str | None,
+    typer.Argument(help="A method: show its inputs, hyperparameters, backbones and paper.", show_default=False),
+]
 
 
 def method_rows() -> list[dict[str, Any]]:
@@ -20,53 +26,70 @@ def method_rows() -> list[dict[str, Any]]:
     rows = []
     for name in method_names():
         cls = method_class(name)
+        used = [f for f in config_fields if f in cls.hyperparameters]
         rows.append({
             "name": name,
             "aliases": list(cls.aliases),
             "category": cls.category,
             "needs": sorted(cls.needs),
             "needs_described": {k: PROBES[k] for k in sorted(cls.needs)},
-            "hyperparameters": [f for f in config_fields if f in cls.hyperparameters],
+            "hyperparameters": used,
+            "hyperparameter_flags": [opt.flag_of(f) for f in used],
             "ignores": [f for f in config_fields if f not in cls.hyperparameters],
             "backbones": [family for family in family_names() if cls.serves(family)],
             "score_label": cls.score_label,
             "cost_model": cls.cost_model,
             "paper": cls.paper,
-            "summary": (cls.__doc__ or "").strip().splitlines()[0],
+            "summary": " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()),
         })  # fmt: skip
     return rows
 
 
-def _uses(row: dict[str, Any]) -> str:
-    if not row["hyperparameters"]:
-        return "—"
-    if not row["ignores"]:
-        return "all"
-    return ", ".join(row["hyperparameters"])
+def _flags(row: dict[str, Any]) -> str:
+    """The hyperparameters a method reads, spelled as the options that set them."""
+    return " ".join(row["hyperparameter_flags"]) or "none"
 
 
-def methods(json_output: opt.Json = False) -> None:
-    """List every registered token-reduction method."""
+def _listed(values: list[str], families: tuple[str, ...] | None = None) -> str:
+    if families is not None and len(values) == len(families):
+        return "all (" + ", ".join(values) + ")"
+    return ", ".join(values) or "none"
+
+
+def methods(name: NameArg = None, json_output: opt.Json = False) -> None:
+    """List every registered token-reduction method; with NAME, everything about that one."""
     from care_core.backbones.families import family_names
+    from care_core.methods import canonical_name
 
     rows = method_rows()
+    if name is not None:
+        wanted = canonical_name(name)
+        rows = [row for row in rows if row["name"] == wanted]
     if json_output:
         render.print_json({"command": "methods", "backbone_families": family_names(), "methods": rows})
-        return
-    table = Table(
-        title="Registered methods",
-        title_justify="left",
-        show_lines=False,
-        caption="CaRe hyperparameters: the CaReConfig fields (and CLI options) the method reads; it ignores the "
-        "others. '—' = none.",
-        caption_justify="left",
-    )
-    for col in ("name", "category", "needs", "CaRe hyperparameters", "backbones", "paper"):
-        folds = col in ("needs", "CaRe hyperparameters", "paper")
-        table.add_column(col, style="bold cyan" if col == "name" else None, overflow="fold", no_wrap=not folds)
-    for row in rows:
-        name = row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
-        backbones = "all" if len(row["backbones"]) == len(family_names()) else ", ".join(row["backbones"])
-        needs = ", ".join(row["needs"]) or "features + projector"
-        table.add_row(name, row["category"], needs, _uses(row), backbones, row["paper"])
-    render.stdout.print(table)
+    elif name is not None:
+        show_method(rows[0], tuple(family_names()))
+    else:
+        columns = [render.Column("name", "name", key=True, style="bold cyan"), render.Column("category", "name"),
+                   render.Column("what it does", "text")]  # fmt: skip
+        cells = [[row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else ""), row["category"],
+                  row["summary"]] for row in rows]  # fmt: skip
+        caption = "care methods NAME: the inputs a method needs, the hyperparameters it reads, its backbones and "
+        render.print_table("Registered methods", columns, cells, caption=caption + "paper (--json: all methods).")
+
+
+def show_method(row: dict[str, Any], families: tuple[str, ...]) -> None:
+    """One method's details: the same facts as its --json entry, hyperparameters spelled as their flags."""
+    needs = "; ".join(f"{key} ({text})" for key, text in row["needs_described"].items())
+    details = [
+        ("aliases", ", ".join(row["aliases"]) or "none"),
+        ("category", row["category"]),
+        ("what it does", row["summary"]),
+        ("needs", needs or "the visual tokens and the projector only"),
+        ("hyperparameters", _flags(row)),
+        ("backbones", _listed(row["backbones"], families)),
+        ("scores", row["score_label"] or "none"),
+        ("cost model", row["cost_model"] or "none (care flops cannot count it)"),
+        ("paper", row["paper"]),
+    ]
+    render.stdout.print(render.key_value_table(f"care methods — {row['name']}", details))

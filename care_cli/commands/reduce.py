@@ -213,36 +213,39 @@ def show_summary(summary: dict[str, Any]) -> None:
         rows.append(("saved", summary["out"]))
     title = f"care reduce — {summary['method']}"
     render.stdout.print(render.key_value_table(title, rows, caption=backbone["note"]))
-    render.stdout.print(render.timings_table(summary["timings_ms"]))
-    answers = summary.get("answers")
-    if answers:
-        from rich.table import Table
+    render.timings_table(summary["timings_ms"])
+    if summary.get("answers"):
+        show_answers(summary)
 
-        asked = answers["question"] + ("  (default question)" if summary["question_defaulted"] else "")
-        reps = answers["full"]["repeats"]
-        decoding = answers["full"]["decoding"]
-        how = ("replayed CUDA graphs over a static KV cache" if decoding == "cuda-graph"
-               else "transformers' generate" + (f" ({answers['cuda_graphs_off']})" if answers.get("cuda_graphs_off")
-                                                else ""))  # fmt: skip
-        table = Table(title=f"Answers to “{asked}” (greedy, {how}; ms = median of {reps} alternating runs after "
-                            "a warm-up)",
-                      title_justify="left", caption=backbone["note"], caption_style="bold yellow")  # fmt: skip
-        columns = ("visual tokens fed", "first token ms", "from features ms", "total ms", "answer")
-        for col in columns:
-            table.add_column(col, justify="right" if col != "answer" else "left", overflow="fold")
-        for label in ("full", "reduced"):
-            run = answers[label]
-            table.add_row(f"{run['visual_tokens']} ({label})", _ms(run["first_token_ms"]),
-                          _ms(run["first_token_from_features_ms"]), _ms(run["total_ms"]),
-                          repr(run["answer"]))  # fmt: skip
-        render.stdout.print(table)
-        speedup = answers.get("speedup_first_token")
-        if speedup:
-            render.stdout.print(
-                f"first token from the features with {summary['method']} against all tokens: {speedup:.2f}× "
-                f"({'faster' if speedup >= 1 else 'slower'}; method + projector + prefill against projector + "
-                "prefill)"
-            )
+
+def show_answers(summary: dict[str, Any]) -> None:
+    """The answers with all and with the reduced visual tokens, their times, and the first-token speed-up."""
+    answers = summary["answers"]
+    asked = answers["question"] + ("  (default question)" if summary["question_defaulted"] else "")
+    reps = answers["full"]["repeats"]
+    how = ("replayed CUDA graphs over a static KV cache" if answers["full"]["decoding"] == "cuda-graph"
+           else "transformers' generate" + (f" ({answers['cuda_graphs_off']})" if answers.get("cuda_graphs_off")
+                                            else ""))  # fmt: skip
+    columns = [
+        render.Column("visual tokens\nfed", "name", key=True),
+        render.Column("first token\nms"),
+        render.Column("from\nfeatures ms"),
+        render.Column("total\nms"),
+        render.Column("answer", "text"),
+    ]
+    rows = [[f"{answers[label]['visual_tokens']} ({label})", _ms(answers[label]["first_token_ms"]),
+             _ms(answers[label]["first_token_from_features_ms"]), _ms(answers[label]["total_ms"]),
+             repr(answers[label]["answer"])] for label in ("full", "reduced")]  # fmt: skip
+    render.print_table(f"Answers to “{asked}” (greedy, {how}; ms = median of {reps} alternating runs after a "
+                       "warm-up)", columns, rows, caption=summary["backbone"]["note"],
+                       caption_style="bold yellow")  # fmt: skip
+    speedup = answers.get("speedup_first_token")
+    if speedup:
+        render.stdout.print(
+            f"first token from the features with {summary['method']} against all tokens: {speedup:.2f}× "
+            f"({'faster' if speedup >= 1 else 'slower'}; method + projector + prefill against projector + "
+            "prefill)"
+        )
 
 
 def _ms(value: float | None) -> str:

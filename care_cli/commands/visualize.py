@@ -154,10 +154,15 @@ def build_figure(
     drawing = overlay_figure(np.asarray(picture), geometry, panels, backbone=backbone.name, view=side,
                              show_scores=scores, links=links, note=backbone.note, dpi=dpi)  # fmt: skip
     notes.extend(drawing.notes)
-    figure = drawing.to_dict()
-    report: dict[str, Any] = {
+    return _report(pipe, output, geometry, drawing.to_dict(), config=config, view=view, notes=notes), drawing
+
+
+def _report(pipe: Any, output: Any, geometry: Any, figure: dict[str, Any], *, config: CaReConfig, view: str | None,
+            notes: list[str]) -> dict[str, Any]:  # fmt: skip
+    """The JSON report of a figure: backbone, methods, N and K, the view, each panel's geometry, notes."""
+    return {
         "command": "visualize",
-        "backbone": backbone.to_dict(),
+        "backbone": pipe.backbone.to_dict(),
         "methods": list(pipe.methods),
         "methods_skipped": pipe.skipped,
         "N": output.num_tokens,
@@ -173,24 +178,23 @@ def build_figure(
         "scores_panel": figure["scores_panel"],
         "notes": notes,
     }  # fmt: skip
-    return report, drawing
 
 
 def show_report(report: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"care visualize — N = {report['N']}, K = {report['K']}", title_justify="left",
-                  caption=report["backbone"]["note"], caption_style="bold yellow")  # fmt: skip
-    table.add_column("panel", style="bold cyan")
-    table.add_column("category")
-    table.add_column("anchors / kept", justify="right")
-    table.add_column("signals", justify="right")
-    table.add_column("signal share", justify="right")
+    columns = [
+        render.Column("panel", "name", key=True, style="bold cyan"),
+        render.Column("category", "name"),
+        render.Column("anchors /\nkept"),
+        render.Column("signals"),
+        render.Column("signal\nshare"),
+    ]
+    rows = []
     for panel in report["panels"]:
         s = panel["summary"]
         share = "—" if s["signal_share"] is None else f"{100 * s['signal_share']:.1f}%"
-        table.add_row(panel["method"], panel["category"], str(s["num_anchors"]), str(s["num_signals"]), share)
-    render.stdout.print(table)
+        rows.append([panel["method"], panel["category"], str(s["num_anchors"]), str(s["num_signals"]), share])
+    render.print_table(f"care visualize — N = {report['N']}, K = {report['K']}", columns, rows,
+                       caption=report["backbone"]["note"], caption_style="bold yellow")  # fmt: skip
     for note in report["notes"]:
         render.stderr.print(f"[yellow]note:[/] {note}")
     width, height = report["figure_px"]

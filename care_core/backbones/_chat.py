@@ -9,26 +9,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from PIL import Image
 
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB as the HF processors make it (``convert_to_rgb``): transparency composited on white."""
-    if not isinstance(image, Image.Image):
-        raise TypeError(f"expected a PIL image, got {type(image).__name__}")
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:

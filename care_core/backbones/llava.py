@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 from ..errors import ModelLoadError
-from ._chat import ChatAdapter, mm_encoder_outputs, to_rgb
+from ..images import to_rgb
+from ._chat import ChatAdapter, mm_encoder_outputs
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
 from .geometry import crop_geometry, grid_image_tokens

@@ -49,7 +49,8 @@ import torch
 from PIL import Image
 
 from ..errors import ModelLoadError
-from ._chat import mm_encoder_outputs, to_rgb
+from ..images import to_rgb
+from ._chat import mm_encoder_outputs
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept, is_all_tokens
 from .geometry import clip_boxes, crop_geometry, grid_crop_boxes

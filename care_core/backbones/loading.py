@@ -176,7 +176,7 @@ def _load_folder(
         if problem is not None:
             demo = marker.get("name", "demo")
             raise ModelLoadError(
-                f"{shown}: the demo's weights are {problem}; load it by name (--model {demo}) to restore it"
+                f"{shown}: the demo's weights are {problem}; load it by name ({{model}}={demo}) to restore it"
             )
     try:
         adapter = adapter_cls.from_folder(

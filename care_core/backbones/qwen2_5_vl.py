@@ -37,7 +37,8 @@ from PIL import Image
 from torch import nn
 
 from ..errors import ModelLoadError
-from ._chat import ChatAdapter, mm_encoder_outputs, to_rgb
+from ..images import to_rgb
+from ._chat import ChatAdapter, mm_encoder_outputs
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
 from .geometry import CropGeometry, grid_image_tokens

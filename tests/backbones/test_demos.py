@@ -331,8 +331,9 @@ def test_demo_folder_keeps_its_note(demo_home: Path, tmp_path: Path, tiny_pair: 
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     _truncate(copy / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"truncated.*--model tiny-llava\) to restore it"):
+    with pytest.raises(ModelLoadError, match=r"truncated.*model=tiny-llava\) to restore it") as caught:
         load_backbone(copy)
+    assert "(--model=tiny-llava)" in caught.value.render({"model": "--model"}.get)  # the CLI's spelling
     old = tmp_path / "old"  # a marker from before notes and hashes: random weights
     shutil.copytree(demo_home / "demo" / DEMO_BACKBONES["tiny-llava-next"].folder_name, old)
     marker = json.loads((old / MARKER).read_text())

@@ -14,7 +14,6 @@ from PIL import Image, ImageFile
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from care_cli import io as care_io
 from care_cli.errors import UserError
 from care_cli.io import (
     atomic_write_bytes,
@@ -246,7 +245,7 @@ def test_sixteen_bit_modes_in_memory() -> None:
     # Modes a file may not round-trip to (I;16L) go through the same conversion.
     for mode, dtype in [("I;16L", "<u2"), ("I;16B", ">u2"), ("I;16", "<u2")]:
         im = Image.frombytes(mode, (4, 1), _SIXTEEN.astype(dtype).tobytes())
-        _assert_gray_row(care_io._to_rgb(im), _EXPECTED_8)
+        _assert_gray_row(care_images.to_rgb(im), _EXPECTED_8)
 
 
 def test_int32_mode_i(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ as the same weights in memory run through the library."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -47,8 +48,14 @@ def test_model_path_matches_weights_in_memory(care, photo: Path, saved_tiny, lay
     assert summary["signals"] == expected.signals.tolist()
 
 
-def test_model_path_human_output_has_no_demo_note(care, photo: Path, saved_tiny) -> None:
+@pytest.mark.parametrize("depth", ["as made", "deep"])
+def test_model_path_human_output_has_no_demo_note(care, photo: Path, saved_tiny, tmp_path: Path, depth: str) -> None:
+    """The folder is shown whole (wrapped, not cut) however long the temporary path is."""
     _, folder, _ = saved_tiny
+    if depth == "deep":
+        folder = Path(shutil.copytree(folder, tmp_path / ("a-long-folder-name-" * 4) / "tiny_llava_model"))
     run = care("reduce", photo, "--model", folder, "--keep", "10")
     assert run.code == 0, run.err
-    assert "demo backbone" not in run.out and str(folder.name) in run.out
+    assert "demo backbone" not in run.out and "…" not in run.out
+    unboxed = re.sub(r"[\s│┃]", "", run.out)  # a value wrapped over several table lines reads as one string
+    assert re.sub(r"\s", "", str(folder)) in unboxed

@@ -1,0 +1,130 @@
+"""Help texts are shown as written (no emoji, no markup eaten); library errors reach the user with the
+invoked command's flags, and the library itself never names a flag; outputs are checked before any loading."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+from rich.text import Text
+
+from care_cli.app import _WORD_JOINER, escape_help
+
+from .conftest import EXAMPLES
+
+CORE = Path(__file__).resolve().parents[2] / "care_core"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["--ratio A:B:STEP gives a range", "[bold]not bold[/bold]", "[default: 3]", "a [b] c [/]", "cuda:N", ":smile: x",
+     "HEIGHTxWIDTH (e.g. 672x672)"],
+)  # fmt: skip
+def test_help_text_is_shown_as_written(text: str) -> None:
+    shown = Text.from_markup(escape_help(text) or "").plain
+    assert shown.replace(_WORD_JOINER, "") == text
+
+
+@pytest.mark.parametrize("command", ["", "reduce", "csr", "methods", "flops", "visualize", "eval"])
+def test_help_has_no_emoji_and_no_markup(care, command: str) -> None:
+    run = care(*([command] if command else []), "--help")
+    assert run.code == 0, run.err
+    emoji = [c for c in run.out if ord(c) >= 0x1F000 or 0x2600 <= ord(c) < 0x2800]
+    assert not emoji, emoji
+    assert "[/" not in run.out and "[bold" not in run.out
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    ("args", "flags"),
+    [
+        (["reduce", EXAMPLES / "astronaut.jpg", "--ratio", "2"], ["--ratio"]),  # budget
+        (["csr", EXAMPLES / "astronaut.jpg", "-q", "x", "--keep", "0"], ["--keep"]),  # budget, several
+        (["flops", "--keep", "0"], ["--keep"]),  # budget against N
+        (["reduce", EXAMPLES / "astronaut.jpg", "--keep", "8", "--theta-c", "2"], ["--theta-c"]),  # config
+        (["reduce", EXAMPLES / "astronaut.jpg", "--keep", "8", "--lambda", "-1"], ["--lambda"]),  # field lam
+        (["flops", "--text-tokens", "-1"], ["--text-tokens"]),  # flops options
+        (["flops", "--tokens", "0"], ["--tokens"]),
+        (["flops", "--tokens", "5", "--image-size", "10x10"], ["--tokens", "--image-size"]),
+        (["flops", "--image-size", "10"], ["--image-size"]),  # image size
+        (["flops", "--backbone", " "], ["--backbone"]),  # backbone
+        (["eval", "--tasks", "pope", "--keep", "0"], ["--keep"]),  # model arguments of an eval setting
+        (["reduce", EXAMPLES / "astronaut.jpg", "--keep", "8", "--generate", "--max-new-tokens", "0"],
+         ["--max-new-tokens"]),  # generation
+    ],
+)  # fmt: skip
+def test_library_errors_name_the_flags(care, args: list[object], flags: list[str]) -> None:
+    run = care(*args)
+    assert run.code == 2 and run.err.startswith("error: ") and run.err.count("\n") == 1, run.err
+    for flag in flags:
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", run.err), run.err
+
+
+def _error_texts(tree: ast.AST) -> list[tuple[int, str]]:
+    """The string pieces of every ``SomethingError(...)`` call: the messages the library raises or returns."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name.endswith("Error"):
+                for arg in [*node.args, *(k.value for k in node.keywords)]:
+                    for piece in ast.walk(arg):
+                        if isinstance(piece, ast.Constant) and isinstance(piece.value, str):
+                            found.append((node.lineno, piece.value))
+    return found
+
+
+def test_library_error_messages_name_no_flag() -> None:
+    flag = re.compile(r"(?<![\w-])--[a-zA-Z]")
+    other_program = re.compile(r"'(?!care\b)[a-z][\w.-]* --[\w -]*'")  # another program's command, quoted
+    offenders = []
+    for path in sorted(CORE.rglob("*.py")):
+        for line, text in _error_texts(ast.parse(path.read_text(), str(path))):
+            if flag.search(other_program.sub("", text)):
+                offenders.append(f"{path.relative_to(CORE.parent)}:{line}: {text}")
+    assert not offenders, "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------------------------------ outputs first
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["reduce", EXAMPLES / "astronaut.jpg", "--keep", "8", "--out", "{dir}/x.safetensors"],
+        ["visualize", EXAMPLES / "astronaut.jpg", "--keep", "8", "--out", "{dir}/x.png"],
+        ["csr", EXAMPLES / "astronaut.jpg", "-q", "x", "--keep", "8", "--csv", "{dir}/x.csv"],
+    ],
+)
+def test_unwritable_output_folder_is_refused_before_loading(care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            args: list[object]) -> None:  # fmt: skip
+    from care_core.pipeline import ReductionPipeline
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+
+    def access(path: object, mode: int, *rest: object, **kw: object) -> bool:  # root may write anywhere: simulate
+        if Path(str(path)).resolve() == locked.resolve() and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *rest, **kw)  # type: ignore[arg-type]
+
+    def no_loading(*_: object, **__: object) -> None:
+        raise AssertionError("a model was loaded before the output was checked")
+
+    monkeypatch.setattr(os, "access", access)
+    monkeypatch.setattr(ReductionPipeline, "from_pretrained", no_loading)
+    run = care(*[str(a).replace("{dir}", str(locked)) for a in args])
+    assert run.code == 2 and "not writable" in run.err and run.err.count("\n") == 1, run.err
+
+
+def test_the_app_replaces_no_attribute_of_typer() -> None:
+    """Help types come from an option subclass; typer's own classes keep their own methods."""
+    import typer.core
+
+    from care_cli.app import CareOption
+
+    assert typer.core.TyperOption.display_type_rich.__module__ == "typer.core"
+    assert CareOption.display_type_rich.__module__ == "care_cli.app"
