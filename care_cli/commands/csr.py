@@ -10,7 +10,7 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -19,6 +19,9 @@ from care_cli import render, run_options
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
 from care_core.errors import ImageError, QuestionError
+
+if TYPE_CHECKING:
+    from care_core.runs import DatasetRun
 
 ImageArg = Annotated[
     Path | None, typer.Argument(help="One image (with --question); or use --data.", show_default=False)
@@ -247,7 +250,7 @@ def _pair_id(pair: Pair) -> str:
 
 
 def run_pairs(
-    run: Any,
+    run: DatasetRun,
     pairs: list[Pair],
     names: list[str],
     budgets: list[Any],
@@ -306,7 +309,7 @@ def run_pairs(
 
 
 def _compute(
-    run: Any, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], *, skip_bad: bool, quiet: bool
+    run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], *, skip_bad: bool, quiet: bool
 ) -> list[dict[str, Any]]:
     """This process's share of the pairs, each method x budget not saved yet; the pairs skipped as bad."""
     from care_cli.io import load_image

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from care_core.errors import CareError, MethodError
 from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
+from care_core.runs import World
 
 #: model id -> (class in this module, aliases)
 MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -125,8 +126,9 @@ class CareLMM(lmms):
         self.spec = spec
         self.on_sample: Callable[[int, int, SampleRecord], None] | None = None
         self.records: list[SampleRecord] = []
-        self._rank = _env_int("RANK", 0)
-        self._world_size = max(1, _env_int("WORLD_SIZE", 1))
+        world = World.from_env()
+        self._rank = world.rank
+        self._world_size = world.size
         if adapter is None:
             from care_core.errors import ModelLoadError
             from care_core.integrations import broken_torchvision
@@ -344,28 +346,12 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def rank_device(device: str) -> str:
-    """``device`` for this process: with several processes, ``auto``/``cuda`` become ``cuda:LOCAL_RANK``."""
-    import torch
-
-    if _env_int("WORLD_SIZE", 1) > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        return f"cuda:{_env_int('LOCAL_RANK', 0)}"
-    return device
-
-
 def load_adapter(spec: EvalSpec) -> VLMAdapter:
     """The backbone of ``spec`` (offline), on this process's device."""
     from care_core.backbones import load_backbone
 
     dtype = None if spec.dtype == "auto" else spec.dtype
-    return load_backbone(spec.pretrained, device=rank_device(spec.device), dtype=dtype)
+    return load_backbone(spec.pretrained, device=World.from_env().device(spec.device), dtype=dtype)
 
 
 def check_methods(specs: Iterable[EvalSpec], adapter: VLMAdapter) -> None:
