@@ -92,8 +92,8 @@ def eval_command(
     if limit is not None and (not math.isfinite(limit) or limit <= 0 or (limit > 1 and limit != int(limit))):
         raise UserError(f"--limit must be a whole number of documents or a fraction in (0, 1), got {limit:g}")
     run_options.check_processes(num_processes)
-    specs = _specs(model, opt.method_names(method)[0], opt.budgets(opt.parse_ratio_specs(ratio), keep), device, dtype,
-                   config, cuda_graphs)  # fmt: skip
+    names, every = opt.method_names(method)
+    specs = _specs(model, names, opt.budgets(opt.parse_ratio_specs(ratio), keep), device, dtype, config, cuda_graphs)
     for problem in (lmms_eval_missing(), broken_torchvision()):
         if problem:
             raise UserError(problem)
@@ -110,8 +110,8 @@ def eval_command(
                 plugin.task_manager(selection)  # unknown tasks fail here, once, before the processes start
                 raise typer.Exit(run_options.relaunch(argv, num_processes))
             with processes:
-                report = run_eval(specs, selection, limit=limit, folder=output_dir, every=opt.method_names(method)[1],
-                                  quiet=json_output, processes=processes)  # fmt: skip
+                report = run_eval(specs, selection, limit=limit, folder=output_dir, every=every, quiet=json_output,
+                                  processes=processes)  # fmt: skip
         except KeyboardInterrupt:
             raise run_options.Interrupted(_interrupted(argv, output_dir, processes.world.size)) from None
     if processes.world.is_main:
