@@ -114,8 +114,8 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of the sharded run: build the model, wait for all ranks, time this rank's share, report."""
     import torch.distributed as dist
 
-    from care_cli.runs import World
     from care_core.config import CaReConfig
+    from care_core.runs import World
 
     world = World.from_env()
     device = f"cuda:{world.local_rank}" if torch.cuda.is_available() and args.device != "cpu" else "cpu"

@@ -67,8 +67,7 @@ def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
 def write_task(folder: Path, copies: int) -> str:
     """The shipped POPE-style task with its documents repeated ``copies`` times (images by absolute path)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("utils.py",):
-        shutil.copy(TASK / name, folder / name)
+    shutil.copy(TASK.parent / "care_task_utils.py", folder.parent / "care_task_utils.py")  # the YAML's ../ functions
     config = (TASK / "care_pope_examples.yaml").read_text(encoding="utf-8")
     name = f"care_pope_examples_x{copies}"
     (folder / f"{name}.yaml").write_text(re.sub(r"(?m)^task: .*$", f"task: {name}", config), encoding="utf-8")
@@ -77,7 +76,7 @@ def write_task(folder: Path, copies: int) -> str:
     for copy in range(copies):
         for row in rows:
             item = dict(row, question_id=copy * len(rows) + row["question_id"])
-            item["image"] = str((TASK / row["image"]).resolve())
+            item["image"] = str((TASK.parent / row["image"]).resolve())  # paths are relative to the tasks' folder
             lines.append(json.dumps(item))
     (folder / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return name

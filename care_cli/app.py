@@ -20,6 +20,7 @@ from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
 from care_cli.commands import visualize as visualize_command
+from care_cli.run_options import Interrupted
 from care_core.errors import CareError, one_line
 
 _EMOJI_CODE = re.compile(r"(:\S*?(?:-(?:emoji|text))?:)")  # the codes rich's markup turns into emoji
@@ -171,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = flags_of(command, args)
         print(f"error: {one_line(exc.render(lambda name: flags.get(name, name)))}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        return _interrupted(exc.message)
     except typer.Exit as exc:
         return int(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
@@ -183,4 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = f" (see 'care {context.info_name} --help')" if context is not None and context.parent else ""
         print(f"error: {one_line(exc.format_message())}{hint}", file=sys.stderr)  # type: ignore[attr-defined]
         return int(getattr(exc, "exit_code", 2))
+    if result == 130:  # Typer turned a KeyboardInterrupt the command did not handle into exit code 130
+        return _interrupted("interrupted")
     return result if isinstance(result, int) else 0
+
+
+def _interrupted(message: str | None) -> int:
+    """Ctrl-C: the command's one line on stderr (what is saved, how to resume), exit code 130. None: a process
+    started by another prints nothing (its launcher reports)."""
+    if message:
+        print(message, file=sys.stderr)
+    return 130

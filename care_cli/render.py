@@ -145,7 +145,7 @@ def _print_records(
 def print_notices(notices: list[str]) -> None:
     """The backbone loader's one-line notices (e.g. a damaged cached demo restored), on stderr."""
     for notice in notices:
-        stderr.print(f"[yellow]note:[/] {notice}", highlight=False)
+        stderr.print(f"[yellow]note:[/] {notice}", highlight=False, soft_wrap=True)  # one line, however long
 
 
 def print_json(payload: dict[str, Any]) -> None:

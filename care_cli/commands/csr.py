@@ -7,19 +7,21 @@ import csv
 import io
 import json
 import math
-import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from care_cli import options as opt
-from care_cli import render
+from care_cli import render, run_options
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
 from care_core.errors import ImageError, QuestionError
+
+if TYPE_CHECKING:
+    from care_core.runs import DatasetRun
 
 ImageArg = Annotated[
     Path | None, typer.Argument(help="One image (with --question); or use --data.", show_default=False)
@@ -107,11 +109,6 @@ ResumeOpt = Annotated[
     typer.Option("--resume", metavar="", help="Continue the run in --output-dir: compute only the pair x method x "
                                               "budget results it lacks (same model and hyperparameters only)."),
 ]  # fmt: skip
-ProcessesOpt = Annotated[
-    int,
-    typer.Option("--num-processes", "-n", help="Processes to split the pairs over (one GPU each on CUDA; CPU "
-                                               "processes otherwise), started through torchrun."),
-]  # fmt: skip
 
 
 @opt.with_config
@@ -130,7 +127,7 @@ def csr(
     csv_path: CsvOpt = None,
     output_dir: OutputDirOpt = None,
     resume: ResumeOpt = False,
-    num_processes: ProcessesOpt = 1,
+    num_processes: run_options.ProcessesOpt = 1,
     skip_bad: SkipBadOpt = False,
     force: opt.Force = False,
     json_output: opt.Json = False,
@@ -141,10 +138,42 @@ def csr(
     At least one budget is required (--ratio and --keep are repeatable; --ratio A:B:STEP gives a range).
     Several budgets draw a CSR-against-budget curve with --plot.
     """
-    from care_cli import runs
-    from care_cli.io import check_distinct_outputs, check_output_path
+    from care_core.runs import DatasetRun
 
     assert config is not None
+    _check_arguments(image, question, data, output_dir, resume, num_processes)
+    budgets = opt.budgets(opt.parse_ratio_specs(ratio), keep)
+    names, every = opt.method_names(method)
+    outputs = _output_files(plot, csv_path, [p for p in (image, data) if p is not None], force)
+    if data is not None:
+        pairs, skipped = read_pairs(data, skip_bad)
+    else:
+        assert image is not None and question is not None
+        pairs, skipped = [Pair(None, image, question)], []
+    run = DatasetRun(output_dir, manifest=identity(model, dtype, config.to_dict()), resume=resume)
+    argv = ctx.obj["argv"]
+    if num_processes > 1 and run.world.size == 1:  # start the processes; they do the work and rank 0 reports
+        raise typer.Exit(_launch(argv, num_processes, output_dir, pairs))
+    try:
+        with run:
+            report = run_pairs(run, pairs, names, budgets, config, model=model, device=device, dtype=dtype,
+                               skip_bad=skip_bad, every=every, quiet=json_output)  # fmt: skip
+    except KeyboardInterrupt:
+        message = _interrupted(argv, output_dir, pairs) if run.world.size == 1 else None
+        raise run_options.Interrupted(message) from None
+    if run.world.is_main:
+        report["skipped"] = skipped + report["skipped"]
+        _write_outputs(report, *outputs)
+        if json_output:
+            render.print_json(report)
+        else:
+            show_report(report)
+
+
+def _check_arguments(
+    image: Path | None, question: str | None, data: Path | None, output_dir: Path | None, resume: bool,
+    num_processes: int,
+) -> None:  # fmt: skip
     if (image is None) == (data is None):
         raise UserError("give either IMAGE with --question, or --data pairs.jsonl")
     if image is not None and question is None:
@@ -152,58 +181,78 @@ def csr(
     opt.check_question(question)
     if data is not None and question is not None:
         raise UserError("--question goes with IMAGE; with --data each line carries its own question")
-    if num_processes < 1:
-        raise UserError(f"--num-processes must be at least 1, got {num_processes}")
+    run_options.check_processes(num_processes)
     if resume and output_dir is None:
         raise UserError("--resume needs --output-dir (the folder of the run to continue)")
-    budgets = opt.budgets(opt.parse_ratio_specs(ratio), keep)
-    names, every = opt.method_names(method)
-    inputs_given = [p for p in (image, data) if p is not None]
+
+
+def _output_files(
+    plot: Path | None, csv_path: Path | None, inputs: list[Path], force: bool
+) -> tuple[Path | None, Path | None]:
+    """The --plot and --csv files, checked before any work (never an input, not overwritten without --force)."""
+    from care_cli.io import check_distinct_outputs, check_output_path
+
     check_distinct_outputs({"--plot": plot, "--csv": csv_path})
     plot_path = csv_file = None
     if plot is not None:
-        plot_path = check_output_path(plot, inputs_given, force, option="--plot", suffixes=PLOT_FORMATS)
+        plot_path = check_output_path(plot, inputs, force, option="--plot", suffixes=PLOT_FORMATS)
     if csv_path is not None:
-        csv_file = check_output_path(csv_path, inputs_given, force, option="--csv", suffixes=(".csv",))
-    if data is not None:
-        pairs, skipped = read_pairs(data, skip_bad)
-    else:
-        assert image is not None and question is not None
-        pairs, skipped = [Pair(None, image, question)], []
-    world = runs.World.from_env()
-    ident = runs.identity(model, dtype, config.to_dict())
-    if output_dir is not None:
-        runs.check_folder(output_dir, ident, resume)
+        csv_file = check_output_path(csv_path, inputs, force, option="--csv", suffixes=(".csv",))
+    return plot_path, csv_file
 
-    if num_processes > 1 and world.size == 1:  # start the processes; they do the work and rank 0 reports
-        from care_cli.launch import launch, strip_option
 
-        argv = strip_option(strip_option(ctx.obj["argv"], "--num-processes"), "-n")
-        with contextlib.ExitStack() as stack:
-            if output_dir is None:
-                folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="care-csr-"))
-                argv += ["--output-dir", folder]
-            code = launch(argv, num_processes)
-        raise typer.Exit(code)
-
-    report = run_pairs(pairs, names, budgets, config, model=model, device=device, dtype=dtype, skip_bad=skip_bad,
-                       every=every, quiet=json_output, folder=output_dir, world=world, ident=ident)  # fmt: skip
-    if not world.is_main:
-        return
-    report["skipped"] = skipped + report["skipped"]
+def _write_outputs(report: dict[str, Any], plot_path: Path | None, csv_file: Path | None) -> None:
     if csv_file is not None:
         write_csv(csv_file, report)
         report["csv"] = str(csv_file)
     if plot_path is not None:
         write_plot(plot_path, report)
         report["plot"] = str(plot_path)
-    if json_output:
-        render.print_json(report)
-    else:
-        show_report(report)
+
+
+def identity(model: str | None, dtype: str, config: dict[str, Any]) -> dict[str, Any]:
+    """What must match for results of two runs to be mixed (the run's manifest)."""
+    from care_core.backbones.families import DEFAULT_DEMO
+
+    shown = model or DEFAULT_DEMO
+    folder = Path(shown).expanduser()
+    if folder.exists():
+        shown = str(folder.resolve())
+    return {"model": shown, "dtype": dtype, "config": config}
+
+
+def _launch(argv: list[str], num_processes: int, output_dir: Path | None, pairs: list[Pair]) -> int:
+    """Run the command in ``num_processes`` processes (a temporary results folder unless --output-dir)."""
+    with contextlib.ExitStack() as stack:
+        extra: list[str] = []
+        if output_dir is None:
+            extra = ["--output-dir", stack.enter_context(tempfile.TemporaryDirectory(prefix="care-csr-"))]
+        try:
+            return run_options.relaunch(argv, num_processes, extra)
+        except KeyboardInterrupt:
+            raise run_options.Interrupted(_interrupted(argv, output_dir, pairs)) from None
+
+
+def _interrupted(argv: list[str], output_dir: Path | None, pairs: list[Pair]) -> str:
+    """The line an interrupted run prints: what is saved, and the command that resumes it."""
+    if output_dir is None:
+        return "interrupted: nothing was saved (with --output-dir a run can be resumed)"
+    from care_core.runs import read_shards
+
+    ids = {_pair_id(p) for p in pairs}
+    done = len({key[0] for key in read_shards(output_dir)} & ids)
+    return (f"interrupted: {done} of {len(pairs)} pairs done and saved in {output_dir}; resume with: "
+            f"{run_options.rerun_line(argv, '--resume')}")  # fmt: skip
+
+
+def _pair_id(pair: Pair) -> str:
+    from care_core.runs import pair_id
+
+    return pair_id(pair.line, pair.image, pair.question)
 
 
 def run_pairs(
+    run: DatasetRun,
     pairs: list[Pair],
     names: list[str],
     budgets: list[Any],
@@ -215,132 +264,97 @@ def run_pairs(
     skip_bad: bool,
     every: bool,
     quiet: bool,
-    folder: Path | None = None,
-    world: Any = None,
-    ident: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every method x budget on every pair (this process's share of them) through the library pipeline.
 
-    With ``folder``, finished pairs are appended to this rank's shard and results already there are not
-    recomputed; rank 0 merges all shards into the report. With 'all' (``every``), methods the backbone
-    cannot serve are left out and listed under ``methods_skipped``; methods named one by one must run.
+    ``run`` (a :class:`care_core.runs.DatasetRun`, entered) saves each finished pair and knows what earlier runs
+    saved; rank 0 merges every process's results into the report (others return {}). With 'all' (``every``),
+    methods the backbone cannot serve are left out and listed under ``methods_skipped``.
     """
-    from care_cli import runs
-    from care_cli.io import load_image
     from care_core.pipeline import ReductionPipeline
 
-    world = world or runs.World()
-    runs.barrier(world)  # every process has checked the folder before any writes to it
-    if world.size > 1:
-        from care_core.backbones.loading import process_device
-
-        device = process_device(device, world_size=world.size, local_rank=world.local_rank)
-    with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet or not world.is_main):
-        pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
-                                                 skip_unavailable=every)  # fmt: skip
-    if world.is_main:
+    main = run.world.is_main
+    with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet or not main):
+        pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=run.device(device),
+                                                 dtype=dtype, skip_unavailable=every)  # fmt: skip
+    if main:
         render.print_notices(pipe.adapter.notices)
     backbone = pipe.backbone
-    methods = list(pipe.methods)
-    labels = {b.label: b for b in budgets}
-    ids = [runs.pair_id(p.line, p.image, p.question) for p in pairs]
-    done: dict[tuple[str, str, str], dict[str, Any]] = {}
-    if folder is not None:
-        if world.is_main:
-            runs.write_manifest(folder, ident or {}, backbone.to_dict())
-        runs.barrier(world)
-        done = runs.read_shards(folder)
-    mine = world.take(list(zip(ids, pairs, strict=True)))
-    todo = []
-    for pid, pair in mine:
-        plan = {m: [b for b in budgets if (pid, m, b.label) not in done] for m in methods}
-        if any(plan.values()):
-            todo.append((pid, pair, plan))
-    fresh: dict[tuple[str, str, str], dict[str, Any]] = {}
-    skipped: list[dict[str, Any]] = []
-    label = "CSR" if world.size == 1 else f"CSR (rank 0 of {world.size})"
-    with contextlib.ExitStack() as stack, render.progress(label, quiet=quiet or not world.is_main) as progress:
-        shard = stack.enter_context(runs.shard(folder, world)) if folder is not None else None
-        task = progress.add_task("", total=len(todo))
-        for pid, pair, plan in todo:
-            where = f"{pair.image}" if pair.line is None else f"line {pair.line} ({pair.image})"
-            progress.update(task, description=pair.image.name)
-            try:
-                picture = load_image(pair.image)
-                output = pipe(picture, pair.question, budgets, csr=True, plan=plan)
-            except (UserError, ImageError, QuestionError) as exc:
-                if not skip_bad or pair.line is None:
-                    raise UserError(f"{where}: {exc}") from exc
-                skipped.append({"line": pair.line, "reason": str(exc)})
-                progress.advance(task)
-                continue
-            records = [{
-                "pair_id": pid, "line": pair.line, "image": str(pair.image), "question": pair.question,
-                "backbone": backbone.name, "demo": backbone.demo,
-                "method": run.method, "budget": run.budget.label, "N": output.num_tokens, "K": run.keep,
-                "tokens_out": run.result.num_tokens, "csr": _x100(run.csr), "uniform_weights": run.uniform_weights,
-            } for run in output.runs]  # fmt: skip
-            if shard is not None:
-                shard.append(records)
-            fresh.update((runs.result_key(r), r) for r in records)
-            progress.advance(task)
-    if folder is not None:
-        runs.barrier(world)  # every shard is complete
-        if not world.is_main:
-            runs.finish(world)
-            return {}
-        done = runs.read_shards(folder)
-        runs.finish(world)
-    else:
-        done = fresh
-    results = []
-    for pid in ids:
-        for name in methods:
-            for budget in labels:
-                record = done.get((pid, name, budget))
-                if record is not None:
-                    results.append({k: v for k, v in record.items() if k != "pair_id"})
+    run.start(backbone={k: backbone.to_dict()[k] for k in ("name", "family", "demo")})
+    ids = [_pair_id(p) for p in pairs]
+    skipped = _compute(run, pipe, list(zip(ids, pairs, strict=True)), budgets, skip_bad=skip_bad, quiet=quiet)
+    skipped = [s for part in run.processes.gather(skipped) for s in part]
+    done = run.merge()
+    if not main:
+        return {}
+    labels = [b.label for b in budgets]
+    results = [{k: v for k, v in done[(pid, name, label)].items() if k != "pair_id"}
+               for pid in ids for name in pipe.methods for label in labels if (pid, name, label) in done]  # fmt: skip
     if not results:
         raise UserError("every pair was skipped; nothing to report")
-    reported_pairs = {r["line"] if r["line"] is not None else r["image"] for r in results}
+    from care_core.runs import csr_summary
+
     return {
         "command": "csr",
         "backbone": backbone.to_dict(),
-        "methods": methods,
+        "methods": list(pipe.methods),
         "methods_skipped": pipe.skipped,
-        "budgets": list(labels),
+        "budgets": labels,
         "config": config.to_dict(),
         "seed": config.seed,
-        "pairs": len(reported_pairs),
-        "processes": world.size,
-        "summary": summarise(results, methods, list(labels)),
+        "pairs": len({r["line"] if r["line"] is not None else r["image"] for r in results}),
+        "processes": run.world.size,
+        "summary": csr_summary(results, list(pipe.methods), labels),
         "results": results,
         "skipped": skipped,
     }
+
+
+def _compute(
+    run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], *, skip_bad: bool, quiet: bool
+) -> list[dict[str, Any]]:
+    """This process's share of the pairs, each method x budget not saved yet; the pairs skipped as bad."""
+    from care_cli.io import load_image
+
+    done = run.done_keys()
+    todo = []
+    for pid, pair in run.shard(items):
+        plan = {m: [b for b in budgets if (pid, m, b.label) not in done] for m in pipe.methods}
+        if any(plan.values()):
+            todo.append((pid, pair, plan))
+    skipped: list[dict[str, Any]] = []
+    label = "CSR" if run.world.size == 1 else f"CSR (rank 0 of {run.world.size})"
+    with render.progress(label, quiet=quiet or not run.world.is_main) as progress:
+        task = progress.add_task("", total=len(todo))
+        for pid, pair, plan in todo:
+            progress.update(task, description=pair.image.name)
+            try:
+                output = pipe(load_image(pair.image), pair.question, budgets, csr=True, plan=plan)
+            except (UserError, ImageError, QuestionError) as exc:
+                if not skip_bad or pair.line is None:
+                    where = f"{pair.image}" if pair.line is None else f"line {pair.line} ({pair.image})"
+                    raise UserError(f"{where}: {exc}") from exc
+                skipped.append({"line": pair.line, "reason": str(exc)})
+            else:
+                run.append(_records(pid, pair, pipe.backbone, output))
+            progress.advance(task)
+    return skipped
+
+
+def _records(pid: str, pair: Pair, backbone: Any, output: Any) -> list[dict[str, Any]]:
+    """One pair's results, one record per method x budget (the shard's line format)."""
+    return [{
+        "pair_id": pid, "line": pair.line, "image": str(pair.image), "question": pair.question,
+        "backbone": backbone.name, "demo": backbone.demo,
+        "method": run.method, "budget": run.budget.label, "N": output.num_tokens, "K": run.keep,
+        "tokens_out": run.result.num_tokens, "csr": _x100(run.csr), "uniform_weights": run.uniform_weights,
+    } for run in output.runs]  # fmt: skip
 
 
 def _x100(csr: float | None) -> float:
     if csr is None:
         raise AssertionError("the pipeline ran with csr=True, so every run has a CSR")
     return 100 * csr
-
-
-def summarise(results: list[dict[str, Any]], names: list[str], budgets: list[str]) -> list[dict[str, Any]]:
-    """Per method x budget, in the order given: mean, population std, count of 100 x CSR, the half-width of
-    its 95% confidence interval (normal approximation, sample std; 0 for one pair) and the mean kept share."""
-    rows = []
-    for name in names:
-        for budget in budgets:
-            chosen = [r for r in results if r["method"] == name and r["budget"] == budget]
-            if not chosen:
-                continue
-            values = [r["csr"] for r in chosen]
-            n = len(values)
-            ci95 = 1.96 * statistics.stdev(values) / math.sqrt(n) if n > 1 else 0.0
-            rows.append({"method": name, "budget": budget, "mean": statistics.fmean(values),
-                         "std": statistics.pstdev(values) if n > 1 else 0.0, "n": n, "ci95": ci95,
-                         "kept_pct": statistics.fmean(100 * r["K"] / r["N"] for r in chosen)})  # fmt: skip
-    return rows
 
 
 def write_csv(path: Path, report: dict[str, Any]) -> None:

@@ -9,13 +9,11 @@ samples still missing, after any kill) and one summary JSON.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,12 +21,15 @@ from typing import Annotated, Any
 import typer
 
 from care_cli import options as opt
-from care_cli import render
+from care_cli import render, run_options
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
 
 SUMMARY = "care_eval_summary.json"
 CACHE_RUN_ID = "care-eval"  # fixed: a rerun's ranks reopen the databases a killed run left
+SAMPLES = "samples"  # per-sample records (visual tokens, seconds): a resumed run reports those of cached answers
+SAMPLES_FORMAT = "care.eval-samples/1"
+SAMPLE_KEY = ("fingerprint", "task", "doc_id")
 
 TasksOpt = Annotated[
     list[str],
@@ -43,11 +44,6 @@ OutputDirOpt = Annotated[
     Path | None,
     typer.Option("--output-dir", "-o", help="Folder for lmms-eval's result files (per setting), its response cache "
                                             f"(a rerun resumes) and {SUMMARY}."),
-]  # fmt: skip
-ProcessesOpt = Annotated[
-    int,
-    typer.Option("--num-processes", "-n", help="Data-parallel processes (one GPU each on CUDA; CPU processes "
-                                               "otherwise), started through torchrun."),
 ]  # fmt: skip
 MethodsOpt = Annotated[
     list[str] | None,
@@ -77,7 +73,7 @@ def eval_command(
     dtype: opt.Dtype = "auto",
     limit: LimitOpt = None,
     output_dir: OutputDirOpt = None,
-    num_processes: ProcessesOpt = 1,
+    num_processes: run_options.ProcessesOpt = 1,
     cuda_graphs: opt.CudaGraphs = None,
     verbose: VerboseOpt = False,
     json_output: opt.Json = False,
@@ -88,85 +84,78 @@ def eval_command(
     Prints one table per task: the metric with all tokens, per method x budget, its retention (% of the unreduced
     metric), the visual tokens the language model saw and the seconds per sample.
     """
-    from care_cli import runs
-    from care_core.backbones.families import DEFAULT_DEMO
     from care_core.integrations import broken_torchvision, lmms_eval_missing
-    from care_core.integrations.settings import EvalSpec
+    from care_core.runs import Processes
 
     assert config is not None
     task_specs = _split_tasks(tasks)
     if limit is not None and (not math.isfinite(limit) or limit <= 0 or (limit > 1 and limit != int(limit))):
         raise UserError(f"--limit must be a whole number of documents or a fraction in (0, 1), got {limit:g}")
-    if num_processes < 1:
-        raise UserError(f"--num-processes must be at least 1, got {num_processes}")
-    budgets = opt.budgets(opt.parse_ratio_specs(ratio), keep)
+    run_options.check_processes(num_processes)
     names, every = opt.method_names(method)
-    missing = lmms_eval_missing()
-    if missing:
-        raise UserError(missing)
-    broken = broken_torchvision()
-    if broken:
-        raise UserError(broken)
-    pretrained = model or DEFAULT_DEMO
-    specs = [EvalSpec(pretrained=pretrained, method=None, device=device, dtype=dtype, config=config,
-                      cuda_graph=cuda_graphs)]  # fmt: skip
-    for name in names:
-        for budget in budgets:
-            size = {"keep": int(budget.value)} if budget.kind == "keep" else {"ratio": float(budget.value)}
-            specs.append(EvalSpec(pretrained=pretrained, method=name, device=device, dtype=dtype, config=config,
-                                  cuda_graph=cuda_graphs, **size))  # fmt: skip
-    _quiet_lmms_eval(verbose)
+    specs = _specs(model, names, opt.budgets(opt.parse_ratio_specs(ratio), keep), device, dtype, config, cuda_graphs)
+    for problem in (lmms_eval_missing(), broken_torchvision()):
+        if problem:
+            raise UserError(problem)
     from care_core.integrations import lmms_eval as plugin
 
-    selection = plugin.select_tasks(task_specs)
-    if output_dir is not None:
-        _check_output_dir(output_dir, selection)
-    world = runs.World.from_env()
-    if num_processes > 1 and world.size == 1:
-        from care_cli.launch import launch, strip_option
+    processes = Processes()
+    argv = ctx.obj["argv"]
+    with plugin.quiet(verbose):
+        selection = plugin.select_tasks(task_specs)
+        if output_dir is not None:
+            _check_output_dir(output_dir, selection)
+        try:
+            if num_processes > 1 and processes.world.size == 1:
+                plugin.task_manager(selection)  # unknown tasks fail here, once, before the processes start
+                raise typer.Exit(run_options.relaunch(argv, num_processes))
+            with processes:
+                report = run_eval(specs, selection, limit=limit, folder=output_dir, every=every, quiet=json_output,
+                                  processes=processes)  # fmt: skip
+        except KeyboardInterrupt:
+            raise run_options.Interrupted(_interrupted(argv, output_dir, processes.world.size)) from None
+    if processes.world.is_main:
+        if json_output:
+            render.print_json(report)
+        else:
+            show_report(report)
 
-        plugin.task_manager(selection)  # unknown tasks fail here, once, before the processes start
-        argv = strip_option(strip_option(ctx.obj["argv"], "--num-processes"), "-n")
-        raise typer.Exit(launch(argv, num_processes))
-    report = run_eval(specs, selection, limit=limit, folder=output_dir, every=every, quiet=json_output, world=world)
-    if not world.is_main:
-        return
-    if json_output:
-        render.print_json(report)
-    else:
-        show_report(report)
+
+def _specs(
+    model: str | None, names: list[str], budgets: list[Any], device: str, dtype: str, config: CaReConfig,
+    cuda_graphs: bool | None,
+) -> list[Any]:  # fmt: skip
+    """The settings to evaluate: all visual tokens first, then every method at every budget."""
+    import dataclasses
+
+    from care_core.backbones.families import DEFAULT_DEMO
+    from care_core.integrations.settings import EvalSpec
+
+    base = EvalSpec(pretrained=model or DEFAULT_DEMO, method=None, device=device, dtype=dtype, config=config,
+                    cuda_graph=cuda_graphs)  # fmt: skip
+    specs = [base]
+    for name in names:
+        for budget in budgets:
+            if budget.kind == "keep":
+                specs.append(dataclasses.replace(base, method=name, keep=int(budget.value)))
+            else:
+                specs.append(dataclasses.replace(base, method=name, ratio=float(budget.value)))
+    return specs
 
 
-def _quiet_lmms_eval(verbose: bool) -> None:
-    """lmms-eval logs to stdout through loguru: send it to stderr (errors only unless --verbose); no tqdm bars."""
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    if not verbose:
-        os.environ.setdefault("TQDM_DISABLE", "1")
-    import lmms_eval.models  # noqa: F401  (adds its stdout sink on import; replaced below)
-    from loguru import logger
-
-    logger.remove()
-    logger.add(sys.stderr, level="INFO" if verbose else "ERROR", format="{level}: {message}")
-    if not verbose:  # lmms-eval's own bars ("Postprocessing", request building) pass disable= and ignore TQDM_DISABLE
-        import lmms_eval.api.task as task_module
-        import lmms_eval.evaluator as evaluator
-        from tqdm import tqdm
-
-        def silent_tqdm(*args: Any, **kwargs: Any) -> Any:
-            kwargs["disable"] = True
-            return tqdm(*args, **kwargs)
-
-        evaluator.tqdm = silent_tqdm
-        task_module.tqdm = silent_tqdm  # type: ignore[attr-defined]
-    with contextlib.suppress(Exception):
-        import datasets
-
-        datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
+def _interrupted(argv: list[str], output_dir: Path | None, processes: int) -> str | None:
+    """The line an interrupted run prints (None in a launched process: the launcher says it)."""
+    if processes > 1:
+        return None
+    if output_dir is None:
+        return "interrupted: nothing was saved (with --output-dir a rerun answers only what is missing)"
+    return (f"interrupted: the answers so far are saved in {output_dir}; resume with: "
+            f"{run_options.rerun_line(argv)}")  # fmt: skip
 
 
 def _check_output_dir(folder: Path, selection: Any) -> None:
-    """A folder (created if missing) that is no task folder and holds no task file; never an input."""
+    """A folder that is no task folder and holds no task file, never an input, and that can be created (with its
+    missing parents, as ``mkdir -p``; nothing is created until the run has its tasks and model)."""
     target = folder.expanduser().resolve()
     if target.exists() and not target.is_dir():
         raise UserError(f"--output-dir {folder}: is a file, expected a folder")
@@ -174,44 +163,11 @@ def _check_output_dir(folder: Path, selection: Any) -> None:
         source = Path(path).resolve()
         if target == source or source in target.parents or target in source.parents:
             raise UserError(f"--output-dir {folder}: overlaps the task folder {source}; use another folder")
-    if not target.parent.exists():
-        raise UserError(f"--output-dir {folder}: folder {target.parent} does not exist")
-
-
-def _init_distributed(world: Any) -> None:
-    """One process group for lmms-eval's gathers: NCCL between GPUs, gloo on the CPU."""
-    if world.size == 1:
-        return
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    if torch.cuda.is_available():
-        from care_core.backbones.loading import process_device
-
-        mine = torch.device(process_device("cuda", world_size=world.size, local_rank=world.local_rank))
-        torch.cuda.set_device(mine)
-        dist.init_process_group("nccl", device_id=mine)
-    else:
-        dist.init_process_group("gloo")
-
-
-def _barrier(world: Any) -> None:
-    if world.size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _gather(world: Any, value: Any) -> list[Any]:
-    if world.size == 1:
-        return [value]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world.size
-    dist.all_gather_object(out, value)
-    return out
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"--output-dir {folder}: cannot be created, {existing} is a file")
+    if existing != target and not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--output-dir {folder}: cannot be created, no permission to write in {existing}")
 
 
 def run_eval(
@@ -222,37 +178,47 @@ def run_eval(
     folder: Path | None,
     every: bool,
     quiet: bool,
-    world: Any,
+    processes: Any,
 ) -> dict[str, Any]:
     """Evaluate every setting on this process's share of the documents; rank 0 returns the report (others {})."""
-    from lmms_eval.evaluator import simple_evaluate
-
     from care_core.integrations import lmms_eval as plugin
     from care_core.pipeline import backbone_info
+    from care_core.runs import DatasetRun
 
-    _init_distributed(world)
+    main = processes.world.is_main
+    folder = folder.expanduser().resolve() if folder is not None else None
+    with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet or not main):
+        adapter = plugin.load_adapter(specs[0])  # the model is checked before the tasks (which may need the hub)
+    if main:
+        render.print_notices(adapter.notices)
     manager = plugin.task_manager(selection)
-    cache_root = None
-    if folder is not None:
-        folder = folder.expanduser().resolve()
-        cache_root = folder / "cache"
-        if world.is_main:
-            folder.mkdir(parents=True, exist_ok=True)
-            cache_root.mkdir(exist_ok=True)
-            plugin.merge_leftover_cache(cache_root)
-        os.environ["LMMS_CACHE_RUN_ID"] = CACHE_RUN_ID
-    # rank 0 builds the tasks first (datasets cache), the others then read them; errors surface before the model loads
-    if world.is_main:
+    if main:  # rank 0 builds the tasks first (datasets cache), the others then read them
         plugin.load_tasks(selection.names, manager)
-    _barrier(world)
-    if not world.is_main:
+    processes.barrier()
+    if not main:
         plugin.load_tasks(selection.names, manager)
-    with render.status("Loading backbone (the demo is built on first use)…", quiet=quiet or not world.is_main):
-        adapter = plugin.load_adapter(specs[0])
+    specs, skipped = _servable(specs, adapter, every)
+    samples = DatasetRun(folder / SAMPLES if folder is not None else None, manifest={}, resume=True, key=SAMPLE_KEY,
+                         run_format=SAMPLES_FORMAT, processes=processes)  # fmt: skip
+    with samples:
+        samples.start()  # creates the output folder: nothing is created before the tasks and model are known
+        ran = _evaluate(specs, selection, manager, adapter, samples, limit=limit, folder=folder, quiet=quiet)
+        records = samples.merge()
+    if not main:
+        return {}
+    settings = [_setting_report(spec, results, _chosen(records, spec), computed, wall, selection.names, folder)
+                for spec, results, computed, wall in ran]  # fmt: skip
+    return _report(settings, selection, backbone_info(adapter).to_dict(), specs, skipped, limit, processes, folder,
+                   warm_up=adapter.device.type == "cuda")  # fmt: skip
+
+
+def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], list[dict[str, str]]]:
+    """The settings the backbone can serve; with 'all', the others are left out and listed."""
+    from care_core.integrations import lmms_eval as plugin
+    from care_core.pipeline import method_unavailable
+
     skipped: list[dict[str, str]] = []
     if every:
-        from care_core.pipeline import method_unavailable
-
         kept = []
         for spec in specs:
             reason = None if spec.method is None else method_unavailable(spec.method, spec.config, adapter)
@@ -262,20 +228,36 @@ def run_eval(
                 skipped.append({"method": spec.method, "reason": reason})
         specs = kept
     plugin.check_methods(specs, adapter)
-    backbone = backbone_info(adapter).to_dict()
-    settings: list[dict[str, Any]] = []
-    # on a GPU each setting first answers once untimed, so that seconds per sample are the steady state
-    warm_up = adapter.device.type == "cuda"
+    return specs, skipped
+
+
+def _evaluate(
+    specs: list[Any], selection: Any, manager: Any, adapter: Any, samples: Any, *, limit: float | None,
+    folder: Path | None, quiet: bool,
+) -> list[tuple[Any, dict[str, Any], dict[str, int], float]]:  # fmt: skip
+    """simple_evaluate per setting; each answered sample's record saved as it comes. On rank 0, per setting:
+    (spec, lmms-eval's results, documents answered now per task, wall seconds)."""
+    from lmms_eval.evaluator import simple_evaluate
+
+    from care_core.integrations import lmms_eval as plugin
+    from care_core.runs import scoped_environ
+
+    processes = samples.processes
+    cache_root = folder / "cache" if folder is not None else None
+    if cache_root is not None and processes.world.is_main:
+        cache_root.mkdir(exist_ok=True)
+        plugin.merge_leftover_cache(cache_root)
+    warm_up = adapter.device.type == "cuda"  # on a GPU a setting first answers once untimed: steady-state timings
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    with render.progress("care eval", quiet=quiet or not world.is_main) as progress:
+    ran = []
+    with (
+        render.progress("care eval", quiet=quiet or not processes.world.is_main) as progress,
+        scoped_environ(LMMS_CACHE_RUN_ID=CACHE_RUN_ID),
+    ):  # fixed: a rerun's ranks reopen a killed run's databases
         bar = progress.add_task("", total=None)
         for number, spec in enumerate(specs, start=1):
             progress.update(bar, description=f"{spec.label} ({number}/{len(specs)})", completed=0, total=None)
-
-            def on_sample(done: int, total: int, bar: Any = bar) -> None:
-                progress.update(bar, completed=done, total=total)
-
-            lm = plugin.CareLMM.from_spec(spec, adapter, on_sample=on_sample)
+            lm = plugin.CareLMM.from_spec(spec, adapter, on_sample=_saver(samples, spec, progress, bar))
             if warm_up:
                 lm.warm_up()
             start = time.perf_counter()
@@ -286,18 +268,40 @@ def run_eval(
                 process_docs_parallel=1, datetime_str=stamp,
             )  # fmt: skip
             wall = time.perf_counter() - start
-            records = [r for part in _gather(world, [vars(r) for r in lm.records]) for r in part]
-            _barrier(world)  # rank 0 has merged this setting's cache before anyone opens it again
-            if world.is_main:
-                settings.append(_setting_report(spec, results, records, wall, selection.names, folder))
-    if not world.is_main:
-        return {}
+            answered = processes.gather({(r.task, r.doc_id) for r in lm.records})
+            processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
+            computed = {task: sum(1 for t, _ in set().union(*answered) if t == task) for task in selection.names}
+            ran.append((spec, results, computed, wall))
+    return ran
+
+
+def _saver(samples: Any, spec: Any, progress: Any, bar: Any) -> Any:
+    """The per-sample hook: save the answered sample's record (visual tokens, seconds) and move the bar."""
+    fingerprint = spec.fingerprint()
+
+    def on_sample(done: int, total: int, record: Any) -> None:
+        samples.append([{"fingerprint": fingerprint, "setting": spec.label, **vars(record)}])
+        progress.update(bar, completed=done, total=total)
+
+    return on_sample
+
+
+def _chosen(records: dict[Any, dict[str, Any]], spec: Any) -> list[dict[str, Any]]:
+    """The saved sample records of one setting (this run's and earlier runs' in the same folder)."""
+    fingerprint = spec.fingerprint()
+    return [r for r in records.values() if r["fingerprint"] == fingerprint]
+
+
+def _report(
+    settings: list[dict[str, Any]], selection: Any, backbone: dict[str, Any], specs: list[Any],
+    skipped: list[dict[str, str]], limit: float | None, processes: Any, folder: Path | None, *, warm_up: bool,
+) -> dict[str, Any]:  # fmt: skip
     report = {
         "command": "eval",
         "backbone": backbone,
         "tasks": list(selection.names),
         "limit": limit,
-        "processes": world.size,
+        "processes": processes.world.size,
         "warm_up": warm_up,
         "config": specs[0].config.to_dict(),
         "methods_skipped": skipped,
@@ -315,28 +319,28 @@ def run_eval(
 
 
 def _setting_report(
-    spec: Any, results: dict[str, Any], records: list[dict[str, Any]], wall: float, tasks: list[str],
-    folder: Path | None,
+    spec: Any, results: dict[str, Any], records: list[dict[str, Any]], computed: dict[str, int], wall: float,
+    tasks: list[str], folder: Path | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One setting: metrics, answers, visual tokens and timings per task; lmms-eval's files when ``folder``."""
+    """One setting: metrics, answers, visual tokens and timings per task; lmms-eval's files when ``folder``.
+
+    Visual tokens and seconds are those of the samples answered now or, for answers from the response cache, when
+    they were answered (the records saved in ``folder``)."""
     from care_core.integrations import lmms_eval as plugin
 
     per_task: dict[str, Any] = {}
     for task in tasks:
-        mine: dict[Any, Any] = {}
-        for record in records:  # padding copies of a document on other ranks repeat its record: keep the first
-            if record["task"] == task:
-                mine.setdefault(record["doc_id"], record)
         answers = plugin.sample_answers(results, task)
-        fed = [r["visual_tokens"] for r in mine.values()]
-        seconds = [r["seconds"] for r in mine.values()]
+        mine = [r for r in records if r["task"] == task and str(r["doc_id"]) in answers]
+        fed = [r["visual_tokens"] for r in mine]
+        seconds = [r["seconds"] for r in mine]
         per_task[task] = {
             "metrics": plugin.task_metrics(results, task),
             "metric_order": plugin.primary_metrics(results, task),
             "samples": len(answers),
-            "computed": len(mine),  # answered now; the rest came from the response cache
+            "computed": computed.get(task, 0),  # answered now; the rest came from the response cache
             "visual_tokens": sum(fed) / len(fed) if fed else None,
-            "num_tokens": (sum(r["num_tokens"] for r in mine.values()) / len(mine)) if mine else None,
+            "num_tokens": (sum(r["num_tokens"] for r in mine) / len(mine)) if mine else None,
             "seconds_per_sample": sum(seconds) / len(seconds) if seconds else None,
             "seconds_per_sample_median": statistics.median(seconds) if seconds else None,
             "answers": answers,
@@ -412,4 +416,6 @@ def show_report(report: dict[str, Any]) -> None:
     for item in report["methods_skipped"]:
         render.stderr.print(f"[yellow]left out {item['method']}:[/] {item['reason']}")
     if report.get("summary"):
-        render.stdout.print(f"wrote {report['summary']} (lmms-eval's files under {report['output_dir']}/lmms_eval)")
+        render.stdout.print(
+            f"wrote {report['summary']} (lmms-eval's files under {report['output_dir']}/lmms_eval)", soft_wrap=True
+        )

@@ -457,13 +457,9 @@ def install_demo(name: str, home: Path) -> DemoInstall:
 def _other_rank_builds() -> bool:
     """True in a process group's rank > 0: there transformers' save_pretrained writes nothing (only rank 0
     saves), so rank 0 builds the demo and the other ranks wait for it."""
-    import sys
+    from care_core.runs import group_rank
 
-    if "torch.distributed" not in sys.modules:
-        return False
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+    return group_rank() not in (None, 0)
 
 
 def _wait_until_intact(target: Path, spec: DemoBackbone, timeout_s: float = 900.0) -> None:

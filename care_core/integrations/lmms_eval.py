@@ -22,16 +22,19 @@ This is the only module of care that imports ``lmms_eval``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from care_core.backbones.families import served_families
-from care_core.errors import CareError, MethodError, one_line
+from care_core.errors import CareError, MethodError
 from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
+from care_core.runs import World
 
 #: model id -> (class in this module, aliases)
 MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -105,11 +108,12 @@ class CareLMM(lmms):
         spec: EvalSpec,
         adapter: VLMAdapter | None = None,
         *,
-        on_sample: Callable[[int, int], None] | None = None,
+        on_sample: Callable[[int, int, SampleRecord], None] | None = None,
     ) -> CareLMM:
         """The model for ``spec``; ``adapter`` (a loaded backbone) is reused instead of loading ``spec.pretrained``.
 
-        ``on_sample(done, total)`` is called after every answered request (a progress bar's hook).
+        ``on_sample(done, total, record)`` is called after every answered request (a progress bar's and a saver's
+        hook).
         """
         self = cls.__new__(cls)
         lmms.__init__(self)
@@ -121,10 +125,11 @@ class CareLMM(lmms):
         from care_core.pipeline import ReductionPipeline
 
         self.spec = spec
-        self.on_sample: Callable[[int, int], None] | None = None
+        self.on_sample: Callable[[int, int, SampleRecord], None] | None = None
         self.records: list[SampleRecord] = []
-        self._rank = _env_int("RANK", 0)
-        self._world_size = max(1, _env_int("WORLD_SIZE", 1))
+        world = World.from_env()
+        self._rank = world.rank
+        self._world_size = world.size
         if adapter is None:
             from care_core.errors import ModelLoadError
             from care_core.integrations import broken_torchvision
@@ -151,7 +156,7 @@ class CareLMM(lmms):
             served = " and ".join(self.families)
             raise ModelArgsError(
                 f"model {self.model_id!r} serves {served} checkpoints; {self.spec.pretrained} is a {family} model "
-                f"(use --model {model_id_for(family)} or --model care)"
+                f"(use the model id {model_id_for(family)!r} or 'care')"
             )
 
     # ------------------------------------------------------------------ what lmms-eval reads
@@ -216,7 +221,7 @@ class CareLMM(lmms):
         total = len(requests)
         for done, request in enumerate(requests, start=1):
             context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
-            doc = self.task_dict[task][split][doc_id]
+            doc = self._document(task, split, doc_id)
             image = _one_image(doc_to_visual(doc), task, doc_id)
             kwargs = dict(gen_kwargs or {})
             max_new = int(kwargs.get("max_new_tokens") or kwargs.get("max_gen_toks") or DEFAULT_MAX_NEW_TOKENS)
@@ -224,11 +229,23 @@ class CareLMM(lmms):
             text, fed, n = self.answer(image, context, max_new)
             seconds = time.perf_counter() - start
             text = cut_at_stop(text, kwargs.get("until"))
-            self.records.append(SampleRecord(task, int(doc_id), fed, n, seconds, text))
+            record = SampleRecord(task, int(doc_id), fed, n, seconds, text)
+            self.records.append(record)
             answers.append(text)
             if self.on_sample is not None:
-                self.on_sample(done, total)
+                self.on_sample(done, total, record)
         return answers
+
+    def _document(self, task: Any, split: Any, doc_id: Any) -> Any:
+        """The document a request is about; EvalTaskError when lmms-eval gave the request no known task."""
+        if task is None or task not in self.task_dict:
+            raise EvalTaskError(
+                f"lmms-eval passed a request of task {task!r}, which it did not load by name: lmms-eval loads a task "
+                "folder or YAML file named as a task without its name. Give lmms-eval the folder as its include "
+                "path and the task's name (its YAML's 'task:' key) as the task, e.g. include path "
+                "examples/tasks/care_shapes_examples, task care_shapes_examples"
+            )
+        return self.task_dict[task][split][doc_id]
 
     def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
         task = requests[0].args[-2] if requests else "?"
@@ -272,21 +289,73 @@ def model_id_for(family: str) -> str:
     return backbone_family(family).lmms_eval_model
 
 
-# ---------------------------------------------------------------------------------------------- loading
-def _env_int(name: str, default: int) -> int:
+# ---------------------------------------------------------------------------------------------- quiet
+@contextlib.contextmanager
+def quiet(verbose: bool = False) -> Iterator[None]:
+    """lmms-eval's log lines and progress bars, and datasets', off the terminal for the block; all restored after.
+
+    lmms-eval logs through loguru, to stdout (a sink it adds on import): its messages are disabled for the block
+    (errors still raise), or with ``verbose`` its INFO lines go to stderr through a sink of our own, removed after.
+    Its progress bars pass ``disable=`` themselves and have no argument to turn them off, so the two names they
+    are built through are replaced for the block and put back after.
+    """
+    from unittest import mock
+
+    import lmms_eval.api.task as task_module
+    import lmms_eval.evaluator as evaluator
+    from loguru import logger
+
+    with contextlib.ExitStack() as stack:
+        if verbose:
+            sink = logger.add(sys.stderr, level="INFO", format="{level}: {message}", filter=_lmms_eval_info)
+            stack.callback(logger.remove, sink)
+        else:
+            logger.disable("lmms_eval")
+            stack.callback(logger.enable, "lmms_eval")
+            stack.enter_context(mock.patch.object(evaluator, "tqdm", _silent_tqdm))
+            stack.enter_context(mock.patch.object(task_module, "tqdm", _silent_tqdm))
+        stack.enter_context(_quiet_datasets())
+        yield
+
+
+def _lmms_eval_info(record: Any) -> bool:
+    """lmms-eval's lines below WARNING (its own stdout sink shows the others)."""
+    return str(record["name"]).startswith("lmms_eval") and int(record["level"].no) < 30
+
+
+def _silent_tqdm(*args: Any, **kwargs: Any) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(*args, **{**kwargs, "disable": True})
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """datasets' progress bars and warnings off for the block (its own switches, restored after)."""
     try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+        import datasets
+    except ImportError:
+        yield
+        return
+    bars_were_off = datasets.utils.are_progress_bars_disabled()
+    level = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
 
 
+# ---------------------------------------------------------------------------------------------- loading
 def load_adapter(spec: EvalSpec) -> VLMAdapter:
     """The backbone of ``spec`` (offline), on this process's device."""
     from care_core.backbones import load_backbone
-    from care_core.backbones.loading import process_device
 
     dtype = None if spec.dtype == "auto" else spec.dtype
-    return load_backbone(spec.pretrained, device=process_device(spec.device), dtype=dtype)
+    return load_backbone(spec.pretrained, device=World.from_env().device(spec.device), dtype=dtype)
 
 
 def check_methods(specs: Iterable[EvalSpec], adapter: VLMAdapter) -> None:
@@ -365,7 +434,7 @@ def select_tasks(specs: Sequence[str]) -> TaskSelection:
         looks_like_path = path.suffix.lower() in (".yaml", ".yml") or "/" in spec or spec.startswith(".")
         if not path.exists():
             if looks_like_path:
-                raise EvalTaskError(f"--tasks {spec}: no such task folder or YAML file")
+                raise EvalTaskError(f"{spec}: no such task folder or YAML file", parameter="tasks")
             names.append(spec)
             continue
         folder = path.resolve() if path.is_dir() else path.resolve().parent
@@ -375,14 +444,14 @@ def select_tasks(specs: Sequence[str]) -> TaskSelection:
         else:
             found = sorted(n for n, e in index.items() if Path(str(e.get("yaml_path", ""))).resolve() == path.resolve())
         if not found:
-            raise EvalTaskError(f"--tasks {spec}: holds no lmms-eval task (a YAML file with a 'task:' name)")
+            raise EvalTaskError(f"{spec}: holds no lmms-eval task (a YAML file with a 'task:' name)", parameter="tasks")
         if str(folder) not in include:
             include.append(str(folder))
         for name in found:
             local[name] = str(index[name].get("yaml_path"))
             names.append(name)
     if not names:
-        raise EvalTaskError("--tasks: give at least one task")
+        raise EvalTaskError("{tasks}: give at least one task")
     return TaskSelection(list(dict.fromkeys(names)), include, local)
 
 
@@ -425,12 +494,10 @@ def load_tasks(names: Sequence[str], manager: Any) -> dict[str, Any]:
 
 
 def task_error(exc: BaseException, names: Sequence[str], manager: Any) -> CareError:
-    """A one-line error for an exception raised while building tasks."""
-    text = one_line(exc)
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
-    hub_words = ("offline", "connect", "couldn't reach", "not found on the hub", "huggingface.co", "localentrynotfound",
-                 "cannot find the requested files", "doesn't exist on the hub")  # fmt: skip
-    if offline or any(w in (type(exc).__name__ + text).lower() for w in hub_words):
+    """A one-line error for an exception raised while building tasks: for data that is not in the local cache (the
+    hub unreachable, offline, or asking for a token), which data set a task needs and how to fetch it."""
+    text = " ".join(str(exc).split())
+    if _needs_hub(exc):
         datasets = []
         for name in names:
             config = _task_config(name, manager)
@@ -441,12 +508,33 @@ def task_error(exc: BaseException, names: Sequence[str], manager: Any) -> CareEr
             name, path, subset = datasets[0]
             subset_arg = f", '{subset}'" if subset else ""
             return EvalTaskError(
-                f"task {name} needs the dataset {path} from the Hugging Face hub, which is not in the local cache "
-                f"(offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}); pre-download it where the hub is "
-                f"reachable: python -c \"import datasets; datasets.load_dataset('{path}'{subset_arg})\" (same "
-                "HF_HOME), then copy that cache here"
+                f"task {name} needs the dataset {path} from the Hugging Face hub, which is not in the local cache; "
+                f'on a machine that reaches the hub, fetch it with: python -c "import datasets; '
+                f"datasets.load_dataset('{path}'{subset_arg})\" (same HF_HOME), then copy that cache here"
             )
     return EvalTaskError(f"cannot load the task(s) {', '.join(names)}: {type(exc).__name__}: {text[:300]}")
+
+
+_HUB_WORDS = ("offline", "connect", "couldn't reach", "not found on the hub", "huggingface.co", "localentrynotfound",
+              "localtokennotfound", "cannot find the requested files", "doesn't exist on the hub")  # fmt: skip
+
+
+def _needs_hub(exc: BaseException) -> bool:
+    """Whether building a task failed for want of the hub: offline mode, or a hub error anywhere in the chain
+    (also inside a retry wrapper, whose text names the exception of its last attempt)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        words = f"{type(current).__name__} {current}".lower()
+        if any(word in words for word in _HUB_WORDS):
+            return True
+        last = getattr(getattr(current, "last_attempt", None), "exception", None)
+        inner = last() if callable(last) else None
+        current = inner if isinstance(inner, BaseException) else (current.__cause__ or current.__context__)
+    return False
 
 
 def _task_config(name: str, manager: Any) -> dict[str, Any]:

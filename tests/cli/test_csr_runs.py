@@ -146,3 +146,43 @@ def test_first_use_with_two_processes_builds_the_demo_once(single, tmp_path: Pat
     assert json.loads(out)["results"] == reference["results"]
     (folder,) = (home / "demo").iterdir()
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def test_ctrl_c_says_what_is_saved_and_how_to_resume(care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core.pipeline import ReductionPipeline
+
+    data = make_pairs(tmp_path, 3)
+    run = tmp_path / "run"
+    original = ReductionPipeline.__call__
+    calls: list[int] = []
+
+    def interrupted_on_the_second_pair(self: object, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ReductionPipeline, "__call__", interrupted_on_the_second_pair)
+    args = ["csr", "--data", str(data), "--method", "care", "--keep", "16", "--output-dir", str(run)]
+    stopped = care(*args)
+    assert stopped.code == 130 and stopped.out == ""
+    expected = f"interrupted: 1 of 3 pairs done and saved in {run}; resume with: care {' '.join(args)} --resume\n"
+    assert stopped.err == expected
+    assert len(shard_lines(run)) == 1
+    monkeypatch.setattr(ReductionPipeline, "__call__", original)
+    resumed = care(*args, "--resume", "--json")
+    assert resumed.code == 0, resumed.err
+    assert len(resumed.json()["results"]) == 3 and len(shard_lines(run)) == 3
+
+
+def test_ctrl_c_without_an_output_folder_says_nothing_was_saved(care, photo: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:  # fmt: skip
+    from care_core.pipeline import ReductionPipeline
+
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ReductionPipeline, "__call__", interrupt)
+    stopped = care("csr", photo, "-q", "What is in the image?", "--keep", "16")
+    assert stopped.code == 130
+    assert stopped.err.count("\n") == 1 and stopped.err.startswith("interrupted: nothing was saved")

@@ -419,8 +419,16 @@ def test_truncated_even_if_lenient_flag_set(tmp_path: Path, ext: str, monkeypatc
     assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # restored afterwards
 
 
-def test_truncation_leniency_off_by_default() -> None:
-    assert ImageFile.LOAD_TRUNCATED_IMAGES is False
+def test_loading_images_leaves_truncation_leniency_off() -> None:
+    """In a fresh process (lmms-eval, once imported, turns the flag on for the whole process by itself)."""
+    import subprocess
+    import sys
+
+    code = ("import PIL.ImageFile as f; from care_core.images import load_image; "
+            "load_image('examples/astronaut.jpg'); print(f.LOAD_TRUNCATED_IMAGES)")  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_decompression_bomb(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ def test_acceptance_json_has_the_metric_of_every_setting(care) -> None:
 
 
 def test_table_two_tasks_output_dir_and_resume(care, tmp_path: Path) -> None:
-    out = tmp_path / "run"
+    out = tmp_path / "runs" / "next"  # missing parents are created, as mkdir -p would
     tasks = f"{POPE},{VQA / 'care_vqa_examples.yaml'}"
     args = ["eval", "--model", "tiny-llava", "--method", "random", "--keep", "32", "--tasks", tasks, "--limit", "2",
             "--output-dir", out, "--device", "cpu"]  # fmt: skip
@@ -62,6 +62,9 @@ def test_table_two_tasks_output_dir_and_resume(care, tmp_path: Path) -> None:
     resumed = again.json()
     assert all(t["computed"] == 0 and t["samples"] == 2 for s in resumed["settings"] for t in s["tasks"].values())
     assert answers(resumed) == answers(summary)
+    for task, rows in resumed["tables"].items():  # tokens and timings of cached answers: those of the first run
+        assert [r["visual_tokens"] for r in rows] == [576, 32]
+        assert [r["seconds_per_sample"] for r in rows] == [r["seconds_per_sample"] for r in summary["tables"][task]]
     # a killed run (of any process count) leaves only its per-rank databases, unmerged: they are still reused
     cache = out / "cache"
     for leftover in [cache / "cache.db", cache / "cache.audit.jsonl", *cache.glob("runs/*/.*ed")]:
@@ -146,3 +149,69 @@ def test_retention_is_the_share_of_the_unreduced_metric() -> None:
     assert [r["retention"] for r in rows] == [100.0, pytest.approx(75.0), 0.0]
     zero = _tables([setting(None, None, 0.0), setting("care", 64, 0.5)], ["t"])["t"]
     assert [r["retention"] for r in zero] == [None, None]  # no share of nothing
+
+
+def test_a_failed_run_leaves_no_folder_behind(care, tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "next7b"
+    result = care("eval", "--tasks", "pope", "--keep", "8", "--output-dir", out)
+    assert result.code == 2 and "needs the dataset lmms-lab-encoder/POPE" in result.err, result.err
+    assert list(tmp_path.iterdir()) == []  # neither runs/ nor runs/next7b/cache
+
+
+def test_an_output_folder_that_cannot_be_created_is_refused(care, tmp_path: Path) -> None:
+    (tmp_path / "runs").write_text("a file")
+    result = care("eval", "--tasks", str(POPE), "--keep", "8", "--output-dir", tmp_path / "runs" / "next")
+    assert result.code == 2 and result.err.count("\n") == 1
+    assert "cannot be created" in result.err and "is a file" in result.err, result.err
+
+
+def test_the_model_is_checked_before_the_tasks(care) -> None:
+    result = care("eval", "--model", "tiny-lava", "--tasks", "pope", "--keep", "8")
+    assert result.code == 2 and result.err.count("\n") == 1
+    assert "cannot find model 'tiny-lava'" in result.err and "POPE" not in result.err, result.err
+
+
+def test_a_hub_error_behind_a_retry_says_which_dataset_and_how_to_fetch_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline without HF_HUB_OFFLINE: datasets retries and raises a RetryError around LocalTokenNotFoundError."""
+    from concurrent.futures import Future
+
+    from huggingface_hub.errors import LocalTokenNotFoundError
+    from tenacity import Future as AttemptFuture
+    from tenacity import RetryError
+
+    from care_core.integrations import lmms_eval as plugin
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    attempt: Future[object] = AttemptFuture(3)
+    attempt.set_exception(LocalTokenNotFoundError("Token is required"))
+    selection = plugin.select_tasks(["pope"])
+    error = plugin.task_error(RetryError(attempt), ["pope"], plugin.task_manager(selection))  # type: ignore[arg-type]
+    message = str(error)
+    assert "RetryError" not in message and "\n" not in message
+    assert "task pope needs the dataset lmms-lab-encoder/POPE" in message and "not in the local cache" in message
+    assert "datasets.load_dataset('lmms-lab-encoder/POPE')" in message
+
+
+def test_ctrl_c_says_how_to_resume(care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core.integrations.lmms_eval import CareLMM
+
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CareLMM, "answer", interrupt)
+    args = ["eval", "--tasks", str(POPE), "--keep", "8", "--limit", "1", "--device", "cpu", "--output-dir",
+            str(tmp_path / "run")]  # fmt: skip
+    stopped = care(*args)
+    assert stopped.code == 130 and stopped.out == ""
+    assert stopped.err == (f"interrupted: the answers so far are saved in {tmp_path / 'run'}; resume with: care "
+                           f"{' '.join(args)}\n")  # fmt: skip
+
+
+def test_a_long_notice_stays_on_one_line_at_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    from care_cli import render
+
+    notice = ("tiny-llava: cached weights in /home/someone/.cache/care/demo/tiny-llava-v3 were corrupt (sha256 "
+              "mismatch); restored from the copy shipped with care")  # fmt: skip
+    assert render.stderr.width == 80  # not a terminal: rich's default width
+    render.print_notices([notice])
+    assert capsys.readouterr().err == f"note: {notice}\n"

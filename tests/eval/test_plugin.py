@@ -12,15 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("lmms_eval")
 
 from care_core.backbones import load_backbone
-from care_core.budget import Budget
 from care_core.errors import MethodError
 from care_core.integrations import lmms_eval as plugin
 from care_core.integrations.settings import EvalSpec, ModelArgsError
-from care_core.pipeline import ReductionPipeline
 
 from .conftest import POPE, ROOT
 
@@ -89,19 +88,67 @@ def test_unreduced_run_feeds_all_tokens(llava: Any, spy: Spy) -> None:
     assert spy.counts == [576] and [r.visual_tokens for r in lm.records] == [576]
 
 
-def test_answers_are_those_of_the_library_pipeline(llava: Any) -> None:
-    """Same code path as `care reduce --generate`: ReductionPipeline's answer for the same image and prompt."""
+def test_the_language_model_sees_the_projected_rows_care_reduce_keeps(llava: Any) -> None:
+    """The rows fed to the language model equal the projector applied to the tokens that the core function
+    care_reduce keeps for the same image (an independent path: no pipeline, no plugin)."""
     from PIL import Image
 
-    question = "Is there a cat in the image?\nAnswer the question using a single word or phrase."
+    from care_core import CaReConfig, care_reduce
+
+    fed: list[Any] = []
+    greedy = llava._greedy
+
+    def capture(inputs: dict[str, Any], max_new_tokens: int) -> Any:
+        fed.append(inputs["mm_encoder_outputs"]["image"].pooler_output[0].detach().clone())
+        return greedy(inputs, max_new_tokens)
+
     with Image.open(ROOT / "examples" / "chelsea.jpg") as picture:
         image = picture.convert("RGB")
-    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=48), llava)
-    text, fed, n = lm.answer(image, question, max_new_tokens=6)
-    pipe = ReductionPipeline(llava, ["care"])
-    out = pipe(image, question, [Budget.keep(48)], generate=True, max_new_tokens=6)
-    assert (text, fed, n) == (out.runs[0].answer.text, out.runs[0].answer.visual_tokens, 576)
-    assert lm.answer(image, question, 6)[0] == text  # deterministic
+    llava._greedy = capture
+    try:
+        lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=48), llava)
+        lm.answer(image, "Is there a cat in the image?", max_new_tokens=2)
+    finally:
+        del llava._greedy
+    tokens = llava.encode_image(image)
+    with torch.no_grad():
+        reduced = care_reduce(tokens.features, llava.projector, tokens.positions, keep=48, config=CaReConfig())
+        expected = llava.projector(reduced.tokens)
+    assert len(fed) == 1 and fed[0].shape == (48, expected.shape[1])
+    torch.testing.assert_close(fed[0].to(expected.dtype), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_request_without_a_task_name_says_what_to_pass(llava: Any) -> None:
+    """lmms-eval --tasks FOLDER (no --include_path) loads the task without its name: no KeyError, a hint."""
+    from types import SimpleNamespace
+
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava)
+    lm.task_dict = {}
+    request = SimpleNamespace(args=("question", {}, lambda doc: [], 0, None, "test"))
+    with pytest.raises(plugin.EvalTaskError, match=r"include path \S+care_shapes_examples, task care_shapes_examples"):
+        lm.generate_until([request])
+
+
+def test_quiet_restores_what_it_changes(capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's loguru sink keeps working, lmms-eval's bars and datasets' switches are put back."""
+    import datasets
+    import lmms_eval.evaluator as evaluator
+    from loguru import logger
+
+    seen: list[str] = []
+    sink = logger.add(seen.append, level="INFO", format="{message}")
+    bars, verbosity, tqdm_before = (datasets.utils.are_progress_bars_disabled(), datasets.logging.get_verbosity(),
+                                    evaluator.tqdm)  # fmt: skip
+    try:
+        with plugin.quiet():
+            assert evaluator.tqdm is not tqdm_before
+            logger.info("inside")  # not lmms-eval's: still reaches the user's sink
+        logger.info("after")
+    finally:
+        logger.remove(sink)
+    assert [line.strip() for line in seen] == ["inside", "after"]
+    assert evaluator.tqdm is tqdm_before
+    assert datasets.utils.are_progress_bars_disabled() == bars and datasets.logging.get_verbosity() == verbosity
 
 
 def test_warm_up_answers_through_the_reduced_path_and_records_nothing(llava: Any, spy: Spy) -> None:
@@ -119,7 +166,7 @@ def test_model_args_are_checked_before_loading() -> None:
 
 def test_model_ids_check_the_backbone_family(llava: Any) -> None:
     spec = EvalSpec(pretrained="tiny-llava", method="care", keep=8)
-    with pytest.raises(ModelArgsError, match=r"care_qwen2_5_vl.*llava-1\.5 model.*--model care_llava"):
+    with pytest.raises(ModelArgsError, match=r"care_qwen2_5_vl.*llava-1\.5 model.*model id 'care_llava'"):
         plugin.CareQwen2_5_VL.from_spec(spec, llava)
     assert plugin.CareLlava.from_spec(spec, llava).adapter is llava
 
