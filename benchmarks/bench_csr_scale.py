@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     pipeline_run(adapter, pairs[:2], names, config)  # warm-up: kernels, allocator, demo caches
     old_s = old_loop(adapter, pairs, names, config)
     new_s = pipeline_run(adapter, pairs, names, config)
-    rows = [{"run": "first release: pair-by-pair loop", "processes": 1, "seconds": old_s},
+    rows: list[dict[str, Any]] = [{"run": "first release: pair-by-pair loop", "processes": 1, "seconds": old_s},
             {"run": "pipeline, 1 process", "processes": 1, "seconds": new_s}]  # fmt: skip
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     if gpus >= 2:

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 from benchmarks.common import ROOT, ResultsWriter, host, make_parser, print_table, stamp
 
@@ -48,7 +49,7 @@ def run_once(args: tuple[str, ...]) -> tuple[float, int, list[str]]:
     return elapsed, proc.returncode, heavy
 
 
-def measure(command: tuple[str, ...], reps: int) -> dict[str, object]:
+def measure(command: tuple[str, ...], reps: int) -> dict[str, Any]:
     run_once(command)  # warm the file cache
     samples, codes, heavy = [], set(), set()
     for _ in range(reps):
@@ -69,10 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     writer = ResultsWriter(args, "cpu-bench_startup")
     reps = 2 if args.quick else args.reps
     rows = [measure(command, reps) for command in COMMANDS]
-    print_table(f"Start-up, fresh process, {reps} runs each",
-                ("command", "median ms", "best ms", "exit", "torch / transformers imported", "< 1 s"),
-                [(r["command"], f"{r['median_ms']:.0f}", f"{r['best_ms']:.0f}", ",".join(map(str, r["exit_codes"])),
-                  ", ".join(r["heavy_imports"]) or "none", "yes" if r["under_1s"] else "NO") for r in rows])  # type: ignore[attr-defined]  # fmt: skip
+    cells = [(r["command"], f"{r['median_ms']:.0f}", f"{r['best_ms']:.0f}", ",".join(map(str, r["exit_codes"])),
+              ", ".join(r["heavy_imports"]) or "none", "yes" if r["under_1s"] else "NO") for r in rows]  # fmt: skip
+    header = ("command", "median ms", "best ms", "exit", "torch / transformers imported", "< 1 s")
+    print_table(f"Start-up, fresh process, {reps} runs each", header, cells)
     writer.finish({"date": stamp(), "machine": host(), "reps": reps, "rows": rows})
 
 

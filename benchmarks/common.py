@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +253,7 @@ class Clock:
         for rep in range(reps + 1):
             sink: dict[str, float] = {}
             with self.stage_timer(sink) as timer:
-                total = self.once(lambda timer=timer: fn(timer))
+                total = self.once(partial(fn, timer))
             if rep == 0:
                 continue
             sink["total"] = total

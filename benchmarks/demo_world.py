@@ -50,7 +50,7 @@ def configured_method(name: str, seed: int) -> Any:
     from care_core import CaReConfig
     from care_core.methods import create_method, method_class
 
-    fields = {f.name for f in dataclasses.fields(method_class(name))}
+    fields = {f.name for f in dataclasses.fields(method_class(name))}  # type: ignore[arg-type]
     options: dict[str, Any] = {}
     if "seed" in fields:
         options["seed"] = seed

@@ -14,13 +14,14 @@ import torch
 
 from care_core.backbones.demo import LLAVA15_CHAT_TEMPLATE, LLAVA_NEXT_CHAT_TEMPLATE, build_byte_tokenizer
 
-VISION_7B = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16}
-TEXT_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 32}  # fmt: skip
-VISION_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
-TEXT_TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
-             "num_key_value_heads": 4}  # fmt: skip
-VIEW = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
+Widths = dict[str, Any]
+VISION_7B: Widths = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
+TEXT_7B: Widths = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32)  # fmt: skip
+VISION_TINY: Widths = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4)
+TEXT_TINY: Widths = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4)  # fmt: skip
+VIEW: dict[str, Any] = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
 
 
 def _configs(tok: Any, tiny: bool, max_positions: int) -> dict[str, Any]:
@@ -78,7 +79,7 @@ def build_llava_next(device: torch.device, dtype: torch.dtype, tiny: bool = Fals
     tok = build_byte_tokenizer(["<image>"])
     config = LlavaNextConfig(**_configs(tok, tiny, max_positions=8192))
     model = _random_model(LlavaNextForConditionalGeneration, config, device, dtype, seed=1)
-    pinpoints = [list(p) for p in config.image_grid_pinpoints]
+    pinpoints = [list(p) for p in config.image_grid_pinpoints or ()]
     images = LlavaNextImageProcessorPil(**VIEW, image_grid_pinpoints=pinpoints)
     options = _processor_options(LLAVA_NEXT_CHAT_TEMPLATE)
     processor = LlavaNextProcessor(image_processor=images, tokenizer=tok, **options)

@@ -91,7 +91,11 @@ class Run:
     def phase(self, description: str, total: int | None = None) -> Callable[[int], None]:
         """A new bar; returns the function that advances it."""
         task = self.progress.add_task(description, total=total)
-        return lambda steps=1: self.progress.advance(task, steps)
+
+        def advance(steps: int = 1) -> None:
+            self.progress.advance(task, steps)
+
+        return advance
 
     def interrupted(self) -> str:
         """The one line Ctrl-C prints: what this run saved before it stopped."""

@@ -16,6 +16,8 @@ def _failed(rows: list[dict[str, Any]], key: str = "error") -> None:
 
 
 def scoring_tables(results: dict[str, Any]) -> None:
+    header: tuple[str, ...]
+    cells: list[tuple[str, ...]]
     rows = results.get("scoring", [])
     if rows:
         header = ("path", "N", "engine", "matmul", "ms", "floor", "x floor", "err vs fp64", "anchors shared")
@@ -76,7 +78,7 @@ def generate_tables(rows: list[dict[str, Any]]) -> None:
     header = ("decoding", "K", "all: from features", "CaRe: from features", "speed-up", "incl. tower",
               "all tokens answer", "CaRe answer", "same answers")  # fmt: skip
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        cells = []
+        cells: list[tuple[str, ...]] = []
         for r in (r for r in rows if r["workload"] == workload):
             if "note" in r:
                 cells.append((f"{r['decoding']}\n{r['note']}", fmt(r["K"])))

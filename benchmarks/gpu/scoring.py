@@ -34,19 +34,20 @@ class Micro:
 
 # (engine, matmul, path, kernel: "torch" / "fused" / "auto", second layer: "dense" / "triangular", sketch rank)
 VARIANTS: tuple[tuple[str, str, str, str, str, int], ...] = (
+    # the definition, float32, and what "auto" dispatches to
     ("fd", "float32", "Eq. 1 literally (tf32 off)", "fused", "dense", 0),
     ("jvp", "float32", "PyTorch, fp32 matmuls", "torch", "dense", 0),
     ("jvp", "auto", "default dispatch (tf32 on CUDA)", "auto", "dense", 0),
-    ("jvp", "tf32", "PyTorch chunks (before #7)", "torch", "dense", 0),
-    ("jvp", "tf32", "fused Triton kernel", "fused", "dense", 0),
-    ("jvp", "bf16", "PyTorch chunks (before #7)", "torch", "dense", 0),
-    ("jvp", "bf16", "fused Triton kernel", "fused", "dense", 0),
+    # the dense second layer in PyTorch chunks and in the fused kernel
+    *(("jvp", m, path, kernel, "dense", 0) for m in ("tf32", "bf16")
+      for path, kernel in (("PyTorch chunks (before #7)", "torch"), ("fused Triton kernel", "fused"))),
+    # through W2's triangular factor
     ("jvp", "tf32", "triangular factor, fused kernel (Scorer default on CUDA)", "auto", "triangular", 0),
     ("jvp", "tf32", "triangular factor, cuBLAS column blocks", "torch", "triangular", 0),
     ("jvp", "bf16", "triangular factor, fused kernel", "auto", "triangular", 0),
-    ("jvp", "bf16", "sketch rank 512 (experiment)", "fused", "dense", 512),
-    ("jvp", "bf16", "sketch rank 1024 (experiment)", "fused", "dense", 1024),
-)
+    # experiment, not offered: a random sketch of the second layer
+    *(("jvp", "bf16", f"sketch rank {rank} (experiment)", "fused", "dense", rank) for rank in (512, 1024)),
+)  # fmt: skip
 QUICK_VARIANTS = VARIANTS[:3]
 
 
@@ -73,7 +74,7 @@ def matmul_rates(device: torch.device, clock: Clock, size: int) -> dict[str, flo
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
         with matmul_precision(allow_tf32=tf32):
-            ms = clock.median(lambda a=a, b=b: a @ b, reps=10, warmup=3)
+            ms = clock.median(partial(torch.matmul, a, b), reps=10, warmup=3)
         out[name] = 2 * size**3 / (ms * 1e-3) / 1e12
     return out
 
@@ -89,7 +90,7 @@ def psi_and_anchors(responses: torch.Tensor, features: torch.Tensor, k: int, cfg
         return set(diversity_greedy(psi, features.float(), k, cfg.eps).tolist())
 
 
-def sketched(projector: torch.nn.Module, rank: int) -> torch.nn.Module:
+def sketched(projector: Any, rank: int) -> torch.nn.Module:
     """Experiment (not offered by the core): the projector with its second layer replaced by R W2, R a seeded
     Gaussian sketch (rank, d_out); the jvp engine's norms through it are ||R J u||."""
     w2 = projector.linear_2.weight
@@ -111,7 +112,7 @@ def _floor_for(row: dict[str, Any], macs: int, rates: dict[str, float]) -> None:
 
 
 def _variant_fn(variant: tuple[str, str, str, str, str, int], v: torch.Tensor, u: torch.Tensor,
-                projector: torch.nn.Module, h: float) -> Any:  # fmt: skip
+                projector: Any, h: float) -> Any:  # fmt: skip
     """The call that computes this variant's responses (a Scorer for the triangular factor, else the function)."""
     engine, matmul, _, kernel_name, second_layer, rank = variant
     kernel: Kernel = "auto" if kernel_name == "fused" and not v.is_cuda else kernel_name  # type: ignore[assignment]
@@ -123,7 +124,7 @@ def _variant_fn(variant: tuple[str, str, str, str, str, int], v: torch.Tensor, u
 
 
 def score_variant(variant: tuple[str, str, str, str, str, int], v: torch.Tensor, u: torch.Tensor,
-                  projector: torch.nn.Module, reference: dict[str, Any], micro: Micro) -> dict[str, Any]:  # fmt: skip
+                  projector: Any, reference: dict[str, Any], micro: Micro) -> dict[str, Any]:  # fmt: skip
     """One variant at one N: median time, floor, error against float64, anchors shared with float64's."""
     engine, matmul, path, kernel_name, _, rank = variant
     n, k = int(v.shape[0]), reference["K"]
@@ -147,7 +148,7 @@ def score_variant(variant: tuple[str, str, str, str, str, int], v: torch.Tensor,
     return row
 
 
-def float64_reference(v: torch.Tensor, u: torch.Tensor, projector: torch.nn.Module, k: int) -> dict[str, Any]:
+def float64_reference(v: torch.Tensor, u: torch.Tensor, projector: Any, k: int) -> dict[str, Any]:
     """The float64 responses (PyTorch path) and their anchors at K = k: what every variant is compared with."""
     cfg = CaReConfig()
     projector64 = copy.deepcopy(projector).double()
@@ -156,7 +157,7 @@ def float64_reference(v: torch.Tensor, u: torch.Tensor, projector: torch.nn.Modu
     return {"K": k, "responses": responses, "anchors": psi_and_anchors(responses, v, k, cfg)}
 
 
-def bench_scoring(features_by_n: dict[int, torch.Tensor], projector: torch.nn.Module, keep_by_n: dict[int, int],
+def bench_scoring(features_by_n: dict[int, torch.Tensor], projector: Any, keep_by_n: dict[int, int],
                   micro: Micro, quick: bool) -> list[dict[str, Any]]:  # fmt: skip
     """Every scoring engine / path at each N (the first three with ``quick``), then the fused kernel alone."""
     cfg = CaReConfig()
@@ -172,7 +173,7 @@ def bench_scoring(features_by_n: dict[int, torch.Tensor], projector: torch.nn.Mo
     return rows
 
 
-def kernel_only(v: torch.Tensor, u: torch.Tensor, projector: torch.nn.Module, micro: Micro) -> list[dict[str, Any]]:
+def kernel_only(v: torch.Tensor, u: torch.Tensor, projector: Any, micro: Micro) -> list[dict[str, Any]]:
     """The fused kernel on its own (slope and lifted directions precomputed), tf32 and bf16 (CUDA only)."""
     from care_core.kernels import jvp as kernels_jvp
 
@@ -199,7 +200,7 @@ def kernel_only(v: torch.Tensor, u: torch.Tensor, projector: torch.nn.Module, mi
 
 
 def bench_care_reduce(features_by_n: dict[int, torch.Tensor], positions_by_n: dict[int, torch.Tensor],
-                      projector: torch.nn.Module, keep_by_n: dict[int, int],
+                      projector: Any, keep_by_n: dict[int, int],
                       micro: Micro) -> list[dict[str, Any]]:  # fmt: skip
     """The whole of ``care_reduce`` with a Scorer the caller owns, default (triangular on CUDA) and dense second
     layer, tf32 and bf16: time per call, its ratio to the exact derivative's floor, same anchors as dense?"""
