@@ -41,6 +41,14 @@ from benchmarks.common import EXAMPLES, ROOT, ResultsWriter, make_parser, print_
 
 TASK = EXAMPLES / "tasks" / "care_pope_examples"
 KEEP = 160
+QUICK = (
+    "one process, one copy of the task (12 samples), one decoding (graphs on CUDA, eager on the CPU); "
+    "--tiny --quick --device cpu: about 1 minute on a 2-core CPU"
+)
+DURATION = (
+    "about 4-6 minutes on one or two H100/H200 (the committed results: 7 s build, then 74-127 s per care eval "
+    "command, 2 decodings x 1-2 process counts of 192 samples)"
+)
 
 
 def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
@@ -143,10 +151,7 @@ def card_slug(env: dict[str, Any]) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = make_parser(__doc__, quick="one process, one copy of the task (12 samples), one decoding (graphs on "
-                         "CUDA, eager on the CPU); --tiny --quick --device cpu: about 1 minute on a 2-core CPU",
-                         duration="about 5 minutes on one or two H100/H200 (7B build and save, then 2 decodings x "
-                         "1-2 process counts of 192 samples each)", device="cuda")  # fmt: skip
+    parser = make_parser(__doc__, quick=QUICK, duration=DURATION, device="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
     parser.add_argument("--copies", type=int, default=16, help="repeat the 12 task documents this many times")
     parser.add_argument("--processes", default="auto", help="comma list, e.g. 1,2; auto: 1, and 2 with 2+ GPUs")

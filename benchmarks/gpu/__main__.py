@@ -1,6 +1,6 @@
 """GPU benchmark of CaRe at real model scale: full-size LLaVA-1.5-7B / LLaVA-NeXT-7B, random weights, bf16.
 
-    python -m benchmarks.gpu                        # everything (one H100/H200: about 2-6 minutes)
+    python -m benchmarks.gpu                        # everything (one H100/H200: about 2 minutes)
     python -m benchmarks.gpu --only micro           # matmul rates, scoring engines, care_reduce, anchor selection
     python -m benchmarks.gpu --only generate        # the user-facing generate path, eager and from CUDA graphs
     python -m benchmarks.gpu --quick                # LLaVA-1.5-7B only, 3 scoring paths, care + random, one K
@@ -38,9 +38,10 @@ from care_core.methods import method_names
 
 QUICK_METHODS = ("care", "random")
 DURATION = (
-    "full run: about 2-6 minutes on one H100/H200 (the committed results of 2026-11-26 took 2-5 min of "
-    "measuring plus building both 7B models); --quick: under a minute on a GPU; --tiny --quick --device cpu: "
-    "about 10-20 s on a 2-core CPU; --tiny --device cpu: about 7 minutes on a 2-core CPU."
+    "full run: about 2 minutes on one H100/H200 (the committed results: 74 s and 101 s of work on an H200, model "
+    "builds included; --only micro 28-45 s and --only generate 60 s on an H100); --quick: well under a minute on a "
+    "GPU; --tiny --quick --device cpu: 50-90 s on a busy 2-core CPU (16 s of CPU time); --tiny --device cpu: about "
+    "7 minutes on a 2-core CPU."
 )
 
 
