@@ -36,6 +36,12 @@ BUDGETS = (640, 320, 160)
 QUESTIONS = ("What is in the image?", "What colour is the main object?", "Where was this taken?",
              "Is there a person?", "What is on the left?", "How many objects are there?",
              "What is the person doing?", "Describe the background.")  # fmt: skip
+QUICK_METHODS = ("care", "random", "divprune")
+QUICK = "2 pairs, care, random and divprune only (--tiny --quick --device cpu: about 1 minute on a 2-core CPU)"
+DURATION = (
+    "24 pairs: about 2 minutes on 2 x H200 (the committed result: 25 s loop + 7 s pipeline + 3 s sharded, plus "
+    "three 7B builds); --tiny --device cpu with --pairs 4: about 6 minutes on a 2-core CPU"
+)
 PHOTOS = ("astronaut.jpg", "coffee.jpg", "chelsea.jpg")
 
 
@@ -119,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     adapter = build_adapter(device, args.tiny)
-    names = served(adapter)
+    names = served(adapter, args.quick)
     pairs = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     pipeline_run(adapter, pairs[: world.size], names, CaReConfig())  # warm-up
     dist.init_process_group("gloo")
@@ -133,17 +139,16 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def served(adapter: Any) -> list[str]:
+def served(adapter: Any, quick: bool) -> list[str]:
+    """The methods that serve the backbone (with ``quick``: only those of QUICK_METHODS)."""
     from care_core.methods import methods_for_backbone
 
-    return methods_for_backbone(adapter.family)
+    names = methods_for_backbone(adapter.family)
+    return [n for n in names if n in QUICK_METHODS] if quick else names
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = make_parser(__doc__, quick="4 pairs (about 1 minute on one GPU with the 7B build; --tiny --quick "
-                         "--device cpu: about 1 minute on a 2-core CPU)", duration="24 pairs: about 2 minutes on "
-                         "2 x H200 (the committed result: 25 s loop + 7 s pipeline + 3 s sharded, plus three 7B "
-                         "builds)", device="auto")  # fmt: skip
+    parser = make_parser(__doc__, quick=QUICK, duration=DURATION, device="auto")
     parser.add_argument("--pairs", type=int, default=24)
     parser.add_argument("--tiny", action="store_true", help="tiny widths (smoke test)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -153,16 +158,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
-        args.pairs = min(args.pairs, 4)
+        args.pairs = min(args.pairs, 2)
     return args
 
 
-def sharded(data: Path, scratch: Path, gpus: int, tiny: bool) -> float:
+def sharded(data: Path, scratch: Path, gpus: int, tiny: bool, quick: bool) -> float:
     """Wall seconds of the pipeline sharded over ``gpus`` processes by torchrun (this module's --worker)."""
     report = scratch / "sharded.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
            "-m", "benchmarks.bench_csr_scale", "--worker", "--data", str(data), "--report", str(report),
-           "--device", "cuda"] + (["--tiny"] if tiny else [])  # fmt: skip
+           "--device", "cuda"] + (["--tiny"] if tiny else []) + (["--quick"] if quick else [])  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "4"})
     return float(json.loads(report.read_text())["wall_s"])
 
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     pairs = [json.loads(line) for line in data.read_text().splitlines()]
     device = args.device if args.device != "cuda" else "cuda:0"
     adapter = build_adapter(device, args.tiny)
-    names, config = served(adapter), CaReConfig()
+    names, config = served(adapter, args.quick), CaReConfig()
     pipeline_run(adapter, pairs[:2], names, config)  # warm-up: kernels, allocator, demo caches
     old_s = old_loop(adapter, pairs, names, config)
     new_s = pipeline_run(adapter, pairs, names, config)
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         del adapter
         torch.cuda.empty_cache()
         rows.append({"run": f"pipeline, {gpus} processes (torchrun, one GPU each)", "processes": gpus,
-                     "seconds": sharded(data, scratch, gpus, args.tiny)})  # fmt: skip
+                     "seconds": sharded(data, scratch, gpus, args.tiny, args.quick)})  # fmt: skip
     for row in rows:
         row["pairs_per_s"] = len(pairs) / row["seconds"]
     card = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"

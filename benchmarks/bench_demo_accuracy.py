@@ -157,7 +157,7 @@ def show(summary: dict[str, Any], keeps: list[int], title: str) -> None:
 
 
 def parse(argv: list[str] | None) -> Any:
-    parser = make_parser(__doc__, quick="10 questions, care and random at K = 64, one worker (about 30 s on a "
+    parser = make_parser(__doc__, quick="10 questions, care and random at K = 64, one worker (about 40 s on a "
                          "2-core CPU)", duration="500 questions, every method at 3 budgets: 118 s with 16 workers on a "
                          "16-core host (the committed result), so about 16 minutes on 2 cores")  # fmt: skip
     parser.add_argument("--model", default="tiny-llava")

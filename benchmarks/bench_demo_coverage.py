@@ -140,7 +140,7 @@ def show(summary: dict[str, Any], title: str) -> None:
 
 
 def parse(argv: list[str] | None) -> Any:
-    parser = make_parser(__doc__, quick="20 questions, care and random at K = 64, one worker (about 30 s on a "
+    parser = make_parser(__doc__, quick="20 questions, care and random at K = 64, one worker (about 15 s on a "
                          "2-core CPU)", duration="250 questions, every method: about 1 minute with 2 workers on "
                          "2 cores (the committed result: 57 s)")  # fmt: skip
     parser.add_argument("--model", default="tiny-llava")

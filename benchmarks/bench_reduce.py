@@ -67,7 +67,7 @@ def bench_core(sizes: list[int], reps: int, m: int, engines: tuple[str, ...]) ->
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser(
         __doc__,
-        quick="N = 576, the jvp engine at m = 8, one repetition (about 1 minute on a 2-core CPU)",
+        quick="N = 576, the jvp engine at m = 8, one repetition (about 15 s on a 2-core CPU)",
         duration="about 10 minutes on a 2-core CPU (N = 2880 with the fd engine dominates)",
     )
     parser.add_argument("--reps", type=int, default=3)
