@@ -1,20 +1,18 @@
 """Accuracy of the trained demo backbone on held-out synthetic questions, with all tokens and with every registered
 method at K = 64, 128, 192; the CSR of each; Spearman's rho between CSR and accuracy across method x budget.
 
-    python benchmarks/bench_demo_accuracy.py [--model tiny-llava] [--questions 500] [--workers 15]
+    python -m benchmarks.bench_demo_accuracy [--model tiny-llava] [--questions 500] [--workers 15]
+    python -m benchmarks.bench_demo_accuracy --quick   # 10 questions, care and random at K = 64, one worker
 
 Answers come from ``adapter.generate`` (greedy; ``kept`` = the method's token indices), as ``care reduce
 --generate`` gets them; the first word is compared case-insensitively. Each worker process loads the backbone
-on the CPU in float32 (one thread), so the numbers are the ones the CPU tests see. Prints a table and writes JSON
-to a new dated file under benchmarks/results/ (never overwriting one).
+on the CPU in float32 (one thread), so the numbers are the ones the CPU tests see. Prints a table and writes its
+JSON into --results-dir (default: a new scratch folder; --out FILE writes a copy there too, never over a file).
+Run from the repository root.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import datetime as dt
-import json
 import multiprocessing as mp
 import platform
 import sys
@@ -24,47 +22,10 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT, ROOT / "scripts"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
-
-HELDOUT_SPLIT = 1
-PHOTOS = ("astronaut.jpg", "chelsea.jpg", "coffee.jpg")
+from benchmarks.common import ResultsWriter, make_parser, print_table, say, stamp
+from benchmarks.demo_world import HELDOUT_SPLIT, configured_method, heldout_items, load_photos, use_pil_image_processor
 
 _state: dict[str, Any] = {}
-
-
-def load_photos() -> list[Any]:
-    from PIL import Image
-
-    return [Image.open(ROOT / "examples" / name).convert("RGB") for name in PHOTOS]
-
-
-def configured_method(name: str, seed: int) -> Any:
-    """The named method at its defaults, with ``seed`` wherever it draws random numbers (as ``care csr``)."""
-    from care_core import CaReConfig
-    from care_core.methods import build_method, method_class
-
-    fields = {f.name for f in dataclasses.fields(method_class(name))}
-    options: dict[str, Any] = {}
-    if "seed" in fields:
-        options["seed"] = seed
-    if "config" in fields:
-        options["config"] = CaReConfig(seed=seed)
-    return build_method(name, **options)
-
-
-def use_pil_image_processor(adapter: Any) -> None:
-    """The PIL CLIP processor (what the package uses without torchvision, and what training used)."""
-    ip = adapter.processor.image_processor
-    if type(ip).__name__.endswith("Pil") or not hasattr(ip, "crop_size"):
-        return
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    adapter.processor.image_processor = CLIPImageProcessorPil(
-        size=dict(ip.size), crop_size=dict(ip.crop_size), do_center_crop=ip.do_center_crop
-    )
 
 
 def _init(model: str, home: str | None, methods: list[str], keeps: list[int], seed: int) -> None:
@@ -134,13 +95,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (vx * vy) if vx > 0 and vy > 0 else float("nan")
 
 
-def heldout_items(count: int) -> list[tuple[int, str, str, str]]:
-    from care_core.synthetic import iter_questions
-
-    pairs = iter_questions(HELDOUT_SPLIT, count, photos=load_photos())
-    return [(scene.index, qa.question, qa.answer, qa.type) for scene, qa in pairs]
-
-
 def summarise(rows: list[dict[str, Any]], methods: list[str], keeps: list[int]) -> dict[str, Any]:
     from care_core.synthetic import QUESTION_TYPES
 
@@ -182,15 +136,10 @@ def summarise(rows: list[dict[str, Any]], methods: list[str], keeps: list[int]) 
 
 
 def show(summary: dict[str, Any], keeps: list[int], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    table.add_column("method", style="cyan")
+    header = ["method"]
     for k in keeps:
-        table.add_column(f"acc K={k}", justify="right")
-        table.add_column(f"CSR K={k}", justify="right")
-    table.add_row("all tokens", *[f"{summary['all_tokens']['accuracy']:.1f}", "100.0"] * len(keeps), style="bold")
+        header += [f"acc K={k}", f"CSR K={k}"]
+    rows = [("all tokens", *[f"{summary['all_tokens']['accuracy']:.1f}", "100.0"] * len(keeps))]
     by: dict[str, dict[int, dict[str, Any]]] = {}
     for c in summary["cells"]:
         by.setdefault(c["method"], {})[c["K"]] = c
@@ -198,28 +147,19 @@ def show(summary: dict[str, Any], keeps: list[int], title: str) -> None:
         values: list[str] = []
         for k in keeps:
             values += [f"{per_k[k]['accuracy']:.1f}", f"{per_k[k]['csr']:.1f}"]
-        table.add_row(name, *values)
-    console = Console()
-    console.print(table)
-    console.print(f"all tokens per type: {summary['all_tokens']['per_type']}")
-    console.print(f"Spearman rho (CSR vs accuracy, {len(summary['cells'])} method x budget cells): "
-                  f"{summary['spearman_csr_accuracy']}")  # fmt: skip
+        rows.append((name, *values))
+    print_table(title, header, rows)
+    say(f"all tokens per type: {summary['all_tokens']['per_type']}")
+    say(f"Spearman rho (CSR vs accuracy, {len(summary['cells'])} method x budget cells): "
+        f"{summary['spearman_csr_accuracy']}")  # fmt: skip
     for name, reason in summary["skipped_methods"].items():
-        console.print(f"skipped {name}: {reason}")
+        say(f"skipped {name}: {reason}")
 
 
-def result_path(folder: Path, tag: str) -> Path:
-    stem = f"{dt.date.today().isoformat()}-{tag}-bench_demo_accuracy"
-    path = folder / f"{stem}.json"
-    n = 2
-    while path.exists():
-        path = folder / f"{stem}-{n}.json"
-        n += 1
-    return path
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: list[str] | None) -> Any:
+    parser = make_parser(__doc__, quick="10 questions, care and random at K = 64, one worker (about 40 s on a "
+                         "2-core CPU)", duration="500 questions, every method at 3 budgets: 118 s with 16 workers on a "
+                         "16-core host (the committed result), so about 16 minutes on 2 cores")  # fmt: skip
     parser.add_argument("--model", default="tiny-llava")
     parser.add_argument("--home", default=None, help="care home for the demo (default: $CARE_HOME)")
     parser.add_argument("--questions", type=int, default=500)
@@ -227,54 +167,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", nargs="+", default=None, help="default: every registered method")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
-    parser.add_argument("--tag", default=platform.node().split(".")[0] or "host", help="part of the result file name")
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.questions, args.keep, args.workers = min(args.questions, 10), [64], 1
+        args.method = args.method or ["care", "random"]
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
     from care_core.backbones import load_backbone
     from care_core.backbones.demo import file_sha256
     from care_core.methods import method_names
 
+    args = parse(argv)
+    writer = ResultsWriter(args, "cpu-bench_demo_accuracy")
     methods = args.method or method_names()
     adapter = load_backbone(args.model, device="cpu", dtype="float32", home=Path(args.home) if args.home else None)
     weights = Path(adapter.model.name_or_path) / "model.safetensors"
     items = heldout_items(args.questions)
     start = time.perf_counter()
-    ctx = mp.get_context("spawn")
     init_args = (args.model, args.home, methods, args.keep, args.seed)
-    with ctx.Pool(args.workers, initializer=_init, initargs=init_args) as pool:
+    with mp.get_context("spawn").Pool(args.workers, initializer=_init, initargs=init_args) as pool:
         rows = pool.map(_one, items, chunksize=2)
     seconds = time.perf_counter() - start
     summary = summarise(rows, methods, args.keep)
-    title = f"{args.model}: held-out accuracy (%) and CSR, {len(rows)} questions"
-    show(summary, args.keep, title)
+    show(summary, args.keep, f"{args.model}: held-out accuracy (%) and CSR, {len(rows)} questions")
     payload = {
-        "benchmark": "bench_demo_accuracy",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python benchmarks/bench_demo_accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "model": args.model,
-        "demo_note": adapter.demo_note,
-        "weights_sha256": file_sha256(weights) if weights.is_file() else None,
-        "questions": len(rows),
-        "heldout_split_seed": HELDOUT_SPLIT,
-        "method_seed": args.seed,
-        "keeps": args.keep,
-        "host": {
-            "machine": platform.node(),
-            "cpus": mp.cpu_count(),
-            "workers": args.workers,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "note": "answers computed on the CPU (float32, one thread per worker)",
-        },
-        "wall_seconds": round(seconds, 1),
-        **summary,
-    }
-    args.results.mkdir(parents=True, exist_ok=True)
-    path = result_path(args.results, args.tag)
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
+        "benchmark": "bench_demo_accuracy", "date": stamp(),
+        "command": "python -m benchmarks.bench_demo_accuracy " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": args.model, "demo_note": adapter.demo_note,
+        "weights_sha256": file_sha256(weights) if weights.is_file() else None, "questions": len(rows),
+        "heldout_split_seed": HELDOUT_SPLIT, "method_seed": args.seed, "keeps": args.keep,
+        "host": {"machine": platform.node(), "cpus": mp.cpu_count(), "workers": args.workers,
+                 "torch": torch.__version__, "python": platform.python_version(),
+                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                 "note": "answers computed on the CPU (float32, one thread per worker)"},
+        "wall_seconds": round(seconds, 1), **summary,
+    }  # fmt: skip
+    writer.finish(payload)
 
 
 if __name__ == "__main__":

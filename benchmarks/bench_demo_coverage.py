@@ -1,8 +1,9 @@
 """Which tokens each method keeps on the trained demo, measured against the object the question is about.
 
-    python benchmarks/bench_demo_coverage.py [--model tiny-llava] [--questions 250] [--keep 64] [--workers 2]
+    python -m benchmarks.bench_demo_coverage [--model tiny-llava] [--questions 250] [--keep 64] [--workers 2]
+    python -m benchmarks.bench_demo_coverage --quick   # 20 questions, care and random, one worker
 
-For held-out synthetic questions (split seed 1, as ``bench_demo_accuracy.py``) about an object ("What colour
+For held-out synthetic questions (split seed 1, as ``benchmarks.bench_demo_accuracy``) about an object ("What colour
 is the circle?", "Is the red square on the left or the right?", "Is there a blue cross?" answered yes), every
 registered method reduces the image's 576 tokens to K, and we read off, from the patch labels of the scene (the
 object drawn at each patch centre, through the processor's own resize and crop):
@@ -12,37 +13,25 @@ object drawn at each patch centre, through the processor's own resize and crop):
 - ``named reaches``: how often at least one of its patches reaches the language model, kept or merged into a
   kept token (the method's ``assignment``; for CaRe, a calibration signal injected into an anchor).
 
-It explains the accuracy table of ``bench_demo_accuracy.py``: a method that never keeps the question's object has
-to carry it some other way. Reductions run on the CPU in float32 (one thread per worker). Prints a table and
-writes JSON to a new dated file under benchmarks/results/ (never overwriting one).
+It explains the accuracy table of ``benchmarks.bench_demo_accuracy``: a method that never keeps the question's
+object has to carry it some other way. Reductions run on the CPU in float32 (one thread per worker). Prints a table and
+writes its JSON into --results-dir (default: a new scratch folder; --out FILE writes a copy there too, never over
+a file). Run from the repository root.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import multiprocessing as mp
 import platform
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT, ROOT / "benchmarks"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
-
-from bench_demo_accuracy import (  # noqa: E402
-    HELDOUT_SPLIT,
-    configured_method,
-    heldout_items,
-    load_photos,
-    use_pil_image_processor,
-)
+from benchmarks.common import ResultsWriter, make_parser, print_table, stamp
+from benchmarks.demo_world import HELDOUT_SPLIT, configured_method, heldout_items, load_photos, use_pil_image_processor
 
 _state: dict[str, Any] = {}
 
@@ -144,39 +133,40 @@ def summarise(rows: list[dict[str, Any]], methods: list[str], keeps: list[int]) 
 
 
 def show(summary: dict[str, Any], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for header in ("method", "K", "on objects %", "named kept %", "named reaches %"):
-        first = header == "method"
-        table.add_column(header, justify="left" if first else "right", style="cyan" if first else None)
-    for c in summary["cells"]:
-        table.add_row(c["method"], str(c["K"]), f"{c['on_objects_pct']:.1f}", f"{c['named_kept_pct']:.1f}",
-                      f"{c['named_reaches_pct']:.1f}")  # fmt: skip
-    Console().print(table)
+    header = ("method", "K", "on objects %", "named kept %", "named reaches %")
+    rows = [(c["method"], str(c["K"]), f"{c['on_objects_pct']:.1f}", f"{c['named_kept_pct']:.1f}",
+             f"{c['named_reaches_pct']:.1f}") for c in summary["cells"]]  # fmt: skip
+    print_table(title, header, rows)
 
 
-def main() -> None:
-    from _results import write_result
-
-    from care_core.methods import method_names
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: list[str] | None) -> Any:
+    parser = make_parser(__doc__, quick="20 questions, care and random at K = 64, one worker (about 15 s on a "
+                         "2-core CPU)", duration="250 questions, every method: about 1 minute with 2 workers on "
+                         "2 cores (the committed result: 57 s)")  # fmt: skip
     parser.add_argument("--model", default="tiny-llava")
     parser.add_argument("--questions", type=int, default=250, help="held-out questions drawn (types balanced)")
     parser.add_argument("--keep", type=int, action="append", help="K (repeatable; default 64)")
     parser.add_argument("--method", action="append", help="method (repeatable; default every registered one)")
     parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2)))
     parser.add_argument("--seed", type=int, default=42, help="seed of the methods that draw random numbers")
-    parser.add_argument("--out", type=Path, help="results JSON (default: a new dated file)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.questions, args.workers = min(args.questions, 20), 1
+        args.method = args.method or ["care", "random"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from care_core.methods import method_names
+
+    args = parse(argv)
+    writer = ResultsWriter(args, "cpu-bench_demo_coverage")
     keeps = args.keep or [64]
     methods = args.method or method_names()
     items = heldout_items(args.questions)
     start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(args.workers, initializer=_init, initargs=(args.model, methods, keeps, args.seed)) as pool:
+    with mp.get_context("spawn").Pool(args.workers, initializer=_init,
+                                      initargs=(args.model, methods, keeps, args.seed)) as pool:  # fmt: skip
         rows = [r for r in pool.map(_one, items, chunksize=4) if r is not None]
     summary = summarise(rows, methods, keeps)
     wall = time.perf_counter() - start
@@ -184,14 +174,14 @@ def main() -> None:
              f"(objects cover {summary['object_patch_share_pct']:.1f}% of the patches); demo backbone: tiny model "
              "trained on synthetic shapes")  # fmt: skip
     show(summary, title)
-    payload = {"benchmark": "bench_demo_coverage", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-               "command": "python benchmarks/bench_demo_coverage.py " + " ".join(sys.argv[1:]), "model": args.model,
-               "questions_drawn": args.questions, "heldout_split_seed": HELDOUT_SPLIT, "method_seed": args.seed,
-               "keeps": keeps, "wall_seconds": round(wall, 1),
+    command = "python -m benchmarks.bench_demo_coverage " + " ".join(sys.argv[1:] if argv is None else argv)
+    payload = {"benchmark": "bench_demo_coverage", "date": stamp(), "command": command,
+               "model": args.model, "questions_drawn": args.questions, "heldout_split_seed": HELDOUT_SPLIT,
+               "method_seed": args.seed, "keeps": keeps, "wall_seconds": round(wall, 1),
                "host": {"machine": platform.machine(), "cpus": mp.cpu_count(), "workers": args.workers,
                         "torch": torch.__version__, "python": platform.python_version()},
                **summary}  # fmt: skip
-    print(f"wrote {write_result(payload, 'cpu-bench_demo_coverage', args.out)}")
+    writer.finish(payload)
 
 
 if __name__ == "__main__":

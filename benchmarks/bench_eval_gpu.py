@@ -1,10 +1,11 @@
 """Throughput of `care eval` at full scale: LLaVA-NeXT-7B (random weights, bf16), unreduced vs CaRe K=160.
 
-    python benchmarks/bench_eval_gpu.py                       # 1 GPU, and 2 GPUs when two are visible (~5 min)
-    python benchmarks/bench_eval_gpu.py --tiny --device cpu --processes 1   # smoke test of the script (tiny widths)
+    python -m benchmarks.bench_eval_gpu                # 1 GPU, and 2 GPUs when two are visible
+    python -m benchmarks.bench_eval_gpu --quick        # 1 process, 1 copy of the task, CUDA graphs only
+    python -m benchmarks.bench_eval_gpu --tiny --quick --device cpu   # smoke test of the benchmark (tiny widths)
 
 What it does:
-1. builds LLaVA-NeXT-7B (CLIP-L/336 24 layers, Vicuna-7B, anyres pinpoints; ``benchmarks/gpu.py``'s builder) with
+1. builds LLaVA-NeXT-7B (CLIP-L/336 24 layers, Vicuna-7B, anyres pinpoints; ``benchmarks.models``) with
    seeded random weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor, the byte
    tokenizer of the demos) to a local folder, so that ``--model <folder>`` loads it like any checkpoint;
 2. writes a copy of the shipped task ``examples/tasks/care_pope_examples`` whose documents are repeated ``--copies``
@@ -16,7 +17,8 @@ What it does:
 
 Random weights: answers run to ``max_new_tokens`` (8) every time, so timings compare like with like, and accuracy
 means nothing. On a GPU, ``care eval`` answers once untimed before each setting, so the first CUDA calls of a process
-are not in the timed pass. Writes a NEW file ``benchmarks/results/<date>-eval-gpu-<card>[-N].json`` (or ``--out``).
+are not in the timed pass. Writes its JSON into --results-dir (default: a new scratch folder; --out FILE writes a
+copy there too, never over an existing file). Run from the repository root.
 """
 
 from __future__ import annotations
@@ -35,22 +37,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-TASK = ROOT / "examples" / "tasks" / "care_pope_examples"
+from benchmarks.common import EXAMPLES, ROOT, ResultsWriter, make_parser, print_table, say
+
+TASK = EXAMPLES / "tasks" / "care_pope_examples"
 KEEP = 160
+QUICK = (
+    "one process, one copy of the task (12 samples), one decoding (graphs on CUDA, eager on the CPU); "
+    "--tiny --quick --device cpu: about 1 minute on a 2-core CPU"
+)
+DURATION = (
+    "about 4-6 minutes on one or two H100/H200 (the committed results: 7 s build, then 74-127 s per care eval "
+    "command, 2 decodings x 1-2 process counts of 192 samples)"
+)
 
 
 def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
     """LLaVA-NeXT-7B with random weights, saved to ``folder``; returns what it cost."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT))
-    import gpu  # benchmarks/gpu.py: the repository's 7B builders
+    from benchmarks.models import build_llava_next
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     start = time.perf_counter()
-    model, processor = gpu.build_llava_next(torch.device(device), dtype, tiny)
+    model, processor = build_llava_next(torch.device(device), dtype, tiny)
     built = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
@@ -96,7 +105,7 @@ def run_care_eval(
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets"),
            "CARE_HOME": str(work / "care_home")}  # fmt: skip
-    print(f"$ {' '.join(command)}", flush=True)
+    say(f"$ {' '.join(command)}")
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     total = time.perf_counter() - start
@@ -140,71 +149,67 @@ def card_slug(env: dict[str, Any]) -> str:
     return (match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", gpus[0].lower())).lower()
 
 
-def new_results_path(env: dict[str, Any]) -> Path:
-    base = ROOT / "benchmarks" / "results" / f"{dt.date.today().isoformat()}-eval-gpu-{card_slug(env)}"
-    path, number = base.with_suffix(".json"), 2
-    while path.exists():
-        path, number = Path(f"{base}-{number}.json"), number + 1
-    return path
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny, a smoke test)")
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = make_parser(__doc__, quick=QUICK, duration=DURATION, device="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
     parser.add_argument("--copies", type=int, default=16, help="repeat the 12 task documents this many times")
     parser.add_argument("--processes", default="auto", help="comma list, e.g. 1,2; auto: 1, and 2 with 2+ GPUs")
     parser.add_argument(
-        "--decoding",
-        default="graphs,eager",
-        help="comma list of graphs (--cuda-graphs), eager (--no-cuda-graphs), auto (neither)",
+        "--decoding", default="graphs,eager", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: a new dated file)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.copies, args.processes, args.decoding = 1, "1", "graphs"
+    return args
 
+
+def plan(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """The process counts and decodings to run."""
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device; run with --tiny --device cpu for a smoke test")
+        raise SystemExit("error: no CUDA device; run with --tiny --device cpu for a smoke test")
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
-    if args.processes == "auto":
-        processes = [1, 2] if gpus >= 2 else [1]
-    else:
-        processes = [int(p) for p in args.processes.split(",")]
+    processes = (
+        ([1, 2] if gpus >= 2 else [1]) if args.processes == "auto" else [int(p) for p in args.processes.split(",")]
+    )
+    decodings = [d.strip() for d in args.decoding.split(",") if d.strip()]
+    if args.device == "cpu":
+        decodings = [d for d in decodings if d != "graphs"] or ["eager"]
+    return processes, decodings
+
+
+def show(rows: list[dict[str, Any]], title: str) -> None:
+    header = ("setting", "decoding", "procs", "tokens", "samples/s", "wall s", "s/sample mean", "s/sample median")
+    print_table(title, header, [(r["setting"], r["decoding"], str(r["processes"]), f"{r['visual_tokens']:.0f}",
+                                 f"{r['samples_per_s']:.2f}", f"{r['wall_s']:.1f}",
+                                 f"{r['model_s_per_sample_mean']:.3f}", f"{r['model_s_per_sample_median']:.3f}")
+                                for r in rows])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     env = environment(args.device)
+    writer = ResultsWriter(args, f"eval-gpu-{card_slug(env)}")
+    processes, decodings = plan(args)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     with tempfile.TemporaryDirectory(prefix="care-bench-eval-", dir=args.work) as scratch:
         work = Path(scratch)
         model = work / ("llava-next-tiny" if args.tiny else "llava-next-7b-random")
-        print(f"building {'tiny' if args.tiny else '7B'} LLaVA-NeXT with random weights into {model} ...", flush=True)
+        say(f"building {'tiny' if args.tiny else '7B'} LLaVA-NeXT with random weights into {model} ...")
         built = build_model(model, "cuda:0" if args.device.startswith("cuda") else "cpu", args.tiny)
-        print(f"  {built['parameters'] / 1e9:.2f} B parameters, built {built['build_s']:.1f} s, saved "
-              f"{built['save_s']:.1f} s", flush=True)  # fmt: skip
+        say(f"  {built['parameters'] / 1e9:.2f} B parameters, built {built['build_s']:.1f} s, saved "
+            f"{built['save_s']:.1f} s")  # fmt: skip
         task = work / "task"
         task_name = write_task(task, args.copies)
-        decodings = [d.strip() for d in args.decoding.split(",") if d.strip()]
-        if args.device == "cpu":
-            decodings = [d for d in decodings if d != "graphs"] or ["eager"]
         runs = [run_care_eval(model, task, n, args.device, dtype, work, d) for n in processes for d in decodings]
     rows = [row for run in runs for row in run["rows"]]
-    print(f"\ncare eval on {task_name} ({rows[0]['samples']} samples), LLaVA-NeXT-{'tiny' if args.tiny else '7B'} "
-          f"random weights, {dtype}, {env.get('gpus', ['cpu'])[0]}")  # fmt: skip
-    print(f"{'setting':<14}{'decoding':>9}{'procs':>6}{'tokens':>8}{'samples/s':>11}{'wall s':>9}"
-          f"{'s/sample (mean)':>17}{'(median)':>10}")  # fmt: skip
-    for row in rows:
-        print(f"{row['setting']:<14}{row['decoding']:>9}{row['processes']:>6}{row['visual_tokens']:>8.0f}{row['samples_per_s']:>11.2f}"
-              f"{row['wall_s']:>9.1f}{row['model_s_per_sample_mean']:>17.3f}"
-              f"{row['model_s_per_sample_median']:>10.3f}")  # fmt: skip
-    payload = {"benchmark": "care eval throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-               "environment": env, "model": built, "task": task_name, "keep": KEEP, "runs": runs,
-               "rows": rows}  # fmt: skip
-    out = args.out or new_results_path(env)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out)
-    print(f"\nwrote {out}")
+    show(rows, f"care eval on {task_name} ({rows[0]['samples']} samples), LLaVA-NeXT-{'tiny' if args.tiny else '7B'}"
+               f" random weights, {dtype}, {env.get('gpus', ['cpu'])[0]}")  # fmt: skip
+    writer.finish({"benchmark": "care eval throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                   "environment": env, "model": built, "task": task_name, "keep": KEEP, "runs": runs,
+                   "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

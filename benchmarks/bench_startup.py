@@ -1,28 +1,24 @@
 """Start-up time of the commands that need no model: `care --help`, `--version`, `methods`, `flops`.
 
-    python benchmarks/bench_startup.py [--reps 7]
+    python -m benchmarks.bench_startup [--reps 7]     # from the repository root
+    python -m benchmarks.bench_startup --quick        # 2 runs of each command
 
 Each command runs as a fresh process (the console script's own entry point); the table shows the median and
-the best wall time, and whether torch or transformers were imported. Writes a new dated JSON file under
-benchmarks/results/ (never an existing one).
+the best wall time, and whether torch or transformers were imported. Writes its JSON into --results-dir (default:
+a new scratch folder) and, only when asked, to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from typing import Any
 
-from _results import check_new, stamp, write_result
-from rich.console import Console
-from rich.table import Table
+from benchmarks.common import ROOT, ResultsWriter, host, make_parser, print_table, stamp
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = (
     ("--help",),
     ("--version",),
@@ -53,36 +49,32 @@ def run_once(args: tuple[str, ...]) -> tuple[float, int, list[str]]:
     return elapsed, proc.returncode, heavy
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def measure(command: tuple[str, ...], reps: int) -> dict[str, Any]:
+    run_once(command)  # warm the file cache
+    samples, codes, heavy = [], set(), set()
+    for _ in range(reps):
+        ms, code, imported = run_once(command)
+        samples.append(ms)
+        codes.add(code)
+        heavy.update(imported)
+    return {"command": "care " + " ".join(command), "median_ms": round(statistics.median(samples), 1),
+            "best_ms": round(min(samples), 1), "exit_codes": sorted(codes), "heavy_imports": sorted(heavy),
+            "under_1s": statistics.median(samples) < 1000}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser(__doc__, quick="2 runs of each command (about 25 s on a 2-core CPU)",
+                         duration="7 runs of 6 commands: about 1 minute on a 2-core CPU")  # fmt: skip
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    check_new(args.out)
-    console = Console()
-    rows = []
-    for command in COMMANDS:
-        run_once(command)  # warm the file cache
-        samples, codes, heavy = [], set(), set()
-        for _ in range(args.reps):
-            ms, code, imported = run_once(command)
-            samples.append(ms)
-            codes.add(code)
-            heavy.update(imported)
-        rows.append({"command": "care " + " ".join(command), "median_ms": round(statistics.median(samples), 1),
-                     "best_ms": round(min(samples), 1), "exit_codes": sorted(codes), "heavy_imports": sorted(heavy),
-                     "under_1s": statistics.median(samples) < 1000})  # fmt: skip
-    table = Table(title=f"Start-up, fresh process, {args.reps} runs each", title_justify="left")
-    for col in ("command", "median ms", "best ms", "exit", "torch / transformers imported", "< 1 s"):
-        table.add_column(col, justify="left" if col == "command" else "right")
-    for row in rows:
-        table.add_row(row["command"], f"{row['median_ms']:.0f}", f"{row['best_ms']:.0f}",
-                      ",".join(map(str, row["exit_codes"])), ", ".join(row["heavy_imports"]) or "none",
-                      "yes" if row["under_1s"] else "NO")  # fmt: skip
-    console.print(table)
-    payload = {"date": stamp(), "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
-               "python": platform.python_version(), "reps": args.reps, "rows": rows}  # fmt: skip
-    console.print(f"wrote {write_result(payload, 'cpu-bench_startup', args.out)}")
+    args = parser.parse_args(argv)
+    writer = ResultsWriter(args, "cpu-bench_startup")
+    reps = 2 if args.quick else args.reps
+    rows = [measure(command, reps) for command in COMMANDS]
+    cells = [(r["command"], f"{r['median_ms']:.0f}", f"{r['best_ms']:.0f}", ",".join(map(str, r["exit_codes"])),
+              ", ".join(r["heavy_imports"]) or "none", "yes" if r["under_1s"] else "NO") for r in rows]  # fmt: skip
+    header = ("command", "median ms", "best ms", "exit", "torch / transformers imported", "< 1 s")
+    print_table(f"Start-up, fresh process, {reps} runs each", header, cells)
+    writer.finish({"date": stamp(), "machine": host(), "reps": reps, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Check our ports of peer methods against golden outputs of their official code.
 
-    python scripts/check_golden.py                          # every tests/data/golden/*.npz
-    python scripts/check_golden.py tests/data/golden/tome_*.npz
+    python -m scripts.check_golden                          # every tests/data/golden/*.npz
+    python -m scripts.check_golden tests/data/golden/tome_*.npz
+
+Run from the repository root (as a module: it imports care_core and scripts.golden_checks from there).
 
 The method is chosen by the file-name prefix (tests/data/golden/README.md describes every file; tolerances in
 docs/design.md §Golden tolerances). Prints one line per case, PASS or FAIL with the largest difference; exit
@@ -13,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from golden_checks import PREFIXES, CaseResult
+from scripts.golden_checks import PREFIXES, CaseResult
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden"
 
@@ -37,7 +35,7 @@ def check_file(path: Path) -> list[CaseResult]:
         return [
             CaseResult(path.name, False, float("nan"), f"no checker for this prefix (known: {', '.join(PREFIXES)})")
         ]
-    module = importlib.import_module(f"golden_checks.{PREFIXES[prefix]}")
+    module = importlib.import_module(f"scripts.golden_checks.{PREFIXES[prefix]}")
     with np.load(path) as npz:
         data = {k: npz[k] for k in npz.files}
     return module.check(data, path.name)

@@ -1,6 +1,8 @@
 """Write questions of the synthetic shapes world (``care_core.synthetic``) as JSONL + PNG images.
 
-    python scripts/make_synthetic.py OUT_DIR [--split 1] [--questions 500] [--photos examples/*.jpg]
+    python -m scripts.make_synthetic OUT_DIR [--split 1] [--questions 500] [--photos examples/*.jpg]
+
+Run from the repository root (as a module: it imports care_core and the benchmarks' photo list from there).
 
 Each line is ``{"image": "images/<split>-<index>.png", "question": ..., "answer": ..., "type": ...}`` with the
 image path relative to the JSONL file, so ``care csr --data OUT_DIR/questions.jsonl`` reads it. Split 1 is the
@@ -12,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.common import EXAMPLES
+from benchmarks.demo_world import PHOTOS
+from care_core.synthetic import iter_questions
 
-from care_core.synthetic import iter_questions  # noqa: E402
-
-DEFAULT_PHOTOS = [ROOT / "examples" / name for name in ("astronaut.jpg", "chelsea.jpg", "coffee.jpg")]
+DEFAULT_PHOTOS = [EXAMPLES / name for name in PHOTOS]
 
 
 def write_split(out: Path, split: int, count: int, photos: Sequence[Path] = ()) -> Path:

@@ -1,8 +1,12 @@
 """Train a demo backbone on the synthetic shapes world (``care_core.synthetic``), evaluate it through the adapter's
 own generate path, and write the weights to ship.
 
-    python scripts/train_demo.py --backbone tiny-llava --out DIR            # train + evaluate (GPU: --device cuda)
-    python scripts/train_demo.py --backbone tiny-llava --install-from DIR   # copy DIR's weights into the package
+    python -m scripts.train_demo --backbone tiny-llava --out DIR            # train + evaluate (GPU: --device cuda)
+    python -m scripts.train_demo --backbone tiny-llava --install-from DIR   # copy DIR's weights into the package
+
+Run from the repository root (as a module: it imports care_core and ``benchmarks.demo_world`` from there). A
+progress bar shows every phase (building the model, drawing the scenes, the steps, saving, the held-out
+evaluation); Ctrl-C stops with one line saying what was saved, and exit code 130.
 
 Recipe (seeded, one command): 24,000 scenes of split seed 0 (held-out questions: split seed 1) are drawn by
 worker processes, centre-cropped exactly as the backbone's (PIL) processor does and kept as uint8 on the device.
@@ -34,7 +38,7 @@ this demo. Calibrating into them adds nothing.
 
 Writes DIR/<backbone>.safetensors (float16, the file that ships), DIR/<backbone>.json (command, time, device,
 held-out accuracy per question type, with all tokens and with random selection and care at K=64) and
-DIR/log.txt.
+DIR/log.txt (written as the run goes).
 """
 
 from __future__ import annotations
@@ -44,53 +48,73 @@ import json
 import math
 import multiprocessing as mp
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.demo_world import HELDOUT_SPLIT, TRAIN_SPLIT, heldout_items, load_photos, use_pil_image_processor
+from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, WEIGHTS_DIR, file_sha256, read_manifest
+from care_core.synthetic import COLOURS, QUESTION_TYPES, SHAPES, answer_question, first_word, label_image, make_scene
 
-from care_core.backbones.demo import (  # noqa: E402
-    DEMO_BACKBONES,
-    MANIFEST,
-    WEIGHTS_DIR,
-    file_sha256,
-    read_manifest,
-)
-from care_core.synthetic import (  # noqa: E402
-    COLOURS,
-    QUESTION_TYPES,
-    SHAPES,
-    answer_question,
-    first_word,
-    iter_questions,
-    label_image,
-    make_scene,
-)
-
-TRAIN_SPLIT = 0
-HELDOUT_SPLIT = 1
-PHOTOS = ("astronaut.jpg", "chelsea.jpg", "coffee.jpg")
+N_IMG = 576  # visual tokens of one 336x336 view (24 x 24 patches)
 
 
-def load_photos() -> list[Any]:
-    from PIL import Image
+class Run:
+    """One training run's output folder: the progress bar, the log (rewritten after every line), what is saved."""
 
-    return [Image.open(ROOT / "examples" / name).convert("RGB") for name in PHOTOS]
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+        self.lines: list[str] = []
+        self.saved: list[Path] = []
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message, markup=False, highlight=False)
+        self.lines.append(message)
+        (self.out / "log.txt").write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+        self.record(self.out / "log.txt")
+
+    def record(self, path: Path) -> None:
+        if path not in self.saved:
+            self.saved.append(path)
+
+    def phase(self, description: str, total: int | None = None) -> Callable[[int], None]:
+        """A new bar; returns the function that advances it."""
+        task = self.progress.add_task(description, total=total)
+
+        def advance(steps: int = 1) -> None:
+            self.progress.advance(task, steps)
+
+        return advance
+
+    def interrupted(self) -> str:
+        """The one line Ctrl-C prints: what this run saved before it stopped."""
+        if not self.saved:
+            return "interrupted: nothing saved"
+        return "interrupted; saved so far: " + ", ".join(str(p) for p in self.saved)
 
 
 # ------------------------------------------------------------------------------------------ data (workers)
 _worker: dict[str, Any] = {}
 
 
+def _ignore_ctrl_c() -> None:
+    """Workers leave Ctrl-C to the parent (it reaches the whole process group), which stops them cleanly."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _init_worker() -> None:
+    _ignore_ctrl_c()
     torch.set_num_threads(1)
     _worker["photos"] = load_photos()
 
@@ -114,20 +138,21 @@ def _make(index: int) -> tuple[int, np.ndarray, np.ndarray, list[tuple[str, str,
 
 
 def make_pool(
-    scenes: int, workers: int, image_processor: Any
+    scenes: int, workers: int, image_processor: Any, advance: Callable[[int], None]
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, str, str]]]:
     """Scenes 0..scenes-1 of the training split as uint8 crops (the PIL processor's, which the package uses),
     their per-patch (colour, shape) labels and their questions."""
     images = np.empty((scenes, 3, 336, 336), dtype=np.uint8)
-    patches = np.empty((scenes, 2, 576), dtype=np.uint8)
+    patches = np.empty((scenes, 2, N_IMG), dtype=np.uint8)
     qas: list[tuple[int, str, str]] = []
     _worker["ip"] = image_processor  # inherited by the forked workers
-    ctx = mp.get_context("fork")
-    with ctx.Pool(workers, initializer=_init_worker) as pool:
-        for index, array, patch, questions in pool.imap(_make, range(scenes), chunksize=64):
+    chunk = max(1, min(64, scenes // (4 * workers)))
+    with mp.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
+        for index, array, patch, questions in pool.imap(_make, range(scenes), chunksize=chunk):
             images[index] = array
             patches[index] = patch
             qas.extend((index, q, a) for q, a, _ in questions)
+            advance(1)
     return torch.from_numpy(images), torch.from_numpy(patches), qas
 
 
@@ -163,10 +188,10 @@ class Prompts:
     def answer(self, answer: str) -> list[int]:
         return [*self.tok(" " + answer, add_special_tokens=False)["input_ids"], self.eos]
 
-    def check(self, question: str, k: int) -> None:
-        """The ids built here equal what the adapter feeds at inference (``_encode_prompt``)."""
-        ours = [*self.head, *([self.image_id] * k), *self.tail(question)]
-        theirs = self.adapter._encode_prompt(question, k)["input_ids"][0].tolist()
+    def check(self, question: str, tokens: Any) -> None:
+        """The ids built here equal what the adapter feeds its language model (its probe's prompt, all tokens)."""
+        ours = [*self.head, *([self.image_id] * tokens.num_tokens), *self.tail(question)]
+        theirs = self.adapter.language_model_probe(tokens, question).input_ids.reshape(-1).tolist()
         if ours != theirs:
             raise RuntimeError(f"training prompt differs from the adapter's:\n{ours}\n{theirs}")
 
@@ -191,173 +216,229 @@ def merge_into_kept(hidden: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return sums / counts.unsqueeze(-1)
 
 
-def train(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+@dataclass
+class Data:
+    """The scene pool on the device and the token ids of every question tail and answer."""
+
+    images: torch.Tensor  # (S, 3, 336, 336) uint8
+    patch_labels: torch.Tensor  # (S, 2, 576) colour and shape ids
+    qas: list[tuple[int, str, str]]  # (scene, question, answer)
+    scene_of: torch.Tensor  # (Q,) scene of each question
+    tails: dict[str, list[int]]
+    answers: dict[str, list[int]]
+
+
+@dataclass
+class Parts:
+    """The modules one step runs, and the constants it needs."""
+
+    model: Any
+    processor: Any  # saved beside the weights
+    aux: torch.nn.Linear  # dense auxiliary head (not shipped)
+    head: torch.Tensor  # the prompt's ids before the image
+    pad: int
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+@dataclass
+class Batch:
+    index: torch.Tensor  # (B,) questions
+    hflip: torch.Tensor
+    vflip: torch.Tensor
+    k: int
+    order: torch.Tensor  # (B, k) kept visual tokens
+    merged: bool
+    text: torch.Tensor  # (B, width) tail + answer ids
+    target: torch.Tensor  # (B, width) answer positions
+    lengths: torch.Tensor
+
+
+def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: Data, parts: Parts) -> Batch:
+    """The step's questions, mirrors and visual-token subset (the recipe of the module docstring)."""
+    device = data.images.device
+    batch = torch.randint(0, len(data.qas), (args.batch,), generator=gen)
+    # mirror images (and the answers of position questions with them): left/right and top/bottom balanced
+    hflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
+    vflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
+    # token subsets in --subset-share of the steps after the first 30% (0.5: the shipped recipe; with 0 the
+    # model cannot read reduced token sets at all, see the module docstring)
+    full = step < 0.3 * args.steps or bool(torch.rand((), generator=gen) < 1 - args.subset_share)
+    log_k = float(torch.empty(()).uniform_(math.log(48), math.log(N_IMG), generator=gen))
+    k = N_IMG if full else int(math.exp(log_k))
+    shuffled = bool(torch.rand((), generator=gen) < 0.5)
+    merged = not full and bool(torch.rand((), generator=gen) < args.merge_share)
+    if k < N_IMG:
+        order = torch.rand((args.batch, N_IMG), generator=gen).argsort(dim=1)[:, :k]
+        if not shuffled:
+            order = order.sort(dim=1).values
+    else:
+        order = torch.arange(N_IMG).expand(args.batch, N_IMG)
+    said = [mirrored(data.qas[i][2], bool(h), bool(v)) for i, h, v in zip(batch.tolist(), hflip, vflip, strict=True)]
+    seqs = [data.tails[data.qas[i][1]] + data.answers[a] for i, a in zip(batch.tolist(), said, strict=True)]
+    width = max(len(s) for s in seqs)
+    text = torch.full((args.batch, width), parts.pad, dtype=torch.long)
+    target = torch.zeros((args.batch, width), dtype=torch.bool)
+    for row, (s, a) in enumerate(zip(seqs, said, strict=True)):
+        text[row, : len(s)] = torch.tensor(s)
+        target[row, len(s) - len(data.answers[a]) : len(s)] = True
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    return Batch(batch.to(device), hflip.to(device), vflip.to(device), k, order.to(device), merged,
+                 text.to(device), target.to(device), lengths)  # fmt: skip
+
+
+def _mirror(x: torch.Tensor, b: Batch) -> torch.Tensor:
+    x = torch.where(b.hflip[:, None, None, None], x.flip(-1), x)
+    return torch.where(b.vflip[:, None, None, None], x.flip(-2), x)
+
+
+def forward(parts: Parts, data: Data, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits at the answer positions' predecessors, dense auxiliary logits) of one batch."""
+    inner = parts.model.model
+    vision, projector, lm = inner.vision_tower, inner.multi_modal_projector, inner.language_model
+    embed = lm.get_input_embeddings()
+    device, batch = b.text.device, b.text.shape[0]
+    pix = _mirror((data.images[data.scene_of[b.index]].float() / 255 - parts.mean) / parts.std, b)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        layer = parts.model.config.vision_feature_layer
+        hidden = vision(pixel_values=pix, output_hidden_states=True).hidden_states[layer][:, 1:]
+        dense = parts.aux(hidden)  # (B, 576, 7 + 5 + 24 + 24)
+        if b.merged:  # dropped tokens averaged into their nearest kept token, before the projector
+            rows = projector(merge_into_kept(hidden, b.order))
+        else:
+            rows = projector(hidden)  # (B, 576, d)
+            rows = torch.gather(rows, 1, b.order.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+        h = parts.head.expand(batch, -1)
+        embeds = torch.cat([embed(h), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
+        prefix = h.shape[1] + b.k
+        attn = (torch.arange(embeds.shape[1], device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
+        states = lm(inputs_embeds=embeds, attention_mask=attn).last_hidden_state
+        # position t predicts token t + 1: the answer tokens at text positions p come from prefix + p - 1
+        logits = parts.model.lm_head(states[:, prefix - 1 : prefix - 1 + b.text.shape[1]])
+    return logits, dense
+
+
+def losses(parts: Parts, data: Data, b: Batch, dense: torch.Tensor) -> torch.Tensor:
+    """The dense auxiliary loss: colour and shape of the object at each patch, and the patch's row and column."""
+    batch = b.text.shape[0]
+    lab = _mirror(data.patch_labels[data.scene_of[b.index]].view(batch, 2, 24, 24), b).flatten(2)  # (B, 2, 576)
+    dense = dense.float().flatten(0, 1)
+    n_col, n_shape = 1 + len(COLOURS), 1 + len(SHAPES)
+    cut = [0, n_col, n_col + n_shape, n_col + n_shape + 24, n_col + n_shape + 48]
+    grid = torch.arange(N_IMG, device=dense.device)
+    return (
+        F.cross_entropy(dense[:, cut[0] : cut[1]], lab[:, 0].flatten())
+        + F.cross_entropy(dense[:, cut[1] : cut[2]], lab[:, 1].flatten())
+        + 0.25 * F.cross_entropy(dense[:, cut[2] : cut[3]], (grid // 24).repeat(batch))
+        + 0.25 * F.cross_entropy(dense[:, cut[3] : cut[4]], (grid % 24).repeat(batch))
+    )
+
+
+def optimiser(args: argparse.Namespace, parts: Parts) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    params = [p for p in [*parts.model.parameters(), *parts.aux.parameters()] if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.05},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)), params
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """AdamW's learning rate: linear warm-up over 5% of the steps, then cosine to zero."""
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return float(args.lr * (step + 1) / warmup)
+    return float(args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup))))
+
+
+def prepare(args: argparse.Namespace, run: Run) -> tuple[Parts, Data]:
+    """The model to train (checked against the adapter's prompt) and the scene pool on the device."""
+    from PIL import Image
+
     from care_core.backbones import LlavaAdapter
-    from care_core.backbones._hf import quiet_transformers
 
     spec = DEMO_BACKBONES[args.backbone]
-    if spec.family != "llava-1.5":
-        raise SystemExit(f"{args.backbone}: only the LLaVA-1.5 recipe is implemented")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    advance = run.phase("building the model and checking its prompt", total=1)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    with quiet_transformers():
-        model, processor = spec.build(args.seed)
-    adapter = LlavaAdapter(model, processor, name=args.backbone)
-    prompts = Prompts(adapter)
-    prompts.check("What colour is the circle?", 576)
-    prompts.check("How many shapes are there?", 7)
-
+    model, processor = spec.build(args.seed)
+    prompts = Prompts(LlavaAdapter(model, processor, name=args.backbone))
+    blank = prompts.adapter.encode_image(Image.new("RGB", (336, 336)))
+    for question in ("What colour is the circle?", "How many shapes are there?"):
+        prompts.check(question, blank)
+    advance(1)
     t0 = time.perf_counter()
-    images, patch_labels, qas = make_pool(args.scenes, args.workers, processor.image_processor)
-    log(f"pool: {args.scenes} scenes, {len(qas)} questions in {time.perf_counter() - t0:.1f} s")
+    advance = run.phase(f"drawing {args.scenes} scenes ({args.workers} workers)", total=args.scenes)
+    images, patch_labels, qas = make_pool(args.scenes, args.workers, processor.image_processor, advance)
+    run.log(f"pool: {args.scenes} scenes, {len(qas)} questions in {time.perf_counter() - t0:.1f} s")
     device = torch.device(args.device)
-    images, patch_labels = images.to(device), patch_labels.to(device).long()
-    tails = {q: prompts.tail(q) for q in {q for _, q, _ in qas}}
-    answers = {a: prompts.answer(a) for a in {a for _, _, a in qas} | set(MIRROR)}
-    scene_of = torch.tensor([s for s, _, _ in qas], device=device)
-
+    data = Data(images.to(device), patch_labels.to(device).long(), qas,
+                torch.tensor([s for s, _, _ in qas], device=device),
+                {q: prompts.tail(q) for q in {q for _, q, _ in qas}},
+                {a: prompts.answer(a) for a in {a for _, _, a in qas} | set(MIRROR)})  # fmt: skip
     model.to(device).train()
     model.requires_grad_(True)
-    inner = model.model
-    vision, projector, lm = inner.vision_tower, inner.multi_modal_projector, inner.language_model
-    lm_head = model.lm_head
-    embed = lm.get_input_embeddings()
-    layer = model.config.vision_feature_layer
     ip = processor.image_processor
-    mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
-    # dense auxiliary heads (not shipped): colour and shape of the object at each patch, from the vision features
-    # and its row and column (so that the features say where they are, for position questions and shuffled rows)
-    n_col, n_shape = 1 + len(COLOURS), 1 + len(SHAPES)
-    aux = torch.nn.Linear(model.config.vision_config.hidden_size, n_col + n_shape + 24 + 24).to(device)
-    grid_rows = (torch.arange(576, device=device) // 24).repeat(args.batch)
-    grid_cols = (torch.arange(576, device=device) % 24).repeat(args.batch)
-    params = [p for p in [*model.parameters(), *aux.parameters()] if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.98),
-    )
-    warmup = max(1, args.steps // 20)
+    hidden = model.config.vision_config.hidden_size
+    aux = torch.nn.Linear(hidden, 1 + len(COLOURS) + 1 + len(SHAPES) + 24 + 24).to(device)
+    parts = Parts(model, processor, aux, torch.tensor(prompts.head, device=device), int(prompts.tok.pad_token_id),
+                  torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1),
+                  torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1))  # fmt: skip
+    return parts, data
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
 
+def fit(args: argparse.Namespace, run: Run, parts: Parts, data: Data) -> float:
+    """The training loop; returns its seconds."""
+    opt, params = optimiser(args, parts)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
-    n_img = 576
-    head = torch.tensor(prompts.head, device=device)
-    t_train = time.perf_counter()
+    advance = run.phase("training", total=args.steps)
+    started = time.perf_counter()
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        batch = torch.randint(0, len(qas), (args.batch,), generator=gen)
-        # mirror images (and the answers of position questions with them): left/right and top/bottom balanced
-        hflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
-        vflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
-        # token subsets in --subset-share of the steps after the first 30% (0.5: the shipped recipe; with 0 the
-        # model cannot read reduced token sets at all, see the module docstring)
-        full = step < 0.3 * args.steps or bool(torch.rand((), generator=gen) < 1 - args.subset_share)
-        log_k = float(torch.empty(()).uniform_(math.log(48), math.log(n_img), generator=gen))
-        k = n_img if full else int(math.exp(log_k))
-        shuffled = bool(torch.rand((), generator=gen) < 0.5)
-        merged = not full and bool(torch.rand((), generator=gen) < args.merge_share)
-        if k < n_img:
-            order = torch.rand((args.batch, n_img), generator=gen).argsort(dim=1)[:, :k]
-            if not shuffled:
-                order = order.sort(dim=1).values
-        else:
-            order = torch.arange(n_img).expand(args.batch, n_img)
-        order = order.to(device)
-        said = [mirrored(qas[i][2], bool(h), bool(v)) for i, h, v in zip(batch.tolist(), hflip, vflip, strict=True)]
-        seqs = [tails[qas[i][1]] + answers[a] for i, a in zip(batch.tolist(), said, strict=True)]
-        ans_len = [len(answers[a]) for a in said]
-        width = max(len(s) for s in seqs)
-        text = torch.full((args.batch, width), int(prompts.tok.pad_token_id), dtype=torch.long)
-        target_mask = torch.zeros((args.batch, width), dtype=torch.bool)
-        for row, (s, a) in enumerate(zip(seqs, ans_len, strict=True)):
-            text[row, : len(s)] = torch.tensor(s)
-            target_mask[row, len(s) - a : len(s)] = True
-        text, target_mask = text.to(device), target_mask.to(device)
-        lengths = torch.tensor([len(s) for s in seqs], device=device)
-        pix = (images[scene_of[batch.to(device)]].float() / 255 - mean) / std
-        h_dev, v_dev = hflip.to(device), vflip.to(device)
-        pix = torch.where(h_dev[:, None, None, None], pix.flip(-1), pix)
-        pix = torch.where(v_dev[:, None, None, None], pix.flip(-2), pix)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            hidden = vision(pixel_values=pix, output_hidden_states=True).hidden_states[layer][:, 1:]
-            dense = aux(hidden)  # (B, 576, 7 + 5 + 24 + 24)
-            if merged:  # dropped tokens averaged into their nearest kept token, before the projector
-                rows = projector(merge_into_kept(hidden, order))
-            else:
-                rows = projector(hidden)  # (B, 576, d)
-                rows = torch.gather(rows, 1, order.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
-            h = head.expand(args.batch, -1)
-            embeds = torch.cat([embed(h), rows.to(embed.weight.dtype), embed(text)], dim=1)
-            total = embeds.shape[1]
-            prefix = h.shape[1] + k
-            attn = (torch.arange(total, device=device)[None, :] < (prefix + lengths)[:, None]).long()
-            states = lm(inputs_embeds=embeds, attention_mask=attn).last_hidden_state
-            # position t predicts token t + 1: the answer tokens at text positions p come from prefix + p - 1
-            logits = lm_head(states[:, prefix - 1 : prefix - 1 + width])
-        lab = patch_labels[scene_of[batch.to(device)]].view(args.batch, 2, 24, 24)  # mirrored like the pixels
-        lab = torch.where(h_dev[:, None, None, None], lab.flip(-1), lab)
-        lab = torch.where(v_dev[:, None, None, None], lab.flip(-2), lab).flatten(2)  # (B, 2, 576)
-        dense = dense.float().flatten(0, 1)
-        cut = [0, n_col, n_col + n_shape, n_col + n_shape + 24, n_col + n_shape + 48]
-        aux_loss = (
-            F.cross_entropy(dense[:, cut[0] : cut[1]], lab[:, 0].flatten())
-            + F.cross_entropy(dense[:, cut[1] : cut[2]], lab[:, 1].flatten())
-            + 0.25 * F.cross_entropy(dense[:, cut[2] : cut[3]], grid_rows)
-            + 0.25 * F.cross_entropy(dense[:, cut[3] : cut[4]], grid_cols)
-        )
-        answer_loss = F.cross_entropy(logits.float()[target_mask], text[target_mask])
+            group["lr"] = lr_at(args, step)
+        b = draw_batch(args, step, gen, data, parts)
+        logits, dense = forward(parts, data, b)
+        aux_loss = losses(parts, data, b, dense)
+        answer_loss = F.cross_entropy(logits.float()[b.target], b.text[b.target])
         loss = answer_loss + args.aux_weight * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        advance(1)
         if step % 250 == 0 or step == args.steps - 1:
             with torch.no_grad():
-                acc = (logits.argmax(-1)[target_mask] == text[target_mask]).float().mean()
-            log(f"step {step:5d}  k {k:3d}{'m' if merged else ' '} answer loss {answer_loss.item():.4f}  "
-                f"aux {aux_loss.item():.3f}  token acc {acc.item():.3f}  lr {lr_at(step):.2e}  "
-                f"{time.perf_counter() - t_train:.0f} s")  # fmt: skip
-    if device.type == "cuda":
+                acc = (logits.argmax(-1)[b.target] == b.text[b.target]).float().mean()
+            run.log(f"step {step:5d}  k {b.k:3d}{'m' if b.merged else ' '} answer loss {answer_loss.item():.4f}  "
+                    f"aux {aux_loss.item():.3f}  token acc {acc.item():.3f}  lr {lr_at(args, step):.2e}  "
+                    f"{time.perf_counter() - started:.0f} s")  # fmt: skip
+    if data.images.is_cuda:
         torch.cuda.synchronize()
-    train_s = time.perf_counter() - t_train
-    del images
+    return time.perf_counter() - started
 
+
+def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+    """Build, train and save the model: the float16 weights that ship and a loadable model folder."""
+    spec = DEMO_BACKBONES[args.backbone]
+    if spec.family != "llava-1.5":
+        raise SystemExit(f"error: {args.backbone}: only the LLaVA-1.5 recipe is implemented")
+    parts, data = prepare(args, run)
+    train_s = fit(args, run, parts, data)
+    questions = len(data.qas)
+    del data
     # the file that ships: float16, saved by save_pretrained (same keys as a demo folder's model.safetensors)
-    model.eval().requires_grad_(False)
-    folder = out / "model"
-    with quiet_transformers():
-        model.to("cpu").half().save_pretrained(str(folder))
-        processor.save_pretrained(str(folder))
-    weights = out / spec.weights if spec.weights else out / f"{args.backbone}.safetensors"
+    advance = run.phase("saving the weights", total=1)
+    model = parts.model.eval().requires_grad_(False)
+    folder = run.out / "model"
+    model.to("cpu").half().save_pretrained(str(folder))
+    parts.processor.save_pretrained(str(folder))
+    run.record(folder)
+    weights = run.out / spec.weights if spec.weights else run.out / f"{args.backbone}.safetensors"
     shutil.copyfile(folder / "model.safetensors", weights)
-    return {"train_seconds": round(train_s, 1), "pool_questions": len(qas), "folder": folder, "weights": weights}
+    run.record(weights)
+    advance(1)
+    return {"train_seconds": round(train_s, 1), "pool_questions": questions, "folder": folder, "weights": weights}
 
 
 # ------------------------------------------------------------------------------------------ evaluation
-def use_pil_image_processor(adapter: Any) -> None:
-    """Where torchvision is installed, AutoProcessor picks the torchvision CLIP processor (whose resize differs
-    slightly); use the PIL one, as the package does without torchvision and as training did."""
-    ip = adapter.processor.image_processor
-    if type(ip).__name__.endswith("Pil"):
-        return
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    adapter.processor.image_processor = CLIPImageProcessorPil(
-        size=dict(ip.size), crop_size=dict(ip.crop_size), do_center_crop=ip.do_center_crop
-    )
-
-
 _eval: dict[str, Any] = {}
 
 
@@ -365,6 +446,7 @@ def _init_eval(folder: str, random_keep: int) -> None:
     from care_core.backbones import load_backbone
     from care_core.methods import build_method
 
+    _ignore_ctrl_c()
     torch.set_num_threads(1)
     adapter = load_backbone(folder, device="cpu", dtype="float32")
     use_pil_image_processor(adapter)
@@ -388,20 +470,16 @@ def _eval_one(item: tuple[int, str, str, str]) -> tuple[str, int, int, int]:
     )
 
 
-def heldout_items(count: int) -> list[tuple[int, str, str, str]]:
-    """The held-out questions: (scene index, question, answer, type), types balanced (split seed 1)."""
-    photos = load_photos()
-    pairs = iter_questions(HELDOUT_SPLIT, count, photos=photos)
-    return [(scene.index, qa.question, qa.answer, qa.type) for scene, qa in pairs]
-
-
-def evaluate(folder: Path, count: int, workers: int, random_keep: int, log: Any) -> dict[str, Any]:
+def evaluate(folder: Path, count: int, workers: int, random_keep: int, run: Run) -> dict[str, Any]:
     """Held-out accuracy (split seed 1) through ``adapter.generate`` (float32 on the CPU, ``workers`` processes):
     all tokens, and random selection and care at K = ``random_keep``."""
     items = heldout_items(count)
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_eval, initargs=(str(folder), random_keep)) as pool:
-        rows = pool.map(_eval_one, items, chunksize=4)
+    advance = run.phase(f"evaluating {count} held-out questions ({workers} workers)", total=len(items))
+    rows = []
+    with mp.get_context("spawn").Pool(workers, initializer=_init_eval, initargs=(str(folder), random_keep)) as pool:
+        for row in pool.imap(_eval_one, items, chunksize=4):
+            rows.append(row)
+            advance(1)
     result: dict[str, Any] = {}
     for key, col in (("all", 1), (f"random@{random_keep}", 2), (f"care@{random_keep}", 3)):
         per_type: dict[str, list[int]] = {}
@@ -413,7 +491,7 @@ def evaluate(folder: Path, count: int, workers: int, random_keep: int, log: Any)
             "per_type": {t: round(100 * sum(v) / len(v), 2) for t in QUESTION_TYPES if (v := per_type.get(t))},
             "questions": len(flat),
         }
-        log(f"held-out {key}: {result[key]}")
+        run.log(f"held-out {key}: {result[key]}")
     return result
 
 
@@ -436,7 +514,7 @@ def install(backbone: str, source: Path) -> None:
     (WEIGHTS_DIR / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     trained = sorted(n for n, s in DEMO_BACKBONES.items() if s.trained)
     parser.add_argument("--backbone", default="tiny-llava", choices=trained)
@@ -458,8 +536,8 @@ def main(argv: list[str] | None = None) -> None:
         "--merge-share",
         type=float,
         default=0.0,
-        help="share of the subset steps whose dropped tokens are averaged into their nearest kept token "
-        "(0: the shipped recipe)",
+        help="share of the subset steps whose dropped tokens are averaged into their nearest kept "
+        "token (0: the shipped recipe)",
     )
     parser.add_argument(
         "--flip",
@@ -468,47 +546,55 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--eval", type=int, default=500, help="held-out questions")
+    parser.add_argument("--eval", type=int, default=500, help="held-out questions")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.install_from is not None:
-        install(args.backbone, args.install_from)
-        return
-    if args.out is None:
+    if args.install_from is None and args.out is None:
         parser.error("give --out DIR (or --install-from DIR)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
+    return args
 
-    def log(message: str) -> None:
-        print(message, flush=True)
-        lines.append(message)
-        (args.out / "log.txt").write_text("\n".join(lines) + "\n")
 
-    t0 = time.perf_counter()
+def train_and_evaluate(args: argparse.Namespace, argv: list[str] | None, run: Run) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # transformers' notes and bars would break the progress display
+    hf_logging.disable_progress_bar()
+    started = time.perf_counter()
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    log(f"{args.backbone}: torch {torch.__version__}, device {device_name}")
-    trained = train(args, log)
-    evaluation = evaluate(trained["folder"], args.eval, args.workers, 64, log)
+    run.log(f"{args.backbone}: torch {torch.__version__}, device {device_name}")
+    trained = train(args, run)
+    evaluation = evaluate(trained["folder"], args.eval, args.workers, 64, run)
+    options = ("seed", "steps", "batch", "lr", "scenes", "subset_share", "merge_share", "flip")
     summary = {
         "backbone": args.backbone,
-        "command": "python scripts/train_demo.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "seed": args.seed,
-        "steps": args.steps,
-        "batch": args.batch,
-        "lr": args.lr,
-        "scenes": args.scenes,
-        "subset_share": args.subset_share,
-        "merge_share": args.merge_share,
-        "flip": args.flip,
+        "command": "python -m scripts.train_demo " + " ".join(sys.argv[1:] if argv is None else argv),
+        **{name: getattr(args, name) for name in options},
         "pool_questions": trained["pool_questions"],
         "device": device_name,
         "train_seconds": trained["train_seconds"],
-        "total_seconds": round(time.perf_counter() - t0, 1),
+        "total_seconds": round(time.perf_counter() - started, 1),
         "sha256": file_sha256(trained["weights"]),
         "heldout": evaluation,
     }
-    (args.out / f"{args.backbone}.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(json.dumps(summary))
+    (run.out / f"{args.backbone}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    run.record(run.out / f"{args.backbone}.json")
+    run.log(json.dumps(summary))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.install_from is not None:
+        install(args.backbone, args.install_from)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    run = Run(args.out)
+    try:
+        with run.progress:
+            train_and_evaluate(args, argv, run)
+    except KeyboardInterrupt:
+        print(run.interrupted(), file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

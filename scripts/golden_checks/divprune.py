@@ -17,7 +17,7 @@ import torch
 
 from care_core.methods import MethodInputs, build_method
 from care_core.methods.divprune import divprune_select
-from golden_checks import CaseResult, compare
+from scripts.golden_checks import CaseResult, compare
 
 
 def _budgets(data: dict[str, np.ndarray]) -> list[int]:

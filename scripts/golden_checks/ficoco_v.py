@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from care_core.methods.ficoco import ficoco_step, fresh_score_map
-from golden_checks import CaseResult, compare
+from scripts.golden_checks import CaseResult, compare
 
 ATOL = 1e-5
 R = 42  # the repository's default, used for every stored call

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from care_core.methods.prumerge import prumerge_reduce
-from golden_checks import CaseResult, compare
+from scripts.golden_checks import CaseResult, compare
 
 ATOL = 1e-5
 

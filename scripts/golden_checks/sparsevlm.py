@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from care_core.methods.sparsevlm import cluster_and_merge, first_stage_mask, rater_relevance
-from golden_checks import CaseResult, compare
+from scripts.golden_checks import CaseResult, compare
 
 V_START, TEXT_START = 35, 611
 

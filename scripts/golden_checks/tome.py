@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain
-from golden_checks import CaseResult, compare
+from scripts.golden_checks import CaseResult, compare
 
 ATOL = 1e-5
 

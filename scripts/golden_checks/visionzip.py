@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from care_core.methods.visionzip import VisionZip, visionzip_reduce
-from golden_checks import CaseResult, compare, compare_relative
+from scripts.golden_checks import CaseResult, compare, compare_relative
 
 ATOL = 1e-5  # tensor-level files: no accumulation between the stored inputs and the outputs
 

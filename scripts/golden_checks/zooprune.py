@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from care_core.methods.zoo_prune import sads_select
-from golden_checks import CaseResult, compare
+from scripts.golden_checks import CaseResult, compare
 
 
 def check(data: dict[str, np.ndarray], filename: str) -> list[CaseResult]:

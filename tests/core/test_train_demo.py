@@ -1,23 +1,19 @@
-"""scripts/train_demo.py's merge augmentation, against a hand-built case and a per-token loop."""
+"""scripts/train_demo.py: its merge augmentation (against a hand-built case and a per-token loop) and its stop on
+Ctrl-C (one line, exit code 130, no traceback)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from scripts import train_demo
 
 
 def _merge() -> Any:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from train_demo import merge_into_kept
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    return merge_into_kept
+    return train_demo.merge_into_kept
 
 
 def test_dropped_tokens_join_their_nearest_kept_token() -> None:
@@ -46,3 +42,23 @@ def test_matches_a_per_token_loop() -> None:
         for j, group in enumerate(members):
             assert torch.allclose(rows[b, j], hidden[b, group].mean(0), atol=1e-12)
     assert sum(len(m) for m in members) == 40
+
+
+def test_ctrl_c_in_training_stops_with_one_line_and_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def prepare(args: Any, run: Any) -> tuple[Any, Any]:
+        run.log("pool: 8 scenes")  # set-up done, log written
+        return None, None
+
+    def fit(args: Any, run: Any, parts: Any, data: Any) -> float:
+        raise KeyboardInterrupt  # Ctrl-C during the steps
+
+    monkeypatch.setattr(train_demo, "prepare", prepare)
+    monkeypatch.setattr(train_demo, "fit", fit)
+    code = train_demo.main(["--out", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.splitlines() == [f"interrupted; saved so far: {tmp_path / 'log.txt'}"]
+    assert "pool: 8 scenes" in (tmp_path / "log.txt").read_text()
+    assert not (tmp_path / "model").exists()

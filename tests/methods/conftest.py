@@ -129,7 +129,7 @@ def load_golden(name: str) -> dict[str, np.ndarray]:
 
 @functools.lru_cache(maxsize=1)
 def check_golden_script() -> ModuleType:
-    """scripts/check_golden.py as a module (importing it puts scripts/ on sys.path, for golden_checks)."""
+    """scripts/check_golden.py as a module (it imports scripts.golden_checks from the repository root)."""
     spec = importlib.util.spec_from_file_location("check_golden", SCRIPTS_DIR / "check_golden.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -140,7 +140,7 @@ def check_golden_script() -> ModuleType:
 def golden_checker(module: str) -> ModuleType:
     """One checker of scripts/golden_checks (e.g. "visionzip"), for tests that call its functions directly."""
     check_golden_script()
-    return importlib.import_module(f"golden_checks.{module}")
+    return importlib.import_module(f"scripts.golden_checks.{module}")
 
 
 def assert_golden_passes(name: str) -> None:

@@ -1,0 +1,86 @@
+"""Full-size LLaVA-1.5-7B and LLaVA-NeXT-7B with seeded random weights, built directly on the device.
+
+care_core ships tiny demo builders only (``care_core.backbones.demo``); the GPU benchmarks need the real shapes:
+CLIP-L/336 (24 layers), the 1024->4096->4096 GELU projector and Vicuna-7B, with the demos' byte tokenizer and
+chat templates. ``tiny=True`` keeps the same image geometry (576 tokens per 336x336 view) at tiny widths, for a
+smoke test on the CPU. Weights are random: timings do not depend on their values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from care_core.backbones.demo import LLAVA15_CHAT_TEMPLATE, LLAVA_NEXT_CHAT_TEMPLATE, build_byte_tokenizer
+
+Widths = dict[str, Any]
+VISION_7B: Widths = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
+TEXT_7B: Widths = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32)  # fmt: skip
+VISION_TINY: Widths = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4)
+TEXT_TINY: Widths = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4)  # fmt: skip
+VIEW: dict[str, Any] = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
+
+
+def _configs(tok: Any, tiny: bool, max_positions: int) -> dict[str, Any]:
+    """The keyword arguments both LLaVA configs share: CLIP-L/336 and Vicuna-7B (or tiny widths)."""
+    from transformers import CLIPVisionConfig, LlamaConfig
+
+    vision = CLIPVisionConfig(**(VISION_TINY if tiny else VISION_7B), image_size=336, patch_size=14,
+                              projection_dim=768, hidden_act="quick_gelu")  # fmt: skip
+    text = LlamaConfig(vocab_size=32064, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       **(TEXT_TINY if tiny else TEXT_7B))  # fmt: skip
+    return {"vision_config": vision, "text_config": text, "image_token_index": tok.convert_tokens_to_ids("<image>"),
+            "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+            "projector_hidden_act": "gelu"}  # fmt: skip
+
+
+def _random_model(model_cls: Any, config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    """The model built directly on ``device`` in ``dtype`` with seeded random weights, eval mode, no grads."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(saved)
+    model = model.to(device=device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _processor_options(template: str) -> dict[str, Any]:
+    return {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1,
+            "chat_template": template}  # fmt: skip
+
+
+def build_llava(device: torch.device, dtype: torch.dtype, tiny: bool = False) -> tuple[Any, Any]:
+    """LLaVA-1.5-7B (CLIP-L/336 24 layers, 1024->4096->4096 GELU projector, Vicuna-7B): (model, processor)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = build_byte_tokenizer(["<image>"])
+    config = LlavaConfig(**_configs(tok, tiny, max_positions=4096), image_seq_length=576)
+    model = _random_model(LlavaForConditionalGeneration, config, device, dtype, seed=0)
+    images = CLIPImageProcessorPil(**VIEW, do_center_crop=True)
+    processor = LlavaProcessor(image_processor=images, tokenizer=tok, **_processor_options(LLAVA15_CHAT_TEMPLATE))
+    return model, processor
+
+
+def build_llava_next(device: torch.device, dtype: torch.dtype, tiny: bool = False) -> tuple[Any, Any]:
+    """LLaVA-NeXT-7B (vicuna): the LLaVA-1.5-7B parts + anyres (default pinpoints): (model, processor)."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = build_byte_tokenizer(["<image>"])
+    config = LlavaNextConfig(**_configs(tok, tiny, max_positions=8192))
+    model = _random_model(LlavaNextForConditionalGeneration, config, device, dtype, seed=1)
+    pinpoints = [list(p) for p in config.image_grid_pinpoints or ()]
+    images = LlavaNextImageProcessorPil(**VIEW, image_grid_pinpoints=pinpoints)
+    options = _processor_options(LLAVA_NEXT_CHAT_TEMPLATE)
+    processor = LlavaNextProcessor(image_processor=images, tokenizer=tok, **options)
+    return model, processor

@@ -1,0 +1,1 @@
+"""The repository's scripts; each runs from the repository root as ``python -m scripts.<name>``."""

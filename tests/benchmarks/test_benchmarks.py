@@ -1,0 +1,76 @@
+"""What a user of the benchmarks sees: results in a scratch folder unless --out names a new file, tables that fit
+80 columns without cutting a number, and "CUDA graphs: not on CPU" where graphs cannot run."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_startup
+from benchmarks.common import RESULTS, print_table
+from benchmarks.gpu.report import print_tables
+
+COMMITTED_GPU = RESULTS / "2026-11-26-gpu-h200-triangular.json"
+
+
+def _committed() -> set[Path]:
+    return set(RESULTS.iterdir())
+
+
+def test_results_go_to_a_scratch_folder_not_into_the_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench_startup, "COMMANDS", (("--version",),))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = _committed()
+    bench_startup.main(["--quick"])
+    assert _committed() == before
+    (scratch,) = tmp_path.iterdir()
+    (written,) = scratch.glob("*-cpu-bench_startup.json")
+    assert json.loads(written.read_text())["rows"][0]["command"] == "care --version"
+    assert f"wrote {written}" in capsys.readouterr().out.replace("\n", "")
+
+
+def test_out_refuses_an_existing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    existing = tmp_path / "result.json"
+    existing.write_text("{}\n")
+    with pytest.raises(SystemExit) as stop:
+        bench_startup.main(["--out", str(existing)])
+    assert stop.value.code == 2
+    assert existing.read_text() == "{}\n"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "exists" in err
+
+
+def test_wide_table_is_split_and_keeps_every_number(capsys: pytest.CaptureFixture[str]) -> None:
+    header = ("method", *(f"column number {i}" for i in range(12)))
+    row = ("a method with a rather long name", *(f"{1234567.891 * (i + 1):.3f}" for i in range(12)))
+    print_table("twelve wide columns", header, [row])
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert all(cell in out for cell in row[1:])  # each number whole, on one line
+    assert "(2/" in out  # split into parts
+
+
+def test_committed_gpu_results_print_within_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    results = json.loads(COMMITTED_GPU.read_text())
+    print_tables(results)
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    fd = next(r for r in results["scoring"] if r["engine"] == "fd" and r["N"] == 2880)
+    assert re.search(rf"\b{fd['ms']:.2f}\b", out)
+
+
+def test_graph_cells_on_the_cpu_say_not_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    cpu_row = {"workload": "llava-1.5-7b", "decoding": "cuda graphs (static cache)", "K": 64,
+               "note": "CUDA graphs: not on CPU"}  # fmt: skip
+    results = {"environment": {"card": "cpu", "torch": "-", "triton": "-", "transformers": "-", "cuda": None},
+               "generate": [cpu_row]}  # fmt: skip
+    print_tables(results)
+    out = capsys.readouterr().out
+    assert any("CUDA graphs: not on CPU" in line for line in out.splitlines())
+    assert max(len(line) for line in out.splitlines()) <= 80
