@@ -202,8 +202,9 @@ def kernel_only(v: torch.Tensor, u: torch.Tensor, projector: Any, micro: Micro) 
 def bench_care_reduce(features_by_n: dict[int, torch.Tensor], positions_by_n: dict[int, torch.Tensor],
                       projector: Any, keep_by_n: dict[int, int],
                       micro: Micro) -> list[dict[str, Any]]:  # fmt: skip
-    """The whole of ``care_reduce`` with a Scorer the caller owns, default (triangular on CUDA) and dense second
-    layer, tf32 and bf16: time per call, its ratio to the exact derivative's floor, same anchors as dense?"""
+    """The whole of ``care_reduce``: a plain call (no scorer: the one kept on the projector), and with a Scorer the
+    caller owns, default (triangular on CUDA) and dense second layer, tf32 and bf16: time per call, its ratio to
+    the exact derivative's floor, same anchors as dense?"""
     rows = []
     w2 = projector.linear_2.weight
     for n, feats in features_by_n.items():
@@ -211,10 +212,11 @@ def bench_care_reduce(features_by_n: dict[int, torch.Tensor], positions_by_n: di
         for precision in ("auto", "bf16"):
             cfg = CaReConfig(matmul_precision=precision)
             done: dict[str, Any] = {}
-            for layer in ("auto", "dense"):
-                scorer = Scorer(projector, second_layer=layer)
+            for layer in ("plain", "auto", "dense"):
+                scorer = None if layer == "plain" else Scorer(projector, second_layer=layer)
+                label = "none (plain call)" if scorer is None else f"Scorer(second_layer={layer!r})"
                 row: dict[str, Any] = {"N": n, "K": k, "matmul": "tf32" if precision == "auto" else precision,
-                                       "scorer": f"Scorer(second_layer={layer!r})"}  # fmt: skip
+                                       "scorer": label}  # fmt: skip
                 try:
                     run = partial(care_reduce, v, projector, p, keep=k, config=cfg, scorer=scorer)
                     done[layer] = run()
@@ -225,10 +227,13 @@ def bench_care_reduce(features_by_n: dict[int, torch.Tensor], positions_by_n: di
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 rows.append(row)
-            if len(done) == 2:  # the default against the dense path: same anchors, same signals?
-                rows[-2]["same_anchors_as_dense"] = bool(torch.equal(done["auto"].indices, done["dense"].indices))
-                rows[-2]["same_signals_as_dense"] = bool(torch.equal(done["auto"].signals, done["dense"].signals))
-        say(f"  care_reduce N={n} K={k}: " + ", ".join(f"{r.get('ms', float('nan')):.2f}" for r in rows[-4:]) + " ms")
+            if len(done) == 3:  # the plain call and the default against the dense path: same anchors, signals?
+                for offset, name in ((-3, "plain"), (-2, "auto")):
+                    rows[offset]["same_anchors_as_dense"] = bool(torch.equal(done[name].indices, done["dense"].indices))
+                    rows[offset]["same_signals_as_dense"] = bool(torch.equal(done[name].signals, done["dense"].signals))
+                if "ms" in rows[-3] and "ms" in rows[-2]:
+                    rows[-3]["x_scorer"] = rows[-3]["ms"] / rows[-2]["ms"]  # plain call against a caller's Scorer
+        say(f"  care_reduce N={n} K={k}: " + ", ".join(f"{r.get('ms', float('nan')):.2f}" for r in rows[-6:]) + " ms")
     return rows
 
 

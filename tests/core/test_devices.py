@@ -116,6 +116,7 @@ def test_process_device_gives_each_process_its_gpu(monkeypatch: pytest.MonkeyPat
     from care_core.backbones.loading import process_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert process_device("auto", world_size=4, local_rank=2) == "cuda:2"
     assert process_device("cuda", world_size=2, local_rank=1) == "cuda:1"
     for device in ("cpu", "cuda:0"):  # what the user named stays
@@ -124,5 +125,7 @@ def test_process_device_gives_each_process_its_gpu(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert process_device("auto") == "cuda:5"  # torchrun's / accelerate's environment by default
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert process_device("auto") == "cuda:1"  # more processes than GPUs: they share them in turn
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert process_device("auto") == "auto"  # no CUDA: nothing to pick
