@@ -1,5 +1,5 @@
 """CLI conventions every command shares: version, usage errors, help text, quiet --json, safe outputs,
-hyperparameter ranges, labels (issue: first-contact defects)."""
+hyperparameter ranges, labels."""
 
 from __future__ import annotations
 

@@ -190,7 +190,7 @@ def test_red_is_pure_red() -> None:
     assert RED == "#ff0000"
 
 
-# --- layout: every figure looks like a paper figure (issue #10, "Figures") ------------------------------
+# --- layout: every figure looks like a paper figure ------------------------------
 
 DEMO_NOTE = "demo backbone: random weights — its numbers say nothing about a real model"
 MIN_FONT_PT = 8.0

@@ -1,4 +1,4 @@
-"""The fast code paths of issue #7 give the reference path's results; the core keeps no state (#11).
+"""The fast code paths give the reference path's results; the core keeps no state.
 
 CPU: the CPU scoring path is the reference code unchanged; the Gram-matrix greedy (the fused GPU
 kernel's PyTorch twin) picks the same anchors as the reference loop; the pure functions convert and
@@ -531,7 +531,7 @@ def test_factor_on_cuda_is_as_accurate_as_the_dense_second_layer(matmul: str) ->
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the generic jvp path (projectors that are not Linear-act-Linear, e.g. Qwen2.5-VL's merger), issue #15
+# the generic jvp path (projectors that are not Linear-act-Linear, e.g. Qwen2.5-VL's merger)
 class _NormedMLP(nn.Module):
     """LayerNorm then an MLP: not recognised as Linear-act-Linear, so the generic jvp path scores it."""
 

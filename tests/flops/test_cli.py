@@ -187,3 +187,11 @@ def test_malformed_config(care, tmp_path: Path) -> None:
 
 def test_folder_without_config(care, tmp_path: Path) -> None:
     _bad(care("flops", "--backbone", tmp_path), "no config.json")
+
+
+@pytest.mark.parametrize(("tokens", "ratio", "keep"), [(100, "0.29", 29), (576, "0.11", 63), (2880, "0.056", 161)])
+def test_ratio_budgets_are_the_decimal_typed(care, tokens: int, ratio: str, keep: int) -> None:
+    """The one budget rule: 0.29 of 100 tokens is 29 (binary floating point would give 28.999…, floor 28)."""
+    run = care("flops", "--backbone", "llava-1.5", "--tokens", str(tokens), "--ratio", ratio, "--json")
+    assert run.code == 0, run.err
+    assert run.json()["budgets"] == [keep]

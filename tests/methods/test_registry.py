@@ -30,7 +30,7 @@ def _check_result(name: str, result: MethodResult, n: int, keep: int) -> None:
         assert torch.all(result.assignment >= -1) and torch.all(result.assignment < result.tokens.shape[0])
 
 
-def test_registry_lists_the_issue_methods() -> None:
+def test_registry_lists_the_paper_methods_ablations_and_baselines() -> None:
     expected = {
         "care", "zoo-prune", "prca-only", "simple-calib", "confidence-calib", "prca+simple-calib",
         "divprune", "visionzip", "prumerge+", "tome", "fastv", "sparsevlm", "ficoco-v", "random", "pool",
