@@ -15,8 +15,10 @@ from torch import nn
 
 from care_core import CaReConfig, care_reduce
 from care_core.anchors import diversity_greedy
-from care_core.batch import care_reduce_batch, padded_greedy
+from care_core.batch import batch_anchors, care_reduce_batch, padded_greedy
 from care_core.errors import BudgetError, CareError
+from care_core.kernels import GREEDY_MAX_TOKENS, KernelGate
+from care_core.scoring import Scorer, perturbation_responses, unit_directions
 from tests.core._problems import make_problem, random_directions, to_np
 from tests.reference.care_reference import reference_care
 
@@ -71,6 +73,33 @@ def test_float64_batch_equals_each_image_alone(batch, engine):
     features, positions = images(SIZES[batch])
     cfg = dataclasses.replace(ODD, engine=engine)
     check_batch(features, mlp(), positions, [{"ratio": 0.3}] * batch, config=cfg, ratio=0.3)
+
+
+class CountingScorer(Scorer):
+    """A scorer that counts its response passes."""
+
+    calls = 0
+
+    def responses(self, *args, **kwargs):
+        self.calls += 1
+        return super().responses(*args, **kwargs)
+
+
+@pytest.mark.parametrize("engine", ["jvp", "fd"])
+def test_one_scoring_pass_gives_each_image_its_responses(engine):
+    """Eq. 1 for all tokens in one engine call; each image's slice is its own responses (to rounding: a BLAS
+    may round a row of a taller matrix product differently, docs/design.md §Batches)."""
+    features, positions = images(SIZES[8], seed=9)
+    projector = mlp()
+    scorer = CountingScorer(projector)
+    cfg = dataclasses.replace(ODD, engine=engine)
+    care_reduce_batch(features, projector, positions, keep=1, config=cfg, scorer=scorer)
+    assert scorer.calls == 1
+    u = unit_directions(cfg.m, D_V, cfg.seed, dtype=torch.float64)
+    joint = perturbation_responses(torch.cat(features), projector, u, h=cfg.h, engine=engine)
+    for part, v in zip(joint.split([v.shape[0] for v in features], dim=1), features, strict=True):
+        alone = perturbation_responses(v, projector, u, h=cfg.h, engine=engine)
+        torch.testing.assert_close(part, alone, rtol=1e-14, atol=0)
 
 
 @pytest.mark.parametrize("engine", ["jvp", "fd"])
@@ -144,10 +173,36 @@ def test_padded_greedy_picks_what_diversity_greedy_picks_per_image(dtype):
     """Eq. 3 for the whole batch in one loop, against the single-image loop on the same weights."""
     gen = torch.Generator().manual_seed(3)
     sizes, ks = (1, 40, 7, 90), (1, 40, 3, 25)
-    weights = [torch.rand(n, generator=gen, dtype=dtype) for n in sizes]
+    # weights of either sign: a padded candidate (weight 0) would beat the negative ones were it selectable
+    weights = [torch.rand(n, generator=gen, dtype=dtype) - 0.5 for n in sizes]
     features = [torch.randn(n, 5, generator=gen, dtype=dtype) for n in sizes]
     features[1][4] = 0  # a zero token: cosine 0 with everything
     orders = padded_greedy(weights, features, ks, 1e-8)
+    for order, w, v, k in zip(orders, weights, features, ks, strict=True):
+        assert torch.equal(order, diversity_greedy(w, v, k, 1e-8, kernel="torch"))
+
+
+class PretendFused(KernelGate):
+    """A gate that sends every image the fused kernel takes to it, whose build then fails (as without Triton)."""
+
+    def choose(self, name, device, *, applies=True):
+        return "fused" if applies else "torch"
+
+    def attempt(self, name, fused):
+        self.failed[name] = "pretended"
+        return None
+
+
+def test_images_for_the_fused_kernel_run_alone_and_keep_their_place():
+    """float32 images up to GREEDY_MAX_TOKENS go to diversity_greedy (the CUDA kernel's caller), a larger one
+    to the padded loop; every order lands at its image's place."""
+    gen = torch.Generator().manual_seed(5)
+    sizes, ks = (5, GREEDY_MAX_TOKENS + 1, 7), (3, 4, 7)
+    weights = [torch.rand(n, generator=gen) for n in sizes]
+    features = [torch.randn(n, 3, generator=gen) for n in sizes]
+    gate = PretendFused("auto")
+    orders = batch_anchors(weights, features, ks, 1e-8, gate)
+    assert gate.failed == {"greedy": "pretended"}
     for order, w, v, k in zip(orders, weights, features, ks, strict=True):
         assert torch.equal(order, diversity_greedy(w, v, k, 1e-8, kernel="torch"))
 
