@@ -21,6 +21,16 @@ def cosine_similarity_matrix(a: torch.Tensor, b: torch.Tensor, eps: float) -> to
     return unit_rows(a, eps) @ unit_rows(b, eps).T
 
 
+def fused_greedy_applies(weights: torch.Tensor, features: torch.Tensor) -> bool:
+    """Whether the fused greedy kernel takes these inputs (float32, N <= GREEDY_MAX_TOKENS); the gate decides
+    about the device and Triton."""
+    return (
+        weights.dtype == torch.float32
+        and features.dtype == torch.float32
+        and weights.shape[0] <= kernels.GREEDY_MAX_TOKENS
+    )
+
+
 def diversity_greedy(
     weights: torch.Tensor,
     features: torch.Tensor,
@@ -42,12 +52,7 @@ def diversity_greedy(
     float32 rounding. A kernel that cannot be built falls back to the loop ("auto") for this call.
     """
     gate = as_gate(kernel)
-    applies = (
-        weights.dtype == torch.float32
-        and features.dtype == torch.float32
-        and weights.shape[0] <= kernels.GREEDY_MAX_TOKENS
-    )
-    if gate.choose("greedy", weights.device, applies=applies) == "fused":
+    if gate.choose("greedy", weights.device, applies=fused_greedy_applies(weights, features)) == "fused":
         unit = unit_rows(features, eps)
         with matmul_precision(allow_tf32=False):
             gram = unit @ unit.T

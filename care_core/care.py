@@ -78,6 +78,13 @@ def _check_inputs(features: torch.Tensor, positions: torch.Tensor) -> None:
         raise CareError("features contain NaN or infinite values")
 
 
+def scorer_for(projector: Projector, scorer: Scorer | None) -> Scorer:
+    """`scorer`, checked to be made for `projector`; where none is given, the one kept on the projector."""
+    if scorer is not None and scorer.projector is not projector:
+        raise CareError("scorer was made for another projector: use Scorer(projector) for this one")
+    return scorer if scorer is not None else Scorer.for_projector(projector)
+
+
 def resolve_directions(
     directions: torch.Tensor | None,
     m: int,
@@ -197,9 +204,7 @@ def care_reduce(
     """
     cfg = config or CaReConfig()
     _check_inputs(features, positions)
-    if scorer is not None and scorer.projector is not projector:
-        raise CareError("scorer was made for another projector: use Scorer(projector) for this one")
-    scorer = scorer if scorer is not None else Scorer.for_projector(projector)
+    scorer = scorer_for(projector, scorer)
     k = resolve_budget(features.shape[0], ratio, keep)
     timer = stage_timer or (lambda _name: nullcontext())
     v = features.to(compute_dtype(features.dtype))
