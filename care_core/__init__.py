@@ -17,10 +17,12 @@ _EXPORTS = {
     "Budget": "care_core.budget",
     "Reduction": "care_core.care",
     "care_reduce": "care_core.care",
+    "care_reduce_batch": "care_core.batch",
     "csr_score": "care_core.csr",
 }
 
 if TYPE_CHECKING:
+    from care_core.batch import care_reduce_batch
     from care_core.budget import Budget, resolve_budget
     from care_core.care import Reduction, care_reduce
     from care_core.config import CaReConfig
@@ -35,4 +37,13 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'care_core' has no attribute {name!r}")
 
 
-__all__ = ["Budget", "CaReConfig", "Reduction", "__version__", "care_reduce", "csr_score", "resolve_budget"]
+__all__ = [
+    "Budget",
+    "CaReConfig",
+    "Reduction",
+    "__version__",
+    "care_reduce",
+    "care_reduce_batch",
+    "csr_score",
+    "resolve_budget",
+]

@@ -9,7 +9,7 @@ import torch
 
 from care_core.anchors import diversity_greedy, fused_greedy_applies, unit_rows
 from care_core.budget import resolve_budget
-from care_core.care import Reduction, _check_inputs, calibrate_with, resolve_directions, scorer_for
+from care_core.care import Reduction, calibrate_with, check_inputs, resolve_directions, scorer_for
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError
 from care_core.kernels import KernelGate
@@ -25,7 +25,7 @@ def _check_batch(features: Sequence[torch.Tensor], positions: Sequence[torch.Ten
         raise CareError(f"must hold one tensor per image: {len(features)} images, got {len(positions)}", "positions")
     for i, (v, p) in enumerate(zip(features, positions, strict=True)):
         try:
-            _check_inputs(v, p)
+            check_inputs(v, p)
         except CareError as exc:
             raise CareError(f"image {i}: {exc}") from exc
     first = features[0]

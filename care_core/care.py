@@ -67,7 +67,7 @@ class Reduction:
         )
 
 
-def _check_inputs(features: torch.Tensor, positions: torch.Tensor) -> None:
+def check_inputs(features: torch.Tensor, positions: torch.Tensor) -> None:
     if features.ndim != 2 or features.shape[0] < 1 or features.shape[1] < 1:
         raise CareError(f"features must be a non-empty (N, d_v) tensor, got shape {tuple(features.shape)}")
     if not features.is_floating_point():
@@ -203,7 +203,7 @@ def care_reduce(
     (torch.Size([5, 8]), torch.float64)
     """
     cfg = config or CaReConfig()
-    _check_inputs(features, positions)
+    check_inputs(features, positions)
     scorer = scorer_for(projector, scorer)
     k = resolve_budget(features.shape[0], ratio, keep)
     timer = stage_timer or (lambda _name: nullcontext())
