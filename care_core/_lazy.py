@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import types
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 
@@ -28,6 +29,18 @@ class LazyModule(types.ModuleType):
         return dir(self._load())
 
 
+def lazy_exports(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's module-level ``__getattr__``: each name in ``homes`` is imported from its submodule
+    (``homes[name]``, relative to ``package``) on first use, so importing the package stays cheap."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{homes[name]}"), name)
+
+    return __getattr__
+
+
 if TYPE_CHECKING:
     import torch
     import torch.nn.functional as F
@@ -35,4 +48,4 @@ else:
     torch = LazyModule("torch")
     F = LazyModule("torch.nn.functional")
 
-__all__ = ["F", "LazyModule", "torch"]
+__all__ = ["F", "LazyModule", "lazy_exports", "torch"]

@@ -6,8 +6,9 @@ by ``care --help``) imports without torch; `transformers` is imported only when 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from care_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .base import ImageTokens, VLMAdapter
@@ -54,8 +55,4 @@ __all__ = [
     "register_family",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+__getattr__ = lazy_exports(__name__, _HOMES)

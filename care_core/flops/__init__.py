@@ -6,8 +6,9 @@ names below are imported on first use, so that the CLI can read one module (a ch
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from care_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from care_core.flops.formulas import (
@@ -68,8 +69,4 @@ __all__ = [
     "visual_tokens",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+__getattr__ = lazy_exports(__name__, _HOMES)
