@@ -155,7 +155,6 @@ def _jvp_mlp(
     low: torch.dtype | None,
     *,
     tf32: bool = False,
-    second_weight: torch.Tensor | None = None,
     kernel: Kernel | KernelGate = "auto",
     factor: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -167,14 +166,13 @@ def _jvp_mlp(
     The product, the matmul and the norm run fused in one Triton kernel (:mod:`care_core.kernels.jvp`)
     where :func:`_fused_jvp_applies` and the ``kernel`` setting allow it; otherwise (CPU, float32/float64
     matmuls, tf32 unless ``kernel="fused"``, odd shapes, a kernel that cannot be built) in chunks of
-    directions with PyTorch. ``second_weight`` replaces W2 (``benchmarks/gpu.py`` uses it to measure a
-    random-sketch approximation, which is not offered: it keeps too few of the exact anchors).
+    directions with PyTorch.
     """
     gate = as_gate(kernel)
     pre = mlp.first(features)  # (N, d_hidden)
     slope = _activation_slope(mlp.act, pre)  # act'(W1 v + b1)
     lifted = directions @ mlp.first.weight.T  # (m, d_hidden): W1 u_x, shared by all tokens
-    w2 = mlp.second.weight if second_weight is None else second_weight
+    w2 = mlp.second.weight
     upper = factor is not None
     if factor is not None:
         w2 = factor
