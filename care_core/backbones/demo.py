@@ -159,6 +159,12 @@ TRAINED_SIZES = TinySizes(
 )
 
 
+def _llava_processor_args(tokenizer: Any, chat_template: str) -> dict[str, Any]:
+    """What the LLaVA-1.5 and LLaVA-NeXT demo processors share: CLIP's 14 px patches, CLS dropped."""
+    return {"tokenizer": tokenizer, "patch_size": 14, "vision_feature_select_strategy": "default",
+            "num_additional_image_tokens": 1, "chat_template": chat_template}  # fmt: skip
+
+
 def build_tiny_llava(seed: int = 0, sizes: TinySizes = RANDOM_SIZES) -> tuple[Any, Any]:
     """LLaVA-1.5 with the real geometry (CLIP 336 px, patch 14, 24x24 = 576 tokens, layer -2,
     strategy "default") and tiny widths; weights drawn from ``seed`` without touching the
@@ -186,14 +192,7 @@ def build_tiny_llava(seed: int = 0, sizes: TinySizes = RANDOM_SIZES) -> tuple[An
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, do_center_crop=True
     )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tok,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=LLAVA15_CHAT_TEMPLATE,
-    )
+    processor = LlavaProcessor(image_processor=image_processor, **_llava_processor_args(tok, LLAVA15_CHAT_TEMPLATE))
     return model, processor
 
 
@@ -262,15 +261,8 @@ def build_tiny_llava_next(seed: int = 0) -> tuple[Any, Any]:
         crop_size={"height": 336, "width": 336},
         image_grid_pinpoints=[list(p) for p in config.image_grid_pinpoints],
     )
-    processor = LlavaNextProcessor(
-        image_processor=image_processor,
-        tokenizer=tok,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=LLAVA_NEXT_CHAT_TEMPLATE,
-    )
-    return model, processor
+    shared = _llava_processor_args(tok, LLAVA_NEXT_CHAT_TEMPLATE)
+    return model, LlavaNextProcessor(image_processor=image_processor, **shared)
 
 
 def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
