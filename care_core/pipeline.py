@@ -100,7 +100,8 @@ class ImageResult:
     question_defaulted: bool  # True when DEFAULT_QUESTION stood in for a missing question
     runs: list[MethodRun]
     full_answer: Answer | None = None
-    timings_ms: dict[str, float] = field(default_factory=dict)  # per-image stages: features, probes, reference
+    timings_ms: dict[str, float] = field(default_factory=dict)  # stages: features, probes, reference
+    batch_size: int = 1  # images that shared these timings (and the runs'): one call of run_batch
 
     @property
     def num_tokens(self) -> int:
@@ -265,42 +266,114 @@ class ReductionPipeline:
         answer with all tokens and one with each reduction (:meth:`answer`; untimed -- :meth:`time_answers`
         times them). ``plan`` (method -> budgets) runs only those pairs, e.g. what a resumed run still lacks;
         by default every method runs at every budget. ``cuda_graph`` goes to the adapter's ``generate`` (None:
-        graphs where the adapter finds them safe).
+        graphs where the adapter finds them safe). The batch of one of :meth:`run_batch`.
         """
+        return self.run_batch([image], [question], budgets, csr=csr, generate=generate,
+                              max_new_tokens=max_new_tokens, plans=None if plan is None else [plan],
+                              cuda_graph=cuda_graph)[0]  # fmt: skip
+
+    def run_batch(
+        self,
+        images: Sequence[Image.Image | ImageTokens],
+        questions: Sequence[str | None] | None = None,
+        budgets: Sequence[Budget] = (Budget("ratio", 0.11),),
+        *,
+        csr: bool = False,
+        generate: bool = False,
+        max_new_tokens: int = 32,
+        plans: Sequence[Mapping[str, Sequence[Budget]] | None] | None = None,
+        cuda_graph: bool | None = None,
+    ) -> list[ImageResult]:
+        """:meth:`__call__` on several images at once (``questions[i]`` and ``plans[i]`` for image i): per image
+        the result it gets alone (docs/design.md §Batches). The vision tower runs once for the batch where the
+        backbone allows, each method once per budget for every image (:meth:`Method.batch`), and the answers in
+        batches (:meth:`VLMAdapter.generate_batch`). Stage timings are the whole batch's (``batch_size`` says
+        how many images shared them)."""
         import torch
 
-        from care_core.backbones.base import ImageTokens
         from care_core.csr import csr_reference
 
-        asked, defaulted = self._question(question, csr=csr, generate=generate)
+        count = len(images)
+        questions = [None] * count if questions is None else list(questions)
+        plans = [None] * count if plans is None else list(plans)
+        if count == 0 or len(questions) != count or len(plans) != count:
+            raise CareError(f"need one question and plan per image: {count} images, {len(questions)} questions, "
+                            f"{len(plans)} plans", parameter="images")  # fmt: skip
+        asked = [self._question(q, csr=csr, generate=generate) for q in questions]
         if not budgets:
             raise BudgetError("give at least one budget")
         _check_new_tokens(max_new_tokens)
-        adapter = self.adapter
-        clock = StageClock(adapter.device)
+        clock = StageClock(self.adapter.device)
         with torch.no_grad():
-            if isinstance(image, ImageTokens):
-                tokens = image
-            else:
-                with clock("features"):
-                    tokens = adapter.encode_image(image)
-            pairs = list(self._pairs(tokens, budgets, plan))  # a budget above N fails before any probe runs
-            inputs = self.method_inputs(tokens, asked, clock=clock, question_embeddings=csr)
-            full = reference = None
+            tokens = self._encode_all(images, clock)
+            pairs = [list(self._pairs(t, budgets, plan)) for t, plan in zip(tokens, plans, strict=True)]
+            inputs = [self.method_inputs(t, q, clock=clock, question_embeddings=csr)
+                      for t, (q, _) in zip(tokens, asked, strict=True)]  # fmt: skip
+            full: list[torch.Tensor] = []
+            references: list[CSRReference | None] = [None] * count
             if csr or generate:
                 with clock("reference"):
-                    full = adapter.projector(tokens.features)
-                    reference = csr_reference(full, inputs.probes["question"]) if csr else None
-            runs = [self._run(name, budget, k, inputs, reference) for name, budget, k in pairs]
-            full_answer = None
+                    full = [self.adapter.projector(t.features) for t in tokens]
+                    if csr:
+                        references = [csr_reference(rows, one.probes["question"])
+                                      for rows, one in zip(full, inputs, strict=True)]  # fmt: skip
+            runs = self._run_groups(pairs, inputs, references)
+            full_answers: list[Answer | None] = [None] * count
             if generate:
-                assert asked is not None and full is not None
+                said = [q or DEFAULT_QUESTION for q, _ in asked]  # generate always has one (see _question)
                 options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "cuda_graph": cuda_graph}
-                full_answer = self.answer(tokens, asked, full, None, **options)
-                for item in runs:
-                    item.answer = self.answer(tokens, asked, item.projected, item.result.token_index, **options)
-        return ImageResult(tokens, asked, defaulted, runs, full_answer,
-                           {key: round(ms, 3) for key, ms in clock.ms.items()})  # fmt: skip
+                full_answers = list(self.answer_batch(tokens, said, full, [None] * count, **options))
+                self._answer_runs(tokens, said, runs, options)
+        timings = {key: round(ms, 3) for key, ms in clock.ms.items()}
+        return [ImageResult(t, q, d, r, a, dict(timings), batch_size=count)
+                for t, (q, d), r, a in zip(tokens, asked, runs, full_answers, strict=True)]  # fmt: skip
+
+    def _encode_all(self, images: Sequence[Image.Image | ImageTokens], clock: StageClock) -> list[ImageTokens]:
+        """Every image's tokens: those given as tokens as they are, the others through one batched encode."""
+        from care_core.backbones.base import ImageTokens
+
+        todo = [i for i, image in enumerate(images) if not isinstance(image, ImageTokens)]
+        out: list[Any] = list(images)
+        if todo:
+            with clock("features"):
+                encoded = self.adapter.encode_images([images[i] for i in todo])  # type: ignore[misc]
+            for i, one in zip(todo, encoded, strict=True):
+                out[i] = one
+        return out
+
+    def _run_groups(
+        self,
+        pairs: list[list[tuple[str, Budget, int]]],
+        inputs: list[MethodInputs],
+        references: list[CSRReference | None],
+    ) -> list[list[MethodRun]]:
+        """Each (method, budget) once over every image that has it; per image its runs in :meth:`_pairs` order."""
+        runs: list[list[MethodRun]] = [[] for _ in pairs]
+        groups: dict[tuple[str, Budget], list[tuple[int, int]]] = {}
+        for i, image_pairs in enumerate(pairs):
+            for name, budget, k in image_pairs:
+                groups.setdefault((name, budget), []).append((i, k))
+        for (name, budget), members in groups.items():
+            items = self._run([inputs[i] for i, _ in members], name, budget, [k for _, k in members],
+                              [references[i] for i, _ in members])  # fmt: skip
+            for (i, _), item in zip(members, items, strict=True):
+                runs[i].append(item)
+        return runs
+
+    def _answer_runs(
+        self, tokens: list[ImageTokens], questions: list[Any], runs: list[list[MethodRun]], options: dict[str, Any]
+    ) -> None:
+        """Every run's answer, one batch per (method, budget) over the images that have it."""
+        groups: dict[tuple[str, Budget], list[tuple[int, MethodRun]]] = {}
+        for i, image_runs in enumerate(runs):
+            for item in image_runs:
+                groups.setdefault((item.method, item.budget), []).append((i, item))
+        for members in groups.values():
+            answers = self.answer_batch([tokens[i] for i, _ in members], [questions[i] for i, _ in members],
+                                        [item.projected for _, item in members],
+                                        [item.result.token_index for _, item in members], **options)  # fmt: skip
+            for (_, item), answer in zip(members, answers, strict=True):
+                item.answer = answer
 
     def _question(self, question: str | None, *, csr: bool, generate: bool) -> tuple[str | None, bool]:
         """(the question used, whether :data:`DEFAULT_QUESTION` stood in for a missing one)."""
@@ -348,27 +421,37 @@ class ReductionPipeline:
                             scorer=self.scorer)  # fmt: skip
 
     def _run(
-        self, name: str, budget: Budget, k: int, inputs: MethodInputs, reference: CSRReference | None
-    ) -> MethodRun:
-        """Method ``name`` at K = ``k``, then the projector, then CSR against ``reference`` (where given); timed."""
+        self,
+        inputs: list[MethodInputs],
+        name: str,
+        budget: Budget,
+        keeps: list[int],
+        references: list[CSRReference | None],
+    ) -> list[MethodRun]:
+        """Method ``name`` at K = ``keeps[i]`` on every image of ``inputs`` at once, then the projector per image,
+        then CSR against ``references[i]`` (where given); timed for the whole group."""
         from care_core.csr import csr_from_reference
 
         adapter = self.adapter
         clock = StageClock(adapter.device)
-        with clock("method"):  # a copy of the inputs carries this call's timer; the shared memo stays shared
-            result = self.methods[name](dataclasses.replace(inputs, stage_timer=clock), k)
+        with clock("method"):  # copies of the inputs carry this call's timer; the shared memo stays shared
+            results = self.methods[name].batch([dataclasses.replace(one, stage_timer=clock) for one in inputs], keeps)
         inner = sum(ms for stage, ms in clock.ms.items() if stage != "method")
         if inner:  # the method timed its own stages: "method" keeps only the time outside them
             clock.ms["method"] -= inner
-        with clock("projection"):
-            projected = adapter.projector(result.tokens.to(adapter.dtype))
-        item = MethodRun(name, budget, k, result, projected)
-        if reference is not None:
-            with clock("csr"):
-                item.csr = csr_from_reference(reference, projected)
-            item.uniform_weights = bool(reference.uniform)
-        item.timings_ms = {key: round(ms, 3) for key, ms in clock.ms.items()}
-        return item
+        with clock("projection"):  # per image: a taller product would round differently from the batch of one
+            projected = [adapter.projector(result.tokens.to(adapter.dtype)) for result in results]
+        items = [MethodRun(name, budget, k, result, rows)
+                 for k, result, rows in zip(keeps, results, projected, strict=True)]  # fmt: skip
+        for item, reference in zip(items, references, strict=True):
+            if reference is not None:
+                with clock("csr"):
+                    item.csr = csr_from_reference(reference, item.projected)
+                item.uniform_weights = bool(reference.uniform)
+        timings = {key: round(ms, 3) for key, ms in clock.ms.items()}
+        for item in items:
+            item.timings_ms = dict(timings)
+        return items
 
     def answer(
         self,
@@ -386,6 +469,23 @@ class ReductionPipeline:
                                     cuda_graph=cuda_graph)  # fmt: skip
         fed = self.adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
         return Answer(out.text, fed, out.decoding, out.eager_reason)
+
+    def answer_batch(
+        self,
+        tokens: Sequence[ImageTokens],
+        questions: Sequence[str],
+        projected: Sequence[torch.Tensor],
+        kept: Sequence[torch.Tensor | None],
+        *,
+        max_new_tokens: int = 32,
+        cuda_graph: bool | None = None,
+    ) -> list[Answer]:
+        """:meth:`answer` for several samples in one :meth:`~care_core.backbones.base.VLMAdapter.generate_batch`."""
+        outs = self.adapter.generate_batch(list(questions), list(tokens), list(projected), list(kept),
+                                           max_new_tokens=max_new_tokens, cuda_graph=cuda_graph)  # fmt: skip
+        return [Answer(out.text, self.adapter.visual_tokens_fed(t, int(rows.shape[0]), k), out.decoding,
+                       out.eager_reason)
+                for out, t, rows, k in zip(outs, tokens, projected, kept, strict=True)]  # fmt: skip
 
     def time_answers(
         self, result: ImageResult, *, max_new_tokens: int = 32, repeats: int = 3, cuda_graph: bool | None = None

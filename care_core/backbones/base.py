@@ -23,7 +23,7 @@ What a backbone does with ``kept``:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -154,6 +154,11 @@ class VLMAdapter(ABC):
     def encode_image(self, image: Image.Image) -> ImageTokens:
         """Run the processor and the vision tower; return the pre-projector tokens and geometry."""
 
+    def encode_images(self, images: Sequence[Image.Image]) -> list[ImageTokens]:
+        """:meth:`encode_image` for several images; per image exactly what it gives alone. Adapters run the
+        vision tower once for the whole batch where the backbone allows."""
+        return [self.encode_image(image) for image in images]
+
     @abstractmethod
     def question_embeddings(self, question: str) -> torch.Tensor:
         """(T, d_t) input-embedding rows of the question's non-special tokens (QuestionError if T = 0)."""
@@ -184,6 +189,26 @@ class VLMAdapter(ABC):
         ``cuda_graph``: None = replay CUDA graphs over a static KV cache where :meth:`graph_generation_reason`
         allows, else the eager path; True = graphs or GenerationError; False = eager.
         """
+
+    def generate_batch(
+        self,
+        questions: Sequence[str],
+        tokens: Sequence[ImageTokens],
+        projected: Sequence[torch.Tensor],
+        kept: Sequence[torch.Tensor | None],
+        max_new_tokens: int = 32,
+        *,
+        cuda_graph: bool | None = None,
+    ) -> list[Generation]:
+        """:meth:`generate` for several samples (one question, image, rows and ``kept`` each, K may differ): per
+        sample the answer it gets alone, whatever its batch mates. One sample at a time unless an adapter batches."""
+        lengths = {len(questions), len(tokens), len(projected), len(kept)}
+        if len(lengths) != 1:
+            raise ValueError(f"generate_batch needs one question, image, rows and kept per sample; got {lengths}")
+        return [
+            self.generate(q, t, p, max_new_tokens=max_new_tokens, kept=k, cuda_graph=cuda_graph)
+            for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)
+        ]
 
     def graph_generation_reason(self, length: int | None = None) -> str | None:
         """Why :meth:`generate` would not replay CUDA graphs here (one line), or None when it would."""

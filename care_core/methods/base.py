@@ -12,7 +12,7 @@ This module imports no torch at import time (``care methods`` and ``care flops``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, final
@@ -174,6 +174,25 @@ class Method:
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         """The method itself, for a budget already checked to be 1 <= keep <= N."""
         raise NotImplementedError
+
+    @final
+    def batch(self, inputs: Sequence[MethodInputs], keeps: Sequence[int]) -> list[MethodResult]:
+        """The method on several images at once (``keeps[i]`` for image i): per image, what ``self(inputs[i],
+        keeps[i])`` gives. Every budget is checked before any work, then :meth:`reduce_batch`."""
+        if len(inputs) != len(keeps):
+            raise MethodError(f"{self.name}: {len(inputs)} images but {len(keeps)} budgets")
+        checked = []
+        for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
+            try:
+                checked.append(int(check_keep(keep, one.num_tokens)))
+            except BudgetError as exc:
+                raise MethodError(f"{self.name}: image {i}: the budget K {exc.detail}") from None
+        return self.reduce_batch(list(inputs), checked)
+
+    def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """The method on several images, budgets already checked; one image at a time unless a method does better
+        (the result per image must be :meth:`reduce`'s)."""
+        return [self.reduce(one, keep) for one, keep in zip(inputs, keeps, strict=True)]
 
     def output_count(self, num_tokens: int, keep: int) -> int:
         """Number of output rows for budget `keep`: K unless the method documents otherwise."""
