@@ -56,5 +56,5 @@ def test_tower_runs_once_for_a_batch(demos: dict[str, Any], images: list[Any], c
 def test_processed_inputs_that_do_not_match_the_sizes_are_refused(demos: dict[str, Any], images: list[Any]) -> None:
     adapter = demos["tiny-llava"]
     processed = adapter.preprocess(images)
-    with pytest.raises(ValueError, match="3 images|2 images"):
+    with pytest.raises(ValueError, match=r"of 2 images"):
         adapter.encode_processed(processed, [(10, 10), (20, 20)])
