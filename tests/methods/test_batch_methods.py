@@ -19,6 +19,7 @@ from care_core import CaReConfig
 from care_core.errors import CareError, MethodError
 from care_core.methods import MethodInputs, MethodResult, build_method, method_names
 from care_core.methods.care_family import prca_key
+from care_core.methods.divprune import divprune_select, divprune_select_batch
 from care_core.scoring import Scorer
 
 from .conftest import make_inputs
@@ -198,3 +199,36 @@ def test_images_that_cannot_share_a_pass_go_one_at_a_time():
     bad = [wide[0], dataclasses.replace(wide[1], features=wide[1].features.clone().fill_(float("nan"))), wide[2]]
     with pytest.raises(CareError, match="NaN"):
         method.batch(bad, [4, 9, 2])
+
+
+# ------------------------------------------------------------------------------ DivPrune's joint greedy loop
+
+
+@pytest.mark.parametrize("mask_selected", [False, True])
+def test_divprune_batch_steps_by_hand(mask_selected):
+    """The hand-checked images of test_divprune in one batch, with a single token: each its own steps."""
+    spread = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [-1.0, 0.0]])  # -> 3, 0, 2
+    twins = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])  # -> 0, 2, then 0 again or 1
+    single = torch.tensor([[0.5, 0.5]])
+    got = divprune_select_batch([spread, twins, single], [3, 3, 1], mask_selected=mask_selected)
+    assert [o.tolist() for o in got] == [[3, 0, 2], [0, 2, 1 if mask_selected else 0], [0]]
+
+
+@pytest.mark.parametrize("mask_selected", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_divprune_batch_equals_each_image_with_duplicates_and_zeros(mask_selected, dtype):
+    """Exhaustion (K = N on duplicated tokens), zero rows, K = 1, N = 1: the single-image order, image by image."""
+    cases = ((30, True, False), (1, False, False), (45, False, True), (20, True, True))  # N, duplicates, zeros
+    made = [make_inputs(n, d_v=6, seed=n, duplicates=dup, zeros=zero) for n, dup, zero in cases]
+    embeddings = [one.features.to(dtype) for one in made]
+    keeps = [30, 1, 1, 20]
+    got = divprune_select_batch(embeddings, keeps, mask_selected=mask_selected)
+    for order, x, k in zip(got, embeddings, keeps, strict=True):
+        assert torch.equal(order, divprune_select(x, k, mask_selected=mask_selected))
+    assert mask_selected == (got[0].unique().numel() == 30), "the duplicates do exhaust the greedy"
+
+
+def test_divprune_batch_raises_where_the_released_rule_reselects():
+    inputs = [make_inputs(20, d_v=6, seed=1, duplicates=True), make_inputs(30, d_v=6, seed=2)]
+    with pytest.raises(MethodError, match="re-selected"):
+        build_method("divprune", mask_selected=False).batch(inputs, [20, 5])
