@@ -13,13 +13,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from care_core.backbones import Qwen2_5_VLAdapter, load_backbone, static_generation
 from care_core.backbones._chat import collate_left_padded
+from care_core.backbones.probes import attention_implementation
 from care_core.backbones.static_generation import StaticGreedy, eos_ids
 from care_core.errors import GenerationError
 
 from ._helpers import noise_image, reference_ids
 
 QUESTIONS = ("What is in the image?", "Describe the colours.", "Is there a cat?")
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 Samples = tuple[list[str], list[Any], list[torch.Tensor], list[torch.Tensor | None]]
@@ -93,6 +94,17 @@ def test_static_batch_gives_every_sample_its_batch_one_tokens(
         assert greedy.generate_batch(embeds[::-1], NEW_TOKENS)[::-1] == references
         assert greedy.generate_batch(embeds, 0) == [[], [], []] and greedy.generate_batch([], 5) == []
     assert greedy.captures == 0
+
+
+def test_static_batch_with_eager_attention_masks_each_sample(tiny_pair: Any, images: list[Any]) -> None:
+    adapter, _ = tiny_pair
+    batch_samples = _samples(adapter, images)
+    prompts = [adapter._lm_inputs(q, t, p, k) for q, t, p, k in zip(*batch_samples, strict=True)]
+    with attention_implementation(adapter.model, {"text_config": "eager"}), torch.no_grad():
+        greedy = StaticGreedy(adapter.model, graphs=False)
+        assert greedy.eager_attention
+        ids = greedy.generate_batch([adapter._prompt_embeddings(x) for x in prompts], 6)
+        assert ids == [reference_ids(adapter, x, 6) for x in prompts]
 
 
 def test_batches_beyond_the_largest_bucket_go_in_chunks(
