@@ -35,6 +35,8 @@ def collate_left_padded(samples: Sequence[dict[str, Any]], pad_token_id: int) ->
     """
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+    if len(samples) == 1:  # nothing to pad or join
+        return dict(samples[0])
     longest = max(int(sample["input_ids"].shape[-1]) for sample in samples)
     batch: dict[str, Any] = {}
     for key in samples[0]:
