@@ -57,6 +57,10 @@ def _stages(feats: list[Any], projector: Any, positions: list[Any], keep: int, s
                 "calibration_ms": micro.clock.median(calibrate, reps=micro.reps, warmup=1)}  # fmt: skip
 
 
+def _separate(feats: list[Any], projector: Any, positions: list[Any], keep: int, scorer: Scorer) -> list[Any]:
+    return [care_reduce(v, projector, p, keep=keep, scorer=scorer) for v, p in zip(feats, positions, strict=True)]
+
+
 def bench_batch(features_by_n: dict[int, torch.Tensor], positions_by_n: dict[int, torch.Tensor], projector: Any,
                 keep_by_n: dict[int, int], micro: Micro) -> list[dict[str, Any]]:  # fmt: skip
     """Per N and batch size: the batch's ms per image, B separate calls' ms per image, both against the floor."""
@@ -68,8 +72,7 @@ def bench_batch(features_by_n: dict[int, torch.Tensor], positions_by_n: dict[int
             feats, positions = images_like(features, positions_by_n[n], size)
             scorer = Scorer(projector)
             batched = partial(care_reduce_batch, feats, projector, positions, keep=keep, scorer=scorer)
-            separate = partial(lambda: [care_reduce(v, projector, p, keep=keep, scorer=scorer)
-                                        for v, p in zip(feats, positions, strict=True)])  # fmt: skip
+            separate = partial(_separate, feats, projector, positions, keep, scorer)
             together, alone = batched(), separate()
             row: dict[str, Any] = {"N": n, "K": keep, "B": size, "floor_ms_per_image": floor,
                                    "same_anchors": all(torch.equal(a.indices, b.indices)
