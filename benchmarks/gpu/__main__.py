@@ -3,6 +3,7 @@
     python -m benchmarks.gpu                        # everything (one H100/H200: about 2 minutes)
     python -m benchmarks.gpu --only micro           # matmul rates, scoring engines, care_reduce, anchor selection
     python -m benchmarks.gpu --only generate        # the user-facing generate path, eager and from CUDA graphs
+    python -m benchmarks.gpu --only batch           # care_reduce_batch over 1, 4, 16 images against separate calls
     python -m benchmarks.gpu --quick                # LLaVA-1.5-7B only, 3 scoring paths, care + random, one K
     python -m benchmarks.gpu --tiny --quick --device cpu   # smoke test of the benchmark itself (tiny widths)
 
@@ -28,6 +29,7 @@ import time
 from typing import Any
 
 from benchmarks.common import Clock, ResultsWriter, make_parser, pick_device, say
+from benchmarks.gpu.batch import bench_batch
 from benchmarks.gpu.context import BUDGETS, M_DIRECTIONS, Workload, build_workloads, card_slug, environment
 from benchmarks.gpu.generate import bench_generate
 from benchmarks.gpu.report import print_tables, targets
@@ -49,7 +51,7 @@ def parse(argv: list[str] | None) -> Any:
     parser = make_parser(__doc__, quick="LLaVA-1.5-7B only, 3 scoring paths, care and random at one K, 2 reps",
                          duration=DURATION, device="cuda")  # fmt: skip
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--only", choices=("all", "micro", "models", "generate"), default="all")
+    parser.add_argument("--only", choices=("all", "micro", "batch", "models", "generate"), default="all")
     parser.add_argument("--tiny", action="store_true", help="tiny widths (smoke test of this benchmark)")
     parser.add_argument("--methods", default="all", help="comma-separated method names, or 'all'")
     parser.add_argument("--no-graphs", action="store_true", help="no CUDA graphs in the models part")
@@ -71,6 +73,15 @@ def run_micro(workloads: list[Workload], micro: Micro, quick: bool, results: dic
     say("== anchors")
     budgets = {w.tokens.num_tokens: w.budgets[-1:] if quick else w.budgets for w in workloads}
     results["anchors"] = bench_anchors(features, budgets, micro)
+
+
+def run_batch(workloads: list[Workload], micro: Micro, results: dict[str, Any]) -> None:
+    say("== care_reduce_batch")
+    projector = copy.deepcopy(workloads[0].adapter.projector).float()
+    features = {w.tokens.num_tokens: w.tokens.features for w in workloads}
+    positions = {w.tokens.num_tokens: w.tokens.positions for w in workloads}
+    keep = {w.tokens.num_tokens: w.budgets[-1] for w in workloads}
+    results["batch"] = bench_batch(features, positions, projector, keep, micro)
 
 
 def run_models(args: Any, workloads: list[Workload], micro: Micro, graphs: bool, results: dict[str, Any]) -> None:
@@ -107,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     workloads = build_workloads(device, args.tiny, args.quick)
     if args.only in ("all", "micro"):
         run_micro(workloads, micro, args.quick, results)
+        writer.save(results)
+    if args.only in ("all", "batch"):
+        run_batch(workloads, micro, results)
         writer.save(results)
     if args.only in ("all", "models"):
         run_models(args, workloads, micro, device.type == "cuda" and not args.no_graphs, results)
