@@ -4,14 +4,16 @@ placeholder-expanded prompt ids and greedy decoding through ``mm_encoder_outputs
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from PIL import Image
 
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
+from ..images import to_rgb
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
@@ -25,6 +27,18 @@ def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
 
 
 _A = TypeVar("_A", bound="ChatAdapter")
+
+#: most threads :meth:`ChatAdapter.preprocess` runs the image processor on
+MAX_PREPROCESS_WORKERS = 8
+
+
+def preprocess_workers(images: int) -> int:
+    """Threads for preprocessing ``images`` images: one per image, at most one per CPU core this process may use
+    and at most :data:`MAX_PREPROCESS_WORKERS`."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(images, cores, MAX_PREPROCESS_WORKERS))
 
 
 class ChatAdapter(VLMAdapter):
@@ -93,6 +107,45 @@ class ChatAdapter(VLMAdapter):
         if not isinstance(image_token, str) or not image_token:
             raise ModelLoadError(f"{self.name}: the tokenizer has no token for image_token_id {image_token_id}")
         self.image_token = image_token
+
+    # ------------------------------------------------------------------ vision
+    def encode_image(self, image: Image.Image) -> ImageTokens:
+        """Pre-projector tokens of ``image`` and their geometry: the batch of one of :meth:`encode_images`."""
+        return self.encode_images([image])[0]
+
+    def encode_images(self, images: Sequence[Image.Image]) -> list[ImageTokens]:
+        """:meth:`preprocess` then :meth:`encode_processed`: the vision tower once for all the images."""
+        rgb = [to_rgb(image) for image in images]
+        return self.encode_processed(self.preprocess(rgb), [(image.height, image.width) for image in rgb])
+
+    def preprocess(self, images: Sequence[Image.Image]) -> dict[str, Any]:
+        """The image processor's outputs for RGB ``images``, one image per call on :func:`preprocess_workers`
+        threads (the processor's resizing and normalising release the GIL), collated as the processor collates a
+        list of images (:meth:`_collate`). CPU tensors; per image exactly the processor's output for it alone."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        ip = self.processor.image_processor
+
+        def one(image: Image.Image) -> dict[str, Any]:
+            return dict(ip(images=image, return_tensors="pt"))
+
+        with quiet_transformers():  # warnings and log levels are process-wide: set once, around the threads
+            if len(images) == 1:
+                parts = [one(images[0])]
+            else:
+                with ThreadPoolExecutor(max_workers=preprocess_workers(len(images))) as pool:
+                    parts = list(pool.map(one, images))
+        return self._collate(parts)
+
+    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """One image processor output per image -> the batch output (what the processor gives for the list)."""
+        raise NotImplementedError
+
+    def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
+        """Pre-projector tokens of every image of ``processed`` (the image processor's batch outputs for images in
+        order, as :meth:`preprocess` or the model's own processor returns them) from one vision-tower pass;
+        ``sizes``: each image's original (height, width), which places the tokens in the image's frame."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ text
     def question_embeddings(self, question: str) -> torch.Tensor:

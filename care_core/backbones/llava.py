@@ -11,13 +11,12 @@ pixels (see :mod:`care_core.backbones.geometry` for the exact rounding).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from PIL import Image
 
 from ..errors import ModelLoadError
-from ..images import to_rgb
 from ._chat import ChatAdapter, mm_encoder_outputs
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
@@ -94,19 +93,21 @@ class LlavaAdapter(ChatAdapter):
         return (vc.image_size // vc.patch_size) ** 2
 
     # ------------------------------------------------------------------ vision
-    def encode_image(self, image: Image.Image) -> ImageTokens:
-        """576 pre-projector tokens of ``image`` and their geometry.
+    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"pixel_values": torch.cat([part["pixel_values"] for part in parts])}
+
+    def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
+        """576 pre-projector tokens per image and their geometry, the crops of all images in one tower pass.
 
         ``features`` (N, d_v) are on the model's device in its dtype; ``positions`` (N, 2) float32 on
         the same device, ``((row + 0.5) / 24, (col + 0.5) / 24)``; ``boxes`` (N, 4) float32 on the CPU,
-        each patch's footprint in original pixels; ``model_inputs`` holds the processor's
-        ``pixel_values`` (CPU), ``image_size`` and the :class:`CropGeometry`.
+        each patch's footprint in original pixels; ``model_inputs`` holds the image's ``pixel_values`` (CPU),
+        ``image_size`` and the :class:`CropGeometry`.
         """
-        image = to_rgb(image)
-        width, height = image.size
-        ip = self.processor.image_processor
-        with quiet_transformers():
-            pixel_values = ip(images=image, return_tensors="pt")["pixel_values"]
+        pixel_values = processed["pixel_values"]
+        if pixel_values.dim() != 4 or pixel_values.shape[0] != len(sizes):
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold one crop for each of {len(sizes)} "
+                             "images")  # fmt: skip
         vt = self._vision_tower
         vparam = next(vt.parameters())
         pv = pixel_values.to(device=vparam.device, dtype=vparam.dtype)
@@ -116,19 +117,24 @@ class LlavaAdapter(ChatAdapter):
             out = vt(pixel_values=pv, output_hidden_states=layer, return_dict=True)
         layers = [layer] if isinstance(layer, int) else list(layer)
         # strategy "default": drop CLS; several layers are concatenated along the feature axis
-        features = torch.cat([out.hidden_states[i][0, 1:] for i in layers], dim=-1)
+        features = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)  # (B, N, d_v)
 
         patch = int(cfg.vision_config.patch_size)
         crop_h, crop_w = int(pixel_values.shape[-2]), int(pixel_values.shape[-1])
         rows, cols = crop_h // patch, crop_w // patch
-        if rows * cols != features.shape[0]:
+        if rows * cols != features.shape[1]:
             raise RuntimeError(
-                f"vision tower gave {features.shape[0]} patch tokens for a {crop_h}x{crop_w} input "
+                f"vision tower gave {features.shape[1]} patch tokens for a {crop_h}x{crop_w} input "
                 f"with patch {patch} ({rows}x{cols} expected)"
             )
-        geom = crop_geometry(height, width, ip, (crop_h, crop_w))
-        model_inputs = {"pixel_values": pixel_values, "image_size": (height, width), "crop_geometry": geom}
-        return grid_image_tokens(features, geom, rows, cols, patch, model_inputs)
+        ip = self.processor.image_processor
+        tokens = []
+        for i, (height, width) in enumerate(sizes):
+            geom = crop_geometry(height, width, ip, (crop_h, crop_w))
+            model_inputs = {"pixel_values": pixel_values[i : i + 1], "image_size": (height, width),
+                            "crop_geometry": geom}  # fmt: skip
+            tokens.append(grid_image_tokens(features[i], geom, rows, cols, patch, model_inputs))
+        return tokens
 
     # ------------------------------------------------------------------ language model
     @property

@@ -42,14 +42,13 @@ with ``model_inputs["crop_index"]``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from PIL import Image
 
 from ..errors import ModelLoadError
-from ..images import to_rgb
 from ._chat import mm_encoder_outputs
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept, is_all_tokens
@@ -95,27 +94,42 @@ class LlavaNextAdapter(LlavaAdapter):
             raise ModelLoadError(f"{name}: the model has no image_newline parameter")
 
     # ------------------------------------------------------------------ vision
-    def encode_image(self, image: Image.Image) -> ImageTokens:
-        """Base-view + unpadded high-resolution pre-projector tokens of ``image`` and their geometry."""
-        image = to_rgb(image)
-        width, height = image.size
-        ip = self.processor.image_processor
-        with quiet_transformers():
-            processed = ip(images=image, return_tensors="pt")
+    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Crops zero-padded to the most any image has, as the processor pads a list of images."""
+        most = max(int(part["pixel_values"].shape[1]) for part in parts)
+        pad = [(0, 0, 0, 0, 0, 0, 0, most - int(part["pixel_values"].shape[1])) for part in parts]
+        pixel_values = [torch.nn.functional.pad(part["pixel_values"], by) for part, by in zip(parts, pad, strict=True)]
+        return {"pixel_values": torch.cat(pixel_values), "image_sizes": torch.cat([p["image_sizes"] for p in parts])}
+
+    def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
+        """Base-view + unpadded high-resolution pre-projector tokens per image; the real crops of all images
+        in one tower pass."""
         pixel_values, image_sizes = processed["pixel_values"], processed["image_sizes"]
-        crops = self._crops(pixel_values, image_sizes)
+        if pixel_values.dim() != 5 or pixel_values.shape[0] != len(sizes) or image_sizes.shape[0] != len(sizes):
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} and image_sizes {tuple(image_sizes.shape)} "
+                             f"do not hold the crops of {len(sizes)} images")  # fmt: skip
+        crops = [self._crops(pixel_values[i : i + 1], image_sizes[i : i + 1]) for i in range(len(sizes))]
         vt = self._vision_tower
         vparam = next(vt.parameters())
         layer = self.model.config.vision_feature_layer
         with torch.no_grad(), quiet_transformers():
-            out = vt(pixel_values=crops.to(device=vparam.device, dtype=vparam.dtype), output_hidden_states=layer)
+            out = vt(pixel_values=torch.cat(crops).to(device=vparam.device, dtype=vparam.dtype),
+                     output_hidden_states=layer)  # fmt: skip
         layers = [layer] if isinstance(layer, int) else list(layer)
-        per_crop = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)  # (crops, 576, d_v)
-        crop_index, patch_index, hires_grid = self._layout(image_sizes, crops.shape[0])
+        per_crop = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)  # (all crops, 576, d_v)
+        per_image = per_crop.split([int(c.shape[0]) for c in crops])
+        return [self._tokens(per_image[i], pixel_values[i : i + 1, : crops[i].shape[0]], image_sizes[i : i + 1],
+                             sizes[i]) for i in range(len(sizes))]  # fmt: skip
+
+    def _tokens(
+        self, per_crop: torch.Tensor, pixel_values: torch.Tensor, image_sizes: torch.Tensor, size: tuple[int, int]
+    ) -> ImageTokens:
+        """One image's packed tokens from its crops' features (crops, 576, d_v), and their geometry."""
+        height, width = size
+        crop_index, patch_index, hires_grid = self._layout(image_sizes, per_crop.shape[0])
         dev = per_crop.device
         features = per_crop[crop_index.to(dev), patch_index.to(dev)]
-
-        boxes_per_crop = self._crop_boxes(height, width, crops.shape[0])  # (crops, 576, 4), original pixels
+        boxes_per_crop = self._crop_boxes(height, width, per_crop.shape[0])  # (crops, 576, 4), original pixels
         boxes = clip_boxes(boxes_per_crop[crop_index, patch_index], height, width)
         centre_x = (boxes[:, 0] + boxes[:, 2]) / 2 / width
         centre_y = (boxes[:, 1] + boxes[:, 3]) / 2 / height

@@ -29,15 +29,14 @@ mrope positions above) are.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from PIL import Image
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..images import to_rgb
 from ._chat import ChatAdapter, mm_encoder_outputs
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
@@ -140,16 +139,20 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         return NO_CLS
 
     # ------------------------------------------------------------------ vision
-    def encode_image(self, image: Image.Image) -> ImageTokens:
-        """Merged-token pre-projector features (N, 4 d_v) of ``image`` and their geometry."""
+    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Patch rows packed image after image, as the processor packs a list of images."""
+        return {"pixel_values": torch.cat([part["pixel_values"] for part in parts]),
+                "image_grid_thw": torch.cat([part["image_grid_thw"] for part in parts])}  # fmt: skip
+
+    def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
+        """Merged-token pre-projector features (N, 4 d_v) per image and their geometry: the packed patches of all
+        images through the tower once, as the model packs them (attention stays within each image)."""
         from transformers.vision_utils import get_vision_window_index
 
-        image = to_rgb(image)
-        width, height = image.size
-        ip = self.processor.image_processor
-        with quiet_transformers():
-            processed = ip(images=image, return_tensors="pt")
         pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
+        if thw.dim() != 2 or thw.shape[0] != len(sizes) or int(thw.prod(-1).sum()) != pixel_values.shape[0]:
+            raise ValueError(f"image_grid_thw {tuple(thw.shape)} and pixel_values {tuple(pixel_values.shape)} do not "
+                             f"hold the patches of {len(sizes)} images")  # fmt: skip
         visual = self._inner.visual
         vparam = next(visual.parameters())
         vc = self.model.config.vision_config
@@ -162,8 +165,18 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         unit = vc.spatial_merge_size**2
         hidden = out.last_hidden_state
         groups = hidden.view(-1, unit, hidden.shape[-1])[torch.argsort(window.to(hidden.device))]
-        features = groups.reshape(groups.shape[0], -1)  # (N, unit * d_v), raster order of the merged grid
+        features = groups.reshape(groups.shape[0], -1)  # (sum N, unit * d_v), raster order of each merged grid
+        patches = [int(n) for n in thw.prod(-1).tolist()]
+        per_image = features.split([n // unit for n in patches])
+        pixels = pixel_values.split(patches)
+        return [self._tokens(per_image[i], pixels[i], thw[i : i + 1], sizes[i]) for i in range(len(sizes))]
 
+    def _tokens(
+        self, features: torch.Tensor, pixel_values: torch.Tensor, thw: torch.Tensor, size: tuple[int, int]
+    ) -> ImageTokens:
+        """One image's merged tokens and their geometry (see the module docstring)."""
+        vc = self.model.config.vision_config
+        height, width = size
         t, gh, gw = (int(v) for v in thw[0].tolist())
         merge = int(vc.spatial_merge_size)
         rows, cols = gh // merge, gw // merge

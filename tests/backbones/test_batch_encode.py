@@ -1,0 +1,60 @@
+"""Batched encoding: the vision tower once for several images, per image exactly what one image gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backbones._helpers import noise_image
+
+SIZES = [(300, 420), (500, 260), (336, 336)]  # landscape, portrait, square: different crops and grids
+
+
+@pytest.fixture(scope="module")
+def images() -> list[Any]:
+    return [noise_image(h, w, seed=i) for i, (h, w) in enumerate(SIZES)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"])
+def test_batched_encoding_gives_each_image_its_own_tokens(demos: dict[str, Any], images: list[Any], name: str) -> None:
+    adapter = demos[name]
+    batch = adapter.encode_images(images)
+    alone = [adapter.encode_image(image) for image in images]
+    assert len(batch) == len(images)
+    for one, ref in zip(batch, alone, strict=True):
+        assert one.num_tokens == ref.num_tokens
+        torch.testing.assert_close(one.features, ref.features, rtol=1e-6, atol=1e-6)
+        assert torch.equal(one.positions, ref.positions)
+        assert torch.equal(one.boxes, ref.boxes)
+        assert one.image_size == ref.image_size and one.grid == ref.grid and one.seen_box == ref.seen_box
+        for key, value in ref.model_inputs.items():  # each image keeps its own processor outputs, for its probes
+            got = one.model_inputs[key]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"])
+def test_preprocessing_one_image_per_thread_collates_as_the_processor_does(
+    demos: dict[str, Any], images: list[Any], name: str
+) -> None:
+    adapter = demos[name]
+    ours = adapter.preprocess(images)
+    theirs = adapter.processor.image_processor(images=images, return_tensors="pt")  # the processor on the list
+    assert set(ours) <= set(theirs)
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]), key
+
+
+def test_tower_runs_once_for_a_batch(demos: dict[str, Any], images: list[Any], count_calls: Any) -> None:
+    adapter = demos["tiny-llava-next"]
+    calls = count_calls(adapter._vision_tower)
+    adapter.encode_images(images)
+    assert len(calls) == 1
+
+
+def test_processed_inputs_that_do_not_match_the_sizes_are_refused(demos: dict[str, Any], images: list[Any]) -> None:
+    adapter = demos["tiny-llava"]
+    processed = adapter.preprocess(images)
+    with pytest.raises(ValueError, match=r"of 2 images"):
+        adapter.encode_processed(processed, [(10, 10), (20, 20)])
