@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from care_core.budget import Budget, Ratio, budgets_from
 from care_core.config import CaReConfig
-from care_core.errors import BudgetError, CareError, MethodError
+from care_core.errors import BudgetError, CareError, MethodError, ModelLoadError
 
 if TYPE_CHECKING:
     import torch
 
-    from care_core.backbones.base import ImageTokens, VLMAdapter
-    from care_core.methods.base import Method
+    from care_core.backbones._chat import ChatAdapter
+    from care_core.backbones.base import ImageTokens
+    from care_core.methods.base import Method, MethodResult
     from care_core.pipeline import ReductionPipeline
 
 #: processor outputs the drop-in does not reduce (one image per sample only)
@@ -38,10 +39,12 @@ class VisualTokenReduction:
     """The context manager of :func:`reduce_visual_tokens`: the model, its adapter, the method and the budget."""
 
     model: Any
-    adapter: VLMAdapter
+    adapter: ChatAdapter
     method: Method
     budget: Budget
     config: CaReConfig
+    #: the method's result per sample of the latest reduced generate call (kept token indices, scores, ...)
+    results: list[MethodResult] = field(default_factory=list, init=False)
     _pipeline: ReductionPipeline = field(init=False, repr=False)
     _projector_attributes: set[str] | None = field(default=None, init=False, repr=False)
 
@@ -75,6 +78,8 @@ class VisualTokenReduction:
         caller's ``input_ids``. Calls without ``pixel_values`` (text only) pass through unchanged."""
         import torch
 
+        if "inputs" in kwargs and "input_ids" not in kwargs:  # generate's own name for its first argument
+            kwargs["input_ids"] = kwargs.pop("inputs")
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
                 raise CareError("pass the processor's outputs by keyword: model.generate(**inputs)", parameter="model")
@@ -108,7 +113,7 @@ class VisualTokenReduction:
                 parameter="model",
             )
         spans = [_image_span(self.adapter, ids[b][mask[b].bool()], b) for b in range(ids.shape[0])]
-        tokens = _encode_processed(self.adapter, processed, sizes)
+        tokens = self.adapter.encode_processed(processed, sizes)
         rows, kept = self._reduce(tokens, ids, mask, spans)
         positions = self._rope_positions(kwargs, ids, mask) if self._multimodal_rope else None
         return self._batch(kwargs, ids, mask, spans, tokens, rows, kept, positions)
@@ -138,29 +143,40 @@ class VisualTokenReduction:
         questions = [self._question(ids[b][mask[b].bool()], spans[b]) if asks else None for b in range(len(tokens))]
         inputs = [pipe.method_inputs(one, q) for one, q in zip(tokens, questions, strict=True)]
         keeps = [self.budget.resolve(one.num_tokens) for one in tokens]
-        results = self.method.batch(inputs, keeps)
+        results = self.results = self.method.batch(inputs, keeps)
         rows, kept = [], []
         for one, result in zip(tokens, results, strict=True):
             projected = adapter.projector(result.tokens.to(adapter.dtype))
             # the rows the language model receives (LLaVA-NeXT at K = N: its own sequence with newline rows)
-            lm = adapter._lm_inputs("?", one, projected, result.token_index)  # type: ignore[attr-defined]
+            lm = adapter._lm_inputs("?", one, projected, result.token_index)
             rows.append(lm["mm_encoder_outputs"]["image"].pooler_output[0])
             kept.append(result.token_index.to("cpu"))
         return rows, kept
 
     def _question(self, real_ids: torch.Tensor, span: tuple[int, int]) -> str:
-        """The prompt's text without image placeholders and special tokens: the question a method reads."""
+        """The question a method reads: the text after the image with the adapter's own prompt around the question
+        taken off (so a prompt from ``adapter.prompt(q)`` gives ``q``, as ReductionPipeline has it); for a prompt
+        in another form, its whole text without image placeholders and special tokens."""
         import torch
 
         from care_core.pipeline import DEFAULT_QUESTION
 
+        tokenizer, marker = self.adapter.tokenizer, "CAREQUESTIONMARK"
+        after = tokenizer.decode(real_ids[span[1] :].tolist(), skip_special_tokens=False)
+        template = self.adapter.prompt(marker).split(self.adapter.image_token, 1)[1]
+        before_question, after_question = template.split(marker, 1)
+        fits = len(after) >= len(before_question) + len(after_question)
+        if fits and after.startswith(before_question) and after.endswith(after_question):
+            question = after[len(before_question) : len(after) - len(after_question)]
+            if question.strip():
+                return question
         text_ids = torch.cat([real_ids[: span[0]], real_ids[span[1] :]]).tolist()
-        text = self.adapter.tokenizer.decode(text_ids, skip_special_tokens=True).strip()  # type: ignore[attr-defined]
+        text = tokenizer.decode(text_ids, skip_special_tokens=True).strip()
         return text or DEFAULT_QUESTION
 
     def _rope_positions(self, kwargs: Mapping[str, Any], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(3, B, L) multimodal-rope positions of the caller's unreduced batch (the model's ``get_rope_index``)."""
-        image_token_id = self.adapter.image_token_id  # type: ignore[attr-defined]
+        image_token_id = self.adapter.image_token_id
         types = kwargs.get("mm_token_type_ids")
         if types is None:
             types = (ids == image_token_id).long() * mask.long()
@@ -185,7 +201,7 @@ class VisualTokenReduction:
         import torch
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        image_token_id = int(self.adapter.image_token_id)  # type: ignore[attr-defined]
+        image_token_id = int(self.adapter.image_token_id)
         samples, sample_positions = [], []
         for b, ((start, end), one, r, k) in enumerate(zip(spans, tokens, rows, kept, strict=True)):
             real = ids[b][mask[b].bool()]
@@ -213,7 +229,7 @@ class VisualTokenReduction:
 
     @property
     def _pad_id(self) -> int:
-        tokenizer = self.adapter.tokenizer  # type: ignore[attr-defined]
+        tokenizer = self.adapter.tokenizer
         for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
             if candidate is not None:
                 return int(candidate)
@@ -237,6 +253,7 @@ def reduce_visual_tokens(
     :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters. One image per sample. Bad
     arguments raise a one-line CareError here, before the block runs.
     """
+    from care_core.backbones._chat import ChatAdapter
     from care_core.backbones.loading import adapter_for_model
     from care_core.pipeline import build_methods
 
@@ -248,21 +265,23 @@ def reduce_visual_tokens(
     if len(methods) != 1:
         raise MethodError("give one method", parameter="method")
     adapter = adapter_for_model(model, processor)
+    if not isinstance(adapter, ChatAdapter):  # the drop-in edits a chat model's placeholder sequence
+        raise ModelLoadError(f"the {adapter.family} adapter cannot serve the drop-in", parameter="model")
     return VisualTokenReduction(model, adapter, next(iter(methods.values())), budgets[0], config)
 
 
-def _image_keys(adapter: VLMAdapter) -> list[str]:
+def _image_keys(adapter: ChatAdapter) -> list[str]:
     """The image processor's output names (e.g. ``pixel_values``, ``image_sizes``, ``image_grid_thw``)."""
     names = getattr(adapter.processor.image_processor, "model_input_names", None) or ["pixel_values"]
     return [str(name) for name in names]
 
 
-def _consumed_keys(adapter: VLMAdapter) -> set[str]:
+def _consumed_keys(adapter: ChatAdapter) -> set[str]:
     """Caller arguments the reduced batch replaces."""
     return {*_image_keys(adapter), "input_ids", "attention_mask", "mm_token_type_ids", "position_ids"}
 
 
-def _image_sizes(adapter: VLMAdapter, processed: Mapping[str, Any]) -> list[tuple[int, int]]:
+def _image_sizes(adapter: ChatAdapter, processed: Mapping[str, Any]) -> list[tuple[int, int]]:
     """Each image's (height, width): the original size where the processor keeps it (LLaVA-NeXT's
     ``image_sizes``), else the processed size (LLaVA-1.5, Qwen2.5-VL: their token positions do not depend on it)."""
     if processed.get("image_sizes") is not None:
@@ -274,9 +293,9 @@ def _image_sizes(adapter: VLMAdapter, processed: Mapping[str, Any]) -> list[tupl
     return [(int(pixels.shape[-2]), int(pixels.shape[-1]))] * int(pixels.shape[0])
 
 
-def _image_span(adapter: VLMAdapter, real_ids: torch.Tensor, sample: int) -> tuple[int, int]:
+def _image_span(adapter: ChatAdapter, real_ids: torch.Tensor, sample: int) -> tuple[int, int]:
     """[start, end) of the one run of image placeholders among a sample's unpadded ids."""
-    where = (real_ids == adapter.image_token_id).nonzero().flatten()  # type: ignore[attr-defined]
+    where = (real_ids == adapter.image_token_id).nonzero().flatten()
     if where.numel() == 0:
         raise CareError(f"sample {sample} has no image placeholder; one image per sample", parameter="model")
     start, end = int(where[0]), int(where[-1]) + 1
@@ -310,50 +329,4 @@ def _with_prompt(out: Any, user_ids: torch.Tensor, reduced_length: int) -> Any:
     if isinstance(out, torch.Tensor):
         return restored
     out.sequences = restored
-    return out
-
-
-def _encode_processed(
-    adapter: VLMAdapter, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]
-) -> list[ImageTokens]:
-    """The adapter's ``encode_processed``; until main has it, a temporary stand-in that feeds each image's slice of
-    the processor outputs through ``encode_image`` (TEMPORARY: removed once encode_processed is merged)."""
-    if hasattr(adapter, "encode_processed"):
-        return adapter.encode_processed(processed, sizes)  # type: ignore[no-any-return]
-    return _shim_encode_processed(adapter, processed, sizes)
-
-
-def _shim_encode_processed(
-    adapter: VLMAdapter, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]
-) -> list[ImageTokens]:
-    import copy
-
-    from PIL import Image
-
-    out = []
-    offset = 0
-    for i, (height, width) in enumerate(sizes):
-        one = {k: v[i : i + 1] for k, v in processed.items() if k != "pixel_values"}
-        pixels = processed["pixel_values"]
-        if "image_grid_thw" in processed:
-            count = int(processed["image_grid_thw"][i].prod())
-            one["pixel_values"] = pixels[offset : offset + count]
-            offset += count
-        else:
-            one["pixel_values"] = pixels[i : i + 1]
-
-        class _Fake:
-            def __init__(self, real: Any, result: dict[str, Any]) -> None:
-                self._real, self._result = real, result
-
-            def __call__(self, *a: Any, **k: Any) -> dict[str, Any]:
-                return self._result
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(self._real, name)
-
-        fake = copy.copy(adapter)
-        fake.processor = copy.copy(adapter.processor)
-        fake.processor.image_processor = _Fake(adapter.processor.image_processor, one)
-        out.append(fake.encode_image(Image.new("RGB", (width, height))))
     return out

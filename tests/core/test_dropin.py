@@ -59,11 +59,15 @@ def batch(adapter: Any) -> dict[str, Any]:
         return adapter.processor(images=images(), text=prompts, return_tensors="pt", padding=True, padding_side="left")
 
 
-def reference_ids(adapter: Any, budget: Budget, method: str = "care") -> list[tuple[int, ...]]:
-    """Per sample, the new token ids of ReductionPipeline's answer (one image at a time through the adapter)."""
-    results = ReductionPipeline(adapter, [method]).run_batch(
+def pipeline_results(adapter: Any, budget: Budget, method: str = "care") -> list[Any]:
+    return ReductionPipeline(adapter, [method]).run_batch(
         images(), list(QUESTIONS), [budget], generate=True, max_new_tokens=NEW_TOKENS
     )
+
+
+def reference_ids(adapter: Any, budget: Budget, method: str = "care") -> list[tuple[int, ...]]:
+    """Per sample, the new token ids of ReductionPipeline's answer (one image at a time through the adapter)."""
+    results = pipeline_results(adapter, budget, method)
     out = []
     for result in results:
         run = result.runs[0]
@@ -95,7 +99,7 @@ def test_generate_in_the_context_gives_each_sample_its_own_reduced_answer(adapte
     adapter = adapters[name]
     inputs = batch(adapter)
     assert bool((inputs["attention_mask"][:, 0] == 0).any())  # left padding really happened
-    with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=KEEP):
+    with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=KEEP) as reduction:
         first = adapter.model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         second = adapter.model.generate(
             **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True
@@ -103,6 +107,7 @@ def test_generate_in_the_context_gives_each_sample_its_own_reduced_answer(adapte
     prompt_length = inputs["input_ids"].shape[1]
     assert torch.equal(first[:, :prompt_length], inputs["input_ids"])  # the caller's prompt, so slicing works
     assert torch.equal(second.sequences, first)
+    assert [r.num_tokens for r in reduction.results] == [KEEP] * len(QUESTIONS)
     expected = reference_ids(adapter, Budget.keep(KEEP))
     for row, ids in zip(first[:, prompt_length:].tolist(), expected, strict=True):
         assert tuple(row[: len(ids)]) == ids
@@ -127,6 +132,16 @@ def test_the_image_text_to_text_pipeline_is_reduced_in_the_context(adapters: dic
         sequence = (output[0] if isinstance(output, list) else output)["generated_token_ids"]
         assert torch.equal(sequence[: prompt_ids.shape[1]], prompt_ids[b])
         assert tuple(sequence[prompt_ids.shape[1] :].tolist())[: len(ids)] == ids
+
+
+def test_a_method_that_reads_the_question_gets_the_prompts_question(adapters: dict[str, Any]) -> None:
+    adapter = adapters["tiny-llava"]  # FastV's kept tokens differ between these questions on this demo
+    with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, method="fastv", keep=KEEP) as r:
+        adapter.model.generate(**batch(adapter), max_new_tokens=1, do_sample=False)
+    expected = pipeline_results(adapter, Budget.keep(KEEP), method="fastv")
+    kept = [result.token_index.tolist() for result in r.results]
+    assert kept == [result.runs[0].result.token_index.tolist() for result in expected]
+    assert len({tuple(k) for k in kept}) > 1
 
 
 @pytest.mark.parametrize("name", DEMOS)
