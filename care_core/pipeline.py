@@ -62,6 +62,7 @@ class Answer:
     repeats: int = 0
     first_token_ms: float | None = None
     first_token_from_features_ms: float | None = None
+    token_ids: tuple[int, ...] = ()  # the new tokens (the end token included where decoding stopped at one)
 
     def to_dict(self) -> dict[str, Any]:
         return {"visual_tokens": self.visual_tokens, "answer": self.text, "decoding": self.decoding,
@@ -468,7 +469,7 @@ class ReductionPipeline:
         out = self.adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept,
                                     cuda_graph=cuda_graph)  # fmt: skip
         fed = self.adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
-        return Answer(out.text, fed, out.decoding, out.eager_reason)
+        return Answer(out.text, fed, out.decoding, out.eager_reason, token_ids=out.token_ids)
 
     def answer_batch(
         self,
@@ -484,7 +485,7 @@ class ReductionPipeline:
         outs = self.adapter.generate_batch(list(questions), list(tokens), list(projected), list(kept),
                                            max_new_tokens=max_new_tokens, cuda_graph=cuda_graph)  # fmt: skip
         return [Answer(out.text, self.adapter.visual_tokens_fed(t, int(rows.shape[0]), k), out.decoding,
-                       out.eager_reason)
+                       out.eager_reason, token_ids=out.token_ids)
                 for out, t, rows, k in zip(outs, tokens, projected, kept, strict=True)]  # fmt: skip
 
     def time_answers(
@@ -580,6 +581,7 @@ def _timed_answer(timed: Timed[Generation], visual_tokens: int) -> Answer:
         repeats=timed.rounds,
         first_token_ms=ms["first_token"],
         first_token_from_features_ms=ms["first_token_from_features"],
+        token_ids=out.token_ids,
     )
 
 

@@ -1,5 +1,5 @@
 """What the Hugging Face chat-VLM adapters share: RGB conversion, the prompt, question embeddings, the
-placeholder-expanded prompt ids and greedy decoding through ``mm_encoder_outputs``."""
+placeholder-expanded prompt ids and greedy decoding through ``mm_encoder_outputs``, one sample or a batch."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
 from ..images import to_rgb
 from ._hf import quiet_transformers
-from .base import ImageTokens, VLMAdapter
+from .base import ImageTokens, VLMAdapter, check_batch
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
 
 
@@ -24,6 +24,48 @@ def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     return {"image": BaseModelOutputWithPooling(pooler_output=[rows])}  # type: ignore[arg-type]  # one per image
+
+
+def collate_left_padded(samples: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """One ``model.generate`` batch from per-sample prompt inputs (batch 1 each, as ``_lm_inputs`` gives them).
+
+    Every tensor is a sequence along its last dimension and a batch along the one before (``input_ids`` (1, L),
+    ``position_ids`` (4, 1, L), ...): each is left-padded to the longest prompt (``input_ids`` with
+    ``pad_token_id``, everything else -- attention mask, token types, positions -- with 0) and the samples
+    stacked along that batch dimension. ``mm_encoder_outputs``: per modality one BaseModelOutputWithPooling
+    whose ``pooler_output`` lists the samples' rows in sample order (the placeholders' order in the batch).
+    """
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    if len(samples) == 1:  # nothing to pad or join
+        return dict(samples[0])
+    longest = max(int(sample["input_ids"].shape[-1]) for sample in samples)
+    batch: dict[str, Any] = {}
+    for key in samples[0]:
+        values = [sample[key] for sample in samples]
+        if key == "mm_encoder_outputs":
+            rows = {kind: [r for value in values for r in value[kind].pooler_output] for kind in values[0]}
+            batch[key] = {kind: BaseModelOutputWithPooling(pooler_output=r) for kind, r in rows.items()}  # type: ignore[arg-type]
+        else:
+            fill = pad_token_id if key == "input_ids" else 0
+            batch[key] = torch.cat([_left_padded(value, longest, fill) for value in values], dim=-2)
+    return batch
+
+
+def _left_padded(value: torch.Tensor, length: int, fill: int) -> torch.Tensor:
+    """``value`` with ``fill`` prepended along its last dimension up to ``length``."""
+    missing = length - int(value.shape[-1])
+    if not missing:
+        return value
+    return torch.cat([value.new_full((*value.shape[:-1], missing), fill), value], dim=-1)
+
+
+def cut_after_end(ids: Sequence[int], ends: frozenset[int]) -> tuple[int, ...]:
+    """``ids`` up to and including the first of ``ends`` (all of them where none occurs)."""
+    for at, token in enumerate(ids):
+        if token in ends:
+            return tuple(int(i) for i in ids[: at + 1])
+    return tuple(int(i) for i in ids)
 
 
 _A = TypeVar("_A", bound="ChatAdapter")
@@ -200,20 +242,27 @@ class ChatAdapter(VLMAdapter):
             raise ValueError(f"projected must be (K >= 1, {hidden}); got {tuple(projected.shape)}")
         return projected.detach().to(device=emb.device, dtype=emb.dtype)
 
-    def _greedy(self, inputs: dict[str, Any], max_new_tokens: int) -> tuple[int, ...]:
-        """Greedy decoding of ``inputs`` (``input_ids``, ``attention_mask`` and model extras) through
-        ``model.generate``; the new token ids only."""
+    @property
+    def _pad_token_id(self) -> int:
         tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+    def _greedy(self, inputs: dict[str, Any], max_new_tokens: int) -> list[tuple[int, ...]]:
+        """Greedy decoding of a batch of prompts (``input_ids``, ``attention_mask`` and model extras, left-padded
+        as :func:`collate_left_padded` gives them) through ``model.generate``; per row the new token ids, up to
+        and including the first end token (the padding ``model.generate`` puts after it dropped)."""
+        from .static_generation import eos_ids
+
         with torch.no_grad(), quiet_transformers():
             out = self.model.generate(
                 **inputs,
                 max_new_tokens=int(max_new_tokens),
                 do_sample=False,
                 num_beams=1,
-                pad_token_id=pad,
+                pad_token_id=self._pad_token_id,
             )
-        return tuple(int(i) for i in out[0, inputs["input_ids"].shape[1] :].tolist())
+        ends = eos_ids(self.model)
+        return [cut_after_end(row, ends) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]
 
     # ------------------------------------------------------------------ language model
     def _lm_inputs(
@@ -256,18 +305,54 @@ class ChatAdapter(VLMAdapter):
     ) -> Generation:
         """Greedy answer; ``cuda_graph``: None = replayed CUDA graphs over a static cache where
         :meth:`graph_generation_reason` finds nothing against them, else ``model.generate``; True = graphs or
-        GenerationError; False = ``model.generate``. The result says which ran and why not graphs."""
+        GenerationError; False = ``model.generate``. The result says which ran and why not graphs.
+        A batch of one of :meth:`generate_batch`."""
+        return self.generate_batch([question], [tokens], [projected], [kept], max_new_tokens, cuda_graph=cuda_graph)[0]
+
+    def generate_batch(
+        self,
+        questions: Sequence[str],
+        tokens: Sequence[ImageTokens],
+        projected: Sequence[torch.Tensor],
+        kept: Sequence[torch.Tensor | None],
+        max_new_tokens: int = 32,
+        *,
+        cuda_graph: bool | None = None,
+    ) -> list[Generation]:
+        """:meth:`generate` for several samples in one decoding: graphs where every sample allows them (one
+        :meth:`~care_core.backbones.static_generation.StaticGreedy.generate_batch`), else one batched
+        ``model.generate`` over the left-padded prompts. Per sample the answer it gets alone (``elapsed_ms``:
+        the batch's time); see docs/design.md §Batched answers."""
         start = time.perf_counter()
-        inputs = self._lm_inputs(question, tokens, projected, kept)
+        check_batch(questions, tokens, projected, kept)
+        inputs = [self._lm_inputs(q, t, p, k) for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)]
         if max_new_tokens < 1:
-            return Generation("", (), "eager", "no new tokens were asked for")
-        reason = "turned off (cuda_graph=False)" if cuda_graph is False else self._graph_reason(inputs, max_new_tokens)
-        decoding: Decoding = "eager"
+            return [Generation("", (), "eager", "no new tokens were asked for") for _ in inputs]
+        if not inputs:
+            return []
+        answers, decoding, reason = self._decode(inputs, max_new_tokens, cuda_graph)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        decode = self.tokenizer.decode
+        return [
+            Generation(
+                decode(list(ids), skip_special_tokens=True).strip(), ids, decoding, reason, elapsed_ms=elapsed_ms
+            )
+            for ids in answers
+        ]
+
+    def _decode(
+        self, inputs: list[dict[str, Any]], max_new_tokens: int, cuda_graph: bool | None
+    ) -> tuple[list[tuple[int, ...]], Decoding, str | None]:
+        """Every sample's new token ids, how they were decoded and why not from graphs (see :meth:`generate`)."""
+        reason = (
+            "turned off (cuda_graph=False)" if cuda_graph is False else self._batch_graph_reason(inputs, max_new_tokens)
+        )
         if reason is None:
             try:
                 with torch.no_grad():
-                    ids = tuple(self._static_greedy().generate(self._prompt_embeddings(inputs), max_new_tokens))
-                decoding = "cuda-graph"
+                    embeds = [self._prompt_embeddings(sample) for sample in inputs]
+                    ids = self._static_greedy().generate_batch(embeds, max_new_tokens)
+                return [tuple(i) for i in ids], "cuda-graph", None
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
                 reason = self._graph_failure = f"capturing the decoder failed ({type(exc).__name__}: {one_line(exc)})"
                 self._greedy_graphs = None
@@ -275,10 +360,7 @@ class ChatAdapter(VLMAdapter):
                     raise GenerationError(f"cannot generate from CUDA graphs: {reason}") from exc
         elif cuda_graph:
             raise GenerationError(f"cannot generate from CUDA graphs: {reason}")
-        if decoding == "eager":
-            ids = self._greedy(inputs, max_new_tokens)
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
-        return Generation(text, ids, decoding, reason, elapsed_ms=(time.perf_counter() - start) * 1e3)
+        return self._greedy(collate_left_padded(inputs, self._pad_token_id), max_new_tokens), "eager", reason
 
     def graph_generation_reason(self, length: int | None = None) -> str | None:
         """Why :meth:`generate` would not replay CUDA graphs on this backbone (one line), or None when it would.
@@ -298,6 +380,10 @@ class ChatAdapter(VLMAdapter):
         if extra:
             return f"the {self.family} prompt carries {', '.join(extra)} beside its embeddings"
         return self.graph_generation_reason(int(inputs["input_ids"].shape[1]) + max_new_tokens)
+
+    def _batch_graph_reason(self, inputs: list[dict[str, Any]], max_new_tokens: int) -> str | None:
+        """The first sample's reason against graphs (None when every sample allows them)."""
+        return next((r for r in (self._graph_reason(x, max_new_tokens) for x in inputs) if r is not None), None)
 
     def _static_greedy(self) -> Any:
         """The adapter's :class:`~care_core.backbones.static_generation.StaticGreedy` (made on first use)."""

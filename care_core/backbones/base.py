@@ -75,6 +75,13 @@ def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool
     return kept is None or bool(torch.equal(kept, torch.arange(num_tokens)))
 
 
+def check_batch(*columns: Sequence[Any]) -> None:
+    """ValueError unless ``generate_batch``'s questions, images, rows and kept have one entry per sample."""
+    lengths = {len(column) for column in columns}
+    if len(lengths) > 1:
+        raise ValueError(f"generate_batch needs one question, image, rows and kept per sample; got {sorted(lengths)}")
+
+
 class VLMAdapter(ABC):
     """A loaded vision-language model seen through the few operations token reduction needs."""
 
@@ -202,9 +209,7 @@ class VLMAdapter(ABC):
     ) -> list[Generation]:
         """:meth:`generate` for several samples (one question, image, rows and ``kept`` each, K may differ): per
         sample the answer it gets alone, whatever its batch mates. One sample at a time unless an adapter batches."""
-        lengths = {len(questions), len(tokens), len(projected), len(kept)}
-        if len(lengths) != 1:
-            raise ValueError(f"generate_batch needs one question, image, rows and kept per sample; got {lengths}")
+        check_batch(questions, tokens, projected, kept)
         return [
             self.generate(q, t, p, max_new_tokens=max_new_tokens, kept=k, cuda_graph=cuda_graph)
             for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)

@@ -9,9 +9,15 @@ once and replayed:
 - **prefill**: the prompt's input embeddings, right-padded to a multiple of :data:`BUCKET` rows, through every
   layer with causal attention; keys and values go to the static cache; the argmax at the last real row is the
   first token. Causal attention keeps the real rows blind to the padding, and decoding overwrites the padded
-  cache rows before any query can see them. One graph per padded length.
+  cache rows before any query can see them. One graph per padded length (and batch bucket).
 - **decode**: one token in, one token out; keys and values written at the current position, attention over the
-  whole cache with every later position masked. One graph per cache capacity.
+  whole cache with every later position masked. One graph per cache capacity (and batch bucket).
+
+**Batches** (:meth:`StaticGreedy.generate_batch`): the batch size is padded up to one of :data:`BATCH_BUCKETS`
+with dummy rows, the prompts right-padded to a common multiple of :data:`BUCKET`; every sample sits at its own
+positions 0..L_i-1, takes its first token from its own last row and decodes at its own position (per-sample
+write index, mask and rotary position), so it sees exactly the keys and positions of its batch-1 run. Graphs
+are kept per (batch bucket, padded length) for prefill and per batch bucket for decode.
 
 The maths is the eager forward's (same modules, same attention functions); only float rounding may differ from
 ``model.generate``'s kernels. :func:`unsupported_reason` says where this loop would not be the model's own
@@ -24,7 +30,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +38,8 @@ import torch
 
 BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby lengths share a graph
 CAPACITY_STEP = 256  # the cache grows in steps of this many positions
-MAX_PREFILL_GRAPHS = 8  # padded lengths whose prefill graph is kept (least recently used dropped first)
+MAX_PREFILL_GRAPHS = 8  # (batch, padded length) pairs whose prefill graph is kept (least recently used dropped first)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes are padded up to one of these; larger batches go in chunks
 DECODERS = frozenset({"llama", "mistral", "qwen2"})  # decoder layers whose forward this loop drives as they are
 ATTENTION = frozenset({"sdpa", "eager"})  # attention functions that take the decode step's additive mask
 
@@ -121,53 +128,65 @@ def eos_ids(model: Any) -> frozenset[int]:
     return frozenset(int(v) for v in value)
 
 
-class StaticKV:
-    """Every layer's keys and values in preallocated (1, kv_heads, capacity, head_dim) buffers.
+def batch_bucket(size: int) -> int:
+    """The smallest of :data:`BATCH_BUCKETS` that holds ``size`` samples (1 <= size <= the largest)."""
+    return next(b for b in BATCH_BUCKETS if b >= size)
 
-    The decoder layers call :meth:`update` as they call a transformers cache. Where the rows go is set by the
-    driver (``write``: positions, a tensor the graphs read on replay); in prefill the attention sees only the
-    new rows (the cache was empty before them), in decode the whole buffer (the mask hides what lies ahead).
+
+class StaticKV:
+    """Every layer's keys and values in preallocated (batch, kv_heads, capacity, head_dim) buffers.
+
+    The decoder layers call :meth:`update` as they call a transformers cache. A step runs the ``active``
+    leading samples of the ``batch`` allocated (views of the buffers, so the graphs of smaller batches read the
+    same memory). Where the rows go is set by the driver (``write``, a tensor the graphs read on replay): in
+    prefill the positions along the sequence (the same for every sample), and the attention sees only the new
+    rows (the cache was empty before them); in decode one flat row per (sample, head) of the buffer viewed as
+    (-1, head_dim), each sample at its own position, and the attention sees the whole buffer (the mask hides
+    what lies ahead).
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+    def __init__(self, layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
                  device: torch.device) -> None:  # fmt: skip
-        shape = (1, kv_heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.capacity = capacity
+        self.batch, self.kv_heads, self.capacity, self.head_dim = shape
+        self.active = shape[0]  # samples the current step runs (set by the driver before each step)
         self.write: torch.Tensor | None = None
         self.prefill = True
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         assert self.write is not None
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if key.shape[1] != keys.shape[1] or key.shape[-1] != keys.shape[-1]:
+        keys, values = self.keys[layer_idx][: self.active], self.values[layer_idx][: self.active]
+        if key.shape[:2] != keys.shape[:2] or key.shape[-1] != keys.shape[-1]:
             raise RuntimeError(f"layer {layer_idx} gave keys {tuple(key.shape)}; the cache holds {tuple(keys.shape)}")
-        keys.index_copy_(2, self.write, key.to(keys.dtype))
-        values.index_copy_(2, self.write, value.to(values.dtype))
         if self.prefill:
+            keys.index_copy_(2, self.write, key.to(keys.dtype))
+            values.index_copy_(2, self.write, value.to(values.dtype))
             return key, value
+        flat = (-1, self.head_dim)  # (sample, head, position) rows: one write per sample and head, no host sync
+        keys.view(flat).index_copy_(0, self.write, key.reshape(flat).to(keys.dtype))
+        values.view(flat).index_copy_(0, self.write, value.reshape(flat).to(values.dtype))
         return keys, values
 
 
 @dataclass
 class _Prefill:
-    """The static inputs and the captured graph of one padded prompt length."""
+    """The static inputs and the captured graph of one (batch bucket, padded prompt length)."""
 
-    embeds: torch.Tensor  # (1, rows, d)
-    last: torch.Tensor  # (1,) index of the prompt's last real row
+    embeds: torch.Tensor  # (batch, rows, d)
+    last: torch.Tensor  # (batch,) index of each prompt's last real row
     mask: torch.Tensor | None  # (1, 1, rows, rows) causal additive mask; None with sdpa (is_causal)
     graph: Any = None
 
 
 class StaticGreedy:
-    """Greedy decoding of a transformers VLM's language model from input embeddings.
+    """Greedy decoding of a transformers VLM's language model from input embeddings, one prompt or a batch.
 
     ``graphs``: capture and replay CUDA graphs (CUDA only); otherwise the same loop runs eagerly, which is
-    what the CPU tests check against ``model.generate``. The first call at a new padded length runs eagerly
-    and captures on the way out; later calls replay. Holds the cache (``2 · layers · kv_heads · head_dim ·
-    capacity`` values) until dropped.
+    what the CPU tests check against ``model.generate``. The first call at a new (batch bucket, padded length)
+    runs eagerly and captures on the way out; later calls replay. Holds the cache (``2 · layers · batch ·
+    kv_heads · head_dim · capacity`` values, for the largest batch bucket seen) until dropped.
     """
 
     def __init__(self, model: Any, *, graphs: bool) -> None:
@@ -192,11 +211,9 @@ class StaticGreedy:
         self.eos = eos_ids(model)
         self.weights = self._weights()
         self.kv: StaticKV | None = None
-        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)  # the next token (decode input)
-        self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # where the next token goes
-        self.prefills: OrderedDict[int, _Prefill] = OrderedDict()
-        self.decode_graph: Any = None
+        self._static_state(1, 0)
+        self.prefills: OrderedDict[tuple[int, int], _Prefill] = OrderedDict()
+        self.decodes: dict[int, Any] = {}  # batch bucket -> decode graph (at most len(BATCH_BUCKETS))
         self.captures = 0  # graphs captured so far (for tests and reports)
         self.pool: Any = None
         self.stream: Any = None
@@ -220,31 +237,46 @@ class StaticGreedy:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(self.device)
 
-    def _ensure_capacity(self, needed: int) -> None:
-        if self.kv is not None and self.kv.capacity >= needed:
+    def _static_state(self, batch: int, capacity: int) -> None:
+        """The tensors the graphs read and write besides the cache, for up to ``batch`` samples."""
+        device = self.device
+        self.positions = torch.arange(capacity, device=device)
+        self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # each sample's next token
+        self.position = torch.zeros(batch, dtype=torch.long, device=device)  # where each sample's next token goes
+        heads = torch.arange(batch * self.kv_heads, device=device).view(batch, self.kv_heads)
+        self.row_base = heads * capacity  # first flat cache row of each (sample, head)
+
+    def _ensure_capacity(self, batch: int, needed: int) -> None:
+        """A cache of at least ``batch`` samples and ``needed`` positions (grown, never shrunk)."""
+        kv = self.kv
+        if kv is not None and kv.batch >= batch and kv.capacity >= needed:
             return
         capacity = CAPACITY_STEP * math.ceil(needed / CAPACITY_STEP)
+        if kv is not None:
+            batch, capacity = max(batch, kv.batch), max(capacity, kv.capacity)
         self.prefills.clear()  # the graphs write into the old buffers
-        self.decode_graph = None
+        self.decodes.clear()
         self.kv = None  # the old buffers go before the new ones are allocated
-        self.kv = StaticKV(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
-        self.positions = torch.arange(capacity, device=self.device)
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        self.kv = StaticKV(len(self.layers), shape, self.dtype, self.device)
+        self._static_state(batch, capacity)
         self._new_pool()
 
-    def _bucket(self, rows: int) -> _Prefill:
-        entry = self.prefills.get(rows)
+    def _bucket(self, batch: int, rows: int) -> _Prefill:
+        key = (batch, rows)
+        entry = self.prefills.get(key)
         if entry is None:
             hidden = int(self.lm.embed_tokens.weight.shape[1])
             mask = None
             if self.eager_attention:  # eager attention is causal only through its mask
                 mask = torch.full((rows, rows), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
                 mask = mask.triu(1)[None, None]
-            embeds = torch.zeros((1, rows, hidden), dtype=self.dtype, device=self.device)
-            entry = _Prefill(embeds, torch.zeros(1, dtype=torch.long, device=self.device), mask)
-            self.prefills[rows] = entry
+            embeds = torch.zeros((batch, rows, hidden), dtype=self.dtype, device=self.device)
+            entry = _Prefill(embeds, torch.zeros(batch, dtype=torch.long, device=self.device), mask)
+            self.prefills[key] = entry
             while len(self.prefills) > MAX_PREFILL_GRAPHS:
                 self.prefills.popitem(last=False)
-        self.prefills.move_to_end(rows)
+        self.prefills.move_to_end(key)
         return entry
 
     # ------------------------------------------------------------------ the two steps
@@ -257,27 +289,30 @@ class StaticGreedy:
         return hidden
 
     def _next_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.lm.norm(hidden)).argmax(-1)  # (1, 1)
+        return self.head(self.lm.norm(hidden)).argmax(-1)  # (batch, 1)
 
     def _prefill_step(self, entry: _Prefill) -> None:
         assert self.kv is not None
-        rows = int(entry.embeds.shape[1])
-        self.kv.write, self.kv.prefill = self.positions[:rows], True
-        hidden = self._layers(entry.embeds, self.positions[None, :rows], entry.mask)
-        self.token.copy_(self._next_token(hidden.index_select(1, entry.last)))
-        self.position.copy_(entry.last + 1)
+        batch, rows, hidden_size = entry.embeds.shape
+        self.kv.active, self.kv.write, self.kv.prefill = batch, self.positions[:rows], True
+        hidden = self._layers(entry.embeds, self.positions[None, :rows].expand(batch, rows), entry.mask)
+        last = hidden.gather(1, entry.last.view(batch, 1, 1).expand(batch, 1, hidden_size))  # each prompt's own
+        self.token[:batch].copy_(self._next_token(last))
+        self.position[:batch].copy_(entry.last + 1)
 
-    def _decode_step(self) -> None:
+    def _decode_step(self, batch: int) -> None:
         assert self.kv is not None
-        self.kv.write, self.kv.prefill = self.position, False
-        hidden = self.lm.embed_tokens(self.token)
-        ahead = self.positions > self.position  # positions no query may see yet (and the prompt's padding)
+        token, position = self.token[:batch], self.position[:batch]
+        write = (self.row_base[:batch] + position[:, None]).reshape(-1)  # (batch · kv_heads,) flat cache rows
+        self.kv.active, self.kv.write, self.kv.prefill = batch, write, False
+        hidden = self.lm.embed_tokens(token)
+        ahead = self.positions[None, :] > position[:, None]  # per sample: what no query may see yet (and padding)
         mask = torch.zeros(ahead.shape, dtype=self.dtype, device=self.device).masked_fill_(
             ahead, torch.finfo(self.dtype).min
         )
-        hidden = self._layers(hidden, self.position[None], mask[None, None, None])
-        self.token.copy_(self._next_token(hidden))
-        self.position.add_(1)
+        hidden = self._layers(hidden, position[:, None], mask[:, None, None, :])
+        token.copy_(self._next_token(hidden))
+        position.add_(1)
 
     def _run(self, step: Callable[[], None], graph: Any) -> Any:
         """Replay ``graph``; without one, run ``step`` (and capture it when graphs are on). Returns the graph."""
@@ -302,22 +337,45 @@ class StaticGreedy:
     # ------------------------------------------------------------------ public
     def generate(self, embeds: torch.Tensor, max_new_tokens: int) -> list[int]:
         """Greedy token ids after the prompt ``embeds`` ((L, d) or (1, L, d)); stops after an end token."""
-        embeds = embeds.reshape(-1, embeds.shape[-1])
-        length = int(embeds.shape[0])
-        if max_new_tokens < 1:
-            return []
-        rows = BUCKET * math.ceil(length / BUCKET)
-        self._ensure_capacity(max(rows, length + max_new_tokens - 1))
-        entry = self._bucket(rows)
-        entry.embeds[0, :length].copy_(embeds)
-        entry.embeds[0, length:].zero_()
-        entry.last.fill_(length - 1)
+        return self.generate_batch([embeds], max_new_tokens)[0]
+
+    def generate_batch(self, embeds: Sequence[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
+        """Greedy token ids after each prompt (``embeds[i]``: (L_i, d) or (1, L_i, d)), each as it gets alone.
+
+        A sample's tokens end after its first end token (its later steps run with the batch and are dropped);
+        the loop stops when every sample has ended or after ``max_new_tokens``.
+        """
+        prompts = [e.reshape(-1, e.shape[-1]) for e in embeds]
+        largest = BATCH_BUCKETS[-1]
+        if len(prompts) > largest:  # one chunk after another, each padded to its own bucket
+            return [ids for at in range(0, len(prompts), largest)
+                    for ids in self.generate_batch(prompts[at : at + largest], max_new_tokens)]  # fmt: skip
+        if not prompts or max_new_tokens < 1:
+            return [[] for _ in prompts]
+        lengths = [int(p.shape[0]) for p in prompts]
+        batch = batch_bucket(len(prompts))
+        rows = BUCKET * math.ceil(max(lengths) / BUCKET)
+        self._ensure_capacity(batch, max(rows, max(lengths) + max_new_tokens - 1))
+        entry = self._bucket(batch, rows)
+        entry.embeds.zero_()  # padding rows and dummy samples: zeros (no NaN can reach a real row anyway)
+        for i, prompt in enumerate(prompts):
+            entry.embeds[i, : lengths[i]].copy_(prompt)
+        last = [length - 1 for length in lengths] + [0] * (batch - len(prompts))
+        entry.last.copy_(torch.tensor(last, dtype=torch.long))
         entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
-        out: list[int] = []
+        return self._decode_loop(batch, len(prompts), max_new_tokens)
+
+    def _decode_loop(self, batch: int, samples: int, max_new_tokens: int) -> list[list[int]]:
+        """Collect each sample's tokens step by step; decode until all ended or ``max_new_tokens`` are out."""
+        out: list[list[int]] = [[] for _ in range(samples)]
+        running = set(range(samples))
         for step in range(max_new_tokens):
-            token = int(self.token)
-            out.append(token)
-            if token in self.eos or step == max_new_tokens - 1:
+            tokens = self.token[:samples, 0].tolist()  # the one host sync per step
+            for i in sorted(running):
+                out[i].append(int(tokens[i]))
+                if tokens[i] in self.eos:
+                    running.discard(i)
+            if not running or step == max_new_tokens - 1:
                 break
-            self.decode_graph = self._run(self._decode_step, self.decode_graph)
+            self.decodes[batch] = self._run(lambda: self._decode_step(batch), self.decodes.get(batch))
         return out

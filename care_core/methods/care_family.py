@@ -21,6 +21,7 @@ the registered method are one code path; every calibrated result converts to the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, cast
 
@@ -32,6 +33,7 @@ from care_core.methods.zoo_prune import ZooPrune
 
 if TYPE_CHECKING:
     from care_core.care import Reduction
+    from care_core.scoring import Scorer
 
 PAPER = "CaRe: Calibrate Before Reason, Sec. 3 (ablations: Table S5)"
 
@@ -108,15 +110,22 @@ class _CaReFamily(Method):
         return inputs.memoized(prca_key(self.config), compute)
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        from care_core.care import Reduction, calibrate_with
-
         order, weights, v = self._anchors(inputs, keep)
         if self.calibration == "none":
             return selection_result(inputs.features, order, weights, selection_order=order)
+        with inputs.stage("calibration"):
+            return self._calibrated(inputs, v, order, weights)
+
+    def _calibrated(
+        self, inputs: MethodInputs, v: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+    ) -> MethodResult:
+        """The variant's calibration (gated or all) of the anchors `order` (selection order) on features `v` in
+        compute precision, as the method result."""
+        from care_core.care import Reduction, calibrate_with
+
         anchors = order.sort().values
         positions = inputs.positions.to(device=v.device, dtype=v.dtype)
-        with inputs.stage("calibration"):
-            cal = calibrate_with(self.config, v, positions, anchors, weights, gated=self.calibration == "gated")
+        cal = calibrate_with(self.config, v, positions, anchors, weights, gated=self.calibration == "gated")
         reduction: Reduction = Reduction(
             indices=anchors,
             anchor_order=order,
@@ -128,6 +137,70 @@ class _CaReFamily(Method):
             signal_targets=cal.signal_targets,
         )
         return reduction.to_method_result()
+
+    def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """PRCA-anchored variants on B images (docs/design.md §Batches): psi_bar of every image not in its memo
+        from one joint Eq. 1 pass (each new one stored in its image's memo), Eq. 3 for all images in one padded
+        loop, then each image's calibration; each stage timed once for the batch on the shared stage timer. Per
+        image, :meth:`reduce`'s result (to the joint pass's rounding). ZOO-Prune anchors, and batches that cannot
+        share one pass (:func:`_one_pass`), go one image at a time."""
+        if self.anchors_from != "prca" or not _one_pass(inputs):
+            return super().reduce_batch(inputs, keeps)
+        from care_core.batch import batch_anchors
+        from care_core.care import scorer_for
+        from care_core.precision import compute_dtype, matmul_precision
+
+        first = inputs[0]
+        scorer = scorer_for(first.projector, first.scorer)
+        vs = [one.features.to(compute_dtype(one.features.dtype)) for one in inputs]
+        with first.stage("scoring"):
+            weights = self._batch_psi_bar(inputs, vs, scorer)
+        with first.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
+            orders = batch_anchors(weights, vs, keeps, self.config.eps, scorer.gate(self.config.kernel))
+        if self.calibration == "none":
+            return [selection_result(one.features, order, w, selection_order=order)
+                    for one, order, w in zip(inputs, orders, weights, strict=True)]  # fmt: skip
+        with first.stage("calibration"):
+            return [self._calibrated(one, v, order, w)
+                    for one, v, order, w in zip(inputs, vs, orders, weights, strict=True)]  # fmt: skip
+
+    def _batch_psi_bar(self, inputs: list[MethodInputs], vs: list[torch.Tensor], scorer: Scorer) -> list[torch.Tensor]:
+        """psi_bar per image: the memo's where it has one, the others from one :func:`~care_core.batch.batch_scores`
+        pass over their tokens together, each stored in its image's memo (as :meth:`_psi_bar` stores it)."""
+        from care_core.batch import batch_scores
+
+        key = prca_key(self.config)
+        missing = [i for i, one in enumerate(inputs) if one.memo is None or key not in one.memo]
+        fresh: dict[int, torch.Tensor] = {}
+        if missing:
+            scores = batch_scores([vs[i] for i in missing], inputs[0].projector, None, self.config, scorer)
+            fresh = dict(zip(missing, scores, strict=True))
+        weights = [one.memoized(key, functools.partial(fresh.__getitem__, i)) for i, one in enumerate(inputs)]
+        return [w.to(device=v.device, dtype=v.dtype) for w, v in zip(weights, vs, strict=True)]
+
+
+def _one_pass(inputs: list[MethodInputs]) -> bool:
+    """Whether B >= 2 images can share one scoring pass and one padded Eq. 3 loop: one projector, scorer (made for
+    it) and stage timer; one width, device and compute dtype; every image valid for care_reduce. Otherwise the
+    batch goes one image at a time, which also raises each image's own error where one is invalid."""
+    from care_core.care import check_inputs
+    from care_core.errors import CareError
+    from care_core.precision import compute_dtype
+
+    first = inputs[0]
+    if len(inputs) < 2 or (first.scorer is not None and first.scorer.projector is not first.projector):
+        return False
+    for one in inputs:
+        if one.projector is not first.projector or one.scorer is not first.scorer:
+            return False
+        if one.stage_timer is not first.stage_timer:  # each stage is timed once, on the batch's one timer
+            return False
+        try:
+            check_inputs(one.features, one.positions)
+        except CareError:
+            return False
+    kinds = {(v.shape[1], v.device, compute_dtype(v.dtype)) for v in (one.features for one in inputs)}
+    return len(kinds) == 1
 
 
 @register

@@ -22,6 +22,7 @@ official code) are given distance 0 to every zero vector and 1 to every other to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,6 +33,8 @@ from care_core.methods.base import Category, Method, MethodInputs, MethodResult,
 from care_core.methods.registry import register
 
 _TINY = 1e-30  # only guards zero rows; any non-zero norm is used exactly as the official code does
+# a batch whose padded (B, max N, max N) distances would hold more entries (1 GiB in float32) goes one image at a time
+JOINT_MAX_ENTRIES = 2**28
 
 
 def cosine_distance_matrix(embeddings: torch.Tensor) -> torch.Tensor:
@@ -65,10 +68,7 @@ def divprune_select(embeddings: torch.Tensor, k: int, mask_selected: bool = Fals
     if k == 0:
         return order
     selected = torch.zeros(n, dtype=torch.bool, device=embeddings.device)
-    if n >= 2:
-        scores = torch.topk(dist, 2, dim=0, largest=False).values[1]  # second-smallest entry of each column
-    else:
-        scores = torch.zeros(1, dtype=dist.dtype, device=dist.device)
+    scores = _first_scores(dist)
     for step in range(k):
         chosen = int(torch.argmax(scores))
         if mask_selected and bool(selected[chosen]):
@@ -78,6 +78,50 @@ def divprune_select(embeddings: torch.Tensor, k: int, mask_selected: bool = Fals
         # running min over the selected rows == the official min over index_select(Dist, 0, s[:i]) (exact)
         scores = dist[chosen] if step == 0 else torch.minimum(scores, dist[chosen])
     return order
+
+
+def _first_scores(dist: torch.Tensor) -> torch.Tensor:
+    """Step 0's score of each token: the second-smallest entry of its column (0 for a single token)."""
+    if dist.shape[0] >= 2:
+        return torch.topk(dist, 2, dim=0, largest=False).values[1]
+    return torch.zeros(1, dtype=dist.dtype, device=dist.device)
+
+
+def divprune_select_batch(
+    embeddings: Sequence[torch.Tensor], ks: Sequence[int], mask_selected: bool = False
+) -> list[torch.Tensor]:
+    """:func:`divprune_select` for B images (one device and dtype) in one loop of max k_i steps with no host sync.
+
+    Each image's distance matrix is its own (:func:`cosine_distance_matrix`, the single-image product), padded to
+    (B, max N, max N) with -inf columns; padded tokens count as selected, score -inf, and are never chosen. Every
+    step takes each row's argmax (first index on ties), the running minima of all images at once, and (with
+    `mask_selected`) the lowest-index unselected token where the argmax is already selected: per image the same
+    numbers and steps as :func:`divprune_select`, so the same order. Image i keeps its first k_i picks.
+    """
+    sizes = [int(x.shape[0]) for x in embeddings]
+    for n, k in zip(sizes, ks, strict=True):
+        if k < 0 or (mask_selected and k > n):
+            raise MethodError(f"divprune: cannot select {k} distinct tokens out of {n}")
+    like = embeddings[0]
+    b, n_max, steps = len(sizes), max(sizes), max(ks, default=0)
+    dist = torch.full((b, n_max, n_max), float("-inf"), dtype=like.dtype, device=like.device)
+    scores = torch.full((b, n_max), float("-inf"), dtype=like.dtype, device=like.device)
+    selected = torch.ones(b, n_max, dtype=torch.bool, device=like.device)
+    for i, (x, n) in enumerate(zip(embeddings, sizes, strict=True)):
+        dist[i, :n, :n] = cosine_distance_matrix(x)
+        scores[i, :n] = _first_scores(dist[i, :n, :n])
+        selected[i, :n] = False
+    rows = torch.arange(b, device=like.device)
+    order = torch.zeros(b, steps, dtype=torch.long, device=like.device)
+    for step in range(steps):
+        chosen = torch.argmax(scores, dim=1)
+        if mask_selected:  # argmax of a bool row: its first True, the lowest-index unselected token
+            chosen = torch.where(selected[rows, chosen], torch.argmax((~selected).to(torch.uint8), dim=1), chosen)
+        order[:, step] = chosen
+        selected[rows, chosen] = True
+        picked = dist[rows, chosen]  # (B, max N): row `chosen` of each image's matrix, -inf on padding
+        scores = picked if step == 0 else torch.minimum(scores, picked)
+    return [order[i, :k].clone() for i, k in enumerate(ks)]
 
 
 @register
@@ -104,6 +148,23 @@ class DivPrune(Method):
             embeddings = inputs.projector(inputs.features)
             embeddings = embeddings.to(compute_dtype(embeddings.dtype))
             order = divprune_select(embeddings, keep, mask_selected=self.mask_selected)
+        return self._result(inputs, order, keep)
+
+    def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """Each image's embeddings and distances alone (its own projector call), then one greedy loop for all
+        (:func:`divprune_select_batch`); one image at a time where the embeddings differ in device or dtype or
+        the padded distances would exceed :data:`JOINT_MAX_ENTRIES`."""
+        with torch.no_grad():
+            embeddings = [one.projector(one.features) for one in inputs]
+            embeddings = [x.to(compute_dtype(x.dtype)) for x in embeddings]
+            joint = len(embeddings) * max(x.shape[0] for x in embeddings) ** 2 <= JOINT_MAX_ENTRIES
+            if len(inputs) > 1 and joint and len({(x.device, x.dtype) for x in embeddings}) == 1:
+                orders = divprune_select_batch(embeddings, keeps, mask_selected=self.mask_selected)
+            else:
+                orders = [divprune_select(x, k, self.mask_selected) for x, k in zip(embeddings, keeps, strict=True)]
+        return [self._result(one, order, keep) for one, order, keep in zip(inputs, orders, keeps, strict=True)]
+
+    def _result(self, inputs: MethodInputs, order: torch.Tensor, keep: int) -> MethodResult:
         if not self.mask_selected and order.unique().numel() < keep:
             raise MethodError("divprune(mask_selected=False) re-selected a token (official behaviour on duplicates)")
         return selection_result(inputs.features, order, None, selection_order=order, space="post-projector")

@@ -37,6 +37,16 @@ def forward_with_image_rows(adapter: Any, inputs: Any) -> tuple[Any, torch.Tenso
     return out, seen["embeds"][0][placeholders.to(seen["embeds"].device)]
 
 
+def reference_ids(adapter: Any, inputs: dict[str, Any], max_new_tokens: int) -> list[int]:
+    """``model.generate``'s greedy continuation of one prompt, called directly (not through the adapter)."""
+    tok = adapter.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    with torch.no_grad():
+        out = adapter.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                                     pad_token_id=pad)  # fmt: skip
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -15,20 +15,10 @@ from care_core.backbones.probes import attention_implementation
 from care_core.backbones.static_generation import BUCKET, StaticGreedy, eos_ids, unsupported_reason
 from care_core.errors import GenerationError
 
-from ._helpers import noise_image
+from ._helpers import noise_image, reference_ids
 
 QUESTION = "What is in the image?"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-
-
-def _reference_ids(adapter: Any, inputs: dict[str, Any], max_new_tokens: int) -> list[int]:
-    """``model.generate``'s greedy continuation, called directly (not through the adapter)."""
-    tok = adapter.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    with torch.no_grad():
-        out = adapter.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                     pad_token_id=pad)  # fmt: skip
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def _feeds(adapter: Any, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -59,7 +49,7 @@ def test_static_loop_gives_model_generate_tokens(request: pytest.FixtureRequest,
             inputs = adapter._lm_inputs(QUESTION, tokens, projected, kept)
             lengths.append(int(inputs["input_ids"].shape[1]))
             ids = greedy.generate(adapter._prompt_embeddings(inputs), 12)
-            assert ids == _reference_ids(adapter, inputs, 12)
+            assert ids == reference_ids(adapter, inputs, 12)
     assert any(length % BUCKET for length in lengths)  # a padded prefill was among them
     assert greedy.kv is not None and greedy.kv.capacity >= max(lengths) + 11
     assert greedy.captures == 0  # CPU: nothing captured
@@ -68,7 +58,7 @@ def test_static_loop_gives_model_generate_tokens(request: pytest.FixtureRequest,
 def test_stops_at_the_end_token_as_generate_does(demo: Any, image: Any) -> None:
     tokens = demo.encode_image(image)
     inputs = demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:20]), torch.arange(20))
-    reference = _reference_ids(demo, inputs, 40)
+    reference = reference_ids(demo, inputs, 40)
     assert reference[-1] in eos_ids(demo.model) and len(reference) < 40  # the trained demo ends its answers
     with torch.no_grad():
         ids = StaticGreedy(demo.model, graphs=False).generate(demo._prompt_embeddings(inputs), 40)
@@ -84,7 +74,7 @@ def test_eager_attention_takes_the_causal_mask(tiny_pair: Any, image: Any) -> No
         assert greedy.eager_attention
         for projected, kept in _feeds(adapter, tokens):
             inputs = adapter._lm_inputs(QUESTION, tokens, projected, kept)
-            assert greedy.generate(adapter._prompt_embeddings(inputs), 8) == _reference_ids(adapter, inputs, 8)
+            assert greedy.generate(adapter._prompt_embeddings(inputs), 8) == reference_ids(adapter, inputs, 8)
 
 
 def test_one_cache_serves_growing_prompts(demo: Any, image: Any) -> None:
@@ -94,7 +84,7 @@ def test_one_cache_serves_growing_prompts(demo: Any, image: Any) -> None:
         for k in (5, 576, 9):  # short, then long (the cache grows), then short again in the grown cache
             kept = torch.arange(k)
             inputs = demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:k]), kept)
-            assert greedy.generate(demo._prompt_embeddings(inputs), 6) == _reference_ids(demo, inputs, 6)
+            assert greedy.generate(demo._prompt_embeddings(inputs), 6) == reference_ids(demo, inputs, 6)
     assert greedy.kv is not None and greedy.kv.capacity >= 576
 
 
@@ -135,7 +125,7 @@ def test_generate_options_on_cpu(demo: Any, image: Any) -> None:
     auto = demo.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept)
     assert auto.decoding == "eager" and "CUDA graphs need a CUDA device" in (auto.eager_reason or "")
     with torch.no_grad():
-        reference = _reference_ids(demo, demo._lm_inputs(QUESTION, tokens, projected, kept), 6)
+        reference = reference_ids(demo, demo._lm_inputs(QUESTION, tokens, projected, kept), 6)
     assert list(auto.token_ids) == reference  # model.generate's new tokens, and their text
     assert auto.text == demo.tokenizer.decode(reference, skip_special_tokens=True).strip()
     off = demo.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept, cuda_graph=False)
@@ -170,7 +160,7 @@ def test_cuda_graphs_give_model_generate_answers(cuda_demos: dict[str, Any], ima
                 assert (graph.text, graph.token_ids) == (eager.text, eager.token_ids)
             inputs = adapter._lm_inputs(QUESTION, tokens, projected, kept)
             ids = adapter._static_greedy().generate(adapter._prompt_embeddings(inputs), 10)
-            assert ids == _reference_ids(adapter, inputs, 10)
+            assert ids == reference_ids(adapter, inputs, 10)
 
 
 @cuda_only
@@ -215,7 +205,7 @@ def test_a_failed_capture_falls_back_to_generate(cuda_demos: dict[str, Any], ima
     def broken(*args: Any, **kwargs: Any) -> list[int]:
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(StaticGreedy, "generate", broken)
+    monkeypatch.setattr(StaticGreedy, "generate_batch", broken)
     with pytest.raises(GenerationError, match="capturing the decoder failed"):
         adapter.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept, cuda_graph=True)
     fallback = adapter.generate(QUESTION, tokens, projected, max_new_tokens=6, kept=kept)
