@@ -14,7 +14,7 @@ model exactly: the instance ``generate`` is deleted and the scorer cached on the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +59,7 @@ class VisualTokenReduction:
         original = self.model.generate  # the class's method, bound to the model
 
         def generate(*args: Any, **kwargs: Any) -> Any:
-            return self.generate(original, *args, **kwargs)
+            return self._generate(original, *args, **kwargs)
 
         self._projector_attributes = set(vars(self.adapter.projector))
         self.model.generate = generate
@@ -73,7 +73,7 @@ class VisualTokenReduction:
                 delattr(projector, name)
             self._projector_attributes = None
 
-    def generate(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _generate(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``original(**kwargs)`` with each sample's image tokens reduced; the returned sequences begin with the
         caller's ``input_ids``. Calls without ``pixel_values`` (text only) pass through unchanged."""
         import torch
@@ -196,44 +196,37 @@ class VisualTokenReduction:
         kept: list[torch.Tensor],
         positions: torch.Tensor | None,
     ) -> dict[str, Any]:
-        """The reduced, left-padded batch: ``input_ids``, ``attention_mask``, ``mm_encoder_outputs`` and, for
-        multimodal rope, ``mm_token_type_ids`` and ``position_ids`` (4, B, L')."""
+        """The reduced batch: per sample its real tokens with K_i placeholders (and, for multimodal rope, its
+        ``mm_token_type_ids`` and ``position_ids`` (4, 1, L_i): a text row, then the kept rows' t, h, w), joined
+        left-padded by the adapters' own :func:`collate_left_padded`; the caller's other arguments as given."""
         import torch
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        from care_core.backbones._chat import collate_left_padded, mm_encoder_outputs
 
         image_token_id = int(self.adapter.image_token_id)
-        samples, sample_positions = [], []
+        samples = []
         for b, ((start, end), one, r, k) in enumerate(zip(spans, tokens, rows, kept, strict=True)):
             real = ids[b][mask[b].bool()]
             image = torch.full((r.shape[0],), image_token_id, dtype=ids.dtype, device=ids.device)
-            samples.append(torch.cat([real[:start], image, real[end:]]))
+            sample_ids = torch.cat([real[:start], image, real[end:]])[None]
+            sample: dict[str, Any] = {
+                "input_ids": sample_ids,
+                "attention_mask": torch.ones_like(sample_ids, dtype=mask.dtype),
+            }
+            sample["mm_encoder_outputs"] = mm_encoder_outputs(r)
+            if positions is not None or kwargs.get("mm_token_type_ids") is not None:
+                sample["mm_token_type_ids"] = (sample_ids == image_token_id).long()
             if positions is not None:  # rows tied to no token (-1) sit at the last image token's position
                 full = positions[:, b][:, mask[b].bool().to(positions.device)]
-                n = one.num_tokens
-                select = torch.where(k < 0, torch.full_like(k, n - 1), k).to(full.device)
+                select = torch.where(k < 0, torch.full_like(k, one.num_tokens - 1), k).to(full.device)
                 image_positions = full[:, start:end].index_select(1, select)
-                sample_positions.append(torch.cat([full[:, :start], image_positions, full[:, end:]], dim=1))
-        new_ids, new_mask = _left_pad(samples, self._pad_id)
+                rope = torch.cat([full[:, :start], image_positions, full[:, end:]], dim=1)
+                text_row = torch.arange(rope.shape[1], dtype=rope.dtype, device=rope.device)
+                sample["position_ids"] = torch.cat([text_row[None], rope], dim=0)[:, None]  # (4, 1, L_i)
+            samples.append(sample)
         out = {key: value for key, value in kwargs.items() if key not in _consumed_keys(self.adapter)}
-        out.update(input_ids=new_ids, attention_mask=new_mask.to(mask.dtype))
-        out["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=rows)}  # type: ignore[arg-type]
-        if positions is not None or kwargs.get("mm_token_type_ids") is not None:
-            out["mm_token_type_ids"] = (new_ids == image_token_id).long() * new_mask
-        if positions is not None:
-            padded = torch.zeros((3, *new_ids.shape), dtype=positions.dtype, device=positions.device)
-            for b, sample in enumerate(sample_positions):
-                padded[:, b, new_ids.shape[1] - sample.shape[1] :] = sample
-            text_row = (new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 0).to(padded)
-            out["position_ids"] = torch.cat([text_row[None], padded], dim=0)
+        out.update(collate_left_padded(samples, self.adapter._pad_token_id))
         return out
-
-    @property
-    def _pad_id(self) -> int:
-        tokenizer = self.adapter.tokenizer
-        for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
-            if candidate is not None:
-                return int(candidate)
-        return 0
 
 
 def reduce_visual_tokens(
@@ -302,19 +295,6 @@ def _image_span(adapter: ChatAdapter, real_ids: torch.Tensor, sample: int) -> tu
     if end - start != where.numel():
         raise CareError(f"sample {sample} has several images; the drop-in takes one per sample", parameter="model")
     return start, end
-
-
-def _left_pad(samples: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of 1-D id sequences left-padded to the longest."""
-    import torch
-
-    length = max(int(s.shape[0]) for s in samples)
-    ids = torch.full((len(samples), length), pad_id, dtype=samples[0].dtype, device=samples[0].device)
-    mask = torch.zeros((len(samples), length), dtype=torch.long, device=samples[0].device)
-    for b, sample in enumerate(samples):
-        ids[b, length - sample.shape[0] :] = sample
-        mask[b, length - sample.shape[0] :] = 1
-    return ids, mask
 
 
 def _with_prompt(out: Any, user_ids: torch.Tensor, reduced_length: int) -> Any:
