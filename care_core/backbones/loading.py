@@ -287,6 +287,9 @@ def adapter_for_model(model: Any, processor: Any, *, name: str | None = None) ->
             f"got {type(model).__name__}"
         )
     if processor is None or getattr(processor, "tokenizer", None) is None:
-        raise ModelLoadError("the model's processor (tokenizer and image processor) is needed", parameter="processor")
+        raise ModelLoadError(
+            "is needed: pass the processor the inputs are made with (tokenizer and image processor)",
+            parameter="processor",
+        )
     shown = name or str(getattr(model, "name_or_path", "") or type(model).__name__)
     return adapter_cls(model, copy.copy(processor), name=shown)  # type: ignore[no-any-return]
