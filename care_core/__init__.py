@@ -19,6 +19,8 @@ _EXPORTS = {
     "care_reduce": "care_core.care",
     "care_reduce_batch": "care_core.batch",
     "csr_score": "care_core.csr",
+    "reduce_visual_tokens": "care_core.dropin",
+    "VisualTokenReduction": "care_core.dropin",
 }
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from care_core.care import Reduction, care_reduce
     from care_core.config import CaReConfig
     from care_core.csr import csr_score
+    from care_core.dropin import VisualTokenReduction, reduce_visual_tokens
 
 
 def __getattr__(name: str) -> Any:
@@ -41,9 +44,11 @@ __all__ = [
     "Budget",
     "CaReConfig",
     "Reduction",
+    "VisualTokenReduction",
     "__version__",
     "care_reduce",
     "care_reduce_batch",
     "csr_score",
+    "reduce_visual_tokens",
     "resolve_budget",
 ]

@@ -266,3 +266,30 @@ def load_backbone(
     if close:
         message += f' (did you mean "{close[0]}"?)'
     raise ModelLoadError(message)
+
+
+def adapter_for_model(model: Any, processor: Any, *, name: str | None = None) -> VLMAdapter:
+    """The family adapter around a model the caller already loaded (and its processor), for code that keeps
+    calling transformers itself (:mod:`care_core.dropin`). The adapter gets a shallow copy of ``processor``:
+    the settings an adapter aligns with the model (e.g. LLaVA's patch size) are written on the copy, never
+    on the caller's object. ModelLoadError (one line) for a model care has no adapter for."""
+    import copy
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    supported = ", ".join(sorted(model_types()))
+    if not isinstance(model_type, str) or model_type not in model_types():
+        raise ModelLoadError(f"care cannot reduce the tokens of model type {model_type!r} (supported: {supported})")
+    adapter_cls: Any = adapter_class(model_type)
+    classes = {klass.__name__ for klass in type(model).__mro__}
+    if adapter_cls.model_class not in classes:
+        raise ModelLoadError(
+            f"a {model_type} model must be a {adapter_cls.model_class} (the class with generate), "
+            f"got {type(model).__name__}"
+        )
+    if processor is None or getattr(processor, "tokenizer", None) is None:
+        raise ModelLoadError(
+            "is needed: pass the processor the inputs are made with (tokenizer and image processor)",
+            parameter="processor",
+        )
+    shown = name or str(getattr(model, "name_or_path", "") or type(model).__name__)
+    return adapter_cls(model, copy.copy(processor), name=shown)  # type: ignore[no-any-return]

@@ -1,0 +1,211 @@
+"""The drop-in context manager: inside it, transformers' own generate (and image-text-to-text pipeline) on a left-padded
+batch gives, per sample, the tokens ReductionPipeline gives for the same image, prompt and budget; outside it the
+model is exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+import care_core
+from care_core.backbones import ensure_demo, load_backbone
+from care_core.backbones._hf import quiet_transformers
+from care_core.budget import Budget
+from care_core.errors import BudgetError, CareError, MethodError, ModelLoadError
+from care_core.pipeline import ReductionPipeline
+
+DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl")
+QUESTIONS = ("What is this?", "Which colour is the shape?", "Where is the circle?")
+NEW_TOKENS = 5
+KEEP = 9
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("dropin_home")
+    ensure_demo("tiny-llava", home)
+    return home
+
+
+@pytest.fixture(scope="module")
+def adapters(home: Path) -> dict[str, Any]:
+    return {name: load_backbone(name, home=home) for name in DEMOS}
+
+
+def images() -> list[Image.Image]:
+    """Three images of different sizes (so LLaVA-NeXT and Qwen give different N per image)."""
+    pixels = torch.Generator().manual_seed(0)
+    noise = Image.fromarray(torch.randint(0, 256, (250, 250, 3), generator=pixels, dtype=torch.uint8).numpy())
+    return [Image.new("RGB", (300, 200), (200, 30, 30)), Image.new("RGB", (200, 400), (20, 40, 220)), noise]
+
+
+def batch(adapter: Any) -> dict[str, Any]:
+    prompts = [adapter.prompt(q) for q in QUESTIONS]
+    with quiet_transformers():
+        return adapter.processor(images=images(), text=prompts, return_tensors="pt", padding=True, padding_side="left")
+
+
+def pipeline_results(adapter: Any, budget: Budget, method: str = "care") -> list[Any]:
+    return ReductionPipeline(adapter, [method]).run_batch(images(), list(QUESTIONS), [budget])
+
+
+def reference_ids(adapter: Any, budget: Budget, method: str = "care") -> list[tuple[int, ...]]:
+    """Per sample, the new token ids ReductionPipeline's answer has (its reduction, then the adapter's generate on
+    the sample alone)."""
+    out = []
+    for result in pipeline_results(adapter, budget, method):
+        run = result.runs[0]
+        kept = run.result.token_index
+        out.append(adapter.generate(QUESTIONS[len(out)], result.tokens, run.projected, NEW_TOKENS, kept).token_ids)
+    return out
+
+
+def model_state(model: Any) -> dict[str, Any]:
+    """What the drop-in must leave as it found: instance attributes, tensors, hooks."""
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    attributes = {id(m): set(vars(m)) for m in model.modules()}
+    return {"attributes": attributes, "hooks": hooks, "tensors": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def assert_unchanged(model: Any, before: dict[str, Any]) -> None:
+    after = model_state(model)
+    assert "generate" not in vars(model)
+    assert after["attributes"] == before["attributes"]
+    assert after["hooks"] == before["hooks"]
+    assert after["tensors"].keys() == before["tensors"].keys()
+    assert all(torch.equal(after["tensors"][k], v) for k, v in before["tensors"].items())
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_generate_in_the_context_gives_each_sample_its_own_reduced_answer(adapters: dict[str, Any], name: str) -> None:
+    adapter = adapters[name]
+    inputs = batch(adapter)
+    assert bool((inputs["attention_mask"][:, 0] == 0).any())  # left padding really happened
+    with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=KEEP) as reduction:
+        first = adapter.model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        second = adapter.model.generate(
+            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True
+        )
+    prompt_length = inputs["input_ids"].shape[1]
+    assert torch.equal(first[:, :prompt_length], inputs["input_ids"])  # the caller's prompt, so slicing works
+    assert torch.equal(second.sequences, first)
+    assert [r.num_tokens for r in reduction.results] == [KEEP] * len(QUESTIONS)
+    expected = reference_ids(adapter, Budget.keep(KEEP))
+    for row, ids in zip(first[:, prompt_length:].tolist(), expected, strict=True):
+        assert tuple(row[: len(ids)]) == ids
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_the_image_text_to_text_pipeline_is_reduced_in_the_context(adapters: dict[str, Any], name: str) -> None:
+    from transformers import pipeline
+
+    adapter = adapters[name]
+    prompts = [adapter.prompt(q) for q in QUESTIONS]
+    with quiet_transformers():
+        pipe = pipeline("image-text-to-text", model=adapter.model, processor=adapter.processor)
+        with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, ratio=0.05):
+            outputs = pipe(images=images(), text=prompts, max_new_tokens=NEW_TOKENS, return_tensors=True)
+    # the pipeline makes one processor call for the list, padded on the tokenizer's side (right, for the demos);
+    # the drop-in generates from left-padded real tokens and returns the pipeline's own padded prompt in front
+    with quiet_transformers():
+        prompt_ids = adapter.processor(images=images(), text=prompts, return_tensors="pt", padding=True)["input_ids"]
+    expected = reference_ids(adapter, Budget.ratio(0.05))
+    for b, (output, ids) in enumerate(zip(outputs, expected, strict=True)):
+        sequence = (output[0] if isinstance(output, list) else output)["generated_token_ids"]
+        assert torch.equal(sequence[: prompt_ids.shape[1]], prompt_ids[b])
+        assert tuple(sequence[prompt_ids.shape[1] :].tolist())[: len(ids)] == ids
+
+
+def test_a_method_that_reads_the_question_gets_the_prompts_question(adapters: dict[str, Any]) -> None:
+    adapter = adapters["tiny-llava"]  # FastV's kept tokens differ between these questions on this demo
+    with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, method="fastv", keep=KEEP) as r:
+        adapter.model.generate(**batch(adapter), max_new_tokens=1, do_sample=False)
+    expected = pipeline_results(adapter, Budget.keep(KEEP), method="fastv")
+    kept = [result.token_index.tolist() for result in r.results]
+    assert kept == [result.runs[0].result.token_index.tolist() for result in expected]
+    assert len({tuple(k) for k in kept}) > 1
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_keeping_every_token_equals_plain_generate(adapters: dict[str, Any], name: str) -> None:
+    adapter = adapters[name]
+    inputs = batch(adapter)
+    options = {"max_new_tokens": 3, "do_sample": False}
+    with quiet_transformers():
+        plain = adapter.model.generate(**inputs, **options)
+        with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, ratio=1.0):
+            reduced = adapter.model.generate(**inputs, **options)
+    assert torch.equal(reduced, plain)
+
+
+def test_text_only_calls_pass_through_unchanged(adapters: dict[str, Any]) -> None:
+    adapter = adapters["tiny-llava"]
+    text = adapter.tokenizer(["a red square", "the circle is"], return_tensors="pt", padding=True, padding_side="left")
+    options = {"max_new_tokens": 3, "do_sample": False}
+    with quiet_transformers():
+        plain = adapter.model.generate(**text, **options)
+        with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=KEEP) as reduction:
+            inside = adapter.model.generate(**text, **options)
+    assert torch.equal(inside, plain)
+    assert reduction.results == []
+
+
+def test_leaving_the_context_restores_the_model_also_after_an_exception(adapters: dict[str, Any]) -> None:
+    adapter = adapters["tiny-llava"]
+    before = model_state(adapter.model)
+    with care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=KEEP):
+        assert "generate" in vars(adapter.model)
+        adapter.model.generate(**batch(adapter), max_new_tokens=1, do_sample=False)
+    assert_unchanged(adapter.model, before)
+    with pytest.raises(KeyError), care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=3):
+        adapter.model.generate(**batch(adapter), max_new_tokens=1, do_sample=False)
+        raise KeyError("inside the block")
+    assert_unchanged(adapter.model, before)
+
+
+def test_several_images_in_one_prompt_are_refused_in_one_line(adapters: dict[str, Any]) -> None:
+    adapter = adapters["tiny-llava"]
+    prompt = adapter.prompt("Compare them.").replace(adapter.image_token, adapter.image_token * 2)
+    with quiet_transformers():
+        inputs = adapter.processor(images=images()[:2], text=[prompt], return_tensors="pt")
+    with (
+        care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=KEEP),
+        pytest.raises(CareError, match="one image per sample") as caught,
+    ):
+        adapter.model.generate(**inputs, max_new_tokens=1)
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_arguments_fail_in_one_line_before_the_block(adapters: dict[str, Any]) -> None:
+    adapter = adapters["tiny-qwen2.5-vl"]
+    model, processor = adapter.model, adapter.processor
+    cases: list[tuple[type[CareError], dict[str, Any], str]] = [
+        (BudgetError, {"keep": 5, "ratio": 0.1}, "exactly one of ratio"),
+        (BudgetError, {}, "ratio or a keep"),
+        (BudgetError, {"ratio": 1.5}, "ratio must be in"),
+        (MethodError, {"keep": 5, "method": "no-such-method"}, "unknown method"),
+        (MethodError, {"keep": 5, "method": "visionzip"}, "cannot run on"),
+        (ModelLoadError, {"keep": 5, "processor": None}, "processor"),
+    ]
+    for error, kwargs, message in cases:
+        with pytest.raises(error, match=message) as caught:
+            care_core.reduce_visual_tokens(model, **{"processor": processor, **kwargs})
+        assert "\n" not in str(caught.value)
+    other = SimpleNamespace(config=SimpleNamespace(model_type="bert"))
+    with pytest.raises(ModelLoadError, match="model type 'bert'"):
+        care_core.reduce_visual_tokens(other, processor=processor, keep=5)
+    assert "generate" not in vars(model)
