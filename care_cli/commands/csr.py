@@ -270,13 +270,10 @@ def run_pairs(
     batch_size: Any = "auto",
 ) -> dict[str, Any]:
     """Every method x budget on every pair (this process's share of them) through the library pipeline, in batches
-    of ``batch_size`` pairs (a number or "auto", resolved on the loaded backbone).
-
-    ``run`` (a :class:`care_core.runs.DatasetRun`, entered) saves each finished batch and knows what earlier runs
-    saved; rank 0 merges every process's results into the report (others return {}). With 'all' (``every``),
-    methods the backbone cannot serve are left out and listed under ``methods_skipped``.
-    """
-    from care_core.batching import Batches, choose_batch_size
+    of ``batch_size`` pairs (a number or "auto", resolved on the loaded backbone). ``run`` (a
+    :class:`care_core.runs.DatasetRun`, entered) saves each finished batch and knows what earlier runs saved; rank 0
+    merges every process's results into the report (others return {}). With 'all' (``every``), methods the
+    backbone cannot serve are left out and listed under ``methods_skipped``."""
     from care_core.pipeline import ReductionPipeline
 
     main = run.world.is_main
@@ -288,9 +285,8 @@ def run_pairs(
     backbone = pipe.backbone
     run.start(backbone={k: backbone.to_dict()[k] for k in ("name", "family", "demo")})
     ids = [_pair_id(p) for p in pairs]
-    choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None)
-    batches = Batches(choice.size, device=pipe.adapter.device, on_notice=lambda line: render.print_notices([line]))
-    skipped = _compute(run, pipe, list(zip(ids, pairs, strict=True)), budgets, batches, skip_bad=skip_bad, quiet=quiet)
+    items = list(zip(ids, pairs, strict=True))
+    skipped, batch = _compute(run, pipe, items, budgets, batch_size, skip_bad=skip_bad, quiet=quiet)
     skipped = [s for part in run.processes.gather(skipped) for s in part]
     done = run.merge()
     if not main:
@@ -312,7 +308,7 @@ def run_pairs(
         "seed": config.seed,
         "pairs": len({r["line"] if r["line"] is not None else r["image"] for r in results}),
         "processes": run.world.size,
-        "batch_size": choice.to_dict() | {"final": batches.size},  # final: after any out-of-memory split
+        "batch_size": batch,
         "summary": csr_summary(results, list(pipe.methods), labels),
         "results": results,
         "skipped": skipped,
@@ -320,11 +316,16 @@ def run_pairs(
 
 
 def _compute(
-    run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], batches: Any, *, skip_bad: bool,
-    quiet: bool,
-) -> list[dict[str, Any]]:  # fmt: skip
+    run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], batch_size: Any, *,
+    skip_bad: bool, quiet: bool,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """This process's share of the pairs, each method x budget not saved yet, in batches (each finished batch saved
-    at once); the pairs skipped as bad."""
+    at once). Returns the pairs skipped as bad, and the batch size: used, requested, the device's default and the
+    final one (after any out-of-memory split)."""
+    from care_core.batching import Batches, choose_batch_size
+
+    choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None)
+    batches = Batches(choice.size, device=pipe.adapter.device, on_notice=lambda line: render.print_notices([line]))
     done = run.done_keys()
     todo = []
     for pid, pair in run.shard(items):
@@ -353,7 +354,7 @@ def _compute(
             progress.update(task, advance=len(chunk), description=chunk[-1][1].image.name)
 
         batches.run(todo, lambda chunk: _csr_batch(pipe, chunk, budgets), finished)
-    return skipped
+    return skipped, choice.to_dict() | {"final": batches.size}
 
 
 def _csr_batch(pipe: Any, chunk: list[Any], budgets: list[Any]) -> list[Any]:
