@@ -18,6 +18,7 @@ import typer
 
 from care_cli.errors import UserError
 from care_core.backbones.families import DEFAULT_DEMO, demo_backbones
+from care_core.batching import CPU_BATCH_SIZE, MAX_BATCH_SIZE
 from care_core.config import CaReConfig
 
 _HYPER = "CaRe hyperparameters (paper defaults)"
@@ -192,4 +193,12 @@ CudaGraphs = Annotated[
                  help="Answers: prefill and decode from captured CUDA graphs over a static KV cache. Default: on "
                       "where the backbone allows it (CUDA; LLaVA-family decoders with sdpa or eager attention and "
                       "no logit processors), else transformers' generate. --no-cuda-graphs: always the latter."),
+]  # fmt: skip
+BatchSize = Annotated[
+    str,
+    typer.Option("--batch-size", metavar="B|auto",
+                 help=f"Samples run at once: a whole number >= 1, or auto: {CPU_BATCH_SIZE} on a CPU; on CUDA the free "
+                      "memory over an estimate of one sample's memory from the model's config (KV cache, activations), "
+                      f"between 1 and {MAX_BATCH_SIZE} (docs/design.md §Batch size). Per sample the result is the one "
+                      "of batch size 1. A batch that runs out of GPU memory is split in halves and retried."),
 ]  # fmt: skip

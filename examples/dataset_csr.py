@@ -1,5 +1,6 @@
-"""A resumable data-set CSR run with the library alone (no care_cli): pairs sharded over processes, each finished
-pair saved at once, a rerun computing only what is missing, statistics on rank 0.
+"""A resumable data-set CSR run with the library alone (no care_cli): pairs sharded over processes, run in batches
+(the device's default size; a batch out of GPU memory is split), each finished batch saved at once, a rerun
+computing only what is missing, statistics on rank 0.
 
     torchrun --nproc-per-node 2 examples/dataset_csr.py --data examples/csr_pairs.jsonl --output-dir runs/csr
     python examples/dataset_csr.py --data examples/csr_pairs.jsonl --output-dir runs/csr   # one process
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 from care_core import CaReConfig
+from care_core.batching import Batches, default_batch_size
 from care_core.budget import Budget
 from care_core.images import load_image
 from care_core.pipeline import ReductionPipeline
@@ -40,15 +42,24 @@ def main() -> None:
                                                  device=run.device("auto"))  # fmt: skip
         run.start()
         done = run.done_keys()
-        computed = 0
+        todo = []
         for pid, image, question in run.shard(pairs):
             plan = {m: [b for b in budgets if (pid, m, b.label) not in done] for m in methods}
-            if not any(plan.values()):
-                continue
-            out = pipe(load_image(image), question, budgets, csr=True, plan=plan)
+            if any(plan.values()):
+                todo.append((pid, image, question, plan))
+
+        def answer(chunk: list[tuple]) -> list:  # one batch: per pair what it gives alone
+            return pipe.run_batch([load_image(i) for _, i, _, _ in chunk], [q for _, _, q, _ in chunk], budgets,
+                                  csr=True, plans=[plan for *_, plan in chunk])  # fmt: skip
+
+        def save(chunk: list[tuple], outputs: list) -> None:  # each finished batch at once
             run.append({"pair_id": pid, "method": r.method, "budget": r.budget.label, "N": out.num_tokens,
-                        "K": r.keep, "csr": 100 * (r.csr or 0.0)} for r in out.runs)  # fmt: skip
-            computed += 1
+                        "K": r.keep, "csr": 100 * (r.csr or 0.0)}
+                       for (pid, *_), out in zip(chunk, outputs, strict=True) for r in out.runs)  # fmt: skip
+
+        size = default_batch_size(pipe.adapter, max_new_tokens=None)  # no answers: CSR only
+        Batches(size, device=pipe.adapter.device, on_notice=print).run(todo, answer, save)
+        computed = len(todo)
         print(f"rank {run.world.rank}: computed {computed} pair(s) now", flush=True)
         results = run.merge()
     if run.world.is_main:

@@ -128,6 +128,7 @@ def csr(
     output_dir: OutputDirOpt = None,
     resume: ResumeOpt = False,
     num_processes: run_options.ProcessesOpt = 1,
+    batch_size: opt.BatchSize = "auto",
     skip_bad: SkipBadOpt = False,
     force: opt.Force = False,
     json_output: opt.Json = False,
@@ -138,10 +139,12 @@ def csr(
     At least one budget is required (--ratio and --keep are repeatable; --ratio A:B:STEP gives a range).
     Several budgets draw a CSR-against-budget curve with --plot.
     """
+    from care_core.batching import parse_batch_size
     from care_core.runs import DatasetRun
 
     assert config is not None
     _check_arguments(image, question, data, output_dir, resume, num_processes)
+    requested = parse_batch_size(batch_size)
     budgets = opt.budgets(opt.parse_ratio_specs(ratio), keep)
     names, every = opt.method_names(method)
     outputs = _output_files(plot, csv_path, [p for p in (image, data) if p is not None], force)
@@ -157,7 +160,7 @@ def csr(
     try:
         with run:
             report = run_pairs(run, pairs, names, budgets, config, model=model, device=device, dtype=dtype,
-                               skip_bad=skip_bad, every=every, quiet=json_output)  # fmt: skip
+                               skip_bad=skip_bad, every=every, quiet=json_output, batch_size=requested)  # fmt: skip
     except KeyboardInterrupt:
         message = _interrupted(argv, output_dir, pairs) if run.world.size == 1 else None
         raise run_options.Interrupted(message) from None
@@ -264,13 +267,13 @@ def run_pairs(
     skip_bad: bool,
     every: bool,
     quiet: bool,
+    batch_size: Any = "auto",
 ) -> dict[str, Any]:
-    """Every method x budget on every pair (this process's share of them) through the library pipeline.
-
-    ``run`` (a :class:`care_core.runs.DatasetRun`, entered) saves each finished pair and knows what earlier runs
-    saved; rank 0 merges every process's results into the report (others return {}). With 'all' (``every``),
-    methods the backbone cannot serve are left out and listed under ``methods_skipped``.
-    """
+    """Every method x budget on every pair (this process's share of them) through the library pipeline, in batches
+    of ``batch_size`` pairs (a number or "auto", resolved on the loaded backbone). ``run`` (a
+    :class:`care_core.runs.DatasetRun`, entered) saves each finished batch and knows what earlier runs saved; rank 0
+    merges every process's results into the report (others return {}). With 'all' (``every``), methods the
+    backbone cannot serve are left out and listed under ``methods_skipped``."""
     from care_core.pipeline import ReductionPipeline
 
     main = run.world.is_main
@@ -282,7 +285,8 @@ def run_pairs(
     backbone = pipe.backbone
     run.start(backbone={k: backbone.to_dict()[k] for k in ("name", "family", "demo")})
     ids = [_pair_id(p) for p in pairs]
-    skipped = _compute(run, pipe, list(zip(ids, pairs, strict=True)), budgets, skip_bad=skip_bad, quiet=quiet)
+    items = list(zip(ids, pairs, strict=True))
+    skipped, batch = _compute(run, pipe, items, budgets, batch_size, skip_bad=skip_bad, quiet=quiet)
     skipped = [s for part in run.processes.gather(skipped) for s in part]
     done = run.merge()
     if not main:
@@ -304,6 +308,7 @@ def run_pairs(
         "seed": config.seed,
         "pairs": len({r["line"] if r["line"] is not None else r["image"] for r in results}),
         "processes": run.world.size,
+        "batch_size": batch,
         "summary": csr_summary(results, list(pipe.methods), labels),
         "results": results,
         "skipped": skipped,
@@ -311,11 +316,16 @@ def run_pairs(
 
 
 def _compute(
-    run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], *, skip_bad: bool, quiet: bool
-) -> list[dict[str, Any]]:
-    """This process's share of the pairs, each method x budget not saved yet; the pairs skipped as bad."""
-    from care_cli.io import load_image
+    run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], batch_size: Any, *,
+    skip_bad: bool, quiet: bool,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """This process's share of the pairs, each method x budget not saved yet, in batches (each finished batch saved
+    at once). Returns the pairs skipped as bad, and the batch size: used, requested, the device's default and the
+    final one (after any out-of-memory split)."""
+    from care_core.batching import Batches, choose_batch_size
 
+    choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None)
+    batches = Batches(choice.size, device=pipe.adapter.device, on_notice=lambda line: render.print_notices([line]))
     done = run.done_keys()
     todo = []
     for pid, pair in run.shard(items):
@@ -326,19 +336,40 @@ def _compute(
     label = "CSR" if run.world.size == 1 else f"CSR (rank 0 of {run.world.size})"
     with render.progress(label, quiet=quiet or not run.world.is_main) as progress:
         task = progress.add_task("", total=len(todo))
-        for pid, pair, plan in todo:
-            progress.update(task, description=pair.image.name)
-            try:
-                output = pipe(load_image(pair.image), pair.question, budgets, csr=True, plan=plan)
-            except (UserError, ImageError, QuestionError) as exc:
-                if not skip_bad or pair.line is None:
+
+        def finished(chunk: list[Any], outputs: list[Any]) -> None:
+            records: list[dict[str, Any]] = []
+            failure: UserError | None = None
+            for (pid, pair, _), output in zip(chunk, outputs, strict=True):
+                if not isinstance(output, Exception):
+                    records += _records(pid, pair, pipe.backbone, output)
+                elif skip_bad and pair.line is not None:
+                    skipped.append({"line": pair.line, "reason": str(output)})
+                elif failure is None:
                     where = f"{pair.image}" if pair.line is None else f"line {pair.line} ({pair.image})"
-                    raise UserError(f"{where}: {exc}") from exc
-                skipped.append({"line": pair.line, "reason": str(exc)})
-            else:
-                run.append(_records(pid, pair, pipe.backbone, output))
-            progress.advance(task)
-    return skipped
+                    failure = UserError(f"{where}: {output}")
+            run.append(records)  # every finished pair of the batch is saved, also when another one failed
+            if failure is not None:
+                raise failure
+            progress.update(task, advance=len(chunk), description=chunk[-1][1].image.name)
+
+        batches.run(todo, lambda chunk: _csr_batch(pipe, chunk, budgets), finished)
+    return skipped, choice.to_dict() | {"final": batches.size}
+
+
+def _csr_batch(pipe: Any, chunk: list[Any], budgets: list[Any]) -> list[Any]:
+    """The pipeline's results for one batch of (pair id, pair, plan), with CSR; a pair whose image or question is bad
+    gets its error instead (the batch is then run pair by pair to find it)."""
+    from care_cli.io import load_image
+
+    try:
+        images = [load_image(pair.image) for _, pair, _ in chunk]
+        return list(pipe.run_batch(images, [pair.question for _, pair, _ in chunk], budgets, csr=True,
+                                   plans=[plan for _, _, plan in chunk]))  # fmt: skip
+    except (UserError, ImageError, QuestionError) as exc:
+        if len(chunk) == 1:
+            return [exc]
+        return [one for item in chunk for one in _csr_batch(pipe, [item], budgets)]
 
 
 def _records(pid: str, pair: Pair, backbone: Any, output: Any) -> list[dict[str, Any]]:

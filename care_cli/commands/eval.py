@@ -75,6 +75,7 @@ def eval_command(
     output_dir: OutputDirOpt = None,
     num_processes: run_options.ProcessesOpt = 1,
     cuda_graphs: opt.CudaGraphs = None,
+    batch_size: opt.BatchSize = "auto",
     verbose: VerboseOpt = False,
     json_output: opt.Json = False,
     config: CaReConfig | None = None,
@@ -84,6 +85,7 @@ def eval_command(
     Prints one table per task: the metric with all tokens, per method x budget, its retention (% of the unreduced
     metric), the visual tokens the language model saw and the seconds per sample.
     """
+    from care_core.batching import parse_batch_size
     from care_core.integrations import broken_torchvision, lmms_eval_missing
     from care_core.runs import Processes
 
@@ -92,6 +94,7 @@ def eval_command(
     if limit is not None and (not math.isfinite(limit) or limit <= 0 or (limit > 1 and limit != int(limit))):
         raise UserError(f"--limit must be a whole number of documents or a fraction in (0, 1), got {limit:g}")
     run_options.check_processes(num_processes)
+    requested = parse_batch_size(batch_size)
     names, every = opt.method_names(method)
     specs = _specs(model, names, opt.budgets(opt.parse_ratio_specs(ratio), keep), device, dtype, config, cuda_graphs)
     for problem in (lmms_eval_missing(), broken_torchvision()):
@@ -111,7 +114,7 @@ def eval_command(
                 raise typer.Exit(run_options.relaunch(argv, num_processes))
             with processes:
                 report = run_eval(specs, selection, limit=limit, folder=output_dir, every=every, quiet=json_output,
-                                  processes=processes)  # fmt: skip
+                                  processes=processes, batch_size=requested)  # fmt: skip
         except KeyboardInterrupt:
             raise run_options.Interrupted(_interrupted(argv, output_dir, processes.world.size)) from None
     if processes.world.is_main:
@@ -179,8 +182,13 @@ def run_eval(
     every: bool,
     quiet: bool,
     processes: Any,
+    batch_size: Any = "auto",
 ) -> dict[str, Any]:
-    """Evaluate every setting on this process's share of the documents; rank 0 returns the report (others {})."""
+    """Evaluate every setting on this process's share of the documents; rank 0 returns the report (others {}).
+
+    ``batch_size`` (a number or "auto") is resolved once on the loaded backbone; a setting whose batches had to be
+    split for memory hands its smaller size on to the next."""
+    from care_core.batching import choose_batch_size
     from care_core.integrations import lmms_eval as plugin
     from care_core.pipeline import backbone_info
     from care_core.runs import DatasetRun
@@ -198,18 +206,20 @@ def run_eval(
     if not main:
         plugin.load_tasks(selection.names, manager)
     specs, skipped = _servable(specs, adapter, every)
+    choice = choose_batch_size(batch_size, adapter, max_new_tokens=plugin.DEFAULT_MAX_NEW_TOKENS)
     samples = DatasetRun(folder / SAMPLES if folder is not None else None, manifest={}, resume=True, key=SAMPLE_KEY,
                          run_format=SAMPLES_FORMAT, processes=processes)  # fmt: skip
     with samples:
         samples.start()  # creates the output folder: nothing is created before the tasks and model are known
-        ran = _evaluate(specs, selection, manager, adapter, samples, limit=limit, folder=folder, quiet=quiet)
+        ran = _evaluate(specs, selection, manager, adapter, samples, limit=limit, folder=folder, quiet=quiet,
+                        batch_size=choice.size)  # fmt: skip
         records = samples.merge()
     if not main:
         return {}
     settings = [_setting_report(spec, results, _chosen(records, spec), computed, wall, selection.names, folder)
-                for spec, results, computed, wall in ran]  # fmt: skip
+                | {"batch_size": size} for spec, results, computed, wall, size in ran]  # fmt: skip
     return _report(settings, selection, backbone_info(adapter).to_dict(), specs, skipped, limit, processes, folder,
-                   warm_up=adapter.device.type == "cuda")  # fmt: skip
+                   warm_up=adapter.device.type == "cuda", batch=choice.to_dict())  # fmt: skip
 
 
 def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], list[dict[str, str]]]:
@@ -233,10 +243,10 @@ def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], l
 
 def _evaluate(
     specs: list[Any], selection: Any, manager: Any, adapter: Any, samples: Any, *, limit: float | None,
-    folder: Path | None, quiet: bool,
-) -> list[tuple[Any, dict[str, Any], dict[str, int], float]]:  # fmt: skip
+    folder: Path | None, quiet: bool, batch_size: int,
+) -> list[tuple[Any, dict[str, Any], dict[str, int], float, int]]:  # fmt: skip
     """simple_evaluate per setting; each answered sample's record saved as it comes. On rank 0, per setting:
-    (spec, lmms-eval's results, documents answered now per task, wall seconds)."""
+    (spec, lmms-eval's results, documents answered now per task, wall seconds, batch size at its end)."""
     from lmms_eval.evaluator import simple_evaluate
 
     from care_core.integrations import lmms_eval as plugin
@@ -257,7 +267,8 @@ def _evaluate(
         bar = progress.add_task("", total=None)
         for number, spec in enumerate(specs, start=1):
             progress.update(bar, description=f"{spec.label} ({number}/{len(specs)})", completed=0, total=None)
-            lm = plugin.CareLMM.from_spec(spec, adapter, on_sample=_saver(samples, spec, progress, bar))
+            lm = plugin.CareLMM.from_spec(spec, adapter, on_sample=_saver(samples, spec, progress, bar),
+                                          batch_size=batch_size, on_notice=_notice)  # fmt: skip
             if warm_up:
                 lm.warm_up()
             start = time.perf_counter()
@@ -271,8 +282,13 @@ def _evaluate(
             answered = processes.gather({(r.task, r.doc_id) for r in lm.records})
             processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
             computed = {task: sum(1 for t, _ in set().union(*answered) if t == task) for task in selection.names}
-            ran.append((spec, results, computed, wall))
+            batch_size = lm.batch_size  # smaller after an out-of-memory split: the next setting starts there
+            ran.append((spec, results, computed, wall, batch_size))
     return ran
+
+
+def _notice(line: str) -> None:
+    render.print_notices([line])
 
 
 def _saver(samples: Any, spec: Any, progress: Any, bar: Any) -> Any:
@@ -295,6 +311,7 @@ def _chosen(records: dict[Any, dict[str, Any]], spec: Any) -> list[dict[str, Any
 def _report(
     settings: list[dict[str, Any]], selection: Any, backbone: dict[str, Any], specs: list[Any],
     skipped: list[dict[str, str]], limit: float | None, processes: Any, folder: Path | None, *, warm_up: bool,
+    batch: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
     report = {
         "command": "eval",
@@ -303,6 +320,7 @@ def _report(
         "limit": limit,
         "processes": processes.world.size,
         "warm_up": warm_up,
+        "batch_size": batch,  # the size used ("batch_size"), what was asked for and the device rule's default
         "config": specs[0].config.to_dict(),
         "methods_skipped": skipped,
         "settings": settings,
@@ -413,6 +431,9 @@ def show_report(report: dict[str, Any]) -> None:
     from care_cli import tables
 
     tables.print_eval(report)
+    batch = report["batch_size"]
+    render.stdout.print(f"batch size {batch['batch_size']} ({'auto, ' if batch['requested'] == 'auto' else ''}"
+                        f"the default here: {batch['default']})", highlight=False)  # fmt: skip
     for item in report["methods_skipped"]:
         render.stderr.print(f"[yellow]left out {item['method']}:[/] {item['reason']}")
     if report.get("summary"):

@@ -16,7 +16,8 @@ Registered through the entry point group ``lmms_eval.models`` (see :func:`manife
 Each sample is answered through the library's reduced-token path, the same code as ``care reduce --generate``:
 the image is encoded once, :class:`care_core.pipeline.ReductionPipeline` reduces its N visual tokens to K and
 projects them, and the adapter's ``generate(question, tokens, projected, kept=...)`` decodes greedily with exactly
-those K rows as the image. Requests are answered one at a time (each sample has its own reduction).
+those K rows as the image. Requests are answered in batches of ``batch_size`` (lmms-eval's ``--batch_size``; each
+sample still has its own reduction and gets the answer a batch of one gives, docs/design.md §Batches).
 This is the only module of care that imports ``lmms_eval``.
 """
 
@@ -27,13 +28,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from care_core.backbones.families import served_families
+from care_core.batching import Batches, BatchSizeArg
 from care_core.errors import CareError, MethodError
-from care_core.integrations.settings import EvalSpec, ModelArgsError, parse_model_args
+from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
 from care_core.runs import World
 
 #: model id -> (class in this module, aliases)
@@ -64,8 +67,7 @@ if TYPE_CHECKING:
     import torch
     from PIL import Image
 
-    from care_core.backbones.base import ImageTokens, VLMAdapter
-    from care_core.pipeline import ReductionPipeline
+    from care_core.backbones.base import VLMAdapter
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -74,16 +76,85 @@ class EvalTaskError(CareError):
     """A task cannot be evaluated: unknown, needs the hub while offline, or asks for something care cannot do."""
 
 
+def _log_notice(line: str) -> None:
+    """A notice of a model built by lmms-eval: a warning in lmms-eval's log (loguru)."""
+    from loguru import logger
+
+    logger.warning(f"care: {line}")
+
+
 @dataclass(frozen=True)
 class SampleRecord:
-    """One answered request: what the language model saw and how long the sample took."""
+    """One answered request: what the language model saw and how long the sample took.
+
+    ``seconds``: the sample's share of its batch's wall time (encode + reduce + generate of the whole batch, divided
+    equally among its ``batch_size`` samples); with batch size 1, the sample's own time.
+    """
 
     task: str
     doc_id: int
     visual_tokens: int  # visual rows the language model received
     num_tokens: int  # N, the image's visual tokens before reduction
-    seconds: float  # encode + reduce + generate
+    seconds: float
     answer: str
+    batch_size: int = 1  # samples answered together with this one (itself included)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One generate_until request, read once: its place in the input, its document and generation settings."""
+
+    index: int
+    context: str
+    doc_to_visual: Any
+    doc_id: Any
+    task: Any
+    split: Any
+    max_new_tokens: int
+    stops: tuple[str, ...]
+
+    @classmethod
+    def read(cls, index: int, request: Any) -> _Request:
+        context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
+        kwargs = dict(gen_kwargs or {})
+        max_new = int(kwargs.get("max_new_tokens") or kwargs.get("max_gen_toks") or DEFAULT_MAX_NEW_TOKENS)
+        until = kwargs.get("until")
+        stops = tuple(s for s in ([until] if isinstance(until, str) else list(until or [])) if isinstance(s, str))
+        return cls(index, context, doc_to_visual, doc_id, task, split, max_new, stops)
+
+
+class _ImageLoader:
+    """Each request's image, opened and decoded in one background thread, the next batch's while one runs."""
+
+    def __init__(self, open_image: Callable[[_Request], Image.Image], order: Sequence[_Request]) -> None:
+        self._open = open_image
+        self._order = list(order)
+        self._place = {item.index: i for i, item in enumerate(self._order)}
+        self._futures: dict[int, Future[Image.Image]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="care-images")
+
+    def __enter__(self) -> _ImageLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self, item: _Request) -> Future[Image.Image]:
+        if item.index not in self._futures:
+            self._futures[item.index] = self._pool.submit(self._open, item)
+        return self._futures[item.index]
+
+    def images(self, chunk: Sequence[_Request], ahead: int) -> list[Image.Image]:
+        """The chunk's images (waiting for them); then the ``ahead`` requests after it start loading."""
+        futures = [self._submit(item) for item in chunk]
+        last = self._place[chunk[-1].index]
+        for item in self._order[last + 1 : last + 1 + ahead]:
+            self._submit(item)
+        return [future.result() for future in futures]
+
+    def release(self, chunk: Sequence[_Request]) -> None:
+        for item in chunk:
+            self._futures.pop(item.index, None)
 
 
 class CareLMM(lmms):
@@ -91,6 +162,8 @@ class CareLMM(lmms):
 
     Build it from ``model_args`` (what lmms-eval does), or with :meth:`from_spec` around an adapter that is
     already loaded (what ``care eval`` does, to evaluate many methods and budgets on one loaded model).
+    ``batch_size`` (lmms-eval's ``--batch_size``: a number, ``auto`` or ``auto:N``; ``max_batch_size`` caps
+    ``auto``) is how many requests are answered at once (care_core.batching; per sample the answer of a batch of one).
     """
 
     is_simple = True
@@ -100,7 +173,8 @@ class CareLMM(lmms):
 
     def __init__(self, **model_args: Any) -> None:
         super().__init__()
-        self._setup(parse_model_args(model_args), None)
+        size, cap = batch_arguments(model_args)
+        self._setup(parse_model_args(model_args), None, size, cap)
 
     @classmethod
     def from_spec(
@@ -109,23 +183,30 @@ class CareLMM(lmms):
         adapter: VLMAdapter | None = None,
         *,
         on_sample: Callable[[int, int, SampleRecord], None] | None = None,
+        batch_size: int | str = 1,
+        on_notice: Callable[[str], None] | None = None,
     ) -> CareLMM:
         """The model for ``spec``; ``adapter`` (a loaded backbone) is reused instead of loading ``spec.pretrained``.
 
         ``on_sample(done, total, record)`` is called after every answered request (a progress bar's and a saver's
-        hook).
+        hook); ``on_notice(line)`` once if a batch ran out of GPU memory and batches were split (default: a
+        warning in lmms-eval's log).
         """
         self = cls.__new__(cls)
         lmms.__init__(self)
-        self._setup(spec, adapter)
+        size, _ = batch_arguments({"batch_size": batch_size})
+        self._setup(spec, adapter, size, None)
         self.on_sample = on_sample
+        if on_notice is not None:
+            self.on_notice = on_notice
         return self
 
-    def _setup(self, spec: EvalSpec, adapter: VLMAdapter | None) -> None:
+    def _setup(self, spec: EvalSpec, adapter: VLMAdapter | None, batch_size: BatchSizeArg, cap: int | None) -> None:
         from care_core.pipeline import ReductionPipeline
 
         self.spec = spec
         self.on_sample: Callable[[int, int, SampleRecord], None] | None = None
+        self.on_notice: Callable[[str], None] = _log_notice
         self.records: list[SampleRecord] = []
         world = World.from_env()
         self._rank = world.rank
@@ -146,9 +227,11 @@ class CareLMM(lmms):
             reason = adapter.graph_generation_reason()
             if reason is not None:
                 raise GenerationError(f"cuda_graph=true: {reason}")
-        self.pipeline: ReductionPipeline | None = None
-        if spec.method is not None:
-            self.pipeline = ReductionPipeline(adapter, [spec.method], spec.config)  # MethodError if it cannot serve
+        # "none" is a pipeline without methods: its full answer is the answer
+        self.pipeline = ReductionPipeline(adapter, [spec.method] if spec.method else [], spec.config)
+        self._batch_request = batch_size
+        self._max_batch_size = cap
+        self._batches: Batches | None = None
 
     def _check_family(self) -> None:
         family = self.adapter.family
@@ -175,66 +258,121 @@ class CareLMM(lmms):
     def tokenizer(self) -> Any:
         return getattr(self.adapter, "tokenizer", None)
 
+    @property
+    def batches(self) -> Batches:
+        """The batch runner: ``batch_size`` resolved on first use (``auto`` by the device rule of
+        care_core.batching, for answers of up to DEFAULT_MAX_NEW_TOKENS), smaller after an out-of-memory split."""
+        if self._batches is None:
+            from care_core.batching import resolve_batch_size
+
+            size = resolve_batch_size(self._batch_request, self.adapter, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                                      max_batch_size=self._max_batch_size)  # fmt: skip
+            self._batches = Batches(size, device=self.adapter.device, on_notice=lambda line: self.on_notice(line))
+        return self._batches
+
+    @property
+    def batch_size(self) -> int:
+        """The number of requests answered at once now."""
+        return self.batches.size
+
+    @property
+    def batch_sizes(self) -> dict[str, int]:  # lmms-eval records these values in its results' config
+        return {"batch_size": self.batch_size}
+
     def clean(self) -> None:
         """Keep the model: ``care eval`` evaluates several settings on the same loaded backbone."""
 
     # ------------------------------------------------------------------ answering
     def answer(self, image: Image.Image, question: str, max_new_tokens: int) -> tuple[str, int, int]:
-        """Greedy answer to ``question`` about ``image`` from the reduced visual tokens.
+        """Greedy answer to ``question`` about ``image`` from the reduced visual tokens (a batch of one).
 
         Returns (answer, visual rows the language model received, N visual tokens before reduction).
         """
-        import torch
+        return self.answer_batch([image], [question], max_new_tokens)[0]
 
-        adapter = self.adapter
-        with torch.no_grad():
-            tokens = adapter.encode_image(image)
-            projected, kept = self._visual_rows(tokens, question)
-            options = {} if self.spec.cuda_graph is None else {"cuda_graph": self.spec.cuda_graph}
-            out = adapter.generate(question, tokens, projected, max_new_tokens=max_new_tokens, kept=kept, **options)
-            text = out.text
-        fed = adapter.visual_tokens_fed(tokens, int(projected.shape[0]), kept)
-        return text, fed, tokens.num_tokens
+    def answer_batch(
+        self, images: Sequence[Image.Image], questions: Sequence[str], max_new_tokens: int
+    ) -> list[tuple[str, int, int]]:
+        """:meth:`answer` for several images at once: ``pipeline.run_batch`` (one encode, one method call per
+        budget), then the reduced rows' answers in one ``answer_batch``; per sample what a batch of one gives."""
+        from care_core.budget import Budget
+
+        pipe, cuda_graph = self.pipeline, self.spec.cuda_graph
+        budget = self.spec.budget if self.spec.method is not None else Budget.ratio(1.0)  # no method: unused
+        if not pipe.methods:  # all tokens: the pipeline's full answers (nothing else is generated)
+            results = pipe.run_batch(images, questions, [budget], generate=True, max_new_tokens=max_new_tokens,
+                                     cuda_graph=cuda_graph)  # fmt: skip
+            answers = [r.full_answer for r in results]
+        else:  # the reduced rows only: run_batch's generate would also answer with all tokens
+            results = pipe.run_batch(images, questions, [budget])
+            runs = [r.runs[0] for r in results]
+            answers = list(pipe.answer_batch([r.tokens for r in results], questions, [run.projected for run in runs],
+                                             [run.result.token_index for run in runs], max_new_tokens=max_new_tokens,
+                                             cuda_graph=cuda_graph))  # fmt: skip
+        out = []
+        for answer, result in zip(answers, results, strict=True):
+            assert answer is not None  # generate=True gives every result its full answer
+            out.append((answer.text, answer.visual_tokens, result.num_tokens))
+        return out
 
     def warm_up(self) -> None:
-        """One untimed, unrecorded answer on a plain grey picture.
+        """One untimed, unrecorded batch (of the batch size the run uses) on plain grey pictures.
 
-        The first calls on a GPU pay one-time costs (CUDA context, cuBLAS handles, Triton kernels being compiled)
-        that would otherwise land on the first timed sample of the first setting.
+        The first calls on a GPU pay one-time costs (CUDA context, cuBLAS handles, Triton kernels being compiled,
+        CUDA graphs captured for this batch size) that would otherwise land on the first timed samples of the first
+        setting. A batch that runs out of memory here is split as in a run, so the run starts at a size that fits.
         """
         from PIL import Image
 
         from care_core.pipeline import DEFAULT_QUESTION
 
-        self.answer(Image.new("RGB", (336, 336), (128, 128, 128)), DEFAULT_QUESTION, 2)
-
-    def _visual_rows(self, tokens: ImageTokens, question: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(projected rows, kept token indices): all N tokens without a method, else the method's K."""
-        if self.pipeline is None:
-            return self.adapter.projector(tokens.features), None
-        out = self.pipeline(tokens, question, [self.spec.budget])
-        run = out.runs[0]
-        return run.projected, run.result.token_index
+        grey = Image.new("RGB", (336, 336), (128, 128, 128))
+        self.batches.run([grey] * self.batch_size, lambda chunk: self.answer_batch(chunk, [DEFAULT_QUESTION] *
+                                                                                   len(chunk), 2))  # fmt: skip
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
-        answers: list[str] = []
-        total = len(requests)
-        for done, request in enumerate(requests, start=1):
-            context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
-            doc = self._document(task, split, doc_id)
-            image = _one_image(doc_to_visual(doc), task, doc_id)
-            kwargs = dict(gen_kwargs or {})
-            max_new = int(kwargs.get("max_new_tokens") or kwargs.get("max_gen_toks") or DEFAULT_MAX_NEW_TOKENS)
-            start = time.perf_counter()
-            text, fed, n = self.answer(image, context, max_new)
-            seconds = time.perf_counter() - start
-            text = cut_at_stop(text, kwargs.get("until"))
-            record = SampleRecord(task, int(doc_id), fed, n, seconds, text)
-            self.records.append(record)
-            answers.append(text)
-            if self.on_sample is not None:
-                self.on_sample(done, total, record)
+        """Answers in request order. Requests are grouped by generation settings (max_new_tokens, until) and
+        answered in batches of :attr:`batch_size`; each keeps its own task, split and document."""
+        items = [_Request.read(i, request) for i, request in enumerate(requests)]
+        groups: dict[tuple[int, tuple[str, ...]], list[_Request]] = {}
+        for item in items:
+            groups.setdefault((item.max_new_tokens, item.stops), []).append(item)
+        order = [item for members in groups.values() for item in members]
+        answers: list[str] = [""] * len(items)
+        done = 0
+
+        def finished(chunk: list[_Request], results: list[tuple[str, int, int, float]]) -> None:
+            nonlocal done
+            loader.release(chunk)
+            for item, (text, fed, n, seconds) in zip(chunk, results, strict=True):
+                answers[item.index] = text = cut_at_stop(text, list(item.stops))
+                record = SampleRecord(item.task, int(item.doc_id), fed, n, seconds, text, batch_size=len(chunk))
+                self.records.append(record)
+                done += 1
+                if self.on_sample is not None:
+                    self.on_sample(done, len(items), record)
+
+        batches = self.batches
+        with _ImageLoader(self._image, order) as loader:
+            for members in groups.values():
+                batches.run(members, lambda chunk: self._answer_chunk(chunk, loader.images(chunk, batches.size)),
+                            finished)  # fmt: skip
         return answers
+
+    def _answer_chunk(self, chunk: list[_Request], images: list[Image.Image]) -> list[tuple[str, int, int, float]]:
+        """(answer, visual rows fed, N, seconds) per request of one batch of equal generation settings; the seconds
+        are the batch's wall time shared out equally."""
+        start = time.perf_counter()
+        out = self.answer_batch(images, [item.context for item in chunk], chunk[0].max_new_tokens)
+        seconds = (time.perf_counter() - start) / len(chunk)
+        return [(text, fed, n, seconds) for text, fed, n in out]
+
+    def _image(self, item: _Request) -> Image.Image:
+        """The request's one image, decoded (run in the loader's thread)."""
+        image = _one_image(item.doc_to_visual(self._document(item.task, item.split, item.doc_id)), item.task,
+                           item.doc_id)  # fmt: skip
+        image.load()
+        return image
 
     def _document(self, task: Any, split: Any, doc_id: Any) -> Any:
         """The document a request is about; EvalTaskError when lmms-eval gave the request no known task."""

@@ -10,16 +10,19 @@ import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from care_core.backbones.families import DEFAULT_DEMO
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, ConfigError, MethodError
 
+if TYPE_CHECKING:
+    from care_core.batching import BatchSizeArg
+
 #: Keys of ``model_args`` besides the CaReConfig fields.
 MODEL_KEYS = ("pretrained", "method", "keep", "ratio", "device", "dtype", "cuda_graph")
-#: Keys lmms-eval's own CLI adds (``--batch_size``, ``--max_batch_size``, ``--device``); accepted, batch size ignored
-#: (samples are answered one at a time: each has its own reduction).
+#: Keys lmms-eval's own CLI adds (``--batch_size``, ``--max_batch_size``): how many samples are answered at once
+#: (:func:`batch_arguments`); not part of the setting (per sample, a batch gives what a batch of one gives).
 RUNNER_KEYS = ("batch_size", "max_batch_size")
 NO_METHOD = "none"
 
@@ -213,3 +216,19 @@ def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "c
     except BudgetError as exc:
         raise ModelArgsError(f"model_args: {exc}") from None
     return spec
+
+
+def batch_arguments(args: Mapping[str, Any]) -> tuple[BatchSizeArg, int | None]:
+    """(``batch_size``, ``max_batch_size``) as lmms-eval passes them: its CLI always passes ``batch_size`` (the int 1,
+    or the text typed: ``"8"``, ``"auto"``, ``"auto:N"``) and ``max_batch_size`` (None or an int, the cap of
+    ``auto``). ModelArgsError (one line) for anything else, e.g. ``"0"`` or ``"x"``."""
+    from care_core.batching import AUTO, parse_batch_size
+
+    try:
+        size = parse_batch_size(args.get("batch_size", 1))
+        cap = args.get("max_batch_size")
+        if cap is not None and (cap := parse_batch_size(cap)) == AUTO:
+            raise CareError(f"must be a whole number >= 1, got {args['max_batch_size']!r}", parameter="max_batch_size")
+    except CareError as exc:
+        raise ModelArgsError(str(exc)) from None
+    return size, None if cap is None else int(cap)

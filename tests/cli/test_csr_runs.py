@@ -153,7 +153,7 @@ def test_ctrl_c_says_what_is_saved_and_how_to_resume(care, tmp_path: Path, monke
 
     data = make_pairs(tmp_path, 3)
     run = tmp_path / "run"
-    original = ReductionPipeline.__call__
+    original = ReductionPipeline.run_batch
     calls: list[int] = []
 
     def interrupted_on_the_second_pair(self: object, *args: object, **kwargs: object) -> object:
@@ -162,14 +162,15 @@ def test_ctrl_c_says_what_is_saved_and_how_to_resume(care, tmp_path: Path, monke
             raise KeyboardInterrupt
         return original(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ReductionPipeline, "__call__", interrupted_on_the_second_pair)
-    args = ["csr", "--data", str(data), "--method", "care", "--keep", "16", "--output-dir", str(run)]
+    monkeypatch.setattr(ReductionPipeline, "run_batch", interrupted_on_the_second_pair)
+    args = ["csr", "--data", str(data), "--method", "care", "--keep", "16", "--output-dir", str(run), "--batch-size",
+            "1"]  # fmt: skip
     stopped = care(*args)
     assert stopped.code == 130 and stopped.out == ""
     expected = f"interrupted: 1 of 3 pairs done and saved in {run}; resume with: care {' '.join(args)} --resume\n"
     assert stopped.err == expected
     assert len(shard_lines(run)) == 1
-    monkeypatch.setattr(ReductionPipeline, "__call__", original)
+    monkeypatch.setattr(ReductionPipeline, "run_batch", original)
     resumed = care(*args, "--resume", "--json")
     assert resumed.code == 0, resumed.err
     assert len(resumed.json()["results"]) == 3 and len(shard_lines(run)) == 3
@@ -182,7 +183,7 @@ def test_ctrl_c_without_an_output_folder_says_nothing_was_saved(care, photo: Pat
     def interrupt(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ReductionPipeline, "__call__", interrupt)
+    monkeypatch.setattr(ReductionPipeline, "run_batch", interrupt)
     stopped = care("csr", photo, "-q", "What is in the image?", "--keep", "16")
     assert stopped.code == 130
     assert stopped.err.count("\n") == 1 and stopped.err.startswith("interrupted: nothing was saved")

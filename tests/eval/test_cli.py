@@ -199,7 +199,7 @@ def test_ctrl_c_says_how_to_resume(care, tmp_path: Path, monkeypatch: pytest.Mon
     def interrupt(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(CareLMM, "answer", interrupt)
+    monkeypatch.setattr(CareLMM, "answer_batch", interrupt)
     args = ["eval", "--tasks", str(POPE), "--keep", "8", "--limit", "1", "--device", "cpu", "--output-dir",
             str(tmp_path / "run")]  # fmt: skip
     stopped = care(*args)

@@ -214,7 +214,7 @@ def test_lmms_eval_cli_runs_the_plugin(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "lmms_eval", "--model", "care", "--model_args",
                "pretrained=tiny-llava,method=visionzip,keep=64,device=cpu", "--tasks", "care_pope_examples",
-               "--include_path", str(POPE), "--limit", "2", "--output_path", str(tmp_path),
+               "--include_path", str(POPE), "--limit", "3", "--output_path", str(tmp_path), "--batch_size", "2",
                "--log_samples"]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     found = glob.glob(str(tmp_path / "*" / "*_results.json"))  # its exit code is 0 even on errors
@@ -222,3 +222,4 @@ def test_lmms_eval_cli_runs_the_plugin(tmp_path: Path) -> None:
     results = json.loads(Path(found[0]).read_text())
     assert "pope_accuracy,none" in results["results"]["care_pope_examples"]
     assert results["config"]["model_args"].startswith("pretrained=tiny-llava,method=visionzip,keep=64")
+    assert results["config"]["batch_sizes"] == [2]  # the CLI's text "2", answered in batches of 2

@@ -1,0 +1,233 @@
+"""Batch sizes for data-set runs: parsing ``batch_size``, the device's default, and out-of-memory splitting.
+
+One definition each, read by ``care eval``, ``care csr --data`` and the lmms-eval plugin:
+
+* :func:`parse_batch_size`: a whole number >= 1, ``"auto"`` or lmms-eval's ``"auto:N"``;
+* :func:`default_batch_size`: what ``auto`` resolves to on a loaded backbone (docs/design.md §Batch size);
+* :class:`Batches`: items answered in chunks; a chunk that runs out of GPU memory is split in halves and retried,
+  and the size that fits is kept for the chunks that follow.
+
+No torch at import (``care --help`` reads the option's help from here).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from care_core.errors import CareError
+
+if TYPE_CHECKING:
+    from care_core.backbones.base import VLMAdapter
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+AUTO: Literal["auto"] = "auto"
+BatchSizeArg = int | Literal["auto"]
+#: the default on a CPU: decoding reads every weight once per step for the whole batch, so a few samples share
+#: that read; more adds padding (samples finish at different steps) and coarser progress and saves for little gain
+CPU_BATCH_SIZE = 4
+#: auto never picks more than this (nor less than 1)
+MAX_BATCH_SIZE = 64
+#: the estimate's assumptions: text tokens of the prompt (template + question) and the reference image, about
+#: 1 megapixel (larger images are caught by out-of-memory splitting)
+PROMPT_TOKENS = 128
+REFERENCE_IMAGE_SIDE = 1008
+#: share of the free memory auto plans to fill, and what it leaves aside first: the scoring engines' largest
+#: intermediates (two chunks of care_core._chunks.CHUNK_ELEMENTS float32 values, 512 MiB)
+MEMORY_SHARE = 0.8
+RESERVED_BYTES = 2 * (1 << 26) * 4
+
+
+def parse_batch_size(value: object) -> BatchSizeArg:
+    """``batch_size`` as given (an int, or text: ``"8"``, ``"auto"``, ``"auto:N"``): a whole number >= 1 or
+    ``"auto"``. lmms-eval's ``auto:N`` (re-pick N times in lm-eval-harness) is ``auto`` here: the size is picked
+    once and out-of-memory splitting adapts it. CareError (one line) for anything else."""
+    text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text is not None:
+        if text == AUTO or (text.startswith(AUTO + ":") and text[5:].isdigit() and int(text[5:]) >= 1):
+            return AUTO
+        if text.lstrip("+").isdigit() and int(text) >= 1:
+            return int(text)
+    raise CareError(f"must be a whole number >= 1, 'auto' or 'auto:N', got {value!r}", parameter="batch_size")
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """The batch size a run uses, and where it came from."""
+
+    size: int  # the batch size used (before any out-of-memory split)
+    requested: BatchSizeArg  # what was asked for
+    default: int  # what the device rule (default_batch_size) picks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.size, "requested": self.requested, "default": self.default}
+
+
+def choose_batch_size(requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None) -> BatchChoice:
+    """``requested`` (as :func:`parse_batch_size` reads it) on ``adapter``, with the default the device rule picks
+    (computed either way, for the run's report)."""
+    wanted = parse_batch_size(requested)
+    default = default_batch_size(adapter, max_new_tokens=max_new_tokens)
+    return BatchChoice(default if wanted == AUTO else int(wanted), wanted, default)
+
+
+def resolve_batch_size(
+    requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None, max_batch_size: int | None = None
+) -> int:
+    """``requested`` as a number: ``auto`` is :func:`default_batch_size`, at most ``max_batch_size`` where given."""
+    wanted = parse_batch_size(requested)
+    if wanted != AUTO:
+        return int(wanted)
+    size = default_batch_size(adapter, max_new_tokens=max_new_tokens)
+    return size if max_batch_size is None else max(1, min(size, int(max_batch_size)))
+
+
+def default_batch_size(adapter: VLMAdapter, *, max_new_tokens: int | None, prompt_tokens: int = PROMPT_TOKENS) -> int:
+    """The batch size ``auto`` picks for ``adapter`` (docs/design.md §Batch size): :data:`CPU_BATCH_SIZE` off CUDA;
+    on CUDA the free memory over :func:`sample_bytes` for the visual tokens of a reference image, in [1, 64].
+    ``max_new_tokens`` None: no answers (CSR), the language model does not run."""
+    if adapter.device.type != "cuda":
+        return CPU_BATCH_SIZE
+    import torch
+    from PIL import Image
+
+    side = REFERENCE_IMAGE_SIDE
+    with torch.no_grad():
+        visual_tokens = adapter.encode_images([Image.new("RGB", (side, side), (128, 128, 128))])[0].num_tokens
+    per_sample = sample_bytes(adapter.model.config, visual_tokens=visual_tokens, prompt_tokens=prompt_tokens,
+                              max_new_tokens=max_new_tokens, dtype_bytes=adapter.dtype.itemsize)  # fmt: skip
+    return batch_size_for(free_cuda_bytes(adapter.device), per_sample)
+
+
+def batch_size_for(free_bytes: int, per_sample_bytes: int) -> int:
+    """floor((MEMORY_SHARE * free - RESERVED_BYTES) / per sample), clamped to [1, MAX_BATCH_SIZE]."""
+    room = MEMORY_SHARE * free_bytes - RESERVED_BYTES
+    return max(1, min(MAX_BATCH_SIZE, math.floor(room / max(1, per_sample_bytes))))
+
+
+def sample_bytes(
+    config: Any, *, visual_tokens: int, prompt_tokens: int, max_new_tokens: int | None, dtype_bytes: int
+) -> int:
+    """Memory one sample needs beyond the weights (a config with ``text_config``/``vision_config`` or flat):
+
+    KV cache 2 L_t H_kv d_h (T + N + new) + prefill activations (T + N)(4 d_t + 2 I_t) + vision tower
+    N_v ((L_v + 1) d_v + 2 I_v), times the LM dtype's bytes; N_v = N s^2 (s: the tower's spatial merge, 1 without).
+    ``max_new_tokens`` None: no answers, so no language-model terms.
+    """
+    text = getattr(config, "text_config", None) or config
+    vision = getattr(config, "vision_config", None)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    sequence = prompt_tokens + visual_tokens
+    kv = prefill = 0
+    if max_new_tokens is not None:
+        kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * (sequence + max_new_tokens)
+        prefill = sequence * (4 * int(text.hidden_size) + 2 * int(text.intermediate_size))
+    tower = 0
+    if vision is not None:
+        merge = int(getattr(vision, "spatial_merge_size", None) or 1)
+        layers = int(getattr(vision, "num_hidden_layers", 0) or getattr(vision, "depth", 0))
+        width = int(getattr(vision, "hidden_size", 0) or getattr(vision, "embed_dim", 0))
+        tower = visual_tokens * merge**2 * ((layers + 1) * width + 2 * int(getattr(vision, "intermediate_size", 0)))
+    return (kv + prefill + tower) * dtype_bytes
+
+
+def free_cuda_bytes(device: Any) -> int:
+    """Free memory of a CUDA device, counting what torch's caching allocator holds but does not use."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error (torch's OutOfMemoryError, or a RuntimeError saying "out of memory")."""
+    if isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower():
+        return True
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)
+
+
+def free_memory() -> None:
+    """Drop what a failed attempt left: unreachable tensors, then torch's cached CUDA blocks."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+class Batches:
+    """Items run in chunks of :attr:`size`, with out-of-memory splitting; the caller owns it across calls.
+
+    :meth:`run` cuts the items into chunks; a chunk whose run raises a CUDA out-of-memory error is split in two
+    halves, each retried (recursively, after freeing the cache), and from then on :attr:`size` is at most the half
+    (the size that fits is kept for the following chunks; it never grows back, since the memory pressure of one
+    model on similar inputs persists). ``on_notice`` is called once, the first time a chunk is split. A single item
+    that runs out of memory raises a one-line CareError naming the batch size and the device.
+    """
+
+    def __init__(self, size: int, *, device: object = "cuda", on_notice: Callable[[str], None] | None = None) -> None:
+        self.size = int(parse_batch_size(size))
+        self.requested = self.size
+        self.device = str(device)
+        self.on_notice = on_notice
+        self.splits = 0
+
+    def run(
+        self,
+        items: Sequence[T],
+        work: Callable[[list[T]], list[R]],
+        on_done: Callable[[list[T], list[R]], None] | None = None,
+    ) -> list[R]:
+        """``work`` on every item, in chunks; the results in input order. ``on_done(chunk, results)`` after every
+        chunk that finished whole (what a caller persists), each item exactly once."""
+        out: list[R] = []
+        start = 0
+        while start < len(items):
+            chunk = list(items[start : start + self.size])
+            out.extend(self._attempt(chunk, work, on_done))
+            start += len(chunk)
+        return out
+
+    def _attempt(
+        self, chunk: list[T], work: Callable[[list[T]], list[R]], on_done: Callable[[list[T], list[R]], None] | None
+    ) -> list[R]:
+        results: list[R] | None = None
+        try:
+            results = list(work(chunk))
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            if len(chunk) == 1:
+                split = f"{self.requested} split down to 1" if self.requested > 1 else "1"
+                raise CareError(f"out of memory on {self.device} even for one sample at a time ({{batch_size}} "
+                                f"{split}): {type(exc).__name__}") from exc  # fmt: skip
+        if results is None:  # outside the except block: the error's frames (and their tensors) are released
+            free_memory()
+            return self._split(chunk, work, on_done)
+        if len(results) != len(chunk):
+            raise RuntimeError(f"a batch of {len(chunk)} items gave {len(results)} results")
+        if on_done is not None:
+            on_done(chunk, results)
+        return results
+
+    def _split(
+        self, chunk: list[T], work: Callable[[list[T]], list[R]], on_done: Callable[[list[T], list[R]], None] | None
+    ) -> list[R]:
+        """Both halves of ``chunk`` in order; :attr:`size` at most the first half's from now on."""
+        half = (len(chunk) + 1) // 2
+        self.size = min(self.size, half)
+        self.splits += 1
+        if self.splits == 1 and self.on_notice is not None:
+            self.on_notice(f"out of memory on {self.device} with a batch of {len(chunk)}: splitting batches in "
+                           f"halves, continuing with at most {half} per batch")  # fmt: skip
+        return self._attempt(chunk[:half], work, on_done) + self._attempt(chunk[half:], work, on_done)

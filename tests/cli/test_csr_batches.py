@@ -1,0 +1,120 @@
+"""`care csr --data --batch-size`: the results of batch size 1 at any size, out-of-memory splitting with each result
+saved once, resume with another batch size, bad values refused."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from care_core.pipeline import ReductionPipeline
+
+from .conftest import EXAMPLES
+
+PHOTOS = ["astronaut.jpg", "coffee.jpg", "chelsea.jpg"]  # 512x512, 600x400, 451x300: three sizes in a batch
+QUESTIONS = ["What is in the image?", "What colour is it?", "Is there a person?", "What is on the left?",
+             "How many objects are there?"]  # fmt: skip
+ARGS = ["--method", "care", "--method", "random", "--keep", "16", "--ratio", "0.05", "--json"]
+
+
+def make_pairs(folder: Path) -> Path:
+    lines = [json.dumps({"image": str(EXAMPLES / PHOTOS[i % 3]), "question": q}) for i, q in enumerate(QUESTIONS)]
+    path = folder / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def saved_keys(folder: Path) -> Counter[tuple[str, str, str]]:
+    rows = [json.loads(line) for shard in folder.glob("shard-*.jsonl") for line in shard.read_text().splitlines()]
+    return Counter((r["pair_id"], r["method"], r["budget"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Batch size 1: every pair alone."""
+    from care_cli.app import main
+
+    data = make_pairs(tmp_path_factory.mktemp("csr_batches"))
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert main(["csr", "--data", str(data), *ARGS, "--batch-size", "1"]) == 0
+    return data, json.loads(buffer.getvalue())
+
+
+@pytest.mark.parametrize("size", ["3", "8"])
+def test_any_batch_size_gives_the_results_of_batch_size_one(care, reference: Any, size: str) -> None:
+    data, expected = reference
+    result = care("csr", "--data", data, *ARGS, "--batch-size", size)
+    assert result.code == 0, result.err
+    report = result.json()
+    assert report["results"] == expected["results"] and report["summary"] == expected["summary"]
+    assert report["batch_size"]["batch_size"] == int(size) and expected["batch_size"]["batch_size"] == 1
+
+
+def test_out_of_memory_splits_and_saves_each_result_once(
+    care, reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, expected = reference
+    run_batch = ReductionPipeline.run_batch
+    sizes: list[int] = []
+
+    def limited(self: Any, images: list[Any], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(images))
+        if len(images) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return run_batch(self, images, *args, **kwargs)
+
+    monkeypatch.setattr(ReductionPipeline, "run_batch", limited)
+    result = care("csr", "--data", data, *ARGS, "--batch-size", "8", "--output-dir", tmp_path / "run")
+    assert result.code == 0, result.err
+    assert result.err.count("splitting batches") == 1  # one notice
+    report = result.json()
+    assert report["results"] == expected["results"]
+    assert report["batch_size"]["final"] == 2 and max(sizes) == 5
+    keys = saved_keys(tmp_path / "run")
+    assert len(keys) == 5 * 2 * 2 and set(keys.values()) == {1}  # pairs x methods x budgets, each exactly once
+
+
+def test_a_resumed_run_with_another_batch_size_computes_only_what_is_missing(
+    care, reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, expected = reference
+    run_batch = ReductionPipeline.run_batch
+    asked: list[str] = []
+    calls = 0
+
+    def stop_after_one_batch(self: Any, images: list[Any], questions: list[str], *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+        asked.extend(questions)
+        return run_batch(self, images, questions, *args, **kwargs)
+
+    monkeypatch.setattr(ReductionPipeline, "run_batch", stop_after_one_batch)
+    folder = tmp_path / "run"
+    stopped = care("csr", "--data", data, *ARGS, "--batch-size", "3", "--output-dir", folder)
+    assert stopped.code == 130 and "3 of 5 pairs done" in stopped.err  # the first batch, saved
+    first = list(asked)
+    assert first == QUESTIONS[:3]
+    asked.clear()
+    calls = -100  # no more interruptions
+    resumed = care("csr", "--data", data, *ARGS, "--batch-size", "2", "--output-dir", folder, "--resume")
+    assert resumed.code == 0, resumed.err
+    assert asked == QUESTIONS[3:]  # nothing computed twice
+    assert resumed.json()["results"] == expected["results"]  # nothing lost
+    assert set(saved_keys(folder).values()) == {1}
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_a_bad_batch_size_is_refused_in_one_line(care, reference: Any, value: str) -> None:
+    data, _ = reference
+    result = care("csr", "--data", data, "--keep", "8", "--batch-size", value)
+    assert result.code == 2 and result.out == ""
+    assert result.err == f"error: --batch-size must be a whole number >= 1, 'auto' or 'auto:N', got '{value}'\n"

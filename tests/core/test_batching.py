@@ -1,0 +1,121 @@
+"""Batch sizes: parsing, the device's default (the memory formula by hand), out-of-memory splitting."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from care_core.batching import (
+    CPU_BATCH_SIZE,
+    MAX_BATCH_SIZE,
+    Batches,
+    batch_size_for,
+    default_batch_size,
+    is_out_of_memory,
+    parse_batch_size,
+    sample_bytes,
+)
+from care_core.errors import CareError
+
+
+@pytest.mark.parametrize(("given", "expected"), [(1, 1), ("4", 4), (" 8 ", 8), ("auto", "auto"), ("AUTO:4", "auto")])
+def test_batch_size_values_lmms_eval_and_the_cli_pass_are_read(given: object, expected: object) -> None:
+    assert parse_batch_size(given) == expected
+
+
+@pytest.mark.parametrize("given", [0, -1, "0", "x", "auto:0", "auto:x", "1.5", True, None, 2.0])
+def test_bad_batch_sizes_are_one_line_errors_naming_the_parameter(given: object) -> None:
+    with pytest.raises(CareError) as caught:
+        parse_batch_size(given)
+    assert caught.value.parameter == "batch_size" and "\n" not in str(caught.value)
+    assert str(caught.value).startswith("batch_size must be a whole number >= 1, 'auto' or 'auto:N'")
+
+
+def test_the_memory_estimate_per_sample_is_the_documented_formula() -> None:
+    text = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=3)  # fmt: skip
+    vision = SimpleNamespace(hidden_size=32, intermediate_size=48, num_hidden_layers=5, spatial_merge_size=2)
+    config = SimpleNamespace(text_config=text, vision_config=vision)
+    # KV: 2 * 3 layers * 2 heads * 8 (head dim 64/8) * (10 + 20 + 5) = 3360; prefill: 30 * (4*64 + 2*96) = 13440;
+    # tower: 20 * 2^2 * (6 * 32 + 2 * 48) = 23040; in bfloat16 (2 bytes)
+    assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=5, dtype_bytes=2) == 2 * (
+        3360 + 13440 + 23040
+    )
+    # no answers (CSR): the tower only
+    assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=None, dtype_bytes=2) == 2 * 23040
+    flat = SimpleNamespace(**vars(text), head_dim=4)  # no vision config, an explicit head dim
+    assert sample_bytes(flat, visual_tokens=20, prompt_tokens=10, max_new_tokens=5, dtype_bytes=4) == 4 * (
+        2 * 3 * 2 * 4 * 35 + 13440
+    )
+
+
+def test_the_cuda_rule_fills_the_free_memory_between_1_and_64() -> None:
+    gib = 1 << 30
+    assert batch_size_for(10 * gib, gib // 2) == 15  # floor((0.8 * 10 GiB - 0.5 GiB) / 0.5 GiB)
+    assert batch_size_for(gib // 2, gib) == 1
+    assert batch_size_for(80 * gib, 1 << 20) == MAX_BATCH_SIZE
+
+
+def test_on_a_cpu_the_default_is_the_fixed_small_size() -> None:
+    adapter = SimpleNamespace(device=torch.device("cpu"))
+    assert default_batch_size(adapter, max_new_tokens=8) == CPU_BATCH_SIZE  # type: ignore[arg-type]
+
+
+def test_out_of_memory_errors_are_recognised() -> None:
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("out of range"))
+
+
+class OutOfMemoryAbove:
+    """``work`` that runs out of memory for more than ``limit`` items, else squares them; logs every call."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.calls: list[list[int]] = []
+
+    def __call__(self, chunk: list[int]) -> list[int]:
+        self.calls.append(list(chunk))
+        if len(chunk) > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return [x * x for x in chunk]
+
+
+def test_a_batch_out_of_memory_is_split_in_halves_and_every_item_answered_once_in_order() -> None:
+    notices: list[str] = []
+    saved: list[tuple[list[int], list[int]]] = []
+    work = OutOfMemoryAbove(2)
+    batches = Batches(8, device="cuda:0", on_notice=notices.append)
+    items = list(range(11))
+    out = batches.run(items, work, lambda chunk, results: saved.append((chunk, results)))
+    assert out == [x * x for x in items]
+    finished = [x for chunk, _ in saved for x in chunk]
+    assert finished == items  # each item handed back exactly once, in order
+    assert all(len(chunk) <= 2 for chunk, _ in saved)
+    assert len(notices) == 1 and "out of memory on cuda:0 with a batch of 8" in notices[0]
+    # 8 failed -> 4 failed -> 2, 2; then 4 failed -> 2, 2; size kept at 2 for the rest: 2, 1
+    assert [len(c) for c in work.calls] == [8, 4, 2, 2, 4, 2, 2, 2, 1]
+    assert batches.size == 2 and batches.requested == 8
+
+
+def test_one_sample_out_of_memory_is_a_one_line_error_naming_batch_size_and_device() -> None:
+    batches = Batches(4, device="cuda:1")
+    with pytest.raises(CareError) as caught:
+        batches.run([1, 2, 3], OutOfMemoryAbove(0))
+    text = str(caught.value)
+    assert "\n" not in text and "cuda:1" in text and "batch_size 4 split down to 1" in text
+
+
+def test_other_errors_are_not_retried() -> None:
+    calls: list[int] = []
+
+    def work(chunk: list[int]) -> list[int]:
+        calls.append(len(chunk))
+        raise ValueError("a bad sample")
+
+    with pytest.raises(ValueError, match="a bad sample"):
+        Batches(4, device="cpu").run([1, 2, 3], work)
+    assert calls == [3]

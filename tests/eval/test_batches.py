@@ -1,0 +1,163 @@
+"""Batches in the lmms-eval plugin and `care eval`: the answers of batch size 1 at any size, per request its own
+document, lmms-eval's batch_size values, out-of-memory splitting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lmms_eval")
+
+from care_core.backbones import load_backbone
+from care_core.batching import CPU_BATCH_SIZE
+from care_core.integrations import lmms_eval as plugin
+from care_core.integrations.settings import EvalSpec, ModelArgsError
+
+from .conftest import POPE, ROOT
+
+
+@pytest.fixture(scope="module")
+def llava() -> Any:
+    return load_backbone("tiny-llava", device="cpu")
+
+
+def documents() -> list[dict[str, Any]]:
+    """The POPE examples: three photos of three sizes (512x512, 600x400, 451x300)."""
+    rows = [json.loads(line) for line in (POPE / "data.jsonl").read_text().splitlines() if line.strip()]
+    return [{**row, "path": str(ROOT / "examples" / Path(row["image"]).name)} for row in rows]
+
+
+def requests(count: int) -> list[Any]:
+    """``count`` requests of two tasks and two generation settings, interleaved: neighbours differ in task, image
+    size and settings (what upstream wrappers get wrong when they take a chunk's first task)."""
+    from PIL import Image
+
+    def visual(doc: dict[str, Any]) -> list[Any]:
+        return [Image.open(doc["path"]).convert("RGB")]
+
+    docs = documents()
+    out = []
+    for i in range(count):
+        doc_id = (i * 5) % 12  # 0, 5, 10, 3, 8, 1, ...: the three photos mixed
+        task = ("pope_a", "pope_b")[i % 2]
+        gen = {"max_new_tokens": 3, "until": ["\n"]} if i % 3 else {"max_new_tokens": 2}
+        out.append(SimpleNamespace(args=(f"Q{i}: {docs[doc_id]['question']}", gen, visual, doc_id, task, "test")))
+    return out
+
+
+def answered(llava: Any, batch_size: int | str, count: int = 7, **kwargs: Any) -> Any:
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava,
+                                  batch_size=batch_size, **kwargs)  # fmt: skip
+    docs = documents()
+    lm.task_dict = {"pope_a": {"test": docs}, "pope_b": {"test": docs}}
+    return lm, lm.generate_until(requests(count))
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(llava: Any) -> tuple[list[str], list[Any]]:
+    """The reference: every request alone (batch size 1)."""
+    lm, answers = answered(llava, 1)
+    return answers, lm.records
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_any_batch_size_gives_the_answers_of_batch_size_one(llava: Any, one_at_a_time: Any, batch_size: int) -> None:
+    reference, records = one_at_a_time
+    lm, answers = answered(llava, batch_size)
+    assert answers == reference
+    by_request = sorted(lm.records, key=lambda r: (r.task, r.doc_id))
+    alone = sorted(records, key=lambda r: (r.task, r.doc_id))
+    assert [(r.task, r.doc_id, r.answer, r.visual_tokens, r.num_tokens) for r in by_request] == [
+        (r.task, r.doc_id, r.answer, r.visual_tokens, r.num_tokens) for r in alone
+    ]
+    assert {r.batch_size for r in records} == {1} and max(r.batch_size for r in lm.records) > 1
+
+
+def test_each_request_keeps_its_own_task_document_and_stop_strings(llava: Any, one_at_a_time: Any) -> None:
+    _, records = one_at_a_time
+    assert sorted((r.task, r.doc_id) for r in records) == sorted(
+        (("pope_a", "pope_b")[i % 2], (i * 5) % 12) for i in range(7)
+    )
+    assert all("\n" not in r.answer for r in records)
+
+
+def test_a_batch_out_of_memory_is_split_and_every_request_answered_once(
+    llava: Any, one_at_a_time: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference, _ = one_at_a_time
+    notices: list[str] = []
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava, batch_size=8,
+                                  on_notice=notices.append)  # fmt: skip
+    sizes: list[int] = []
+    run_batch = lm.pipeline.run_batch
+
+    def limited(images: list[Any], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(images))
+        if len(images) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return run_batch(images, *args, **kwargs)
+
+    monkeypatch.setattr(lm.pipeline, "run_batch", limited)
+    docs = documents()
+    lm.task_dict = {"pope_a": {"test": docs}, "pope_b": {"test": docs}}
+    assert lm.generate_until(requests(7)) == reference
+    assert sorted((r.task, r.doc_id) for r in lm.records) == sorted(
+        (("pope_a", "pope_b")[i % 2], (i * 5) % 12) for i in range(7)
+    )  # each request recorded exactly once
+    assert len(notices) == 1 and "splitting batches" in notices[0]
+    assert lm.batch_size == 2 and max(sizes) > 2
+
+
+@pytest.mark.parametrize(("given", "expected"), [(1, 1), ("4", 4), ("auto", CPU_BATCH_SIZE), ("auto:4", 2)])
+def test_batch_size_from_lmms_eval_cli_is_accepted(given: object, expected: int) -> None:
+    lm = plugin.CareLMM(pretrained="tiny-llava", method="none", device="cpu", batch_size=given,
+                        max_batch_size=2 if given == "auto:4" else None)  # fmt: skip
+    assert lm.batch_size == expected and lm.batch_sizes == {"batch_size": expected}
+
+
+@pytest.mark.parametrize("given", ["0", "x", -1])
+def test_a_bad_batch_size_is_refused_in_one_line_before_loading(given: object) -> None:
+    with pytest.raises(ModelArgsError, match=r"^batch_size must be a whole number >= 1, 'auto' or 'auto:N', got"):
+        plugin.CareLMM(pretrained="no-such-model", method="none", batch_size=given)
+
+
+def test_warm_up_runs_the_batch_size_used_and_records_nothing(llava: Any) -> None:
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=3)
+    sizes: list[int] = []
+    run_batch = lm.pipeline.run_batch
+
+    def spy(images: list[Any], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(images))
+        return run_batch(images, *args, **kwargs)
+
+    lm.pipeline.run_batch = spy  # type: ignore[method-assign]
+    lm.warm_up()
+    assert sizes == [3] and lm.records == []
+
+
+def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> None:
+    args = ["eval", "--model", "tiny-llava", "--method", "care", "--keep", "16", "--tasks", POPE, "--limit", "6",
+            "--device", "cpu", "--json"]  # fmt: skip
+    reports = {}
+    for size in ("1", "4"):
+        result = care(*args, "--batch-size", size)
+        assert result.code == 0, result.err
+        reports[size] = result.json()
+    one, four = reports["1"], reports["4"]
+    assert one["batch_size"] == {"batch_size": 1, "requested": 1, "default": CPU_BATCH_SIZE}
+    assert four["batch_size"]["batch_size"] == 4 and [s["batch_size"] for s in four["settings"]] == [4, 4]
+    for a, b in zip(one["settings"], four["settings"], strict=True):
+        assert a["tasks"]["care_pope_examples"]["answers"] == b["tasks"]["care_pope_examples"]["answers"]
+        assert a["tasks"]["care_pope_examples"]["metrics"] == b["tasks"]["care_pope_examples"]["metrics"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_care_eval_refuses_a_bad_batch_size(care, value: str) -> None:
+    result = care("eval", "--tasks", POPE, "--device", "cpu", "--batch-size", value)
+    assert result.code == 2 and result.out == ""
+    assert result.err == f"error: --batch-size must be a whole number >= 1, 'auto' or 'auto:N', got '{value}'\n"
