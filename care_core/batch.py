@@ -9,7 +9,14 @@ import torch
 
 from care_core.anchors import diversity_greedy, fused_greedy_applies, unit_rows
 from care_core.budget import resolve_budget
-from care_core.care import Reduction, calibrate_with, check_inputs, resolve_directions, scorer_for
+from care_core.care import (
+    Reduction,
+    calibrate_batch_with,
+    check_inputs,
+    first_not_finite,
+    resolve_directions,
+    scorer_for,
+)
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError
 from care_core.kernels import KernelGate
@@ -25,7 +32,7 @@ def _check_batch(features: Sequence[torch.Tensor], positions: Sequence[torch.Ten
         raise CareError(f"must hold one tensor per image: {len(features)} images, got {len(positions)}", "positions")
     for i, (v, p) in enumerate(zip(features, positions, strict=True)):
         try:
-            check_inputs(v, p)
+            check_inputs(v, p, finite=False)  # finiteness below, once for all images
         except CareError as exc:
             raise CareError(f"image {i}: {exc}") from exc
     first = features[0]
@@ -38,6 +45,9 @@ def _check_batch(features: Sequence[torch.Tensor], positions: Sequence[torch.Ten
             )
         if compute_dtype(v.dtype) != compute_dtype(first.dtype):
             raise CareError(f"mix float64 with other dtypes (image 0: {first.dtype}, image {i}: {v.dtype})", "features")
+    bad = first_not_finite(features)
+    if bad is not None:
+        raise CareError(f"image {bad}: features contain NaN or infinite values")
 
 
 def batch_budgets(
@@ -178,10 +188,10 @@ def care_reduce_batch(
     psi_bars = batch_scores(vs, projector, directions, cfg, scorer)
     with matmul_precision(allow_tf32=False), torch.no_grad():
         orders = batch_anchors(psi_bars, vs, ks, cfg.eps, scorer.gate(cfg.kernel))
+        anchors = [order.sort().values for order in orders]
+        calibrations = calibrate_batch_with(cfg, vs, ps, anchors, psi_bars, gated=True)
         out = []
-        for v, p, psi_bar, order, given in zip(vs, ps, psi_bars, orders, features, strict=True):
-            indices = order.sort().values
-            cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)
+        for psi_bar, order, indices, cal, given in zip(psi_bars, orders, anchors, calibrations, features, strict=True):
             out.append(Reduction(indices=indices, anchor_order=order, tokens=cal.tokens.to(given.dtype),
                                  signals=cal.signals, psi_bar=psi_bar, residuals=cal.residuals,
                                  confidence=cal.confidence, signal_targets=cal.signal_targets))  # fmt: skip

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from care_core.anchors import cosine_similarity_matrix
+from care_core.anchors import cosine_similarity_matrix, unit_rows
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,118 @@ def calibrate(
     signals = residuals[accepted_at]
     targets = anchors[assignment.argmax(dim=1)[accepted_at]]
     return Calibration(tokens, residuals, confidence, signals, targets)
+
+
+def _padded(rows: list[torch.Tensor], length: int, fill: float = 0.0) -> torch.Tensor:
+    """(B, length, ...) from B tensors of at most ``length`` rows, the rest ``fill``."""
+    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), fill)
+    for i, x in enumerate(rows):
+        out[i, : x.shape[0]] = x
+    return out
+
+
+def _batch_confidence(
+    affinity: torch.Tensor, anchor_ok: torch.Tensor, ks: list[int], *, tau_g: float, tau_c: float, theta_s: float
+) -> torch.Tensor:
+    """Eq. 5–6 per residual row of (B, R, K) ``affinity`` over each image's own K_i anchors (k_f per image)."""
+    k_fs = [min(k, max(2, math.ceil(0.1 * k))) for k in ks]
+    minus_inf = torch.finfo(affinity.dtype).min
+    top = affinity.masked_fill(~anchor_ok[:, None, :], minus_inf).topk(max(k_fs), dim=2).values  # (B, R, k_f max)
+    in_top = torch.arange(top.shape[2], device=top.device)[None, :] < torch.tensor(k_fs, device=top.device)[:, None]
+    c_sim = torch.sigmoid((top[:, :, 0] - theta_s) / tau_c)
+    pi = torch.softmax((top / tau_g).masked_fill(~in_top[:, None, :], float("-inf")), dim=2)
+    log_k = torch.tensor([math.log(k) if k > 1 else 1.0 for k in k_fs], dtype=top.dtype, device=top.device)
+    c_ent = 1 + torch.special.xlogy(pi, pi).sum(dim=2) / log_k[:, None]  # 0 log 0 = 0 on the masked slots
+    single = torch.tensor([k == 1 for k in k_fs], device=top.device)[:, None]
+    c_ent = torch.where(single, torch.ones_like(c_ent), c_ent)
+    return c_sim * (1 + c_ent) / 2
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each image's anchors and residuals sit in the padded batch."""
+
+    rows: torch.Tensor  # (B, 1) batch index
+    anchor_index: torch.Tensor  # (B, K max) each image's anchors, pads point at token 0
+    anchor_ok: torch.Tensor  # (B, K max) True on real anchors
+    residual_index: torch.Tensor  # (B, R max) each image's residuals R, ascending, then whatever
+    residual_ok: torch.Tensor  # (B, R max) True on real residuals
+
+
+def _layout(anchors: list[torch.Tensor], sizes: list[int], device: torch.device) -> _Layout:
+    ks = [int(a.shape[0]) for a in anchors]
+    counts = [n - k for n, k in zip(sizes, ks, strict=True)]
+    n_max, k_max = max(sizes), max(ks)
+    anchor_ok = torch.arange(k_max)[None, :] < torch.tensor(ks)[:, None]
+    anchor_ok = anchor_ok.to(device)
+    anchor_index = _padded(anchors, k_max).long()
+    # token n_max is a spare column: the pads mark it, so no pad can overwrite a real anchor's mark
+    taken = (torch.arange(n_max + 1)[None, :] >= torch.tensor(sizes)[:, None]).to(device)  # padding counts as taken
+    taken.scatter_(1, torch.where(anchor_ok, anchor_index, n_max), True)
+    residual_index = torch.argsort(taken[:, :n_max].to(torch.int32), dim=1, stable=True)[:, : max(counts)]
+    residual_ok = (torch.arange(max(counts))[None, :] < torch.tensor(counts)[:, None]).to(device)
+    rows = torch.arange(len(anchors), device=device)[:, None]
+    return _Layout(rows, anchor_index, anchor_ok, residual_index, residual_ok)
+
+
+def calibrate_batch(
+    features: list[torch.Tensor],
+    positions: list[torch.Tensor],
+    anchors: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    *,
+    eta: float,
+    theta_s: float,
+    theta_c: float,
+    alpha: float,
+    sigma_p: float,
+    tau_g: float,
+    tau_c: float,
+    tau_s: float,
+    eps: float,
+    gated: bool = True,
+) -> list[Calibration]:
+    """:func:`calibrate` (Eq. 4–9) for B images at once: residuals and anchors padded to (B, max R_i) and
+    (B, max K_i) and masked, every step one batched operation, one host synchronisation for the whole batch.
+    Per image, what :func:`calibrate` gives it alone (to the rounding of a batched product)."""
+    sizes, ks = [int(v.shape[0]) for v in features], [int(a.shape[0]) for a in anchors]
+    if all(n == k for n, k in zip(sizes, ks, strict=True)):  # nothing to calibrate anywhere
+        return [calibrate(v, p, a, w, eta=eta, theta_s=theta_s, theta_c=theta_c, alpha=alpha, sigma_p=sigma_p,
+                          tau_g=tau_g, tau_c=tau_c, tau_s=tau_s, eps=eps, gated=gated)
+                for v, p, a, w in zip(features, positions, anchors, weights, strict=True)]  # fmt: skip
+    at = _layout(anchors, sizes, features[0].device)
+    rows, n_max = at.rows, max(sizes)
+    v, p, w = _padded(features, n_max), _padded(positions, n_max), _padded(weights, n_max)
+    v_res, v_anc = v[rows, at.residual_index], v[rows, at.anchor_index]
+    cos_ra = unit_rows(v_res, eps) @ unit_rows(v_anc, eps).transpose(1, 2)  # (B, R, K)
+    if gated:
+        sq_dist = ((p[rows, at.residual_index][:, :, None, :] - p[rows, at.anchor_index][:, None, :, :]) ** 2).sum(-1)
+        affinity = cos_ra + eta * torch.exp(-sq_dist / (2 * sigma_p**2))  # Eq. 4
+        confidence = _batch_confidence(affinity, at.anchor_ok, ks, tau_g=tau_g, tau_c=tau_c, theta_s=theta_s)
+        accepted = (confidence >= theta_c) & at.residual_ok  # R+ of Eq. 6
+    else:
+        confidence = torch.ones_like(cos_ra[:, :, 0])
+        accepted = at.residual_ok
+    source_weight = torch.where(accepted, (w[rows, at.residual_index] + eps) * confidence, 0.0)  # w_r
+    logits = (cos_ra / tau_s).masked_fill(~at.anchor_ok[:, None, :], float("-inf"))
+    assignment = torch.softmax(logits, dim=2)  # q_rj over each image's anchors (Eq. 7)
+    mass = source_weight[:, :, None] * assignment  # P_rj = w_r q_rj
+    signal = (mass.transpose(1, 2) @ v_res) / (mass.sum(dim=1)[:, :, None] + eps)  # g_j (Eq. 8)
+    shifted = v_anc + alpha * signal
+    tokens = v_anc.norm(dim=2, keepdim=True) / (shifted.norm(dim=2, keepdim=True) + eps) * shifted  # Eq. 9
+    tokens = torch.where(at.residual_ok[:, :1, None], tokens, v_anc)  # K = N: the anchors as they are (calibrate's)
+    targets = torch.gather(at.anchor_index, 1, assignment.argmax(dim=2))
+    return _split(tokens, at.residual_index, confidence, accepted, targets, sizes, ks)
+
+
+def _split(tokens: torch.Tensor, residual_index: torch.Tensor, confidence: torch.Tensor, accepted: torch.Tensor,
+           targets: torch.Tensor, sizes: list[int], ks: list[int]) -> list[Calibration]:  # fmt: skip
+    """Each image's Calibration from the padded batch; R+ of all images from one host synchronisation."""
+    where = torch.nonzero(accepted)  # (accepted in all images, 2): (image, slot), row-major, so slots ascend
+    per_image = where[:, 1].split(torch.bincount(where[:, 0], minlength=len(sizes)).tolist())
+    out = []
+    for i, (n, k) in enumerate(zip(sizes, ks, strict=True)):
+        r, chosen = n - k, per_image[i]
+        residuals = residual_index[i, :r]
+        out.append(Calibration(tokens[i, :k], residuals, confidence[i, :r], residuals[chosen], targets[i, :r][chosen]))
+    return out

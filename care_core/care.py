@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,15 +67,25 @@ class Reduction:
         )
 
 
-def check_inputs(features: torch.Tensor, positions: torch.Tensor) -> None:
+def check_inputs(features: torch.Tensor, positions: torch.Tensor, *, finite: bool = True) -> None:
+    """CareError for features that are not a non-empty float (N, d_v) tensor with (N, 2) positions, or (with
+    ``finite``: a host synchronisation on a GPU) hold NaN or infinite values."""
     if features.ndim != 2 or features.shape[0] < 1 or features.shape[1] < 1:
         raise CareError(f"features must be a non-empty (N, d_v) tensor, got shape {tuple(features.shape)}")
     if not features.is_floating_point():
         raise CareError(f"features must be a floating-point tensor, got {features.dtype}")
     if positions.shape != (features.shape[0], 2):
         raise CareError(f"positions must have shape (N, 2) = ({features.shape[0]}, 2), got {tuple(positions.shape)}")
-    if not torch.isfinite(features).all():
+    if finite and not torch.isfinite(features).all():
         raise CareError("features contain NaN or infinite values")
+
+
+def first_not_finite(features: Sequence[torch.Tensor]) -> int | None:
+    """The index of the first tensor holding a NaN or an infinite value, or None: one host synchronisation for all."""
+    flags = torch.stack([~torch.isfinite(v).all() for v in features])
+    if not bool(flags.any()):
+        return None
+    return int(torch.nonzero(flags)[0])
 
 
 def scorer_for(projector: Projector, scorer: Scorer | None) -> Scorer:
@@ -137,11 +147,29 @@ def calibrate_with(
 ) -> Calibration:
     """CGTC (Eq. 4–9) with the hyperparameters of `cfg`; `gated=False` injects every residual token."""
     with matmul_precision(allow_tf32=False), torch.no_grad():
-        return calibrate(
-            features, positions, anchors, weights,
-            eta=cfg.eta, theta_s=cfg.theta_s, theta_c=cfg.theta_c, alpha=cfg.alpha, sigma_p=cfg.sigma_p,
-            tau_g=cfg.tau_g, tau_c=cfg.tau_c, tau_s=cfg.tau_s, eps=cfg.eps, gated=gated,
-        )  # fmt: skip
+        return calibrate(features, positions, anchors, weights, gated=gated, **calibration_options(cfg))
+
+
+def calibration_options(cfg: CaReConfig) -> dict[str, float]:
+    """The CaReConfig fields CGTC (Eq. 4–9) reads, as :func:`~care_core.calibration.calibrate`'s keywords."""
+    return {"eta": cfg.eta, "theta_s": cfg.theta_s, "theta_c": cfg.theta_c, "alpha": cfg.alpha, "sigma_p": cfg.sigma_p,
+            "tau_g": cfg.tau_g, "tau_c": cfg.tau_c, "tau_s": cfg.tau_s, "eps": cfg.eps}  # fmt: skip
+
+
+def calibrate_batch_with(
+    cfg: CaReConfig,
+    features: list[torch.Tensor],
+    positions: list[torch.Tensor],
+    anchors: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    *,
+    gated: bool,
+) -> list[Calibration]:
+    """:func:`calibrate_with` for B images in one padded pass (:func:`~care_core.calibration.calibrate_batch`)."""
+    from care_core.calibration import calibrate_batch
+
+    with matmul_precision(allow_tf32=False), torch.no_grad():
+        return calibrate_batch(features, positions, anchors, weights, gated=gated, **calibration_options(cfg))
 
 
 def _scores(

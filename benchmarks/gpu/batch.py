@@ -14,7 +14,7 @@ from benchmarks.gpu.context import M_DIRECTIONS
 from benchmarks.gpu.scoring import Micro, floor_ms
 from care_core import CaReConfig, care_reduce, care_reduce_batch
 from care_core.batch import batch_anchors, batch_scores
-from care_core.care import calibrate_with
+from care_core.care import calibrate_batch_with
 from care_core.precision import matmul_precision
 from care_core.scoring import Scorer
 
@@ -47,8 +47,7 @@ def _stages(feats: list[Any], projector: Any, positions: list[Any], keep: int, s
         orders = batch_anchors(psi, feats, keeps, cfg.eps, gate)
 
         def calibrate() -> None:
-            for v, p, w, o in zip(feats, positions, psi, orders, strict=True):
-                calibrate_with(cfg, v, p, o.sort().values, w, gated=True)
+            calibrate_batch_with(cfg, feats, positions, [o.sort().values for o in orders], psi, gated=True)
 
         anchors = partial(batch_anchors, psi, feats, keeps, cfg.eps, gate)
         return {"scoring_ms": micro.clock.median(partial(batch_scores, feats, projector, None, cfg, scorer),

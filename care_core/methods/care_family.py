@@ -32,6 +32,8 @@ from care_core.methods.registry import register
 from care_core.methods.zoo_prune import ZooPrune
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from care_core.care import Reduction
     from care_core.scoring import Scorer
 
@@ -161,8 +163,23 @@ class _CaReFamily(Method):
             return [selection_result(one.features, order, w, selection_order=order)
                     for one, order, w in zip(inputs, orders, weights, strict=True)]  # fmt: skip
         with first.stage("calibration"):
-            return [self._calibrated(one, v, order, w)
-                    for one, v, order, w in zip(inputs, vs, orders, weights, strict=True)]  # fmt: skip
+            return self._calibrated_batch(inputs, vs, orders, weights)
+
+    def _calibrated_batch(
+        self, inputs: list[MethodInputs], vs: list[Tensor], orders: list[Tensor], weights: list[Tensor]
+    ) -> list[MethodResult]:
+        """:meth:`_calibrated` for every image of a batch in one padded CGTC pass."""
+        from care_core.care import Reduction, calibrate_batch_with
+
+        anchors = [order.sort().values for order in orders]
+        positions = [one.positions.to(device=v.device, dtype=v.dtype) for one, v in zip(inputs, vs, strict=True)]
+        calibrations = calibrate_batch_with(self.config, vs, positions, anchors, weights,
+                                            gated=self.calibration == "gated")  # fmt: skip
+        return [Reduction(indices=a, anchor_order=order, tokens=cal.tokens.to(one.features.dtype), signals=cal.signals,
+                          psi_bar=w, residuals=cal.residuals, confidence=cal.confidence,
+                          signal_targets=cal.signal_targets).to_method_result()
+                for one, order, a, w, cal in zip(inputs, orders, anchors, weights, calibrations,
+                                                 strict=True)]  # fmt: skip
 
     def _batch_psi_bar(self, inputs: list[MethodInputs], vs: list[torch.Tensor], scorer: Scorer) -> list[torch.Tensor]:
         """psi_bar per image: the memo's where it has one, the others from one :func:`~care_core.batch.batch_scores`
@@ -183,7 +200,7 @@ def _one_pass(inputs: list[MethodInputs]) -> bool:
     """Whether B >= 2 images can share one scoring pass and one padded Eq. 3 loop: one projector, scorer (made for
     it) and stage timer; one width, device and compute dtype; every image valid for care_reduce. Otherwise the
     batch goes one image at a time, which also raises each image's own error where one is invalid."""
-    from care_core.care import check_inputs
+    from care_core.care import check_inputs, first_not_finite
     from care_core.errors import CareError
     from care_core.precision import compute_dtype
 
@@ -196,11 +213,11 @@ def _one_pass(inputs: list[MethodInputs]) -> bool:
         if one.stage_timer is not first.stage_timer:  # each stage is timed once, on the batch's one timer
             return False
         try:
-            check_inputs(one.features, one.positions)
+            check_inputs(one.features, one.positions, finite=False)
         except CareError:
             return False
     kinds = {(v.shape[1], v.device, compute_dtype(v.dtype)) for v in (one.features for one in inputs)}
-    return len(kinds) == 1
+    return len(kinds) == 1 and first_not_finite([one.features for one in inputs]) is None  # one host sync for all
 
 
 @register
