@@ -160,26 +160,26 @@ class ChatAdapter(VLMAdapter):
         rgb = [to_rgb(image) for image in images]
         return self.encode_processed(self.preprocess(rgb), [(image.height, image.width) for image in rgb])
 
+    def process_image(self, image: Image.Image) -> dict[str, Any]:
+        """The image processor's outputs (CPU tensors) for one image, as for a list of one; touches no process-wide
+        state, so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them)."""
+        return dict(self.processor.image_processor(images=to_rgb(image), return_tensors="pt"))
+
     def preprocess(self, images: Sequence[Image.Image]) -> dict[str, Any]:
-        """The image processor's outputs for RGB ``images``, one image per call on :func:`preprocess_workers`
-        threads (the processor's resizing and normalising release the GIL), collated as the processor collates a
-        list of images (:meth:`_collate`). CPU tensors; per image exactly the processor's output for it alone."""
+        """The image processor's outputs for ``images``: :meth:`process_image` one image per call on
+        :func:`preprocess_workers` threads (the processor's resizing and normalising release the GIL), then
+        :meth:`collate`. Per image exactly the processor's output for it alone."""
         from concurrent.futures import ThreadPoolExecutor
-
-        ip = self.processor.image_processor
-
-        def one(image: Image.Image) -> dict[str, Any]:
-            return dict(ip(images=image, return_tensors="pt"))
 
         with quiet_transformers():  # warnings and log levels are process-wide: set once, around the threads
             if len(images) == 1:
-                parts = [one(images[0])]
+                parts = [self.process_image(images[0])]
             else:
                 with ThreadPoolExecutor(max_workers=preprocess_workers(len(images))) as pool:
-                    parts = list(pool.map(one, images))
-        return self._collate(parts)
+                    parts = list(pool.map(self.process_image, images))
+        return self.collate(parts)
 
-    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """One image processor output per image -> the batch output (what the processor gives for the list)."""
         raise NotImplementedError
 

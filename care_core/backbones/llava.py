@@ -93,7 +93,7 @@ class LlavaAdapter(ChatAdapter):
         return (vc.image_size // vc.patch_size) ** 2
 
     # ------------------------------------------------------------------ vision
-    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         return {"pixel_values": torch.cat([part["pixel_values"] for part in parts])}
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:

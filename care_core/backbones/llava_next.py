@@ -94,7 +94,7 @@ class LlavaNextAdapter(LlavaAdapter):
             raise ModelLoadError(f"{name}: the model has no image_newline parameter")
 
     # ------------------------------------------------------------------ vision
-    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Crops zero-padded to the most any image has, as the processor pads a list of images."""
         most = max(int(part["pixel_values"].shape[1]) for part in parts)
         pad = [(0, 0, 0, 0, 0, 0, 0, most - int(part["pixel_values"].shape[1])) for part in parts]

@@ -139,7 +139,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         return NO_CLS
 
     # ------------------------------------------------------------------ vision
-    def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Patch rows packed image after image, as the processor packs a list of images."""
         return {"pixel_values": torch.cat([part["pixel_values"] for part in parts]),
                 "image_grid_thw": torch.cat([part["image_grid_thw"] for part in parts])}  # fmt: skip

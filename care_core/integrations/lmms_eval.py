@@ -123,15 +123,24 @@ class _Request:
         return cls(index, context, doc_to_visual, doc_id, task, split, max_new, stops)
 
 
-class _ImageLoader:
-    """Each request's image, opened and decoded in one background thread, the next batch's while one runs."""
+@dataclass(frozen=True)
+class _Prepared:
+    """One request's image after the image processor (on a loader thread): what the vision tower needs."""
 
-    def __init__(self, open_image: Callable[[_Request], Image.Image], order: Sequence[_Request]) -> None:
+    size: tuple[int, int]  # the original (height, width)
+    processed: dict[str, Any]  # the image processor's outputs for this image alone
+
+
+class _ImageLoader:
+    """Each request's image, opened, decoded and preprocessed on background threads (the next batch's while one
+    runs on the device), so the host's image work overlaps the model's."""
+
+    def __init__(self, open_image: Callable[[_Request], Any], order: Sequence[_Request], workers: int) -> None:
         self._open = open_image
         self._order = list(order)
         self._place = {item.index: i for i, item in enumerate(self._order)}
-        self._futures: dict[int, Future[Image.Image]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="care-images")
+        self._futures: dict[int, Future[Any]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="care-images")
 
     def __enter__(self) -> _ImageLoader:
         return self
@@ -139,12 +148,12 @@ class _ImageLoader:
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _submit(self, item: _Request) -> Future[Image.Image]:
+    def _submit(self, item: _Request) -> Future[Any]:
         if item.index not in self._futures:
             self._futures[item.index] = self._pool.submit(self._open, item)
         return self._futures[item.index]
 
-    def images(self, chunk: Sequence[_Request], ahead: int) -> list[Image.Image]:
+    def images(self, chunk: Sequence[_Request], ahead: int) -> list[Any]:
         """The chunk's images (waiting for them); then the ``ahead`` requests after it start loading."""
         futures = [self._submit(item) for item in chunk]
         last = self._place[chunk[-1].index]
@@ -291,13 +300,15 @@ class CareLMM(lmms):
         return self.answer_batch([image], [question], max_new_tokens)[0]
 
     def answer_batch(
-        self, images: Sequence[Image.Image], questions: Sequence[str], max_new_tokens: int
+        self, images: Sequence[Image.Image | _Prepared], questions: Sequence[str], max_new_tokens: int
     ) -> list[tuple[str, int, int]]:
         """:meth:`answer` for several images at once: ``pipeline.run_batch`` (one encode, one method call per
-        budget), then the reduced rows' answers in one ``answer_batch``; per sample what a batch of one gives."""
+        budget), then the reduced rows' answers in one ``answer_batch``; per sample what a batch of one gives.
+        Images already through the image processor (a loader's) go straight to the vision tower."""
         from care_core.budget import Budget
 
         pipe, cuda_graph = self.pipeline, self.spec.cuda_graph
+        images = self._encoded(images)
         budget = self.spec.budget if self.spec.method is not None else Budget.ratio(1.0)  # no method: unused
         if not pipe.methods:  # all tokens: the pipeline's full answers (nothing else is generated)
             results = pipe.run_batch(images, questions, [budget], generate=True, max_new_tokens=max_new_tokens,
@@ -314,6 +325,19 @@ class CareLMM(lmms):
             assert answer is not None  # generate=True gives every result its full answer
             out.append((answer.text, answer.visual_tokens, result.num_tokens))
         return out
+
+    def _encoded(self, images: Sequence[Image.Image | _Prepared]) -> list[Any]:
+        """The images as the pipeline takes them: prepared ones through the vision tower in one pass."""
+        prepared = [image for image in images if isinstance(image, _Prepared)]
+        if not prepared:
+            return list(images)
+        import torch
+
+        adapter: Any = self.adapter  # a chat adapter: only those prepare images (see _prepare)
+        with torch.no_grad():
+            tokens = iter(adapter.encode_processed(adapter.collate([p.processed for p in prepared]),
+                                                   [p.size for p in prepared]))  # fmt: skip
+        return [next(tokens) if isinstance(image, _Prepared) else image for image in images]
 
     def warm_up(self) -> None:
         """One untimed, unrecorded batch (of the batch size the run uses) on plain grey pictures.
@@ -352,8 +376,15 @@ class CareLMM(lmms):
                 if self.on_sample is not None:
                     self.on_sample(done, len(items), record)
 
+        from care_core.backbones._chat import preprocess_workers
+        from care_core.backbones._hf import quiet_transformers
+
         batches = self.batches
-        with _ImageLoader(self._image, order) as loader:
+        workers = preprocess_workers(batches.size)
+        with (
+            quiet_transformers(),
+            _ImageLoader(self._prepare, order, workers) as loader,
+        ):  # quiet: once, for all threads
             for members in groups.values():
                 batches.run(members, lambda chunk: self._answer_chunk(chunk, loader.images(chunk, batches.size)),
                             finished)  # fmt: skip
@@ -366,6 +397,14 @@ class CareLMM(lmms):
         out = self.answer_batch(images, [item.context for item in chunk], chunk[0].max_new_tokens)
         seconds = (time.perf_counter() - start) / len(chunk)
         return [(text, fed, n, seconds) for text, fed, n in out]
+
+    def _prepare(self, item: _Request) -> Image.Image | _Prepared:
+        """The request's image through the image processor where the adapter offers it (run on a loader thread)."""
+        image = self._image(item)
+        process = getattr(self.adapter, "process_image", None)
+        if process is None:
+            return image
+        return _Prepared((image.height, image.width), process(image))
 
     def _image(self, item: _Request) -> Image.Image:
         """The request's one image, decoded (run in the loader's thread)."""
