@@ -83,6 +83,25 @@ def preprocess_workers(images: int) -> int:
     return max(1, min(images, cores, MAX_PREPROCESS_WORKERS))
 
 
+def preprocess_images(
+    image_processor: Any, images: Sequence[Image.Image], *, workers: int | None = None
+) -> list[dict[str, Any]]:
+    """``image_processor``'s output for each RGB image alone (``return_tensors="pt"``), in order: one call per image
+    on ``workers`` threads (default :func:`preprocess_workers`; the processor's resizing and normalising release the
+    GIL). What :meth:`ChatAdapter.preprocess` collates, and what the GPU benchmark times."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(image: Image.Image) -> dict[str, Any]:
+        return dict(image_processor(images=image, return_tensors="pt"))
+
+    threads = preprocess_workers(len(images)) if workers is None else max(1, min(int(workers), len(images)))
+    with quiet_transformers():  # warnings and log levels are process-wide: set once, around the threads
+        if threads <= 1:
+            return [one(image) for image in images]
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(one, images))
+
+
 class ChatAdapter(VLMAdapter):
     """Shared text side of the adapters.
 
@@ -162,22 +181,9 @@ class ChatAdapter(VLMAdapter):
 
     def preprocess(self, images: Sequence[Image.Image]) -> dict[str, Any]:
         """The image processor's outputs for RGB ``images``, one image per call on :func:`preprocess_workers`
-        threads (the processor's resizing and normalising release the GIL), collated as the processor collates a
-        list of images (:meth:`_collate`). CPU tensors; per image exactly the processor's output for it alone."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        ip = self.processor.image_processor
-
-        def one(image: Image.Image) -> dict[str, Any]:
-            return dict(ip(images=image, return_tensors="pt"))
-
-        with quiet_transformers():  # warnings and log levels are process-wide: set once, around the threads
-            if len(images) == 1:
-                parts = [one(images[0])]
-            else:
-                with ThreadPoolExecutor(max_workers=preprocess_workers(len(images))) as pool:
-                    parts = list(pool.map(one, images))
-        return self._collate(parts)
+        threads (:func:`preprocess_images`), collated as the processor collates a list of images
+        (:meth:`_collate`). CPU tensors; per image exactly the processor's output for it alone."""
+        return self._collate(preprocess_images(self.processor.image_processor, images))
 
     def _collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """One image processor output per image -> the batch output (what the processor gives for the list)."""
