@@ -137,12 +137,18 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], title: str) -> None:
     print_table(title, ("batch", "procs", "pairs/s", "compute s", "peak GiB", "x batch 1", "x 1 proc"),
-                [(f"{r['batch_size']} ({r['batch_size_requested']})", str(r["processes"]), fmt(r["pairs_per_s"]),
+                [(batch_label(r), str(r["processes"]), fmt(r["pairs_per_s"]),
                   fmt(r["compute_s"], 1), fmt(r["peak_gpu_memory_gib"], 1), fmt(r["x_batch_one"]),
                   fmt(r["x_one_process"])) for r in rows])  # fmt: skip
     print_table("targets of issue #22", ("where", "what", "value", "target", "verdict"),
                 [(c["where"], c["what"], fmt(c["value"]), f">= {c['target']:g}", "MET" if c["met"] else "NOT MET")
                  for c in checks])  # fmt: skip
+
+
+def batch_label(row: dict[str, Any]) -> str:
+    """The batch size used, "->" the size it ended at where out-of-memory splitting cut it, (what was asked)."""
+    final = f"->{row['batch_size_final']}" if row["batch_size_final"] != row["batch_size"] else ""
+    return f"{row['batch_size']}{final} ({row['batch_size_requested']})"
 
 
 def comma_list(text: str) -> list[str]:

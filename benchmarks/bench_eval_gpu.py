@@ -70,13 +70,14 @@ BACKBONES = {
     "llava-1.5-7b": Backbone("build_llava", keep=64, min_samples_per_s=None, min_speedup=2.0),
 }
 QUICK = (
-    "one copy of the task (12 samples), one process; --tiny --quick --device cpu: about 2-3 minutes on a 2-core "
-    "CPU (both tiny backbones)"
+    "one copy of the task (12 samples), one process; --tiny --quick --device cpu: about 1 minute on a 2-core CPU "
+    "(both tiny backbones)"
 )
 DURATION = (
     "the default (both backbones, --batch-size auto, 516 samples, 1 GPU): about 4-6 minutes on one H100 (per "
-    "backbone about 30-60 s to build and save, then one care eval command of about 1.5-2.5 minutes); "
-    "--batch-sizes 1,auto about doubles it, --processes 1,2 adds about half"
+    "backbone about 30-60 s to build and save, then one care eval command of about 1.5-2.5 minutes). Batch 1 "
+    "(--batch-sizes 1,auto) adds about 3-4 minutes per backbone: one backbone per call (--backbones), or fewer "
+    "--copies, keeps a call under 10 minutes; --processes 1,2 adds about 1-2 minutes per backbone"
 )
 
 
@@ -189,7 +190,8 @@ def setting_row(setting: dict[str, Any], run: Run, batch: dict[str, Any]) -> dic
     return {
         "backbone": run.backbone, "setting": setting["setting"], "method": setting["method"], "keep": setting["keep"],
         "processes": run.processes, "decoding": run.decoding, "batch_size_requested": run.batch_size,
-        "batch_size": setting["batch_size"], "batch_size_auto": batch["default"], "samples": entry["samples"],
+        "batch_size_start": batch["batch_size"], "batch_size": setting["batch_size"],  # at its end (after any split)
+        "batch_size_auto": batch["default"], "samples": entry["samples"],
         "wall_s": setting["wall_seconds"], "samples_per_s": setting["samples_per_second"],
         "peak_gpu_memory_gib": setting.get("peak_gpu_memory_gib"),
         "model_s_per_sample_mean": entry["seconds_per_sample"], "visual_tokens": entry["visual_tokens"],
@@ -318,7 +320,7 @@ def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], shares: list[
     header = ("backbone", "setting", "procs", "batch", "samples/s", "wall s", "peak GiB", "x all", "x 1 proc")
     print_table(title, header, [(r["backbone"], f"{r['setting'] if r['method'] else 'all tokens'} ({r['decoding']})",
                                  str(r["processes"]),
-                                 f"{r['batch_size']} ({r['batch_size_requested']})", fmt(r["samples_per_s"]),
+                                 batch_label(r), fmt(r["samples_per_s"]),
                                  fmt(r["wall_s"], 1), fmt(r["peak_gpu_memory_gib"], 1), fmt(r["x_all_tokens"]),
                                  fmt(r["x_one_process"])) for r in rows])  # fmt: skip
     print_table("targets of issue #22", ("where", "what", "value", "target", "verdict"),
@@ -330,6 +332,12 @@ def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], shares: list[
                 [(s["backbone"], str(s["batch_size"]), str(s["threads"]), fmt(s["ms_per_image_threads"], 1),
                   fmt(s["ms_per_image_one_thread"], 1), fmt(s["per_sample_ms"], 1), f"{100 * s['share_threads']:.0f}%",
                   f"{100 * s['share_one_thread']:.0f}%") for s in shares])  # fmt: skip
+
+
+def batch_label(row: dict[str, Any]) -> str:
+    """The batch size used, "->" the size it ended at where out-of-memory splitting cut it, (what was asked)."""
+    end = f"->{row['batch_size']}" if row["batch_size"] != row["batch_size_start"] else ""
+    return f"{row['batch_size_start']}{end} ({row['batch_size_requested']})"
 
 
 def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: Path, task: Path) -> dict[str, Any]:
