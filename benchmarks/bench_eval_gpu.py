@@ -1,65 +1,95 @@
-"""Throughput of `care eval` at full scale: LLaVA-NeXT-7B (random weights, bf16), unreduced vs CaRe K=160.
+"""Throughput of `care eval` at full scale (issue #22): LLaVA-NeXT-7B with CaRe K=160 and LLaVA-1.5-7B with CaRe
+K=64 (random weights, bf16), each next to the unreduced model at the same batch size.
 
-    python -m benchmarks.bench_eval_gpu                # 1 GPU, and 2 GPUs when two are visible
-    python -m benchmarks.bench_eval_gpu --quick        # 1 process, 1 copy of the task, CUDA graphs only
+    python -m benchmarks.bench_eval_gpu                # per backbone one care eval at --batch-size auto, 516 samples
+    python -m benchmarks.bench_eval_gpu --batch-sizes 1,auto --processes 1,2   # batch 1 too; 1 and 2 GPUs
+    python -m benchmarks.bench_eval_gpu --quick        # one copy of the task (12 samples)
     python -m benchmarks.bench_eval_gpu --tiny --quick --device cpu   # smoke test of the benchmark (tiny widths)
 
-What it does:
-1. builds LLaVA-NeXT-7B (CLIP-L/336 24 layers, Vicuna-7B, anyres pinpoints; ``benchmarks.models``) with
-   seeded random weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor, the byte
-   tokenizer of the demos) to a local folder, so that ``--model <folder>`` loads it like any checkpoint;
-2. writes a copy of the shipped task ``examples/tasks/care_pope_examples`` whose documents are repeated ``--copies``
-   times (12 x copies samples; the same photos and questions), to have enough samples for a rate;
-3. runs ``care eval --model <folder> --method care --keep 160 --tasks <task>`` exactly as a user would (a separate
-   process, ``--num-processes N`` for N GPUs; ``--cuda-graphs`` and ``--no-cuda-graphs``, see ``--decoding``) and
-   reads its summary JSON: per setting (all tokens / CaRe K=160) the
-   wall time of lmms-eval's pass, samples per second, and the mean / median model seconds per sample.
+What it does, per backbone (``--backbones``):
+1. builds it (CLIP-L/336 24 layers, Vicuna-7B; NeXT with anyres pinpoints; ``benchmarks.models``) with seeded random
+   weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor, the byte tokenizer of the
+   demos) to a local folder, so that ``--model <folder>`` loads it like any checkpoint;
+2. times the image preprocessing before the vision tower: the saved folder's image processor (loaded alone, no
+   model) on 16 task images through ``care_core.backbones._chat.preprocess_images``, the function
+   ``ChatAdapter.preprocess`` runs, with its thread pool and with one thread;
+3. runs ``care eval --model <folder> --method care --keep K --tasks <task> --batch-size B`` exactly as a user would
+   (a separate process; ``--num-processes N`` for N GPUs; ``--cuda-graphs`` or ``--no-cuda-graphs``, see
+   ``--decoding``) on a copy of the shipped task ``examples/tasks/care_pope_examples`` whose 12 documents are
+   repeated ``--copies`` times. One command evaluates both settings (all tokens first, then CaRe K) at the same
+   batch size; from its summary JSON, per setting: the batch size used, samples per second over lmms-eval's pass,
+   its wall time and the peak GPU memory.
 
-Random weights: answers run to ``max_new_tokens`` (8) every time, so timings compare like with like, and accuracy
-means nothing. On a GPU, ``care eval`` answers once untimed before each setting, so the first CUDA calls of a process
-are not in the timed pass. Writes its JSON into --results-dir (default: a new scratch folder; --out FILE writes a
-copy there too, never over an existing file). Run from the repository root.
+Then it reports CaRe / all tokens at the same batch size, the issue's targets MET or NOT MET (NeXT CaRe >= 35
+samples/s; NeXT CaRe >= 3x all tokens; LLaVA-1.5 CaRe >= 2x all tokens; 2 processes >= 1.8x one, where both ran)
+and the preprocessing's share of the CaRe setting's time per sample. Random weights: answers run to
+``max_new_tokens`` (8) every time, so timings compare like with like, and accuracy means nothing. On a GPU,
+``care eval`` answers once untimed before each setting. Writes its JSON into --results-dir (default: a new scratch
+folder; --out FILE writes a copy there too, never over an existing file). Run from the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import EXAMPLES, ROOT, ResultsWriter, make_parser, print_table, say
+from benchmarks.common import EXAMPLES, ROOT, ResultsWriter, fmt, make_parser, print_table, say
 
 TASK = EXAMPLES / "tasks" / "care_pope_examples"
-KEEP = 160
+PREPROCESS_IMAGES = 16  # images per timed preprocessing call (a batch of the size auto picks at the least)
+PREPROCESS_REPS = 3
+PROCESSES_TARGET = 1.8  # 2 processes (GPUs) >= 1.8x one, same backbone, setting and batch size
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """One benchmarked backbone: its builder in benchmarks.models, CaRe's budget and the issue's targets."""
+
+    builder: str
+    keep: int
+    min_samples_per_s: float | None  # CaRe's rate on one GPU
+    min_speedup: float  # CaRe / all tokens at the same batch size
+
+
+BACKBONES = {
+    "llava-next-7b": Backbone("build_llava_next", keep=160, min_samples_per_s=35.0, min_speedup=3.0),
+    "llava-1.5-7b": Backbone("build_llava", keep=64, min_samples_per_s=None, min_speedup=2.0),
+}
 QUICK = (
-    "one process, one copy of the task (12 samples), one decoding (graphs on CUDA, eager on the CPU); "
-    "--tiny --quick --device cpu: about 1 minute on a 2-core CPU"
+    "one copy of the task (12 samples), one process; --tiny --quick --device cpu: about 1 minute on a 2-core CPU "
+    "(both tiny backbones)"
 )
 DURATION = (
-    "about 4-6 minutes on one or two H100/H200 (the committed results: 7 s build, then 74-127 s per care eval "
-    "command, 2 decodings x 1-2 process counts of 192 samples)"
+    "the default (both backbones, --batch-size auto, 516 samples, 1 GPU): about 4-6 minutes on one H100 (per "
+    "backbone about 30-60 s to build and save, then one care eval command of about 1.5-2.5 minutes). Batch 1 "
+    "(--batch-sizes 1,auto) adds about 3-4 minutes per backbone: one backbone per call (--backbones), or fewer "
+    "--copies, keeps a call under 10 minutes; --processes 1,2 adds about 1-2 minutes per backbone"
 )
 
 
-def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
-    """LLaVA-NeXT-7B with random weights, saved to ``folder``; returns what it cost."""
+def build_model(name: str, folder: Path, device: str, tiny: bool) -> dict[str, Any]:
+    """The backbone with random weights, saved to ``folder``; returns what it cost."""
     import torch
 
-    from benchmarks.models import build_llava_next
+    from benchmarks import models
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     start = time.perf_counter()
-    model, processor = build_llava_next(torch.device(device), dtype, tiny)
+    model, processor = getattr(models, BACKBONES[name].builder)(torch.device(device), dtype, tiny)
     built = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
@@ -67,41 +97,79 @@ def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
     processor.save_pretrained(str(folder))
     saved = time.perf_counter() - start
     del model
+    gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # care eval runs in its own process: leave it the memory
     return {"parameters": params, "dtype": str(dtype).removeprefix("torch."), "build_s": built, "save_s": saved,
             "tiny": tiny}  # fmt: skip
 
 
+def task_rows() -> list[dict[str, Any]]:
+    """The shipped task's documents, images by absolute path (they are relative to the tasks' folder)."""
+    rows = [json.loads(line) for line in (TASK / "data.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    return [dict(row, image=str((TASK.parent / row["image"]).resolve())) for row in rows]
+
+
 def write_task(folder: Path, copies: int) -> str:
-    """The shipped POPE-style task with its documents repeated ``copies`` times (images by absolute path)."""
+    """The shipped POPE-style task with its documents repeated ``copies`` times."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(TASK.parent / "care_task_utils.py", folder.parent / "care_task_utils.py")  # the YAML's ../ functions
     config = (TASK / "care_pope_examples.yaml").read_text(encoding="utf-8")
     name = f"care_pope_examples_x{copies}"
     (folder / f"{name}.yaml").write_text(re.sub(r"(?m)^task: .*$", f"task: {name}", config), encoding="utf-8")
-    rows = [json.loads(line) for line in (TASK / "data.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    lines = []
-    for copy in range(copies):
-        for row in rows:
-            item = dict(row, question_id=copy * len(rows) + row["question_id"])
-            item["image"] = str((TASK.parent / row["image"]).resolve())  # paths are relative to the tasks' folder
-            lines.append(json.dumps(item))
+    rows = task_rows()
+    lines = [json.dumps(dict(row, question_id=copy * len(rows) + row["question_id"]))
+             for copy in range(copies) for row in rows]  # fmt: skip
     (folder / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return name
 
 
-def run_care_eval(
-    model: Path, task: Path, processes: int, device: str, dtype: str, work: Path, decoding: str
-) -> dict[str, Any]:
-    out = work / f"out-n{processes}-{decoding}"
+def time_preprocessing(folder: Path) -> dict[str, Any]:
+    """ms per image of the saved processor's image processor on PREPROCESS_IMAGES task images, as
+    ``ChatAdapter.preprocess`` runs it (its thread pool) and on one thread (median of PREPROCESS_REPS calls)."""
+    from transformers import AutoProcessor
+
+    from care_core.backbones._chat import preprocess_images, preprocess_workers
+    from care_core.images import load_image
+
+    image_processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True).image_processor
+    paths = [row["image"] for row in task_rows()]
+    images = [load_image(paths[i % len(paths)]) for i in range(PREPROCESS_IMAGES)]
+    out: dict[str, Any] = {"images": len(images), "threads": preprocess_workers(len(images))}
+    for key, workers in (("ms_per_image_threads", None), ("ms_per_image_one_thread", 1)):
+        preprocess_images(image_processor, images[:2], workers=workers)  # warm-up
+        seconds = []
+        for _ in range(PREPROCESS_REPS):
+            start = time.perf_counter()
+            preprocess_images(image_processor, images, workers=workers)
+            seconds.append(time.perf_counter() - start)
+        out[key] = 1e3 * statistics.median(seconds) / len(images)
+    return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """One care eval command of the plan."""
+
+    backbone: str
+    processes: int
+    batch_size: str
+    decoding: str
+
+    @property
+    def slug(self) -> str:
+        return f"{self.backbone}-n{self.processes}-b{self.batch_size}-{self.decoding}"
+
+
+def care_eval(model: Path, task: Path, run: Run, device: str, dtype: str, work: Path) -> dict[str, Any]:
+    """``care eval`` as a user runs it; its summary per setting."""
     command = [sys.executable, "-m", "care_cli", "eval", "--model", str(model), "--method", "care",
-               "--keep", str(KEEP), "--tasks", str(task), "--device", device, "--dtype", dtype,
-               "--output-dir", str(out), "--json"]  # fmt: skip
-    if processes > 1:
-        command += ["--num-processes", str(processes)]
-    if decoding != "auto":
-        command.append("--cuda-graphs" if decoding == "graphs" else "--no-cuda-graphs")
+               "--keep", str(BACKBONES[run.backbone].keep), "--tasks", str(task), "--device", device, "--dtype", dtype,
+               "--batch-size", run.batch_size, "--output-dir", str(work / f"out-{run.slug}"), "--json"]  # fmt: skip
+    if run.processes > 1:
+        command += ["--num-processes", str(run.processes)]
+    if run.decoding != "auto":
+        command.append("--cuda-graphs" if run.decoding == "graphs" else "--no-cuda-graphs")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets"),
            "CARE_HOME": str(work / "care_home")}  # fmt: skip
@@ -112,18 +180,73 @@ def run_care_eval(
     if done.returncode != 0:
         raise SystemExit(f"care eval failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     report = json.loads(done.stdout)
-    rows = []
-    for setting in report["settings"]:
-        (entry,) = setting["tasks"].values()
-        rows.append({
-            "setting": setting["setting"], "processes": processes, "decoding": decoding, "samples": entry["samples"],
-            "wall_s": setting["wall_seconds"], "samples_per_s": setting["samples_per_second"],
-            "model_s_per_sample_mean": entry["seconds_per_sample"],
-            "model_s_per_sample_median": entry["seconds_per_sample_median"],
-            "visual_tokens": entry["visual_tokens"], "num_tokens": entry["num_tokens"],
-        })  # fmt: skip
-    return {"processes": processes, "decoding": decoding, "command_s": total, "rows": rows,
-            "backbone": report["backbone"]}  # fmt: skip
+    rows = [setting_row(setting, run, report["batch_size"]) for setting in report["settings"]]
+    say(f"  {total:.0f} s; " + "; ".join(f"{r['setting']}: {r['samples_per_s']:.2f} samples/s" for r in rows))
+    return {"command_s": total, "batch": report["batch_size"], "rows": rows, "backbone": report["backbone"]}
+
+
+def setting_row(setting: dict[str, Any], run: Run, batch: dict[str, Any]) -> dict[str, Any]:
+    (entry,) = setting["tasks"].values()
+    return {
+        "backbone": run.backbone, "setting": setting["setting"], "method": setting["method"], "keep": setting["keep"],
+        "processes": run.processes, "decoding": run.decoding, "batch_size_requested": run.batch_size,
+        "batch_size_start": batch["batch_size"], "batch_size": setting["batch_size"],  # at its end (after any split)
+        "batch_size_auto": batch["default"], "samples": entry["samples"],
+        "wall_s": setting["wall_seconds"], "samples_per_s": setting["samples_per_second"],
+        "peak_gpu_memory_gib": setting.get("peak_gpu_memory_gib"),
+        "model_s_per_sample_mean": entry["seconds_per_sample"], "visual_tokens": entry["visual_tokens"],
+    }  # fmt: skip
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's rate over the all-tokens row of the same command (``x_all_tokens``), and over the same row with
+    one process (``x_one_process``), where those ran."""
+
+    def key(row: dict[str, Any], **changes: Any) -> tuple[Any, ...]:
+        row = {**row, **changes}
+        return (row["backbone"], row["processes"], row["decoding"], row["batch_size_requested"], row["method"])
+
+    rates = {key(r): r["samples_per_s"] for r in rows}
+    for row in rows:
+        base = rates.get(key(row, method=None))
+        one = rates.get(key(row, processes=1)) if row["processes"] > 1 else None
+        row["x_all_tokens"] = row["samples_per_s"] / base if base and row["method"] is not None else None
+        row["x_one_process"] = row["samples_per_s"] / one if one else None
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, per CaRe row: its rate on one GPU, its speed-up over all tokens, 2 GPUs over one."""
+    checks = []
+    for row in rows:
+        if row["method"] is None:
+            continue
+        spec, where = BACKBONES[row["backbone"]], f"{row['backbone']} batch {row['batch_size']}"
+        if row["processes"] == 1 and spec.min_samples_per_s is not None:
+            checks.append(check(where, "CaRe samples/s", row["samples_per_s"], spec.min_samples_per_s))
+        checks.append(check(where + f", {row['processes']} proc", "CaRe / all tokens", row["x_all_tokens"],
+                            spec.min_speedup))  # fmt: skip
+        if row["x_one_process"] is not None:
+            checks.append(check(where, f"{row['processes']} procs / 1", row["x_one_process"], PROCESSES_TARGET))
+    return checks
+
+
+def check(where: str, what: str, value: float | None, target: float) -> dict[str, Any]:
+    met = value is not None and value >= target
+    return {"where": where, "what": what, "value": value, "target": target, "met": met}
+
+
+def preprocess_shares(rows: list[dict[str, Any]], preprocessing: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The preprocessing's ms per image against the CaRe setting's measured ms per sample (1000 / samples per s)."""
+    out = []
+    for row in rows:
+        if row["method"] is None or row["processes"] != 1:
+            continue
+        cost = preprocessing[row["backbone"]]
+        per_sample_ms = 1e3 / row["samples_per_s"]
+        out.append({"backbone": row["backbone"], "batch_size": row["batch_size"], "per_sample_ms": per_sample_ms,
+                    **cost, "share_threads": cost["ms_per_image_threads"] / per_sample_ms,
+                    "share_one_thread": cost["ms_per_image_one_thread"] / per_sample_ms})  # fmt: skip
+    return out
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -131,7 +254,8 @@ def environment(device: str) -> dict[str, Any]:
     import transformers
 
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "device": device}  # fmt: skip
+                           "transformers": transformers.__version__, "device": device,
+                           "cpu_count": os.cpu_count()}  # fmt: skip
     try:
         from importlib.metadata import version
 
@@ -149,67 +273,115 @@ def card_slug(env: dict[str, Any]) -> str:
     return (match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", gpus[0].lower())).lower()
 
 
+def comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser(__doc__, quick=QUICK, duration=DURATION, device="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
-    parser.add_argument("--copies", type=int, default=16, help="repeat the 12 task documents this many times")
-    parser.add_argument("--processes", default="auto", help="comma list, e.g. 1,2; auto: 1, and 2 with 2+ GPUs")
+    parser.add_argument("--backbones", default=",".join(BACKBONES), help=f"comma list of {', '.join(BACKBONES)}")
     parser.add_argument(
-        "--decoding", default="graphs,eager", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
+        "--batch-sizes", default="auto", help="comma list of care eval --batch-size values, e.g. 1,auto"
+    )
+    parser.add_argument("--copies", type=int, default=43, help="repeat the 12 task documents this many times")
+    parser.add_argument("--processes", default="1", help="comma list of process counts (one GPU each), e.g. 1,2")
+    parser.add_argument(
+        "--decoding", default="graphs", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.copies, args.processes, args.decoding = 1, "1", "graphs"
+        args.copies, args.processes = 1, "1"
     return args
 
 
-def plan(args: argparse.Namespace) -> tuple[list[int], list[str]]:
-    """The process counts and decodings to run."""
+def plan(args: argparse.Namespace) -> list[Run]:
+    """The care eval commands to run, per backbone."""
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device; run with --tiny --device cpu for a smoke test")
+    unknown = [b for b in comma_list(args.backbones) if b not in BACKBONES]
+    if unknown:
+        raise SystemExit(f"error: --backbones: unknown {', '.join(unknown)} (choose from {', '.join(BACKBONES)})")
+    processes = [int(p) for p in comma_list(args.processes)]
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
-    processes = (
-        ([1, 2] if gpus >= 2 else [1]) if args.processes == "auto" else [int(p) for p in args.processes.split(",")]
-    )
-    decodings = [d.strip() for d in args.decoding.split(",") if d.strip()]
+    if args.device.startswith("cuda") and max(processes) > gpus:
+        raise SystemExit(f"error: --processes {max(processes)}: only {gpus} GPU(s) visible")
+    decodings = comma_list(args.decoding)
     if args.device == "cpu":
         decodings = [d for d in decodings if d != "graphs"] or ["eager"]
-    return processes, decodings
+    return [Run(b, n, size, d) for b in comma_list(args.backbones) for n in processes
+            for size in comma_list(args.batch_sizes) for d in decodings]  # fmt: skip
 
 
-def show(rows: list[dict[str, Any]], title: str) -> None:
-    header = ("setting", "decoding", "procs", "tokens", "samples/s", "wall s", "s/sample mean", "s/sample median")
-    print_table(title, header, [(r["setting"], r["decoding"], str(r["processes"]), f"{r['visual_tokens']:.0f}",
-                                 f"{r['samples_per_s']:.2f}", f"{r['wall_s']:.1f}",
-                                 f"{r['model_s_per_sample_mean']:.3f}", f"{r['model_s_per_sample_median']:.3f}")
-                                for r in rows])  # fmt: skip
+def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], shares: list[dict[str, Any]], title: str) -> None:
+    header = ("backbone", "setting", "procs", "batch", "samples/s", "wall s", "peak GiB", "x all", "x 1 proc")
+    print_table(title, header, [(r["backbone"], f"{r['setting'] if r['method'] else 'all tokens'} ({r['decoding']})",
+                                 str(r["processes"]),
+                                 batch_label(r), fmt(r["samples_per_s"]),
+                                 fmt(r["wall_s"], 1), fmt(r["peak_gpu_memory_gib"], 1), fmt(r["x_all_tokens"]),
+                                 fmt(r["x_one_process"])) for r in rows])  # fmt: skip
+    print_table("targets of issue #22", ("where", "what", "value", "target", "verdict"),
+                [(c["where"], c["what"], fmt(c["value"]), f">= {c['target']:g}", "MET" if c["met"] else "NOT MET")
+                 for c in checks])  # fmt: skip
+    print_table("image preprocessing before the vision tower (ms per image; share of CaRe's time per sample)",
+                ("backbone", "batch", "threads", "ms/img pool", "ms/img 1 thread", "ms/sample", "share pool",
+                 "share 1 thread"),
+                [(s["backbone"], str(s["batch_size"]), str(s["threads"]), fmt(s["ms_per_image_threads"], 1),
+                  fmt(s["ms_per_image_one_thread"], 1), fmt(s["per_sample_ms"], 1), f"{100 * s['share_threads']:.0f}%",
+                  f"{100 * s['share_one_thread']:.0f}%") for s in shares])  # fmt: skip
+
+
+def batch_label(row: dict[str, Any]) -> str:
+    """The batch size used, "->" the size it ended at where out-of-memory splitting cut it, (what was asked)."""
+    end = f"->{row['batch_size']}" if row["batch_size"] != row["batch_size_start"] else ""
+    return f"{row['batch_size_start']}{end} ({row['batch_size_requested']})"
+
+
+def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: Path, task: Path) -> dict[str, Any]:
+    """Build and save one backbone, time its preprocessing, run its care eval commands; its folder is removed."""
+    folder = work / f"{name}-{'tiny' if args.tiny else 'random'}"
+    cuda = args.device.startswith("cuda")
+    say(f"building {'tiny' if args.tiny else 'full-size'} {name} with random weights into {folder} ...")
+    built = build_model(name, folder, "cuda:0" if cuda else "cpu", args.tiny)
+    say(
+        f"  {built['parameters'] / 1e9:.2f} B parameters, built {built['build_s']:.1f} s, saved {built['save_s']:.1f} s"
+    )
+    preprocessing = time_preprocessing(folder)
+    say(f"  preprocessing: {preprocessing['ms_per_image_threads']:.1f} ms/image on {preprocessing['threads']} threads,"
+        f" {preprocessing['ms_per_image_one_thread']:.1f} on one")  # fmt: skip
+    dtype = "bfloat16" if cuda else "float32"
+    done = [care_eval(folder, task, run, args.device, dtype, work) for run in runs]
+    shutil.rmtree(folder, ignore_errors=True)  # a 7B folder is 14 GB: one at a time on the disk
+    return {"model": built, "preprocessing": preprocessing, "commands": done}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     env = environment(args.device)
     writer = ResultsWriter(args, f"eval-gpu-{card_slug(env)}")
-    processes, decodings = plan(args)
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    runs = plan(args)
+    results: dict[str, Any] = {"benchmark": "care eval throughput (issue #22)",
+                               "date": dt.datetime.now(dt.timezone.utc).isoformat(), "environment": env,
+                               "tiny": args.tiny, "backbones": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="care-bench-eval-", dir=args.work) as scratch:
         work = Path(scratch)
-        model = work / ("llava-next-tiny" if args.tiny else "llava-next-7b-random")
-        say(f"building {'tiny' if args.tiny else '7B'} LLaVA-NeXT with random weights into {model} ...")
-        built = build_model(model, "cuda:0" if args.device.startswith("cuda") else "cpu", args.tiny)
-        say(f"  {built['parameters'] / 1e9:.2f} B parameters, built {built['build_s']:.1f} s, saved "
-            f"{built['save_s']:.1f} s")  # fmt: skip
-        task = work / "task"
-        task_name = write_task(task, args.copies)
-        runs = [run_care_eval(model, task, n, args.device, dtype, work, d) for n in processes for d in decodings]
-    rows = [row for run in runs for row in run["rows"]]
-    show(rows, f"care eval on {task_name} ({rows[0]['samples']} samples), LLaVA-NeXT-{'tiny' if args.tiny else '7B'}"
-               f" random weights, {dtype}, {env.get('gpus', ['cpu'])[0]}")  # fmt: skip
-    writer.finish({"benchmark": "care eval throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-                   "environment": env, "model": built, "task": task_name, "keep": KEEP, "runs": runs,
-                   "rows": rows})  # fmt: skip
+        results["task"] = write_task(work / "task", args.copies)
+        for name in dict.fromkeys(run.backbone for run in runs):
+            mine = [run for run in runs if run.backbone == name]
+            results["backbones"][name] = bench_backbone(name, mine, args, work, work / "task")
+            writer.save(results)  # an interrupted run keeps the backbones it finished
+    rows = [row for done in results["backbones"].values() for cmd in done["commands"] for row in cmd["rows"]]
+    add_ratios(rows)
+    preprocessing = {name: done["preprocessing"] for name, done in results["backbones"].items()}
+    results |= {"rows": rows, "targets": targets(rows), "preprocessing_share": preprocess_shares(rows, preprocessing)}
+    size = "tiny" if args.tiny else "7B"
+    show(rows, results["targets"], results["preprocessing_share"],
+         f"care eval on {results['task']} ({rows[0]['samples']} samples), {size} random weights, "
+         f"{env.get('gpus', ['cpu'])[0]}")  # fmt: skip
+    writer.finish(results)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,24 @@ def free_cuda_bytes(device: Any) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+def reset_peak_gpu_memory(device: Any) -> None:
+    """Start a new peak for :func:`peak_gpu_memory_gib` on a CUDA ``device`` (nothing elsewhere)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gpu_memory_gib(device: Any) -> float | None:
+    """The most memory torch's allocator held for tensors on a CUDA ``device`` since the last
+    :func:`reset_peak_gpu_memory`, in GiB; None off CUDA."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / (1 << 30)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """A CUDA out-of-memory error (torch's OutOfMemoryError, or a RuntimeError saying "out of memory")."""
     if isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower():

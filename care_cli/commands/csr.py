@@ -8,6 +8,7 @@ import io
 import json
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -286,8 +287,7 @@ def run_pairs(
     run.start(backbone={k: backbone.to_dict()[k] for k in ("name", "family", "demo")})
     ids = [_pair_id(p) for p in pairs]
     items = list(zip(ids, pairs, strict=True))
-    skipped, batch = _compute(run, pipe, items, budgets, batch_size, skip_bad=skip_bad, quiet=quiet)
-    skipped = [s for part in run.processes.gather(skipped) for s in part]
+    skipped, batch, cost = _timed_compute(run, pipe, items, budgets, batch_size, skip_bad=skip_bad, quiet=quiet)
     done = run.merge()
     if not main:
         return {}
@@ -309,10 +309,30 @@ def run_pairs(
         "pairs": len({r["line"] if r["line"] is not None else r["image"] for r in results}),
         "processes": run.world.size,
         "batch_size": batch,
+        **cost,
         "summary": csr_summary(results, list(pipe.methods), labels),
         "results": results,
         "skipped": skipped,
     }
+
+
+def _timed_compute(
+    run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], batch_size: Any, *,
+    skip_bad: bool, quiet: bool,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """:func:`_compute`, the skipped pairs of every process, and what the computing cost: ``compute_seconds`` (all
+    processes, from after every model is loaded to the slowest one's end; resumed results cost nothing) and
+    ``peak_gpu_memory_gib`` (the most any process held for tensors meanwhile; None off CUDA)."""
+    from care_core.batching import peak_gpu_memory_gib, reset_peak_gpu_memory
+
+    reset_peak_gpu_memory(pipe.adapter.device)
+    run.processes.barrier()  # every process has loaded its model: the clock measures the computing only
+    start = time.perf_counter()
+    skipped, batch = _compute(run, pipe, items, budgets, batch_size, skip_bad=skip_bad, quiet=quiet)
+    skipped = [s for part in run.processes.gather(skipped) for s in part]  # also waits for the slowest process
+    seconds = time.perf_counter() - start
+    peaks = [p for p in run.processes.gather(peak_gpu_memory_gib(pipe.adapter.device)) if p is not None]
+    return skipped, batch, {"compute_seconds": seconds, "peak_gpu_memory_gib": max(peaks) if peaks else None}
 
 
 def _compute(

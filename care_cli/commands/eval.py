@@ -217,7 +217,8 @@ def run_eval(
     if not main:
         return {}
     settings = [_setting_report(spec, results, _chosen(records, spec), computed, wall, selection.names, folder)
-                | {"batch_size": size} for spec, results, computed, wall, size in ran]  # fmt: skip
+                | {"batch_size": size, "peak_gpu_memory_gib": peak}
+                for spec, results, computed, wall, size, peak in ran]  # fmt: skip
     return _report(settings, selection, backbone_info(adapter).to_dict(), specs, skipped, limit, processes, folder,
                    warm_up=adapter.device.type == "cuda", batch=choice.to_dict())  # fmt: skip
 
@@ -244,11 +245,13 @@ def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], l
 def _evaluate(
     specs: list[Any], selection: Any, manager: Any, adapter: Any, samples: Any, *, limit: float | None,
     folder: Path | None, quiet: bool, batch_size: int,
-) -> list[tuple[Any, dict[str, Any], dict[str, int], float, int]]:  # fmt: skip
+) -> list[tuple[Any, dict[str, Any], dict[str, int], float, int, float | None]]:  # fmt: skip
     """simple_evaluate per setting; each answered sample's record saved as it comes. On rank 0, per setting:
-    (spec, lmms-eval's results, documents answered now per task, wall seconds, batch size at its end)."""
+    (spec, lmms-eval's results, documents answered now per task, wall seconds, batch size at its end, peak GPU
+    memory in GiB: the most any process held for tensors during the setting, warm-up included; None off CUDA)."""
     from lmms_eval.evaluator import simple_evaluate
 
+    from care_core.batching import peak_gpu_memory_gib, reset_peak_gpu_memory
     from care_core.integrations import lmms_eval as plugin
     from care_core.runs import scoped_environ
 
@@ -267,6 +270,7 @@ def _evaluate(
         bar = progress.add_task("", total=None)
         for number, spec in enumerate(specs, start=1):
             progress.update(bar, description=f"{spec.label} ({number}/{len(specs)})", completed=0, total=None)
+            reset_peak_gpu_memory(adapter.device)
             lm = plugin.CareLMM.from_spec(spec, adapter, on_sample=_saver(samples, spec, progress, bar),
                                           batch_size=batch_size, on_notice=_notice)  # fmt: skip
             if warm_up:
@@ -279,11 +283,12 @@ def _evaluate(
                 process_docs_parallel=1, datetime_str=stamp,
             )  # fmt: skip
             wall = time.perf_counter() - start
+            peaks = [p for p in processes.gather(peak_gpu_memory_gib(adapter.device)) if p is not None]
             answered = processes.gather({(r.task, r.doc_id) for r in lm.records})
             processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
             computed = {task: sum(1 for t, _ in set().union(*answered) if t == task) for task in selection.names}
             batch_size = lm.batch_size  # smaller after an out-of-memory split: the next setting starts there
-            ran.append((spec, results, computed, wall, batch_size))
+            ran.append((spec, results, computed, wall, batch_size, max(peaks) if peaks else None))
     return ran
 
 

@@ -83,6 +83,31 @@ def preprocess_workers(images: int) -> int:
     return max(1, min(images, cores, MAX_PREPROCESS_WORKERS))
 
 
+def process_image(image_processor: Any, image: Image.Image) -> dict[str, Any]:
+    """``image_processor``'s outputs (CPU tensors) for one image, as for a list of one; touches no process-wide state,
+    so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them)."""
+    return dict(image_processor(images=to_rgb(image), return_tensors="pt"))
+
+
+def preprocess_images(
+    image_processor: Any, images: Sequence[Image.Image], *, workers: int | None = None
+) -> list[dict[str, Any]]:
+    """``image_processor``'s output for each RGB image alone (``return_tensors="pt"``), in order: one call per image
+    on ``workers`` threads (default :func:`preprocess_workers`; the processor's resizing and normalising release the
+    GIL). What :meth:`ChatAdapter.preprocess` collates, and what the GPU benchmark times."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(image: Image.Image) -> dict[str, Any]:
+        return process_image(image_processor, image)
+
+    threads = preprocess_workers(len(images)) if workers is None else max(1, min(int(workers), len(images)))
+    with quiet_transformers():  # warnings and log levels are process-wide: set once, around the threads
+        if threads <= 1:
+            return [one(image) for image in images]
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(one, images))
+
+
 class ChatAdapter(VLMAdapter):
     """Shared text side of the adapters.
 
@@ -163,21 +188,12 @@ class ChatAdapter(VLMAdapter):
     def process_image(self, image: Image.Image) -> dict[str, Any]:
         """The image processor's outputs (CPU tensors) for one image, as for a list of one; touches no process-wide
         state, so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them)."""
-        return dict(self.processor.image_processor(images=to_rgb(image), return_tensors="pt"))
+        return process_image(self.processor.image_processor, image)
 
     def preprocess(self, images: Sequence[Image.Image]) -> dict[str, Any]:
-        """The image processor's outputs for ``images``: :meth:`process_image` one image per call on
-        :func:`preprocess_workers` threads (the processor's resizing and normalising release the GIL), then
-        :meth:`collate`. Per image exactly the processor's output for it alone."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        with quiet_transformers():  # warnings and log levels are process-wide: set once, around the threads
-            if len(images) == 1:
-                parts = [self.process_image(images[0])]
-            else:
-                with ThreadPoolExecutor(max_workers=preprocess_workers(len(images))) as pool:
-                    parts = list(pool.map(self.process_image, images))
-        return self.collate(parts)
+        """The image processor's outputs for ``images``: one image per call on :func:`preprocess_workers` threads
+        (:func:`preprocess_images`), then :meth:`collate`. Per image exactly the processor's output for it alone."""
+        return self.collate(preprocess_images(self.processor.image_processor, images))
 
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """One image processor output per image -> the batch output (what the processor gives for the list)."""

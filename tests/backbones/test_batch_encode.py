@@ -58,3 +58,19 @@ def test_processed_inputs_that_do_not_match_the_sizes_are_refused(demos: dict[st
     processed = adapter.preprocess(images)
     with pytest.raises(ValueError, match=r"of 2 images"):
         adapter.encode_processed(processed, [(10, 10), (20, 20)])
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_preprocess_images_gives_each_image_the_processors_output_for_it_alone(
+    demos: dict[str, Any], images: list[Any], workers: int
+) -> None:
+    from care_core.backbones._chat import preprocess_images
+
+    image_processor = demos["tiny-llava-next"].processor.image_processor
+    parts = preprocess_images(image_processor, images, workers=workers)
+    assert len(parts) == len(images)
+    for part, image in zip(parts, images, strict=True):  # in input order, whatever thread ran it
+        alone = image_processor(images=image, return_tensors="pt")
+        assert set(part) == set(alone)
+        for key, value in alone.items():
+            assert torch.equal(part[key], value), key

@@ -55,6 +55,7 @@ def test_any_batch_size_gives_the_results_of_batch_size_one(care, reference: Any
     report = result.json()
     assert report["results"] == expected["results"] and report["summary"] == expected["summary"]
     assert report["batch_size"]["batch_size"] == int(size) and expected["batch_size"]["batch_size"] == 1
+    assert report["compute_seconds"] > 0 and report["peak_gpu_memory_gib"] is None  # no GPU memory on the CPU
 
 
 def test_out_of_memory_splits_and_saves_each_result_once(

@@ -76,7 +76,8 @@ def test_two_processes_give_the_same_results_as_one(single, tmp_path: Path) -> N
 def test_sigkill_then_resume_gives_the_same_report_and_computes_nothing_twice(single, tmp_path: Path) -> None:
     data, reference = single
     run = tmp_path / "run"
-    args = ["csr", "--data", data, *METHODS, *BUDGETS, "-n", "2", "--output-dir", run, "--json"]
+    # batches of one pair: a kill then lands between pairs that are each saved as they finish
+    args = ["csr", "--data", data, *METHODS, *BUDGETS, "-n", "2", "--batch-size", "1", "--output-dir", run, "--json"]
     proc = care_process(*args, start_new_session=True)
     deadline = time.monotonic() + 240
     per_pair = 2 * 3  # methods x budgets

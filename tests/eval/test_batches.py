@@ -151,6 +151,7 @@ def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> No
     one, four = reports["1"], reports["4"]
     assert one["batch_size"] == {"batch_size": 1, "requested": 1, "default": CPU_BATCH_SIZE}
     assert four["batch_size"]["batch_size"] == 4 and [s["batch_size"] for s in four["settings"]] == [4, 4]
+    assert [s["peak_gpu_memory_gib"] for s in four["settings"]] == [None, None]  # no GPU memory on the CPU
     for a, b in zip(one["settings"], four["settings"], strict=True):
         assert a["tasks"]["care_pope_examples"]["answers"] == b["tasks"]["care_pope_examples"]["answers"]
         assert a["tasks"]["care_pope_examples"]["metrics"] == b["tasks"]["care_pope_examples"]["metrics"]

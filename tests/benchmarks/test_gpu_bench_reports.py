@@ -1,0 +1,55 @@
+"""The GPU throughput benchmarks' verdicts, from hand-made care eval / care csr rows: the ratio of CaRe to all tokens
+at the same batch size, 2 processes over one, and each issue target MET or NOT MET."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest import approx
+
+from benchmarks import bench_csr_scale, bench_eval_gpu
+
+
+def _eval_row(backbone: str, method: str | None, processes: int, rate: float) -> dict[str, Any]:
+    return {"backbone": backbone, "method": method, "processes": processes, "decoding": "graphs",
+            "batch_size_requested": "auto", "batch_size": 32, "samples_per_s": rate}  # fmt: skip
+
+
+def test_eval_ratios_and_targets_compare_rows_of_the_same_command() -> None:
+    rows = [_eval_row("llava-next-7b", None, 1, 10.0), _eval_row("llava-next-7b", "care", 1, 36.0),
+            _eval_row("llava-next-7b", None, 2, 19.0), _eval_row("llava-next-7b", "care", 2, 63.0),
+            _eval_row("llava-1.5-7b", None, 1, 20.0), _eval_row("llava-1.5-7b", "care", 1, 38.0)]  # fmt: skip
+    bench_eval_gpu.add_ratios(rows)
+    assert [r["x_all_tokens"] for r in rows] == [None, approx(3.6), None, approx(63 / 19), None, approx(1.9)]
+    assert [r["x_one_process"] for r in rows] == [None, None, approx(1.9), approx(1.75), None, None]
+    verdicts = {(c["where"], c["what"]): c["met"] for c in bench_eval_gpu.targets(rows)}
+    assert verdicts == {
+        ("llava-next-7b batch 32", "CaRe samples/s"): True,  # 36 >= 35
+        ("llava-next-7b batch 32, 1 proc", "CaRe / all tokens"): True,  # 3.6 >= 3
+        ("llava-next-7b batch 32, 2 proc", "CaRe / all tokens"): True,  # 3.32 >= 3
+        ("llava-next-7b batch 32", "2 procs / 1"): False,  # 63 / 36 = 1.75 < 1.8
+        ("llava-1.5-7b batch 32, 1 proc", "CaRe / all tokens"): False,  # 1.9 < 2
+    }
+
+
+def test_preprocessing_share_is_ms_per_image_over_the_care_settings_ms_per_sample() -> None:
+    rows = [_eval_row("llava-1.5-7b", None, 1, 20.0), _eval_row("llava-1.5-7b", "care", 1, 40.0)]
+    cost = {"images": 16, "threads": 8, "ms_per_image_threads": 5.0, "ms_per_image_one_thread": 20.0}
+    (share,) = bench_eval_gpu.preprocess_shares(rows, {"llava-1.5-7b": cost})
+    assert share["per_sample_ms"] == 25.0  # 1000 / 40 samples/s
+    assert (share["share_threads"], share["share_one_thread"]) == (approx(0.2), approx(0.8))
+
+
+def _csr_row(batch: str, processes: int, rate: float) -> dict[str, Any]:
+    return {"batch_size_requested": batch, "batch_size": 1 if batch == "1" else 64, "processes": processes,
+            "pairs_per_s": rate}  # fmt: skip
+
+
+def test_csr_compares_with_batch_one_of_this_run_or_else_the_recorded_pipeline() -> None:
+    measured = [_csr_row("1", 1, 1.25), _csr_row("auto", 1, 5.0)]
+    checks = bench_csr_scale.compare(measured)
+    assert measured[1]["x_batch_one"] == approx(4.0) and [c["met"] for c in checks] == [True]
+    alone = [_csr_row("auto", 1, 4.72), _csr_row("auto", 2, 8.0)]
+    checks = bench_csr_scale.compare(alone)
+    assert alone[0]["x_batch_one"] == approx(4.72 / 1.18)  # the recorded 1.18 pairs/s
+    assert [(c["what"], c["met"]) for c in checks] == [("x batch 1", True), ("2 procs / 1", False)]  # 8 / 4.72 < 1.8
