@@ -176,14 +176,15 @@ def test_view_picks_tokens_of_tiled_backbones(care, photo: Path, tmp_path: Path,
 
     from care_core.backbones.llava import LlavaAdapter
 
-    encode = LlavaAdapter.encode_image
+    encode = LlavaAdapter.encode_images
 
-    def with_views(self, image):  # type: ignore[no-untyped-def]
-        tokens = encode(self, image)
-        tokens.views = torch.arange(tokens.num_tokens) % 2  # a stand-in split of the tokens into two views
-        return tokens
+    def with_views(self, images):  # type: ignore[no-untyped-def]
+        out = encode(self, images)
+        for tokens in out:
+            tokens.views = torch.arange(tokens.num_tokens) % 2  # a stand-in split of the tokens into two views
+        return out
 
-    monkeypatch.setattr(LlavaAdapter, "encode_image", with_views)
+    monkeypatch.setattr(LlavaAdapter, "encode_images", with_views)
     out = tmp_path / "view.png"
     args = ["--view", view] if view == "base" else []
     run = care("visualize", photo, "--keep", "64", *args, "--dpi", "80", "--out", out, "--json")
