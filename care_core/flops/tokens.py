@@ -87,7 +87,7 @@ def llava_next_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen2-VL `smart_resize` (same expressions, same Python rounding)."""
     if max(height, width) / min(height, width) > 200:
-        raise ImageSizeError(f"Qwen2.5-VL needs an aspect ratio below 200, got {height}x{width}")
+        raise ImageSizeError(f"Qwen2.5-VL and Qwen3-VL need an aspect ratio below 200, got {height}x{width}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:

@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from care_core.backbones import LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter, ensure_demo, load_backbone
+from care_core.backbones import (
+    LlavaAdapter,
+    LlavaNextAdapter,
+    Qwen2_5_VLAdapter,
+    Qwen3VLAdapter,
+    ensure_demo,
+    load_backbone,
+)
 from care_core.backbones._hf import quiet_transformers
 from care_core.backbones.demo import build_tiny_llava
 
@@ -49,6 +56,13 @@ def next_demo(demo_home: Path) -> LlavaNextAdapter:
 def qwen_demo(demo_home: Path) -> Qwen2_5_VLAdapter:
     adapter = load_backbone("tiny-qwen2.5-vl", home=demo_home)
     assert isinstance(adapter, Qwen2_5_VLAdapter)
+    return adapter
+
+
+@pytest.fixture(scope="session")
+def qwen3_demo(demo_home: Path) -> Qwen3VLAdapter:
+    adapter = load_backbone("tiny-qwen3-vl", home=demo_home)
+    assert isinstance(adapter, Qwen3VLAdapter)
     return adapter
 
 
