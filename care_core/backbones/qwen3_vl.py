@@ -134,7 +134,7 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
             select = kept.to(rows.device)
             levels = deepstack[:, select.clamp(min=0)] * (select >= 0).to(rows.dtype)[None, :, None]
         return {"image": BaseModelOutputWithDeepstackFeatures(
-            pooler_output=[rows], deepstack_features=[[level] for level in levels]  # type: ignore[arg-type]
+            pooler_output=[rows], deepstack_features=[[level] for level in levels]  # type: ignore[arg-type,misc]
         )}  # fmt: skip
 
     def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:

@@ -169,6 +169,7 @@ _LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the 
 _NEXT_NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
 _QWEN_NOTE = "Qwen2.5-VL: the paper's representative sample of 1110 merged tokens (Table S1 caption)"
 _QWEN3_NOTE = "Qwen3-VL at 1024×1024: a 32×32 merged grid (not a paper setting; budgets 20 % and 10 % of N)"
+_QWEN3_8B_NOTE = f"{_QWEN3_NOTE}; text sizes, out_hidden_size and pixel budget unverified"
 
 KNOWN_BACKBONES: dict[str, BackboneSpec] = {
     spec.name: spec
@@ -213,7 +214,7 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
         ),
         BackboneSpec(
             "qwen3-vl-8b", "Qwen3-VL-8B", "qwen3-vl", _QWEN3_8B, _qwen_merger(4096, 1152, kind="qwen3-vl merger"),
-            _QWEN3_VIT, 1024, f"{_QWEN3_NOTE}; text sizes, out_hidden_size and pixel budget unverified", (1024, 1024), min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
+            _QWEN3_VIT, 1024, _QWEN3_8B_NOTE, (1024, 1024), min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
             paper_budgets=(204, 102),
             source="transformers Qwen3VLVisionConfig defaults; text sizes, out_hidden_size and pixel budget "
                    "unverified (no stored copy of Qwen/Qwen3-VL-8B-Instruct config.json)",
@@ -418,7 +419,7 @@ def _qwen_spec(config: Any, model_type: str, path: Path, name: str, lm: Language
     v_hidden = _positive(vc.hidden_size, "vision hidden_size", path)
     out = _positive(vc.out_hidden_size, "out_hidden_size", path)
     depth = _positive(vc.depth, "vision depth", path)
-    shared = {"layers": depth, "hidden": v_hidden, "spatial_merge_size": merge,
+    shared: dict[str, Any] = {"layers": depth, "hidden": v_hidden, "spatial_merge_size": merge,
               "intermediate": _positive(vc.intermediate_size, "vision intermediate_size", path),
               "heads": _positive(vc.num_heads, "vision num_heads", path),
               "patch_size": _positive(vc.patch_size, "vision patch_size", path),
@@ -431,8 +432,12 @@ def _qwen_spec(config: Any, model_type: str, path: Path, name: str, lm: Language
                             _qwen_merger(out, v_hidden, merge, kind="qwen3-vl merger"), vision, 1024, _QWEN3_NOTE,
                             (1024, 1024), min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
                             paper_budgets=(204, 102), source=str(path))  # fmt: skip
-    vision = VisionSpec(kind="qwen2.5-vit", window_size=getattr(vc, "window_size", 112) or 112,
-                        full_attention_layers=tuple(getattr(vc, "fullatt_block_indexes", ()) or ()), **shared)
+    vision = VisionSpec(
+        kind="qwen2.5-vit",
+        window_size=getattr(vc, "window_size", 112) or 112,
+        full_attention_layers=tuple(getattr(vc, "fullatt_block_indexes", ()) or ()),
+        **shared,
+    )
     return BackboneSpec(name, f"{family.display} (config)", family.name, lm, _qwen_merger(out, v_hidden, merge),
                         vision, 1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
                         paper_budgets=(222, 111), source=str(path))  # fmt: skip
