@@ -136,6 +136,3 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         return {"image": BaseModelOutputWithDeepstackFeatures(
             pooler_output=[rows], deepstack_features=[[level] for level in levels]  # type: ignore[arg-type,misc]
         )}  # fmt: skip
-
-    def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:
-        raise NotImplementedError("Qwen3-VL adds deepstack rows inside the decoder; its prompt is not embeddings alone")

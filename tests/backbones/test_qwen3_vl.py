@@ -227,3 +227,22 @@ def test_cls_probes_refuse_in_one_line(qwen3_demo: Qwen3VLAdapter, tokens: Image
     with pytest.raises(MethodError, match=r"method 'visionzip' cannot run on tiny-qwen3-vl") as info:
         qwen3_demo.check_probes(["keys", "cls_attention"], "visionzip")
     assert "\n" not in str(info.value)
+
+
+def test_in_llm_methods_run_on_the_language_model_probe(qwen3_demo: Qwen3VLAdapter) -> None:
+    """FastV and SparseVLM read the language model's attention over the prompt's input embeddings (the deepstack
+    rows are added inside the decoder, not to those embeddings); CaRe runs beside them."""
+    from care_core.budget import Budget
+    from care_core.pipeline import ReductionPipeline
+
+    image = noise_image(336, 336, seed=4)
+    tokens = qwen3_demo.encode_image(image)
+    run = qwen3_demo.language_model_probe(tokens, QUESTION)
+    start, end = run.image_span
+    with torch.no_grad():
+        assert end - start == tokens.num_tokens
+        assert torch.equal(run.input_embeddings()[start:end], qwen3_demo.projector(tokens.features))
+    result = ReductionPipeline(qwen3_demo, ["fastv", "sparsevlm", "care"])(image, QUESTION, [Budget.keep(16)])
+    assert [r.method for r in result.runs] == ["fastv", "sparsevlm", "care"]
+    assert all(r.projected.shape[0] == r.result.num_tokens for r in result.runs)
+    assert result.runs[2].result.num_tokens == 16
