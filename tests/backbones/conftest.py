@@ -67,8 +67,10 @@ def qwen3_demo(demo_home: Path) -> Qwen3VLAdapter:
 
 
 @pytest.fixture(scope="session")
-def demos(demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter) -> dict[str, Any]:
-    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo}
+def demos(
+    demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter, qwen3_demo: Qwen3VLAdapter
+) -> dict[str, Any]:
+    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo, "tiny-qwen3-vl": qwen3_demo}
 
 
 @pytest.fixture(scope="session")

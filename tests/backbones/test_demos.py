@@ -31,8 +31,13 @@ from care_core.methods.registry import build_method, method_names
 
 from ._helpers import hub_key, noise_image, same_weights
 
-NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"]
-FAMILIES = {"tiny-llava": "llava-1.5", "tiny-llava-next": "llava-next", "tiny-qwen2.5-vl": "qwen2.5-vl"}
+NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+FAMILIES = {
+    "tiny-llava": "llava-1.5",
+    "tiny-llava-next": "llava-next",
+    "tiny-qwen2.5-vl": "qwen2.5-vl",
+    "tiny-qwen3-vl": "qwen3-vl",
+}
 QUESTION = "What is in the image?"
 
 
@@ -42,7 +47,7 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
 
     demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
-    families = {**FAMILIES, "tiny-llava-random": "llava-1.5", "tiny-qwen3-vl": "qwen3-vl"}
+    families = {**FAMILIES, "tiny-llava-random": "llava-1.5"}
     for name in demos:
         assert DEMO_BACKBONES[name].family == families[name]
         assert DEMO_BACKBONES[name] in backbone_family(families[name]).demos
