@@ -114,9 +114,9 @@ class VisualTokenReduction:
             )
         spans = [_image_span(self.adapter, ids[b][mask[b].bool()], b) for b in range(ids.shape[0])]
         tokens = self.adapter.encode_processed(processed, sizes)
-        rows, kept = self._reduce(tokens, ids, mask, spans)
+        encoded, kept = self._reduce(tokens, ids, mask, spans)
         positions = self._rope_positions(kwargs, ids, mask) if self._multimodal_rope else None
-        return self._batch(kwargs, ids, mask, spans, tokens, rows, kept, positions)
+        return self._batch(kwargs, ids, mask, spans, tokens, encoded, kept, positions)
 
     @property
     def _multimodal_rope(self) -> bool:
@@ -128,8 +128,9 @@ class VisualTokenReduction:
         ids: torch.Tensor,
         mask: torch.Tensor,
         spans: list[tuple[int, int]],
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sample: the rows the language model gets and ``kept`` (token index per row, -1 for none)."""
+    ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+        """Per sample: the adapter's ``mm_encoder_outputs`` (the rows the language model gets, with any extra
+        per-row inputs such as Qwen3-VL's deepstack rows) and ``kept`` (token index per row, -1 for none)."""
         adapter, pipe = self.adapter, self._pipeline
         for b, (one, (start, end)) in enumerate(zip(tokens, spans, strict=True)):
             fed = adapter.visual_tokens_fed(one, one.num_tokens)
@@ -149,7 +150,7 @@ class VisualTokenReduction:
             projected = adapter.projector(result.tokens.to(adapter.dtype))
             # the rows the language model receives (LLaVA-NeXT at K = N: its own sequence with newline rows)
             lm = adapter._lm_inputs("?", one, projected, result.token_index)
-            rows.append(lm["mm_encoder_outputs"]["image"].pooler_output[0])
+            rows.append(lm["mm_encoder_outputs"])
             kept.append(result.token_index.to("cpu"))
         return rows, kept
 
@@ -192,7 +193,7 @@ class VisualTokenReduction:
         mask: torch.Tensor,
         spans: list[tuple[int, int]],
         tokens: list[ImageTokens],
-        rows: list[torch.Tensor],
+        encoded: list[dict[str, Any]],
         kept: list[torch.Tensor],
         positions: torch.Tensor | None,
     ) -> dict[str, Any]:
@@ -201,19 +202,20 @@ class VisualTokenReduction:
         left-padded by the adapters' own :func:`collate_left_padded`; the caller's other arguments as given."""
         import torch
 
-        from care_core.backbones._chat import collate_left_padded, mm_encoder_outputs
+        from care_core.backbones._chat import collate_left_padded
 
         image_token_id = int(self.adapter.image_token_id)
         samples = []
-        for b, ((start, end), one, r, k) in enumerate(zip(spans, tokens, rows, kept, strict=True)):
+        for b, ((start, end), one, outputs, k) in enumerate(zip(spans, tokens, encoded, kept, strict=True)):
             real = ids[b][mask[b].bool()]
-            image = torch.full((r.shape[0],), image_token_id, dtype=ids.dtype, device=ids.device)
+            rows = int(outputs["image"].pooler_output[0].shape[0])
+            image = torch.full((rows,), image_token_id, dtype=ids.dtype, device=ids.device)
             sample_ids = torch.cat([real[:start], image, real[end:]])[None]
             sample: dict[str, Any] = {
                 "input_ids": sample_ids,
                 "attention_mask": torch.ones_like(sample_ids, dtype=mask.dtype),
             }
-            sample["mm_encoder_outputs"] = mm_encoder_outputs(r)
+            sample["mm_encoder_outputs"] = outputs
             if positions is not None or kwargs.get("mm_token_type_ids") is not None:
                 sample["mm_token_type_ids"] = (sample_ids == image_token_id).long()
             if positions is not None:  # rows tied to no token (-1) sit at the last image token's position
@@ -241,10 +243,10 @@ def reduce_visual_tokens(
     """A context manager inside which ``model.generate`` (and a ``transformers.pipeline`` built on ``model``)
     reduces each sample's visual tokens with ``method`` to ``keep`` tokens or the fraction ``ratio`` of them.
 
-    ``model``: a loaded LLaVA-1.5, LLaVA-NeXT or Qwen2.5-VL (``*ForConditionalGeneration``); ``processor``: its
-    processor (the tokenizer and image processor the inputs were made with); ``method``: a registered name or a
-    :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters. One image per sample. Bad
-    arguments raise a one-line CareError here, before the block runs.
+    ``model``: a loaded LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL or Qwen3-VL (``*ForConditionalGeneration``);
+    ``processor``: its processor (the tokenizer and image processor the inputs were made with); ``method``: a
+    registered name or a :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters. One image per
+    sample. Bad arguments raise a one-line CareError here, before the block runs.
     """
     from care_core.backbones._chat import ChatAdapter
     from care_core.backbones.loading import adapter_for_model

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .llava_next import LlavaNextAdapter
     from .loading import care_home, hf_hub_cache, load_backbone
     from .qwen2_5_vl import Qwen2_5_VLAdapter, QwenMergerProjector
+    from .qwen3_vl import Qwen3VLAdapter, Qwen3VLMergerProjector
 
 _HOMES = {
     "ImageTokens": "base",
@@ -35,6 +36,8 @@ _HOMES = {
     "load_backbone": "loading",
     "Qwen2_5_VLAdapter": "qwen2_5_vl",
     "QwenMergerProjector": "qwen2_5_vl",
+    "Qwen3VLAdapter": "qwen3_vl",
+    "Qwen3VLMergerProjector": "qwen3_vl",
 }
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "LlavaAdapter",
     "LlavaNextAdapter",
     "Qwen2_5_VLAdapter",
+    "Qwen3VLAdapter",
+    "Qwen3VLMergerProjector",
     "QwenMergerProjector",
     "VLMAdapter",
     "backbone_family",

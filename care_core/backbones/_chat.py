@@ -32,11 +32,9 @@ def collate_left_padded(samples: Sequence[dict[str, Any]], pad_token_id: int) ->
     Every tensor is a sequence along its last dimension and a batch along the one before (``input_ids`` (1, L),
     ``position_ids`` (4, 1, L), ...): each is left-padded to the longest prompt (``input_ids`` with
     ``pad_token_id``, everything else -- attention mask, token types, positions -- with 0) and the samples
-    stacked along that batch dimension. ``mm_encoder_outputs``: per modality one BaseModelOutputWithPooling
-    whose ``pooler_output`` lists the samples' rows in sample order (the placeholders' order in the batch).
+    stacked along that batch dimension. ``mm_encoder_outputs``: per modality one container of the samples' type
+    (:func:`joined_encoder_outputs`) listing their rows in sample order (the placeholders' order in the batch).
     """
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     if len(samples) == 1:  # nothing to pad or join
         return dict(samples[0])
     longest = max(int(sample["input_ids"].shape[-1]) for sample in samples)
@@ -44,12 +42,29 @@ def collate_left_padded(samples: Sequence[dict[str, Any]], pad_token_id: int) ->
     for key in samples[0]:
         values = [sample[key] for sample in samples]
         if key == "mm_encoder_outputs":
-            rows = {kind: [r for value in values for r in value[kind].pooler_output] for kind in values[0]}
-            batch[key] = {kind: BaseModelOutputWithPooling(pooler_output=r) for kind, r in rows.items()}  # type: ignore[arg-type]
+            batch[key] = {kind: joined_encoder_outputs([value[kind] for value in values]) for kind in values[0]}
         else:
             fill = pad_token_id if key == "input_ids" else 0
             batch[key] = torch.cat([_left_padded(value, longest, fill) for value in values], dim=-2)
     return batch
+
+
+def joined_encoder_outputs(outputs: Sequence[Any]) -> Any:
+    """One encoder-output container (the type of ``outputs[0]``, a transformers ``ModelOutput``) for a batch: each
+    field that lists rows per image (``pooler_output``) is the samples' lists joined in order; a field that lists
+    such lists per level (Qwen3-VL's ``deepstack_features``) is joined level by level; a tensor field is
+    concatenated along its first dimension."""
+    first = outputs[0]
+    fields: dict[str, Any] = {}
+    for name, value in first.items():
+        parts = [output[name] for output in outputs]
+        if isinstance(value, torch.Tensor):  # one tensor for all images (rows along dimension 0)
+            fields[name] = torch.cat(parts)
+        elif value and isinstance(value[0], (list, tuple)):
+            fields[name] = [[r for part in parts for r in part[level]] for level in range(len(value))]
+        else:
+            fields[name] = [r for part in parts for r in part]
+    return type(first)(**fields)
 
 
 def _left_padded(value: torch.Tensor, length: int, fill: int) -> torch.Tensor:

@@ -16,6 +16,8 @@ What a backbone does with ``kept``:
 * Qwen2.5-VL: every row gets the multimodal-rope (t, h, w) position of its token in the full sequence (the
   text after the image keeps its original positions); rows with -1 get the position of the last image
   token (the bottom-right merged patch), so they sit at the end of the image in rope space.
+* Qwen3-VL: positions as Qwen2.5-VL; every DeepStack level gets the same K rows in the same order (row r: token
+  ``kept[r]``'s deepstack rows; rows with -1: zero rows, nothing added).
 
 :meth:`VLMAdapter.visual_tokens_fed` says how many visual rows the language model then really receives.
 """

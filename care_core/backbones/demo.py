@@ -317,6 +317,43 @@ def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
     return model, processor
 
 
+def build_tiny_qwen3_vl(seed: int = 0) -> tuple[Any, Any]:
+    """Qwen3-VL with the real geometry (patch 16, 2x2 merge, resize factor 32, learned 48x48 position grid, the
+    assumed hub pixel budget 65536..16777216, deepstack taps after vision blocks 1 and 2 of 4, interleaved
+    M-RoPE) and tiny widths; the image-only processor (no torchvision needed)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from .qwen_processor import CareQwen3VLProcessor
+
+    tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tid = tok.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        vision_config={"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 2304, "deepstack_visual_indexes": [1, 2]},
+        text_config={"vocab_size": _vocab_size(tok), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "max_position_embeddings": 8192,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
+                                         "mrope_interleaved": True},
+                     "bos_token_id": None, "eos_token_id": tid("<|im_end|>"), "pad_token_id": tid("<|endoftext|>")},
+        image_token_id=tid("<|image_pad|>"),
+        video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"),
+    )  # fmt: skip
+    model = _seeded(Qwen3VLForConditionalGeneration, config, seed)
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2, merge_size=2,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    processor = CareQwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE
+    )
+    return model, processor
+
+
 def build_trained_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     """The trained tiny-llava's architecture (:data:`TRAINED_SIZES`), weights drawn from ``seed``: the starting
     point of ``scripts/train_demo.py`` and the skeleton the shipped weights are loaded into."""

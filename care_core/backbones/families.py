@@ -185,3 +185,13 @@ register_family(BackboneFamily(
                      "demo only"),
     ),
 ))  # fmt: skip
+register_family(BackboneFamily(
+    name="qwen3-vl", display="Qwen3-VL", model_types=("qwen3_vl",),
+    adapter="care_core.backbones.qwen3_vl:Qwen3VLAdapter", has_cls_token=False, single_grid=True, crops=False,
+    flops_spec="qwen3-vl-8b", lmms_eval_model="care_qwen3_vl",
+    demos=(
+        DemoBackbone("tiny-qwen3-vl", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
+                     "Qwen3-VL geometry (patch 16, 2x2 merge, resize factor 32, deepstack at 2 of 4 vision blocks, "
+                     "hub pixel budget), tiny random weights; demo only"),
+    ),
+))  # fmt: skip

@@ -46,7 +46,6 @@ QWEN25VL_FALLBACK_PROMPT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
     "<|im_start|>user\n<|vision_start|>{image}<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
 )
-NO_CLS = "Qwen2.5-VL has no CLS token"
 
 
 class QwenMergerProjector(nn.Module):
@@ -109,7 +108,11 @@ class Qwen2_5_VLAdapter(ChatAdapter):
             if int(got) != int(want):
                 raise ModelLoadError(f"{name}: image processor {attr} {got} does not match the model's {want}")
         self._set_image_token(getattr(cfg, "image_token_id", None))
-        self._projector = QwenMergerProjector(self._inner.visual.merger)
+        self._projector = self._merger_projector()
+
+    def _merger_projector(self) -> nn.Module:
+        """The merger as a per-token projector (:class:`QwenMergerProjector`)."""
+        return QwenMergerProjector(self._inner.visual.merger)
 
     @classmethod
     def _load_processor(cls, folder: Path) -> Any:
@@ -136,7 +139,14 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         return frozenset({"question", "language_model"})
 
     def why_probe_missing(self, probe: str) -> str:
-        return NO_CLS
+        return f"{self.display} has no CLS token"
+
+    @property
+    def display(self) -> str:
+        """The family's display name (e.g. "Qwen2.5-VL"), from its registry record."""
+        from .families import backbone_family
+
+        return backbone_family(self.family).display
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -235,5 +245,9 @@ class Qwen2_5_VLAdapter(ChatAdapter):
             "attention_mask": torch.ones_like(ids),
             "mm_token_type_ids": (ids == self.image_token_id).to(torch.long),
             "position_ids": torch.cat([text_row, positions], dim=0),  # (4, 1, L_K): text row, then t, h, w
-            "mm_encoder_outputs": mm_encoder_outputs(rows),
+            "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept),
         }
+
+    def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
+        """``mm_encoder_outputs`` for the K visual rows of one image (Qwen3-VL adds its deepstack rows)."""
+        return mm_encoder_outputs(rows)

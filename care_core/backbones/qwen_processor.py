@@ -1,4 +1,4 @@
-"""A Qwen2.5-VL processor that needs no torchvision (images only).
+"""Qwen2.5-VL and Qwen3-VL processors that need no torchvision (images only).
 
 transformers 5.24's ``Qwen2_5_VLProcessor`` insists on a video processor, whose classes need torchvision;
 ``AutoProcessor`` therefore cannot build one where torchvision is missing (our CPU install). This subclass
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import ProcessorMixin, Qwen2_5_VLProcessor
+from transformers import ProcessorMixin, Qwen2_5_VLProcessor, Qwen3VLProcessor
 
 
 class CareQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
@@ -27,4 +27,20 @@ class CareQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
-__all__ = ["CareQwen2_5_VLProcessor"]
+class CareQwen3VLProcessor(Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` without the video processor (the same reason and outputs as above; its image processor
+    is ``Qwen2VLImageProcessorPil`` at patch 16, resize factor 32)."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+        self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
+
+
+__all__ = ["CareQwen2_5_VLProcessor", "CareQwen3VLProcessor"]

@@ -241,12 +241,35 @@ def qwen_window_sizes(rows: int, cols: int, vision: VisionSpec) -> list[int]:
     return sizes
 
 
+def qwen3_tower_flops(vision: VisionSpec, rows: int, cols: int) -> dict[str, int]:
+    """Qwen3-VL ViT on one image whose merged grid is rows×cols (P = 4·rows·cols patches, N = rows·cols), main
+    merger excluded (it is F_M).
+
+    Patch embed Conv3d, per block 8 P d² (qkv, proj) + 4 P d I (Linear -> GELU -> Linear, not SwiGLU) and full
+    attention 4 P² d (no windows); the deepstack mergers run here, before any reduction, on all N groups: each
+    2 N (16 d² + 4 d · out) (the merger's two linears on 4 d; its LayerNorm costs 0 like every norm).
+    """
+    merge = vision.spatial_merge_size
+    patches = rows * cols * merge * merge
+    d, width = vision.hidden, vision.hidden * merge * merge
+    kernel = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    per_merger = 2 * rows * cols * (width * width + width * vision.out_hidden)
+    return {
+        "patch_embed": 2 * patches * kernel * d,
+        "linears": vision.layers * (8 * patches * d * d + 4 * patches * d * vision.intermediate),
+        "attention": vision.layers * 4 * patches * patches * d,
+        "deepstack_mergers": len(vision.deepstack_layers) * per_merger,
+    }
+
+
 def qwen_tower_flops(vision: VisionSpec, rows: int, cols: int) -> dict[str, int]:
     """Qwen2.5-VL ViT on one image whose merged grid is rows×cols (P = 4·rows·cols patches), merger excluded.
 
     Patch embed Conv3d (in·t·p² -> d), per block 8 P d² (qkv, proj) + 6 P d I (SwiGLU), attention 4 s² d per
     window of s patches in windowed blocks and 4 P² d in the full-attention blocks.
     """
+    if vision.kind == "qwen3-vit":
+        return qwen3_tower_flops(vision, rows, cols)
     merge = vision.spatial_merge_size
     patches = rows * cols * merge * merge
     d = vision.hidden

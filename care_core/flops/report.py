@@ -138,6 +138,10 @@ def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int
     else:
         rows, cols = squarest_grid(source.tokens)
         how = f"merged grid {rows}×{cols} assumed (the squarest factorisation of N = {source.tokens})"
+    if vision.kind == "qwen3-vit":
+        levels = len(vision.deepstack_layers)
+        what = f"Qwen3-VL ViT with its {levels} deepstack mergers on all N, main merger excluded (counted as F_M)"
+        return fx.qwen_tower_flops(vision, rows, cols), f"{what}, {how}"
     return fx.qwen_tower_flops(vision, rows, cols), f"Qwen2.5-VL ViT, merger excluded (counted as F_M), {how}"
 
 

@@ -16,6 +16,14 @@ Sources of the numbers (each checked against a stored copy of the hub file where
 - Qwen2.5-VL-3B `Qwen/Qwen2.5-VL-3B-Instruct/config.json`: L=36, H=2048, I=11008, 16 heads, 2 KV heads,
   vocab 151936, out_hidden_size 2048 (vision tower as the 7B).
 - Qwen2.5-VL processor (`preprocessor_config.json`): min_pixels 3136, max_pixels 12845056.
+- Qwen3-VL-8B `Qwen/Qwen3-VL-8B-Instruct`: **not checked against a stored copy of the hub file** (none was found).
+  From transformers' `Qwen3VLVisionConfig` class defaults (5.21-5.24): vision depth 27, hidden 1152, intermediate
+  4304, 16 heads, patch 16, spatial_merge_size 2, temporal_patch_size 2, deepstack_visual_indexes (8, 16, 24), full
+  attention in every block (no windows), MLP Linear -> GELU -> Linear (not SwiGLU). Unverified hub values: text
+  L=36, H=4096, I=12288, 32 heads, 8 KV heads, head_dim 128, vocab 151936, vision out_hidden_size 4096 (the class
+  default is 3584), processor pixel budget 65536..16777216. `from_config` on the real config.json gives exact dims.
+  Merger `Qwen3VLVisionPatchMerger`: LayerNorm(1152) -> view(-1, 4608) -> Linear(4608, 4608) -> GELU ->
+  Linear(4608, out); each deepstack merger is the same MLP after a LayerNorm(4608).
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ class LanguageModelSpec:
 class ProjectorSpec:
     """The multimodal projector M: its linear layers (in, out); activations and norms cost nothing here."""
 
-    kind: str  # "mlp2x_gelu" (LLaVA) or "qwen2.5-vl merger"
+    kind: str  # "mlp2x_gelu" (LLaVA), "qwen2.5-vl merger" or "qwen3-vl merger"
     token_dim: int  # d_v: the width of one visual token as the reduction sees it (pre-projector)
     linears: tuple[tuple[int, int], ...]
 
@@ -80,7 +88,7 @@ class ProjectorSpec:
 class VisionSpec:
     """The vision tower (only for the optional `vision_tower` term)."""
 
-    kind: str  # "clip" or "qwen2.5-vit"
+    kind: str  # "clip", "qwen2.5-vit" or "qwen3-vit"
     layers: int
     hidden: int
     intermediate: int
@@ -93,13 +101,15 @@ class VisionSpec:
     window_size: int = 0  # Qwen: window side in pixels
     full_attention_layers: tuple[int, ...] = ()
     feature_tokens: int = 0  # CLIP: patch tokens handed on per crop (CLS dropped with strategy "default")
+    deepstack_layers: tuple[int, ...] = ()  # Qwen3-VL: blocks whose output a deepstack merger merges
+    out_hidden: int = 0  # Qwen3-VL: the deepstack mergers' output width (the language model's hidden size)
 
 
 @dataclass(frozen=True)
 class BackboneSpec:
     name: str  # registry name, e.g. "llava-1.5-7b", or "config:<path>"
     display: str  # e.g. "LLaVA-1.5-7B"
-    family: str  # its family's name in care_core.backbones.families: "llava-1.5", "llava-next" or "qwen2.5-vl"
+    family: str  # its family's name in care_core.backbones.families: "llava-1.5", "llava-next", "qwen2.5-vl", ...
     lm: LanguageModelSpec
     projector: ProjectorSpec
     vision: VisionSpec
@@ -130,26 +140,36 @@ _CLIP_L336 = VisionSpec(kind="clip", layers=24, hidden=1024, intermediate=4096, 
 _QWEN_VIT = VisionSpec(kind="qwen2.5-vit", layers=32, hidden=1280, intermediate=3420, heads=16, patch_size=14,
                        temporal_patch_size=2, spatial_merge_size=2, window_size=112,
                        full_attention_layers=(7, 15, 23, 31))  # fmt: skip
+_QWEN3_VIT = VisionSpec(kind="qwen3-vit", layers=27, hidden=1152, intermediate=4304, heads=16, patch_size=16,
+                        temporal_patch_size=2, spatial_merge_size=2, full_attention_layers=tuple(range(27)),
+                        deepstack_layers=(8, 16, 24), out_hidden=4096)  # fmt: skip
 _VICUNA_7B = LanguageModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32064)
 _VICUNA_13B = LanguageModelSpec(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32064)
 _QWEN25_7B = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064)
 _QWEN25_3B = LanguageModelSpec(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, vocab=151936)
+_QWEN3_8B = LanguageModelSpec(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, vocab=151936,
+                              head_dim=128)  # fmt: skip
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 3136, 12845056
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 65536, 16777216  # unverified hub budget (see the module docstring)
 
 
 def _llava_projector(hidden: int, token_dim: int = 1024) -> ProjectorSpec:
     return ProjectorSpec(kind="mlp2x_gelu", token_dim=token_dim, linears=((token_dim, hidden), (hidden, hidden)))
 
 
-def _qwen_merger(out: int, vit_hidden: int = 1280, merge: int = 2) -> ProjectorSpec:
+def _qwen_merger(out: int, vit_hidden: int = 1280, merge: int = 2, kind: str = "qwen2.5-vl merger") -> ProjectorSpec:
+    """A Qwen merger (Qwen2.5-VL: RMSNorm per patch; Qwen3-VL: LayerNorm per patch; norms cost 0): the MLP on the
+    4 · d_v group."""
     width = vit_hidden * merge * merge
-    return ProjectorSpec(kind="qwen2.5-vl merger", token_dim=width, linears=((width, width), (width, out)))
+    return ProjectorSpec(kind=kind, token_dim=width, linears=((width, width), (width, out)))
 
 
 _LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the image size"
 _NEXT_NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
 _QWEN_NOTE = "Qwen2.5-VL: the paper's representative sample of 1110 merged tokens (Table S1 caption)"
+_QWEN3_NOTE = "Qwen3-VL at 1024×1024: a 32×32 merged grid (not a paper setting; budgets 20 % and 10 % of N)"
+_QWEN3_8B_NOTE = f"{_QWEN3_NOTE}; text sizes, out_hidden_size and pixel budget unverified"
 
 KNOWN_BACKBONES: dict[str, BackboneSpec] = {
     spec.name: spec
@@ -191,6 +211,14 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
             1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, paper_budgets=(222, 111),
             paper_key="Qwen2.5-VL-7B", source="Qwen/Qwen2.5-VL-7B-Instruct config.json",
             aliases=("qwen", "qwen2.5-vl-7b-instruct", "qwen/qwen2.5-vl-7b-instruct", "qwen25-vl"),
+        ),
+        BackboneSpec(
+            "qwen3-vl-8b", "Qwen3-VL-8B", "qwen3-vl", _QWEN3_8B, _qwen_merger(4096, 1152, kind="qwen3-vl merger"),
+            _QWEN3_VIT, 1024, _QWEN3_8B_NOTE, (1024, 1024), min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
+            paper_budgets=(204, 102),
+            source="transformers Qwen3VLVisionConfig defaults; text sizes, out_hidden_size and pixel budget "
+                   "unverified (no stored copy of Qwen/Qwen3-VL-8B-Instruct config.json)",
+            aliases=("qwen3-vl-8b-instruct", "qwen/qwen3-vl-8b-instruct", "qwen3vl-8b"),
         ),
     )
 }  # fmt: skip
@@ -263,7 +291,7 @@ def _positive(value: Any, what: str, path: Path) -> int:
 
 
 def from_config(path: str | Path) -> BackboneSpec:
-    """Build a spec from a Hugging Face `config.json` (model_type llava, llava_next or qwen2_5_vl).
+    """Build a spec from a Hugging Face `config.json` (model_type llava, llava_next, qwen2_5_vl or qwen3_vl).
 
     Missing fields take the defaults transformers itself would use (the config classes are asked), so the
     `llava-hf` configs, whose `text_config` names only the Vicuna checkpoint, resolve to Vicuna's dims.
@@ -297,9 +325,12 @@ def from_config(path: str | Path) -> BackboneSpec:
         if isinstance(exc, CareError):
             raise
         raise BackboneSpecError(f"{path}: malformed {model_type} config ({_brief(exc)})") from None
-    if model_type == "qwen2_5_vl":
+    if model_type in _QWEN_TYPES:
         spec = _with_qwen_pixels(spec, folder / "preprocessor_config.json")
     return _match_paper(spec)
+
+
+_QWEN_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
 # What a config.json must state itself: sizes transformers would otherwise fill from its defaults (7B-class
@@ -315,10 +346,10 @@ def _check_complete(raw: dict[str, Any], model_type: str, path: Path) -> None:
     vision = raw.get("vision_config")
     if not isinstance(vision, dict):
         missing.append("vision_config")
-    elif model_type != "qwen2_5_vl":
+    elif model_type not in _QWEN_TYPES:
         missing += [f"vision_config.{k}" for k in _VISION_FIELDS if k not in vision]
     text = raw.get("text_config")
-    if model_type == "qwen2_5_vl":
+    if model_type in _QWEN_TYPES:
         source = text if isinstance(text, dict) and "hidden_size" in text else raw
         where = "text_config." if source is text else ""
         missing += [f"{where}{k}" for k in _TEXT_FIELDS if k not in source]
@@ -375,18 +406,38 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
         note = f"LLaVA-NeXT at {default_image[0]}×{default_image[1]}: base + unpadded high-res, no newline rows"
         return replace(spec, default_tokens=n, default_tokens_note=note, default_image=default_image,
                        paper_budgets=budgets)  # fmt: skip
-    # qwen2_5_vl
+    return _qwen_spec(config, model_type, path, name, lm)
+
+
+def _qwen_spec(config: Any, model_type: str, path: Path, name: str, lm: LanguageModelSpec) -> BackboneSpec:
+    """The spec of a Qwen2.5-VL or Qwen3-VL config (merged 2x2 tokens, a merger as projector)."""
+    from care_core.backbones.families import backbone_family
+
+    family = backbone_family(model_type)
+    vc = config.vision_config
     merge = _positive(vc.spatial_merge_size, "spatial_merge_size", path)
     v_hidden = _positive(vc.hidden_size, "vision hidden_size", path)
-    vision = VisionSpec(kind="qwen2.5-vit", layers=_positive(vc.depth, "vision depth", path), hidden=v_hidden,
-                        intermediate=_positive(vc.intermediate_size, "vision intermediate_size", path),
-                        heads=_positive(vc.num_heads, "vision num_heads", path),
-                        patch_size=_positive(vc.patch_size, "vision patch_size", path),
-                        in_channels=getattr(vc, "in_channels", 3) or 3,
-                        temporal_patch_size=getattr(vc, "temporal_patch_size", 2) or 2, spatial_merge_size=merge,
-                        window_size=getattr(vc, "window_size", 112) or 112,
-                        full_attention_layers=tuple(getattr(vc, "fullatt_block_indexes", ()) or ()))  # fmt: skip
     out = _positive(vc.out_hidden_size, "out_hidden_size", path)
+    depth = _positive(vc.depth, "vision depth", path)
+    shared: dict[str, Any] = {"layers": depth, "hidden": v_hidden, "spatial_merge_size": merge,
+              "intermediate": _positive(vc.intermediate_size, "vision intermediate_size", path),
+              "heads": _positive(vc.num_heads, "vision num_heads", path),
+              "patch_size": _positive(vc.patch_size, "vision patch_size", path),
+              "in_channels": getattr(vc, "in_channels", 3) or 3,
+              "temporal_patch_size": getattr(vc, "temporal_patch_size", 2) or 2}  # fmt: skip
+    if model_type == "qwen3_vl":
+        vision = VisionSpec(kind="qwen3-vit", full_attention_layers=tuple(range(depth)), out_hidden=out,
+                            deepstack_layers=tuple(int(i) for i in vc.deepstack_visual_indexes), **shared)  # fmt: skip
+        return BackboneSpec(name, f"{family.display} (config)", family.name, lm,
+                            _qwen_merger(out, v_hidden, merge, kind="qwen3-vl merger"), vision, 1024, _QWEN3_NOTE,
+                            (1024, 1024), min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
+                            paper_budgets=(204, 102), source=str(path))  # fmt: skip
+    vision = VisionSpec(
+        kind="qwen2.5-vit",
+        window_size=getattr(vc, "window_size", 112) or 112,
+        full_attention_layers=tuple(getattr(vc, "fullatt_block_indexes", ()) or ()),
+        **shared,
+    )
     return BackboneSpec(name, f"{family.display} (config)", family.name, lm, _qwen_merger(out, v_hidden, merge),
                         vision, 1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
                         paper_budgets=(222, 111), source=str(path))  # fmt: skip

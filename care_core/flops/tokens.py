@@ -4,7 +4,7 @@
 - LLaVA-NeXT (anyres): the base view (576) + the high-resolution grid after `unpad_image`, **without** the
   `image_newline` rows (design). The best resolution comes from `select_best_resolution` over the pinpoints.
 - Qwen2.5-VL: `smart_resize` to multiples of patch·merge (28) within [min_pixels, max_pixels], then one token
-  per merged 2×2 group: (H'/28)·(W'/28).
+  per merged 2×2 group: (H'/28)·(W'/28). Qwen3-VL: the same with 16 px patches, multiples of 32: (H'/32)·(W'/32).
 
 The arithmetic mirrors transformers' own (`select_best_resolution`, `unpad_image`, `smart_resize`), including
 its float expressions: exact rational arithmetic disagrees with the processor for a few sizes (1165×582 picks
@@ -87,7 +87,7 @@ def llava_next_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen2-VL `smart_resize` (same expressions, same Python rounding)."""
     if max(height, width) / min(height, width) > 200:
-        raise ImageSizeError(f"Qwen2.5-VL needs an aspect ratio below 200, got {height}x{width}")
+        raise ImageSizeError(f"Qwen2.5-VL and Qwen3-VL need an aspect ratio below 200, got {height}x{width}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:

@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from care_core.backbones import LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter, ensure_demo, load_backbone
+from care_core.backbones import (
+    LlavaAdapter,
+    LlavaNextAdapter,
+    Qwen2_5_VLAdapter,
+    Qwen3VLAdapter,
+    ensure_demo,
+    load_backbone,
+)
 from care_core.backbones._hf import quiet_transformers
 from care_core.backbones.demo import build_tiny_llava
 
@@ -53,8 +60,17 @@ def qwen_demo(demo_home: Path) -> Qwen2_5_VLAdapter:
 
 
 @pytest.fixture(scope="session")
-def demos(demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter) -> dict[str, Any]:
-    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo}
+def qwen3_demo(demo_home: Path) -> Qwen3VLAdapter:
+    adapter = load_backbone("tiny-qwen3-vl", home=demo_home)
+    assert isinstance(adapter, Qwen3VLAdapter)
+    return adapter
+
+
+@pytest.fixture(scope="session")
+def demos(
+    demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter, qwen3_demo: Qwen3VLAdapter
+) -> dict[str, Any]:
+    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo, "tiny-qwen3-vl": qwen3_demo}
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,13 @@ from care_core.methods.registry import build_method, method_names
 
 from ._helpers import hub_key, noise_image, same_weights
 
-NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"]
-FAMILIES = {"tiny-llava": "llava-1.5", "tiny-llava-next": "llava-next", "tiny-qwen2.5-vl": "qwen2.5-vl"}
+NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+FAMILIES = {
+    "tiny-llava": "llava-1.5",
+    "tiny-llava-next": "llava-next",
+    "tiny-qwen2.5-vl": "qwen2.5-vl",
+    "tiny-qwen3-vl": "qwen3-vl",
+}
 QUESTION = "What is in the image?"
 
 
@@ -40,7 +45,7 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
     from care_cli.options import Model
     from care_core.backbones.families import DEFAULT_DEMO, backbone_family
 
-    demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl"]
+    demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
     families = {**FAMILIES, "tiny-llava-random": "llava-1.5"}
     for name in demos:

@@ -20,7 +20,7 @@ from care_core.budget import Budget
 from care_core.errors import BudgetError, CareError, MethodError, ModelLoadError
 from care_core.pipeline import ReductionPipeline
 
-DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl")
+DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl")
 QUESTIONS = ("What is this?", "Which colour is the shape?", "Where is the circle?")
 NEW_TOKENS = 5
 KEEP = 9

@@ -256,3 +256,53 @@ def test_tiny_qwen_vit_matches_formula(grid: tuple[int, int]) -> None:
     _close(tower, sum(fx.qwen_tower_flops(spec, rows // 2, cols // 2).values()))
     _close(merger, fx.projector_flops(ProjectorSpec("qwen2.5-vl merger", 128, ((128, 128), (128, 40))),
                                       rows * cols // 4))  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "m"), [(50, 8), (1024, 64)])
+def test_jvp_and_fd_response_terms_of_the_qwen3_merger_match_the_code_that_runs(n: int, m: int) -> None:
+    """Qwen3-VL's main merger (LayerNorm per patch, then the MLP on 4·d_v) goes through torch.func.jvp like
+    Qwen2.5-VL's; the fd engine costs Supp. B's 2 m F_M(N)."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
+
+    from care_core.backbones.qwen3_vl import Qwen3VLMergerProjector
+    from care_core.scoring import responses_fd, responses_jvp
+
+    spec = KNOWN_BACKBONES["qwen3-vl-8b"]
+    assert spec.projector.linears == ((4608, 4608), (4608, 4096))
+    config = Qwen3VLVisionConfig(hidden_size=1152, out_hidden_size=spec.projector.out_dim, spatial_merge_size=2)
+    with torch.device("meta"):
+        projector = Qwen3VLMergerProjector(Qwen3VLVisionPatchMerger(config))
+    features = torch.empty(n, spec.projector.token_dim, device="meta")
+    directions = torch.empty(m, spec.projector.token_dim, device="meta")
+    counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
+    _close(counted, sum(fx.jvp_response_terms(n, m, spec.projector).values()))
+    counted_fd, _ = count_flops(lambda: responses_fd(features, projector, directions, 1e-3))
+    _close(counted_fd, fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden)["2mF_M(N)"])
+
+
+@pytest.mark.parametrize("grid", [(8, 12), (10, 6)])
+def test_tiny_qwen3_vit_with_deepstack_mergers_matches_formula(grid: tuple[int, int]) -> None:
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    config = Qwen3VLVisionConfig(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=40,
+                                 patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                                 deepstack_visual_indexes=[1, 2])  # fmt: skip
+    config._attn_implementation = "eager"
+    model = Qwen3VLVisionModel(config).eval()
+    rows, cols = grid  # patches; merged grid rows/2 × cols/2
+    pixels = torch.randn(rows * cols, 3 * 2 * 16 * 16)
+    _, per_module = count_flops(lambda: model(pixels, grid_thw=torch.tensor([[1, rows, cols]])))
+    name = type(model).__name__
+    merger = per_module[f"{name}.merger"]
+    spec = VisionSpec(kind="qwen3-vit", layers=4, hidden=32, intermediate=48, heads=4, patch_size=16,
+                      temporal_patch_size=2, spatial_merge_size=2, full_attention_layers=(0, 1, 2, 3),
+                      deepstack_layers=(1, 2), out_hidden=40)  # fmt: skip
+    terms = fx.qwen_tower_flops(spec, rows // 2, cols // 2)
+    deepstack = sum(v for k, v in per_module.items() if k.startswith(f"{name}.deepstack_merger_list.") and
+                    k.count(".") == 2)  # fmt: skip
+    _close(deepstack, terms["deepstack_mergers"])
+    _close(per_module[name] - merger, sum(terms.values()))
+    _close(merger, fx.projector_flops(ProjectorSpec("qwen3-vl merger", 128, ((128, 128), (128, 40))),
+                                      rows * cols // 4))  # fmt: skip

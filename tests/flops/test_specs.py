@@ -49,7 +49,10 @@ def test_published_numbers() -> None:
         "llava-1.5-7b": (32, 4096, 11008, 32, 32), "llava-1.5-13b": (40, 5120, 13824, 40, 40),
         "llava-next-7b": (32, 4096, 11008, 32, 32), "llava-next-13b": (40, 5120, 13824, 40, 40),
         "qwen2.5-vl-3b": (36, 2048, 11008, 16, 2), "qwen2.5-vl-7b": (28, 3584, 18944, 28, 4),
+        "qwen3-vl-8b": (36, 4096, 12288, 32, 8),
     }  # fmt: skip
+    assert KNOWN_BACKBONES["qwen3-vl-8b"].projector.linears == ((4608, 4608), (4608, 4096))
+    assert KNOWN_BACKBONES["qwen3-vl-8b"].vision.deepstack_layers == (8, 16, 24)
     assert KNOWN_BACKBONES["llava-1.5-7b"].projector.linears == ((1024, 4096), (4096, 4096))
     assert KNOWN_BACKBONES["llava-1.5-13b"].projector.linears == ((1024, 5120), (5120, 5120))
     assert KNOWN_BACKBONES["qwen2.5-vl-7b"].projector.linears == ((5120, 5120), (5120, 3584))
@@ -59,7 +62,9 @@ def test_published_numbers() -> None:
 
 @pytest.mark.parametrize(("name", "full"), [("llava-1.5", "llava-1.5-7b"), ("llava-next", "llava-next-7b"),
                                             ("qwen2.5-vl", "qwen2.5-vl-7b"), ("LLaVA-1.5-13B", "llava-1.5-13b"),
-                                            ("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2.5-vl-3b")])  # fmt: skip
+                                            ("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2.5-vl-3b"),
+                                            ("qwen3-vl", "qwen3-vl-8b"),
+                                            ("Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b")])  # fmt: skip
 def test_names(name: str, full: str) -> None:
     assert resolve_backbone(name).name == full
 
@@ -69,6 +74,22 @@ def test_unknown_name_suggests() -> None:
         resolve_backbone("llava-nxt")
     with pytest.raises(BackboneSpecError, match="no such file"):
         resolve_backbone("./missing/config.json")
+
+
+def test_qwen3_vl_config_gives_the_registry_dims_and_its_processor_budget(tmp_path: Path) -> None:
+    config = {"model_type": "qwen3_vl",
+              "text_config": {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+                              "num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936},
+              "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                                "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+                                "deepstack_visual_indexes": [8, 16, 24]}}  # fmt: skip
+    folder = tmp_path / "qwen3"
+    _write(folder, config)
+    spec, ref = from_config(folder), KNOWN_BACKBONES["qwen3-vl-8b"]
+    assert (spec.lm, spec.projector, spec.vision, spec.family) == (ref.lm, ref.projector, ref.vision, "qwen3-vl")
+    assert spec.display == "Qwen3-VL-8B" and spec.default_tokens == 1024
+    _write(folder, {"size": {"shortest_edge": 1024, "longest_edge": 4096}}, "preprocessor_config.json")
+    assert (from_config(folder).min_pixels, from_config(folder).max_pixels) == (1024, 4096)
 
 
 def test_llava_hf_config_resolves_to_vicuna_dims(tmp_path: Path) -> None:

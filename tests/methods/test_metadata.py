@@ -54,7 +54,7 @@ def test_score_labels() -> None:
 
 
 def test_one_spelling_per_family() -> None:
-    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl"]
+    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl"]
     # a config.json model_type finds its family, case-insensitively; the family keeps its one name
     assert backbone_family("Qwen2_5_VL").name == backbone_family("qwen2.5-vl").name == "qwen2.5-vl"
     assert backbone_family("llava").name == "llava-1.5" and backbone_family("llava_next").name == "llava-next"
@@ -65,6 +65,8 @@ def test_one_spelling_per_family() -> None:
 def test_methods_for_backbone() -> None:
     qwen = methods_for_backbone("qwen2.5-vl")
     assert set(METHODS) - set(qwen) == {"visionzip", "prumerge+", "prumerge", "ficoco-v"}  # no CLS token
+    assert methods_for_backbone("qwen3-vl") == qwen  # no CLS token either, one grid
+    assert backbone_family("Qwen3_VL").name == "qwen3-vl"
     assert set(METHODS) - set(methods_for_backbone("llava-next")) == {"pool"}  # two views, no single grid
     assert methods_for_backbone("llava-1.5") == METHODS
     assert qwen == [name for name in METHODS if name in qwen]  # listing order kept

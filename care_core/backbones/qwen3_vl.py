@@ -1,0 +1,138 @@
+"""Qwen3-VL (`Qwen3VLForConditionalGeneration`, transformers 5.21-5.24) seen through :class:`VLMAdapter`.
+
+Visual tokens (docs/design.md §Qwen3-VL): one per merged 2x2 group of 16-pixel patches, in the raster order of
+the merged grid (the order the language model receives them). ``features`` row i is the concatenation of the
+group's four pre-merger patch vectors (4 * d_v; patches (0,0), (0,1), (1,0), (1,1)) from the vision tower's last
+hidden state, which is already in that order (the tower has no window attention, nothing to undo). The projector
+(:class:`Qwen3VLMergerProjector`) is the model's main merger (LayerNorm per patch, then the MLP on the group):
+``projector(features)`` equals the tower's ``pooler_output``.
+
+DeepStack. The tower also merges the hidden states of blocks ``deepstack_visual_indexes`` with one merger each
+(LayerNorm over the whole group, then an MLP) and the language model adds those rows to the image rows' hidden
+states after its first layers. The deepstack mergers work per group, so their outputs per token are kept in
+``model_inputs["deepstack"]`` ((levels, N, d_t)) and every level is reduced with the main rows: row r of the K rows
+gets token ``kept[r]``'s deepstack rows at every level, the same K rows in the same order; a row tied to no token
+(``kept`` -1) gets zero deepstack rows (nothing is added to it). Calibrated or merged rows keep the deepstack rows
+of the token whose index they carry (the anchor's own).
+
+Geometry and positions as Qwen2.5-VL (:mod:`care_core.backbones.qwen2_5_vl`): the processor resizes to multiples of
+32 px, each token is a 32x32 block mapped linearly back to the original image; the kept rows get the (t, h, w)
+multimodal-rope positions of their tokens from ``get_rope_index`` of the unreduced prompt, with
+``mm_token_type_ids`` passed (Qwen3-VL refuses to run without it when an image grid is given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ._hf import quiet_transformers
+from .base import ImageTokens
+from .qwen2_5_vl import Qwen2_5_VLAdapter
+
+
+class Qwen3VLMergerProjector(nn.Module):
+    """The Qwen3-VL main merger as a per-token projector: (n, unit * d_v) -> (n, d_out).
+
+    Each input row is one merged token's ``unit`` (= merge_size**2, i.e. 4) patch vectors concatenated; each patch is
+    layer-normalised with the merger's ``norm`` and the group fed to ``linear_fc1`` -> GELU -> ``linear_fc2``, the
+    model's own operations. Every step runs in the input's dtype, so a float64 copy (``copy.deepcopy(p).double()``)
+    computes in float64 throughout (what finite differences need).
+    """
+
+    def __init__(self, merger: nn.Module) -> None:
+        super().__init__()
+        self.merger = merger
+        self.patch_dim = int(merger.norm.weight.shape[0])
+        self.in_features = int(merger.hidden_size)
+        self.unit = self.in_features // self.patch_dim
+
+    @property
+    def out_features(self) -> int:
+        return int(self.merger.linear_fc2.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected rows of {self.in_features} (= {self.unit} x {self.patch_dim}) features")
+        lead = x.shape[:-1]
+        m = self.merger
+        h = F.layer_norm(x.reshape(-1, self.patch_dim), (self.patch_dim,), m.norm.weight, m.norm.bias, m.norm.eps)
+        out = m.linear_fc2(m.act_fn(m.linear_fc1(h.reshape(-1, self.in_features))))
+        return out.reshape(*lead, out.shape[-1])
+
+
+class Qwen3VLAdapter(Qwen2_5_VLAdapter):
+    """Adapter for Qwen3-VL checkpoints (``model_type == "qwen3_vl"``); see the module docstring."""
+
+    family = "qwen3-vl"
+    model_class = "Qwen3VLForConditionalGeneration"
+    probe_notes: ClassVar[dict[str, str]] = {
+        "language_model": "all N merged tokens with their multimodal-rope positions and every deepstack level",
+    }
+
+    def _merger_projector(self) -> nn.Module:
+        return Qwen3VLMergerProjector(self._inner.visual.merger)
+
+    @classmethod
+    def _load_processor(cls, folder: Path) -> Any:
+        """The image-only processor: AutoProcessor would need torchvision for the video part."""
+        from .qwen_processor import CareQwen3VLProcessor
+
+        return CareQwen3VLProcessor.from_pretrained(str(folder), local_files_only=True)
+
+    @property
+    def deepstack_levels(self) -> int:
+        """How many deepstack levels the language model receives (``len(deepstack_visual_indexes)``)."""
+        return len(self.model.config.vision_config.deepstack_visual_indexes)
+
+    # ------------------------------------------------------------------ vision
+    def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
+        """Merged-token pre-projector features (N, 4 d_v) and deepstack rows (levels, N, d_t) per image, with their
+        geometry: the packed patches of all images through the tower once (attention stays within each image)."""
+        pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
+        if thw.dim() != 2 or thw.shape[0] != len(sizes) or int(thw.prod(-1).sum()) != pixel_values.shape[0]:
+            raise ValueError(f"image_grid_thw {tuple(thw.shape)} and pixel_values {tuple(pixel_values.shape)} do not "
+                             f"hold the patches of {len(sizes)} images")  # fmt: skip
+        visual = self._inner.visual
+        vparam = next(visual.parameters())
+        with torch.no_grad(), quiet_transformers():
+            out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=thw.to(vparam.device))
+        unit = int(self.model.config.vision_config.spatial_merge_size) ** 2
+        hidden = out.last_hidden_state  # processor order: each 2x2 group is 4 consecutive rows
+        features = hidden.reshape(-1, unit * hidden.shape[-1])
+        deepstack = torch.stack(list(out.deepstack_features))  # (levels, sum N, d_t)
+        counts = [int(n) // unit for n in thw.prod(-1).tolist()]
+        per_image, per_deepstack = features.split(counts), deepstack.split(counts, dim=1)
+        pixels = pixel_values.split([n * unit for n in counts])
+        result = []
+        for i, size in enumerate(sizes):
+            tokens = self._tokens(per_image[i], pixels[i], thw[i : i + 1], size)
+            tokens.model_inputs["deepstack"] = per_deepstack[i]
+            result.append(tokens)
+        return result
+
+    # ------------------------------------------------------------------ language model
+    def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
+        """``{"image": BaseModelOutputWithDeepstackFeatures}``: the K main rows and, per deepstack level, the same
+        K rows (row r: token ``kept[r]``'s deepstack row; zeros for -1 rows; tokens 0..K-1 when ``kept`` is None)."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        deepstack = tokens.model_inputs.get("deepstack")
+        if deepstack is None or deepstack.shape[:2] != (self.deepstack_levels, tokens.num_tokens):
+            raise ValueError("tokens.model_inputs has no deepstack rows for every token; use ImageTokens from "
+                             "encode_image")  # fmt: skip
+        k = int(rows.shape[0])
+        deepstack = deepstack.to(device=rows.device, dtype=rows.dtype)
+        if kept is None:
+            levels = deepstack[:, :k]
+        else:
+            select = kept.to(rows.device)
+            levels = deepstack[:, select.clamp(min=0)] * (select >= 0).to(rows.dtype)[None, :, None]
+        return {"image": BaseModelOutputWithDeepstackFeatures(
+            pooler_output=[rows], deepstack_features=[[level] for level in levels]  # type: ignore[arg-type,misc]
+        )}  # fmt: skip
