@@ -385,8 +385,12 @@ class ChatAdapter(VLMAdapter):
                     ids = self._static_greedy().generate_batch(embeds, max_new_tokens)
                 return [tuple(i) for i in ids], "cuda-graph", None
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
+                from ..batching import is_out_of_memory
+
+                self._greedy_graphs = None  # its cache and graphs go (with an out-of-memory error, to make room)
+                if is_out_of_memory(exc):  # not the modules' fault: the caller splits the batch (care_core.batching)
+                    raise
                 reason = self._graph_failure = f"capturing the decoder failed ({type(exc).__name__}: {one_line(exc)})"
-                self._greedy_graphs = None
                 if cuda_graph:
                     raise GenerationError(f"cannot generate from CUDA graphs: {reason}") from exc
         elif cuda_graph:

@@ -51,9 +51,10 @@ def test_the_memory_estimate_per_sample_is_the_documented_formula() -> None:
     )
 
 
-def test_the_cuda_rule_fills_the_free_memory_between_1_and_64() -> None:
+def test_the_cuda_rule_fills_the_free_memory_between_1_and_64_in_decoder_buckets() -> None:
     gib = 1 << 30
-    assert batch_size_for(10 * gib, gib // 2) == 15  # floor((0.8 * 10 GiB - 0.5 GiB) / 0.5 GiB)
+    assert batch_size_for(10 * gib, gib // 2) == 8  # floor((0.8 * 10 GiB - 0.5 GiB) / 0.5 GiB) = 15 -> bucket 8
+    assert batch_size_for(20 * gib, gib // 2) == 16  # floor(15.5 / 0.5) = 31 -> bucket 16
     assert batch_size_for(gib // 2, gib) == 1
     assert batch_size_for(80 * gib, 1 << 20) == MAX_BATCH_SIZE
 
