@@ -156,6 +156,20 @@ def test_generate_batch_options(demo: Any, samples: dict[str, Samples]) -> None:
         demo.generate_batch(questions[:2], tokens, projected, kept)
 
 
+def test_out_of_memory_in_the_static_decoder_reaches_the_caller_and_keeps_graphs_on(
+    demo: Any, samples: dict[str, Samples], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class OutOfMemory:  # a static decoder whose batch does not fit
+        def generate_batch(self, embeds: Any, max_new_tokens: int) -> Any:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB")
+
+    monkeypatch.setattr(type(demo), "_batch_graph_reason", lambda self, inputs, new: None)  # as on a GPU
+    monkeypatch.setattr(type(demo), "_static_greedy", lambda self: OutOfMemory())
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # care_core.batching splits the batch on it
+        demo.generate_batch(*samples["tiny-llava"], max_new_tokens=NEW_TOKENS)
+    assert demo._graph_failure is None  # graphs were not turned off for the rest of the run
+
+
 # ---------------------------------------------------------------------------------------------- CUDA
 @cuda_only
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next"])
