@@ -144,12 +144,14 @@ class VisualTokenReduction:
         inputs = [pipe.method_inputs(one, q) for one, q in zip(tokens, questions, strict=True)]
         keeps = [self.budget.resolve(one.num_tokens) for one in tokens]
         results = self.results = self.method.batch(inputs, keeps)
+        from care_core.backbones._chat import visual_rows
+
         rows, kept = [], []
         for one, result in zip(tokens, results, strict=True):
             projected = adapter.projector(result.tokens.to(adapter.dtype))
             # the rows the language model receives (LLaVA-NeXT at K = N: its own sequence with newline rows)
             lm = adapter._lm_inputs("?", one, projected, result.token_index)
-            rows.append(lm["mm_encoder_outputs"]["image"].pooler_output[0])
+            rows.append(visual_rows(lm["mm_encoder_outputs"]["image"]))
             kept.append(result.token_index.to("cpu"))
         return rows, kept
 

@@ -44,12 +44,27 @@ def collate_left_padded(samples: Sequence[dict[str, Any]], pad_token_id: int) ->
     for key in samples[0]:
         values = [sample[key] for sample in samples]
         if key == "mm_encoder_outputs":
-            rows = {kind: [r for value in values for r in value[kind].pooler_output] for kind in values[0]}
-            batch[key] = {kind: BaseModelOutputWithPooling(pooler_output=r) for kind, r in rows.items()}  # type: ignore[arg-type]
+            joined = {kind: _joined([value[kind].pooler_output for value in values]) for kind in values[0]}
+            batch[key] = {kind: BaseModelOutputWithPooling(pooler_output=rows) for kind, rows in joined.items()}
         else:
             fill = pad_token_id if key == "input_ids" else 0
             batch[key] = torch.cat([_left_padded(value, longest, fill) for value in values], dim=-2)
     return batch
+
+
+def _joined(outputs: list[Any]) -> Any:
+    """The samples' ``pooler_output`` joined in sample order: lists (one tensor per image) concatenated as lists,
+    single tensors (InternVL: all rows of a sample in one tensor) concatenated along the rows."""
+    if all(isinstance(out, torch.Tensor) for out in outputs):
+        return torch.cat(outputs)
+    return [rows for out in outputs for rows in out]
+
+
+def visual_rows(output: Any) -> torch.Tensor:
+    """A prompt's visual rows (K, d_t) from its ``mm_encoder_outputs["image"]``: the one tensor, or the images'
+    tensors concatenated."""
+    rows = output.pooler_output
+    return rows if isinstance(rows, torch.Tensor) else torch.cat(list(rows))
 
 
 def _left_padded(value: torch.Tensor, length: int, fill: int) -> torch.Tensor:
@@ -398,7 +413,7 @@ class ChatAdapter(VLMAdapter):
     def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:
         """(1, L, d_t) input embeddings of a prompt from :meth:`_lm_inputs`, visual rows in its placeholders."""
         ids = inputs["input_ids"]
-        visual = inputs["mm_encoder_outputs"]["image"].pooler_output[0]
+        visual = visual_rows(inputs["mm_encoder_outputs"]["image"])
         embeds = self.model.get_input_embeddings()(ids)
         mask = (ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
         return embeds.masked_scatter(mask, visual.to(embeds.dtype))
