@@ -12,6 +12,7 @@ import torch
 from care_core.backbones import LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter, ensure_demo, load_backbone
 from care_core.backbones._hf import quiet_transformers
 from care_core.backbones.demo import build_tiny_llava
+from care_core.backbones.internvl import InternVLAdapter
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -49,6 +50,13 @@ def next_demo(demo_home: Path) -> LlavaNextAdapter:
 def qwen_demo(demo_home: Path) -> Qwen2_5_VLAdapter:
     adapter = load_backbone("tiny-qwen2.5-vl", home=demo_home)
     assert isinstance(adapter, Qwen2_5_VLAdapter)
+    return adapter
+
+
+@pytest.fixture(scope="session")
+def internvl_demo(demo_home: Path) -> InternVLAdapter:
+    adapter = load_backbone("tiny-internvl3", home=demo_home)
+    assert isinstance(adapter, InternVLAdapter)
     return adapter
 
 
