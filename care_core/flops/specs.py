@@ -16,6 +16,14 @@ Sources of the numbers (each checked against a stored copy of the hub file where
 - Qwen2.5-VL-3B `Qwen/Qwen2.5-VL-3B-Instruct/config.json`: L=36, H=2048, I=11008, 16 heads, 2 KV heads,
   vocab 151936, out_hidden_size 2048 (vision tower as the 7B).
 - Qwen2.5-VL processor (`preprocessor_config.json`): min_pixels 3136, max_pixels 12845056.
+- InternVL3-8B (`OpenGVLab/InternVL3-8B-hf`; **no hub file was checked**: the numbers are the published model card's
+  architecture -- InternViT-300M-448px-V2.5 + Qwen2.5-7B -- and transformers' ``InternVLVisionConfig`` /
+  ``InternVLConfig`` defaults, which are InternViT-300M's): vision 24 layers, hidden 1024, MLP 4096, 16 heads,
+  image 448, patch 14, CLS, ``downsample_ratio`` 0.5 (pixel shuffle: 256 tokens of 4096 channels per tile),
+  ``vision_feature_layer`` -1; LM Qwen2.5-7B: L=28, H=3584, I=18944, 28 heads, 4 KV heads; vocab 151674
+  (unverified: the InternVL3 tokenizer's size; the LM head term alone depends on it). Projector
+  ``InternVLMultiModalProjector``: LayerNorm(4096) -> Linear(4096, 3584) -> GELU -> Linear(3584, 3584). Tiles: the
+  ``GotOcr2ImageProcessor`` class defaults min_patches 1, max_patches 12 (the hub's ``max_patches`` unverified).
 """
 
 from __future__ import annotations
@@ -63,9 +71,10 @@ class LanguageModelSpec:
 class ProjectorSpec:
     """The multimodal projector M: its linear layers (in, out); activations and norms cost nothing here."""
 
-    kind: str  # "mlp2x_gelu" (LLaVA) or "qwen2.5-vl merger"
+    kind: str  # "mlp2x_gelu" (LLaVA), "qwen2.5-vl merger" or "internvl ln+mlp"
     token_dim: int  # d_v: the width of one visual token as the reduction sees it (pre-projector)
     linears: tuple[tuple[int, int], ...]
+    layer_norm: int = 0  # width of a LayerNorm on the input before the linears (InternVL: 4096); 0 = none
 
     @property
     def out_dim(self) -> int:
@@ -80,7 +89,7 @@ class ProjectorSpec:
 class VisionSpec:
     """The vision tower (only for the optional `vision_tower` term)."""
 
-    kind: str  # "clip" or "qwen2.5-vit"
+    kind: str  # "clip", "qwen2.5-vit" or "internvit" (a CLIP-like ViT with CLS on 448 px tiles)
     layers: int
     hidden: int
     intermediate: int
@@ -109,6 +118,7 @@ class BackboneSpec:
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     min_pixels: int = 0
     max_pixels: int = 0
+    max_tiles: int = 0  # InternVL: most 448 px tiles per image (GotOcr2 max_patches; min_patches is 1)
     paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; the default budgets
     paper_key: str | None = None  # Table S1 / Table 1 backbone name, when these are the paper's dims
     source: str = ""
@@ -130,10 +140,14 @@ _CLIP_L336 = VisionSpec(kind="clip", layers=24, hidden=1024, intermediate=4096, 
 _QWEN_VIT = VisionSpec(kind="qwen2.5-vit", layers=32, hidden=1280, intermediate=3420, heads=16, patch_size=14,
                        temporal_patch_size=2, spatial_merge_size=2, window_size=112,
                        full_attention_layers=(7, 15, 23, 31))  # fmt: skip
+_INTERNVIT_300M = VisionSpec(kind="internvit", layers=24, hidden=1024, intermediate=4096, heads=16, patch_size=14,
+                             image_size=448, feature_tokens=256)  # fmt: skip
 _VICUNA_7B = LanguageModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32064)
 _VICUNA_13B = LanguageModelSpec(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32064)
 _QWEN25_7B = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064)
 _QWEN25_3B = LanguageModelSpec(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, vocab=151936)
+_INTERNVL3_8B_LM = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=151674)
+INTERNVL_MAX_TILES = 12
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 3136, 12845056
 
@@ -147,9 +161,16 @@ def _qwen_merger(out: int, vit_hidden: int = 1280, merge: int = 2) -> ProjectorS
     return ProjectorSpec(kind="qwen2.5-vl merger", token_dim=width, linears=((width, width), (width, out)))
 
 
+def _internvl_projector(hidden: int, vit_hidden: int = 1024, shuffle: int = 2) -> ProjectorSpec:
+    width = vit_hidden * shuffle * shuffle
+    return ProjectorSpec(kind="internvl ln+mlp", token_dim=width, linears=((width, hidden), (hidden, hidden)),
+                         layer_norm=width)  # fmt: skip
+
+
 _LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the image size"
 _NEXT_NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
 _QWEN_NOTE = "Qwen2.5-VL: the paper's representative sample of 1110 merged tokens (Table S1 caption)"
+_INTERNVL_NOTE = "InternVL3 at 672×672: 2×2 tiles + thumbnail, 256 pixel-shuffled tokens each (not a paper backbone)"
 
 KNOWN_BACKBONES: dict[str, BackboneSpec] = {
     spec.name: spec
@@ -191,6 +212,14 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
             1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, paper_budgets=(222, 111),
             paper_key="Qwen2.5-VL-7B", source="Qwen/Qwen2.5-VL-7B-Instruct config.json",
             aliases=("qwen", "qwen2.5-vl-7b-instruct", "qwen/qwen2.5-vl-7b-instruct", "qwen25-vl"),
+        ),
+        BackboneSpec(
+            "internvl3-8b", "InternVL3-8B", "internvl3", _INTERNVL3_8B_LM, _internvl_projector(3584),
+            _INTERNVIT_300M, 1280, _INTERNVL_NOTE, (672, 672), max_tiles=INTERNVL_MAX_TILES,
+            paper_budgets=(256, 128, 64),
+            source="OpenGVLab/InternVL3-8B-hf architecture (model card) + transformers InternVL config defaults; "
+            "no hub config.json checked",
+            aliases=("internvl3-8b-hf", "opengvlab/internvl3-8b-hf", "opengvlab/internvl3-8b"),
         ),
     )
 }  # fmt: skip
@@ -299,6 +328,8 @@ def from_config(path: str | Path) -> BackboneSpec:
         raise BackboneSpecError(f"{path}: malformed {model_type} config ({_brief(exc)})") from None
     if model_type == "qwen2_5_vl":
         spec = _with_qwen_pixels(spec, folder / "preprocessor_config.json")
+    if model_type == "internvl":
+        spec = _with_internvl_tiles(spec, folder / "preprocessor_config.json")
     return _match_paper(spec)
 
 
@@ -375,6 +406,8 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
         note = f"LLaVA-NeXT at {default_image[0]}×{default_image[1]}: base + unpadded high-res, no newline rows"
         return replace(spec, default_tokens=n, default_tokens_note=note, default_image=default_image,
                        paper_budgets=budgets)  # fmt: skip
+    if model_type == "internvl":
+        return _internvl_spec(config, lm, name, family.display, path)
     # qwen2_5_vl
     merge = _positive(vc.spatial_merge_size, "spatial_merge_size", path)
     v_hidden = _positive(vc.hidden_size, "vision hidden_size", path)
@@ -392,6 +425,28 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
                         paper_budgets=(222, 111), source=str(path))  # fmt: skip
 
 
+def _internvl_spec(config: Any, lm: LanguageModelSpec, name: str, display: str, path: Path) -> BackboneSpec:
+    """An InternVL config: InternViT on square tiles, pixel shuffle by 1 / downsample_ratio, LayerNorm + MLP."""
+    vc = config.vision_config
+    side = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
+    patch = vc.patch_size[0] if isinstance(vc.patch_size, (list, tuple)) else vc.patch_size
+    image, patch = _positive(int(side), "image_size", path), _positive(int(patch), "patch_size", path)
+    shuffle = round(1 / float(config.downsample_ratio))
+    per_tile = (image // patch // shuffle) ** 2
+    v_hidden = _positive(vc.hidden_size, "vision hidden_size", path)
+    vision = VisionSpec(kind="internvit", layers=_positive(vc.num_hidden_layers, "vision num_hidden_layers", path),
+                        hidden=v_hidden, intermediate=_positive(vc.intermediate_size, "vision intermediate", path),
+                        heads=_positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
+                        image_size=image, feature_tokens=per_tile)  # fmt: skip
+    spec = BackboneSpec(name, f"{display} (config)", "internvl3", lm, _internvl_projector(lm.hidden, v_hidden, shuffle),
+                        vision, 0, "", (672, 672), max_tiles=INTERNVL_MAX_TILES, source=str(path))  # fmt: skip
+    from care_core.flops.tokens import visual_tokens
+
+    n = visual_tokens(spec, 672, 672).tokens
+    return replace(spec, default_tokens=n, paper_budgets=(n // 5, n // 10, n // 20),
+                   default_tokens_note=f"InternVL at 672×672: tiles + thumbnail, {per_tile} tokens each")  # fmt: skip
+
+
 def _with_qwen_pixels(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
     """Use the folder's processor pixel limits when it has them (min/max_pixels or size.{shortest,longest}_edge)."""
     if not preprocessor.is_file():
@@ -405,8 +460,22 @@ def _with_qwen_pixels(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
                    max_pixels=_positive(high, "max_pixels", preprocessor))  # fmt: skip
 
 
+def _with_internvl_tiles(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
+    """Use the folder's processor ``max_patches`` when it has one (N at the default image follows it)."""
+    if not preprocessor.is_file():
+        return spec
+    tiles = _positive(_load_json(preprocessor).get("max_patches", spec.max_tiles), "max_patches", preprocessor)
+    if tiles == spec.max_tiles:
+        return spec
+    from care_core.flops.tokens import visual_tokens
+
+    spec = replace(spec, max_tiles=tiles)
+    n = visual_tokens(spec, *(spec.default_image or (672, 672))).tokens
+    return replace(spec, default_tokens=n, paper_budgets=(n // 5, n // 10, n // 20))
+
+
 def _signature(spec: BackboneSpec) -> tuple[Any, ...]:
-    return (spec.family, spec.lm, spec.projector, spec.vision, spec.grid_pinpoints)
+    return (spec.family, spec.lm, spec.projector, spec.vision, spec.grid_pinpoints, spec.max_tiles)
 
 
 def _match_paper(spec: BackboneSpec) -> BackboneSpec:
