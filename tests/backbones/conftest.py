@@ -1,4 +1,4 @@
-"""Shared fixtures: the three demos built once per session, plus a tiny LLaVA saved to a folder."""
+"""Shared fixtures: the four random-or-trained demos built once per session, plus a tiny LLaVA saved to a folder."""
 
 from __future__ import annotations
 
@@ -61,8 +61,11 @@ def internvl_demo(demo_home: Path) -> InternVLAdapter:
 
 
 @pytest.fixture(scope="session")
-def demos(demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter) -> dict[str, Any]:
-    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo}
+def demos(
+    demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter, internvl_demo: InternVLAdapter
+) -> dict[str, Any]:
+    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo,
+            "tiny-internvl3": internvl_demo}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
