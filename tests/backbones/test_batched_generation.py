@@ -158,7 +158,7 @@ def test_generate_batch_options(demo: Any, samples: dict[str, Samples]) -> None:
 
 # ---------------------------------------------------------------------------------------------- CUDA
 @cuda_only
-@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next"])
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-internvl3"])
 def test_cuda_graph_batches_give_each_sample_its_eager_answer(demo_home: Path, images: list[Any], name: str) -> None:
     adapter = load_backbone(name, home=demo_home, device="cuda", dtype="float32")
     batch_samples = _samples(adapter, images)
