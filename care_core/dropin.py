@@ -262,6 +262,8 @@ def reduce_visual_tokens(
     adapter = adapter_for_model(model, processor)
     if not isinstance(adapter, ChatAdapter):  # the drop-in edits a chat model's placeholder sequence
         raise ModelLoadError(f"the {adapter.family} adapter cannot serve the drop-in", parameter="model")
+    if adapter.dropin_refusal is not None:
+        raise ModelLoadError(f"the drop-in cannot serve {adapter.family}: {adapter.dropin_refusal}")
     return VisualTokenReduction(model, adapter, next(iter(methods.values())), budgets[0], config)
 
 

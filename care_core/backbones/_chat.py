@@ -114,6 +114,8 @@ class ChatAdapter(VLMAdapter):
     _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
     image_token: str
     image_token_id: int
+    #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
+    dropin_refusal: str | None = None
 
     @classmethod
     def _load_processor(cls, folder: Path) -> Any:

@@ -75,6 +75,10 @@ class InternVLAdapter(ChatAdapter):
     family = "internvl3"
     model_class = "InternVLForConditionalGeneration"
     FALLBACK_PROMPT = INTERNVL_FALLBACK_PROMPT
+    dropin_refusal = (
+        "InternVLProcessor's outputs keep neither the image sizes nor the tiles per image, which the token "
+        "positions need; reduce through care's own pipeline (ReductionPipeline, care reduce, care eval)"
+    )
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "all N shuffled tokens between <img> and </img>",
     }

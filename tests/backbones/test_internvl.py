@@ -197,3 +197,12 @@ def test_cls_probes_and_methods_refuse_in_one_line(internvl_demo: InternVLAdapte
     for method in ("visionzip", "prumerge", "pool"):
         assert not method_class(method).serves("internvl3") and method_class(method).why_not_served("internvl3")
     assert method_class("care").serves("internvl3") and method_class("fastv").serves("internvl3")
+
+
+def test_the_drop_in_refuses_in_one_line(internvl_demo: InternVLAdapter) -> None:
+    from care_core import reduce_visual_tokens
+    from care_core.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"^the drop-in cannot serve internvl3: .*image sizes") as info:
+        reduce_visual_tokens(internvl_demo.model, processor=internvl_demo.processor, method="care", keep=8)
+    assert "\n" not in str(info.value)
