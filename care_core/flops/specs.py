@@ -361,20 +361,24 @@ def _check_complete(raw: dict[str, Any], model_type: str, path: Path) -> None:
         raise BackboneSpecError(f"{path}: incomplete {model_type} config, missing {', '.join(missing)}")
 
 
-def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
-    from care_core.backbones.families import backbone_family
-
-    family = backbone_family(model_type)
-    text = config.text_config
+def _lm_spec(text: Any, path: Path) -> LanguageModelSpec:
+    """The language model's dims from a config's text part."""
     layers = _positive(text.num_hidden_layers, "num_hidden_layers", path)
     hidden = _positive(text.hidden_size, "hidden_size", path)
     heads = _positive(text.num_attention_heads, "num_attention_heads", path)
     kv_heads = _positive(getattr(text, "num_key_value_heads", None) or heads, "num_key_value_heads", path)
     head_dim = getattr(text, "head_dim", None) or hidden // heads
-    lm = LanguageModelSpec(
+    return LanguageModelSpec(
         layers=layers, hidden=hidden, intermediate=_positive(text.intermediate_size, "intermediate_size", path),
         heads=heads, kv_heads=kv_heads, vocab=_positive(text.vocab_size, "vocab_size", path), head_dim=head_dim,
     )  # fmt: skip
+
+
+def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
+    from care_core.backbones.families import backbone_family
+
+    family = backbone_family(model_type)
+    lm = _lm_spec(config.text_config, path)
     vc = config.vision_config
     name = f"config:{path}"
     if model_type in ("llava", "llava_next"):
@@ -387,7 +391,7 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
                             hidden=v_hidden, intermediate=_positive(vc.intermediate_size, "vision intermediate", path),
                             heads=_positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
                             image_size=image, feature_tokens=per_crop)  # fmt: skip
-        projector = _llava_projector(hidden, token_dim=v_hidden * n_layers)
+        projector = _llava_projector(lm.hidden, token_dim=v_hidden * n_layers)
         if model_type == "llava":
             return BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, per_crop,
                                 f"one {image}×{image} view: {per_crop} tokens", (image, image),
