@@ -109,6 +109,12 @@ class InternVLAdapter(ChatAdapter):
         if int(seq) != self.tokens_per_tile:
             raise ModelLoadError(f"{name}: the processor writes {seq} placeholders per tile, the model gives "
                                  f"{self.tokens_per_tile}")  # fmt: skip
+        size = getattr(processor.image_processor, "size", None)
+        size_hw = (size.get("height"), size.get("width")) if isinstance(size, dict) else (
+            getattr(size, "height", None), getattr(size, "width", None))  # fmt: skip
+        if size_hw != (self.tile, self.tile):
+            raise ModelLoadError(f"{name}: the image processor's tile size {size!r} is not the model's "
+                                 f"{self.tile}x{self.tile}")  # fmt: skip
         self._set_image_token(getattr(cfg, "image_token_id", None))
         tok = self.tokenizer
         self.start_image = str(getattr(tok, "start_image_token", None) or "<img>")
@@ -158,6 +164,10 @@ class InternVLAdapter(ChatAdapter):
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """Pixel-shuffled pre-projector tokens per image, the tiles of all images in one tower pass."""
         pixel_values = processed["pixel_values"]
+        if processed.get("num_patches") is None:  # InternVLProcessor pops it: only one image is then unambiguous
+            if len(sizes) != 1:
+                raise ValueError("encoding several images needs the image processor's num_patches (tiles per image)")
+            processed = {**processed, "num_patches": torch.tensor([pixel_values.shape[0]])}
         counts = [int(c) for c in torch.as_tensor(processed["num_patches"]).view(-1).tolist()]
         if pixel_values.dim() != 4 or len(counts) != len(sizes) or sum(counts) != pixel_values.shape[0]:
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} and num_patches {counts} do not hold the "

@@ -178,6 +178,16 @@ def test_batched_encoding_and_answers_are_per_sample(internvl_demo: InternVLAdap
     assert answers == [internvl_demo.generate(q, t, p, 6, k) for q, t, p, k in samples]
 
 
+def test_encoding_the_models_own_processor_output(internvl_demo: InternVLAdapter, image: Any, tokens: Any) -> None:
+    inputs = internvl_demo.processor(text=internvl_demo.prompt("q"), images=image, return_tensors="pt")
+    assert "num_patches" not in inputs  # InternVLProcessor drops it: one image is still unambiguous
+    (one,) = internvl_demo.encode_processed(inputs, [(448, 896)])
+    assert torch.equal(one.features, tokens.features) and torch.equal(one.boxes, tokens.boxes)
+    two = {"pixel_values": torch.cat([inputs["pixel_values"]] * 2)}
+    with pytest.raises(ValueError, match="num_patches"):
+        internvl_demo.encode_processed(two, [(448, 896)] * 2)
+
+
 def test_processor_pads_left(internvl_demo: InternVLAdapter) -> None:
     images = [noise_image(336, 336), noise_image(448, 896)]
     prompts = [internvl_demo.prompt("q"), internvl_demo.prompt("a much longer question")]
@@ -206,3 +216,13 @@ def test_the_drop_in_refuses_in_one_line(internvl_demo: InternVLAdapter) -> None
     with pytest.raises(ModelLoadError, match=r"^the drop-in cannot serve internvl3: .*image sizes") as info:
         reduce_visual_tokens(internvl_demo.model, processor=internvl_demo.processor, method="care", keep=8)
     assert "\n" not in str(info.value)
+
+
+def test_a_processor_with_another_tile_size_is_refused(internvl_demo: InternVLAdapter) -> None:
+    from care_core.errors import ModelLoadError
+
+    processor = copy.copy(internvl_demo.processor)
+    processor.image_processor = copy.copy(processor.image_processor)
+    processor.image_processor.size = {"height": 384, "width": 384}
+    with pytest.raises(ModelLoadError, match="tile size"):
+        InternVLAdapter(internvl_demo.model, processor, name="odd")
