@@ -145,6 +145,7 @@ class VisualTokenReduction:
         inputs = [pipe.method_inputs(one, q) for one, q in zip(tokens, questions, strict=True)]
         keeps = [self.budget.resolve(one.num_tokens) for one in tokens]
         results = self.results = self.method.batch(inputs, keeps)
+
         rows, kept = [], []
         for one, result in zip(tokens, results, strict=True):
             projected = adapter.projector(result.tokens.to(adapter.dtype))
@@ -262,6 +263,8 @@ def reduce_visual_tokens(
     adapter = adapter_for_model(model, processor)
     if not isinstance(adapter, ChatAdapter):  # the drop-in edits a chat model's placeholder sequence
         raise ModelLoadError(f"the {adapter.family} adapter cannot serve the drop-in", parameter="model")
+    if adapter.dropin_refusal is not None:
+        raise ModelLoadError(f"the drop-in cannot serve {adapter.family}: {adapter.dropin_refusal}")
     return VisualTokenReduction(model, adapter, next(iter(methods.values())), budgets[0], config)
 
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .base import ImageTokens, VLMAdapter
     from .demo import DEMO_BACKBONES, ensure_demo
     from .families import BackboneFamily, DemoBackbone, backbone_family, register_family
+    from .internvl import InternVLAdapter
     from .llava import LlavaAdapter
     from .llava_next import LlavaNextAdapter
     from .loading import care_home, hf_hub_cache, load_backbone
@@ -29,6 +30,7 @@ _HOMES = {
     "DemoBackbone": "families",
     "backbone_family": "families",
     "register_family": "families",
+    "InternVLAdapter": "internvl",
     "LlavaAdapter": "llava",
     "LlavaNextAdapter": "llava_next",
     "care_home": "loading",
@@ -45,6 +47,7 @@ __all__ = [
     "BackboneFamily",
     "DemoBackbone",
     "ImageTokens",
+    "InternVLAdapter",
     "LlavaAdapter",
     "LlavaNextAdapter",
     "Qwen2_5_VLAdapter",

@@ -67,6 +67,13 @@ def joined_encoder_outputs(outputs: Sequence[Any]) -> Any:
     return type(first)(**fields)
 
 
+def visual_rows(output: Any) -> torch.Tensor:
+    """A prompt's visual rows (K, d_t) from its ``mm_encoder_outputs["image"]``: the one tensor, or the images'
+    tensors concatenated."""
+    rows = output.pooler_output
+    return rows if isinstance(rows, torch.Tensor) else torch.cat(list(rows))
+
+
 def _left_padded(value: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     """``value`` with ``fill`` prepended along its last dimension up to ``length``."""
     missing = length - int(value.shape[-1])
@@ -139,6 +146,8 @@ class ChatAdapter(VLMAdapter):
     _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
     image_token: str
     image_token_id: int
+    #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
+    dropin_refusal: str | None = None
 
     @classmethod
     def _load_processor(cls, folder: Path) -> Any:
@@ -433,7 +442,7 @@ class ChatAdapter(VLMAdapter):
     def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:
         """(1, L, d_t) input embeddings of a prompt from :meth:`_lm_inputs`, visual rows in its placeholders."""
         ids = inputs["input_ids"]
-        visual = inputs["mm_encoder_outputs"]["image"].pooler_output[0]
+        visual = visual_rows(inputs["mm_encoder_outputs"]["image"])
         embeds = self.model.get_input_embeddings()(ids)
         mask = (ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
         return embeds.masked_scatter(mask, visual.to(embeds.dtype))

@@ -102,13 +102,15 @@ def build_byte_tokenizer(
     add_bos: bool = True,
     eos_token: str = "</s>",
     pad_token: str = "<pad>",
+    named_tokens: dict[str, str] | None = None,
 ) -> Any:
     """An offline byte-level tokenizer that encodes any text without ``<unk>``.
 
     A byte-level BPE with the 256-symbol byte alphabet and no merges (one token per UTF-8 byte),
     ``<unk> <s> </s> <pad>`` as ids 0-3, ``<s>`` prepended like Llama (unless ``add_bos`` is False, as
     for Qwen), and ``special_tokens`` (e.g. ``"<image>"``) registered as never-split special tokens after
-    the bytes. ``eos_token`` / ``pad_token`` may name one of ``special_tokens``.
+    the bytes. ``eos_token`` / ``pad_token`` may name one of ``special_tokens``. ``named_tokens``: tokenizer
+    attributes naming some of ``special_tokens`` (e.g. InternVL's ``context_image_token``), saved with it.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -131,6 +133,7 @@ def build_byte_tokenizer(
         eos_token="</s>",
         pad_token="<pad>",
         model_max_length=model_max_length,
+        **(named_tokens or {}),
     )
     tok.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     if eos_token != "</s>" or pad_token != "<pad>":
@@ -351,6 +354,57 @@ def build_tiny_qwen3_vl(seed: int = 0) -> tuple[Any, Any]:
     processor = CareQwen3VLProcessor(
         image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE
     )
+    return model, processor
+
+
+# The InternVL3 -hf layout (Qwen2 chat): the image as "<IMG_CONTEXT>\n" before the text, which the processor expands
+# to <img> + <IMG_CONTEXT> x 256 per tile + </img>; no system message (the hub's Chinese one is not needed here).
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+INTERNVL_NAMED_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                         "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}  # fmt: skip
+
+
+def build_tiny_internvl3(seed: int = 0) -> tuple[Any, Any]:
+    """InternVL3 with the real geometry (InternViT 448 px tiles, patch 14, CLS, pixel shuffle 0.5: 256 tokens per
+    tile; 1..12 tiles + a thumbnail, the GotOcr2 processor's defaults) and tiny InternViT / Qwen2 widths; the
+    image-only processor (no torchvision needed)."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from .internvl_processor import CareInternVLProcessor
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *INTERNVL_NAMED_TOKENS.values()]
+    tok = build_byte_tokenizer(specials, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                               named_tokens=INTERNVL_NAMED_TOKENS)  # fmt: skip
+    tid = tok.convert_tokens_to_ids
+    config = InternVLConfig(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": [448, 448], "patch_size": [14, 14]},
+        text_config={"model_type": "qwen2", "vocab_size": _vocab_size(tok), "hidden_size": 64,
+                     "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "max_position_embeddings": 8192, "bos_token_id": None,
+                     "eos_token_id": tid("<|im_end|>"), "pad_token_id": tid("<|endoftext|>")},
+        image_token_id=tid("<IMG_CONTEXT>"), image_seq_length=256, downsample_ratio=0.5,
+        vision_feature_layer=-1, vision_feature_select_strategy="default", projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = _seeded(InternVLForConditionalGeneration, config, seed)
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": 448, "width": 448}, crop_to_patches=True, min_patches=1, max_patches=12
+    )
+    processor = CareInternVLProcessor(image_processor=image_processor, tokenizer=tok, image_seq_length=256,
+                                      chat_template=INTERNVL_CHAT_TEMPLATE)  # fmt: skip
     return model, processor
 
 

@@ -195,3 +195,13 @@ register_family(BackboneFamily(
                      "hub pixel budget), tiny random weights; demo only"),
     ),
 ))  # fmt: skip
+register_family(BackboneFamily(
+    name="internvl3", display="InternVL3", model_types=("internvl",),
+    adapter="care_core.backbones.internvl:InternVLAdapter", has_cls_token=False, single_grid=False, crops=True,
+    flops_spec="internvl3-8b", lmms_eval_model="care_internvl",
+    demos=(
+        DemoBackbone("tiny-internvl3", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
+                     "InternVL3 geometry (InternViT 448/14, pixel shuffle 0.5: 256 tokens per tile, 1-12 tiles + "
+                     "thumbnail), tiny random weights; demo only"),
+    ),
+))  # fmt: skip

@@ -2,7 +2,10 @@
 
 Conventions (every function returns FLOPs; `to_unit` turns them into TFLOPs or TMACs):
 - A multiply-add is 2 FLOPs (`FlopCounterMode`'s `2·m·n·k`); a matmul of (a×b)·(b×c) costs 2abc.
-- Bias adds, norms, activations, softmax and RoPE cost 0 (as in `FlopCounterMode` and the paper).
+- Bias adds, norms, activations, softmax and RoPE cost 0 (as in `FlopCounterMode` and the paper), except the
+  LayerNorm *inside a projector* (InternVL's, on 4·d_v channels): it is part of F_M, the function PRCA perturbs, and
+  is counted at 7 FLOPs per element (mean, centre, square, variance, normalise, scale, shift); a tangent through it
+  (jvp) is counted as one more pass (``LAYER_NORM_FLOPS_PER_ELEMENT``).
 - Attention is counted over the full W×W square: no causal halving (as the counters do).
 - The O(·) terms of the paper are taken with constant 1, in FLOPs, exactly as written (e.g. `N² d_v`).
 - `macs` convention: every figure is the FLOPs figure halved (1 MAC = 2 FLOPs), the O(·) terms included, so
@@ -47,9 +50,15 @@ def to_unit(flops: float, convention: Convention = "flops") -> float:
 
 
 # ------------------------------------------------------------------------------------------------ projector
+#: FLOPs per element of a projector's LayerNorm: mean (add), centre (sub), square (mul), variance (add),
+#: normalise (mul), scale (mul), shift (add)
+LAYER_NORM_FLOPS_PER_ELEMENT = 7
+
+
 def projector_flops(projector: ProjectorSpec, n: int) -> int:
-    """F_M(n): the projector's linear layers on n tokens, 2 FLOPs per multiply-add."""
-    return 2 * n * projector.macs_per_token
+    """F_M(n): the projector's linear layers on n tokens, 2 FLOPs per multiply-add, plus its input LayerNorm
+    (InternVL) at :data:`LAYER_NORM_FLOPS_PER_ELEMENT` per element."""
+    return 2 * n * projector.macs_per_token + n * LAYER_NORM_FLOPS_PER_ELEMENT * projector.layer_norm
 
 
 def jvp_response_terms(
@@ -62,7 +71,8 @@ def jvp_response_terms(
     act'(W1 v + b1) ⊙ W1 u. Any other projector (the Qwen2.5-VL merger) goes through ``torch.func.jvp`` at the N
     tokens, vmapped over chunks of directions (``care_core._chunks``): per chunk one primal pass F_M(N), the
     chunk's tangents, and one more F_M(N) because forward-mode AD's product rule (x_t W + x W_t) also multiplies
-    the tokens by the weights' zero tangent: (m + 2 · chunks) F_M(N) in all.
+    the tokens by the weights' zero tangent: (m + 2 · chunks) F_M(N) in all. InternVL's LayerNorm + MLP takes this
+    path too (its LayerNorm makes the first layer's tangent token-dependent); its LayerNorm is inside F_M.
 
     ``second_layer="triangular"`` (what a ``Scorer`` runs on CUDA, e.g. the pipeline's; needs d_out >= d_h): the
     second layer goes through the d_h x d_h triangular factor R of W2 = QR in ``blocks`` column blocks, each

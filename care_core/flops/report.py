@@ -123,15 +123,16 @@ def resolve_methods(methods: Sequence[str], family: str | None = None) -> list[s
 
 def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int], str]:
     vision = spec.vision
-    if vision.kind == "clip":
+    if vision.kind in ("clip", "internvit"):
+        tower = "CLIP ViT" if vision.kind == "clip" else "InternViT (pixel shuffle and projector in F_M)"
         if backbone_family(spec.family).crops:
             if source.count is not None:
-                crops, how = source.count.crops, f"{source.count.crops} crops (base + tiles) for this image"
+                crops, how = source.count.crops, f"{source.count.crops} crops (tiles and base view) for this image"
             else:
-                crops, how = 5, "5 crops assumed (base + 2×2 tiles, as for 672×672): N alone does not fix them"
+                crops, how = 5, "5 crops assumed (2×2 tiles + a base view, as for 672×672): N alone does not fix them"
         else:
-            crops, how = 1, "one 336×336 view"
-        return fx.clip_tower_flops(vision, crops), f"CLIP ViT, all {vision.layers} layers, {how}"
+            crops, how = 1, f"one {vision.image_size}×{vision.image_size} view"
+        return fx.clip_tower_flops(vision, crops), f"{tower}, all {vision.layers} layers, {how}"
     if source.count is not None and source.count.grid is not None:
         rows, cols = source.count.grid
         how = f"merged grid {rows}×{cols} of this image"

@@ -24,6 +24,14 @@ Sources of the numbers (each checked against a stored copy of the hub file where
   default is 3584), processor pixel budget 65536..16777216. `from_config` on the real config.json gives exact dims.
   Merger `Qwen3VLVisionPatchMerger`: LayerNorm(1152) -> view(-1, 4608) -> Linear(4608, 4608) -> GELU ->
   Linear(4608, out); each deepstack merger is the same MLP after a LayerNorm(4608).
+- InternVL3-8B (`OpenGVLab/InternVL3-8B-hf`; **no hub file was checked**: the numbers are the published model card's
+  architecture -- InternViT-300M-448px-V2.5 + Qwen2.5-7B -- and transformers' ``InternVLVisionConfig`` /
+  ``InternVLConfig`` defaults, which are InternViT-300M's): vision 24 layers, hidden 1024, MLP 4096, 16 heads,
+  image 448, patch 14, CLS, ``downsample_ratio`` 0.5 (pixel shuffle: 256 tokens of 4096 channels per tile),
+  ``vision_feature_layer`` -1; LM Qwen2.5-7B: L=28, H=3584, I=18944, 28 heads, 4 KV heads; vocab 151674
+  (unverified: the InternVL3 tokenizer's size; the LM head term alone depends on it). Projector
+  ``InternVLMultiModalProjector``: LayerNorm(4096) -> Linear(4096, 3584) -> GELU -> Linear(3584, 3584). Tiles: the
+  ``GotOcr2ImageProcessor`` class defaults min_patches 1, max_patches 12 (the hub's ``max_patches`` unverified).
 """
 
 from __future__ import annotations
@@ -71,9 +79,10 @@ class LanguageModelSpec:
 class ProjectorSpec:
     """The multimodal projector M: its linear layers (in, out); activations and norms cost nothing here."""
 
-    kind: str  # "mlp2x_gelu" (LLaVA), "qwen2.5-vl merger" or "qwen3-vl merger"
+    kind: str  # "mlp2x_gelu" (LLaVA), "qwen2.5-vl merger", "qwen3-vl merger" or "internvl ln+mlp"
     token_dim: int  # d_v: the width of one visual token as the reduction sees it (pre-projector)
     linears: tuple[tuple[int, int], ...]
+    layer_norm: int = 0  # width of a LayerNorm on the input before the linears (InternVL: 4096); 0 = none
 
     @property
     def out_dim(self) -> int:
@@ -88,7 +97,7 @@ class ProjectorSpec:
 class VisionSpec:
     """The vision tower (only for the optional `vision_tower` term)."""
 
-    kind: str  # "clip", "qwen2.5-vit" or "qwen3-vit"
+    kind: str  # "clip", "qwen2.5-vit", "qwen3-vit" or "internvit" (a CLIP-like ViT with CLS on 448 px tiles)
     layers: int
     hidden: int
     intermediate: int
@@ -119,6 +128,7 @@ class BackboneSpec:
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     min_pixels: int = 0
     max_pixels: int = 0
+    max_tiles: int = 0  # InternVL: most 448 px tiles per image (GotOcr2 max_patches; min_patches is 1)
     paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; the default budgets
     paper_key: str | None = None  # Table S1 / Table 1 backbone name, when these are the paper's dims
     source: str = ""
@@ -143,12 +153,16 @@ _QWEN_VIT = VisionSpec(kind="qwen2.5-vit", layers=32, hidden=1280, intermediate=
 _QWEN3_VIT = VisionSpec(kind="qwen3-vit", layers=27, hidden=1152, intermediate=4304, heads=16, patch_size=16,
                         temporal_patch_size=2, spatial_merge_size=2, full_attention_layers=tuple(range(27)),
                         deepstack_layers=(8, 16, 24), out_hidden=4096)  # fmt: skip
+_INTERNVIT_300M = VisionSpec(kind="internvit", layers=24, hidden=1024, intermediate=4096, heads=16, patch_size=14,
+                             image_size=448, feature_tokens=256)  # fmt: skip
 _VICUNA_7B = LanguageModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32064)
 _VICUNA_13B = LanguageModelSpec(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32064)
 _QWEN25_7B = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064)
 _QWEN25_3B = LanguageModelSpec(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, vocab=151936)
 _QWEN3_8B = LanguageModelSpec(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, vocab=151936,
                               head_dim=128)  # fmt: skip
+_INTERNVL3_8B_LM = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=151674)
+INTERNVL_MAX_TILES = 12
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 3136, 12845056
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 65536, 16777216  # unverified hub budget (see the module docstring)
@@ -165,11 +179,18 @@ def _qwen_merger(out: int, vit_hidden: int = 1280, merge: int = 2, kind: str = "
     return ProjectorSpec(kind=kind, token_dim=width, linears=((width, width), (width, out)))
 
 
+def _internvl_projector(hidden: int, vit_hidden: int = 1024, shuffle: int = 2) -> ProjectorSpec:
+    width = vit_hidden * shuffle * shuffle
+    return ProjectorSpec(kind="internvl ln+mlp", token_dim=width, linears=((width, hidden), (hidden, hidden)),
+                         layer_norm=width)  # fmt: skip
+
+
 _LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the image size"
 _NEXT_NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
 _QWEN_NOTE = "Qwen2.5-VL: the paper's representative sample of 1110 merged tokens (Table S1 caption)"
 _QWEN3_NOTE = "Qwen3-VL at 1024×1024: a 32×32 merged grid (not a paper setting; budgets 20 % and 10 % of N)"
 _QWEN3_8B_NOTE = f"{_QWEN3_NOTE}; text sizes, out_hidden_size and pixel budget unverified"
+_INTERNVL_NOTE = "InternVL3 at 672×672: 2×2 tiles + thumbnail, 256 pixel-shuffled tokens each (not a paper backbone)"
 
 KNOWN_BACKBONES: dict[str, BackboneSpec] = {
     spec.name: spec
@@ -219,6 +240,14 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
             source="transformers Qwen3VLVisionConfig defaults; text sizes, out_hidden_size and pixel budget "
                    "unverified (no stored copy of Qwen/Qwen3-VL-8B-Instruct config.json)",
             aliases=("qwen3-vl-8b-instruct", "qwen/qwen3-vl-8b-instruct", "qwen3vl-8b"),
+        ),
+        BackboneSpec(
+            "internvl3-8b", "InternVL3-8B", "internvl3", _INTERNVL3_8B_LM, _internvl_projector(3584),
+            _INTERNVIT_300M, 1280, _INTERNVL_NOTE, (672, 672), max_tiles=INTERNVL_MAX_TILES,
+            paper_budgets=(256, 128, 64),
+            source="OpenGVLab/InternVL3-8B-hf architecture (model card) + transformers InternVL config defaults; "
+            "no hub config.json checked",
+            aliases=("internvl3-8b-hf", "opengvlab/internvl3-8b-hf", "opengvlab/internvl3-8b"),
         ),
     )
 }  # fmt: skip
@@ -327,6 +356,8 @@ def from_config(path: str | Path) -> BackboneSpec:
         raise BackboneSpecError(f"{path}: malformed {model_type} config ({_brief(exc)})") from None
     if model_type in _QWEN_TYPES:
         spec = _with_qwen_pixels(spec, folder / "preprocessor_config.json")
+    if model_type == "internvl":
+        spec = _with_internvl_tiles(spec, folder / "preprocessor_config.json")
     return _match_paper(spec)
 
 
@@ -361,20 +392,24 @@ def _check_complete(raw: dict[str, Any], model_type: str, path: Path) -> None:
         raise BackboneSpecError(f"{path}: incomplete {model_type} config, missing {', '.join(missing)}")
 
 
-def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
-    from care_core.backbones.families import backbone_family
-
-    family = backbone_family(model_type)
-    text = config.text_config
+def _lm_spec(text: Any, path: Path) -> LanguageModelSpec:
+    """The language model's dims from a config's text part."""
     layers = _positive(text.num_hidden_layers, "num_hidden_layers", path)
     hidden = _positive(text.hidden_size, "hidden_size", path)
     heads = _positive(text.num_attention_heads, "num_attention_heads", path)
     kv_heads = _positive(getattr(text, "num_key_value_heads", None) or heads, "num_key_value_heads", path)
     head_dim = getattr(text, "head_dim", None) or hidden // heads
-    lm = LanguageModelSpec(
+    return LanguageModelSpec(
         layers=layers, hidden=hidden, intermediate=_positive(text.intermediate_size, "intermediate_size", path),
         heads=heads, kv_heads=kv_heads, vocab=_positive(text.vocab_size, "vocab_size", path), head_dim=head_dim,
     )  # fmt: skip
+
+
+def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
+    from care_core.backbones.families import backbone_family
+
+    family = backbone_family(model_type)
+    lm = _lm_spec(config.text_config, path)
     vc = config.vision_config
     name = f"config:{path}"
     if model_type in ("llava", "llava_next"):
@@ -387,7 +422,7 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
                             hidden=v_hidden, intermediate=_positive(vc.intermediate_size, "vision intermediate", path),
                             heads=_positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
                             image_size=image, feature_tokens=per_crop)  # fmt: skip
-        projector = _llava_projector(hidden, token_dim=v_hidden * n_layers)
+        projector = _llava_projector(lm.hidden, token_dim=v_hidden * n_layers)
         if model_type == "llava":
             return BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, per_crop,
                                 f"one {image}×{image} view: {per_crop} tokens", (image, image),
@@ -406,6 +441,8 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
         note = f"LLaVA-NeXT at {default_image[0]}×{default_image[1]}: base + unpadded high-res, no newline rows"
         return replace(spec, default_tokens=n, default_tokens_note=note, default_image=default_image,
                        paper_budgets=budgets)  # fmt: skip
+    if model_type == "internvl":
+        return _internvl_spec(config, lm, name, family.display, path)
     return _qwen_spec(config, model_type, path, name, lm)
 
 
@@ -443,6 +480,28 @@ def _qwen_spec(config: Any, model_type: str, path: Path, name: str, lm: Language
                         paper_budgets=(222, 111), source=str(path))  # fmt: skip
 
 
+def _internvl_spec(config: Any, lm: LanguageModelSpec, name: str, display: str, path: Path) -> BackboneSpec:
+    """An InternVL config: InternViT on square tiles, pixel shuffle by 1 / downsample_ratio, LayerNorm + MLP."""
+    vc = config.vision_config
+    side = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
+    patch = vc.patch_size[0] if isinstance(vc.patch_size, (list, tuple)) else vc.patch_size
+    image, patch = _positive(int(side), "image_size", path), _positive(int(patch), "patch_size", path)
+    shuffle = round(1 / float(config.downsample_ratio))
+    per_tile = (image // patch // shuffle) ** 2
+    v_hidden = _positive(vc.hidden_size, "vision hidden_size", path)
+    vision = VisionSpec(kind="internvit", layers=_positive(vc.num_hidden_layers, "vision num_hidden_layers", path),
+                        hidden=v_hidden, intermediate=_positive(vc.intermediate_size, "vision intermediate", path),
+                        heads=_positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
+                        image_size=image, feature_tokens=per_tile)  # fmt: skip
+    spec = BackboneSpec(name, f"{display} (config)", "internvl3", lm, _internvl_projector(lm.hidden, v_hidden, shuffle),
+                        vision, 0, "", (672, 672), max_tiles=INTERNVL_MAX_TILES, source=str(path))  # fmt: skip
+    from care_core.flops.tokens import visual_tokens
+
+    n = visual_tokens(spec, 672, 672).tokens
+    return replace(spec, default_tokens=n, paper_budgets=(n // 5, n // 10, n // 20),
+                   default_tokens_note=f"InternVL at 672×672: tiles + thumbnail, {per_tile} tokens each")  # fmt: skip
+
+
 def _with_qwen_pixels(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
     """Use the folder's processor pixel limits when it has them (min/max_pixels or size.{shortest,longest}_edge)."""
     if not preprocessor.is_file():
@@ -456,8 +515,22 @@ def _with_qwen_pixels(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
                    max_pixels=_positive(high, "max_pixels", preprocessor))  # fmt: skip
 
 
+def _with_internvl_tiles(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
+    """Use the folder's processor ``max_patches`` when it has one (N at the default image follows it)."""
+    if not preprocessor.is_file():
+        return spec
+    tiles = _positive(_load_json(preprocessor).get("max_patches", spec.max_tiles), "max_patches", preprocessor)
+    if tiles == spec.max_tiles:
+        return spec
+    from care_core.flops.tokens import visual_tokens
+
+    spec = replace(spec, max_tiles=tiles)
+    n = visual_tokens(spec, *(spec.default_image or (672, 672))).tokens
+    return replace(spec, default_tokens=n, paper_budgets=(n // 5, n // 10, n // 20))
+
+
 def _signature(spec: BackboneSpec) -> tuple[Any, ...]:
-    return (spec.family, spec.lm, spec.projector, spec.vision, spec.grid_pinpoints)
+    return (spec.family, spec.lm, spec.projector, spec.vision, spec.grid_pinpoints, spec.max_tiles)
 
 
 def _match_paper(spec: BackboneSpec) -> BackboneSpec:

@@ -6,6 +6,10 @@
 - Qwen2.5-VL: `smart_resize` to multiples of patch·merge (28) within [min_pixels, max_pixels], then one token
   per merged 2×2 group: (H'/28)·(W'/28). Qwen3-VL: the same with 16 px patches, multiples of 32: (H'/32)·(W'/32).
 
+- InternVL3: `get_optimal_tiled_canvas` picks (cols, rows) tiles of 448 px with 1 <= cols·rows <= max_tiles, the
+  ratio closest to W/H (ties: more tiles while the image area exceeds half their area); a thumbnail is added when
+  there is more than one tile; 256 pixel-shuffled tokens per tile and thumbnail.
+
 The arithmetic mirrors transformers' own (`select_best_resolution`, `unpad_image`, `smart_resize`), including
 its float expressions: exact rational arithmetic disagrees with the processor for a few sizes (1165×582 picks
 672×336 in transformers, 1008×336 exactly), and the processor is what decides N.
@@ -110,6 +114,29 @@ def qwen_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount:
     return TokenCount(rows * cols, grid=(rows, cols), detail=detail)
 
 
+def tiled_canvas(height: int, width: int, tile: int, max_tiles: int, min_tiles: int = 1) -> tuple[int, int]:
+    """transformers' GotOcr2 ``get_optimal_tiled_canvas`` (same loop, same float comparisons): (cols, rows)."""
+    grids = sorted(((w, h) for w in range(1, max_tiles + 1) for h in range(1, max_tiles + 1)
+                    if min_tiles <= w * h <= max_tiles), key=lambda g: g[0] * g[1])  # fmt: skip
+    aspect, area = width / height, width * height
+    best_diff, best = math.inf, (1, 1)
+    for grid in grids:
+        diff = abs(aspect - grid[0] / grid[1])
+        if diff < best_diff:
+            best_diff, best = diff, grid
+        elif diff == best_diff and area > 0.5 * tile * tile * grid[0] * grid[1]:
+            best = grid
+    return best
+
+
+def internvl_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount:
+    cols, rows = tiled_canvas(height, width, spec.vision.image_size, spec.max_tiles)
+    tiles = cols * rows
+    crops = tiles + (1 if tiles > 1 else 0)
+    detail = {"tiles": [rows, cols], "thumbnail": tiles > 1, "tokens_per_tile": spec.vision.feature_tokens}
+    return TokenCount(crops * spec.vision.feature_tokens, crops=crops, detail=detail)
+
+
 def visual_tokens(spec: BackboneSpec, height: int, width: int) -> TokenCount:
     """N for one image of height×width pixels on this backbone."""
     if height < 1 or width < 1:
@@ -119,6 +146,8 @@ def visual_tokens(spec: BackboneSpec, height: int, width: int) -> TokenCount:
         per_side = side // spec.vision.patch_size
         return TokenCount(spec.vision.feature_tokens, grid=(per_side, per_side),
                           detail={"note": f"resized to {side} on the short side and centre-cropped"})  # fmt: skip
+    if spec.vision.kind == "internvit":  # dynamic 448 px tiles + thumbnail (InternVL3)
+        return internvl_tokens(height, width, spec)
     if spec.grid_pinpoints:  # anyres crops (LLaVA-NeXT)
         return llava_next_tokens(height, width, spec)
     return qwen_tokens(height, width, spec)

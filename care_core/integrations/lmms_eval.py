@@ -2,10 +2,11 @@
 
 Registered through the entry point group ``lmms_eval.models`` (see :func:`manifests`):
 
-* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL, Qwen3-VL; aliases ``care_vtr``);
+* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL, Qwen3-VL, InternVL3; aliases ``care_vtr``);
 * ``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints only (alias ``care_llava_next``);
 * ``care_qwen2_5_vl``: Qwen2.5-VL checkpoints only;
-* ``care_qwen3_vl``: Qwen3-VL checkpoints only.
+* ``care_qwen3_vl``: Qwen3-VL checkpoints only;
+* ``care_internvl``: InternVL3 ``-hf`` checkpoints only (alias ``care_internvl3``).
 
 ``model_args``: ``pretrained`` (a local folder, a cached repo id or a demo name such as ``tiny-llava``),
 ``method`` (any registered method, or ``none`` for all visual tokens), ``keep=K`` or ``ratio=R``, ``device``,
@@ -46,6 +47,7 @@ MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "care_llava": ("CareLlava", ("care_llava_next",)),
     "care_qwen2_5_vl": ("CareQwen2_5_VL", ()),
     "care_qwen3_vl": ("CareQwen3_VL", ()),
+    "care_internvl": ("CareInternVL", ("care_internvl3",)),
 }
 
 
@@ -458,7 +460,14 @@ class CareQwen3_VL(CareLMM):
     families = served_families(model_id)
 
 
-MODELS: tuple[type[CareLMM], ...] = (CareLMM, CareLlava, CareQwen2_5_VL, CareQwen3_VL)
+class CareInternVL(CareLMM):
+    """``care_internvl``: InternVL3 ``-hf`` checkpoints (alias ``care_internvl3``)."""
+
+    model_id = "care_internvl"
+    families = served_families(model_id)
+
+
+MODELS: tuple[type[CareLMM], ...] = (CareLMM, CareLlava, CareQwen2_5_VL, CareQwen3_VL, CareInternVL)
 
 
 def model_class(model_id: str) -> type[CareLMM]:

@@ -1,4 +1,4 @@
-"""Shared fixtures: the three demos built once per session, plus a tiny LLaVA saved to a folder."""
+"""Shared fixtures: the four random-or-trained demos built once per session, plus a tiny LLaVA saved to a folder."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from care_core.backbones import (
 )
 from care_core.backbones._hf import quiet_transformers
 from care_core.backbones.demo import build_tiny_llava
+from care_core.backbones.internvl import InternVLAdapter
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -67,10 +68,22 @@ def qwen3_demo(demo_home: Path) -> Qwen3VLAdapter:
 
 
 @pytest.fixture(scope="session")
+def internvl_demo(demo_home: Path) -> InternVLAdapter:
+    adapter = load_backbone("tiny-internvl3", home=demo_home)
+    assert isinstance(adapter, InternVLAdapter)
+    return adapter
+
+
+@pytest.fixture(scope="session")
 def demos(
-    demo: LlavaAdapter, next_demo: LlavaNextAdapter, qwen_demo: Qwen2_5_VLAdapter, qwen3_demo: Qwen3VLAdapter
+    demo: LlavaAdapter,
+    next_demo: LlavaNextAdapter,
+    qwen_demo: Qwen2_5_VLAdapter,
+    qwen3_demo: Qwen3VLAdapter,
+    internvl_demo: InternVLAdapter,
 ) -> dict[str, Any]:
-    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo, "tiny-qwen3-vl": qwen3_demo}
+    return {"tiny-llava": demo, "tiny-llava-next": next_demo, "tiny-qwen2.5-vl": qwen_demo, "tiny-qwen3-vl": qwen3_demo,
+            "tiny-internvl3": internvl_demo}  # fmt: skip
 
 
 @pytest.fixture(scope="session")

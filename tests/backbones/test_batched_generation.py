@@ -172,7 +172,7 @@ def test_out_of_memory_in_the_static_decoder_reaches_the_caller_and_keeps_graphs
 
 # ---------------------------------------------------------------------------------------------- CUDA
 @cuda_only
-@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next"])
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-internvl3"])
 def test_cuda_graph_batches_give_each_sample_its_eager_answer(demo_home: Path, images: list[Any], name: str) -> None:
     adapter = load_backbone(name, home=demo_home, device="cuda", dtype="float32")
     batch_samples = _samples(adapter, images)

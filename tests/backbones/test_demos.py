@@ -31,13 +31,9 @@ from care_core.methods.registry import build_method, method_names
 
 from ._helpers import hub_key, noise_image, same_weights
 
-NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
-FAMILIES = {
-    "tiny-llava": "llava-1.5",
-    "tiny-llava-next": "llava-next",
-    "tiny-qwen2.5-vl": "qwen2.5-vl",
-    "tiny-qwen3-vl": "qwen3-vl",
-}
+NAMES = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-internvl3"]
+FAMILIES = {"tiny-llava": "llava-1.5", "tiny-llava-next": "llava-next", "tiny-qwen2.5-vl": "qwen2.5-vl",
+            "tiny-qwen3-vl": "qwen3-vl", "tiny-internvl3": "internvl3"}  # fmt: skip
 QUESTION = "What is in the image?"
 
 
@@ -45,7 +41,7 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
     from care_cli.options import Model
     from care_core.backbones.families import DEFAULT_DEMO, backbone_family
 
-    demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+    demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-internvl3"]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
     families = {**FAMILIES, "tiny-llava-random": "llava-1.5"}
     for name in demos:
@@ -67,7 +63,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def encoded(demos: dict[str, Any]) -> dict[str, ImageTokens]:
-    image = noise_image(336, 336, seed=9)  # N: 576 / 1152 / 144
+    image = noise_image(336, 336, seed=9)  # N: 576 / 1152 / 144 / 256
     return {name: adapter.encode_image(image) for name, adapter in demos.items()}
 
 
@@ -100,7 +96,7 @@ def test_demo_loads_from_its_folder(demos: dict[str, Any], demo_home: Path, name
     assert adapter.capabilities <= frozenset(PROBES)
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl", "tiny-internvl3"])
 def test_demo_build_is_deterministic_and_keeps_global_rng(demos: dict[str, Any], name: str) -> None:
     torch.manual_seed(1234)
     state = torch.random.get_rng_state()
@@ -110,7 +106,7 @@ def test_demo_build_is_deterministic_and_keeps_global_rng(demos: dict[str, Any],
     assert same_weights(model, demos[name].model)
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl", "tiny-internvl3"])
 def test_new_demos_print_nothing(demo_home: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
     adapter = load_backbone(name, home=demo_home)
     tokens = adapter.encode_image(noise_image(200, 260))
@@ -183,7 +179,7 @@ def test_every_method_runs_or_refuses_cleanly(
         assert not refused
     elif name == "tiny-llava-next":
         assert refused <= {"pool"}  # pool needs one raster grid; NeXT has two views
-    else:  # Qwen2.5-VL: no CLS token, so exactly the methods that need a vision-tower probe refuse
+    else:  # Qwen2.5-VL, InternVL3: no CLS probes, so exactly the methods that need a vision-tower probe refuse
         assert refused == {m for m in outcomes if build_method(m).needs & VISION_PROBES}
     assert {"care", "random", "fastv"} <= {m for m, o in outcomes.items() if o == "ran"}
 

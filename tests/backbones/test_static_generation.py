@@ -37,7 +37,7 @@ def image() -> Any:
     return noise_image(300, 400, seed=4)
 
 
-@pytest.mark.parametrize("name", ["demo", "next_demo"])
+@pytest.mark.parametrize("name", ["demo", "next_demo", "internvl_demo"])
 def test_static_loop_gives_model_generate_tokens(request: pytest.FixtureRequest, image: Any, name: str) -> None:
     adapter = request.getfixturevalue(name)
     assert unsupported_reason(adapter.model) is None

@@ -68,7 +68,15 @@ def test_entry_point_registers_every_model_id() -> None:
     assert models.get_model("care_llava") is plugin.CareLlava
     assert models.get_model("care_llava_next") is plugin.CareLlava
     assert models.get_model("care_qwen2_5_vl") is plugin.CareQwen2_5_VL
-    assert {m.model_id for m in plugin.manifests()} == {"care", "care_llava", "care_qwen2_5_vl", "care_qwen3_vl"}
+    assert models.get_model("care_internvl") is plugin.CareInternVL
+    assert models.get_model("care_internvl3") is plugin.CareInternVL
+    assert {m.model_id for m in plugin.manifests()} == {
+        "care",
+        "care_llava",
+        "care_qwen2_5_vl",
+        "care_qwen3_vl",
+        "care_internvl",
+    }
 
 
 @pytest.mark.parametrize(("method", "keep"), [("care", 64), ("visionzip", 32)])

@@ -144,6 +144,20 @@ def test_qwen_merger_f_m(name: str) -> None:
     assert spec.projector.token_dim == 4 * 1280
 
 
+def test_internvl_projector_f_m_is_its_linears_plus_the_layer_norm() -> None:
+    from transformers import InternVLConfig
+    from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
+    spec = KNOWN_BACKBONES["internvl3-8b"]
+    config = InternVLConfig(text_config={"model_type": "qwen2", "hidden_size": spec.lm.hidden})
+    with torch.device("meta"):
+        projector = InternVLMultiModalProjector(config)
+    assert (projector.layer_norm.normalized_shape[0], projector.linear_1.in_features) == (4096, 4096)
+    n = spec.default_tokens
+    counted, _ = count_flops(lambda: projector(torch.empty(n, 4096, device="meta")))  # linears only (norms: 0)
+    _close(counted + n * fx.LAYER_NORM_FLOPS_PER_ELEMENT * 4096, fx.projector_flops(spec.projector, n))
+
+
 # (d) the score term: 2m F_M(N) = the projector on 2m·N rows (m perturbation pairs) -------------------------
 @pytest.mark.parametrize("name", ["llava-1.5-7b", "qwen2.5-vl-7b"])
 def test_score_term_is_projector_on_2mN_rows(name: str) -> None:

@@ -50,9 +50,11 @@ def test_published_numbers() -> None:
         "llava-next-7b": (32, 4096, 11008, 32, 32), "llava-next-13b": (40, 5120, 13824, 40, 40),
         "qwen2.5-vl-3b": (36, 2048, 11008, 16, 2), "qwen2.5-vl-7b": (28, 3584, 18944, 28, 4),
         "qwen3-vl-8b": (36, 4096, 12288, 32, 8),
+        "internvl3-8b": (28, 3584, 18944, 28, 4),
     }  # fmt: skip
-    assert KNOWN_BACKBONES["qwen3-vl-8b"].projector.linears == ((4608, 4608), (4608, 4096))
-    assert KNOWN_BACKBONES["qwen3-vl-8b"].vision.deepstack_layers == (8, 16, 24)
+    internvl = KNOWN_BACKBONES["internvl3-8b"]
+    assert internvl.projector.linears == ((4096, 3584), (3584, 3584)) and internvl.projector.layer_norm == 4096
+    assert (internvl.vision.layers, internvl.vision.hidden, internvl.vision.intermediate) == (24, 1024, 4096)
     assert KNOWN_BACKBONES["llava-1.5-7b"].projector.linears == ((1024, 4096), (4096, 4096))
     assert KNOWN_BACKBONES["llava-1.5-13b"].projector.linears == ((1024, 5120), (5120, 5120))
     assert KNOWN_BACKBONES["qwen2.5-vl-7b"].projector.linears == ((5120, 5120), (5120, 3584))
@@ -64,7 +66,9 @@ def test_published_numbers() -> None:
                                             ("qwen2.5-vl", "qwen2.5-vl-7b"), ("LLaVA-1.5-13B", "llava-1.5-13b"),
                                             ("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2.5-vl-3b"),
                                             ("qwen3-vl", "qwen3-vl-8b"),
-                                            ("Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b")])  # fmt: skip
+                                            ("Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b"),
+                                            ("internvl3", "internvl3-8b"),
+                                            ("OpenGVLab/InternVL3-8B-hf", "internvl3-8b")])  # fmt: skip
 def test_names(name: str, full: str) -> None:
     assert resolve_backbone(name).name == full
 
@@ -138,3 +142,18 @@ def test_malformed_configs(tmp_path: Path, content: str, message: str) -> None:
 def test_folder_without_config(tmp_path: Path) -> None:
     with pytest.raises(BackboneSpecError, match=r"no config\.json"):
         resolve_backbone(str(tmp_path))
+
+
+def test_internvl_config_and_its_tile_limit(tmp_path: Path) -> None:
+    config = {"model_type": "internvl", "downsample_ratio": 0.5,
+              "vision_config": {"hidden_size": 1024, "image_size": [448, 448], "patch_size": [14, 14],
+                                "num_hidden_layers": 24, "intermediate_size": 4096, "num_attention_heads": 16},
+              "text_config": {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
+                              "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+                              "vocab_size": 151674}}  # fmt: skip
+    spec = from_config(_write(tmp_path / "internvl", config))
+    ref = KNOWN_BACKBONES["internvl3-8b"]
+    assert (spec.lm, spec.projector, spec.vision, spec.family) == (ref.lm, ref.projector, ref.vision, "internvl3")
+    assert spec.default_tokens == 1280  # 672x672: 2x2 tiles + thumbnail, 256 each
+    _write(tmp_path / "internvl", {"max_patches": 1}, "preprocessor_config.json")
+    assert from_config(tmp_path / "internvl").default_tokens == 256  # one tile, no thumbnail

@@ -15,6 +15,7 @@ from care_core.flops.specs import KNOWN_BACKBONES
 from care_core.flops.tokens import ImageSizeError, parse_image_size, squarest_grid, visual_tokens
 
 NEXT, QWEN, LLAVA = KNOWN_BACKBONES["llava-next-7b"], KNOWN_BACKBONES["qwen2.5-vl-7b"], KNOWN_BACKBONES["llava-1.5-7b"]
+INTERNVL = KNOWN_BACKBONES["internvl3-8b"]
 
 
 @pytest.mark.parametrize(("size", "n"), [((672, 672), 2880), ((500, 800), 2016), ((900, 300), 2304)])
@@ -92,3 +93,19 @@ def test_parse_image_size_rejects(text: str) -> None:
 
 def test_squarest_grid() -> None:
     assert squarest_grid(1110) == (30, 37) and squarest_grid(576) == (24, 24) and squarest_grid(7) == (1, 7)
+
+
+# (height, width) -> N by hand: (cols, rows) closest to W/H among 1..12 tiles, + a thumbnail when > 1 tile, 256 each
+@pytest.mark.parametrize(("size", "n"), [((448, 448), 256), ((336, 336), 256), ((448, 896), 768),
+                                         ((500, 2000), 1280), ((500, 800), 1792), ((672, 672), 1280)])  # fmt: skip
+def test_internvl_counts(size: tuple[int, int], n: int) -> None:
+    assert visual_tokens(INTERNVL, *size).tokens == n
+
+
+def test_internvl_matches_transformers_tile_rule() -> None:
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    processor = GotOcr2ImageProcessorPil(size={"height": 448, "width": 448})
+    for height, width in _sizes(400):
+        tiles = processor.get_number_of_image_patches(height, width, {"crop_to_patches": True})
+        assert visual_tokens(INTERNVL, height, width).tokens == 256 * tiles, (height, width)

@@ -54,7 +54,8 @@ def test_score_labels() -> None:
 
 
 def test_one_spelling_per_family() -> None:
-    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl"]
+    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl", "internvl3"]
+    assert backbone_family("internvl").name == backbone_family("InternVL3").name == "internvl3"
     # a config.json model_type finds its family, case-insensitively; the family keeps its one name
     assert backbone_family("Qwen2_5_VL").name == backbone_family("qwen2.5-vl").name == "qwen2.5-vl"
     assert backbone_family("llava").name == "llava-1.5" and backbone_family("llava_next").name == "llava-next"
@@ -69,6 +70,9 @@ def test_methods_for_backbone() -> None:
     assert backbone_family("Qwen3_VL").name == "qwen3-vl"
     assert set(METHODS) - set(methods_for_backbone("llava-next")) == {"pool"}  # two views, no single grid
     assert methods_for_backbone("llava-1.5") == METHODS
+    # InternVL3: no CLS probe through the pixel shuffle, and tiles + thumbnail are no single grid
+    assert set(METHODS) - set(methods_for_backbone("internvl3")) == {"visionzip", "prumerge+", "prumerge", "ficoco-v",
+                                                                     "pool"}  # fmt: skip
     assert qwen == [name for name in METHODS if name in qwen]  # listing order kept
 
 
@@ -110,12 +114,14 @@ def test_a_served_backbone_gives_what_the_method_needs(name: str) -> None:
 
 
 def test_each_family_loads_through_its_own_adapter() -> None:
+    from care_core.backbones.internvl import InternVLAdapter
     from care_core.backbones.llava import LlavaAdapter
     from care_core.backbones.llava_next import LlavaNextAdapter
     from care_core.backbones.loading import adapter_class
     from care_core.backbones.qwen2_5_vl import Qwen2_5_VLAdapter
 
-    expected = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter}
+    expected = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter,
+                "internvl": InternVLAdapter}  # fmt: skip
     for model_type, adapter in expected.items():
         assert adapter_class(model_type) is adapter
         assert backbone_family(model_type).name == adapter.family  # the adapter names its own record
@@ -123,6 +129,11 @@ def test_each_family_loads_through_its_own_adapter() -> None:
     qwen_offers = Qwen2_5_VLAdapter.capabilities.fget(None)  # type: ignore[attr-defined]
     for name in METHODS:
         assert method_class(name).serves("qwen2.5-vl") == (method_class(name).needs <= qwen_offers), name
+    # InternVL3's too, where the method needs no single grid
+    internvl_offers = InternVLAdapter.capabilities.fget(None)  # type: ignore[attr-defined]
+    for name in METHODS:
+        if "single_grid" not in method_class(name).requires:
+            assert method_class(name).serves("internvl3") == (method_class(name).needs <= internvl_offers), name
 
 
 def test_metadata_imports_without_torch() -> None:
