@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .families import BackboneFamily, DemoBackbone, backbone_family, register_family
     from .llava import LlavaAdapter
     from .llava_next import LlavaNextAdapter
+    from .llava_onevision import LlavaOnevisionAdapter
     from .loading import care_home, hf_hub_cache, load_backbone
     from .qwen2_5_vl import Qwen2_5_VLAdapter, QwenMergerProjector
 
@@ -30,6 +31,7 @@ _HOMES = {
     "register_family": "families",
     "LlavaAdapter": "llava",
     "LlavaNextAdapter": "llava_next",
+    "LlavaOnevisionAdapter": "llava_onevision",
     "care_home": "loading",
     "hf_hub_cache": "loading",
     "load_backbone": "loading",
@@ -44,6 +46,7 @@ __all__ = [
     "ImageTokens",
     "LlavaAdapter",
     "LlavaNextAdapter",
+    "LlavaOnevisionAdapter",
     "Qwen2_5_VLAdapter",
     "QwenMergerProjector",
     "VLMAdapter",
