@@ -3,6 +3,8 @@
 - LLaVA-1.5: one shortest-edge-336 resize + centre crop, so always (336/14)² = 576.
 - LLaVA-NeXT (anyres): the base view (576) + the high-resolution grid after `unpad_image`, **without** the
   `image_newline` rows (design). The best resolution comes from `select_best_resolution` over the pinpoints.
+- LLaVA-OneVision: the same count (base 729, SigLIP 384/14, no CLS) of the grid **before** the model's bilinear
+  pooling (ratio > 1.1); ``detail`` adds the pooled grid and the rows the model's own sequence has.
 - Qwen2.5-VL: `smart_resize` to multiples of patch·merge (28) within [min_pixels, max_pixels], then one token
   per merged 2×2 group: (H'/28)·(W'/28).
 
@@ -81,6 +83,10 @@ def llava_next_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount
     base = spec.vision.feature_tokens
     detail = {"best_resolution": [best_h, best_w], "tiles": [tiles_h, tiles_w], "base_tokens": base,
               "high_res_grid": [rows, cols], "newline_tokens_excluded": rows}  # fmt: skip
+    if spec.max_crops:  # LLaVA-OneVision: N is the grid before the model's pooling (docs/design.md §LLaVA-OneVision)
+        pooled_rows, pooled_cols = onevision_pooled_grid(rows, cols, per_side, spec.max_crops)
+        detail.update(pooled_grid=[pooled_rows, pooled_cols],
+                      model_visual_rows=base + pooled_rows * (pooled_cols + 1))  # fmt: skip
     return TokenCount(base + rows * cols, crops=1 + tiles_h * tiles_w, grid=(rows, cols), detail=detail)
 
 
@@ -142,7 +148,7 @@ def visual_tokens(spec: BackboneSpec, height: int, width: int) -> TokenCount:
         per_side = side // spec.vision.patch_size
         return TokenCount(spec.vision.feature_tokens, grid=(per_side, per_side),
                           detail={"note": f"resized to {side} on the short side and centre-cropped"})  # fmt: skip
-    if spec.grid_pinpoints:  # anyres crops (LLaVA-NeXT)
+    if spec.grid_pinpoints:  # anyres crops (LLaVA-NeXT, LLaVA-OneVision)
         return llava_next_tokens(height, width, spec)
     return qwen_tokens(height, width, spec)
 

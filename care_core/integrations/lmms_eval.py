@@ -2,8 +2,9 @@
 
 Registered through the entry point group ``lmms_eval.models`` (see :func:`manifests`):
 
-* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL; aliases ``care_vtr``);
-* ``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints only (alias ``care_llava_next``);
+* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL; aliases ``care_vtr``);
+* ``care_llava``: LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision checkpoints only (aliases ``care_llava_next``,
+  ``care_llava_onevision``);
 * ``care_qwen2_5_vl``: Qwen2.5-VL checkpoints only.
 
 ``model_args``: ``pretrained`` (a local folder, a cached repo id or a demo name such as ``tiny-llava``),
@@ -42,7 +43,7 @@ from care_core.runs import World
 #: model id -> (class in this module, aliases)
 MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "care": ("CareLMM", ("care_vtr",)),
-    "care_llava": ("CareLlava", ("care_llava_next",)),
+    "care_llava": ("CareLlava", ("care_llava_next", "care_llava_onevision")),
     "care_qwen2_5_vl": ("CareQwen2_5_VL", ()),
 }
 
@@ -436,7 +437,7 @@ class CareLMM(lmms):
 
 
 class CareLlava(CareLMM):
-    """``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints."""
+    """``care_llava``: LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision checkpoints (the LLaVA families)."""
 
     model_id = "care_llava"
     families = served_families(model_id)
