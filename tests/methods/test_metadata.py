@@ -54,7 +54,7 @@ def test_score_labels() -> None:
 
 
 def test_one_spelling_per_family() -> None:
-    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl"]
+    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl", "llava-onevision"]
     # a config.json model_type finds its family, case-insensitively; the family keeps its one name
     assert backbone_family("Qwen2_5_VL").name == backbone_family("qwen2.5-vl").name == "qwen2.5-vl"
     assert backbone_family("llava").name == "llava-1.5" and backbone_family("llava_next").name == "llava-next"
@@ -66,6 +66,7 @@ def test_methods_for_backbone() -> None:
     qwen = methods_for_backbone("qwen2.5-vl")
     assert set(METHODS) - set(qwen) == {"visionzip", "prumerge+", "prumerge", "ficoco-v"}  # no CLS token
     assert set(METHODS) - set(methods_for_backbone("llava-next")) == {"pool"}  # two views, no single grid
+    assert set(METHODS) - set(methods_for_backbone("llava-onevision")) == {*set(METHODS) - set(qwen), "pool"}
     assert methods_for_backbone("llava-1.5") == METHODS
     assert qwen == [name for name in METHODS if name in qwen]  # listing order kept
 
@@ -110,10 +111,12 @@ def test_a_served_backbone_gives_what_the_method_needs(name: str) -> None:
 def test_each_family_loads_through_its_own_adapter() -> None:
     from care_core.backbones.llava import LlavaAdapter
     from care_core.backbones.llava_next import LlavaNextAdapter
+    from care_core.backbones.llava_onevision import LlavaOnevisionAdapter
     from care_core.backbones.loading import adapter_class
     from care_core.backbones.qwen2_5_vl import Qwen2_5_VLAdapter
 
-    expected = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter}
+    expected = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter,
+                "llava_onevision": LlavaOnevisionAdapter}  # fmt: skip
     for model_type, adapter in expected.items():
         assert adapter_class(model_type) is adapter
         assert backbone_family(model_type).name == adapter.family  # the adapter names its own record
@@ -121,6 +124,12 @@ def test_each_family_loads_through_its_own_adapter() -> None:
     qwen_offers = Qwen2_5_VLAdapter.capabilities.fget(None)  # type: ignore[attr-defined]
     for name in METHODS:
         assert method_class(name).serves("qwen2.5-vl") == (method_class(name).needs <= qwen_offers), name
+    # LLaVA-OneVision offers the same probes; beyond them only its two grids turn methods away
+    ov_offers = LlavaOnevisionAdapter.capabilities.fget(None)  # type: ignore[attr-defined]
+    assert ov_offers == qwen_offers
+    for name in METHODS:
+        cls = method_class(name)
+        assert cls.serves("llava-onevision") == (cls.needs <= ov_offers and "single_grid" not in cls.requires), name
 
 
 def test_metadata_imports_without_torch() -> None:
