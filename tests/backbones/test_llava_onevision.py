@@ -253,3 +253,20 @@ def test_family_record_and_refusals(ov: LlavaOnevisionAdapter, encoded: dict[tup
     assert isinstance(lm, LanguageModelRun) and probes["question"].shape[1] == ov.model.config.text_config.hidden_size
     start, end = lm.image_span
     assert end - start == encoded[(384, 384)].num_tokens  # the probe's sequence: N rows, no newline rows
+
+
+def test_static_loop_drives_the_qwen2_decoder(
+    ov: LlavaOnevisionAdapter, encoded: dict[tuple[int, int], ImageTokens]
+) -> None:
+    """What CUDA graphs replay on a GPU, run eagerly here: the static-cache loop over OneVision's Qwen2 decoder (GQA,
+    qkv biases) gives model.generate's ids, for K rows and for all N (the model's own sequence, newlines included)."""
+    from care_core.backbones.static_generation import StaticGreedy, unsupported_reason
+
+    assert unsupported_reason(ov.model) is None
+    tokens = encoded[(384, 384)]
+    greedy = StaticGreedy(ov.model, graphs=False)
+    with torch.no_grad():
+        for kept in (torch.arange(0, tokens.num_tokens, 9), None):
+            rows = ov.projector(tokens.features if kept is None else tokens.features[kept])
+            inputs = ov._lm_inputs(QUESTION, tokens, rows, kept)
+            assert greedy.generate(ov._prompt_embeddings(inputs), 6) == reference_ids(ov, inputs, 6)
