@@ -244,7 +244,7 @@ def reduce_visual_tokens(
     """A context manager inside which ``model.generate`` (and a ``transformers.pipeline`` built on ``model``)
     reduces each sample's visual tokens with ``method`` to ``keep`` tokens or the fraction ``ratio`` of them.
 
-    ``model``: a loaded LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL or Qwen3-VL (``*ForConditionalGeneration``);
+    ``model``: a loaded LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL (``*ForConditionalGeneration``);
     ``processor``: its processor (the tokenizer and image processor the inputs were made with); ``method``: a
     registered name or a :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters. One image per
     sample. Bad arguments raise a one-line CareError here, before the block runs.

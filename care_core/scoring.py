@@ -48,7 +48,7 @@ _ELEMENTWISE_ACTIVATIONS = (
     "Mish",
     "ELU",
 )
-_MLP_PROJECTORS = ("LlavaMultiModalProjector", "LlavaNextMultiModalProjector")
+_MLP_PROJECTORS = ("LlavaMultiModalProjector", "LlavaNextMultiModalProjector", "LlavaOnevisionMultiModalProjector")
 
 
 def unit_directions(

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .internvl import InternVLAdapter
     from .llava import LlavaAdapter
     from .llava_next import LlavaNextAdapter
+    from .llava_onevision import LlavaOnevisionAdapter
     from .loading import care_home, hf_hub_cache, load_backbone
     from .qwen2_5_vl import Qwen2_5_VLAdapter, QwenMergerProjector
     from .qwen3_vl import Qwen3VLAdapter, Qwen3VLMergerProjector
@@ -33,6 +34,7 @@ _HOMES = {
     "InternVLAdapter": "internvl",
     "LlavaAdapter": "llava",
     "LlavaNextAdapter": "llava_next",
+    "LlavaOnevisionAdapter": "llava_onevision",
     "care_home": "loading",
     "hf_hub_cache": "loading",
     "load_backbone": "loading",
@@ -50,6 +52,7 @@ __all__ = [
     "InternVLAdapter",
     "LlavaAdapter",
     "LlavaNextAdapter",
+    "LlavaOnevisionAdapter",
     "Qwen2_5_VLAdapter",
     "Qwen3VLAdapter",
     "Qwen3VLMergerProjector",

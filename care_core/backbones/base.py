@@ -13,6 +13,8 @@ What a backbone does with ``kept``:
 * LLaVA-NeXT: rows are fed in the order given, without ``image_newline`` rows; only when the rows are exactly
   all N tokens in packed order (``kept`` None with K = N, or ``kept == arange(N)``) is the model's own full
   sequence rebuilt, newline rows included, so K = N reproduces the standard path.
+* LLaVA-OneVision: as LLaVA-NeXT (K rows as given, never pooled); all N tokens in packed order rebuild the model's
+  own sequence through its ``pack_image_features``, its bilinear pooling of large grids included.
 * Qwen2.5-VL: every row gets the multimodal-rope (t, h, w) position of its token in the full sequence (the
   text after the image keeps its original positions); rows with -1 get the position of the last image
   token (the bottom-right merged patch), so they sit at the end of the image in rope space.
@@ -46,7 +48,7 @@ class ImageTokens:
     seen_box: tuple[float, float, float, float]  # [x0, y0, x1, y1] of the original image the tokens cover
     grid: tuple[int, int] | None = None  # (rows, cols) when the tokens form one raster grid
     model_inputs: dict[str, Any] = field(default_factory=dict)  # processor outputs, kept to feed the LM
-    views: torch.Tensor | None = None  # (N,) long, LLaVA-NeXT only: 0 = base-view token, 1 = high-resolution
+    views: torch.Tensor | None = None  # (N,) long, anyres families only: 0 = base-view token, 1 = high-resolution
 
     @property
     def num_tokens(self) -> int:

@@ -84,6 +84,22 @@ QWEN25VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Modelled on the llava-hf LLaVA-OneVision template (Qwen2 chat markup, images first in a user turn; unverified
+# against the hub file): "<|im_start|>user <image>\n{question}<|im_end|>\n<|im_start|>assistant\n".
+LLAVA_ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ '\n' + content['text'] }}{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 QWEN_CONTROL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -405,6 +421,49 @@ def build_tiny_internvl3(seed: int = 0) -> tuple[Any, Any]:
     )
     processor = CareInternVLProcessor(image_processor=image_processor, tokenizer=tok, image_seq_length=256,
                                       chat_template=INTERNVL_CHAT_TEMPLATE)  # fmt: skip
+    return model, processor
+
+
+def build_tiny_llava_onevision(seed: int = 0) -> tuple[Any, Any]:
+    """LLaVA-OneVision with the real geometry (SigLIP 384 px / 14 = 27x27 = 729 patches, no CLS, layer -1, strategy
+    "full", the anyres_max_9 pinpoints: 36 canvases 384..2304 in steps of 384) and tiny widths: a SigLIP tower and a
+    Qwen2 language model (GQA, qkv biases); the image-only processor (no torchvision needed)."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    from .llava_onevision import CareLlavaOnevisionProcessor
+
+    tok = build_byte_tokenizer(
+        [*QWEN_CONTROL_TOKENS[:3], "<image>", "<video>"],
+        add_bos=False,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tid = tok.convert_tokens_to_ids
+    config = LlavaOnevisionConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 384, "patch_size": 14,
+                       "vision_use_head": False},
+        text_config={"model_type": "qwen2", "vocab_size": _vocab_size(tok), "hidden_size": 64, "intermediate_size": 160,
+                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": tid("<|im_end|>"),
+                     "pad_token_id": tid("<|endoftext|>")},
+        image_token_index=tid("<image>"),
+        video_token_index=tid("<video>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_9",
+    )  # fmt: skip
+    model = _seeded(LlavaOnevisionForConditionalGeneration, config, seed)
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": 384, "width": 384}, image_grid_pinpoints=[list(p) for p in config.image_grid_pinpoints]
+    )
+    processor = CareLlavaOnevisionProcessor(
+        image_processor=image_processor, tokenizer=tok, num_image_tokens=729, vision_feature_select_strategy="full",
+        chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE, vision_aspect_ratio="anyres_max_9",
+    )  # fmt: skip
     return model, processor
 
 

@@ -205,3 +205,13 @@ register_family(BackboneFamily(
                      "thumbnail), tiny random weights; demo only"),
     ),
 ))  # fmt: skip
+register_family(BackboneFamily(
+    name="llava-onevision", display="LLaVA-OneVision", model_types=("llava_onevision",),
+    adapter="care_core.backbones.llava_onevision:LlavaOnevisionAdapter", has_cls_token=False, single_grid=False,
+    crops=True, flops_spec="llava-onevision-7b", lmms_eval_model="care_llava",
+    demos=(
+        DemoBackbone("tiny-llava-onevision", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
+                     "LLaVA-OneVision geometry (SigLIP-384/14, no CLS, anyres_max_9 pinpoints, 3645 tokens at "
+                     "768x768), tiny random weights; demo only"),
+    ),
+))  # fmt: skip

@@ -85,6 +85,8 @@ class LlavaNextAdapter(LlavaAdapter):
         "last_layer_qk": "per crop, mapped into packed order; row 0 = the base view's CLS",
         "language_model": "the N tokens without image_newline rows",
     }
+    #: rows of the tower's output before its patch tokens (CLIP's CLS, dropped by strategy "default")
+    _patch_start: ClassVar[int] = 1
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
@@ -116,7 +118,7 @@ class LlavaNextAdapter(LlavaAdapter):
             out = vt(pixel_values=torch.cat(crops).to(device=vparam.device, dtype=vparam.dtype),
                      output_hidden_states=layer)  # fmt: skip
         layers = [layer] if isinstance(layer, int) else list(layer)
-        per_crop = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)  # (all crops, 576, d_v)
+        per_crop = torch.cat([out.hidden_states[i][:, self._patch_start :] for i in layers], dim=-1)  # (crops, P, d_v)
         per_image = per_crop.split([int(c.shape[0]) for c in crops])
         return [self._tokens(per_image[i], pixel_values[i : i + 1, : crops[i].shape[0]], image_sizes[i : i + 1],
                              sizes[i]) for i in range(len(sizes))]  # fmt: skip

@@ -229,12 +229,13 @@ def lm_head_flops(lm: LanguageModelSpec) -> int:
 
 
 def clip_tower_flops(vision: VisionSpec, crops: int = 1) -> dict[str, int]:
-    """CLIP ViT, per crop: patch conv + every layer (HF runs all of them, the unused last one included).
+    """CLIP (or SigLIP) ViT, per crop: patch conv + every layer (HF runs all of them, the unused last one included).
 
-    Per layer on T = patches + 1 (CLS) tokens: 8 T d² (q, k, v, o) + 4 T d I (fc1, fc2) + 4 T² d (QK^T, AV).
+    Per layer on T = patches + 1 (CLS; SigLIP: patches only) tokens: 8 T d² (q, k, v, o) + 4 T d I (fc1, fc2)
+    + 4 T² d (QK^T, AV).
     """
     patches = (vision.image_size // vision.patch_size) ** 2
-    t, d = patches + 1, vision.hidden
+    t, d = patches + (1 if vision.kind == "clip" else 0), vision.hidden
     conv = 2 * patches * d * vision.in_channels * vision.patch_size**2
     layer = 8 * t * d * d + 4 * t * d * vision.intermediate + 4 * t * t * d
     return {"patch_embed": crops * conv, "layers": crops * vision.layers * layer}

@@ -90,7 +90,11 @@ def resolve_tokens(spec: BackboneSpec, tokens: int | None, image: tuple[int, int
         return TokenSource(tokens, "tokens", f"N = {tokens} as given")
     if image is not None:
         count = visual_tokens(spec, *image)
-        return TokenSource(count.tokens, "image_size", f"N for a {image[0]}×{image[1]} image", count, image)
+        note = f"N for a {image[0]}×{image[1]} image"
+        if count.detail.get("pooled_grid", list(count.grid or ())) != list(count.grid or ()):
+            note += (f" (the unpooled grid; the model's own sequence pools it to {count.detail['model_visual_rows']} "
+                     "visual rows, newlines included: docs/design.md §LLaVA-OneVision)")  # fmt: skip
+        return TokenSource(count.tokens, "image_size", note, count, image)
     default = visual_tokens(spec, *spec.default_image) if spec.default_image else None
     return TokenSource(spec.default_tokens, "default", spec.default_tokens_note, default, spec.default_image)
 
@@ -123,15 +127,23 @@ def resolve_methods(methods: Sequence[str], family: str | None = None) -> list[s
 
 def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int], str]:
     vision = spec.vision
-    if vision.kind in ("clip", "internvit"):
-        tower = "CLIP ViT" if vision.kind == "clip" else "InternViT (pixel shuffle and projector in F_M)"
+    if vision.kind in ("clip", "siglip", "internvit"):
         if backbone_family(spec.family).crops:
             if source.count is not None:
                 crops, how = source.count.crops, f"{source.count.crops} crops (tiles and base view) for this image"
             else:
-                crops, how = 5, "5 crops assumed (2×2 tiles + a base view, as for 672×672): N alone does not fix them"
+                crops, how = (
+                    5,
+                    "5 crops assumed (base + 2×2 tiles, as at the default image size): N alone does not fix them",
+                )
         else:
             crops, how = 1, f"one {vision.image_size}×{vision.image_size} view"
+        towers = {
+            "clip": "CLIP ViT",
+            "siglip": "SigLIP ViT (no CLS)",
+            "internvit": "InternViT (pixel shuffle and projector in F_M)",
+        }
+        tower = towers[vision.kind]
         return fx.clip_tower_flops(vision, crops), f"{tower}, all {vision.layers} layers, {how}"
     if source.count is not None and source.count.grid is not None:
         rows, cols = source.count.grid

@@ -32,6 +32,14 @@ Sources of the numbers (each checked against a stored copy of the hub file where
   (unverified: the InternVL3 tokenizer's size; the LM head term alone depends on it). Projector
   ``InternVLMultiModalProjector``: LayerNorm(4096) -> Linear(4096, 3584) -> GELU -> Linear(3584, 3584). Tiles: the
   ``GotOcr2ImageProcessor`` class defaults min_patches 1, max_patches 12 (the hub's ``max_patches`` unverified).
+- LLaVA-OneVision-7B `llava-hf/llava-onevision-qwen2-7b-ov-hf` (no hub file was checked: the numbers are
+  transformers' `LlavaOnevisionConfig` defaults and the published Qwen2-7B / SigLIP-so400m dims): SigLIP-so400m
+  384/14 (hidden 1152, intermediate 4304, 16 heads, 729 patches, no CLS) with **26** layers, the class default
+  (so400m has 27; the conversion keeps 26 because the original LLaVA-OneVision reads the penultimate layer, which
+  transformers reads as layer -1); strategy "full"; `vision_aspect_ratio` "anyres_max_9"; 36 pinpoints 384..2304 in
+  steps of 384. Qwen2-7B: L=28, H=3584, I=18944, 28 heads, 4 KV heads, vocab 152064 (unconfirmed for the hf
+  checkpoint, whose tokenizer adds <image>/<video>). Projector `LlavaOnevisionMultiModalProjector`:
+  Linear(1152, 3584) -> GELU -> Linear(3584, 3584).
 """
 
 from __future__ import annotations
@@ -97,7 +105,7 @@ class ProjectorSpec:
 class VisionSpec:
     """The vision tower (only for the optional `vision_tower` term)."""
 
-    kind: str  # "clip", "qwen2.5-vit", "qwen3-vit" or "internvit" (a CLIP-like ViT with CLS on 448 px tiles)
+    kind: str  # "clip", "siglip" (no CLS), "qwen2.5-vit", "qwen3-vit" or "internvit" (CLIP-like, CLS, 448 px tiles)
     layers: int
     hidden: int
     intermediate: int
@@ -129,6 +137,7 @@ class BackboneSpec:
     min_pixels: int = 0
     max_pixels: int = 0
     max_tiles: int = 0  # InternVL: most 448 px tiles per image (GotOcr2 max_patches; min_patches is 1)
+    max_crops: int = 0  # LLaVA-OneVision's anyres_max_<crops>: the model pools its grid beyond it (0: no pooling)
     paper_budgets: tuple[int, ...] = ()  # the paper's budgets (K) at default_tokens; the default budgets
     paper_key: str | None = None  # Table S1 / Table 1 backbone name, when these are the paper's dims
     source: str = ""
@@ -158,6 +167,9 @@ _INTERNVIT_300M = VisionSpec(kind="internvit", layers=24, hidden=1024, intermedi
 _VICUNA_7B = LanguageModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32064)
 _VICUNA_13B = LanguageModelSpec(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32064)
 _QWEN25_7B = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064)
+_QWEN2_7B = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064)
+_SIGLIP_SO400M_384 = VisionSpec(kind="siglip", layers=26, hidden=1152, intermediate=4304, heads=16, patch_size=14,
+                                image_size=384, feature_tokens=729)  # fmt: skip
 _QWEN25_3B = LanguageModelSpec(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, vocab=151936)
 _QWEN3_8B = LanguageModelSpec(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, vocab=151936,
                               head_dim=128)  # fmt: skip
@@ -166,6 +178,8 @@ INTERNVL_MAX_TILES = 12
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 3136, 12845056
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 65536, 16777216  # unverified hub budget (see the module docstring)
+ONEVISION_PINPOINTS = tuple((h, w) for h in range(384, 2305, 384) for w in range(384, 2305, 384))
+ONEVISION_MAX_CROPS = 9
 
 
 def _llava_projector(hidden: int, token_dim: int = 1024) -> ProjectorSpec:
@@ -187,6 +201,11 @@ def _internvl_projector(hidden: int, vit_hidden: int = 1024, shuffle: int = 2) -
 
 _LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the image size"
 _NEXT_NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
+_ONEVISION_NOTE = (
+    "LLaVA-OneVision at 768×768: 729 base + 2916 unpadded high-res tokens, no newline rows, no pooling (ratio ≤ 1.1)"
+)
+#: LLaVA-NeXT's paper fractions (640, 320, 160 of 2880) at OneVision's 3645: the paper has no OneVision rows
+_ONEVISION_BUDGETS = (810, 405, 202)
 _QWEN_NOTE = "Qwen2.5-VL: the paper's representative sample of 1110 merged tokens (Table S1 caption)"
 _QWEN3_NOTE = "Qwen3-VL at 1024×1024: a 32×32 merged grid (not a paper setting; budgets 20 % and 10 % of N)"
 _QWEN3_8B_NOTE = f"{_QWEN3_NOTE}; text sizes, out_hidden_size and pixel budget unverified"
@@ -220,6 +239,15 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
             source="llava-hf/llava-v1.6-vicuna-13b-hf config.json",
             aliases=("llava-v1.6-vicuna-13b", "llava-1.6-13b", "llava-hf/llava-v1.6-vicuna-13b-hf",
                      "liuhaotian/llava-v1.6-vicuna-13b"),
+        ),
+        BackboneSpec(
+            "llava-onevision-7b", "LLaVA-OneVision-7B", "llava-onevision", _QWEN2_7B, _llava_projector(3584, 1152),
+            _SIGLIP_SO400M_384, 3645, _ONEVISION_NOTE, (768, 768), ONEVISION_PINPOINTS, max_crops=ONEVISION_MAX_CROPS,
+            paper_budgets=_ONEVISION_BUDGETS,
+            source="transformers LlavaOnevisionConfig defaults + Qwen2-7B dims (llava-onevision-qwen2-7b-ov-hf, "
+                   "hub file not checked)",
+            aliases=("llava-onevision-qwen2-7b-ov-hf", "llava-hf/llava-onevision-qwen2-7b-ov-hf", "llava-ov-7b",
+                     "lmms-lab/llava-onevision-qwen2-7b-ov"),
         ),
         BackboneSpec(
             "qwen2.5-vl-3b", "Qwen2.5-VL-3B", "qwen2.5-vl", _QWEN25_3B, _qwen_merger(2048), _QWEN_VIT,
@@ -320,7 +348,7 @@ def _positive(value: Any, what: str, path: Path) -> int:
 
 
 def from_config(path: str | Path) -> BackboneSpec:
-    """Build a spec from a Hugging Face `config.json` (model_type llava, llava_next, qwen2_5_vl or qwen3_vl).
+    """Build a spec from a Hugging Face `config.json` (a model_type of a registered family).
 
     Missing fields take the defaults transformers itself would use (the config classes are asked), so the
     `llava-hf` configs, whose `text_config` names only the Vicuna checkpoint, resolve to Vicuna's dims.
@@ -412,13 +440,15 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
     lm = _lm_spec(config.text_config, path)
     vc = config.vision_config
     name = f"config:{path}"
-    if model_type in ("llava", "llava_next"):
+    if model_type in ("llava", "llava_next", "llava_onevision"):
         feature_layer = config.vision_feature_layer
         n_layers = len(feature_layer) if isinstance(feature_layer, (list, tuple)) else 1
         v_hidden = _positive(vc.hidden_size, "vision_config.hidden_size", path)
         image, patch = _positive(vc.image_size, "image_size", path), _positive(vc.patch_size, "patch_size", path)
-        per_crop = (image // patch) ** 2 + (1 if config.vision_feature_select_strategy == "full" else 0)
-        vision = VisionSpec(kind="clip", layers=_positive(vc.num_hidden_layers, "vision num_hidden_layers", path),
+        siglip = model_type == "llava_onevision"  # SigLIP: no CLS, so "full" keeps exactly the patches
+        per_crop = (image // patch) ** 2 + (1 if config.vision_feature_select_strategy == "full" and not siglip else 0)
+        vision = VisionSpec(kind="siglip" if siglip else "clip",
+                            layers=_positive(vc.num_hidden_layers, "vision num_hidden_layers", path),
                             hidden=v_hidden, intermediate=_positive(vc.intermediate_size, "vision intermediate", path),
                             heads=_positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
                             image_size=image, feature_tokens=per_crop)  # fmt: skip
@@ -427,20 +457,15 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
             return BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, per_crop,
                                 f"one {image}×{image} view: {per_crop} tokens", (image, image),
                                 paper_budgets=(192, 128, 64), source=str(path))  # fmt: skip
-        raw_pinpoints = [tuple(int(v) for v in p) for p in config.image_grid_pinpoints]
-        if not raw_pinpoints or any(len(p) != 2 or min(p) < 1 for p in raw_pinpoints):
-            raise BackboneSpecError(f"{path}: image_grid_pinpoints must be a list of [height, width] pairs")
-        pinpoints = tuple((p[0], p[1]) for p in raw_pinpoints)
-        spec = BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, 0, "",
-                            None, pinpoints, paper_budgets=(640, 320, 160), source=str(path))  # fmt: skip
-        from care_core.flops.tokens import visual_tokens
+        spec = BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, 0, "", None,
+                            _pinpoints(config, path), source=str(path))  # fmt: skip
+        if siglip:
+            from care_core.flops.tokens import anyres_max_crops
 
-        default_image = (672, 672) if (672, 672) in pinpoints else max(pinpoints, key=lambda p: p[0] * p[1])
-        n = visual_tokens(spec, *default_image).tokens
-        budgets = tuple(max(1, int(Fraction(k, 2880) * n)) for k in (640, 320, 160))
-        note = f"LLaVA-NeXT at {default_image[0]}×{default_image[1]}: base + unpadded high-res, no newline rows"
-        return replace(spec, default_tokens=n, default_tokens_note=note, default_image=default_image,
-                       paper_budgets=budgets)  # fmt: skip
+            spec = replace(
+                spec, max_crops=anyres_max_crops(str(getattr(config, "vision_aspect_ratio", "anyres_max_9")))
+            )
+        return _with_default_image(spec, family.display)
     if model_type == "internvl":
         return _internvl_spec(config, lm, name, family.display, path)
     return _qwen_spec(config, model_type, path, name, lm)
@@ -502,6 +527,28 @@ def _internvl_spec(config: Any, lm: LanguageModelSpec, name: str, display: str, 
                    default_tokens_note=f"InternVL at 672×672: tiles + thumbnail, {per_tile} tokens each")  # fmt: skip
 
 
+def _pinpoints(config: Any, path: Path) -> tuple[tuple[int, int], ...]:
+    raw_pinpoints = [tuple(int(v) for v in p) for p in config.image_grid_pinpoints]
+    if not raw_pinpoints or any(len(p) != 2 or min(p) < 1 for p in raw_pinpoints):
+        raise BackboneSpecError(f"{path}: image_grid_pinpoints must be a list of [height, width] pairs")
+    return tuple((p[0], p[1]) for p in raw_pinpoints)
+
+
+def _with_default_image(spec: BackboneSpec, display: str) -> BackboneSpec:
+    """An anyres spec's default image (672×672, else 768×768 where a pinpoint, else the largest pinpoint), its N and
+    budgets at LLaVA-NeXT's paper fractions (640, 320, 160 of 2880)."""
+    from care_core.flops.tokens import visual_tokens
+
+    pinpoints = spec.grid_pinpoints
+    default_image = next((p for p in ((672, 672), (768, 768)) if p in pinpoints), None)
+    default_image = default_image or max(pinpoints, key=lambda p: p[0] * p[1])
+    n = visual_tokens(spec, *default_image).tokens
+    budgets = tuple(max(1, int(Fraction(k, 2880) * n)) for k in (640, 320, 160))
+    note = f"{display} at {default_image[0]}×{default_image[1]}: base + unpadded high-res, no newline rows"
+    return replace(spec, default_tokens=n, default_tokens_note=note, default_image=default_image,
+                   paper_budgets=budgets)  # fmt: skip
+
+
 def _with_qwen_pixels(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec:
     """Use the folder's processor pixel limits when it has them (min/max_pixels or size.{shortest,longest}_edge)."""
     if not preprocessor.is_file():
@@ -530,7 +577,7 @@ def _with_internvl_tiles(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec
 
 
 def _signature(spec: BackboneSpec) -> tuple[Any, ...]:
-    return (spec.family, spec.lm, spec.projector, spec.vision, spec.grid_pinpoints, spec.max_tiles)
+    return (spec.family, spec.lm, spec.projector, spec.vision, spec.grid_pinpoints, spec.max_tiles, spec.max_crops)
 
 
 def _match_paper(spec: BackboneSpec) -> BackboneSpec:

@@ -3,6 +3,8 @@
 - LLaVA-1.5: one shortest-edge-336 resize + centre crop, so always (336/14)² = 576.
 - LLaVA-NeXT (anyres): the base view (576) + the high-resolution grid after `unpad_image`, **without** the
   `image_newline` rows (design). The best resolution comes from `select_best_resolution` over the pinpoints.
+- LLaVA-OneVision: the same count (base 729, SigLIP 384/14, no CLS) of the grid **before** the model's bilinear
+  pooling (ratio > 1.1); ``detail`` adds the pooled grid and the rows the model's own sequence has.
 - Qwen2.5-VL: `smart_resize` to multiples of patch·merge (28) within [min_pixels, max_pixels], then one token
   per merged 2×2 group: (H'/28)·(W'/28). Qwen3-VL: the same with 16 px patches, multiples of 32: (H'/32)·(W'/32).
 
@@ -85,7 +87,34 @@ def llava_next_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount
     base = spec.vision.feature_tokens
     detail = {"best_resolution": [best_h, best_w], "tiles": [tiles_h, tiles_w], "base_tokens": base,
               "high_res_grid": [rows, cols], "newline_tokens_excluded": rows}  # fmt: skip
+    if spec.max_crops:  # LLaVA-OneVision: N is the grid before the model's pooling (docs/design.md §LLaVA-OneVision)
+        pooled_rows, pooled_cols = onevision_pooled_grid(rows, cols, per_side, spec.max_crops)
+        detail.update(pooled_grid=[pooled_rows, pooled_cols],
+                      model_visual_rows=base + pooled_rows * (pooled_cols + 1))  # fmt: skip
     return TokenCount(base + rows * cols, crops=1 + tiles_h * tiles_w, grid=(rows, cols), detail=detail)
+
+
+#: the ratio above which LLaVA-OneVision bilinearly pools its high-resolution grid (``pack_image_features``)
+ONEVISION_POOL_ABOVE = 1.1
+
+
+def anyres_max_crops(vision_aspect_ratio: str) -> int:
+    """The crop budget of a LLaVA-OneVision ``vision_aspect_ratio`` ("anyres_max_9" -> 9), parsed as the model does."""
+    try:
+        return int(vision_aspect_ratio.strip("anyres_max_"))  # noqa: B005  (the model strips this character set)
+    except ValueError:
+        raise CareError(f"vision_aspect_ratio {vision_aspect_ratio!r} is not of the form anyres_max_<crops>") from None
+
+
+def onevision_pooled_grid(rows: int, cols: int, side: int, max_crops: int) -> tuple[int, int]:
+    """The (rows, cols) LLaVA-OneVision's ``pack_image_features`` hands the language model for an unpadded
+    high-resolution grid of rows×cols (``side``: patches per crop side): bilinearly pooled to
+    ``int(rows // ratio) × int(cols // ratio)`` when ``ratio = sqrt(rows·cols / (max_crops·side²)) > 1.1``,
+    else unchanged (transformers' expressions, float floor division included)."""
+    ratio = math.sqrt(rows * cols / (max_crops * side**2))
+    if ratio > ONEVISION_POOL_ABOVE:
+        return int(rows // ratio), int(cols // ratio)
+    return rows, cols
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -148,7 +177,7 @@ def visual_tokens(spec: BackboneSpec, height: int, width: int) -> TokenCount:
                           detail={"note": f"resized to {side} on the short side and centre-cropped"})  # fmt: skip
     if spec.vision.kind == "internvit":  # dynamic 448 px tiles + thumbnail (InternVL3)
         return internvl_tokens(height, width, spec)
-    if spec.grid_pinpoints:  # anyres crops (LLaVA-NeXT)
+    if spec.grid_pinpoints:  # anyres crops (LLaVA-NeXT, LLaVA-OneVision)
         return llava_next_tokens(height, width, spec)
     return qwen_tokens(height, width, spec)
 

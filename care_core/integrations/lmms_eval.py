@@ -2,8 +2,10 @@
 
 Registered through the entry point group ``lmms_eval.models`` (see :func:`manifests`):
 
-* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL, Qwen3-VL, InternVL3; aliases ``care_vtr``);
-* ``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints only (alias ``care_llava_next``);
+* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, InternVL3;
+  aliases ``care_vtr``);
+* ``care_llava``: LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision checkpoints only (aliases ``care_llava_next``,
+  ``care_llava_onevision``);
 * ``care_qwen2_5_vl``: Qwen2.5-VL checkpoints only;
 * ``care_qwen3_vl``: Qwen3-VL checkpoints only;
 * ``care_internvl``: InternVL3 ``-hf`` checkpoints only (alias ``care_internvl3``).
@@ -44,7 +46,7 @@ from care_core.runs import World
 #: model id -> (class in this module, aliases)
 MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "care": ("CareLMM", ("care_vtr",)),
-    "care_llava": ("CareLlava", ("care_llava_next",)),
+    "care_llava": ("CareLlava", ("care_llava_next", "care_llava_onevision")),
     "care_qwen2_5_vl": ("CareQwen2_5_VL", ()),
     "care_qwen3_vl": ("CareQwen3_VL", ()),
     "care_internvl": ("CareInternVL", ("care_internvl3",)),
@@ -440,7 +442,7 @@ class CareLMM(lmms):
 
 
 class CareLlava(CareLMM):
-    """``care_llava``: LLaVA-1.5 and LLaVA-NeXT checkpoints."""
+    """``care_llava``: LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision checkpoints (the LLaVA families)."""
 
     model_id = "care_llava"
     families = served_families(model_id)

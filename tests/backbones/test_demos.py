@@ -41,9 +41,17 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
     from care_cli.options import Model
     from care_core.backbones.families import DEFAULT_DEMO, backbone_family
 
-    demos = ["tiny-llava", "tiny-llava-random", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-internvl3"]
+    demos = [
+        "tiny-llava",
+        "tiny-llava-random",
+        "tiny-llava-next",
+        "tiny-qwen2.5-vl",
+        "tiny-qwen3-vl",
+        "tiny-internvl3",
+        "tiny-llava-onevision",
+    ]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
-    families = {**FAMILIES, "tiny-llava-random": "llava-1.5"}
+    families = {**FAMILIES, "tiny-llava-random": "llava-1.5", "tiny-llava-onevision": "llava-onevision"}
     for name in demos:
         assert DEMO_BACKBONES[name].family == families[name]
         assert DEMO_BACKBONES[name] in backbone_family(families[name]).demos

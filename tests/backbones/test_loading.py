@@ -256,7 +256,9 @@ def test_corrupt_config(tmp_path: Path) -> None:
 def test_unsupported_model_type(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(
-        ModelLoadError, match=r"unsupported model type bert \(supported: internvl, llava, llava_next, qwen2_5_vl, qwen3_vl\)"
+        ModelLoadError,
+        match=r"unsupported model type bert \(supported: internvl, llava, llava_next, llava_onevision, qwen2_5_vl, "
+        r"qwen3_vl\)",
     ):
         load_backbone(tmp_path)
 

@@ -35,7 +35,8 @@ def assert_edges(png: np.ndarray, boxes: list[list[float]], colour: str) -> None
         for x, y in edge_points(box):
             pixel = png[y, x]
             others = np.delete(pixel, channel)
-            assert pixel[channel] >= 170 and others.max() <= 60, (colour, box, (x, y), pixel.tolist())
+            # <= 72: anti-aliasing tints the edge of a 7 px box (LLaVA-OneVision's high-res patch at 420 px) up to 63
+            assert pixel[channel] >= 170 and others.max() <= 72, (colour, box, (x, y), pixel.tolist())
 
 
 def to_image_px(box: list[float], extent: list[float], height: int, width: int) -> np.ndarray:

@@ -195,7 +195,8 @@ def test_helpers() -> None:
     assert selection.names == ["care_pope_examples"] and selection.include_paths == [str(POPE)]
 
 
-@pytest.mark.parametrize(("model", "keep", "rows"), [("tiny-llava-next", 16, 2928), ("tiny-qwen2.5-vl", 16, 324)])
+@pytest.mark.parametrize(("model", "keep", "rows"), [("tiny-llava-next", 16, 2928), ("tiny-qwen2.5-vl", 16, 324),
+                                                    ("tiny-llava-onevision", 16, 729 + 54 * 55)])  # fmt: skip
 def test_every_demo_backbone_evaluates(model: str, keep: int, rows: int) -> None:
     adapter = load_backbone(model, device="cpu")
     counted: list[int] = []
@@ -212,7 +213,7 @@ def test_every_demo_backbone_evaluates(model: str, keep: int, rows: int) -> None
         assert "pope_accuracy" in plugin.task_metrics(results, "care_pope_examples")
         assert [r.visual_tokens for r in lm.records] == [fed]
     assert counted == [rows, keep]
-    if model == "tiny-qwen2.5-vl":
+    if model in ("tiny-qwen2.5-vl", "tiny-llava-onevision"):  # no CLS token
         with pytest.raises(MethodError, match="visionzip"):
             plugin.check_methods([EvalSpec(pretrained=model, method="visionzip", keep=8)], adapter)
 

@@ -51,6 +51,7 @@ def test_published_numbers() -> None:
         "qwen2.5-vl-3b": (36, 2048, 11008, 16, 2), "qwen2.5-vl-7b": (28, 3584, 18944, 28, 4),
         "qwen3-vl-8b": (36, 4096, 12288, 32, 8),
         "internvl3-8b": (28, 3584, 18944, 28, 4),
+        "llava-onevision-7b": (28, 3584, 18944, 28, 4),
     }  # fmt: skip
     internvl = KNOWN_BACKBONES["internvl3-8b"]
     assert internvl.projector.linears == ((4096, 3584), (3584, 3584)) and internvl.projector.layer_norm == 4096
@@ -116,6 +117,31 @@ def test_llava_next_and_qwen_configs(tmp_path: Path) -> None:
     assert (qwen.lm, qwen.projector, qwen.vision) == (ref.lm, ref.projector, ref.vision)
     _write(tmp_path / "qwen", {"min_pixels": 200704, "max_pixels": 1003520}, "preprocessor_config.json")
     assert from_config(tmp_path / "qwen").max_pixels == 1003520
+
+
+ONEVISION_7B = {  # the llava-onevision-qwen2-7b-ov-hf shape as transformers' config class describes it (no hub file)
+    "model_type": "llava_onevision", "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
+    "vision_aspect_ratio": "anyres_max_9",
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                      "num_hidden_layers": 26, "num_attention_heads": 16, "image_size": 384, "patch_size": 14},
+    "text_config": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064},
+}  # fmt: skip
+
+
+def test_llava_onevision_spec_and_config(tmp_path: Path) -> None:
+    ref = KNOWN_BACKBONES["llava-onevision-7b"]
+    assert ref.projector.linears == ((1152, 3584), (3584, 3584)) and ref.projector.kind == "mlp2x_gelu"
+    assert (ref.vision.kind, ref.vision.layers, ref.vision.feature_tokens, ref.max_crops) == ("siglip", 26, 729, 9)
+    assert len(ref.grid_pinpoints) == 36 and {p for pin in ref.grid_pinpoints for p in pin} == set(
+        range(384, 2305, 384)
+    )
+    assert ref.default_tokens == 729 + 54 * 54 and ref.default_image == (768, 768)  # 2x2 crops, nothing unpadded
+    assert resolve_backbone("llava-onevision") == ref
+    spec = from_config(_write(tmp_path / "ov", ONEVISION_7B))
+    assert (spec.lm, spec.projector, spec.vision, spec.grid_pinpoints) == (ref.lm, ref.projector, ref.vision,
+                                                                           ref.grid_pinpoints)  # fmt: skip
+    assert spec.family == "llava-onevision" and spec.display == "LLaVA-OneVision-7B" and spec.default_tokens == 3645
 
 
 def test_unmatched_config_has_no_paper_rows(tmp_path: Path) -> None:

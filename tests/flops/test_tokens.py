@@ -16,6 +16,7 @@ from care_core.flops.tokens import ImageSizeError, parse_image_size, squarest_gr
 
 NEXT, QWEN, LLAVA = KNOWN_BACKBONES["llava-next-7b"], KNOWN_BACKBONES["qwen2.5-vl-7b"], KNOWN_BACKBONES["llava-1.5-7b"]
 INTERNVL = KNOWN_BACKBONES["internvl3-8b"]
+ONEVISION = KNOWN_BACKBONES["llava-onevision-7b"]
 
 
 @pytest.mark.parametrize(("size", "n"), [((672, 672), 2880), ((500, 800), 2016), ((900, 300), 2304)])
@@ -56,6 +57,33 @@ def test_llava_next_matches_transformers_processor_and_model() -> None:
         unpadded = unpad_image(torch.empty(1, tiles_h * 24, tiles_w * 24), (height, width))
         assert tuple(unpadded.shape[1:]) == (rows, cols), (height, width)
         assert ours.crops == 1 + tiles_h * tiles_w
+
+
+def test_llava_onevision_matches_transformers_processor() -> None:
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    processor = object.__new__(LlavaOnevisionProcessor)  # only the counting attributes, no tokenizer needed
+    processor.image_processor = SimpleNamespace(image_grid_pinpoints=[list(p) for p in ONEVISION.grid_pinpoints])
+    processor.num_image_tokens, processor.vision_aspect_ratio = 729, "anyres_max_9"
+    pooled_sizes = 0
+    for height, width in _sizes(600):
+        ours = visual_tokens(ONEVISION, height, width)
+        rows, cols = ours.grid
+        pooled_rows, pooled_cols = ours.detail["pooled_grid"]
+        pooled_sizes += (pooled_rows, pooled_cols) != (rows, cols)
+        # N: base + the unpooled grid; the processor counts the model's own rows (pooled grid + a newline per row)
+        assert processor._get_number_of_features(height, width, 384, 384) == ours.detail["model_visual_rows"]
+        assert ours.detail["model_visual_rows"] == 729 + pooled_rows * (pooled_cols + 1)
+        assert ours.tokens == 729 + rows * cols, (height, width)
+    assert pooled_sizes > 50  # many of the sizes are pooled
+
+
+def test_llava_onevision_counts() -> None:  # the table of docs/design.md §LLaVA-OneVision
+    counts = {(384, 384): (1458, 1485), (768, 768): (3645, 3699), (500, 800): (4779, 4829),
+              (2000, 1000): (729 + 162 * 81, 7341)}  # fmt: skip
+    for size, (n, model_rows) in counts.items():
+        ours = visual_tokens(ONEVISION, *size)
+        assert (ours.tokens, ours.detail["model_visual_rows"]) == (n, model_rows), size
 
 
 def test_float_rounding_follows_transformers() -> None:

@@ -54,7 +54,7 @@ def test_score_labels() -> None:
 
 
 def test_one_spelling_per_family() -> None:
-    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl", "internvl3"]
+    assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl", "internvl3", "llava-onevision"]
     assert backbone_family("internvl").name == backbone_family("InternVL3").name == "internvl3"
     # a config.json model_type finds its family, case-insensitively; the family keeps its one name
     assert backbone_family("Qwen2_5_VL").name == backbone_family("qwen2.5-vl").name == "qwen2.5-vl"
@@ -69,6 +69,7 @@ def test_methods_for_backbone() -> None:
     assert methods_for_backbone("qwen3-vl") == qwen  # no CLS token either, one grid
     assert backbone_family("Qwen3_VL").name == "qwen3-vl"
     assert set(METHODS) - set(methods_for_backbone("llava-next")) == {"pool"}  # two views, no single grid
+    assert set(METHODS) - set(methods_for_backbone("llava-onevision")) == {*set(METHODS) - set(qwen), "pool"}
     assert methods_for_backbone("llava-1.5") == METHODS
     # InternVL3: no CLS probe through the pixel shuffle, and tiles + thumbnail are no single grid
     assert set(METHODS) - set(methods_for_backbone("internvl3")) == {"visionzip", "prumerge+", "prumerge", "ficoco-v",
@@ -117,11 +118,12 @@ def test_each_family_loads_through_its_own_adapter() -> None:
     from care_core.backbones.internvl import InternVLAdapter
     from care_core.backbones.llava import LlavaAdapter
     from care_core.backbones.llava_next import LlavaNextAdapter
+    from care_core.backbones.llava_onevision import LlavaOnevisionAdapter
     from care_core.backbones.loading import adapter_class
     from care_core.backbones.qwen2_5_vl import Qwen2_5_VLAdapter
 
     expected = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter,
-                "internvl": InternVLAdapter}  # fmt: skip
+                "internvl": InternVLAdapter, "llava_onevision": LlavaOnevisionAdapter}  # fmt: skip
     for model_type, adapter in expected.items():
         assert adapter_class(model_type) is adapter
         assert backbone_family(model_type).name == adapter.family  # the adapter names its own record
@@ -134,6 +136,12 @@ def test_each_family_loads_through_its_own_adapter() -> None:
     for name in METHODS:
         if "single_grid" not in method_class(name).requires:
             assert method_class(name).serves("internvl3") == (method_class(name).needs <= internvl_offers), name
+    # LLaVA-OneVision offers the same probes; beyond them only its two grids turn methods away
+    ov_offers = LlavaOnevisionAdapter.capabilities.fget(None)  # type: ignore[attr-defined]
+    assert ov_offers == qwen_offers
+    for name in METHODS:
+        cls = method_class(name)
+        assert cls.serves("llava-onevision") == (cls.needs <= ov_offers and "single_grid" not in cls.requires), name
 
 
 def test_metadata_imports_without_torch() -> None:
