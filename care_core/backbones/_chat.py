@@ -144,6 +144,7 @@ class ChatAdapter(VLMAdapter):
     model_class: str  # the transformers class that loads this family, e.g. "LlavaForConditionalGeneration"
     _greedy_graphs: Any = None  # the StaticGreedy of generate's CUDA-graph path (made on first use)
     _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
+    _pool: Any = None  # the ProcessorPool of processor_pool (made on first use)
     image_token: str
     image_token_id: int
     #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
@@ -213,6 +214,15 @@ class ChatAdapter(VLMAdapter):
         """The image processor's outputs (CPU tensors) for one image, as for a list of one; touches no process-wide
         state, so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them)."""
         return process_image(self.processor.image_processor, image)
+
+    def processor_pool(self) -> Any:
+        """This adapter's :class:`~care_core.backbones.preprocess_pool.ProcessorPool` (started on first use, kept
+        with the adapter): the image processor on worker processes, for data-set runs on a GPU."""
+        from .preprocess_pool import ProcessorPool
+
+        if self._pool is None:
+            self._pool = ProcessorPool(self.processor.image_processor)
+        return self._pool
 
     def preprocess(self, images: Sequence[Image.Image]) -> dict[str, Any]:
         """The image processor's outputs for ``images``: one image per call on :func:`preprocess_workers` threads

@@ -357,6 +357,11 @@ class CareLMM(lmms):
         from care_core.pipeline import DEFAULT_QUESTION
 
         grey = Image.new("RGB", (336, 336), (128, 128, 128))
+        adapter: Any = self.adapter
+        if adapter.device.type == "cuda" and hasattr(adapter, "processor_pool"):  # start the workers now, untimed
+            pool = adapter.processor_pool()
+            for future in [pool.submit(grey) for _ in range(pool.workers)]:
+                future.result()
         self.batches.run([grey] * self.batch_size, lambda chunk: self.answer_batch(chunk, [DEFAULT_QUESTION] *
                                                                                    len(chunk), 2))  # fmt: skip
 
@@ -405,12 +410,16 @@ class CareLMM(lmms):
         return [(text, fed, n, seconds) for text, fed, n in out]
 
     def _prepare(self, item: _Request) -> Image.Image | _Prepared:
-        """The request's image through the image processor where the adapter offers it (run on a loader thread)."""
+        """The request's image through the image processor where the adapter offers it (run on a loader thread): on
+        a GPU in the adapter's worker processes (the processor's Python work would hold the GIL against the thread
+        driving the GPU), elsewhere on this thread."""
         image = self._image(item)
-        process = getattr(self.adapter, "process_image", None)
-        if process is None:
+        adapter: Any = self.adapter
+        if not hasattr(adapter, "process_image"):
             return image
-        return _Prepared((image.height, image.width), process(image))
+        if adapter.device.type == "cuda":
+            return _Prepared((image.height, image.width), adapter.processor_pool().submit(image).result())
+        return _Prepared((image.height, image.width), adapter.process_image(image))
 
     def _image(self, item: _Request) -> Image.Image:
         """The request's one image, decoded (run in the loader's thread)."""

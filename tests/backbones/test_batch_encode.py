@@ -74,3 +74,17 @@ def test_preprocess_images_gives_each_image_the_processors_output_for_it_alone(
         assert set(part) == set(alone)
         for key, value in alone.items():
             assert torch.equal(part[key], value), key
+
+
+def test_the_worker_processes_give_the_image_processors_own_output(demos: dict[str, Any], images: list[Any]) -> None:
+    from care_core.backbones.preprocess_pool import ProcessorPool
+
+    adapter = demos["tiny-llava-next"]
+    pool = ProcessorPool(adapter.processor.image_processor, workers=1)  # a spawned process (as on a GPU machine)
+    try:
+        got = [pool.submit(image).result(timeout=120) for image in images]
+    finally:
+        pool.close()
+    for one, image in zip(got, images, strict=True):
+        ref = adapter.process_image(image)
+        assert set(one) == set(ref) and all(torch.equal(one[k], ref[k]) for k in ref)

@@ -1,0 +1,62 @@
+"""The image processor on worker processes, for data-set runs on a GPU (docs/design.md §Batch size, "Inputs").
+
+A Hugging Face image processor spends much of its time in Python (numpy padding and patching per crop): on threads
+it holds the GIL against the thread that drives the GPU, so a batched run on a GPU waits for its inputs. A
+:class:`ProcessorPool` runs :func:`~care_core.backbones._chat.process_image` on spawned worker processes instead;
+per image the output is exactly what the processor gives in this process. The pool belongs to whoever made it
+(``ChatAdapter.processor_pool`` keeps one per adapter); each worker keeps its copy of the image processor.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+from PIL import Image
+
+#: most worker processes a pool starts
+MAX_POOL_WORKERS = 8
+
+_worker_processor: Any = None  # in a worker process only: its copy of the image processor (set by _start)
+
+
+def pool_workers() -> int:
+    """Worker processes for a pool: the CPU cores this process may use, less two (the driving thread and the image
+    decoding), between 1 and :data:`MAX_POOL_WORKERS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_POOL_WORKERS, cores - 2))
+
+
+def _start(image_processor: Any) -> None:
+    global _worker_processor  # one per worker process, owned by that process
+    import torch
+
+    torch.set_num_threads(1)  # the pool's parallelism is its processes
+    _worker_processor = image_processor
+
+
+def _process(image: Image.Image) -> dict[str, Any]:
+    from care_core.backbones._chat import process_image
+    from care_core.backbones._hf import quiet_transformers
+
+    with quiet_transformers():
+        return process_image(_worker_processor, image)
+
+
+class ProcessorPool:
+    """``image_processor`` on ``workers`` spawned processes: :meth:`submit` an image, get its processor outputs."""
+
+    def __init__(self, image_processor: Any, workers: int | None = None) -> None:
+        import torch.multiprocessing as mp
+
+        self.workers = workers or pool_workers()
+        # spawn: a forked child of a process holding a CUDA context is unsafe; torch's context shares tensors
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_start,
+                                         initargs=(image_processor,))  # fmt: skip
+
+    def submit(self, image: Image.Image) -> Future[dict[str, Any]]:
+        return self._pool.submit(_process, image)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
