@@ -176,3 +176,10 @@ def triton_enabled(device: torch.device) -> bool:
 def jvp_shape_supported(hidden: int, out_dim: int) -> bool:
     """Shapes the fused jvp kernel takes without masks."""
     return hidden % JVP_K_MULTIPLE == 0 and out_dim % JVP_OUT_MULTIPLE == 0
+
+
+def size_class(rows: int) -> int:
+    """The autotuner's key for ``rows`` token rows: the next power of two. Tuning takes seconds (every candidate is
+    benchmarked), and batches of images of other sizes give a new N at almost every call; the best tile for N rows
+    is the best for any N of the same power of two."""
+    return 1 << max(0, rows - 1).bit_length()

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported
+from care_core.kernels import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported, size_class
 
 
 def _cfg(bm: int, bn: int, bk: int, dirs: int, stages: int, warps: int) -> triton.Config:
@@ -86,6 +86,7 @@ def _sqnorm_kernel(
     s_ptr, a_ptr, w_ptr, p_ptr,
     n_pad, m, d_h, d_out,
     stride_s, stride_a, stride_w, stride_pblk,
+    size_class,  # the autotuner's key for N (see jvp_norms); not read here
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRS: tl.constexpr, GROUP: tl.constexpr,
     BF16: tl.constexpr, ROUND: tl.constexpr, UPPER: tl.constexpr,
 ):  # fmt: skip
@@ -145,7 +146,8 @@ def _sqnorm_kernel(
 def _autotuned(configs):  # type: ignore[no-untyped-def]
     # p_ptr is zeroed before each config is tried and after the search: configs with wider output blocks
     # leave the buffer's last blocks untouched, and those must read zero.
-    return triton.autotune(configs=configs, key=["n_pad", "m", "d_h", "d_out"], reset_to_zero=["p_ptr"])(_sqnorm_kernel)
+    return triton.autotune(configs=configs, key=["size_class", "m", "d_h", "d_out"],
+                           reset_to_zero=["p_ptr"])(_sqnorm_kernel)  # fmt: skip
 
 
 _kernel_bf16 = _autotuned(_BF16_CONFIGS)
@@ -219,6 +221,7 @@ def jvp_norms(
         s, a, w, partial,
         n_pad, m_pad, hidden, out_dim,
         s.stride(0), a.stride(0), w.stride(0), partial.stride(0),
+        size_class(n_pad),
         BF16=bf16, ROUND=True, UPPER=upper,
     )  # fmt: skip
     return partial.sum(dim=0)[:m, :n].sqrt()  # blocks past d_out / BN stay zero

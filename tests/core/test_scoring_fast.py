@@ -576,3 +576,11 @@ def test_generic_jvp_path_matches_the_definition_with_or_without_vmap(vmap_fails
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     fd = perturbation_responses(features, projector, directions, h=1e-6, engine="fd")
     torch.testing.assert_close(got, fd, rtol=1e-6, atol=1e-9)  # Eq. 1's h -> 0 limit
+
+
+def test_the_kernel_is_tuned_once_per_power_of_two_of_rows() -> None:
+    from care_core.kernels import size_class
+
+    # by hand: the next power of two; every batch of 16 NeXT images (16 x 1152 .. 16 x 2880 rows) shares two classes
+    assert [size_class(n) for n in (1, 16, 576, 1024, 1025)] == [1, 16, 1024, 1024, 2048]
+    assert {size_class(16 * n) for n in range(1152, 2881, 48)} == {32768, 65536}
