@@ -197,21 +197,21 @@ class CareLMM(lmms):
         spec: EvalSpec,
         adapter: VLMAdapter | None = None,
         *,
-        on_sample: Callable[[int, int, SampleRecord], None] | None = None,
+        on_batch: Callable[[int, int, list[SampleRecord]], None] | None = None,
         batch_size: int | str = 1,
         on_notice: Callable[[str], None] | None = None,
     ) -> CareLMM:
         """The model for ``spec``; ``adapter`` (a loaded backbone) is reused instead of loading ``spec.pretrained``.
 
-        ``on_sample(done, total, record)`` is called after every answered request (a progress bar's and a saver's
-        hook); ``on_notice(line)`` once if a batch ran out of GPU memory and batches were split (default: a
-        warning in lmms-eval's log).
+        ``on_batch(done, total, records)`` is called after every answered batch with its requests' records (a
+        progress bar's and a saver's hook: one save per batch); ``on_notice(line)`` once if a batch ran out of GPU
+        memory and batches were split (default: a warning in lmms-eval's log).
         """
         self = cls.__new__(cls)
         lmms.__init__(self)
         size, _ = batch_arguments({"batch_size": batch_size})
         self._setup(spec, adapter, size, None)
-        self.on_sample = on_sample
+        self.on_batch = on_batch
         if on_notice is not None:
             self.on_notice = on_notice
         return self
@@ -220,7 +220,7 @@ class CareLMM(lmms):
         from care_core.pipeline import ReductionPipeline
 
         self.spec = spec
-        self.on_sample: Callable[[int, int, SampleRecord], None] | None = None
+        self.on_batch: Callable[[int, int, list[SampleRecord]], None] | None = None
         self.on_notice: Callable[[str], None] = _log_notice
         self.records: list[SampleRecord] = []
         world = World.from_env()
@@ -379,13 +379,14 @@ class CareLMM(lmms):
         def finished(chunk: list[_Request], results: list[tuple[str, int, int, float]]) -> None:
             nonlocal done
             loader.release(chunk)
+            records = []
             for item, (text, fed, n, seconds) in zip(chunk, results, strict=True):
                 answers[item.index] = text = cut_at_stop(text, list(item.stops))
-                record = SampleRecord(item.task, int(item.doc_id), fed, n, seconds, text, batch_size=len(chunk))
-                self.records.append(record)
-                done += 1
-                if self.on_sample is not None:
-                    self.on_sample(done, len(items), record)
+                records.append(SampleRecord(item.task, int(item.doc_id), fed, n, seconds, text, batch_size=len(chunk)))
+            self.records.extend(records)
+            done += len(records)
+            if self.on_batch is not None:
+                self.on_batch(done, len(items), records)
 
         from care_core.backbones._chat import preprocess_workers
         from care_core.backbones._hf import quiet_transformers
