@@ -178,8 +178,14 @@ def jvp_shape_supported(hidden: int, out_dim: int) -> bool:
     return hidden % JVP_K_MULTIPLE == 0 and out_dim % JVP_OUT_MULTIPLE == 0
 
 
+#: token rows from which the fused jvp kernel is tuned as for a batch of images (see :func:`size_class`)
+BATCH_ROWS = 4096
+
+
 def size_class(rows: int) -> int:
-    """The autotuner's key for ``rows`` token rows: the next power of two. Tuning takes seconds (every candidate is
-    benchmarked), and batches of images of other sizes give a new N at almost every call; the best tile for N rows
-    is the best for any N of the same power of two."""
-    return 1 << max(0, rows - 1).bit_length()
+    """The autotuner's key for ``rows`` token rows: 0 for one image's rows, 1 from :data:`BATCH_ROWS` on (a batch).
+    Tuning benchmarks every candidate tile for seconds, and data-set runs meet a new N at almost every call (image
+    sizes vary, and a batch's N is the sum of its images'): keyed on N itself, a run on a GPU re-tuned at almost
+    every batch. Two classes tune at most twice per process; within a class the tile that wins is the same or
+    close."""
+    return int(rows >= BATCH_ROWS)

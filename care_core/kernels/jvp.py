@@ -86,7 +86,7 @@ def _sqnorm_kernel(
     s_ptr, a_ptr, w_ptr, p_ptr,
     n_pad, m, d_h, d_out,
     stride_s, stride_a, stride_w, stride_pblk,
-    size_class,  # the autotuner's key for N (see jvp_norms); not read here
+    size_class,  # the autotuner's key for N (care_core.kernels.size_class); not read here
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRS: tl.constexpr, GROUP: tl.constexpr,
     BF16: tl.constexpr, ROUND: tl.constexpr, UPPER: tl.constexpr,
 ):  # fmt: skip

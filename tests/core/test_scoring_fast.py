@@ -578,9 +578,9 @@ def test_generic_jvp_path_matches_the_definition_with_or_without_vmap(vmap_fails
     torch.testing.assert_close(got, fd, rtol=1e-6, atol=1e-9)  # Eq. 1's h -> 0 limit
 
 
-def test_the_kernel_is_tuned_once_per_power_of_two_of_rows() -> None:
+def test_the_kernel_is_tuned_once_for_one_image_and_once_for_a_batch() -> None:
     from care_core.kernels import size_class
 
-    # by hand: the next power of two; every batch of 16 NeXT images (16 x 1152 .. 16 x 2880 rows) shares two classes
-    assert [size_class(n) for n in (1, 16, 576, 1024, 1025)] == [1, 16, 1024, 1024, 2048]
-    assert {size_class(16 * n) for n in range(1152, 2881, 48)} == {32768, 65536}
+    # by hand: LLaVA-1.5 (576), NeXT (2880) and Qwen images up to 4095 rows are one class; batches another
+    assert {size_class(n) for n in (1, 576, 2880, 4095)} == {0}
+    assert {size_class(16 * n) for n in range(576, 2881, 48)} == {1}
