@@ -151,6 +151,7 @@ class StaticKV:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.batch, self.kv_heads, self.capacity, self.head_dim = shape
         self.active = shape[0]  # samples the current step runs (set by the driver before each step)
+        self.span = shape[2]  # positions a decode step attends over (set by the driver; at most the capacity)
         self.write: torch.Tensor | None = None
         self.prefill = True
 
@@ -167,7 +168,7 @@ class StaticKV:
         flat = (-1, self.head_dim)  # (sample, head, position) rows: one write per sample and head, no host sync
         keys.view(flat).index_copy_(0, self.write, key.reshape(flat).to(keys.dtype))
         values.view(flat).index_copy_(0, self.write, value.reshape(flat).to(values.dtype))
-        return keys, values
+        return keys[:, :, : self.span], values[:, :, : self.span]  # positions past the span: never written yet
 
 
 @dataclass
@@ -213,7 +214,7 @@ class StaticGreedy:
         self.kv: StaticKV | None = None
         self._static_state(1, 0)
         self.prefills: OrderedDict[tuple[int, int], _Prefill] = OrderedDict()
-        self.decodes: dict[int, Any] = {}  # batch bucket -> decode graph (at most len(BATCH_BUCKETS))
+        self.decodes: dict[tuple[int, int], Any] = {}  # (batch bucket, attended span) -> decode graph
         self.captures = 0  # graphs captured so far (for tests and reports)
         self.pool: Any = None
         self.stream: Any = None
@@ -300,13 +301,13 @@ class StaticGreedy:
         self.token[:batch].copy_(self._next_token(last))
         self.position[:batch].copy_(entry.last + 1)
 
-    def _decode_step(self, batch: int) -> None:
+    def _decode_step(self, batch: int, span: int) -> None:
         assert self.kv is not None
         token, position = self.token[:batch], self.position[:batch]
         write = (self.row_base[:batch] + position[:, None]).reshape(-1)  # (batch · kv_heads,) flat cache rows
-        self.kv.active, self.kv.write, self.kv.prefill = batch, write, False
+        self.kv.active, self.kv.write, self.kv.prefill, self.kv.span = batch, write, False, span
         hidden = self.lm.embed_tokens(token)
-        ahead = self.positions[None, :] > position[:, None]  # per sample: what no query may see yet (and padding)
+        ahead = self.positions[None, :span] > position[:, None]  # per sample: what no query may see yet (and padding)
         mask = torch.zeros(ahead.shape, dtype=self.dtype, device=self.device).masked_fill_(
             ahead, torch.finfo(self.dtype).min
         )
@@ -355,7 +356,11 @@ class StaticGreedy:
         lengths = [int(p.shape[0]) for p in prompts]
         batch = batch_bucket(len(prompts))
         rows = BUCKET * math.ceil(max(lengths) / BUCKET)
-        self._ensure_capacity(batch, max(rows, max(lengths) + max_new_tokens - 1))
+        needed = max(rows, max(lengths) + max_new_tokens - 1)
+        self._ensure_capacity(batch, needed)
+        # decode steps attend over the positions this call can reach, not the whole cache (a long prompt's earlier
+        # call may have grown it tenfold): one decode graph per (batch bucket, span)
+        span = CAPACITY_STEP * math.ceil(needed / CAPACITY_STEP)
         entry = self._bucket(batch, rows)
         entry.embeds.zero_()  # padding rows and dummy samples: zeros (no NaN can reach a real row anyway)
         for i, prompt in enumerate(prompts):
@@ -363,9 +368,9 @@ class StaticGreedy:
         last = [length - 1 for length in lengths] + [0] * (batch - len(prompts))
         entry.last.copy_(torch.tensor(last, dtype=torch.long))
         entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
-        return self._decode_loop(batch, len(prompts), max_new_tokens)
+        return self._decode_loop(batch, span, len(prompts), max_new_tokens)
 
-    def _decode_loop(self, batch: int, samples: int, max_new_tokens: int) -> list[list[int]]:
+    def _decode_loop(self, batch: int, span: int, samples: int, max_new_tokens: int) -> list[list[int]]:
         """Collect each sample's tokens step by step; decode until all ended or ``max_new_tokens`` are out."""
         out: list[list[int]] = [[] for _ in range(samples)]
         running = set(range(samples))
@@ -377,5 +382,6 @@ class StaticGreedy:
                     running.discard(i)
             if not running or step == max_new_tokens - 1:
                 break
-            self.decodes[batch] = self._run(lambda: self._decode_step(batch), self.decodes.get(batch))
+            key = (batch, span)
+            self.decodes[key] = self._run(lambda: self._decode_step(batch, span), self.decodes.get(key))
         return out

@@ -86,6 +86,8 @@ def test_one_cache_serves_growing_prompts(demo: Any, image: Any) -> None:
             inputs = demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:k]), kept)
             assert greedy.generate(demo._prompt_embeddings(inputs), 6) == reference_ids(demo, inputs, 6)
     assert greedy.kv is not None and greedy.kv.capacity >= 576
+    spans = {span for _, span in greedy.decodes}  # the short prompt's steps attended over its own span only
+    assert min(spans) < greedy.kv.capacity
 
 
 def test_replaced_weights_make_the_loop_stale(demo: Any) -> None:
