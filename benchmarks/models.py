@@ -84,3 +84,82 @@ def build_llava_next(device: torch.device, dtype: torch.dtype, tiny: bool = Fals
     options = _processor_options(LLAVA_NEXT_CHAT_TEMPLATE)
     processor = LlavaNextProcessor(image_processor=images, tokenizer=tok, **options)
     return model, processor
+
+
+# ------------------------------------------------------------------ Qwen3-VL, LLaVA-OneVision, InternVL3
+# The demo builders (care_core.backbones.demo) hold each family's geometry, token ids and processor; the full-size
+# models take the demo's config and replace its widths with the flops spec's (care_core.flops.specs.KNOWN_BACKBONES).
+
+
+def _text_widths(lm: Any) -> Widths:
+    """A transformers text config's widths from a flops spec's LanguageModelSpec (``layer_types`` dropped: the
+    config recomputes it for the new depth)."""
+    return dict(vocab_size=lm.vocab, hidden_size=lm.hidden, intermediate_size=lm.intermediate,
+                num_hidden_layers=lm.layers, num_attention_heads=lm.heads, num_key_value_heads=lm.kv_heads,
+                head_dim=lm.head_dim, max_position_embeddings=32768)  # fmt: skip
+
+
+def _widened(config: Any, vision: Widths, text: Widths) -> Any:
+    """``config`` (a demo's) with its vision and text widths replaced."""
+    data = config.to_dict()
+    data["text_config"].pop("layer_types", None)
+    data["vision_config"].update(vision)
+    data["text_config"].update(text)
+    return type(config).from_dict(data)
+
+
+def qwen3_vl_8b_config(tiny_config: Any) -> Any:
+    """Qwen3-VL-8B: the 27-block ViT (1152 wide, deepstack after blocks 8, 16, 24) and the 36-layer Qwen3-8B text
+    model (GQA 32/8, head_dim 128; interleaved M-RoPE sections 24/20/20 of its 64 frequencies)."""
+    from care_core.flops.specs import KNOWN_BACKBONES
+
+    spec = KNOWN_BACKBONES["qwen3-vl-8b"]
+    vit = spec.vision
+    vision = dict(depth=vit.layers, hidden_size=vit.hidden, intermediate_size=vit.intermediate,
+                  num_heads=vit.heads, out_hidden_size=spec.projector.out_dim,
+                  deepstack_visual_indexes=list(vit.deepstack_layers))  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+    return _widened(tiny_config, vision, {**_text_widths(spec.lm), "rope_parameters": rope})
+
+
+def llava_onevision_7b_config(tiny_config: Any) -> Any:
+    """LLaVA-OneVision-7B: SigLIP-so400m/384 (26 layers used) and Qwen2-7B."""
+    from care_core.flops.specs import KNOWN_BACKBONES
+
+    spec = KNOWN_BACKBONES["llava-onevision-7b"]
+    vit = spec.vision
+    vision = dict(hidden_size=vit.hidden, intermediate_size=vit.intermediate, num_hidden_layers=vit.layers,
+                  num_attention_heads=vit.heads)  # fmt: skip
+    return _widened(tiny_config, vision, _text_widths(spec.lm))
+
+
+def internvl3_8b_config(tiny_config: Any) -> Any:
+    """InternVL3-8B: InternViT-300M (24 layers, 1024 wide) and the Qwen2.5-7B-sized text model."""
+    from care_core.flops.specs import KNOWN_BACKBONES
+
+    spec = KNOWN_BACKBONES["internvl3-8b"]
+    vit = spec.vision
+    vision = dict(hidden_size=vit.hidden, intermediate_size=vit.intermediate, num_hidden_layers=vit.layers,
+                  num_attention_heads=vit.heads)  # fmt: skip
+    return _widened(tiny_config, vision, _text_widths(spec.lm))
+
+
+#: family -> (the flops spec, the demo builder, the full-size config from the demo's, the adapter class name)
+FAMILY_MODELS: dict[str, tuple[str, str, Any, str]] = {
+    "qwen3-vl": ("qwen3-vl-8b", "build_tiny_qwen3_vl", qwen3_vl_8b_config, "Qwen3VLAdapter"),
+    "llava-onevision": ("llava-onevision-7b", "build_tiny_llava_onevision", llava_onevision_7b_config,
+                        "LlavaOnevisionAdapter"),
+    "internvl3": ("internvl3-8b", "build_tiny_internvl3", internvl3_8b_config, "InternVLAdapter"),
+}  # fmt: skip
+
+
+def build_family(family: str, device: torch.device, dtype: torch.dtype, tiny: bool = False) -> tuple[Any, Any]:
+    """The family's full-size model (random weights seeded 0, built on ``device`` in ``dtype``) with its demo's
+    processor (same image processor settings; the byte tokenizer); ``tiny``: the demo model itself."""
+    from care_core.backbones import demo
+
+    _, builder, full_config, _ = FAMILY_MODELS[family]
+    small, processor = getattr(demo, builder)(0)
+    if tiny:
+        return small.to(device=device, dtype=dtype).requires_grad_(False), processor
+    return _random_model(type(small), full_config(small.config), device, dtype, seed=0), processor
