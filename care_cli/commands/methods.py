@@ -37,6 +37,7 @@ def method_rows() -> list[dict[str, Any]]:
             "hyperparameter_flags": [opt.flag_of(f) for f in used],
             "ignores": [f for f in config_fields if f not in cls.hyperparameters],
             "backbones": [family for family in family_names() if cls.serves(family)],
+            "not_served": {family: cls.why_not_served(family) for family in family_names() if not cls.serves(family)},
             "score_label": cls.score_label,
             "cost_model": cls.cost_model,
             "paper": cls.paper,
@@ -48,6 +49,14 @@ def method_rows() -> list[dict[str, Any]]:
 def _flags(row: dict[str, Any]) -> str:
     """The hyperparameters a method reads, spelled as the options that set them."""
     return " ".join(row["hyperparameter_flags"]) or "none"
+
+
+def _not_served(why: dict[str, str | None]) -> str:
+    """The families a method cannot run on, grouped by what it needs that they lack."""
+    groups: dict[str, list[str]] = {}
+    for family, reason in why.items():
+        groups.setdefault(reason or "a family trait", []).append(family)
+    return "; ".join(f"{', '.join(names)} (it needs {reason})" for reason, names in groups.items()) or "none"
 
 
 def _listed(values: list[str], families: tuple[str, ...] | None = None) -> str:
@@ -88,6 +97,7 @@ def show_method(row: dict[str, Any], families: tuple[str, ...]) -> None:
         ("needs", needs or "the visual tokens and the projector only"),
         ("hyperparameters", _flags(row)),
         ("backbones", _listed(row["backbones"], families)),
+        ("not on", _not_served(row["not_served"])),
         ("scores", row["score_label"] or "none"),
         ("cost model", row["cost_model"] or "none (care flops cannot count it)"),
         ("paper", row["paper"]),

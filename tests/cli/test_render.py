@@ -186,3 +186,13 @@ def test_eval_table_at_80_columns(narrow: None, capsys: pytest.CaptureFixture[st
     whole = ["prca+simple-calib", "confidence-calib", "ratio 0.11", "K=192", "0.8625", "0.8125", "94.2", "97.4",
              "63.0", "0.388", "1.250"]  # fmt: skip
     assert_readable(capsys.readouterr().out, whole)
+
+
+def test_methods_say_on_which_families_a_method_cannot_run_and_why(care) -> None:
+    entry = care("methods", "visionzip", "--json").json()["methods"][0]
+    cls_less = ["qwen2.5-vl", "qwen3-vl", "internvl3", "llava-onevision"]  # no CLS token (the family records)
+    assert entry["not_served"] == dict.fromkeys(cls_less, "the vision tower's CLS token")
+    assert sorted(entry["backbones"] + list(entry["not_served"])) == sorted(care("methods", "--json").json()
+                                                                           ["backbone_families"])  # fmt: skip
+    run = care("methods", "pool")
+    assert run.code == 0 and "one raster grid" in run.out and "llava-next" in run.out
