@@ -69,26 +69,40 @@ class BatchChoice:
         return {"batch_size": self.size, "requested": self.requested, "default": self.default}
 
 
-def choose_batch_size(requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None) -> BatchChoice:
+def choose_batch_size(
+    requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None, language_model_probe: bool = False
+) -> BatchChoice:
     """``requested`` (as :func:`parse_batch_size` reads it) on ``adapter``, with the default the device rule picks
-    (computed either way, for the run's report)."""
+    (computed either way, for the run's report). ``language_model_probe``: a method reads the language-model probe
+    (FastV, SparseVLM), whose attention maps every sample of a batch holds (:func:`sample_bytes`)."""
     wanted = parse_batch_size(requested)
-    default = default_batch_size(adapter, max_new_tokens=max_new_tokens)
+    default = default_batch_size(adapter, max_new_tokens=max_new_tokens, language_model_probe=language_model_probe)
     return BatchChoice(default if wanted == AUTO else int(wanted), wanted, default)
 
 
 def resolve_batch_size(
-    requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None, max_batch_size: int | None = None
+    requested: object,
+    adapter: VLMAdapter,
+    *,
+    max_new_tokens: int | None,
+    max_batch_size: int | None = None,
+    language_model_probe: bool = False,
 ) -> int:
     """``requested`` as a number: ``auto`` is :func:`default_batch_size`, at most ``max_batch_size`` where given."""
     wanted = parse_batch_size(requested)
     if wanted != AUTO:
         return int(wanted)
-    size = default_batch_size(adapter, max_new_tokens=max_new_tokens)
+    size = default_batch_size(adapter, max_new_tokens=max_new_tokens, language_model_probe=language_model_probe)
     return size if max_batch_size is None else max(1, min(size, int(max_batch_size)))
 
 
-def default_batch_size(adapter: VLMAdapter, *, max_new_tokens: int | None, prompt_tokens: int = PROMPT_TOKENS) -> int:
+def default_batch_size(
+    adapter: VLMAdapter,
+    *,
+    max_new_tokens: int | None,
+    prompt_tokens: int = PROMPT_TOKENS,
+    language_model_probe: bool = False,
+) -> int:
     """The batch size ``auto`` picks for ``adapter`` (docs/design.md §Batch size): :data:`CPU_BATCH_SIZE` off CUDA;
     on CUDA the free memory over :func:`sample_bytes` for the visual tokens of a reference image, in [1, 64].
     ``max_new_tokens`` None: no answers (CSR), the language model does not run."""
@@ -101,7 +115,8 @@ def default_batch_size(adapter: VLMAdapter, *, max_new_tokens: int | None, promp
     with torch.no_grad():
         visual_tokens = adapter.encode_images([Image.new("RGB", (side, side), (128, 128, 128))])[0].num_tokens
     per_sample = sample_bytes(adapter.model.config, visual_tokens=visual_tokens, prompt_tokens=prompt_tokens,
-                              max_new_tokens=max_new_tokens, dtype_bytes=adapter.dtype.itemsize)  # fmt: skip
+                              max_new_tokens=max_new_tokens, dtype_bytes=adapter.dtype.itemsize,
+                              language_model_probe=language_model_probe)  # fmt: skip
     return batch_size_for(free_cuda_bytes(adapter.device), per_sample)
 
 
@@ -116,13 +131,21 @@ def batch_size_for(free_bytes: int, per_sample_bytes: int) -> int:
 
 
 def sample_bytes(
-    config: Any, *, visual_tokens: int, prompt_tokens: int, max_new_tokens: int | None, dtype_bytes: int
+    config: Any,
+    *,
+    visual_tokens: int,
+    prompt_tokens: int,
+    max_new_tokens: int | None,
+    dtype_bytes: int,
+    language_model_probe: bool = False,
 ) -> int:
     """Memory one sample needs beyond the weights (a config with ``text_config``/``vision_config`` or flat):
 
     KV cache 2 L_t H_kv d_h (T + N + new) + prefill activations (T + N)(4 d_t + 2 I_t) + vision tower
     N_v ((L_v + 1) d_v + 2 I_v), times the LM dtype's bytes; N_v = N s^2 (s: the tower's spatial merge, 1 without).
-    ``max_new_tokens`` None: no answers, so no language-model terms.
+    ``max_new_tokens`` None: no answers, so no KV cache. ``language_model_probe``: the probe's prefill activations and
+    its float32 attention maps L_t H (T + N)^2 · 4 bytes (every layer: the deepest a method reads is not known here),
+    which every sample of a batch holds until its methods have run.
     """
     text = getattr(config, "text_config", None) or config
     vision = getattr(config, "vision_config", None)
@@ -130,17 +153,20 @@ def sample_bytes(
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     sequence = prompt_tokens + visual_tokens
-    kv = prefill = 0
+    kv = prefill = attention_maps = 0
     if max_new_tokens is not None:
         kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * (sequence + max_new_tokens)
+    if max_new_tokens is not None or language_model_probe:
         prefill = sequence * (4 * int(text.hidden_size) + 2 * int(text.intermediate_size))
+    if language_model_probe:
+        attention_maps = int(text.num_hidden_layers) * heads * sequence**2 * 4
     tower = 0
     if vision is not None:
         merge = int(getattr(vision, "spatial_merge_size", None) or 1)
         layers = int(getattr(vision, "num_hidden_layers", 0) or getattr(vision, "depth", 0))
         width = int(getattr(vision, "hidden_size", 0) or getattr(vision, "embed_dim", 0))
         tower = visual_tokens * merge**2 * ((layers + 1) * width + 2 * int(getattr(vision, "intermediate_size", 0)))
-    return (kv + prefill + tower) * dtype_bytes
+    return (kv + prefill + tower) * dtype_bytes + attention_maps
 
 
 def free_cuda_bytes(device: Any) -> int:

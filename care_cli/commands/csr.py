@@ -344,7 +344,8 @@ def _compute(
     final one (after any out-of-memory split)."""
     from care_core.batching import Batches, choose_batch_size
 
-    choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None)
+    choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None,
+                               language_model_probe="language_model" in pipe.needs)  # fmt: skip
     batches = Batches(choice.size, device=pipe.adapter.device, on_notice=lambda line: render.print_notices([line]))
     done = run.done_keys()
     todo = []

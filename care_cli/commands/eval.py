@@ -190,6 +190,7 @@ def run_eval(
     split for memory hands its smaller size on to the next."""
     from care_core.batching import choose_batch_size
     from care_core.integrations import lmms_eval as plugin
+    from care_core.methods import build_method
     from care_core.pipeline import backbone_info
     from care_core.runs import DatasetRun
 
@@ -206,7 +207,9 @@ def run_eval(
     if not main:
         plugin.load_tasks(selection.names, manager)
     specs, skipped = _servable(specs, adapter, every)
-    choice = choose_batch_size(batch_size, adapter, max_new_tokens=plugin.DEFAULT_MAX_NEW_TOKENS)
+    probe = any("language_model" in build_method(spec.method, spec.config).needs for spec in specs if spec.method)
+    choice = choose_batch_size(batch_size, adapter, max_new_tokens=plugin.DEFAULT_MAX_NEW_TOKENS,
+                               language_model_probe=probe)  # fmt: skip
     samples = DatasetRun(folder / SAMPLES if folder is not None else None, manifest={}, resume=True, key=SAMPLE_KEY,
                          run_format=SAMPLES_FORMAT, processes=processes)  # fmt: skip
     with samples:

@@ -45,6 +45,9 @@ def test_the_memory_estimate_per_sample_is_the_documented_formula() -> None:
     )
     # no answers (CSR): the tower only
     assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=None, dtype_bytes=2) == 2 * 23040
+    # CSR with FastV / SparseVLM: also the probe's prefill and float32 attention maps, 3 layers * 8 heads * 30^2 * 4
+    assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=None, dtype_bytes=2,
+                        language_model_probe=True) == 2 * (13440 + 23040) + 86400  # fmt: skip
     flat = SimpleNamespace(**vars(text), head_dim=4)  # no vision config, an explicit head dim
     assert sample_bytes(flat, visual_tokens=20, prompt_tokens=10, max_new_tokens=5, dtype_bytes=4) == 4 * (
         2 * 3 * 2 * 4 * 35 + 13440
