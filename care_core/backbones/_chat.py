@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from PIL import Image
@@ -142,6 +142,9 @@ class ChatAdapter(VLMAdapter):
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
     model_class: str  # the transformers class that loads this family, e.g. "LlavaForConditionalGeneration"
+    #: "module:Class" of an image-only processor to load instead of AutoProcessor's (which would need torchvision for
+    #: the family's video part); None: AutoProcessor
+    image_only_processor: ClassVar[str | None] = None
     _greedy_graphs: Any = None  # the StaticGreedy of generate's CUDA-graph path (made on first use)
     _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
     _pool: Any = None  # the ProcessorPool of processor_pool (made on first use)
@@ -152,7 +155,12 @@ class ChatAdapter(VLMAdapter):
 
     @classmethod
     def _load_processor(cls, folder: Path) -> Any:
-        """The folder's processor (tokenizer + image processor); offline."""
+        """The folder's processor (tokenizer + image processor); offline. Families whose transformers processor needs
+        a video processor (torchvision) name an image-only one in :attr:`image_only_processor`."""
+        if cls.image_only_processor is not None:
+            from .families import import_path
+
+            return import_path(cls.image_only_processor).from_pretrained(str(folder), local_files_only=True)
         from transformers import AutoProcessor
 
         return AutoProcessor.from_pretrained(str(folder), local_files_only=True)

@@ -33,7 +33,6 @@ with a one-line reason); ``question`` and ``language_model`` are.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -74,6 +73,7 @@ class InternVLAdapter(ChatAdapter):
 
     family = "internvl3"
     model_class = "InternVLForConditionalGeneration"
+    image_only_processor = "care_core.backbones.internvl_processor:CareInternVLProcessor"
     FALLBACK_PROMPT = INTERNVL_FALLBACK_PROMPT
     dropin_refusal = (
         "InternVLProcessor's outputs keep neither the image sizes nor the tiles per image, which the token "
@@ -119,13 +119,6 @@ class InternVLAdapter(ChatAdapter):
         tok = self.tokenizer
         self.start_image = str(getattr(tok, "start_image_token", None) or "<img>")
         self.end_image = str(getattr(tok, "end_image_token", None) or "</img>")
-
-    @classmethod
-    def _load_processor(cls, folder: Path) -> Any:
-        """The image-only processor: AutoProcessor would need torchvision for the video part."""
-        from .internvl_processor import CareInternVLProcessor
-
-        return CareInternVLProcessor.from_pretrained(str(folder), local_files_only=True)
 
     # ------------------------------------------------------------------ modules
     @property

@@ -28,7 +28,6 @@ one-line MethodError). ``question`` and ``language_model`` (all N tokens, no new
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -81,6 +80,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
 
     family = "llava-onevision"
     model_class = "LlavaOnevisionForConditionalGeneration"
+    image_only_processor = "care_core.backbones.llava_onevision:CareLlavaOnevisionProcessor"
     FALLBACK_PROMPT = LLAVA_ONEVISION_FALLBACK_PROMPT
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "the N unpooled tokens without image_newline rows",
@@ -109,11 +109,6 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         if getattr(processor, "vision_feature_select_strategy", None) is None:
             processor.vision_feature_select_strategy = strategy
         self._set_image_token(getattr(cfg, "image_token_id", None))
-
-    @classmethod
-    def _load_processor(cls, folder: Path) -> Any:
-        """The image-only processor: AutoProcessor would need torchvision for the video part."""
-        return CareLlavaOnevisionProcessor.from_pretrained(str(folder), local_files_only=True)
 
     @property
     def capabilities(self) -> frozenset[str]:

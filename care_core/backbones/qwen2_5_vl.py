@@ -30,7 +30,6 @@ mrope positions above) are.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -88,6 +87,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     family = "qwen2.5-vl"
     FALLBACK_PROMPT = QWEN25VL_FALLBACK_PROMPT
     model_class = "Qwen2_5_VLForConditionalGeneration"
+    image_only_processor = "care_core.backbones.qwen_processor:CareQwen2_5_VLProcessor"
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "all N merged tokens with their multimodal-rope positions",
     }
@@ -113,13 +113,6 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     def _merger_projector(self) -> nn.Module:
         """The merger as a per-token projector (:class:`QwenMergerProjector`)."""
         return QwenMergerProjector(self._inner.visual.merger)
-
-    @classmethod
-    def _load_processor(cls, folder: Path) -> Any:
-        """The image-only processor: AutoProcessor would need torchvision for the video part."""
-        from .qwen_processor import CareQwen2_5_VLProcessor
-
-        return CareQwen2_5_VLProcessor.from_pretrained(str(folder), local_files_only=True)
 
     # ------------------------------------------------------------------ modules
     @property

@@ -24,7 +24,6 @@ multimodal-rope positions of their tokens from ``get_rope_index`` of the unreduc
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -71,19 +70,13 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
 
     family = "qwen3-vl"
     model_class = "Qwen3VLForConditionalGeneration"
+    image_only_processor = "care_core.backbones.qwen_processor:CareQwen3VLProcessor"
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "all N merged tokens with their multimodal-rope positions and every deepstack level",
     }
 
     def _merger_projector(self) -> nn.Module:
         return Qwen3VLMergerProjector(self._inner.visual.merger)
-
-    @classmethod
-    def _load_processor(cls, folder: Path) -> Any:
-        """The image-only processor: AutoProcessor would need torchvision for the video part."""
-        from .qwen_processor import CareQwen3VLProcessor
-
-        return CareQwen3VLProcessor.from_pretrained(str(folder), local_files_only=True)
 
     @property
     def deepstack_levels(self) -> int:
