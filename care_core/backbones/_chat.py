@@ -153,6 +153,13 @@ class ChatAdapter(VLMAdapter):
     #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
     dropin_refusal: str | None = None
 
+    @staticmethod
+    def _check_processor(processor: Any, name: str) -> None:
+        """ModelLoadError when ``processor`` lacks its tokenizer or image processor (an incomplete model folder)."""
+        for attr in ("tokenizer", "image_processor"):
+            if getattr(processor, attr, None) is None:
+                raise ModelLoadError(f"{name}: the processor has no {attr}; the model folder is incomplete")
+
     @classmethod
     def _load_processor(cls, folder: Path) -> Any:
         """The folder's processor (tokenizer + image processor); offline. Families whose transformers processor needs

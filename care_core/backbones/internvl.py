@@ -88,9 +88,7 @@ class InternVLAdapter(ChatAdapter):
         self.processor = processor
         self.name = name
         self.is_demo = is_demo
-        for attr in ("tokenizer", "image_processor"):
-            if getattr(processor, attr, None) is None:
-                raise ModelLoadError(f"{name}: the processor has no {attr}; the model folder is incomplete")
+        self._check_processor(processor, name)
         cfg = model.config
         strategy = getattr(cfg, "vision_feature_select_strategy", "default")
         if strategy != "default":

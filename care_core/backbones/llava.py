@@ -52,9 +52,7 @@ class LlavaAdapter(ChatAdapter):
             raise ModelLoadError(
                 f"{name}: vision_feature_select_strategy {strategy!r} is not supported (only 'default')"
             )
-        for attr in ("tokenizer", "image_processor"):
-            if getattr(processor, attr, None) is None:
-                raise ModelLoadError(f"{name}: the processor has no {attr}; the model folder is incomplete")
+        self._check_processor(processor, name)
         self._fix_processor()
 
     def _fix_processor(self) -> None:

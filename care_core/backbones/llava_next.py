@@ -173,9 +173,7 @@ class LlavaNextAdapter(LlavaAdapter):
         per = (vc.image_size // vc.patch_size) ** 2
         side = vc.image_size // vc.patch_size
         ids = torch.arange(crops * per, dtype=torch.float64).view(crops, per, 1)
-        with quiet_transformers():
-            packed, _ = _inner(self.model).pack_image_features([ids], image_sizes, "default", image_newline=None)
-        flat = packed[0][:, 0].round().long().cpu()
+        flat = self._packed_ids(ids, image_sizes)[:, 0].round().long().cpu()
         crop_index, patch_index = flat // per, flat % per
         hires = crop_index > 0
         if not bool(hires.any()):
@@ -189,6 +187,12 @@ class LlavaNextAdapter(LlavaAdapter):
         if grid[0] * grid[1] != int(hires.sum()):
             raise RuntimeError(f"the high-resolution tokens do not form a {grid[0]}x{grid[1]} grid")
         return crop_index, patch_index, grid
+
+    def _packed_ids(self, ids: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
+        """The model's own ``pack_image_features`` run on per-crop ids (crops, P, 1), no newline rows: their order."""
+        with quiet_transformers():
+            packed, _ = _inner(self.model).pack_image_features([ids], image_sizes, "default", image_newline=None)
+        return packed[0]
 
     def _crop_boxes(self, height: int, width: int, crops: int) -> torch.Tensor:
         """(crops, P, 4) every crop patch's [x0, y0, x1, y1] in original pixels (unclipped), crop 0 = base."""

@@ -96,9 +96,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         strategy = getattr(cfg, "vision_feature_select_strategy", "full")
         if strategy != "full":  # "default" would drop a real patch: SigLIP has no CLS to drop
             raise ModelLoadError(f"{name}: vision_feature_select_strategy {strategy!r} is not supported (only 'full')")
-        for attr in ("tokenizer", "image_processor"):
-            if getattr(processor, attr, None) is None:
-                raise ModelLoadError(f"{name}: the processor has no {attr}; the model folder is incomplete")
+        self._check_processor(processor, name)
         if not isinstance(getattr(cfg, "image_grid_pinpoints", None), list):
             raise ModelLoadError(f"{name}: the model config has no image_grid_pinpoints")
         if not hasattr(_inner(model), "image_newline"):
@@ -129,31 +127,14 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         tokens.model_inputs["pooled_grid"] = pooled
         return tokens
 
-    def _layout(self, image_sizes: torch.Tensor, crops: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-        """(crop_index, patch_index) of every token of the unpooled packed grid, from the model's own
-        ``pack_image_features`` (run on crop/patch ids with pooling out of reach), and the unpadded grid."""
-        from transformers.models.llava_onevision.modeling_llava_onevision import get_anyres_image_grid_shape
-
-        vc = self.model.config.vision_config
-        side = vc.image_size // vc.patch_size
-        per = side * side
-        ids = torch.arange(crops * per, dtype=torch.float64).view(crops, per, 1)
+    def _packed_ids(self, ids: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
+        """The model's own ``pack_image_features`` on per-crop ids with pooling out of reach (the unpooled grid, no
+        newline rows); NeXT's ``_layout`` reads the crop/patch order and the unpadded grid from it."""
         with quiet_transformers():
             packed, _ = _inner(self.model).pack_image_features(
                 [ids], image_sizes, image_newline=None, vision_aspect_ratio=_NO_POOLING
             )
-        flat = packed[0][:, 0].round().long().cpu()
-        crop_index, patch_index = flat // per, flat % per
-        hires = crop_index > 0
-        if not bool(hires.any()):
-            return crop_index, patch_index, (0, 0)
-        _, crops_w = get_anyres_image_grid_shape(image_sizes[0], self.model.config.image_grid_pinpoints, vc.image_size)
-        rows = (crop_index[hires] - 1) // crops_w * side + patch_index[hires] // side
-        cols = (crop_index[hires] - 1) % crops_w * side + patch_index[hires] % side
-        grid = (int(rows.unique().numel()), int(cols.unique().numel()))
-        if grid[0] * grid[1] != int(hires.sum()):
-            raise RuntimeError(f"the high-resolution tokens do not form a {grid[0]}x{grid[1]} grid")
-        return crop_index, patch_index, grid
+        return packed[0]
 
     # ------------------------------------------------------------------ language model
     def _with_newlines(self, tokens: ImageTokens, rows: torch.Tensor) -> torch.Tensor:

@@ -97,9 +97,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         self.processor = processor
         self.name = name
         self.is_demo = is_demo
-        for attr in ("tokenizer", "image_processor"):
-            if getattr(processor, attr, None) is None:
-                raise ModelLoadError(f"{name}: the processor has no {attr}; the model folder is incomplete")
+        self._check_processor(processor, name)
         cfg = model.config
         vc = cfg.vision_config
         ip = processor.image_processor
