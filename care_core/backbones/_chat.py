@@ -15,7 +15,7 @@ from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
 from ..images import to_rgb
 from ._hf import quiet_transformers
-from .base import ImageTokens, VLMAdapter, check_batch
+from .base import ImageTokens, VLMAdapter, check_batch, check_kept
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
 
 
@@ -342,9 +342,19 @@ class ChatAdapter(VLMAdapter):
         """Keyword arguments of ``self.model`` for the prompt with ``projected`` as its visual rows.
 
         Always ``input_ids``, ``attention_mask`` and ``mm_encoder_outputs``; family extras as needed.
-        ``probe=True``: the language-model probe's sequence (exactly one placeholder per row).
+        ``probe=True``: the language-model probe's sequence (exactly one placeholder per row). This default: the
+        prompt with K placeholders, the K rows fed in the order given (``kept`` is only checked), for families whose
+        language model has 1-D positions that follow the mask (LLaVA-1.5, InternVL3).
         """
-        raise NotImplementedError
+        rows = self._check_projected(projected)
+        check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
+        enc = self._encode_prompt(question, int(rows.shape[0]))
+        return {**enc, "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept)}
+
+    def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
+        """``mm_encoder_outputs`` for the K visual rows of one image, in the container the family's model takes
+        (default: one image's rows listed; InternVL takes one tensor, Qwen3-VL adds its deepstack rows)."""
+        return mm_encoder_outputs(rows)
 
     @property
     def _language_model(self) -> torch.nn.Module:

@@ -40,7 +40,7 @@ import torch
 from ..errors import ModelLoadError
 from ._chat import ChatAdapter
 from ._hf import quiet_transformers
-from .base import ImageTokens, check_kept
+from .base import ImageTokens
 from .geometry import clip_boxes, grid_crop_boxes
 
 INTERNVL_FALLBACK_PROMPT = "<|im_start|>user\n{image}\n{question}<|im_end|>\n<|im_start|>assistant\n"
@@ -249,17 +249,7 @@ class InternVLAdapter(ChatAdapter):
             raise RuntimeError(f"prompt tokenised to {n} image placeholders, expected {k}")
         return {key: enc[key].to(self.device) for key in ("input_ids", "attention_mask")}
 
-    def _lm_inputs(
-        self,
-        question: str,
-        tokens: ImageTokens,
-        projected: torch.Tensor,
-        kept: torch.Tensor | None,
-        *,
-        probe: bool = False,
-    ) -> dict[str, Any]:
-        """K placeholders inside one ``<img>`` span; the K rows fed in the order given (``kept`` only checked)."""
-        rows = self._check_projected(projected)
-        check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
-        enc = self._encode_prompt(question, int(rows.shape[0]))
-        return {**enc, "mm_encoder_outputs": image_mm_outputs(rows)}
+    def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
+        """InternVL takes ONE tensor of all K rows (:func:`image_mm_outputs`); K placeholders in one ``<img>`` span,
+        the rows fed in the order given (ChatAdapter's ``_lm_inputs``)."""
+        return image_mm_outputs(rows)

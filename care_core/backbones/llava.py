@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
-from ._chat import ChatAdapter, mm_encoder_outputs
+from ._chat import ChatAdapter
 from ._hf import quiet_transformers
-from .base import ImageTokens, check_kept
+from .base import ImageTokens
 from .geometry import crop_geometry, grid_image_tokens
 from .probes import clip_vision_probes
 
@@ -138,21 +138,6 @@ class LlavaAdapter(ChatAdapter):
     @property
     def _language_model(self) -> torch.nn.Module:
         return _inner(self.model).language_model
-
-    def _lm_inputs(
-        self,
-        question: str,
-        tokens: ImageTokens,
-        projected: torch.Tensor,
-        kept: torch.Tensor | None,
-        *,
-        probe: bool = False,
-    ) -> dict[str, Any]:
-        """The prompt with K placeholders; the K rows are fed in the order given (``kept`` is only checked)."""
-        rows = self._check_projected(projected)
-        check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
-        enc = self._encode_prompt(question, int(rows.shape[0]))
-        return {**enc, "mm_encoder_outputs": mm_encoder_outputs(rows)}
 
     # ------------------------------------------------------------------ probes
     def _vision_probes(self, tokens: ImageTokens, names: set[str]) -> dict[str, Any]:

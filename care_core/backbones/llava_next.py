@@ -49,7 +49,6 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from ._chat import mm_encoder_outputs
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept, is_all_tokens
 from .geometry import clip_boxes, crop_geometry, grid_crop_boxes
@@ -264,7 +263,7 @@ class LlavaNextAdapter(LlavaAdapter):
         if not probe and is_all_tokens(kept, int(rows.shape[0]), tokens.num_tokens):
             rows = self._with_newlines(tokens, rows)
         enc = self._encode_prompt(question, int(rows.shape[0]))
-        return {**enc, "mm_encoder_outputs": mm_encoder_outputs(rows)}
+        return {**enc, "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept)}
 
     def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
         kept = check_kept(kept, int(rows), tokens.num_tokens)

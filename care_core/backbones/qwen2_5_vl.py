@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from ._chat import ChatAdapter, mm_encoder_outputs
+from ._chat import ChatAdapter
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
 from .geometry import CropGeometry, grid_image_tokens
@@ -238,7 +238,3 @@ class Qwen2_5_VLAdapter(ChatAdapter):
             "position_ids": torch.cat([text_row, positions], dim=0),  # (4, 1, L_K): text row, then t, h, w
             "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept),
         }
-
-    def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
-        """``mm_encoder_outputs`` for the K visual rows of one image (Qwen3-VL adds its deepstack rows)."""
-        return mm_encoder_outputs(rows)
