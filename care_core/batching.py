@@ -70,13 +70,14 @@ class BatchChoice:
 
 
 def choose_batch_size(
-    requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None, language_model_probe: bool = False
+    requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None, attention_layers: int = 0
 ) -> BatchChoice:
     """``requested`` (as :func:`parse_batch_size` reads it) on ``adapter``, with the default the device rule picks
-    (computed either way, for the run's report). ``language_model_probe``: a method reads the language-model probe
-    (FastV, SparseVLM), whose attention maps every sample of a batch holds (:func:`sample_bytes`)."""
+    (computed either way, for the run's report). ``attention_layers``: how many language-model layers' attention
+    maps a method reads (FastV, SparseVLM: ``Method.attention_layers``), which every sample of a batch holds
+    (:func:`sample_bytes`)."""
     wanted = parse_batch_size(requested)
-    default = default_batch_size(adapter, max_new_tokens=max_new_tokens, language_model_probe=language_model_probe)
+    default = default_batch_size(adapter, max_new_tokens=max_new_tokens, attention_layers=attention_layers)
     return BatchChoice(default if wanted == AUTO else int(wanted), wanted, default)
 
 
@@ -86,13 +87,13 @@ def resolve_batch_size(
     *,
     max_new_tokens: int | None,
     max_batch_size: int | None = None,
-    language_model_probe: bool = False,
+    attention_layers: int = 0,
 ) -> int:
     """``requested`` as a number: ``auto`` is :func:`default_batch_size`, at most ``max_batch_size`` where given."""
     wanted = parse_batch_size(requested)
     if wanted != AUTO:
         return int(wanted)
-    size = default_batch_size(adapter, max_new_tokens=max_new_tokens, language_model_probe=language_model_probe)
+    size = default_batch_size(adapter, max_new_tokens=max_new_tokens, attention_layers=attention_layers)
     return size if max_batch_size is None else max(1, min(size, int(max_batch_size)))
 
 
@@ -101,7 +102,7 @@ def default_batch_size(
     *,
     max_new_tokens: int | None,
     prompt_tokens: int = PROMPT_TOKENS,
-    language_model_probe: bool = False,
+    attention_layers: int = 0,
 ) -> int:
     """The batch size ``auto`` picks for ``adapter`` (docs/design.md §Batch size): :data:`CPU_BATCH_SIZE` off CUDA;
     on CUDA the free memory over :func:`sample_bytes` for the visual tokens of a reference image, in [1, 64].
@@ -116,7 +117,7 @@ def default_batch_size(
         visual_tokens = adapter.encode_images([Image.new("RGB", (side, side), (128, 128, 128))])[0].num_tokens
     per_sample = sample_bytes(adapter.model.config, visual_tokens=visual_tokens, prompt_tokens=prompt_tokens,
                               max_new_tokens=max_new_tokens, dtype_bytes=adapter.dtype.itemsize,
-                              language_model_probe=language_model_probe)  # fmt: skip
+                              attention_layers=attention_layers)  # fmt: skip
     return batch_size_for(free_cuda_bytes(adapter.device), per_sample)
 
 
@@ -137,15 +138,15 @@ def sample_bytes(
     prompt_tokens: int,
     max_new_tokens: int | None,
     dtype_bytes: int,
-    language_model_probe: bool = False,
+    attention_layers: int = 0,
 ) -> int:
     """Memory one sample needs beyond the weights (a config with ``text_config``/``vision_config`` or flat):
 
     KV cache 2 L_t H_kv d_h (T + N + new) + prefill activations (T + N)(4 d_t + 2 I_t) + vision tower
     N_v ((L_v + 1) d_v + 2 I_v), times the LM dtype's bytes; N_v = N s^2 (s: the tower's spatial merge, 1 without).
-    ``max_new_tokens`` None: no answers, so no KV cache. ``language_model_probe``: the probe's prefill activations and
-    its float32 attention maps L_t H (T + N)^2 · 4 bytes (every layer: the deepest a method reads is not known here),
-    which every sample of a batch holds until its methods have run.
+    ``max_new_tokens`` None: no answers, so no KV cache. ``attention_layers`` a > 0 (a method reads the language-model
+    probe's attention maps of layers 0..a-1): the probe's prefill activations and float32 maps (a + 1) H (T + N)^2 · 4
+    bytes (the a kept, which every sample of a batch holds until its methods have run, and the layer being computed).
     """
     text = getattr(config, "text_config", None) or config
     vision = getattr(config, "vision_config", None)
@@ -156,10 +157,10 @@ def sample_bytes(
     kv = prefill = attention_maps = 0
     if max_new_tokens is not None:
         kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * (sequence + max_new_tokens)
-    if max_new_tokens is not None or language_model_probe:
+    if max_new_tokens is not None or attention_layers > 0:
         prefill = sequence * (4 * int(text.hidden_size) + 2 * int(text.intermediate_size))
-    if language_model_probe:
-        attention_maps = int(text.num_hidden_layers) * heads * sequence**2 * 4
+    if attention_layers > 0:
+        attention_maps = (min(attention_layers, int(text.num_hidden_layers)) + 1) * heads * sequence**2 * 4
     tower = 0
     if vision is not None:
         merge = int(getattr(vision, "spatial_merge_size", None) or 1)

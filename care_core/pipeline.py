@@ -242,6 +242,11 @@ class ReductionPipeline:
         """Every probe the configured methods read."""
         return frozenset().union(*(m.needs for m in self.methods.values()))
 
+    @property
+    def attention_layers(self) -> int:
+        """The most language-model layers' attention maps any configured method reads (0: none)."""
+        return max((m.attention_layers() for m in self.methods.values()), default=0)
+
     def encode(self, image: Image.Image) -> ImageTokens:
         import torch
 

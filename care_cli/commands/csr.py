@@ -344,8 +344,7 @@ def _compute(
     final one (after any out-of-memory split)."""
     from care_core.batching import Batches, choose_batch_size
 
-    choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None,
-                               language_model_probe="language_model" in pipe.needs)  # fmt: skip
+    choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None, attention_layers=pipe.attention_layers)
     batches = Batches(choice.size, device=pipe.adapter.device, on_notice=lambda line: render.print_notices([line]))
     done = run.done_keys()
     todo = []
@@ -361,9 +360,9 @@ def _compute(
         def finished(chunk: list[Any], outputs: list[Any]) -> None:
             records: list[dict[str, Any]] = []
             failure: UserError | None = None
-            for (pid, pair, _), output in zip(chunk, outputs, strict=True):
+            for (_, pair, _), output in zip(chunk, outputs, strict=True):
                 if not isinstance(output, Exception):
-                    records += _records(pid, pair, pipe.backbone, output)
+                    records += output
                 elif skip_bad and pair.line is not None:
                     skipped.append({"line": pair.line, "reason": str(output)})
                 elif failure is None:
@@ -379,14 +378,17 @@ def _compute(
 
 
 def _csr_batch(pipe: Any, chunk: list[Any], budgets: list[Any]) -> list[Any]:
-    """The pipeline's results for one batch of (pair id, pair, plan), with CSR; a pair whose image or question is bad
-    gets its error instead (the batch is then run pair by pair to find it)."""
+    """The records of one batch of (pair id, pair, plan), with CSR; a pair whose image or question is bad gets its
+    error instead (the batch is then run pair by pair to find it). Records, not the pipeline's results: those hold
+    the batch's tensors on the device, and a run keeps what its batches return until it ends."""
     from care_cli.io import load_image
 
     try:
         images = [load_image(pair.image) for _, pair, _ in chunk]
-        return list(pipe.run_batch(images, [pair.question for _, pair, _ in chunk], budgets, csr=True,
-                                   plans=[plan for _, _, plan in chunk]))  # fmt: skip
+        results = pipe.run_batch(images, [pair.question for _, pair, _ in chunk], budgets, csr=True,
+                                 plans=[plan for _, _, plan in chunk])  # fmt: skip
+        backbone = pipe.backbone
+        return [_records(pid, pair, backbone, result) for (pid, pair, _), result in zip(chunk, results, strict=True)]
     except (UserError, ImageError, QuestionError) as exc:
         if len(chunk) == 1:
             return [exc]

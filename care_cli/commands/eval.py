@@ -207,9 +207,10 @@ def run_eval(
     if not main:
         plugin.load_tasks(selection.names, manager)
     specs, skipped = _servable(specs, adapter, every)
-    probe = any("language_model" in build_method(spec.method, spec.config).needs for spec in specs if spec.method)
+    layers = max((build_method(spec.method, spec.config).attention_layers() for spec in specs if spec.method),
+                 default=0)  # fmt: skip
     choice = choose_batch_size(batch_size, adapter, max_new_tokens=plugin.DEFAULT_MAX_NEW_TOKENS,
-                               language_model_probe=probe)  # fmt: skip
+                               attention_layers=layers)  # fmt: skip
     samples = DatasetRun(folder / SAMPLES if folder is not None else None, manifest={}, resume=True, key=SAMPLE_KEY,
                          run_format=SAMPLES_FORMAT, processes=processes)  # fmt: skip
     with samples:

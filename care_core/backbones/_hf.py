@@ -6,6 +6,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -17,6 +18,9 @@ def quiet_transformers() -> Iterator[None]:
     """
     from transformers.utils import logging as hf_logging
 
+    if _already_quiet(hf_logging):  # nested (a data-set run wraps its loop): setting levels again clears caches
+        yield
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         verbosity = hf_logging.get_verbosity()
@@ -33,3 +37,11 @@ def quiet_transformers() -> Iterator[None]:
             if bars:
                 hf_logging.enable_progress_bar()
             hub_logger.setLevel(hub_level)
+
+
+def _already_quiet(hf_logging: Any) -> bool:
+    """Whether an enclosing :func:`quiet_transformers` (or the user) already silences all it would."""
+    ignore_all = bool(warnings.filters) and warnings.filters[0][0] == "ignore" and warnings.filters[0][1] is None
+    ignore_all = ignore_all and warnings.filters[0][2] is Warning and warnings.filters[0][3] is None
+    return (ignore_all and hf_logging.get_verbosity() >= logging.ERROR and not hf_logging.is_progress_bar_enabled()
+            and logging.getLogger("huggingface_hub").level >= logging.ERROR)  # fmt: skip

@@ -150,7 +150,8 @@ class InternVLAdapter(ChatAdapter):
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Tiles stacked image after image (flat over the batch, as the processor stacks them)."""
         counts = [torch.as_tensor(part["num_patches"]).view(-1) for part in parts]
-        return {"pixel_values": torch.cat([part["pixel_values"] for part in parts]), "num_patches": torch.cat(counts)}
+        pixels = torch.cat([part["pixel_values"].to(self.device) for part in parts])  # joined on the model's device
+        return {"pixel_values": pixels, "num_patches": torch.cat(counts)}
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """Pixel-shuffled pre-projector tokens per image, the tiles of all images in one tower pass."""
@@ -238,16 +239,9 @@ class InternVLAdapter(ChatAdapter):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ language model
-    def _encode_prompt(self, question: str, k: int) -> dict[str, torch.Tensor]:
-        """The prompt with ``<img>`` + ``k`` placeholders + ``</img>`` in place of the image (as the processor
-        expands it for N tokens)."""
-        head, tail = self.prompt(question).split(self.image_token, 1)
-        text = head + self.start_image + self.image_token * k + self.end_image + tail
-        enc = self.tokenizer(text, return_tensors="pt")
-        n = int((enc["input_ids"] == self.image_token_id).sum())
-        if n != k:
-            raise RuntimeError(f"prompt tokenised to {n} image placeholders, expected {k}")
-        return {key: enc[key].to(self.device) for key in ("input_ids", "attention_mask")}
+    def _image_text(self, k: int) -> str:
+        """``<img>`` + ``k`` placeholders + ``</img>``, as the processor expands the image for N tokens."""
+        return self.start_image + self.image_token * k + self.end_image
 
     def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
         """InternVL takes ONE tensor of all K rows (:func:`image_mm_outputs`); K placeholders in one ``<img>`` span,

@@ -92,7 +92,8 @@ class LlavaAdapter(ChatAdapter):
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"pixel_values": torch.cat([part["pixel_values"] for part in parts])}
+        """The crops joined on the model's device (on the CPU the join is a copy of the batch while the GPU waits)."""
+        return {"pixel_values": torch.cat([part["pixel_values"].to(self.device) for part in parts])}
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """576 pre-projector tokens per image and their geometry, the crops of all images in one tower pass.

@@ -56,6 +56,8 @@ from .llava import LlavaAdapter, _inner
 from .probes import _linear32, clip_vision_capture
 
 LLAVA_NEXT_FALLBACK_PROMPT = "[INST] {image}\n{question} [/INST]"
+#: image geometries (size, crops) an adapter keeps worked out
+GEOMETRY_CACHE_SIZE = 256
 
 
 def _size_hw(size: Any, key_h: str = "height", key_w: str = "width") -> tuple[int, int] | None:
@@ -96,10 +98,12 @@ class LlavaNextAdapter(LlavaAdapter):
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Crops zero-padded to the most any image has, as the processor pads a list of images."""
+        """Crops zero-padded to the most any image has, as the processor pads a list of images; the pixels on the
+        model's device (padded and joined there: on the CPU that is copies of the batch while the GPU waits)."""
         most = max(int(part["pixel_values"].shape[1]) for part in parts)
         pad = [(0, 0, 0, 0, 0, 0, 0, most - int(part["pixel_values"].shape[1])) for part in parts]
-        pixel_values = [torch.nn.functional.pad(part["pixel_values"], by) for part, by in zip(parts, pad, strict=True)]
+        pixel_values = [torch.nn.functional.pad(part["pixel_values"].to(self.device), by)
+                        for part, by in zip(parts, pad, strict=True)]  # fmt: skip
         return {"pixel_values": torch.cat(pixel_values), "image_sizes": torch.cat([p["image_sizes"] for p in parts])}
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
@@ -127,18 +131,14 @@ class LlavaNextAdapter(LlavaAdapter):
     ) -> ImageTokens:
         """One image's packed tokens from its crops' features (crops, 576, d_v), and their geometry."""
         height, width = size
-        crop_index, patch_index, hires_grid = self._layout(image_sizes, per_crop.shape[0])
+        crop_index, patch_index, hires_grid, boxes, positions = self._geometry(image_sizes, per_crop.shape[0], size)
         dev = per_crop.device
         features = per_crop[crop_index.to(dev), patch_index.to(dev)]
-        boxes_per_crop = self._crop_boxes(height, width, per_crop.shape[0])  # (crops, 576, 4), original pixels
-        boxes = clip_boxes(boxes_per_crop[crop_index, patch_index], height, width)
-        centre_x = (boxes[:, 0] + boxes[:, 2]) / 2 / width
-        centre_y = (boxes[:, 1] + boxes[:, 3]) / 2 / height
-        positions = torch.stack([centre_y, centre_x], dim=1).to(device=dev, dtype=torch.float32)
+        positions = positions.to(device=dev)
         return ImageTokens(
             features=features,
             positions=positions,
-            boxes=boxes.to(torch.float32),
+            boxes=boxes,
             image_size=(height, width),
             seen_box=(0.0, 0.0, float(width), float(height)),
             grid=None,
@@ -152,6 +152,28 @@ class LlavaNextAdapter(LlavaAdapter):
             },
             views=(crop_index > 0).long(),
         )
+
+    def _geometry(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int]) -> tuple[Any, ...]:
+        """(crop_index, patch_index, hires_grid, boxes, positions) of one image's packed tokens (CPU), which depend
+        on its size and crops only: kept per size (:data:`GEOMETRY_CACHE_SIZE`), since a data set repeats a few
+        sizes and working them out costs milliseconds of Python per image while the GPU waits."""
+        key = (size, tuple(int(v) for v in image_sizes.reshape(-1).tolist()), int(crops))
+        kept: dict[tuple[Any, ...], tuple[Any, ...]] = self.__dict__.setdefault("_geometry_cache", {})
+        cached = kept.get(key)
+        if cached is None:
+            height, width = size
+            crop_index, patch_index, hires_grid = self._layout(image_sizes, crops)
+            boxes_per_crop = self._crop_boxes(height, width, crops)  # (crops, 576, 4), original pixels
+            boxes = clip_boxes(boxes_per_crop[crop_index, patch_index], height, width)
+            centre_x = (boxes[:, 0] + boxes[:, 2]) / 2 / width
+            centre_y = (boxes[:, 1] + boxes[:, 3]) / 2 / height
+            positions = torch.stack([centre_y, centre_x], dim=1).to(torch.float32)
+            boxes = boxes.to(torch.float32)
+            if len(kept) >= GEOMETRY_CACHE_SIZE:
+                kept.pop(next(iter(kept)))
+            cached = kept[key] = (crop_index, patch_index, hires_grid, boxes, positions)
+        crop_index, patch_index, hires_grid, boxes, positions = cached
+        return crop_index.clone(), patch_index.clone(), hires_grid, boxes.clone(), positions.clone()
 
     def _crops(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """(crops, 3, 336, 336): the real crops of the processor output (base view first)."""

@@ -141,8 +141,8 @@ class Qwen2_5_VLAdapter(ChatAdapter):
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Patch rows packed image after image, as the processor packs a list of images."""
-        return {"pixel_values": torch.cat([part["pixel_values"] for part in parts]),
+        """Patch rows packed image after image, as the processor packs a list of images (on the model's device)."""
+        return {"pixel_values": torch.cat([part["pixel_values"].to(self.device) for part in parts]),
                 "image_grid_thw": torch.cat([part["image_grid_thw"] for part in parts])}  # fmt: skip
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:

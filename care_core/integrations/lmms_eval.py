@@ -280,9 +280,9 @@ class CareLMM(lmms):
         if self._batches is None:
             from care_core.batching import resolve_batch_size
 
-            probe = self.pipeline is not None and "language_model" in self.pipeline.needs
+            layers = self.pipeline.attention_layers if self.pipeline is not None else 0
             size = resolve_batch_size(self._batch_request, self.adapter, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-                                      max_batch_size=self._max_batch_size, language_model_probe=probe)  # fmt: skip
+                                      max_batch_size=self._max_batch_size, attention_layers=layers)  # fmt: skip
             self._batches = Batches(size, device=self.adapter.device, on_notice=lambda line: self.on_notice(line))
         return self._batches
 

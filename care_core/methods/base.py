@@ -194,6 +194,11 @@ class Method:
         (the result per image must be :meth:`reduce`'s)."""
         return [self.reduce(one, keep) for one, keep in zip(inputs, keeps, strict=True)]
 
+    def attention_layers(self) -> int:
+        """How many language-model layers' attention maps (layers 0..a-1 of the ``language_model`` probe) the method
+        reads: 0 for most; what the batch-size rule counts per sample (care_core.batching.sample_bytes)."""
+        return 0
+
     def output_count(self, num_tokens: int, keep: int) -> int:
         """Number of output rows for budget `keep`: K unless the method documents otherwise."""
         return keep

@@ -57,6 +57,9 @@ class FastV(Method):
 
     agg_layer: int = 2  # K: the attention of layer K-1 scores the image tokens
 
+    def attention_layers(self) -> int:
+        return self.agg_layer  # layers 0..K-1
+
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         if self.agg_layer < 1:
             raise MethodError(f"fastv: agg_layer (K) must be >= 1, got {self.agg_layer}")

@@ -174,6 +174,9 @@ class SparseVLM(Method):
     noise: float = 1e-6  # density tie-break noise of cluster_and_merge (drawn from a generator seeded with `seed`)
     seed: int | None = None  # seed of that noise; None = inputs.seed
 
+    def attention_layers(self) -> int:
+        return self.layer + 1  # layers 0..layer
+
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         if self.version not in SCHEDULES:
             raise MethodError(f"sparsevlm: version must be '1_0' or '2_0', got {self.version!r}")

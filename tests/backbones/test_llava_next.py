@@ -125,6 +125,19 @@ def test_boxes_point_at_the_pixels_the_tokens_saw(next_demo: LlavaNextAdapter, h
     assert float(areas[tokens.views == 1].sum()) == pytest.approx(height * width, rel=1e-6)
 
 
+def test_images_of_one_size_share_geometry_but_never_its_tensors(next_demo: LlavaNextAdapter) -> None:
+    """The geometry a size gives is worked out once per adapter: a second image of that size gets equal boxes,
+    positions and indices, and changing one image's tensors in place changes no other image's."""
+    first = next_demo.encode_image(noise_image(500, 800, seed=11))
+    first.boxes.add_(1000.0)
+    first.model_inputs["crop_index"].zero_()
+    second = next_demo.encode_image(noise_image(500, 800, seed=12))
+    fresh = LlavaNextAdapter(next_demo.model, next_demo.processor, name="fresh").encode_image(noise_image(500, 800))
+    assert torch.equal(second.boxes, fresh.boxes) and torch.equal(second.positions, fresh.positions)
+    assert torch.equal(second.model_inputs["crop_index"], fresh.model_inputs["crop_index"])
+    assert int(second.model_inputs["crop_index"].max()) > 0  # the in-place zeroing of the first did not reach it
+
+
 # ---------------------------------------------------------------------------------- language model
 def test_full_k_logits_equal_standard_path(
     next_demo: LlavaNextAdapter, tokens: ImageTokens, standard: dict[str, Any]

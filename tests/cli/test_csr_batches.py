@@ -119,3 +119,30 @@ def test_a_bad_batch_size_is_refused_in_one_line(care, reference: Any, value: st
     result = care("csr", "--data", data, "--keep", "8", "--batch-size", value)
     assert result.code == 2 and result.out == ""
     assert result.err == f"error: --batch-size must be a whole number >= 1, 'auto' or 'auto:N', got '{value}'\n"
+
+
+def test_a_finished_batch_leaves_nothing_alive_for_the_next(
+    care, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline's results carry the batch's tensors (on a GPU, its memory): once a batch's records are saved,
+    none of them may outlive it (a run that kept them filled an H100 after a few hundred pairs)."""
+    import gc
+    import weakref
+
+    data, expected = reference
+    run_batch = ReductionPipeline.run_batch
+    earlier: list[weakref.ref[Any]] = []
+    alive_at_start: list[int] = []
+
+    def watched(self: Any, images: list[Any], *args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        alive_at_start.append(sum(ref() is not None for ref in earlier))
+        results = run_batch(self, images, *args, **kwargs)
+        earlier.extend(weakref.ref(result) for result in results)
+        return results
+
+    monkeypatch.setattr(ReductionPipeline, "run_batch", watched)
+    result = care("csr", "--data", data, *ARGS, "--batch-size", "2")
+    assert result.code == 0, result.err
+    assert result.json()["results"] == expected["results"]
+    assert len(alive_at_start) == 3 and alive_at_start == [0, 0, 0]  # batches of 2, 2, 1

@@ -45,9 +45,13 @@ def test_the_memory_estimate_per_sample_is_the_documented_formula() -> None:
     )
     # no answers (CSR): the tower only
     assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=None, dtype_bytes=2) == 2 * 23040
-    # CSR with FastV / SparseVLM: also the probe's prefill and float32 attention maps, 3 layers * 8 heads * 30^2 * 4
+    # CSR with FastV at K = 2 (layers 0 and 1): also the probe's prefill and float32 attention maps, the two kept
+    # and the one being computed: 3 layers * 8 heads * 30^2 * 4 = 86400
     assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=None, dtype_bytes=2,
-                        language_model_probe=True) == 2 * (13440 + 23040) + 86400  # fmt: skip
+                        attention_layers=2) == 2 * (13440 + 23040) + 86400  # fmt: skip
+    # a method asking for more layers than the model has holds all 3 of them: 4 * 8 * 900 * 4
+    assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=None, dtype_bytes=2,
+                        attention_layers=9) == 2 * (13440 + 23040) + 115200  # fmt: skip
     flat = SimpleNamespace(**vars(text), head_dim=4)  # no vision config, an explicit head dim
     assert sample_bytes(flat, visual_tokens=20, prompt_tokens=10, max_new_tokens=5, dtype_bytes=4) == 4 * (
         2 * 3 * 2 * 4 * 35 + 13440
