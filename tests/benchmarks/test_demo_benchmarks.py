@@ -1,5 +1,6 @@
-"""The demo accuracy benchmark's statistics and tables: per-question answers in, Wilson intervals, McNemar p-values
-and Spearman's rho out, and the docs' markdown rendered from a results file (expected strings written by hand)."""
+"""The demo benchmarks' bookkeeping: accuracy statistics (per-question answers in; Wilson intervals, McNemar p-values
+and Spearman's rho out), the docs' markdown rendered from a results file (expected strings written by hand), and
+which object each token's footprint lies on."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from PIL import Image
 
 from benchmarks import bench_demo_accuracy as bench
+from benchmarks.bench_demo_coverage import token_objects
+from care_core.synthetic import Scene, SceneObject
 
 
 def _row(kind: str, all_tokens: int, hits: dict[str, int], csr: dict[str, float]) -> dict[str, Any]:
@@ -128,3 +133,15 @@ def test_terminal_tables_fit_80_columns(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "74.8 [70.8, 78.4]" in out and "<0.001" in out and "0.86 [0.76, 0.92] over 48 cells" in out
+
+
+def test_each_token_reads_the_object_at_its_footprint_centre() -> None:
+    # A 100 x 60 image: a square centred at (20, 20) (drawn 11.5..28.5 on both axes) and a circle centred at
+    # (70, 40) with radius 10. Footprint centres: (20, 20) on the square (1), (70, 40) on the circle (2),
+    # (50, 10) on neither (0), and (110, 70), outside the image (padding), read at the corner (99, 59): 0.
+    objects = (SceneObject("square", "red", "small", (20.0, 20.0), 20.0),
+               SceneObject("circle", "blue", "small", (70.0, 40.0), 20.0))  # fmt: skip
+    scene = Scene(seed=0, index=0, image=Image.new("RGB", (100, 60)), objects=objects)
+    boxes = torch.tensor([[10, 10, 30, 30], [60, 30, 80, 50], [40, 0, 60, 20], [90, 50, 130, 90]])
+    tokens = type("Tokens", (), {"boxes": boxes})()
+    assert token_objects(tokens, scene).tolist() == [1, 2, 0, 0]
