@@ -90,9 +90,9 @@ def _paired(these: list[int], other: list[int]) -> dict[str, Any]:
     return {"only_this": test.only_a, "only_other": test.only_b, "p": test.p_value}
 
 
-def _correlation(cells: list[dict[str, Any]]) -> dict[str, Any]:
+def _correlation(csr: list[float], accuracy: list[float]) -> dict[str, Any]:
     """Spearman's rho of CSR against accuracy over the cells, with its 95% interval (None where undefined)."""
-    result = spearman([c["csr"] for c in cells], [c["accuracy"] for c in cells])
+    result = spearman(csr, accuracy)
     defined = result.reason is None
     return {"rho": round(result.rho, 4) if defined else None, "low": round(result.low, 4) if defined else None,
             "high": round(result.high, 4) if defined else None, "cells": result.n, "confidence": result.confidence,
@@ -110,6 +110,7 @@ def summarise(rows: list[dict[str, Any]], methods: list[str], keeps: list[int]) 
         return {t: round(100 * sum(h) / len(h), 2) if h else float("nan") for t, h in by_type.items()}
 
     outcomes: dict[str, list[int]] = {"all tokens": [r["all"] for r in rows]}
+    csr: dict[str, float] = {}  # unrounded means: rounding could tie cells that differ
     cells: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for name in methods:
@@ -120,7 +121,8 @@ def summarise(rows: list[dict[str, Any]], methods: list[str], keeps: list[int]) 
                 skipped[name] = errors[0]
                 continue
             outcomes[f"{name}@{k}"] = [g["hit"] for g in got]
-            cells.append({"method": name, "K": k, "csr": round(sum(g["csr"] for g in got) / len(got), 2)})
+            csr[f"{name}@{k}"] = sum(g["csr"] for g in got) / len(got)
+            cells.append({"method": name, "K": k, "csr": round(csr[f"{name}@{k}"], 2)})
     for cell in cells:
         hits, random = outcomes[f"{cell['method']}@{cell['K']}"], outcomes.get(f"random@{cell['K']}")
         against_random = _paired(hits, random) if random is not None and cell["method"] != "random" else None
@@ -134,7 +136,7 @@ def summarise(rows: list[dict[str, Any]], methods: list[str], keeps: list[int]) 
         "all_tokens": {**_accuracy(outcomes["all tokens"]), "per_type": per_type(outcomes["all tokens"])},
         "cells": cells,
         "skipped_methods": skipped,
-        "spearman_csr_accuracy": _correlation(cells),
+        "spearman_csr_accuracy": _correlation(list(csr.values()), [sum(outcomes[key]) / len(rows) for key in csr]),
         "method_cpu_seconds_per_question": {n: round(s / len(rows), 4) for n, s in seconds.items()},
         "outcomes": outcomes,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -143,5 +144,4 @@ def test_each_token_reads_the_object_at_its_footprint_centre() -> None:
                SceneObject("circle", "blue", "small", (70.0, 40.0), 20.0))  # fmt: skip
     scene = Scene(seed=0, index=0, image=Image.new("RGB", (100, 60)), objects=objects)
     boxes = torch.tensor([[10, 10, 30, 30], [60, 30, 80, 50], [40, 0, 60, 20], [90, 50, 130, 90]])
-    tokens = type("Tokens", (), {"boxes": boxes})()
-    assert token_objects(tokens, scene).tolist() == [1, 2, 0, 0]
+    assert token_objects(SimpleNamespace(boxes=boxes), scene).tolist() == [1, 2, 0, 0]
