@@ -5,13 +5,16 @@
 
 For held-out synthetic questions (split seed 1, as ``benchmarks.bench_demo_accuracy``) about an object ("What colour
 is the circle?", "Is the red square on the left or the right?", "Is there a blue cross?" answered yes), every
-registered method reduces the image's 576 tokens to K, and we read off, from the patch labels of the scene (the
-object drawn at each patch centre, through the processor's own resize and crop):
+registered method reduces the image's N visual tokens (576 on ``tiny-llava``) to K, and we read off, from the
+object labels of the scene (the object drawn at the centre of each token's footprint in the original image, from
+the adapter's token geometry ``ImageTokens.boxes``, so any ``--model`` works: crops, tiles, merged patches):
 
-- ``on objects``: the share of the kept tokens that lie on any object (the objects cover a few % of the patches);
-- ``named kept``: how often at least one patch of the object asked about is among the kept tokens;
-- ``named reaches``: how often at least one of its patches reaches the language model, kept or merged into a
+- ``on objects``: the share of the kept tokens that lie on any object (the objects cover a few % of the tokens);
+- ``named kept``: how often at least one token on the object asked about is among the kept tokens;
+- ``named reaches``: how often at least one of its tokens reaches the language model, kept or merged into a
   kept token (the method's ``assignment``; for CaRe, a calibration signal injected into an anchor).
+
+Questions whose object covers no token's centre are left out.
 
 It explains the accuracy table of ``benchmarks.bench_demo_accuracy``: a method that never keeps the question's
 object has to carry it some other way. Reductions run on the CPU in float32 (one thread per worker). Prints a table and
@@ -30,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import ResultsWriter, make_parser, print_table, stamp
+from benchmarks.common import ResultsWriter, fail, make_parser, print_table, stamp
 from benchmarks.demo_world import HELDOUT_SPLIT, configured_method, heldout_items, load_photos, use_pil_image_processor
 
 _state: dict[str, Any] = {}
@@ -46,14 +49,20 @@ def _init(model: str, methods: list[str], keeps: list[int], seed: int) -> None:
                   methods={m: configured_method(m, seed) for m in methods})  # fmt: skip
 
 
-def patch_objects(adapter: Any, scene: Any) -> np.ndarray:
-    """(576,) int: 1 + the index of the object drawn at each patch centre (0: background)."""
+def token_objects(tokens: Any, scene: Any) -> np.ndarray:
+    """(N,) int: 1 + the index of the object drawn at the centre of each token's footprint (0: background).
+
+    The footprint is the adapter's own geometry (``tokens.boxes``, original-image pixels), so every backbone
+    family reads the same rule; a centre outside the image (padding) reads the nearest edge pixel.
+    """
     from care_core.synthetic import label_image
 
-    ip = adapter.processor.image_processor
-    labels = ip(images=label_image(scene), return_tensors="np", do_rescale=False, do_normalize=False, resample=0)
-    side = int(adapter.model.config.vision_config.patch_size)
-    return np.asarray(labels["pixel_values"][0, 0, side // 2 :: side, side // 2 :: side], dtype=np.int64).reshape(-1)
+    labels = np.asarray(label_image(scene), dtype=np.int64)[:, :, 0]
+    boxes = tokens.boxes.to(torch.float64).numpy()
+    height, width = labels.shape
+    x = np.clip(np.floor((boxes[:, 0] + boxes[:, 2]) / 2), 0, width - 1).astype(np.int64)
+    y = np.clip(np.floor((boxes[:, 1] + boxes[:, 3]) / 2), 0, height - 1).astype(np.int64)
+    return labels[y, x]
 
 
 def asked_about(objects: Any, question: str, qtype: str, answer: str) -> list[int]:
@@ -83,10 +92,12 @@ def _one(item: tuple[int, str, str, str]) -> dict[str, Any] | None:
     adapter = _state["adapter"]
     scene = make_scene(HELDOUT_SPLIT, index, photos=_state["photos"])
     named = asked_about(scene.objects, question, qtype, answer)
-    at = patch_objects(adapter, scene)
-    if not named or not np.isin(at, named).any():
+    if not named:
         return None
     tokens = adapter.encode_image(scene.image)
+    at = token_objects(tokens, scene)
+    if not np.isin(at, named).any():  # too small to cover any token's centre
+        return None
     row: dict[str, Any] = {"type": qtype, "cells": {}}
     with torch.no_grad():
         question_embeds = adapter.question_embeddings(question)
@@ -110,6 +121,7 @@ def _one(item: tuple[int, str, str, str]) -> dict[str, Any] | None:
                     "named_reaches": int(np.isin(at[reaches], named).any()),
                 }
     row["object_share"] = float((at > 0).mean())
+    row["demo_note"] = adapter.demo_note
     return row
 
 
@@ -168,16 +180,21 @@ def main(argv: list[str] | None = None) -> None:
     with mp.get_context("spawn").Pool(args.workers, initializer=_init,
                                       initargs=(args.model, methods, keeps, args.seed)) as pool:  # fmt: skip
         rows = [r for r in pool.map(_one, items, chunksize=4) if r is not None]
+    if not rows:
+        raise fail(f"none of the {len(items)} held-out questions is about an object a token centre lies on "
+                   "(draw more with --questions)")  # fmt: skip
     summary = summarise(rows, methods, keeps)
     wall = time.perf_counter() - start
+    note = rows[0]["demo_note"]
     title = (f"{args.model}: {summary['questions_about_an_object']} held-out questions about an object "
-             f"(objects cover {summary['object_patch_share_pct']:.1f}% of the patches); demo backbone: tiny model "
-             "trained on synthetic shapes")  # fmt: skip
+             f"(objects cover {summary['object_patch_share_pct']:.1f}% of the tokens)"
+             + (f"; {note}" if note else ""))  # fmt: skip
     show(summary, title)
     command = "python -m benchmarks.bench_demo_coverage " + " ".join(sys.argv[1:] if argv is None else argv)
     payload = {"benchmark": "bench_demo_coverage", "date": stamp(), "command": command,
-               "model": args.model, "questions_drawn": args.questions, "heldout_split_seed": HELDOUT_SPLIT,
-               "method_seed": args.seed, "keeps": keeps, "wall_seconds": round(wall, 1),
+               "model": args.model, "demo_note": note, "questions_drawn": args.questions,
+               "heldout_split_seed": HELDOUT_SPLIT, "method_seed": args.seed, "keeps": keeps,
+               "wall_seconds": round(wall, 1),
                "host": {"machine": platform.machine(), "cpus": mp.cpu_count(), "workers": args.workers,
                         "torch": torch.__version__, "python": platform.python_version()},
                **summary}  # fmt: skip
