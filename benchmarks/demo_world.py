@@ -34,9 +34,9 @@ def heldout_items(count: int) -> list[tuple[int, str, str, str]]:
 def use_pil_image_processor(adapter: Any) -> None:
     """Give ``adapter`` the PIL CLIP processor: the one the package uses without torchvision and the one training
     used (where torchvision is installed, AutoProcessor picks the torchvision one, whose resize differs slightly).
-    Processors without a centre crop are left alone."""
+    Other processors (LLaVA-NeXT's anyres one also has a ``crop_size``) are left alone."""
     ip = adapter.processor.image_processor
-    if type(ip).__name__.endswith("Pil") or not hasattr(ip, "crop_size"):
+    if type(ip).__name__ != "CLIPImageProcessor":
         return
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
