@@ -152,30 +152,36 @@ def _visual_rows(parts: Parts, features: torch.Tensor, b: Batch) -> torch.Tensor
     return parts.feed.rows(projector(kept), b.order)
 
 
-def forward(parts: Parts, data: Data, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits at the answer positions' predecessors, dense auxiliary logits) of one batch."""
+def model_inputs(parts: Parts, data: Data, b: Batch) -> tuple[dict[str, Any], int, torch.Tensor]:
+    """The model's keyword arguments for a batch (input embeddings, mask, multimodal-rope positions where the family
+    takes them), the length of the prefix before the question tail, and the dense auxiliary logits."""
     device, batch = b.text.device, b.text.shape[0]
     pixels = parts.normalise(data.pixels[data.scene_of[b.index]].to(device))
     if b.hflip.any() or b.vflip.any():
         pixels = _mirror(pixels, b)
     embed = parts.model.get_input_embeddings()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        features = parts.feed.features(pixels)  # (B, N, d_v)
-        dense = parts.aux(features)  # (B, N, 7 + 5 + 24 + 24)
-        rows = _visual_rows(parts, features, b)
-        head = torch.tensor(parts.feed.layout(b.questions[0]).head, device=device).expand(batch, -1)
-        embeds = torch.cat([embed(head), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
-        prefix = head.shape[1] + rows.shape[1]
-        attn = (torch.arange(embeds.shape[1], device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
-        extra: dict[str, Any] = {}
-        if parts.feed.rope:  # a 1-D text row, then (t, h, w): the adapter's four rows
-            mrope = parts.feed.positions(b.questions, None if b.order is None else b.order, b.text.shape[1])
-            text_row = torch.arange(embeds.shape[1]).view(1, 1, -1).expand(1, batch, -1)
-            extra["position_ids"] = torch.cat([text_row, mrope], dim=0).to(device)
-        out = parts.model(inputs_embeds=embeds, attention_mask=attn, use_cache=False, **extra)
-        # position t predicts token t + 1: the answer tokens at text positions p come from prefix + p - 1
-        logits = out.logits[:, prefix - 1 : prefix - 1 + b.text.shape[1]]
-    return logits, dense
+    features = parts.feed.features(pixels)  # (B, N, d_v)
+    dense = parts.aux(features)  # (B, N, 7 + 5 + 24 + 24)
+    rows = _visual_rows(parts, features, b)
+    head = torch.tensor(parts.feed.layout(b.questions[0]).head, device=device).expand(batch, -1)
+    embeds = torch.cat([embed(head), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
+    prefix = head.shape[1] + rows.shape[1]
+    attn = (torch.arange(embeds.shape[1], device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
+    inputs: dict[str, Any] = {"inputs_embeds": embeds, "attention_mask": attn}
+    if parts.feed.rope:  # a 1-D text row, then (t, h, w): the adapter's four rows
+        mrope = parts.feed.positions(b.questions, b.order, b.text.shape[1])
+        text_row = torch.arange(embeds.shape[1]).view(1, 1, -1).expand(1, batch, -1)
+        inputs["position_ids"] = torch.cat([text_row, mrope], dim=0).to(device)
+    return inputs, prefix, dense
+
+
+def forward(parts: Parts, data: Data, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits at the answer positions' predecessors, dense auxiliary logits) of one batch."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=b.text.device.type == "cuda"):
+        inputs, prefix, dense = model_inputs(parts, data, b)
+        logits = parts.model(**inputs, use_cache=False).logits
+    # position t predicts token t + 1: the answer tokens at text positions p come from prefix + p - 1
+    return logits[:, prefix - 1 : prefix - 1 + b.text.shape[1]], dense
 
 
 def losses(parts: Parts, data: Data, b: Batch, dense: torch.Tensor) -> torch.Tensor:
@@ -258,7 +264,7 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         advance(1)
-        if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             save_checkpoint(checkpoint, args, step + 1, parts, opt, gen)
         if step % 250 == 0 or step == args.steps - 1:
             with torch.no_grad():
