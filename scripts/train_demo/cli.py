@@ -146,6 +146,7 @@ def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
     model.to("cpu").half().save_pretrained(str(folder))
     parts.processor.save_pretrained(str(folder))
     run.record(folder)
+    assert spec.weights is not None  # parse offers only demos with a weights file
     weights = run.out / spec.weights
     shutil.copyfile(folder / "model.safetensors", weights)
     run.record(weights)

@@ -124,7 +124,7 @@ def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
                else next(adapter._vision_tower.parameters()),
                "projector": next(adapter.projector.parameters()),
                "language model": adapter._language_model.layers[0].self_attn.q_proj.weight}  # fmt: skip
-    seen = []
+    seen: list[float] = []
     for _ in range(3):
         logits, dense = forward(parts, data, b)
         loss = torch.nn.functional.cross_entropy(logits[b.target], b.text[b.target]) + losses(parts, data, b, dense)
