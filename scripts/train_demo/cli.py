@@ -21,7 +21,7 @@ from care_core.synthetic import IMAGE_SIZES
 
 from .feed import Feed
 from .heldout import evaluate
-from .loop import MIRROR, POSITION_BINS, Data, Parts, fit
+from .loop import CHECKPOINT, MIRROR, POSITION_BINS, Data, Parts, fit
 from .pool import Normaliser, make_pool
 
 #: the families this script trains -> the image size their scenes are drawn at (None: the world's mix)
@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 train_and_evaluate(args, argv, run)
     except KeyboardInterrupt:
+        if (out / CHECKPOINT).is_file():  # the steps so far: --resume continues from them
+            run.record(out / CHECKPOINT)
         print(run.interrupted(), file=sys.stderr)
         return 130
     return 0

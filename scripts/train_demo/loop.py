@@ -85,7 +85,7 @@ class Parts:
 
 @dataclass
 class Batch:
-    index: torch.Tensor  # (B,) questions
+    index: torch.Tensor  # (B,) questions (on the pool's device)
     hflip: torch.Tensor
     vflip: torch.Tensor
     k: int
@@ -112,8 +112,9 @@ def _subset(args: argparse.Namespace, step: int, gen: torch.Generator, n: int) -
 
 
 def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: Data, parts: Parts) -> Batch:
-    """The step's questions, mirrors and visual-token subset (the recipe of the package docstring)."""
-    device = data.pixels.device
+    """The step's questions, mirrors and visual-token subset (the recipe of the package docstring); the questions'
+    indices on the pool's device, the rest on the model's."""
+    device = parts.aux.weight.device
     batch = torch.randint(0, len(data.qas), (args.batch,), generator=gen)
     # mirror images (and the answers of position questions with them): left/right and top/bottom balanced
     hflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
@@ -129,7 +130,7 @@ def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: 
         text[row, : len(s)] = torch.tensor(s)
         target[row, len(s) - len(data.answers[a]) : len(s)] = True
     lengths = torch.tensor([len(s) for s in seqs], device=device)
-    return Batch(batch.to(device), hflip.to(device), vflip.to(device), k, None if order is None else order.to(device),
+    return Batch(batch.to(data.pixels.device), hflip.to(device), vflip.to(device), k, None if order is None else order.to(device),
                  merged, [q for _, q, _ in picked], text.to(device), target.to(device), lengths)  # fmt: skip
 
 
