@@ -130,8 +130,9 @@ def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: 
         text[row, : len(s)] = torch.tensor(s)
         target[row, len(s) - len(data.answers[a]) : len(s)] = True
     lengths = torch.tensor([len(s) for s in seqs], device=device)
-    return Batch(batch.to(data.pixels.device), hflip.to(device), vflip.to(device), k, None if order is None else order.to(device),
-                 merged, [q for _, q, _ in picked], text.to(device), target.to(device), lengths)  # fmt: skip
+    kept = None if order is None else order.to(device)
+    return Batch(batch.to(data.pixels.device), hflip.to(device), vflip.to(device), k, kept, merged,
+                 [q for _, q, _ in picked], text.to(device), target.to(device), lengths)  # fmt: skip
 
 
 def _mirror(x: torch.Tensor, b: Batch) -> torch.Tensor:
