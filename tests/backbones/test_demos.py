@@ -108,14 +108,14 @@ def test_demo_loads_from_its_folder(demos: dict[str, Any], demo_home: Path, name
     assert adapter.capabilities <= frozenset(PROBES)
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl", "tiny-internvl3"])
-def test_demo_build_is_deterministic_and_keeps_global_rng(demos: dict[str, Any], name: str) -> None:
+@pytest.mark.parametrize("name", ["tiny-llava-next-random", "tiny-qwen2.5-vl-random", "tiny-internvl3"])
+def test_demo_build_is_deterministic_and_keeps_global_rng(demo_home: Path, name: str) -> None:
     torch.manual_seed(1234)
     state = torch.random.get_rng_state()
     spec = DEMO_BACKBONES[name]
     model, _ = spec.build(spec.seed)
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert same_weights(model, demos[name].model)
+    assert same_weights(model, load_backbone(name, home=demo_home).model)  # random weights: the seed's
 
 
 @pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl", "tiny-internvl3"])
@@ -403,7 +403,7 @@ def test_demo_folder_keeps_its_note(demo_home: Path, tmp_path: Path, tiny_pair: 
         load_backbone(copy)
     assert "(--model=tiny-llava)" in caught.value.render({"model": "--model"}.get)  # the CLI's spelling
     old = tmp_path / "old"  # a marker from before notes and hashes: random weights
-    shutil.copytree(demo_home / "demo" / DEMO_BACKBONES["tiny-llava-next"].folder_name, old)
+    shutil.copytree(ensure_demo("tiny-llava-next-random", demo_home), old)
     marker = json.loads((old / MARKER).read_text())
     (old / MARKER).write_text(json.dumps({k: marker[k] for k in ("name", "version", "weights")}))
     assert load_backbone(old).demo_note == RANDOM_DEMO_NOTE
