@@ -22,7 +22,7 @@ from care_core.synthetic import IMAGE_SIZES
 from .feed import Feed
 from .heldout import evaluate
 from .loop import CHECKPOINT, MIRROR, POSITION_BINS, Data, Parts, fit
-from .pool import Normaliser, make_pool
+from .pool import Normaliser, UsageError, make_pool
 
 #: the families this script trains -> the image size their scenes are drawn at (None: the world's mix)
 TRAINED_FAMILIES: dict[str, tuple[int, int] | None] = {
@@ -36,11 +36,13 @@ REFERENCE_SIZE = (336, 336)  # the reference image of the world's mix (every siz
 class Run:
     """One training run's output folder: the progress bar, the log (rewritten after every line), what is saved."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, *, continued: bool = False) -> None:
         self.out = out
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
-        self.lines: list[str] = []
+        log = out / "log.txt"
+        # a resumed run or a later evaluation goes on with the log the run has written so far
+        self.lines: list[str] = log.read_text(encoding="utf-8").splitlines() if continued and log.is_file() else []
         self.saved: list[Path] = []
 
     def log(self, message: str) -> None:
@@ -84,7 +86,7 @@ def _centres(adapter: Any, sizes: list[tuple[int, int]]) -> dict[tuple[int, int]
         boxes = adapter.encode_image(Image.new("RGB", (width, height))).boxes
         out[(height, width)] = ((boxes[:, :2] + boxes[:, 2:]) / 2).numpy()
     if len({len(c) for c in out.values()}) != 1:
-        raise SystemExit("error: the image sizes give different token counts; train on one --size")
+        raise UsageError("the image sizes give different token counts; train on one --size")
     return out
 
 
@@ -160,7 +162,7 @@ def install(backbone: str, source: Path) -> None:
     assert spec.weights is not None
     src = source / spec.weights
     if not src.is_file():
-        raise SystemExit(f"error: {src} does not exist (train with --out {source} first)")
+        raise UsageError(f"{src} does not exist (train with --out {source} first)")
     summary_path = source / f"{backbone}.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     folder = weights_dir()
@@ -270,7 +272,7 @@ def evaluate_only(args: argparse.Namespace, run: Run) -> None:
     """The held-out evaluation of DIR/model, written into DIR/<backbone>.json (kept beside the training summary)."""
     folder = run.out / "model"
     if not (folder / "config.json").is_file():
-        raise SystemExit(f"error: {folder} holds no trained model (train with --out {run.out} first)")
+        raise UsageError(f"{folder} holds no trained model (train with --out {run.out} first)")
     path = run.out / f"{args.backbone}.json"
     summary = json.loads(path.read_text()) if path.is_file() else {"backbone": args.backbone}
     summary["heldout"] = evaluate(folder, args.eval, args.workers, 64, run)
@@ -281,7 +283,11 @@ def evaluate_only(args: argparse.Namespace, run: Run) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.install_from is not None:
-        install(args.backbone, args.install_from)
+        try:
+            install(args.backbone, args.install_from)
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         return 0
     from transformers.utils import logging as hf_logging
 
@@ -289,13 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     out = args.out if args.evaluate_only is None else args.evaluate_only
     out.mkdir(parents=True, exist_ok=True)
-    run = Run(out)
+    run = Run(out, continued=args.resume is not None or args.evaluate_only is not None)
     try:
         with run.progress:
             if args.evaluate_only is not None:
                 evaluate_only(args, run)
             else:
                 train_and_evaluate(args, argv, run)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if (out / CHECKPOINT).is_file():  # the steps so far: --resume continues from them
             run.record(out / CHECKPOINT)

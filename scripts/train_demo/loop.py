@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from care_core.synthetic import COLOURS, SHAPES
 
 from .feed import Feed
-from .pool import Normaliser
+from .pool import Normaliser, UsageError
 
 MIRROR = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
 CHECKPOINT = "checkpoint.pt"
@@ -220,9 +220,12 @@ def lr_at(args: argparse.Namespace, step: int) -> float:
     return float(args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup))))
 
 
-def save_checkpoint(path: Path, args: argparse.Namespace, step: int, parts: Parts, opt: Any, gen: Any) -> None:
-    """Everything the next step needs (written to a temporary file, then renamed: a kill leaves the last one)."""
-    state = {"step": step, "options": {name: getattr(args, name) for name in RESUMED_OPTIONS},
+def save_checkpoint(
+    path: Path, args: argparse.Namespace, step: int, seconds: float, parts: Parts, opt: Any, gen: Any
+) -> None:
+    """Everything the next step needs, and the training seconds so far (written to a temporary file, then renamed:
+    a kill leaves the last one)."""
+    state = {"step": step, "seconds": seconds, "options": {name: getattr(args, name) for name in RESUMED_OPTIONS},
              "model": parts.model.state_dict(), "aux": parts.aux.state_dict(), "optimiser": opt.state_dict(),
              "generator": gen.get_state()}  # fmt: skip
     tmp = path.with_name(path.name + ".tmp")
@@ -230,30 +233,33 @@ def save_checkpoint(path: Path, args: argparse.Namespace, step: int, parts: Part
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, args: argparse.Namespace, parts: Parts, opt: Any, gen: Any) -> int:
-    """Restore a checkpoint into the run; the step to continue from. Exits when its options differ from ``args``."""
+def load_checkpoint(path: Path, args: argparse.Namespace, parts: Parts, opt: Any, gen: Any) -> tuple[int, float]:
+    """Restore a checkpoint into the run; the step to continue from and the seconds trained so far. Exits when its
+    options differ from ``args``."""
     state = torch.load(path, map_location=parts.aux.weight.device, weights_only=False)
     differ = [f"{k}={v!r} (now {getattr(args, k)!r})" for k, v in state["options"].items() if getattr(args, k) != v]
     if differ:
-        raise SystemExit(f"error: {path} was written with other options: {', '.join(differ)}")
+        raise UsageError(f"{path} was written with other options: {', '.join(differ)}")
     parts.model.load_state_dict(state["model"])
     parts.aux.load_state_dict(state["aux"])
     opt.load_state_dict(state["optimiser"])
     gen.set_state(state["generator"])
-    return int(state["step"])
+    return int(state["step"]), float(state.get("seconds", 0.0))
 
 
 def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[[int], None], parts: Parts,
         data: Data) -> float:  # fmt: skip
-    """The training loop from the checkpoint in ``args.out`` (``--resume``) or step 0; returns its seconds."""
+    """The training loop from the checkpoint in ``args.out`` (``--resume``) or step 0; returns the seconds trained
+    (over every call of a resumed run)."""
     opt, params = optimiser(args, parts)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = Path(args.out) / CHECKPOINT
-    start = load_checkpoint(checkpoint, args, parts, opt, gen) if args.resume and checkpoint.is_file() else 0
+    resumed = args.resume is not None and checkpoint.is_file()
+    start, before = load_checkpoint(checkpoint, args, parts, opt, gen) if resumed else (0, 0.0)
     if start:
-        log(f"resumed at step {start} from {checkpoint}")
+        log(f"resumed at step {start} from {checkpoint} ({before:.0f} s trained before)")
         advance(start)
-    started = time.perf_counter()
+    started = time.perf_counter() - before
     for step in range(start, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(args, step)
@@ -267,7 +273,7 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
         opt.step()
         advance(1)
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
-            save_checkpoint(checkpoint, args, step + 1, parts, opt, gen)
+            save_checkpoint(checkpoint, args, step + 1, time.perf_counter() - started, parts, opt, gen)
         if step % 250 == 0 or step == args.steps - 1:
             with torch.no_grad():
                 acc = (logits.argmax(-1)[b.target] == b.text[b.target]).float().mean()

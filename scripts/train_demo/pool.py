@@ -19,6 +19,10 @@ from care_core.synthetic import COLOURS, SHAPES, label_image, make_scene
 _worker: dict[str, Any] = {}
 
 
+class UsageError(Exception):
+    """Options or folders the run cannot use: ``main`` prints ``error: <message>`` and exits with code 2."""
+
+
 def ignore_ctrl_c() -> None:
     """Workers leave Ctrl-C to the parent (it reaches the whole process group), which stops them cleanly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -91,7 +95,7 @@ def make_pool(
                 pixels = np.empty((scenes, *array.shape), dtype=np.uint8)
                 labels = np.empty((scenes, *label.shape), dtype=np.uint8)
             if array.shape != pixels.shape[1:]:
-                raise SystemExit(f"error: scene {index}'s processor output {array.shape} differs from scene 0's "
+                raise UsageError(f"scene {index}'s processor output {array.shape} differs from scene 0's "
                                  f"{pixels.shape[1:]}: this backbone trains on one image size (--size)")  # fmt: skip
             pixels[index], labels[index] = array, label
             qas.extend((index, q, a) for q, a, _ in questions)
