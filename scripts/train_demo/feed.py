@@ -55,6 +55,9 @@ class Feed:
         ids = inputs["input_ids"][0].tolist()
         at = [i for i, token in enumerate(ids) if token == adapter.image_token_id]
         start, end = at[0], at[-1] + 1
+        first = next(iter(self._layouts.values()), None)
+        if first is not None and first.head != ids[:start]:  # a batch shares the head: the rows sit at one place
+            raise RuntimeError(f"the prompt before the image differs between questions ({question!r})")
         layout = Layout(ids[:start], ids[end:])
         if "position_ids" in inputs:
             mrope = inputs["position_ids"][1:, 0].cpu()  # (3, L): row 0 is the text row
