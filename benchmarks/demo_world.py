@@ -1,4 +1,4 @@
-"""The synthetic shapes world as the demo benchmarks and ``scripts/train_demo.py`` use it: the background photos,
+"""The synthetic shapes world as the demo benchmarks and ``scripts/train_demo`` use it: the background photos,
 the held-out questions, the PIL image processor training used, and methods configured as ``care csr`` does.
 
 The world itself (scenes, questions, answers) is ``care_core.synthetic``; what is here is how this repository's

@@ -257,7 +257,7 @@ class ChatAdapter(VLMAdapter):
     def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
         """(B, N, d_v) pre-projector features of B images that share ``reference``'s geometry (``pixel_values``: their
         processor outputs stacked along a new first dimension), from the family's own tower pass with gradients where
-        enabled: what ``scripts/train_demo.py`` trains through. Families it does not train raise NotImplementedError."""
+        enabled: what ``scripts/train_demo`` trains through. Families it does not train raise NotImplementedError."""
         raise NotImplementedError(f"the {self.family} adapter has no batched training features")
 
     # ------------------------------------------------------------------ text

@@ -7,7 +7,7 @@ folder. Its token counts, shapes and module layout are the real model family's, 
 without a download.
 
 ``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
-``demo_weights/manifest.json``; trained by ``scripts/train_demo.py`` on the synthetic shapes world of
+``demo_weights/manifest.json``; trained by ``scripts/train_demo`` on the synthetic shapes world of
 :mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. ``tiny-llava-next`` and
 ``tiny-qwen2.5-vl`` load their trained weights (wider skeletons, :data:`TRAINED_SIZES`) once the files are
 installed in the manifest, and are random until then. The other demos, and the ``-random`` ones, have seeded
@@ -485,7 +485,7 @@ def build_tiny_llava_onevision(seed: int = 0) -> tuple[Any, Any]:
 
 def build_trained_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     """The trained tiny-llava's architecture (:data:`TRAINED_SIZES`), weights drawn from ``seed``: the starting
-    point of ``scripts/train_demo.py`` and the skeleton the shipped weights are loaded into."""
+    point of ``scripts/train_demo`` and the skeleton the shipped weights are loaded into."""
     return build_tiny_llava(seed, TRAINED_SIZES)
 
 

@@ -69,7 +69,7 @@ class DemoBackbone:
 
     A demo with ``weights`` loads that file of ``demo_weights/`` into its builder's skeleton. With a
     ``trained_builder`` too, the weights are optional: until the file is in the manifest (installed by
-    ``scripts/train_demo.py --install-from``) the demo is ``builder``'s random one, and once it is, the trained
+    ``python -m scripts.train_demo --install-from``) the demo is ``builder``'s random one, and once it is, the trained
     skeleton with the shipped weights (another cache folder, see :attr:`folder_name`)."""
 
     name: str
@@ -201,7 +201,7 @@ register_family(BackboneFamily(
     flops_spec="llava-1.5-7b", lmms_eval_model="care_llava",
     demos=(
         DemoBackbone(DEFAULT_DEMO, 3, "llava-1.5", f"{_DEMO}:build_trained_tiny_llava",
-                     f"{_LLAVA_GEOMETRY}, tiny weights trained on synthetic shapes (scripts/train_demo.py); demo only",
+                     f"{_LLAVA_GEOMETRY}, tiny weights trained on synthetic shapes (scripts/train_demo); demo only",
                      weights="tiny-llava.safetensors"),
         DemoBackbone("tiny-llava-random", 2, "llava-1.5", f"{_DEMO}:build_tiny_llava",
                      f"{_LLAVA_GEOMETRY}, tiny random weights; demo only"),
