@@ -23,11 +23,12 @@ def load_photos() -> list[Any]:
     return [Image.open(EXAMPLES / name).convert("RGB") for name in PHOTOS]
 
 
-def heldout_items(count: int) -> list[tuple[int, str, str, str]]:
-    """The held-out questions: (scene index, question, answer, type), types balanced (split seed 1)."""
+def heldout_items(count: int, size: tuple[int, int] | None = None) -> list[tuple[int, str, str, str]]:
+    """The held-out questions: (scene index, question, answer, type), types balanced (split seed 1); ``size``: every
+    scene drawn at that (height, width) (None: the world's mix, the standard held-out set)."""
     from care_core.synthetic import iter_questions
 
-    pairs = iter_questions(HELDOUT_SPLIT, count, photos=load_photos())
+    pairs = iter_questions(HELDOUT_SPLIT, count, photos=load_photos(), size=size)
     return [(scene.index, qa.question, qa.answer, qa.type) for scene, qa in pairs]
 
 

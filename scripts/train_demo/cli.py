@@ -231,6 +231,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pool-device", choices=("device", "cpu"), default="device",
                         help="where the scene pool lives (cpu: host memory, one batch copied per step)")  # fmt: skip
     parser.add_argument("--questions", "--eval", dest="eval", type=int, default=500, help="held-out questions")
+    parser.add_argument(
+        "--eval-size",
+        type=_size,
+        default="mixed",
+        help="HxW of every held-out scene, or 'mixed' (the world's sizes: the standard set)",
+    )
     args = parser.parse_args(argv)
     if args.resume is not None:
         args.out = args.out or args.resume
@@ -238,11 +244,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("give one of --out DIR (or --resume DIR), --evaluate-only DIR, --install-from DIR")
     family = DEMO_BACKBONES[args.backbone].family
     args.size = TRAINED_FAMILIES[family] if args.size is None else None if args.size == "mixed" else args.size
+    args.eval_size = None if args.eval_size == "mixed" else args.eval_size
     if args.flip and family != "llava-1.5":
         parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
     if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1:
         parser.error("--steps, --batch and --checkpoint-every must be at least 1")
     return args
+
+
+def heldout_key(size: tuple[int, int] | None) -> str:
+    """Where a summary keeps a held-out evaluation: ``heldout`` (the world's mix of sizes) or ``heldout_<H>x<W>``."""
+    return "heldout" if size is None else f"heldout_{size[0]}x{size[1]}"
 
 
 def _summary(args: argparse.Namespace, argv: list[str] | None, extra: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +272,8 @@ def train_and_evaluate(args: argparse.Namespace, argv: list[str] | None, run: Ru
     extra = {"pool_questions": trained["pool_questions"], "device": device_name,
              "train_seconds": trained["train_seconds"], "sha256": file_sha256(trained["weights"])}  # fmt: skip
     if not args.skip_eval:
-        extra["heldout"] = evaluate(trained["folder"], args.eval, args.workers, 64, run)
+        extra[heldout_key(args.eval_size)] = evaluate(trained["folder"], args.eval, args.workers, 64, run,
+                                                      args.eval_size)  # fmt: skip
     extra["total_seconds"] = round(time.perf_counter() - started, 1)
     summary = _summary(args, argv, extra)
     (run.out / f"{args.backbone}.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -275,7 +288,7 @@ def evaluate_only(args: argparse.Namespace, run: Run) -> None:
         raise UsageError(f"{folder} holds no trained model (train with --out {run.out} first)")
     path = run.out / f"{args.backbone}.json"
     summary = json.loads(path.read_text()) if path.is_file() else {"backbone": args.backbone}
-    summary["heldout"] = evaluate(folder, args.eval, args.workers, 64, run)
+    summary[heldout_key(args.eval_size)] = evaluate(folder, args.eval, args.workers, 64, run, args.eval_size)
     path.write_text(json.dumps(summary, indent=2) + "\n")
     run.record(path)
 

@@ -17,7 +17,7 @@ from .pool import ignore_ctrl_c
 _eval: dict[str, Any] = {}
 
 
-def _init_eval(folder: str, random_keep: int) -> None:
+def _init_eval(folder: str, random_keep: int, size: tuple[int, int] | None) -> None:
     from care_core.backbones import load_backbone
     from care_core.methods import build_method
 
@@ -26,13 +26,13 @@ def _init_eval(folder: str, random_keep: int) -> None:
     adapter = load_backbone(folder, device="cpu", dtype="float32")
     use_pil_image_processor(adapter)
     _eval.update(adapter=adapter, photos=load_photos(), random=build_method("random", seed=0),
-                 care=build_method("care"), keep=random_keep)  # fmt: skip
+                 care=build_method("care"), keep=random_keep, size=size)  # fmt: skip
 
 
 def _eval_one(item: tuple[int, str, str, str]) -> tuple[str, int, int, int]:
     index, question, answer, qtype = item
     adapter = _eval["adapter"]
-    scene = make_scene(HELDOUT_SPLIT, index, photos=_eval["photos"])
+    scene = make_scene(HELDOUT_SPLIT, index, size=_eval["size"], photos=_eval["photos"])
     tokens = adapter.encode_image(scene.image)
     full, _ = answer_question(adapter, tokens, question)
     reduced, _ = answer_question(adapter, tokens, question, method=_eval["random"], keep=_eval["keep"])
@@ -45,13 +45,16 @@ def _eval_one(item: tuple[int, str, str, str]) -> tuple[str, int, int, int]:
     )
 
 
-def evaluate(folder: Path, count: int, workers: int, random_keep: int, run: Any) -> dict[str, Any]:
+def evaluate(
+    folder: Path, count: int, workers: int, random_keep: int, run: Any, size: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """Held-out accuracy (split seed 1) through ``adapter.generate`` (float32 on the CPU, ``workers`` processes):
-    all tokens, and random selection and care at K = ``random_keep``."""
-    items = heldout_items(count)
+    all tokens, and random selection and care at K = ``random_keep``; scenes at ``size`` (None: the world's mix)."""
+    items = heldout_items(count, size)
     advance = run.phase(f"evaluating {count} held-out questions ({workers} workers)", total=len(items))
     rows = []
-    with mp.get_context("spawn").Pool(workers, initializer=_init_eval, initargs=(str(folder), random_keep)) as pool:
+    initargs = (str(folder), random_keep, size)
+    with mp.get_context("spawn").Pool(workers, initializer=_init_eval, initargs=initargs) as pool:
         for row in pool.imap(_eval_one, items, chunksize=4):
             rows.append(row)
             advance(1)
