@@ -37,7 +37,8 @@ def use_pil_image_processor(adapter: Any) -> None:
     used (where torchvision is installed, AutoProcessor picks the torchvision one, whose resize differs slightly).
     Other processors (LLaVA-NeXT's anyres one also has a ``crop_size``) are left alone."""
     ip = adapter.processor.image_processor
-    if type(ip).__name__ != "CLIPImageProcessor":
+    name = type(ip).__name__
+    if not name.startswith("CLIPImageProcessor") or name.endswith("Pil"):
         return
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
