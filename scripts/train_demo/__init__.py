@@ -36,6 +36,12 @@ scenes (``--size``): LLaVA-NeXT then sees a base view and two 336x336 crops of t
 newline rows), Qwen2.5-VL a 24x24 patch grid merged to 12x12 (N = 144). The held-out evaluation keeps the world's
 mix of sizes, so it also measures how far that carries to other sizes.
 
+Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``
+steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. On a GPU the
+Qwen2.5-VL tower without flash attention runs one attention call per window and image (9 windows per 336x336 image in
+its two windowed blocks, one call per image in the two others: 2,560 calls per forward at batch 128), so its steps are
+bound by launches; ``--vision-attention flash_attention_2`` (where flash-attn is installed) packs them into one.
+
 Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side by side: held-out 86.6%
 and 85.8%).
 

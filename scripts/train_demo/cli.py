@@ -99,6 +99,11 @@ def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, Feed, dict[tupl
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     model, processor = spec.build_trained(args.seed)
+    if args.vision_attention:  # e.g. flash_attention_2: Qwen2.5-VL's tower otherwise runs one sdpa call per window
+        try:
+            model.set_attn_implementation({"vision_config": args.vision_attention})
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"--vision-attention {args.vision_attention}: {str(exc).splitlines()[0]}") from exc
     adapter = _adapter(spec, model, processor)
     size = args.size or REFERENCE_SIZE
     reference = adapter.encode_image(Image.new("RGB", (size[1], size[0])))
@@ -228,6 +233,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-eval", action="store_true", help="train and save only (evaluate with --evaluate-only)")
     parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--vision-attention", metavar="IMPL",
+                        help="the vision tower's attention implementation while training (e.g. flash_attention_2 where "
+                             "flash-attn is installed; default: the model's, sdpa)")  # fmt: skip
     parser.add_argument("--pool-device", choices=("device", "cpu"), default="device",
                         help="where the scene pool lives (cpu: host memory, one batch copied per step)")  # fmt: skip
     parser.add_argument("--questions", "--eval", dest="eval", type=int, default=500, help="held-out questions")
