@@ -1,4 +1,4 @@
-"""The synthetic shapes world as the demo benchmarks and ``scripts/train_demo.py`` use it: the background photos,
+"""The synthetic shapes world as the demo benchmarks and ``scripts/train_demo`` use it: the background photos,
 the held-out questions, the PIL image processor training used, and methods configured as ``care csr`` does.
 
 The world itself (scenes, questions, answers) is ``care_core.synthetic``; what is here is how this repository's
@@ -23,20 +23,22 @@ def load_photos() -> list[Any]:
     return [Image.open(EXAMPLES / name).convert("RGB") for name in PHOTOS]
 
 
-def heldout_items(count: int) -> list[tuple[int, str, str, str]]:
-    """The held-out questions: (scene index, question, answer, type), types balanced (split seed 1)."""
+def heldout_items(count: int, size: tuple[int, int] | None = None) -> list[tuple[int, str, str, str]]:
+    """The held-out questions: (scene index, question, answer, type), types balanced (split seed 1); ``size``: every
+    scene drawn at that (height, width) (None: the world's mix, the standard held-out set)."""
     from care_core.synthetic import iter_questions
 
-    pairs = iter_questions(HELDOUT_SPLIT, count, photos=load_photos())
+    pairs = iter_questions(HELDOUT_SPLIT, count, photos=load_photos(), size=size)
     return [(scene.index, qa.question, qa.answer, qa.type) for scene, qa in pairs]
 
 
 def use_pil_image_processor(adapter: Any) -> None:
     """Give ``adapter`` the PIL CLIP processor: the one the package uses without torchvision and the one training
     used (where torchvision is installed, AutoProcessor picks the torchvision one, whose resize differs slightly).
-    Processors without a centre crop are left alone."""
+    Other processors (LLaVA-NeXT's anyres one also has a ``crop_size``) are left alone."""
     ip = adapter.processor.image_processor
-    if type(ip).__name__.endswith("Pil") or not hasattr(ip, "crop_size"):
+    name = type(ip).__name__
+    if not name.startswith("CLIPImageProcessor") or name.endswith("Pil"):
         return
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 

@@ -256,6 +256,12 @@ class ChatAdapter(VLMAdapter):
         ``sizes``: each image's original (height, width), which places the tokens in the image's frame."""
         raise NotImplementedError
 
+    def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
+        """(B, N, d_v) pre-projector features of B images that share ``reference``'s geometry (``pixel_values``: their
+        processor outputs stacked along a new first dimension), from the family's own tower pass with gradients where
+        enabled: what ``scripts/train_demo`` trains through. Families it does not train raise NotImplementedError."""
+        raise NotImplementedError(f"the {self.family} adapter has no batched training features")
+
     # ------------------------------------------------------------------ text
     def question_embeddings(self, question: str) -> torch.Tensor:
         tok = self.tokenizer
@@ -372,6 +378,12 @@ class ChatAdapter(VLMAdapter):
         check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
         enc = self._encode_prompt(question, int(rows.shape[0]))
         return {**enc, "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept)}
+
+    def fed_rows(self, tokens: ImageTokens, rows: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """The visual rows (..., R, d_t) the language model receives for projected rows (..., K, d_t) of an image with
+        ``tokens``' geometry (``kept`` as in :meth:`language_model_logits`): the rows themselves, except where a
+        family adds rows of its own (LLaVA-NeXT's newline rows)."""
+        return rows
 
     def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
         """``mm_encoder_outputs`` for the K visual rows of one image, in the container the family's model takes

@@ -7,9 +7,11 @@ folder. Its token counts, shapes and module layout are the real model family's, 
 without a download.
 
 ``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
-``demo_weights/manifest.json``; trained by ``scripts/train_demo.py`` on the synthetic shapes world of
-:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. The other demos, and
-``tiny-llava-random``, have seeded random weights and meaningless answers. Every demo folder holds a marker
+``demo_weights/manifest.json``; trained by ``scripts/train_demo`` on the synthetic shapes world of
+:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. ``tiny-llava-next`` and
+``tiny-qwen2.5-vl`` load their trained weights (wider skeletons, :data:`TRAINED_SIZES`) once the files are
+installed in the manifest, and are random until then. The other demos, and the ``-random`` ones, have seeded
+random weights and meaningless answers. Every demo folder holds a marker
 (``care_demo.json``) with the weight file's sha256, checked on each load: a damaged cached copy is restored.
 """
 
@@ -29,11 +31,13 @@ import torch
 
 from ..errors import ModelLoadError
 from ._hf import quiet_transformers
+from .families import MANIFEST as MANIFEST  # re-exported: the registry defines where the weights ship
 from .families import RANDOM_DEMO_NOTE, TRAINED_DEMO_NOTE, DemoBackbone, demo_backbones
+from .families import WEIGHTS_DIR as WEIGHTS_DIR
+from .families import read_manifest as read_manifest
+from .families import weights_dir as weights_dir
 
 MARKER = "care_demo.json"
-WEIGHTS_DIR = Path(__file__).resolve().parent / "demo_weights"
-MANIFEST = "manifest.json"
 WEIGHTS_FILE = "model.safetensors"
 
 # The chat template of the llava-hf LLaVA-1.5 checkpoints: "USER: <image>\n{question} ASSISTANT:".
@@ -258,16 +262,16 @@ def _tiny_clip_config(sizes: TinySizes = RANDOM_SIZES) -> Any:
     )
 
 
-def build_tiny_llava_next(seed: int = 0) -> tuple[Any, Any]:
+def build_tiny_llava_next(seed: int = 0, sizes: TinySizes = RANDOM_SIZES) -> tuple[Any, Any]:
     """LLaVA-NeXT with the real geometry (CLIP 336 px / 14, layer -2, strategy "default", the default anyres
     pinpoints, base view + unpadded high-resolution grid: 2880 tokens for 672x672) and tiny widths."""
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     tok = build_byte_tokenizer(["<image>"])
-    text_config = _tiny_llama_config(tok, max_positions=8192)
+    text_config = _tiny_llama_config(tok, max_positions=8192, sizes=sizes)
     config = LlavaNextConfig(
-        vision_config=_tiny_clip_config(),
+        vision_config=_tiny_clip_config(sizes),
         text_config=text_config,
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2,
@@ -284,9 +288,30 @@ def build_tiny_llava_next(seed: int = 0) -> tuple[Any, Any]:
     return model, LlavaNextProcessor(image_processor=image_processor, **shared)
 
 
-def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
+def _qwen_vision_widths(sizes: TinySizes | None) -> dict[str, int]:
+    """The tiny Qwen2.5-VL tower's widths: the random demo's (None) or ``sizes``' (merger output: the text width)."""
+    if sizes is None:
+        return {"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    return {"depth": sizes.vision_layers, "hidden_size": sizes.vision_hidden, "num_heads": sizes.heads,
+            "intermediate_size": sizes.vision_intermediate, "out_hidden_size": sizes.text_hidden}  # fmt: skip
+
+
+def _qwen_text_widths(sizes: TinySizes | None) -> dict[str, Any]:
+    """The tiny Qwen2 language model's widths, two query heads per key head; the multimodal-rope sections split
+    half a head in the real model's 2:3:3 ratio (t, h, w)."""
+    hidden, intermediate, layers, heads = (64, 128, 4, 4) if sizes is None else (
+        sizes.text_hidden, sizes.text_intermediate, sizes.text_layers, sizes.heads)  # fmt: skip
+    eighth = hidden // heads // 16
+    return {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": heads // 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                "mrope_section": [2 * eighth, 3 * eighth, 3 * eighth]}}  # fmt: skip
+
+
+def build_tiny_qwen2_5_vl(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
     """Qwen2.5-VL with the real geometry (patch 14, 2x2 merge, window 112, full-attention blocks, the hub's
-    pixel budget 3136..12845056) and tiny widths; the image-only processor (no torchvision needed)."""
+    pixel budget 3136..12845056) and tiny widths (``sizes``; None: the random demo's own); the image-only processor
+    (no torchvision needed)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -296,11 +321,7 @@ def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
     tid = tok.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config={
-            "depth": 4,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 64,
+            **_qwen_vision_widths(sizes),
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
@@ -310,13 +331,8 @@ def build_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
         },
         text_config={
             "vocab_size": _vocab_size(tok),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
+            **_qwen_text_widths(sizes),
             "max_position_embeddings": 8192,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
             "bos_token_id": None,
             "eos_token_id": tid("<|im_end|>"),
             "pad_token_id": tid("<|endoftext|>"),
@@ -469,8 +485,19 @@ def build_tiny_llava_onevision(seed: int = 0) -> tuple[Any, Any]:
 
 def build_trained_tiny_llava(seed: int = 0) -> tuple[Any, Any]:
     """The trained tiny-llava's architecture (:data:`TRAINED_SIZES`), weights drawn from ``seed``: the starting
-    point of ``scripts/train_demo.py`` and the skeleton the shipped weights are loaded into."""
+    point of ``scripts/train_demo`` and the skeleton the shipped weights are loaded into."""
     return build_tiny_llava(seed, TRAINED_SIZES)
+
+
+def build_trained_tiny_llava_next(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-llava-next's architecture (:data:`TRAINED_SIZES`, tiny-llava's), weights from ``seed``."""
+    return build_tiny_llava_next(seed, TRAINED_SIZES)
+
+
+def build_trained_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-qwen2.5-vl's architecture (:data:`TRAINED_SIZES`: tower 128 wide, 4 blocks; language model
+    128 wide, 4 layers), weights from ``seed``."""
+    return build_tiny_qwen2_5_vl(seed, TRAINED_SIZES)
 
 
 #: demo name -> demo, from the family registry (each family's record names its demos and their builders above)
@@ -485,22 +512,13 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(folder: Path = WEIGHTS_DIR) -> dict[str, Any]:
-    """``demo_weights/manifest.json``: file name -> {"sha256", "bytes", ...}; {} when there is none."""
-    try:
-        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def shipped_weights(spec: DemoBackbone) -> tuple[Path, dict[str, Any]]:
     """The shipped weight file of a trained demo and its manifest entry, checked (ModelLoadError if unusable)."""
     assert spec.weights is not None
-    path = WEIGHTS_DIR / spec.weights
+    path = weights_dir() / spec.weights
     entry = read_manifest().get(spec.weights)
     if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-        raise ModelLoadError(f"{spec.name}: no entry for {spec.weights} in {WEIGHTS_DIR / MANIFEST}; reinstall care")
+        raise ModelLoadError(f"{spec.name}: no entry for {spec.weights} in {weights_dir() / MANIFEST}; reinstall care")
     if not path.is_file() or file_sha256(path) != entry["sha256"]:
         raise ModelLoadError(
             f"{spec.name}: the weights shipped with care ({path}) are missing or damaged; reinstall care"

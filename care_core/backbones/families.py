@@ -15,7 +15,9 @@ This module imports neither torch nor transformers (``care --help`` reads the de
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from care_core.errors import CareError
@@ -36,6 +38,25 @@ TRAINED_DEMO_NOTE = (
 )
 
 
+#: where trained demo weights ship (``<file>.safetensors`` + ``manifest.json``: file name -> sha256, bytes, training)
+WEIGHTS_DIR = Path(__file__).resolve().parent / "demo_weights"
+MANIFEST = "manifest.json"
+
+
+def weights_dir() -> Path:
+    """The folder of the shipped demo weights (read at call time: tests point it at a temporary folder)."""
+    return WEIGHTS_DIR
+
+
+def read_manifest(folder: Path | None = None) -> dict[str, Any]:
+    """``demo_weights/manifest.json``: file name -> {"sha256", "bytes", ...}; {} when there is none."""
+    try:
+        data = json.loads(((folder or weights_dir()) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def import_path(path: str) -> Any:
     """The object a ``"package.module:attribute"`` path names (imported now)."""
     module, _, attribute = path.partition(":")
@@ -44,7 +65,12 @@ def import_path(path: str) -> Any:
 
 @dataclass(frozen=True)
 class DemoBackbone:
-    """One embedded demo: its name, version, family and how to build it (model, processor) from a seed."""
+    """One embedded demo: its name, version, family and how to build it (model, processor) from a seed.
+
+    A demo with ``weights`` loads that file of ``demo_weights/`` into its builder's skeleton. With a
+    ``trained_builder`` too, the weights are optional: until the file is in the manifest (installed by
+    ``python -m scripts.train_demo --install-from``) the demo is ``builder``'s random one, and once it is, the trained
+    skeleton with the shipped weights (another cache folder, see :attr:`folder_name`)."""
 
     name: str
     version: int
@@ -54,17 +80,31 @@ class DemoBackbone:
     seed: int = 0
     #: file name of the trained weights shipped in ``demo_weights/`` (None: random weights from ``seed``)
     weights: str | None = None
+    #: "module:function" of the trained skeleton when it differs from ``builder`` (weights optional, see above)
+    trained_builder: str | None = None
 
     def build(self, seed: int) -> tuple[Any, Any]:
-        return import_path(self.builder)(seed)  # type: ignore[no-any-return]
+        """The demo's (model, processor) from ``seed``: the trained skeleton when :attr:`trained`."""
+        builder = self.trained_builder if self.trained and self.trained_builder else self.builder
+        return import_path(builder)(seed)  # type: ignore[no-any-return]
+
+    def build_trained(self, seed: int) -> tuple[Any, Any]:
+        """The skeleton the shipped weights load into (what training starts from), installed or not."""
+        if self.weights is None:
+            raise CareError(f"demo {self.name} has no trained weights")
+        return import_path(self.trained_builder or self.builder)(seed)  # type: ignore[no-any-return]
 
     @property
     def folder_name(self) -> str:
-        return f"{self.name}-v{self.version}"
+        optional = self.trained_builder is not None and self.trained
+        return f"{self.name}-v{self.version}" + ("-trained" if optional else "")
 
     @property
     def trained(self) -> bool:
-        return self.weights is not None
+        """True when the demo loads shipped weights (an optional file: only once the manifest lists it)."""
+        if self.weights is None:
+            return False
+        return self.trained_builder is None or self.weights in read_manifest()
 
     @property
     def note(self) -> str:
@@ -152,6 +192,8 @@ DEFAULT_DEMO = "tiny-llava"
 
 _DEMO = "care_core.backbones.demo"
 _LLAVA_GEOMETRY = "LLaVA-1.5 geometry (CLIP-336/14, 576 tokens)"
+_NEXT_GEOMETRY = "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672)"
+_QWEN25_GEOMETRY = "Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget)"
 
 register_family(BackboneFamily(
     name="llava-1.5", display="LLaVA-1.5", model_types=("llava",),
@@ -159,7 +201,7 @@ register_family(BackboneFamily(
     flops_spec="llava-1.5-7b", lmms_eval_model="care_llava",
     demos=(
         DemoBackbone(DEFAULT_DEMO, 3, "llava-1.5", f"{_DEMO}:build_trained_tiny_llava",
-                     f"{_LLAVA_GEOMETRY}, tiny weights trained on synthetic shapes (scripts/train_demo.py); demo only",
+                     f"{_LLAVA_GEOMETRY}, tiny weights trained on synthetic shapes (scripts/train_demo); demo only",
                      weights="tiny-llava.safetensors"),
         DemoBackbone("tiny-llava-random", 2, "llava-1.5", f"{_DEMO}:build_tiny_llava",
                      f"{_LLAVA_GEOMETRY}, tiny random weights; demo only"),
@@ -171,8 +213,10 @@ register_family(BackboneFamily(
     flops_spec="llava-next-7b", lmms_eval_model="care_llava",
     demos=(
         DemoBackbone("tiny-llava-next", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
-                     "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672), tiny random "
-                     "weights; demo only"),
+                     f"{_NEXT_GEOMETRY}, tiny weights (trained on synthetic shapes once shipped); demo only",
+                     weights="tiny-llava-next.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_llava_next"),
+        DemoBackbone("tiny-llava-next-random", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
+                     f"{_NEXT_GEOMETRY}, tiny random weights; demo only"),
     ),
 ))  # fmt: skip
 register_family(BackboneFamily(
@@ -181,8 +225,10 @@ register_family(BackboneFamily(
     flops_spec="qwen2.5-vl-7b", lmms_eval_model="care_qwen2_5_vl",
     demos=(
         DemoBackbone("tiny-qwen2.5-vl", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
-                     "Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget), tiny random weights; "
-                     "demo only"),
+                     f"{_QWEN25_GEOMETRY}, tiny weights (trained on synthetic shapes once shipped); demo only",
+                     weights="tiny-qwen2.5-vl.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_qwen2_5_vl"),
+        DemoBackbone("tiny-qwen2.5-vl-random", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
+                     f"{_QWEN25_GEOMETRY}, tiny random weights; demo only"),
     ),
 ))  # fmt: skip
 register_family(BackboneFamily(

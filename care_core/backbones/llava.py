@@ -12,7 +12,7 @@ pixels (see :mod:`care_core.backbones.geometry` for the exact rounding).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -40,6 +40,8 @@ class LlavaAdapter(ChatAdapter):
     family = "llava-1.5"
     model_class = "LlavaForConditionalGeneration"
     FALLBACK_PROMPT = LLAVA15_FALLBACK_PROMPT
+    #: rows of the tower's output before its patch tokens (CLIP's CLS, dropped by strategy "default")
+    _patch_start: ClassVar[int] = 1
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         self.model = model
@@ -107,16 +109,9 @@ class LlavaAdapter(ChatAdapter):
         if pixel_values.dim() != 4 or pixel_values.shape[0] != len(sizes):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not hold one crop for each of {len(sizes)} "
                              "images")  # fmt: skip
-        vt = self._vision_tower
-        vparam = next(vt.parameters())
-        pv = pixel_values.to(device=vparam.device, dtype=vparam.dtype)
         cfg = self.model.config
-        layer = cfg.vision_feature_layer
-        with torch.no_grad(), quiet_transformers():
-            out = vt(pixel_values=pv, output_hidden_states=layer, return_dict=True)
-        layers = [layer] if isinstance(layer, int) else list(layer)
-        # strategy "default": drop CLS; several layers are concatenated along the feature axis
-        features = torch.cat([out.hidden_states[i][:, 1:] for i in layers], dim=-1)  # (B, N, d_v)
+        with torch.no_grad():
+            features = self._patch_features(pixel_values)  # (B, N, d_v)
 
         patch = int(cfg.vision_config.patch_size)
         crop_h, crop_w = int(pixel_values.shape[-2]), int(pixel_values.shape[-1])
@@ -134,6 +129,24 @@ class LlavaAdapter(ChatAdapter):
                             "crop_geometry": geom}  # fmt: skip
             tokens.append(grid_image_tokens(features[i], geom, rows, cols, patch, model_inputs))
         return tokens
+
+    def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(crops, P, d_v): the tower's patch tokens of layer ``vision_feature_layer`` (several layers concatenated
+        along the feature axis), the CLS row dropped (strategy "default"): what the model hands its projector.
+        Gradients flow where enabled (training)."""
+        vt = self._vision_tower
+        vparam = next(vt.parameters())
+        layer = self.model.config.vision_feature_layer
+        with quiet_transformers():
+            out = vt(pixel_values=pixel_values.to(device=vparam.device, dtype=vparam.dtype),
+                     output_hidden_states=layer, return_dict=True)  # fmt: skip
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        return torch.cat([out.hidden_states[i][:, self._patch_start :] for i in layers], dim=-1)
+
+    def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
+        """(B, N, d_v) pre-projector features of B images sharing ``reference``'s geometry, ``pixel_values`` their
+        processor outputs stacked (B, 1, 3, 336, 336); with gradients where enabled (what training feeds)."""
+        return self._patch_features(pixel_values.flatten(0, 1))
 
     # ------------------------------------------------------------------ language model
     @property

@@ -86,8 +86,6 @@ class LlavaNextAdapter(LlavaAdapter):
         "last_layer_qk": "per crop, mapped into packed order; row 0 = the base view's CLS",
         "language_model": "the N tokens without image_newline rows",
     }
-    #: rows of the tower's output before its patch tokens (CLIP's CLS, dropped by strategy "default")
-    _patch_start: ClassVar[int] = 1
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
@@ -114,17 +112,22 @@ class LlavaNextAdapter(LlavaAdapter):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} and image_sizes {tuple(image_sizes.shape)} "
                              f"do not hold the crops of {len(sizes)} images")  # fmt: skip
         crops = [self._crops(pixel_values[i : i + 1], image_sizes[i : i + 1]) for i in range(len(sizes))]
-        vt = self._vision_tower
-        vparam = next(vt.parameters())
-        layer = self.model.config.vision_feature_layer
-        with torch.no_grad(), quiet_transformers():
-            out = vt(pixel_values=torch.cat(crops).to(device=vparam.device, dtype=vparam.dtype),
-                     output_hidden_states=layer)  # fmt: skip
-        layers = [layer] if isinstance(layer, int) else list(layer)
-        per_crop = torch.cat([out.hidden_states[i][:, self._patch_start :] for i in layers], dim=-1)  # (crops, P, d_v)
+        with torch.no_grad():
+            per_crop = self._patch_features(torch.cat(crops))  # (crops, P, d_v)
         per_image = per_crop.split([int(c.shape[0]) for c in crops])
         return [self._tokens(per_image[i], pixel_values[i : i + 1, : crops[i].shape[0]], image_sizes[i : i + 1],
                              sizes[i]) for i in range(len(sizes))]  # fmt: skip
+
+    def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
+        """(B, N, d_v) packed pre-projector features of B images sharing ``reference``'s geometry (same size: same
+        crops and packing), ``pixel_values`` (B, 1, crops, 3, 336, 336) their processor outputs; with gradients where
+        enabled."""
+        pixel_values = pixel_values.flatten(0, 1)
+        batch, crops = int(pixel_values.shape[0]), int(pixel_values.shape[1])
+        per_crop = self._patch_features(pixel_values.flatten(0, 1))
+        per_crop = per_crop.view(batch, crops, *per_crop.shape[1:])
+        dev = per_crop.device
+        return per_crop[:, reference.model_inputs["crop_index"].to(dev), reference.model_inputs["patch_index"].to(dev)]
 
     def _tokens(
         self, per_crop: torch.Tensor, pixel_values: torch.Tensor, image_sizes: torch.Tensor, size: tuple[int, int]
@@ -258,18 +261,26 @@ class LlavaNextAdapter(LlavaAdapter):
 
     # ------------------------------------------------------------------ language model
     def _with_newlines(self, tokens: ImageTokens, rows: torch.Tensor) -> torch.Tensor:
-        """All N projected tokens -> the model's own sequence: an image_newline after every high-res row."""
+        """All N projected tokens (..., N, d) -> the model's own sequence: an image_newline after every high-res
+        row (leading dimensions: a batch of images sharing ``tokens``' geometry)."""
         newline = _inner(self.model).image_newline.to(device=rows.device, dtype=rows.dtype)
         grid = tokens.model_inputs.get("hires_grid")
         if grid is None:
             raise ValueError("tokens.model_inputs has no hires_grid; use ImageTokens from encode_image")
         grid_rows, grid_cols = grid
         base = int(tokens.num_tokens - grid_rows * grid_cols)
+        lead, width = rows.shape[:-2], rows.shape[-1]
         if grid_rows == 0:  # a single (base) crop: the model appends one newline at the end
-            return torch.cat([rows, newline[None]], dim=0)
-        hires = rows[base:].view(grid_rows, grid_cols, -1)
-        hires = torch.cat([hires, newline.expand(grid_rows, 1, -1)], dim=1).reshape(-1, rows.shape[1])
-        return torch.cat([rows[:base], hires], dim=0)
+            return torch.cat([rows, newline.expand(*lead, 1, width)], dim=-2)
+        hires = rows[..., base:, :].reshape(*lead, grid_rows, grid_cols, width)
+        hires = torch.cat([hires, newline.expand(*lead, grid_rows, 1, width)], dim=-2)
+        return torch.cat([rows[..., :base, :], hires.reshape(*lead, -1, width)], dim=-2)
+
+    def fed_rows(self, tokens: ImageTokens, rows: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """The newline rows added when the rows are all N tokens in packed order (see the module docstring)."""
+        if is_all_tokens(kept, int(rows.shape[-2]), tokens.num_tokens):
+            return self._with_newlines(tokens, rows)
+        return rows
 
     def _lm_inputs(
         self,
@@ -282,8 +293,8 @@ class LlavaNextAdapter(LlavaAdapter):
     ) -> dict[str, Any]:
         rows = self._check_projected(projected)
         kept = check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
-        if not probe and is_all_tokens(kept, int(rows.shape[0]), tokens.num_tokens):
-            rows = self._with_newlines(tokens, rows)
+        if not probe:
+            rows = self.fed_rows(tokens, rows, kept)
         enc = self._encode_prompt(question, int(rows.shape[0]))
         return {**enc, "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept)}
 

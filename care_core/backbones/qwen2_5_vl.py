@@ -148,17 +148,28 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """Merged-token pre-projector features (N, 4 d_v) per image and their geometry: the packed patches of all
         images through the tower once, as the model packs them (attention stays within each image)."""
-        from transformers.vision_utils import get_vision_window_index
-
         pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
         if thw.dim() != 2 or thw.shape[0] != len(sizes) or int(thw.prod(-1).sum()) != pixel_values.shape[0]:
             raise ValueError(f"image_grid_thw {tuple(thw.shape)} and pixel_values {tuple(pixel_values.shape)} do not "
                              f"hold the patches of {len(sizes)} images")  # fmt: skip
+        with torch.no_grad():
+            features = self._merged_features(pixel_values, thw)  # (sum N, unit * d_v)
+        unit = self.model.config.vision_config.spatial_merge_size**2
+        patches = [int(n) for n in thw.prod(-1).tolist()]
+        per_image = features.split([n // unit for n in patches])
+        pixels = pixel_values.split(patches)
+        return [self._tokens(per_image[i], pixels[i], thw[i : i + 1], sizes[i]) for i in range(len(sizes))]
+
+    def _merged_features(self, pixel_values: torch.Tensor, thw: torch.Tensor) -> torch.Tensor:
+        """(sum N, unit * d_v): each merged token's four pre-merger patch vectors from the tower's last hidden state,
+        the window permutation undone (raster order of each image's merged grid); gradients where enabled."""
+        from transformers.vision_utils import get_vision_window_index
+
         visual = self._inner.visual
         vparam = next(visual.parameters())
         vc = self.model.config.vision_config
         grid_thw = thw.to(vparam.device)
-        with torch.no_grad(), quiet_transformers():
+        with quiet_transformers():
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=grid_thw)
             window, _ = get_vision_window_index(
                 grid_thw, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size
@@ -166,11 +177,15 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         unit = vc.spatial_merge_size**2
         hidden = out.last_hidden_state
         groups = hidden.view(-1, unit, hidden.shape[-1])[torch.argsort(window.to(hidden.device))]
-        features = groups.reshape(groups.shape[0], -1)  # (sum N, unit * d_v), raster order of each merged grid
-        patches = [int(n) for n in thw.prod(-1).tolist()]
-        per_image = features.split([n // unit for n in patches])
-        pixels = pixel_values.split(patches)
-        return [self._tokens(per_image[i], pixels[i], thw[i : i + 1], sizes[i]) for i in range(len(sizes))]
+        return groups.reshape(groups.shape[0], -1)
+
+    def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
+        """(B, N, unit * d_v) pre-projector features of B images sharing ``reference``'s geometry (same grid_thw),
+        ``pixel_values`` (B, patches, C * T * P * P) their processor outputs; with gradients where enabled."""
+        batch = int(pixel_values.shape[0])
+        thw = reference.model_inputs["image_grid_thw"].expand(batch, -1)
+        features = self._merged_features(pixel_values.flatten(0, 1), thw)
+        return features.view(batch, reference.num_tokens, -1)
 
     def _tokens(
         self, features: torch.Tensor, pixel_values: torch.Tensor, thw: torch.Tensor, size: tuple[int, int]
@@ -204,6 +219,15 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         )
         return {**enc, "mm_token_type_ids": mm_token_type_ids, "positions": positions}
 
+    @staticmethod
+    def row_positions(image_positions: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """(3, ..., K) multimodal-rope positions of K rows from the full prompt's image positions (3, N): row r has
+        token ``kept[..., r]``'s; a row tied to no token (-1) the last image token's (the bottom-right merged patch)."""
+        n = int(image_positions.shape[1])
+        kept = kept.to(image_positions.device)
+        select = torch.where(kept < 0, torch.full_like(kept, n - 1), kept)
+        return image_positions[:, select]
+
     def _lm_inputs(
         self,
         question: str,
@@ -223,10 +247,8 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         start, end = int(where[0]), int(where[-1]) + 1
         if end - start != n:
             raise RuntimeError("the prompt's image placeholders are not one contiguous run")
-        select = torch.arange(k) if kept is None else torch.where(kept < 0, torch.full_like(kept, n - 1), kept)
-        select = select.to(ids.device)
-        image_positions = positions[:, :, start:end].index_select(2, select)
-        positions = torch.cat([positions[:, :, :start], image_positions, positions[:, :, end:]], dim=2)
+        image_positions = self.row_positions(positions[:, 0, start:end], torch.arange(k) if kept is None else kept)
+        positions = torch.cat([positions[:, :, :start], image_positions.unsqueeze(1), positions[:, :, end:]], dim=2)
         image_ids = torch.full((1, k), self.image_token_id, dtype=ids.dtype, device=ids.device)
         ids = torch.cat([ids[:, :start], image_ids, ids[:, end:]], dim=1)
         length = ids.shape[1]

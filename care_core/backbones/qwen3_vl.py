@@ -109,6 +109,10 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
             result.append(tokens)
         return result
 
+    def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
+        """Not offered: training would also have to feed the deepstack rows."""
+        raise NotImplementedError("the qwen3-vl adapter has no batched training features (deepstack rows)")
+
     # ------------------------------------------------------------------ language model
     def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
         """``{"image": BaseModelOutputWithDeepstackFeatures}``: the K main rows and, per deepstack level, the same

@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from care_core import CaReConfig
-from care_core.backbones import DEMO_BACKBONES, ImageTokens, ensure_demo, load_backbone
+from care_core.backbones import DEMO_BACKBONES, ImageTokens, ensure_demo, families, load_backbone
 from care_core.backbones.demo import (
     MARKER,
     RANDOM_DEMO_NOTE,
     TRAINED_DEMO_NOTE,
+    TRAINED_SIZES,
     WEIGHTS_DIR,
     file_sha256,
     read_manifest,
@@ -45,16 +46,19 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
         "tiny-llava",
         "tiny-llava-random",
         "tiny-llava-next",
+        "tiny-llava-next-random",
         "tiny-qwen2.5-vl",
+        "tiny-qwen2.5-vl-random",
         "tiny-qwen3-vl",
         "tiny-internvl3",
         "tiny-llava-onevision",
     ]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
-    families = {**FAMILIES, "tiny-llava-random": "llava-1.5", "tiny-llava-onevision": "llava-onevision"}
+    family_of = {**FAMILIES, "tiny-llava-random": "llava-1.5", "tiny-llava-next-random": "llava-next",
+                 "tiny-qwen2.5-vl-random": "qwen2.5-vl", "tiny-llava-onevision": "llava-onevision"}  # fmt: skip
     for name in demos:
-        assert DEMO_BACKBONES[name].family == families[name]
-        assert DEMO_BACKBONES[name] in backbone_family(families[name]).demos
+        assert DEMO_BACKBONES[name].family == family_of[name]
+        assert DEMO_BACKBONES[name] in backbone_family(family_of[name]).demos
     help_text = Model.__metadata__[0].help
     assert all(name in help_text for name in demos)
 
@@ -104,14 +108,14 @@ def test_demo_loads_from_its_folder(demos: dict[str, Any], demo_home: Path, name
     assert adapter.capabilities <= frozenset(PROBES)
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl", "tiny-internvl3"])
-def test_demo_build_is_deterministic_and_keeps_global_rng(demos: dict[str, Any], name: str) -> None:
+@pytest.mark.parametrize("name", ["tiny-llava-next-random", "tiny-qwen2.5-vl-random", "tiny-internvl3"])
+def test_demo_build_is_deterministic_and_keeps_global_rng(demo_home: Path, name: str) -> None:
     torch.manual_seed(1234)
     state = torch.random.get_rng_state()
     spec = DEMO_BACKBONES[name]
     model, _ = spec.build(spec.seed)
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert same_weights(model, demos[name].model)
+    assert same_weights(model, load_backbone(name, home=demo_home).model)  # random weights: the seed's
 
 
 @pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen2.5-vl", "tiny-internvl3"])
@@ -279,16 +283,71 @@ def test_uncached_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_ne
 
 
 # ------------------------------------------------------------------------- shipped weights and demo notes
-def test_trained_demo_weights_match_the_manifest(demo: Any, demo_home: Path) -> None:
-    spec = DEMO_BACKBONES["tiny-llava"]
+TRAINED_DEMOS = [name for name, spec in DEMO_BACKBONES.items() if spec.weights]
+
+
+@pytest.fixture(scope="module")
+def weights_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ``demo_weights`` folder as ``train_demo --install-from`` leaves it for every trained demo: the shipped files
+    where the package has them, else the demo's trained skeleton with seed-0 weights (placeholders, made here)."""
+    folder = tmp_path_factory.mktemp("demo_weights")
+    manifest = read_manifest()
+    for name in TRAINED_DEMOS:
+        spec = DEMO_BACKBONES[name]
+        assert spec.weights is not None
+        if spec.weights in manifest:
+            shutil.copyfile(WEIGHTS_DIR / spec.weights, folder / spec.weights)
+            continue
+        model, _ = spec.build_trained(0)
+        model.save_pretrained(str(folder / name))
+        shutil.move(folder / name / "model.safetensors", folder / spec.weights)
+        manifest[spec.weights] = {"sha256": file_sha256(folder / spec.weights),
+                                  "bytes": (folder / spec.weights).stat().st_size, "backbone": name}  # fmt: skip
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+@pytest.fixture
+def installed(weights_folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The package's weights folder pointed at :func:`weights_folder`."""
+    monkeypatch.setattr(families, "WEIGHTS_DIR", weights_folder)
+    return weights_folder
+
+
+@pytest.mark.parametrize("name", TRAINED_DEMOS)
+def test_trained_demo_weights_match_the_manifest(installed: Path, tmp_path: Path, name: str) -> None:
+    spec = DEMO_BACKBONES[name]
+    assert spec.weights is not None and spec.trained
     entry = read_manifest()[spec.weights]
-    folder = demo_home / "demo" / spec.folder_name
-    assert file_sha256(WEIGHTS_DIR / spec.weights) == entry["sha256"]
+    folder = ensure_demo(name, tmp_path)
+    assert folder.name == spec.folder_name
+    assert file_sha256(installed / spec.weights) == entry["sha256"]
     assert file_sha256(folder / "model.safetensors") == entry["sha256"]
     assert json.loads((folder / MARKER).read_text())["sha256"] == entry["sha256"]
-    assert (WEIGHTS_DIR / spec.weights).stat().st_size < 8 * 2**20  # a few MB
+    assert (installed / spec.weights).stat().st_size < 8 * 2**20  # a few MB
+    adapter = load_backbone(name, home=tmp_path)
+    assert adapter.model.config.text_config.hidden_size == TRAINED_SIZES.text_hidden  # the trained skeleton
+    assert adapter.demo_note == TRAINED_DEMO_NOTE and adapter.demo_note.startswith("demo backbone: tiny model trained")
+
+
+def test_shipped_tiny_llava_has_the_llava_geometry(demo: Any) -> None:
     assert demo.model.config.vision_config.image_size == 336 and demo.num_image_tokens == 576
-    assert demo.demo_note == TRAINED_DEMO_NOTE and demo.demo_note.startswith("demo backbone: tiny model trained")
+    assert demo.demo_note == TRAINED_DEMO_NOTE
+
+
+@pytest.mark.parametrize("name", [n for n in TRAINED_DEMOS if DEMO_BACKBONES[n].trained_builder])
+def test_a_demo_stays_random_until_its_weights_are_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights_folder: Path, name: str
+) -> None:
+    spec = DEMO_BACKBONES[name]
+    monkeypatch.setattr(families, "WEIGHTS_DIR", tmp_path / "nothing installed")
+    assert not spec.trained and spec.note == RANDOM_DEMO_NOTE and spec.folder_name == f"{name}-v{spec.version}"
+    model, _ = spec.build(0)
+    assert model.config.text_config.hidden_size == 64  # the random demo's sizes
+    monkeypatch.setattr(families, "WEIGHTS_DIR", weights_folder)
+    assert spec.trained and spec.note == TRAINED_DEMO_NOTE and spec.folder_name == f"{name}-v{spec.version}-trained"
+    random = DEMO_BACKBONES[f"{name}-random"]
+    assert not random.trained and random.family == spec.family
 
 
 def _truncate(path: Path) -> None:
@@ -302,23 +361,23 @@ def _edit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("name", TRAINED_DEMOS)
 @pytest.mark.parametrize(("damage", "word"), [(_truncate, "truncated"), (_edit, "corrupt"), (Path.unlink, "missing")])
 def test_damaged_cached_weights_are_restored_with_a_notice(
-    demo_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, word: str
+    installed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, word: str, name: str
 ) -> None:
-    spec = DEMO_BACKBONES["tiny-llava"]
+    spec = DEMO_BACKBONES[name]
     home = tmp_path / "home"
-    shutil.copytree(demo_home / "demo" / spec.folder_name, home / "demo" / spec.folder_name)
-    weights = home / "demo" / spec.folder_name / "model.safetensors"
+    weights = ensure_demo(name, home) / "model.safetensors"
     damage(weights)
-    adapter = load_backbone("tiny-llava", home=home)
+    adapter = load_backbone(name, home=home)
     assert len(adapter.notices) == 1
     notice = adapter.notices[0]
     assert "\n" not in notice and word in notice and "restored from the copy shipped with care" in notice
     assert file_sha256(weights) == read_manifest()[spec.weights]["sha256"]
     assert not [p.name for p in (home / "demo").iterdir() if p.name.startswith(".")]  # no temp leftovers
     assert capsys.readouterr() == ("", "")  # the core prints nothing: the CLI shows the notice
-    again = load_backbone("tiny-llava", home=home)
+    again = load_backbone(name, home=home)
     assert again.notices == []
 
 
@@ -344,7 +403,7 @@ def test_demo_folder_keeps_its_note(demo_home: Path, tmp_path: Path, tiny_pair: 
         load_backbone(copy)
     assert "(--model=tiny-llava)" in caught.value.render({"model": "--model"}.get)  # the CLI's spelling
     old = tmp_path / "old"  # a marker from before notes and hashes: random weights
-    shutil.copytree(demo_home / "demo" / DEMO_BACKBONES["tiny-llava-next"].folder_name, old)
+    shutil.copytree(ensure_demo("tiny-llava-next-random", demo_home), old)
     marker = json.loads((old / MARKER).read_text())
     (old / MARKER).write_text(json.dumps({k: marker[k] for k in ("name", "version", "weights")}))
     assert load_backbone(old).demo_note == RANDOM_DEMO_NOTE

@@ -113,7 +113,11 @@ def adapter_footprint(name: str, height: int, width: int) -> tuple[int, list[flo
     return index, boxes[index].tolist()
 
 
-@pytest.mark.parametrize("backbone", sorted(DEMO_BACKBONES))
+#: one demo per family (the geometry is the family's; a family's -random demo has its trained demo's geometry)
+ONE_PER_FAMILY = sorted({spec.family: name for name, spec in reversed(list(DEMO_BACKBONES.items()))}.values())
+
+
+@pytest.mark.parametrize("backbone", ONE_PER_FAMILY)
 @pytest.mark.parametrize(("width", "height"), [(420, 420), (300, 500), (540, 310)], ids=["square", "tall", "wide"])
 def test_known_region_is_boxed_on_the_original(care, tmp_path: Path, backbone: str, width: int, height: int) -> None:
     family = DEMO_BACKBONES[backbone].family

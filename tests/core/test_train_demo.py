@@ -1,37 +1,40 @@
-"""scripts/train_demo.py: its merge augmentation (against a hand-built case and a per-token loop) and its stop on
-Ctrl-C (one line, exit code 130, no traceback)."""
+"""scripts/train_demo: its merge augmentation (against a hand-built case and a per-token loop), its stop on Ctrl-C
+(one line, exit code 130, no traceback), and per trained backbone: a step lowers the loss with gradients reaching
+tower, projector and language model, the rows it feeds equal the adapter's own inference inputs, and a checkpoint
+resumed gives the parameters of an uninterrupted run."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from scripts import train_demo
+from benchmarks.demo_world import TRAIN_SPLIT, load_photos
+from care_core.synthetic import make_scene
+from scripts.train_demo import cli
+from scripts.train_demo.loop import Batch, draw_batch, fit, forward, losses, merge_into_kept, model_inputs, optimiser
 
-
-def _merge() -> Any:
-    return train_demo.merge_into_kept
+TRAINED = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"]
 
 
 def test_dropped_tokens_join_their_nearest_kept_token() -> None:
-    merge = _merge()
     # tokens 0 and 2 kept; 1 points like 0, 3 like 2: rows are the means of {0, 1} and {2, 3}
     hidden = torch.tensor([[[1.0, 0.0], [3.0, 0.1], [0.0, 1.0], [0.2, 5.0]]])
-    rows = merge(hidden, torch.tensor([[0, 2]]))
+    rows = merge_into_kept(hidden, torch.tensor([[0, 2]]))
     assert torch.allclose(rows, torch.tensor([[[2.0, 0.05], [0.1, 3.0]]]))
     # kept order is the row order (shuffled subsets stay shuffled)
-    assert torch.allclose(merge(hidden, torch.tensor([[2, 0]])), rows.flip(1))
+    assert torch.allclose(merge_into_kept(hidden, torch.tensor([[2, 0]])), rows.flip(1))
 
 
 def test_matches_a_per_token_loop() -> None:
-    merge = _merge()
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 40, 8, generator=g, dtype=torch.float64)
     order = torch.stack([torch.randperm(40, generator=g)[:7] for _ in range(3)])
-    rows = merge(hidden, order)
+    rows = merge_into_kept(hidden, order)
     for b in range(3):
         members: list[list[int]] = [[int(i)] for i in order[b]]
         kept = torch.nn.functional.normalize(hidden[b, order[b]], dim=-1)
@@ -51,14 +54,111 @@ def test_ctrl_c_in_training_stops_with_one_line_and_130(
         run.log("pool: 8 scenes")  # set-up done, log written
         return None, None
 
-    def fit(args: Any, run: Any, parts: Any, data: Any) -> float:
+    def fit(*args: Any) -> float:
         raise KeyboardInterrupt  # Ctrl-C during the steps
 
-    monkeypatch.setattr(train_demo, "prepare", prepare)
-    monkeypatch.setattr(train_demo, "fit", fit)
-    code = train_demo.main(["--out", str(tmp_path), "--device", "cpu"])
+    monkeypatch.setattr(cli, "prepare", prepare)
+    monkeypatch.setattr(cli, "fit", fit)
+    code = cli.main(["--out", str(tmp_path), "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 130
     assert err.splitlines() == [f"interrupted; saved so far: {tmp_path / 'log.txt'}"]
     assert "pool: 8 scenes" in (tmp_path / "log.txt").read_text()
     assert not (tmp_path / "model").exists()
+
+
+# ------------------------------------------------------------------------------ one backbone, a few scenes, CPU
+def _args(name: str, out: Path, *extra: str) -> argparse.Namespace:
+    return cli.parse(["--backbone", name, "--out", str(out), "--batch", "2", "--scenes", "3", "--workers", "1",
+                      "--device", "cpu", "--steps", "4", "--checkpoint-every", "2", *extra])  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=TRAINED)
+def prepared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
+    out = tmp_path_factory.mktemp(request.param.replace(".", "-"))
+    args = _args(request.param, out)
+    parts, data = cli.prepare(args, cli.Run(out))
+    return args, parts, data
+
+
+def _one(parts: Any, data: Any, question: int, order: torch.Tensor | None) -> Batch:
+    """A batch of one question with all tokens (``order`` None) or the kept tokens ``order`` (1, K)."""
+    _, text, answer = data.qas[question]
+    ids = parts.feed.layout(text).tail + data.answers[answer]
+    target = torch.zeros(1, len(ids), dtype=torch.bool)
+    target[0, -len(data.answers[answer]) :] = True
+    no = torch.zeros(1, dtype=torch.bool)
+    k = parts.feed.n if order is None else int(order.shape[1])
+    return Batch(torch.tensor([question]), no, no, k, order, False, [text], torch.tensor([ids]), target,
+                 torch.tensor([len(ids)]))  # fmt: skip
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["all-tokens", "shuffled-subset"])
+def test_training_feeds_what_the_adapter_feeds_at_inference(prepared: Any, reduced: bool) -> None:
+    args, parts, data = prepared
+    adapter = parts.feed.adapter
+    scene_index, question, _ = data.qas[1]
+    scene = make_scene(TRAIN_SPLIT, scene_index, size=args.size, photos=load_photos())
+    tokens = adapter.encode_image(scene.image)  # the inference path: processor, tower under no_grad
+    order = torch.randperm(tokens.num_tokens, generator=torch.Generator().manual_seed(1))[:40] if reduced else None
+    with torch.no_grad():
+        ours, _, _ = model_inputs(parts, data, _one(parts, data, 1, None if order is None else order[None]))
+        projected = adapter.projector(tokens.features if order is None else tokens.features[order])
+        theirs = adapter._lm_inputs(question, tokens, projected, order)
+        expected = adapter._prompt_embeddings(theirs)[0]
+    length = expected.shape[0]
+    assert ours["attention_mask"][0].sum() > length  # the answer follows the prompt
+    torch.testing.assert_close(ours["inputs_embeds"][0, :length], expected, atol=2e-4, rtol=1e-3)
+    if "position_ids" in theirs:
+        assert torch.equal(ours["position_ids"][:, 0, :length], theirs["position_ids"][:, 0])
+    else:
+        assert "position_ids" not in ours
+
+
+def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
+    args, parts, data = prepared
+    opt, _ = optimiser(args, parts)
+    b = draw_batch(args, 0, torch.Generator().manual_seed(0), data, parts)
+    adapter = parts.feed.adapter
+    watched = {"tower": next(adapter.model.model.visual.parameters()) if hasattr(adapter.model.model, "visual")
+               else next(adapter._vision_tower.parameters()),
+               "projector": next(adapter.projector.parameters()),
+               "language model": adapter._language_model.layers[0].self_attn.q_proj.weight}  # fmt: skip
+    seen: list[float] = []
+    for _ in range(3):
+        logits, dense = forward(parts, data, b)
+        loss = torch.nn.functional.cross_entropy(logits[b.target], b.text[b.target]) + losses(parts, data, b, dense)
+        opt.zero_grad()
+        loss.backward()
+        if not seen:
+            for part, weight in watched.items():
+                assert weight.grad is not None and weight.grad.abs().sum() > 0, part
+        opt.step()
+        seen.append(float(loss.detach()))
+    assert seen[-1] < seen[0]
+
+
+def test_resuming_a_checkpoint_gives_the_uninterrupted_parameters(tmp_path: Path) -> None:
+    name = "tiny-qwen2.5-vl"  # multimodal-rope positions, token subsets: the whole generic path
+
+    def run(out: Path, stop_after: int | None, *extra: str) -> dict[str, torch.Tensor]:
+        out.mkdir(exist_ok=True)
+        args = _args(name, out, *extra)
+        parts, data = cli.prepare(args, cli.Run(out))
+        done = [0]
+
+        def advance(steps: int = 1) -> None:
+            done[0] += steps
+            if stop_after is not None and done[0] > stop_after:
+                raise KeyboardInterrupt  # killed in the step after the checkpoint
+
+        with contextlib.suppress(KeyboardInterrupt):
+            fit(args, lambda line: None, advance, parts, data)
+        return {k: v.clone() for k, v in parts.model.state_dict().items()}
+
+    whole = run(tmp_path / "whole", None)  # 4 steps
+    run(tmp_path / "split", 2)  # a checkpoint after 2 steps, killed in the third
+    resumed = run(tmp_path / "split", None, "--resume", str(tmp_path / "split"))
+    assert whole.keys() == resumed.keys()
+    for key, value in whole.items():
+        assert torch.equal(value, resumed[key]), key

@@ -1,0 +1,73 @@
+"""Train a demo backbone on the synthetic shapes world (``care_core.synthetic``), evaluate it through the adapter's
+own generate path, and write the weights to ship.
+
+    python -m scripts.train_demo --backbone tiny-llava --out DIR              # train + evaluate (GPU: --device cuda)
+    python -m scripts.train_demo --backbone tiny-llava-next --out DIR --skip-eval --steps 2000
+    python -m scripts.train_demo --backbone tiny-llava-next --out DIR --resume       # continue from DIR's checkpoint
+    python -m scripts.train_demo --backbone tiny-llava-next --evaluate-only DIR --questions 500
+    python -m scripts.train_demo --backbone tiny-llava-next --install-from DIR    # copy DIR's weights into the package
+
+Run from the repository root (as a module: it imports care_core and ``benchmarks.demo_world`` from there). A
+progress bar shows every phase (building the model, drawing the scenes, the steps, saving, the held-out
+evaluation); Ctrl-C stops with one line saying what was saved, and exit code 130. Backbones: the demos whose
+registry record names a weights file (``tiny-llava``, ``tiny-llava-next``, ``tiny-qwen2.5-vl``); the model starts
+from the record's trained skeleton (``DemoBackbone.build_trained``, :data:`~care_core.backbones.demo.TRAINED_SIZES`).
+
+Recipe (seeded, one command): 24,000 scenes of split seed 0 (held-out questions: split seed 1) are drawn by
+worker processes and kept as the backbone's (PIL) processor output in uint8 (on the device; ``--pool-device cpu``
+keeps them in host memory). Every step normalises a batch of 128 images as the processor does, runs the family's
+own tower pass with gradients (``adapter.batch_features``: CLIP layer -2 without CLS per crop, LLaVA-NeXT's packing
+of base view and unpadded crops, Qwen2.5-VL's windowed tower with its 2x2 groups in raster order), projects them
+(the family's projector or merger) and feeds the language model the prompt ``adapter.prompt(question)`` with the
+visual rows where the adapter puts them (its own ids and, for Qwen2.5-VL, its multimodal-rope positions, taken from
+``adapter._lm_inputs`` for a reference image; LLaVA-NeXT's newline rows through ``adapter.fed_rows``), followed by
+`` answer`` and the end token; the answer loss is on the answer tokens only. A dense auxiliary loss (a linear head
+that is not shipped) asks each token's pre-projector features for the colour and shape of the object under the
+token's centre (``ImageTokens.boxes`` of the adapter: every token, base view and crops alike) and for the token's
+row and column on a 24 x 24 grid of ``ImageTokens.positions``. After the first 30% of the steps, half the steps
+feed a random subset of the visual tokens (K log-uniform in 48..N, in raster or shuffled order, fed as reduction
+feeds them: K rows in the given order, Qwen rows at their tokens' rope positions), so that the language model reads
+whatever rows it is given. AdamW (lr 1.5e-3, cosine, 5% warm-up), 5000 steps. A checkpoint is written every
+``--checkpoint-every`` steps (DIR/checkpoint.pt); ``--resume`` continues from it bit for bit (CPU float32).
+
+Image size. ``tiny-llava`` trains on the world's mix of sizes (its processor crops all of them to one 336x336
+view). A batch must share one token geometry, so ``tiny-llava-next`` and ``tiny-qwen2.5-vl`` train on 336x336
+scenes (``--size``): LLaVA-NeXT then sees a base view and two 336x336 crops of the 336x672 canvas (N = 1152, plus 24
+newline rows), Qwen2.5-VL a 24x24 patch grid merged to 12x12 (N = 144). The held-out evaluation keeps the world's
+mix of sizes, so it also measures how far that carries to other sizes.
+
+Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``
+steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. On a GPU the
+Qwen2.5-VL tower without flash attention runs one attention call per window and image (9 windows per 336x336 image in
+its two windowed blocks, one call per image in the two others: 2,560 calls per forward at batch 128), so its steps are
+bound by launches; ``--vision-attention flash_attention_2`` (where flash-attn is installed) packs them into one.
+
+Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side by side: held-out 86.6%
+and 85.8%).
+
+Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
+trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,
+``benchmarks/results/2026-11-26-gpu-h200-train_demo-variant.json``): held-out 85.6% and 91.0% with all tokens (the
+two runs differ by 5 points: GPU training is not bit-reproducible, and this recipe is less stable), but at K = 64
+random selection answers 19-22% and ``care`` 18-21%: a model never shown reduced token sets cannot read them, so
+it tells methods apart no better than chance.
+
+Measured variant, not shipped (``--merge-share 0.5`` / ``1.0`` with ``--steps 4000``: in that share of the subset
+steps the dropped tokens are averaged into their nearest kept token, as merging methods hand a language model
+mixtures; two runs side by side on one H200, 2026-11-26,
+``benchmarks/results/2026-11-26-gpu-h200-train_demo-merge-variant.json``). Held-out accuracy with all tokens was
+84.2% / 80.0%, random at K = 64 68.4% / 65.0%, and ``care`` at K = 64 54.8% / 52.8%. On 150 held-out questions
+the 0.5 model gave ``tome`` 79.3%, ``simple-calib`` 78.0% and ``divprune`` 75.3%, but ``care`` and ``prca-only``
+both 53.3%. The model reads merged rows well, so the gap is PRCA's anchors, which sit on background texture on
+this demo. Calibrating into them adds nothing.
+
+Writes DIR/<backbone>.safetensors (float16, the file that ships), DIR/model/ (a loadable model folder),
+DIR/<backbone>.json (command, time, device, held-out accuracy per question type, with all tokens and with random
+selection and care at K=64), DIR/checkpoint.pt while training and DIR/log.txt (written as the run goes).
+"""
+
+from __future__ import annotations
+
+from .cli import main
+
+__all__ = ["main"]

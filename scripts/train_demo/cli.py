@@ -1,0 +1,334 @@
+"""The command line of ``scripts.train_demo`` (see the package docstring): build, train, save, evaluate, install."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, file_sha256, read_manifest, weights_dir
+from care_core.synthetic import IMAGE_SIZES
+
+from .feed import Feed
+from .heldout import evaluate
+from .loop import CHECKPOINT, MIRROR, POSITION_BINS, Data, Parts, fit
+from .pool import Normaliser, UsageError, make_pool
+
+#: the families this script trains -> the image size their scenes are drawn at (None: the world's mix)
+TRAINED_FAMILIES: dict[str, tuple[int, int] | None] = {
+    "llava-1.5": None,  # the processor crops every size to one 336x336 view: one geometry
+    "llava-next": (336, 336),  # base view + two crops; other sizes give other crop counts
+    "qwen2.5-vl": (336, 336),  # a 24x24 patch grid, 12x12 merged tokens
+}
+REFERENCE_SIZE = (336, 336)  # the reference image of the world's mix (every size gives tiny-llava one geometry)
+
+
+class Run:
+    """One training run's output folder: the progress bar, the log (rewritten after every line), what is saved."""
+
+    def __init__(self, out: Path, *, continued: bool = False) -> None:
+        self.out = out
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+        log = out / "log.txt"
+        # a resumed run or a later evaluation goes on with the log the run has written so far
+        self.lines: list[str] = log.read_text(encoding="utf-8").splitlines() if continued and log.is_file() else []
+        self.saved: list[Path] = []
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message, markup=False, highlight=False)
+        self.lines.append(message)
+        (self.out / "log.txt").write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+        self.record(self.out / "log.txt")
+
+    def record(self, path: Path) -> None:
+        if path not in self.saved:
+            self.saved.append(path)
+
+    def phase(self, description: str, total: int | None = None) -> Callable[[int], None]:
+        """A new bar; returns the function that advances it."""
+        task = self.progress.add_task(description, total=total)
+
+        def advance(steps: int = 1) -> None:
+            self.progress.advance(task, steps)
+
+        return advance
+
+    def interrupted(self) -> str:
+        """The one line Ctrl-C prints: what this run saved before it stopped."""
+        if not self.saved:
+            return "interrupted: nothing saved"
+        return "interrupted; saved so far: " + ", ".join(str(p) for p in self.saved)
+
+
+def _adapter(spec: Any, model: Any, processor: Any) -> Any:
+    from care_core.backbones.families import backbone_family, import_path
+
+    return import_path(backbone_family(spec.family).adapter)(model, processor, name=spec.name)
+
+
+def _centres(adapter: Any, sizes: list[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
+    """Per image size, each token's centre (x, y) in original pixels: the middle of the adapter's ``boxes``."""
+    from PIL import Image
+
+    out = {}
+    for height, width in sizes:
+        boxes = adapter.encode_image(Image.new("RGB", (width, height))).boxes
+        out[(height, width)] = ((boxes[:, :2] + boxes[:, 2:]) / 2).numpy()
+    if len({len(c) for c in out.values()}) != 1:
+        raise UsageError("the image sizes give different token counts; train on one --size")
+    return out
+
+
+def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, Feed, dict[tuple[int, int], np.ndarray]]:
+    """The model to train (the demo's trained skeleton from the seed), its adapter's feed and token centres."""
+    from PIL import Image
+
+    spec = DEMO_BACKBONES[args.backbone]
+    advance = run.phase("building the model", total=1)
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    model, processor = spec.build_trained(args.seed)
+    if args.vision_attention:  # e.g. flash_attention_2: Qwen2.5-VL's tower otherwise runs one sdpa call per window
+        try:
+            model.set_attn_implementation({"vision_config": args.vision_attention})
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"--vision-attention {args.vision_attention}: {str(exc).splitlines()[0]}") from exc
+    adapter = _adapter(spec, model, processor)
+    size = args.size or REFERENCE_SIZE
+    reference = adapter.encode_image(Image.new("RGB", (size[1], size[0])))
+    centres = _centres(adapter, [args.size] if args.size else list(dict.fromkeys(IMAGE_SIZES)))
+    advance(1)
+    return model, processor, Feed(adapter, reference), centres
+
+
+def prepare(args: argparse.Namespace, run: Run) -> tuple[Parts, Data]:
+    """The model to train and the scene pool (on ``--pool-device``)."""
+    from care_core.synthetic import COLOURS, SHAPES
+
+    model, processor, feed, centres = build(args, run)
+    t0 = time.perf_counter()
+    advance = run.phase(f"drawing {args.scenes} scenes ({args.workers} workers)", total=args.scenes)
+    pool = make_pool(args.scenes, args.workers, processor.image_processor, args.size, centres, advance)
+    run.log(f"pool: {args.scenes} scenes, {len(pool.qas)} questions, N = {feed.n} tokens in "
+            f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+    device = torch.device(args.device)
+    store = device if args.pool_device == "device" else torch.device("cpu")
+    data = Data(pool.pixels.to(store), pool.labels.to(store), pool.qas,
+                torch.tensor([s for s, _, _ in pool.qas], device=store),
+                {a: feed.answer(a) for a in {a for _, _, a in pool.qas} | set(MIRROR)})  # fmt: skip
+    model.to(device).train()
+    model.requires_grad_(True)
+    width = int(feed.reference.features.shape[-1])
+    aux = torch.nn.Linear(width, 1 + len(COLOURS) + 1 + len(SHAPES) + 2 * POSITION_BINS).to(device)
+    bins = (feed.reference.positions.cpu() * POSITION_BINS).floor().clamp(0, POSITION_BINS - 1).long().T  # (2, N)
+    tok = feed.adapter.tokenizer
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    normalise = Normaliser(processor.image_processor, args.size or REFERENCE_SIZE, device)
+    return Parts(model, processor, feed, aux, normalise, pad, bins), data
+
+
+def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+    """Build, train and save the model: the float16 weights that ship and a loadable model folder."""
+    spec = DEMO_BACKBONES[args.backbone]
+    parts, data = prepare(args, run)
+    advance = run.phase("training", total=args.steps)
+    train_s = fit(args, run.log, advance, parts, data)
+    questions = len(data.qas)
+    del data
+    # the file that ships: float16, saved by save_pretrained (same keys as a demo folder's model.safetensors)
+    advance = run.phase("saving the weights", total=1)
+    model = parts.model.eval().requires_grad_(False)
+    folder = run.out / "model"
+    model.to("cpu").half().save_pretrained(str(folder))
+    parts.processor.save_pretrained(str(folder))
+    run.record(folder)
+    assert spec.weights is not None  # parse offers only demos with a weights file
+    weights = run.out / spec.weights
+    shutil.copyfile(folder / "model.safetensors", weights)
+    run.record(weights)
+    advance(1)
+    return {"train_seconds": round(train_s, 1), "pool_questions": questions, "folder": folder, "weights": weights}
+
+
+def install(backbone: str, source: Path) -> None:
+    """Copy ``source/<weights>`` into the package and record its sha256, size and training summary."""
+    spec = DEMO_BACKBONES[backbone]
+    assert spec.weights is not None
+    src = source / spec.weights
+    if not src.is_file():
+        raise UsageError(f"{src} does not exist (train with --out {source} first)")
+    summary_path = source / f"{backbone}.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    folder = weights_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, folder / spec.weights)
+    manifest = read_manifest()
+    manifest[spec.weights] = {
+        "sha256": file_sha256(folder / spec.weights),
+        "bytes": (folder / spec.weights).stat().st_size,
+        "backbone": backbone,
+        "training": {k: v for k, v in summary.items() if k != "log"},
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _size(text: str) -> tuple[int, int] | str:
+    if text == "mixed":
+        return text
+    height, _, width = text.partition("x")
+    try:
+        return int(height), int(width)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW or mixed, got {text!r}") from None
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    """The recipe's options (defaults: the shipped recipe)."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
+    parser.add_argument("--aux-weight", type=float, default=0.5, help="weight of the dense per-token loss")
+    parser.add_argument("--scenes", type=int, default=24000)
+    parser.add_argument("--size", type=_size, default=None,
+                        help="HxW of every training scene, or 'mixed' (the world's sizes); default: the family's "
+                             "(tiny-llava: mixed, the others 336x336)")  # fmt: skip
+    parser.add_argument(
+        "--subset-share",
+        type=float,
+        default=0.5,
+        help="share of the steps after the first 30%% that feed a random subset of the visual tokens",
+    )
+    parser.add_argument("--merge-share", type=float, default=0.0,
+                        help="share of the subset steps whose dropped tokens are averaged into their nearest kept "
+                             "token (0: the shipped recipe)")  # fmt: skip
+    parser.add_argument("--flip", action="store_true",
+                        help="mirror half of the images (and position answers with them); tiny-llava only, not in "
+                             "the shipped recipe")  # fmt: skip
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    from . import __doc__ as doc
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    trainable = sorted(n for n, s in DEMO_BACKBONES.items() if s.weights and s.family in TRAINED_FAMILIES)
+    parser.add_argument("--backbone", default="tiny-llava", choices=trainable)
+    parser.add_argument("--out", type=Path, help="output folder (train, then evaluate unless --skip-eval)")
+    parser.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its checkpoint")
+    parser.add_argument("--evaluate-only", type=Path, metavar="DIR", help="evaluate the model trained in DIR")
+    parser.add_argument("--install-from", type=Path, help="copy this training output's weights into the package")
+    _options(parser)
+    parser.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints")
+    parser.add_argument("--skip-eval", action="store_true", help="train and save only (evaluate with --evaluate-only)")
+    parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--vision-attention", metavar="IMPL",
+                        help="the vision tower's attention implementation while training (e.g. flash_attention_2 where "
+                             "flash-attn is installed; default: the model's, sdpa)")  # fmt: skip
+    parser.add_argument("--pool-device", choices=("device", "cpu"), default="device",
+                        help="where the scene pool lives (cpu: host memory, one batch copied per step)")  # fmt: skip
+    parser.add_argument("--questions", "--eval", dest="eval", type=int, default=500, help="held-out questions")
+    parser.add_argument(
+        "--eval-size",
+        type=_size,
+        default="mixed",
+        help="HxW of every held-out scene, or 'mixed' (the world's sizes: the standard set)",
+    )
+    args = parser.parse_args(argv)
+    if args.resume is not None:
+        args.out = args.out or args.resume
+    if sum(x is not None for x in (args.out, args.evaluate_only, args.install_from)) != 1:
+        parser.error("give one of --out DIR (or --resume DIR), --evaluate-only DIR, --install-from DIR")
+    family = DEMO_BACKBONES[args.backbone].family
+    args.size = TRAINED_FAMILIES[family] if args.size is None else None if args.size == "mixed" else args.size
+    args.eval_size = None if args.eval_size == "mixed" else args.eval_size
+    if args.flip and family != "llava-1.5":
+        parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
+    if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1:
+        parser.error("--steps, --batch and --checkpoint-every must be at least 1")
+    return args
+
+
+def heldout_key(size: tuple[int, int] | None) -> str:
+    """Where a summary keeps a held-out evaluation: ``heldout`` (the world's mix of sizes) or ``heldout_<H>x<W>``."""
+    return "heldout" if size is None else f"heldout_{size[0]}x{size[1]}"
+
+
+def _summary(args: argparse.Namespace, argv: list[str] | None, extra: dict[str, Any]) -> dict[str, Any]:
+    options = ("seed", "steps", "batch", "lr", "scenes", "size", "subset_share", "merge_share", "flip")
+    return {"backbone": args.backbone,
+            "command": "python -m scripts.train_demo " + " ".join(sys.argv[1:] if argv is None else argv),
+            **{name: getattr(args, name) for name in options}, **extra}  # fmt: skip
+
+
+def train_and_evaluate(args: argparse.Namespace, argv: list[str] | None, run: Run) -> None:
+    started = time.perf_counter()
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    run.log(f"{args.backbone}: torch {torch.__version__}, device {device_name}")
+    trained = train(args, run)
+    extra = {"pool_questions": trained["pool_questions"], "device": device_name,
+             "train_seconds": trained["train_seconds"], "sha256": file_sha256(trained["weights"])}  # fmt: skip
+    if not args.skip_eval:
+        extra[heldout_key(args.eval_size)] = evaluate(trained["folder"], args.eval, args.workers, 64, run,
+                                                      args.eval_size)  # fmt: skip
+    extra["total_seconds"] = round(time.perf_counter() - started, 1)
+    summary = _summary(args, argv, extra)
+    (run.out / f"{args.backbone}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    run.record(run.out / f"{args.backbone}.json")
+    run.log(json.dumps(summary))
+
+
+def evaluate_only(args: argparse.Namespace, run: Run) -> None:
+    """The held-out evaluation of DIR/model, written into DIR/<backbone>.json (kept beside the training summary)."""
+    folder = run.out / "model"
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{folder} holds no trained model (train with --out {run.out} first)")
+    path = run.out / f"{args.backbone}.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {"backbone": args.backbone}
+    summary[heldout_key(args.eval_size)] = evaluate(folder, args.eval, args.workers, 64, run, args.eval_size)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    run.record(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.install_from is not None:
+        try:
+            install(args.backbone, args.install_from)
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # transformers' notes and bars would break the progress display
+    hf_logging.disable_progress_bar()
+    out = args.out if args.evaluate_only is None else args.evaluate_only
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(out, continued=args.resume is not None or args.evaluate_only is not None)
+    try:
+        with run.progress:
+            if args.evaluate_only is not None:
+                evaluate_only(args, run)
+            else:
+                train_and_evaluate(args, argv, run)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if (out / CHECKPOINT).is_file():  # the steps so far: --resume continues from them
+            run.record(out / CHECKPOINT)
+        print(run.interrupted(), file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,99 @@
+"""What one training step feeds a backbone, taken from its adapter: the tower pass with gradients
+(``adapter.batch_features``), the projector, the visual rows the language model receives (``adapter.fed_rows``:
+LLaVA-NeXT's newline rows) and, for multimodal rope, the rows' positions (``adapter.row_positions``); the prompt's ids
+and positions are the adapter's own inference inputs (``_lm_inputs``) for a reference image of the training size.
+
+A batch is a right-padded sequence ``prompt head | R visual rows | question tail + answer`` per sample; every sample
+of a step shares the head, the image geometry and K, so the rows sit at the same place in every row of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Layout:
+    """One question's prompt as the adapter feeds it with all N tokens: ids around the R visual rows, and (multimodal
+    rope) the (t, h, w) positions of the head, the image tokens and the tail."""
+
+    head: list[int]
+    tail: list[int]
+    head_positions: torch.Tensor | None = None  # (3, h)
+    image_positions: torch.Tensor | None = None  # (3, N)
+    tail_positions: torch.Tensor | None = None  # (3, t)
+
+
+class Feed:
+    """One backbone's training feed (see the module docstring); ``reference``: the adapter's ImageTokens of an image
+    of the training size, whose geometry every training image shares."""
+
+    def __init__(self, adapter: Any, reference: Any) -> None:
+        self.adapter = adapter
+        self.reference = reference
+        self.n = reference.num_tokens
+        self.eos = int(adapter.tokenizer.eos_token_id)
+        self._layouts: dict[str, Layout] = {}
+
+    @property
+    def rope(self) -> bool:
+        """True when the model takes explicit multimodal-rope positions (Qwen)."""
+        return self.layout("What is this?").image_positions is not None
+
+    def layout(self, question: str) -> Layout:
+        """The adapter's all-token prompt for ``question`` split around its visual rows (cached per question)."""
+        if question in self._layouts:
+            return self._layouts[question]
+        adapter = self.adapter
+        width = adapter.model.get_input_embeddings().weight.shape[1]
+        rows = torch.zeros(self.n, width, dtype=adapter.dtype, device=adapter.device)
+        with torch.no_grad():
+            inputs = adapter._lm_inputs(question, self.reference, rows, None)
+        ids = inputs["input_ids"][0].tolist()
+        at = [i for i, token in enumerate(ids) if token == adapter.image_token_id]
+        start, end = at[0], at[-1] + 1
+        first = next(iter(self._layouts.values()), None)
+        if first is not None and first.head != ids[:start]:  # a batch shares the head: the rows sit at one place
+            raise RuntimeError(f"the prompt before the image differs between questions ({question!r})")
+        layout = Layout(ids[:start], ids[end:])
+        if "position_ids" in inputs:
+            mrope = inputs["position_ids"][1:, 0].cpu()  # (3, L): row 0 is the text row
+            layout = Layout(ids[:start], ids[end:], mrope[:, :start], mrope[:, start:end], mrope[:, end:])
+        self._layouts[question] = layout
+        return layout
+
+    def answer(self, answer: str) -> list[int]:
+        """The answer's ids as the model says it after the prompt: `` answer`` and the end token."""
+        return [*self.adapter.tokenizer(" " + answer, add_special_tokens=False)["input_ids"], self.eos]
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, N, d_v) pre-projector features of normalised processor outputs, with gradients."""
+        return self.adapter.batch_features(pixels, self.reference)
+
+    def rows(self, projected: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+        """(B, R, d_t) rows the language model receives: all tokens (``order`` None, the family's own rows added)
+        or K kept rows in the order given (``order`` (B, K), K < N)."""
+        kept = None if order is None else order[0]
+        return self.adapter.fed_rows(self.reference, projected, kept)
+
+    def positions(self, questions: list[str], order: torch.Tensor | None, width: int) -> torch.Tensor:
+        """(3, B, h + R + width) multimodal-rope positions: the head's, the rows' (their tokens', through the
+        adapter's ``row_positions``), then the tail's and, after the tail, one more per answer token (the model's
+        rule for text after the image, as in generation)."""
+        head = self.layout(questions[0])
+        image = head.image_positions
+        assert image is not None and head.head_positions is not None
+        batch = len(questions)
+        kept = torch.arange(self.n).expand(batch, -1) if order is None else order.cpu()
+        rows = self.adapter.row_positions(image, kept)
+        text = torch.empty(3, batch, width, dtype=image.dtype)
+        for b, question in enumerate(questions):
+            tail = self.layout(question).tail_positions
+            assert tail is not None
+            text[:, b, : tail.shape[1]] = tail
+            after = tail[:, -1:] + torch.arange(1, width - tail.shape[1] + 1, dtype=tail.dtype)
+            text[:, b, tail.shape[1] :] = after
+        return torch.cat([head.head_positions[:, None].expand(-1, batch, -1), rows, text], dim=2)

@@ -1,0 +1,285 @@
+"""The training loop: a step's batch (questions, token subset), its forward pass through the backbone's feed, the
+answer and dense auxiliary losses, AdamW with a cosine schedule, and checkpoints every few steps (``--resume``)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from care_core.synthetic import COLOURS, SHAPES
+
+from .feed import Feed
+from .pool import Normaliser, UsageError
+
+MIRROR = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
+CHECKPOINT = "checkpoint.pt"
+#: position classes of the dense loss along each axis (the LLaVA-1.5 grid's 24 rows and columns)
+POSITION_BINS = 24
+#: the training options a checkpoint must agree with to be resumed
+RESUMED_OPTIONS = ("backbone", "seed", "steps", "batch", "lr", "aux_weight", "scenes", "subset_share", "merge_share",
+                   "flip", "size")  # fmt: skip
+
+
+def mirrored(answer: str, horizontal: bool, vertical: bool) -> str:
+    """The answer about the mirrored crop: only position answers change (the crop is centred, so an object left
+    of the image centre is right of it once mirrored; objects lie inside the crop)."""
+    if horizontal and answer in ("left", "right"):
+        return MIRROR[answer]
+    if vertical and answer in ("top", "bottom"):
+        return MIRROR[answer]
+    return answer
+
+
+def merge_into_kept(hidden: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(B, k, d): each kept token (``order``, (B, k)) averaged with the dropped tokens nearest to it in cosine
+    similarity (size-weighted, as ToMe-style merging and calibration hand a language model mixtures of tokens)."""
+    batch, n, d = hidden.shape
+    k = order.shape[1]
+    kept = torch.gather(hidden, 1, order.unsqueeze(-1).expand(-1, -1, d))
+    with torch.no_grad():
+        sim = F.normalize(hidden.float(), dim=-1) @ F.normalize(kept.float(), dim=-1).transpose(1, 2)  # (B, N, k)
+        target = sim.argmax(-1)
+        slot = torch.full((batch, n), -1, dtype=torch.long, device=hidden.device)
+        slot.scatter_(1, order, torch.arange(k, device=hidden.device).expand(batch, k))
+        target = torch.where(slot >= 0, slot, target)  # a kept token stays its own row
+    sums = torch.zeros(batch, k, d, dtype=hidden.dtype, device=hidden.device)
+    sums = sums.scatter_add(1, target.unsqueeze(-1).expand(-1, -1, d), hidden)
+    counts = torch.zeros(batch, k, dtype=hidden.dtype, device=hidden.device).scatter_add(
+        1, target, torch.ones_like(target, dtype=hidden.dtype)
+    )
+    return sums / counts.unsqueeze(-1)
+
+
+@dataclass
+class Data:
+    """The scene pool (on ``pixels``' device) and the token ids of every answer."""
+
+    pixels: torch.Tensor  # (S, ...) uint8 processor outputs
+    labels: torch.Tensor  # (S, 2, N) colour and shape ids under each token
+    qas: list[tuple[int, str, str]]  # (scene, question, answer)
+    scene_of: torch.Tensor  # (Q,) scene of each question
+    answers: dict[str, list[int]]
+
+
+@dataclass
+class Parts:
+    """The modules one step runs, and the constants it needs."""
+
+    model: Any
+    processor: Any  # saved beside the weights
+    feed: Feed
+    aux: torch.nn.Linear  # dense auxiliary head (not shipped)
+    normalise: Normaliser
+    pad: int
+    bins: torch.Tensor  # (2, N) row and column class of each token (its position on a 24 x 24 grid)
+
+
+@dataclass
+class Batch:
+    index: torch.Tensor  # (B,) questions (on the pool's device)
+    hflip: torch.Tensor
+    vflip: torch.Tensor
+    k: int
+    order: torch.Tensor | None  # (B, k) kept visual tokens; None: all N in order
+    merged: bool
+    questions: list[str]
+    text: torch.Tensor  # (B, width) tail + answer ids
+    target: torch.Tensor  # (B, width) answer positions
+    lengths: torch.Tensor
+
+
+def _subset(args: argparse.Namespace, step: int, gen: torch.Generator, n: int) -> tuple[int, torch.Tensor | None, bool]:
+    """The step's token subset: K log-uniform in 48..N (fewer than N), raster or shuffled; all tokens in the first
+    30% of the steps and in 1 - ``subset_share`` of the rest."""
+    full = step < 0.3 * args.steps or bool(torch.rand((), generator=gen) < 1 - args.subset_share)
+    log_k = float(torch.empty(()).uniform_(math.log(min(48, n - 1)), math.log(n), generator=gen))
+    k = n if full else min(int(math.exp(log_k)), n - 1)
+    shuffled = bool(torch.rand((), generator=gen) < 0.5)
+    merged = not full and bool(torch.rand((), generator=gen) < args.merge_share)
+    if full:
+        return k, None, merged
+    order = torch.rand((args.batch, n), generator=gen).argsort(dim=1)[:, :k]
+    return k, order if shuffled else order.sort(dim=1).values, merged
+
+
+def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: Data, parts: Parts) -> Batch:
+    """The step's questions, mirrors and visual-token subset (the recipe of the package docstring); the questions'
+    indices on the pool's device, the rest on the model's."""
+    device = parts.aux.weight.device
+    batch = torch.randint(0, len(data.qas), (args.batch,), generator=gen)
+    # mirror images (and the answers of position questions with them): left/right and top/bottom balanced
+    hflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
+    vflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
+    k, order, merged = _subset(args, step, gen, parts.feed.n)
+    picked = [data.qas[i] for i in batch.tolist()]
+    said = [mirrored(a, bool(h), bool(v)) for (_, _, a), h, v in zip(picked, hflip, vflip, strict=True)]
+    seqs = [parts.feed.layout(q).tail + data.answers[a] for (_, q, _), a in zip(picked, said, strict=True)]
+    width = max(len(s) for s in seqs)
+    text = torch.full((args.batch, width), parts.pad, dtype=torch.long)
+    target = torch.zeros((args.batch, width), dtype=torch.bool)
+    for row, (s, a) in enumerate(zip(seqs, said, strict=True)):
+        text[row, : len(s)] = torch.tensor(s)
+        target[row, len(s) - len(data.answers[a]) : len(s)] = True
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    kept = None if order is None else order.to(device)
+    return Batch(batch.to(data.pixels.device), hflip.to(device), vflip.to(device), k, kept, merged,
+                 [q for _, q, _ in picked], text.to(device), target.to(device), lengths)  # fmt: skip
+
+
+def _mirror(x: torch.Tensor, b: Batch) -> torch.Tensor:
+    """Mirror (B, ..., H, W) images (or label grids) where the batch says so."""
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    x = torch.where(b.hflip.view(shape), x.flip(-1), x)
+    return torch.where(b.vflip.view(shape), x.flip(-2), x)
+
+
+def _visual_rows(parts: Parts, features: torch.Tensor, b: Batch) -> torch.Tensor:
+    """(B, R, d_t) the rows the language model receives: all tokens, a subset, or a subset with the dropped tokens
+    merged into the kept ones (before the projector)."""
+    projector = parts.feed.adapter.projector
+    if b.order is None:
+        return parts.feed.rows(projector(features), None)
+    if b.merged:
+        return parts.feed.rows(projector(merge_into_kept(features, b.order)), b.order)
+    kept = torch.gather(features, 1, b.order.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+    return parts.feed.rows(projector(kept), b.order)
+
+
+def model_inputs(parts: Parts, data: Data, b: Batch) -> tuple[dict[str, Any], int, torch.Tensor]:
+    """The model's keyword arguments for a batch (input embeddings, mask, multimodal-rope positions where the family
+    takes them), the length of the prefix before the question tail, and the dense auxiliary logits."""
+    device, batch = b.text.device, b.text.shape[0]
+    pixels = parts.normalise(data.pixels[data.scene_of[b.index]].to(device))
+    if b.hflip.any() or b.vflip.any():
+        pixels = _mirror(pixels, b)
+    embed = parts.model.get_input_embeddings()
+    features = parts.feed.features(pixels)  # (B, N, d_v)
+    dense = parts.aux(features)  # (B, N, 7 + 5 + 24 + 24)
+    rows = _visual_rows(parts, features, b)
+    head = torch.tensor(parts.feed.layout(b.questions[0]).head, device=device).expand(batch, -1)
+    embeds = torch.cat([embed(head), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
+    prefix = head.shape[1] + rows.shape[1]
+    attn = (torch.arange(embeds.shape[1], device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
+    inputs: dict[str, Any] = {"inputs_embeds": embeds, "attention_mask": attn}
+    if parts.feed.rope:  # a 1-D text row, then (t, h, w): the adapter's four rows
+        mrope = parts.feed.positions(b.questions, b.order, b.text.shape[1])
+        text_row = torch.arange(embeds.shape[1]).view(1, 1, -1).expand(1, batch, -1)
+        inputs["position_ids"] = torch.cat([text_row, mrope], dim=0).to(device)
+    return inputs, prefix, dense
+
+
+def forward(parts: Parts, data: Data, b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits at the answer positions' predecessors, dense auxiliary logits) of one batch."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=b.text.device.type == "cuda"):
+        inputs, prefix, dense = model_inputs(parts, data, b)
+        logits = parts.model(**inputs, use_cache=False).logits
+    # position t predicts token t + 1: the answer tokens at text positions p come from prefix + p - 1
+    return logits[:, prefix - 1 : prefix - 1 + b.text.shape[1]], dense
+
+
+def losses(parts: Parts, data: Data, b: Batch, dense: torch.Tensor) -> torch.Tensor:
+    """The dense auxiliary loss: colour and shape of the object under each token, and the token's row and column."""
+    batch = b.text.shape[0]
+    lab = data.labels[data.scene_of[b.index]].to(dense.device).long()  # (B, 2, N)
+    if b.hflip.any() or b.vflip.any():  # mirroring needs one raster grid (tiny-llava): labels mirrored with it
+        rows, cols = parts.feed.reference.grid
+        lab = _mirror(lab.view(batch, 2, rows, cols), b).flatten(2)
+    dense = dense.float().flatten(0, 1)
+    n_col, n_shape = 1 + len(COLOURS), 1 + len(SHAPES)
+    cut = [0, n_col, n_col + n_shape, n_col + n_shape + POSITION_BINS, n_col + n_shape + 2 * POSITION_BINS]
+    bins = parts.bins.to(dense.device)
+    return (
+        F.cross_entropy(dense[:, cut[0] : cut[1]], lab[:, 0].flatten())
+        + F.cross_entropy(dense[:, cut[1] : cut[2]], lab[:, 1].flatten())
+        + 0.25 * F.cross_entropy(dense[:, cut[2] : cut[3]], bins[0].repeat(batch))
+        + 0.25 * F.cross_entropy(dense[:, cut[3] : cut[4]], bins[1].repeat(batch))
+    )
+
+
+def optimiser(args: argparse.Namespace, parts: Parts) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    params = [p for p in [*parts.model.parameters(), *parts.aux.parameters()] if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.05},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)), params
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """AdamW's learning rate: linear warm-up over 5% of the steps, then cosine to zero."""
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return float(args.lr * (step + 1) / warmup)
+    return float(args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup))))
+
+
+def save_checkpoint(
+    path: Path, args: argparse.Namespace, step: int, seconds: float, parts: Parts, opt: Any, gen: Any
+) -> None:
+    """Everything the next step needs, and the training seconds so far (written to a temporary file, then renamed:
+    a kill leaves the last one)."""
+    state = {"step": step, "seconds": seconds, "options": {name: getattr(args, name) for name in RESUMED_OPTIONS},
+             "model": parts.model.state_dict(), "aux": parts.aux.state_dict(), "optimiser": opt.state_dict(),
+             "generator": gen.get_state()}  # fmt: skip
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, args: argparse.Namespace, parts: Parts, opt: Any, gen: Any) -> tuple[int, float]:
+    """Restore a checkpoint into the run; the step to continue from and the seconds trained so far. Exits when its
+    options differ from ``args``."""
+    state = torch.load(path, map_location=parts.aux.weight.device, weights_only=False)
+    differ = [f"{k}={v!r} (now {getattr(args, k)!r})" for k, v in state["options"].items() if getattr(args, k) != v]
+    if differ:
+        raise UsageError(f"{path} was written with other options: {', '.join(differ)}")
+    parts.model.load_state_dict(state["model"])
+    parts.aux.load_state_dict(state["aux"])
+    opt.load_state_dict(state["optimiser"])
+    gen.set_state(state["generator"])
+    return int(state["step"]), float(state.get("seconds", 0.0))
+
+
+def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[[int], None], parts: Parts,
+        data: Data) -> float:  # fmt: skip
+    """The training loop from the checkpoint in ``args.out`` (``--resume``) or step 0; returns the seconds trained
+    (over every call of a resumed run)."""
+    opt, params = optimiser(args, parts)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    checkpoint = Path(args.out) / CHECKPOINT
+    resumed = args.resume is not None and checkpoint.is_file()
+    start, before = load_checkpoint(checkpoint, args, parts, opt, gen) if resumed else (0, 0.0)
+    if start:
+        log(f"resumed at step {start} from {checkpoint} ({before:.0f} s trained before)")
+        advance(start)
+    started = time.perf_counter() - before
+    for step in range(start, args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(args, step)
+        b = draw_batch(args, step, gen, data, parts)
+        logits, dense = forward(parts, data, b)
+        aux_loss = losses(parts, data, b, dense)
+        answer_loss = F.cross_entropy(logits.float()[b.target], b.text[b.target])
+        opt.zero_grad(set_to_none=True)
+        (answer_loss + args.aux_weight * aux_loss).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        advance(1)
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            save_checkpoint(checkpoint, args, step + 1, time.perf_counter() - started, parts, opt, gen)
+        if step % 250 == 0 or step == args.steps - 1:
+            with torch.no_grad():
+                acc = (logits.argmax(-1)[b.target] == b.text[b.target]).float().mean()
+            log(f"step {step:5d}  k {b.k:4d}{'m' if b.merged else ' '} answer loss {answer_loss.item():.4f}  "
+                f"aux {aux_loss.item():.3f}  token acc {acc.item():.3f}  lr {lr_at(args, step):.2e}  "
+                f"{time.perf_counter() - started:.0f} s")  # fmt: skip
+    if data.pixels.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
