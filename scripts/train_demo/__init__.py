@@ -30,6 +30,13 @@ feeds them: K rows in the given order, Qwen rows at their tokens' rope positions
 whatever rows it is given. AdamW (lr 1.5e-3, cosine, 5% warm-up), 5000 steps. A checkpoint is written every
 ``--checkpoint-every`` steps (DIR/checkpoint.pt); ``--resume`` continues from it bit for bit (CPU float32).
 
+Log. Every 250 steps: the step's answer loss (mean over answer tokens), ``token acc`` (the share of answer tokens
+that are the argmax, teacher-forced) and ``answer acc`` (the share of answers with every token right: what greedy
+decoding answers right). Read ``answer acc``: the demo tokenizer spells answers in bytes (`` triangle</s>``: 10
+targets, 5.7 per answer on average) and only the first letter or two depend on the image, so ``token acc`` stays
+high without the image (a tiny-llava-next run of 1500 steps at batch 64 logged 0.92 and 0.15; on its training
+scenes it scored 0.88 with zero visual rows, and 54% of answers right with its own; 2026-11-26).
+
 Image size. ``tiny-llava`` trains on the world's mix of sizes (its processor crops all of them to one 336x336
 view). A batch must share one token geometry, so ``tiny-llava-next`` and ``tiny-qwen2.5-vl`` train on 336x336
 scenes (``--size``): LLaVA-NeXT then sees a base view and two 336x336 crops of the 336x672 canvas (N = 1152, plus 24

@@ -1,7 +1,7 @@
-"""scripts/train_demo: its merge augmentation (against a hand-built case and a per-token loop), its stop on Ctrl-C
-(one line, exit code 130, no traceback), and per trained backbone: a step lowers the loss with gradients reaching
-tower, projector and language model, the rows it feeds equal the adapter's own inference inputs, and a checkpoint
-resumed gives the parameters of an uninterrupted run."""
+"""scripts/train_demo: its merge augmentation (against a hand-built case and a per-token loop), its logged answer
+accuracy (a hand-built case), its stop on Ctrl-C (one line, exit code 130, no traceback), and per trained backbone: a
+step lowers the loss with gradients reaching tower, projector and language model, the rows it feeds equal the
+adapter's own inference inputs, and a checkpoint resumed gives the parameters of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,17 @@ import torch
 from benchmarks.demo_world import TRAIN_SPLIT, load_photos
 from care_core.synthetic import make_scene
 from scripts.train_demo import cli
-from scripts.train_demo.loop import Batch, draw_batch, fit, forward, losses, merge_into_kept, model_inputs, optimiser
+from scripts.train_demo.loop import (
+    Batch,
+    answer_accuracy,
+    draw_batch,
+    fit,
+    forward,
+    losses,
+    merge_into_kept,
+    model_inputs,
+    optimiser,
+)
 
 TRAINED = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"]
 
@@ -45,6 +55,17 @@ def test_matches_a_per_token_loop() -> None:
         for j, group in enumerate(members):
             assert torch.allclose(rows[b, j], hidden[b, group].mean(0), atol=1e-12)
     assert sum(len(m) for m in members) == 40
+
+
+def test_an_answer_counts_as_right_only_when_every_answer_token_is() -> None:
+    # two answers of three tokens after one prompt token; the second answer's first token is wrong, and so is the
+    # first sample's prompt position (not an answer token): 5 of 6 answer tokens right, 1 of 2 answers
+    text = torch.tensor([[4, 1, 2, 3], [4, 2, 1, 3]])
+    target = torch.tensor([[False, True, True, True]] * 2)
+    predicted = torch.tensor([[0, 1, 2, 3], [4, 0, 1, 3]])
+    logits = torch.nn.functional.one_hot(predicted, 5).float()
+    assert float(answer_accuracy(logits, text, target)) == 0.5
+    assert float(answer_accuracy(torch.nn.functional.one_hot(text, 5).float(), text, target)) == 1.0
 
 
 def test_ctrl_c_in_training_stops_with_one_line_and_130(
