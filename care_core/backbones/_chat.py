@@ -155,6 +155,18 @@ class ChatAdapter(VLMAdapter):
     #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
     dropin_refusal: str | None = None
 
+    def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
+        """What every family keeps: the model, its processor, the name and whether it is a demo, and the memos of
+        pure per-input work (prompt ids per question, token geometry per image size). Each family's constructor
+        calls this first, then checks the model and processor in its own order."""
+        self.model = model
+        self.processor = processor
+        self.name = name
+        self.is_demo = is_demo
+        self._prompt_cache: dict[str, torch.Tensor] = {}  # question -> prompt ids with one placeholder
+        #: image size key -> token geometry, for families that work it out in Python per image (LLaVA-NeXT, OneVision)
+        self._geometry_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
     @staticmethod
     def _check_processor(processor: Any, name: str) -> None:
         """ModelLoadError when ``processor`` lacks its tokenizer or image processor (an incomplete model folder)."""
@@ -314,7 +326,7 @@ class ChatAdapter(VLMAdapter):
 
     def _prompt_ids(self, question: str) -> torch.Tensor:
         """(L,) token ids of the prompt with one image placeholder, kept per question."""
-        kept: dict[str, torch.Tensor] = self.__dict__.setdefault("_prompt_cache", {})
+        kept = self._prompt_cache
         ids = kept.get(question)
         if ids is None:
             head, tail = self.prompt(question).split(self.image_token, 1)

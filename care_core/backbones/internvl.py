@@ -84,10 +84,7 @@ class InternVLAdapter(ChatAdapter):
     }
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
-        self.model = model
-        self.processor = processor
-        self.name = name
-        self.is_demo = is_demo
+        super().__init__(model, processor, name=name, is_demo=is_demo)
         self._check_processor(processor, name)
         cfg = model.config
         strategy = getattr(cfg, "vision_feature_select_strategy", "default")

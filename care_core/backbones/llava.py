@@ -44,10 +44,7 @@ class LlavaAdapter(ChatAdapter):
     _patch_start: ClassVar[int] = 1
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
-        self.model = model
-        self.processor = processor
-        self.name = name
-        self.is_demo = is_demo
+        super().__init__(model, processor, name=name, is_demo=is_demo)
         cfg = model.config
         strategy = getattr(cfg, "vision_feature_select_strategy", "default")
         if strategy != "default":

@@ -161,7 +161,7 @@ class LlavaNextAdapter(LlavaAdapter):
         on its size and crops only: kept per size (:data:`GEOMETRY_CACHE_SIZE`), since a data set repeats a few
         sizes and working them out costs milliseconds of Python per image while the GPU waits."""
         key = (size, tuple(int(v) for v in image_sizes.reshape(-1).tolist()), int(crops))
-        kept: dict[tuple[Any, ...], tuple[Any, ...]] = self.__dict__.setdefault("_geometry_cache", {})
+        kept = self._geometry_cache
         cached = kept.get(key)
         if cached is None:
             height, width = size

@@ -35,6 +35,7 @@ from transformers import LlavaOnevisionProcessor, ProcessorMixin
 
 from ..errors import ModelLoadError
 from ..flops.tokens import anyres_max_crops, onevision_pooled_grid
+from ._chat import ChatAdapter
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept, is_all_tokens
 from .llava import _inner
@@ -88,10 +89,8 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
     _patch_start: ClassVar[int] = 0  # SigLIP: no CLS row, strategy "full"
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
-        self.model = model
-        self.processor = processor
-        self.name = name
-        self.is_demo = is_demo
+        # ChatAdapter's, not LLaVA-NeXT's: that one requires strategy "default", which would drop a SigLIP patch
+        ChatAdapter.__init__(self, model, processor, name=name, is_demo=is_demo)
         cfg = model.config
         strategy = getattr(cfg, "vision_feature_select_strategy", "full")
         if strategy != "full":  # "default" would drop a real patch: SigLIP has no CLS to drop

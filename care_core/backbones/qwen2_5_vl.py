@@ -93,10 +93,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     }
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
-        self.model = model
-        self.processor = processor
-        self.name = name
-        self.is_demo = is_demo
+        super().__init__(model, processor, name=name, is_demo=is_demo)
         self._check_processor(processor, name)
         cfg = model.config
         vc = cfg.vision_config
