@@ -122,26 +122,25 @@ def qwen3_vl_8b_config(tiny_config: Any) -> Any:
     return _widened(tiny_config, vision, {**_text_widths(spec.lm), "rope_parameters": rope})
 
 
-def llava_onevision_7b_config(tiny_config: Any) -> Any:
-    """LLaVA-OneVision-7B: SigLIP-so400m/384 (26 layers used) and Qwen2-7B."""
+def _spec_widths(tiny_config: Any, spec_name: str) -> Any:
+    """``tiny_config`` at the widths of the flops spec ``spec_name``: its ViT's and its language model's."""
     from care_core.flops.specs import KNOWN_BACKBONES
 
-    spec = KNOWN_BACKBONES["llava-onevision-7b"]
+    spec = KNOWN_BACKBONES[spec_name]
     vit = spec.vision
     vision = dict(hidden_size=vit.hidden, intermediate_size=vit.intermediate, num_hidden_layers=vit.layers,
                   num_attention_heads=vit.heads)  # fmt: skip
     return _widened(tiny_config, vision, _text_widths(spec.lm))
+
+
+def llava_onevision_7b_config(tiny_config: Any) -> Any:
+    """LLaVA-OneVision-7B: SigLIP-so400m/384 (26 layers used) and Qwen2-7B."""
+    return _spec_widths(tiny_config, "llava-onevision-7b")
 
 
 def internvl3_8b_config(tiny_config: Any) -> Any:
     """InternVL3-8B: InternViT-300M (24 layers, 1024 wide) and the Qwen2.5-7B-sized text model."""
-    from care_core.flops.specs import KNOWN_BACKBONES
-
-    spec = KNOWN_BACKBONES["internvl3-8b"]
-    vit = spec.vision
-    vision = dict(hidden_size=vit.hidden, intermediate_size=vit.intermediate, num_hidden_layers=vit.layers,
-                  num_attention_heads=vit.heads)  # fmt: skip
-    return _widened(tiny_config, vision, _text_widths(spec.lm))
+    return _spec_widths(tiny_config, "internvl3-8b")
 
 
 #: family -> (the flops spec, the demo builder, the full-size config from the demo's, the adapter class name)

@@ -16,15 +16,21 @@ from typing import Any
 from transformers import ProcessorMixin, Qwen2_5_VLProcessor, Qwen3VLProcessor
 
 
+def _image_only_init(processor: Any, image_processor: Any, tokenizer: Any, chat_template: Any) -> None:
+    """What both Qwen processors' own ``__init__`` set up, less the video processor: the image and video token
+    strings and ids (the tokenizer's, else Qwen's defaults), then the image processor and tokenizer."""
+    processor.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+    processor.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+    processor.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+    processor.video_token_id = tokenizer.convert_tokens_to_ids(processor.video_token)
+    ProcessorMixin.__init__(processor, image_processor, tokenizer, chat_template=chat_template)
+
+
 class CareQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
     """``Qwen2_5_VLProcessor`` without the video processor."""
 
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
-        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        _image_only_init(self, image_processor, tokenizer, chat_template)
 
 
 class CareQwen3VLProcessor(Qwen3VLProcessor):
@@ -32,11 +38,7 @@ class CareQwen3VLProcessor(Qwen3VLProcessor):
     is ``Qwen2VLImageProcessorPil`` at patch 16, resize factor 32)."""
 
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
-        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        _image_only_init(self, image_processor, tokenizer, chat_template)
         self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
         self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
         self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
