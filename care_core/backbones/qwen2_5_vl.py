@@ -25,6 +25,9 @@ Probes. The Qwen vision tower has no CLS token and mostly windowed attention: ``
 ``attention_logits``, ``keys``, ``hidden_with_cls`` and ``last_layer_qk`` (all defined with a CLS row) are not
 offered; methods needing them refuse with a one-line MethodError. ``question`` and ``language_model`` (with the
 mrope positions above) are.
+
+Tower attention. On CUDA the tower's per-window and per-image sdpa calls run as one call per segment length
+(:mod:`care_core.backbones.packed_attention`, the same maths; docs/design.md §Packed vision attention).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ._chat import ChatAdapter
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
 from .geometry import CropGeometry, grid_image_tokens
+from .packed_attention import tower_attention
 
 QWEN25VL_FALLBACK_PROMPT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -91,6 +95,9 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "all N merged tokens with their multimodal-rope positions",
     }
+    #: on CUDA, run the tower's per-window / per-image sdpa calls as one call per segment length
+    #: (:mod:`care_core.backbones.packed_attention`; the same maths); False keeps transformers' loop
+    pack_vision_attention: bool = True
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
@@ -166,7 +173,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         vparam = next(visual.parameters())
         vc = self.model.config.vision_config
         grid_thw = thw.to(vparam.device)
-        with quiet_transformers():
+        with quiet_transformers(), tower_attention(self.model, vparam.device, pack=self.pack_vision_attention):
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=grid_thw)
             window, _ = get_vision_window_index(
                 grid_thw, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size

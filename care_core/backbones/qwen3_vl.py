@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from ._hf import quiet_transformers
 from .base import ImageTokens
+from .packed_attention import tower_attention
 from .qwen2_5_vl import Qwen2_5_VLAdapter
 
 
@@ -93,7 +94,10 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
                              f"hold the patches of {len(sizes)} images")  # fmt: skip
         visual = self._inner.visual
         vparam = next(visual.parameters())
-        with torch.no_grad(), quiet_transformers():
+        # one image (frame) is one segment per block: nothing to pack, and switching the setting costs ~ms
+        pack = self.pack_vision_attention and int(thw[:, 0].sum()) > 1
+        packed = tower_attention(self.model, vparam.device, pack=pack)
+        with torch.no_grad(), quiet_transformers(), packed:
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=thw.to(vparam.device))
         unit = int(self.model.config.vision_config.spatial_merge_size) ** 2
         hidden = out.last_hidden_state  # processor order: each 2x2 group is 4 consecutive rows

@@ -47,7 +47,12 @@ Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26) a LLaVA-NeXT 
 steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. On a GPU the
 Qwen2.5-VL tower without flash attention runs one attention call per window and image (9 windows per 336x336 image in
 its two windowed blocks, one call per image in the two others: 2,560 calls per forward at batch 128), so its steps are
-bound by launches; ``--vision-attention flash_attention_2`` (where flash-attn is installed) packs them into one.
+bound by launches. ``--vision-attention packed`` runs each block's calls as one batched sdpa call per segment length
+(``care_core.backbones.packed_attention``: the windows and images of one size are one call, so a batch of 336x336
+images is 4 calls per forward instead of 2,560, with the same maths). The adapter already does so on CUDA while the
+tower's setting is sdpa (the default), so on a GPU the flag states what happens anyway; on the CPU, which is bound by
+the arithmetic rather than by launches, it packs too but gains nothing measurable.
+``--vision-attention flash_attention_2`` (where flash-attn is installed) uses flash-attn's variable-length kernel.
 
 Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side by side: held-out 86.6%
 and 85.8%).

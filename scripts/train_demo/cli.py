@@ -17,6 +17,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, file_sha256, read_manifest, weights_dir
+from care_core.backbones.packed_attention import use_packed_vision_attention
 from care_core.synthetic import IMAGE_SIZES
 
 from .feed import Feed
@@ -30,6 +31,7 @@ TRAINED_FAMILIES: dict[str, tuple[int, int] | None] = {
     "llava-next": (336, 336),  # base view + two crops; other sizes give other crop counts
     "qwen2.5-vl": (336, 336),  # a 24x24 patch grid, 12x12 merged tokens
 }
+PACKED = "packed"  # --vision-attention: care_core's packed sdpa (one call per segment length), any device
 REFERENCE_SIZE = (336, 336)  # the reference image of the world's mix (every size gives tiny-llava one geometry)
 
 
@@ -99,9 +101,12 @@ def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, Feed, dict[tupl
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     model, processor = spec.build_trained(args.seed)
-    if args.vision_attention:  # e.g. flash_attention_2: Qwen2.5-VL's tower otherwise runs one sdpa call per window
+    if args.vision_attention:  # packed or flash_attention_2: Qwen2.5-VL's tower otherwise runs one sdpa call per window
         try:
-            model.set_attn_implementation({"vision_config": args.vision_attention})
+            if args.vision_attention == PACKED:
+                use_packed_vision_attention(model)
+            else:
+                model.set_attn_implementation({"vision_config": args.vision_attention})
         except (ImportError, ValueError) as exc:
             raise UsageError(f"--vision-attention {args.vision_attention}: {str(exc).splitlines()[0]}") from exc
     adapter = _adapter(spec, model, processor)
@@ -234,8 +239,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--vision-attention", metavar="IMPL",
-                        help="the vision tower's attention implementation while training (e.g. flash_attention_2 where "
-                             "flash-attn is installed; default: the model's, sdpa)")  # fmt: skip
+                        help=f"the vision tower's attention implementation while training: {PACKED} (Qwen2.5-VL: one "
+                             "sdpa call per window length instead of one per window), flash_attention_2 where "
+                             "flash-attn is installed, or another transformers name; default: the model's, sdpa, "
+                             "which the adapter packs on CUDA")  # fmt: skip
     parser.add_argument("--pool-device", choices=("device", "cpu"), default="device",
                         help="where the scene pool lives (cpu: host memory, one batch copied per step)")  # fmt: skip
     parser.add_argument("--questions", "--eval", dest="eval", type=int, default=500, help="held-out questions")

@@ -183,3 +183,13 @@ def test_resuming_a_checkpoint_gives_the_uninterrupted_parameters(tmp_path: Path
     assert whole.keys() == resumed.keys()
     for key, value in whole.items():
         assert torch.equal(value, resumed[key]), key
+
+
+def test_vision_attention_packed_sets_the_qwen_tower_and_refuses_other_towers(tmp_path: Path) -> None:
+    from care_core.backbones.packed_attention import PACKED_ATTENTION
+
+    model, _, _, _ = cli.build(_args("tiny-qwen2.5-vl", tmp_path, "--vision-attention", "packed"), cli.Run(tmp_path))
+    assert model.config.vision_config._attn_implementation == PACKED_ATTENTION
+    assert model.config.text_config._attn_implementation == "sdpa"
+    with pytest.raises(cli.UsageError, match=r"^--vision-attention packed: llava: .* Qwen3-VL towers only"):
+        cli.build(_args("tiny-llava", tmp_path, "--vision-attention", "packed"), cli.Run(tmp_path))
