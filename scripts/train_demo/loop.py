@@ -244,7 +244,8 @@ def save_checkpoint(
 def load_checkpoint(path: Path, args: argparse.Namespace, parts: Parts, opt: Any, gen: Any) -> tuple[int, float]:
     """Restore a checkpoint into the run; the step to continue from and the seconds trained so far. Exits when its
     options differ from ``args``."""
-    state = torch.load(path, map_location=parts.aux.weight.device, weights_only=False)
+    # on the CPU: the generator state must stay a CPU ByteTensor; the modules and the optimiser move theirs
+    state = torch.load(path, map_location="cpu", weights_only=False)
     differ = [f"{k}={v!r} (now {getattr(args, k)!r})" for k, v in state["options"].items() if getattr(args, k) != v]
     if differ:
         raise UsageError(f"{path} was written with other options: {', '.join(differ)}")
