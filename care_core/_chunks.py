@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 # Elements of the largest intermediate per chunk (~256 MB in float32).
@@ -18,6 +19,27 @@ def two_pass_chunk(m: int, n: int, dim: int, out_dim: int) -> int:
     """Directions per chunk where each direction holds two (N, max(dim, out_dim)) intermediates: the fd engine's
     +h / -h points, the generic jvp path's primal and tangent (any projector that is not Linear-act-Linear)."""
     return chunk_size(m, n * max(dim, out_dim) * 2)
+
+
+def two_pass_rows(dim: int, out_dim: int) -> int:
+    """Token rows one pass may hold so that a single direction's two (rows, max(dim, out_dim)) intermediates stay
+    within :data:`CHUNK_ELEMENTS`: the most rows :func:`two_pass_chunk` keeps within the bound."""
+    return max(1, CHUNK_ELEMENTS // (2 * max(dim, out_dim)))
+
+
+def row_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive images (by index) packed into groups of at most `limit` rows in all, for joint passes over their
+    rows; an image larger than `limit` goes alone (its own pass chunks as one image's does)."""
+    groups: list[list[int]] = []
+    rows = 0
+    for i, n in enumerate(sizes):
+        if groups and rows + n <= limit:
+            groups[-1].append(i)
+            rows += n
+        else:
+            groups.append([i])
+            rows = n
+    return groups
 
 
 # Column blocks of the block-triangular second layer (care_core.scoring.triangular_factor): block b of the

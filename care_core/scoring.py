@@ -15,14 +15,14 @@ decides its kernel afresh. :class:`Scorer` is the user-owned object that keeps t
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from care_core import kernels
-from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, two_pass_chunk
+from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, row_groups, two_pass_chunk, two_pass_rows
 from care_core._chunks import chunk_size as _chunk_size
 from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
@@ -326,6 +326,34 @@ def perturbation_responses(
     if engine == "jvp":
         return responses_jvp(features, projector, directions, matmul, kernel=kernel, factor=factor)
     raise ValueError(f"unknown engine {engine!r} (expected 'jvp' or 'fd')")
+
+
+def joint_responses(
+    features: Sequence[torch.Tensor],
+    projector: Projector,
+    directions: torch.Tensor,
+    *,
+    h: float,
+    engine: str = "fd",
+    max_rows: int | None = None,
+) -> list[torch.Tensor]:
+    """:func:`perturbation_responses` (m, N_i) of every image, from passes over several images' rows at once.
+
+    A response depends only on its token and direction (the projector acts row by row), so a pass over the rows
+    of several images gives each image its own. Consecutive images share a pass up to ``max_rows`` rows (default
+    :func:`~care_core._chunks.two_pass_rows`: one direction's intermediates then stay within the bound one
+    image's chunks keep); an image with more rows goes alone, chunked as alone. Features of one width, device and
+    compute dtype; the projector is prepared for them once for all passes.
+    """
+    first = features[0]
+    projector = prepare_projector(projector, first.dtype, first.device)
+    limit = max_rows if max_rows is not None else two_pass_rows(first.shape[1], _out_features(projector, first))
+    out: list[torch.Tensor] = []
+    for group in row_groups([v.shape[0] for v in features], limit):
+        joined = features[group[0]] if len(group) == 1 else torch.cat([features[i] for i in group])
+        responses = perturbation_responses(joined, projector, directions, h=h, engine=engine)
+        out.extend(c.contiguous() for c in responses.split([features[i].shape[0] for i in group], dim=1))
+    return out
 
 
 def median(values: torch.Tensor, dim: int) -> torch.Tensor:

@@ -223,6 +223,24 @@ class Method:
         return cls(**{name: getattr(config, name) for name in names})
 
 
+def share_one_pass(inputs: Sequence[MethodInputs]) -> bool:
+    """Whether B >= 2 images can share one scoring pass over their tokens: one projector, scorer (made for it, or
+    none) and stage timer (each stage is then timed once, on the batch's one timer); floating-point (N, d_v)
+    features of one width, device and compute dtype. Otherwise a method's batch goes one image at a time."""
+    from care_core.precision import compute_dtype
+
+    first = inputs[0]
+    if len(inputs) < 2 or (first.scorer is not None and first.scorer.projector is not first.projector):
+        return False
+    for one in inputs:
+        if one.projector is not first.projector or one.scorer is not first.scorer:
+            return False
+        if one.stage_timer is not first.stage_timer or one.features.ndim != 2 or not one.features.is_floating_point():
+            return False
+    kinds = {(v.shape[1], v.device, compute_dtype(v.dtype)) for v in (one.features for one in inputs)}
+    return len(kinds) == 1
+
+
 def selection_result(
     features: torch.Tensor, kept: torch.Tensor, scores: torch.Tensor | None = None, **info: Any
 ) -> MethodResult:

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, ClassVar, cast
 
 from care_core._lazy import torch
 from care_core.config import CaReConfig
-from care_core.methods.base import Method, MethodInputs, MethodResult, selection_result
+from care_core.methods.base import Method, MethodInputs, MethodResult, selection_result, share_one_pass
 from care_core.methods.registry import register
-from care_core.methods.zoo_prune import ZooPrune
+from care_core.methods.zoo_prune import SADS_EPS, ZooPrune
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -89,17 +89,19 @@ class _CaReFamily(Method):
 
         v = inputs.features.to(compute_dtype(inputs.features.dtype))
         if self.anchors_from == "zoo-prune":
-            zoo = cast(ZooPrune, ZooPrune.from_config(self.config))
             with inputs.stage("scoring"):
-                weights, embeddings = inputs.memoized(("zoo-prune", zoo.h, zoo.m, zoo.seed, zoo.engine),
-                                                      lambda: zoo.scores(inputs))  # fmt: skip
+                weights, embeddings = self._zoo().scores(inputs)  # memoised, shared with zoo-prune itself
             with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-                order = diversity_greedy(weights, embeddings, keep, eps=1e-12, kernel=self.config.kernel)
+                order = diversity_greedy(weights, embeddings, keep, eps=SADS_EPS, kernel=self.config.kernel)
                 return order, weights, v.to(weights.dtype)
         with inputs.stage("scoring"):
             psi_bar = self._psi_bar(inputs, v)
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
             return diversity_greedy(psi_bar, v, keep, self.config.eps, kernel=self.config.kernel), psi_bar, v
+
+    def _zoo(self) -> ZooPrune:
+        """ZOO-Prune with this config's h, m and seed: what ZOO-Prune anchors come from."""
+        return cast(ZooPrune, ZooPrune.from_config(self.config))
 
     def _psi_bar(self, inputs: MethodInputs, v: torch.Tensor) -> torch.Tensor:
         """PRCA's psi_bar (Eq. 1–2), shared through the inputs' memo by every budget and PRCA-anchored method."""
@@ -141,12 +143,12 @@ class _CaReFamily(Method):
         return reduction.to_method_result()
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """PRCA-anchored variants on B images (docs/design.md §Batches): psi_bar of every image not in its memo
-        from one joint Eq. 1 pass (each new one stored in its image's memo), Eq. 3 for all images in one padded
-        loop, then each image's calibration; each stage timed once for the batch on the shared stage timer. Per
-        image, :meth:`reduce`'s result (to the joint pass's rounding). ZOO-Prune anchors, and batches that cannot
-        share one pass (:func:`_one_pass`), go one image at a time."""
-        if self.anchors_from != "prca" or not _one_pass(inputs):
+        """CaRe's variants on B images (docs/design.md §Batches): the anchor weights of every image not in its memo
+        from one joint Eq. 1 pass (PRCA's psi_bar, or ZOO-Prune's sensitivity for ZOO-Prune anchors; each new one
+        stored in its image's memo), Eq. 3 for all images in one padded loop, then each image's calibration; each
+        stage timed once for the batch on the shared stage timer. Per image, :meth:`reduce`'s result (to the joint
+        pass's rounding). Batches that cannot share one pass (:func:`_one_pass`) go one image at a time."""
+        if not _one_pass(inputs):
             return super().reduce_batch(inputs, keeps)
         from care_core.batch import batch_anchors
         from care_core.care import scorer_for
@@ -156,14 +158,25 @@ class _CaReFamily(Method):
         scorer = scorer_for(first.projector, first.scorer)
         vs = [one.features.to(compute_dtype(one.features.dtype)) for one in inputs]
         with first.stage("scoring"):
-            weights = self._batch_psi_bar(inputs, vs, scorer)
+            weights, rows, eps = self._batch_weights(inputs, vs, scorer)
         with first.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            orders = batch_anchors(weights, vs, keeps, self.config.eps, scorer.gate(self.config.kernel))
+            orders = batch_anchors(weights, rows, keeps, eps, scorer.gate(self.config.kernel))
         if self.calibration == "none":
             return [selection_result(one.features, order, w, selection_order=order)
                     for one, order, w in zip(inputs, orders, weights, strict=True)]  # fmt: skip
         with first.stage("calibration"):
             return self._calibrated_batch(inputs, vs, orders, weights)
+
+    def _batch_weights(
+        self, inputs: list[MethodInputs], vs: list[Tensor], scorer: Scorer
+    ) -> tuple[list[Tensor], list[Tensor], float]:
+        """(anchor weights, the rows Eq. 3 measures diversity on, its eps) per image: psi_bar on the features for
+        PRCA anchors; ZOO-Prune's normalised sensitivity on the post-projector embeddings (SADS's eps) for
+        ZOO-Prune anchors, as :meth:`_anchors` takes them for one image."""
+        if self.anchors_from == "zoo-prune":
+            scored = self._zoo().batch_scores(inputs)
+            return [w for w, _ in scored], [e for _, e in scored], SADS_EPS
+        return self._batch_psi_bar(inputs, vs, scorer), vs, self.config.eps
 
     def _calibrated_batch(
         self, inputs: list[MethodInputs], vs: list[Tensor], orders: list[Tensor], weights: list[Tensor]
@@ -197,27 +210,20 @@ class _CaReFamily(Method):
 
 
 def _one_pass(inputs: list[MethodInputs]) -> bool:
-    """Whether B >= 2 images can share one scoring pass and one padded Eq. 3 loop: one projector, scorer (made for
-    it) and stage timer; one width, device and compute dtype; every image valid for care_reduce. Otherwise the
-    batch goes one image at a time, which also raises each image's own error where one is invalid."""
+    """Whether B >= 2 images can share one scoring pass and one padded Eq. 3 loop (:func:`share_one_pass`: one
+    projector, scorer and stage timer; one width, device and compute dtype) and every image is valid for
+    care_reduce. Otherwise the batch goes one image at a time, which also raises each image's own error."""
     from care_core.care import check_inputs, first_not_finite
     from care_core.errors import CareError
-    from care_core.precision import compute_dtype
 
-    first = inputs[0]
-    if len(inputs) < 2 or (first.scorer is not None and first.scorer.projector is not first.projector):
+    if not share_one_pass(inputs):
         return False
     for one in inputs:
-        if one.projector is not first.projector or one.scorer is not first.scorer:
-            return False
-        if one.stage_timer is not first.stage_timer:  # each stage is timed once, on the batch's one timer
-            return False
         try:
             check_inputs(one.features, one.positions, finite=False)
         except CareError:
             return False
-    kinds = {(v.shape[1], v.device, compute_dtype(v.dtype)) for v in (one.features for one in inputs)}
-    return len(kinds) == 1 and first_not_finite([one.features for one in inputs]) is None  # one host sync for all
+    return first_not_finite([one.features for one in inputs]) is None  # one host sync for all
 
 
 @register

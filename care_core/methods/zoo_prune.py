@@ -9,15 +9,20 @@ to fp16 before the projector; here Eq. 1 runs in float32 at least (docs/design.m
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from care_core._lazy import torch
-from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result, share_one_pass
 from care_core.methods.registry import register
 
 if TYPE_CHECKING:
     from care_core.scoring import Projector
+
+#: SADS's guard on the norms of its cosine diversity (the official code's constant)
+SADS_EPS = 1e-12
 
 
 def zoo_sensitivity(
@@ -27,6 +32,16 @@ def zoo_sensitivity(
     from care_core.scoring import perturbation_responses
 
     return perturbation_responses(features, projector, directions, h=h, engine=engine).mean(dim=0)
+
+
+def zoo_sensitivities(
+    features: Sequence[torch.Tensor], projector: Projector, directions: torch.Tensor, h: float, engine: str = "fd"
+) -> list[torch.Tensor]:
+    """S (N_i,) of every image, as :func:`zoo_sensitivity` gives it alone, from passes over several images' rows
+    at once (:func:`~care_core.scoring.joint_responses`; images of one width, device and compute dtype)."""
+    from care_core.scoring import joint_responses
+
+    return [c.mean(dim=0) for c in joint_responses(features, projector, directions, h=h, engine=engine)]
 
 
 def sads_weights(sensitivity: torch.Tensor) -> torch.Tensor:
@@ -43,7 +58,7 @@ def sads_select(embeddings: torch.Tensor, importance: torch.Tensor, keep: int) -
     from care_core.precision import matmul_precision
 
     with matmul_precision(allow_tf32=False):
-        return diversity_greedy(sads_weights(importance), embeddings, keep, eps=1e-12)
+        return diversity_greedy(sads_weights(importance), embeddings, keep, eps=SADS_EPS)
 
 
 @register
@@ -69,25 +84,71 @@ class ZooPrune(Method):
     seed: int = 42
     engine: str = "fd"
 
+    def memo_key(self, features: torch.Tensor) -> tuple[object, ...]:
+        """Memo key of :meth:`scores` for an image with these features: everything the value depends on besides
+        the image (h, m, seed, engine and the compute dtype; not the budget), so methods with other
+        hyperparameters never share it, and ZOO-anchored ablations with this method's hyperparameters do."""
+        from care_core.precision import compute_dtype
+
+        return ("zoo-prune", self.h, self.m, self.seed, self.engine, compute_dtype(features.dtype))
+
     def scores(self, inputs: MethodInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normalised sensitivity w, post-projector embeddings), both in compute precision."""
+        """(normalised sensitivity w, post-projector embeddings), both in compute precision; kept in the inputs'
+        memo (one computation per image for every budget and every method with these hyperparameters)."""
+        return self.batch_scores([inputs])[0]
+
+    def batch_scores(self, inputs: Sequence[MethodInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`scores` per image: the memo's where it has them, the others' sensitivities from one joint pass
+        over their rows (the images share one pass: :func:`~care_core.methods.base.share_one_pass`), each stored
+        in its image's memo."""
+        missing = [i for i, one in enumerate(inputs) if one.memo is None or self.memo_key(one.features) not in one.memo]
+        fresh = dict(zip(missing, self._fresh_scores([inputs[i] for i in missing]), strict=True)) if missing else {}
+        return [one.memoized(self.memo_key(one.features), functools.partial(fresh.__getitem__, i))
+                for i, one in enumerate(inputs)]  # fmt: skip
+
+    def _fresh_scores(self, inputs: Sequence[MethodInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`scores` of images sharing one projector, computed: the sensitivities jointly, each image's
+        embeddings by its own projector call (the product one image's call computes)."""
         from care_core.care import resolve_directions
         from care_core.precision import compute_dtype
 
-        v = inputs.features.to(compute_dtype(inputs.features.dtype))
-        u = resolve_directions(None, self.m, v.shape[1], self.seed, v)
+        first = inputs[0]
+        vs = [one.features.to(compute_dtype(one.features.dtype)) for one in inputs]
+        u = resolve_directions(None, self.m, vs[0].shape[1], self.seed, vs[0])
+        projector = first.projector
+        if first.scorer is not None and first.scorer.projector is projector:  # its prepared copy, made once
+            projector = first.scorer.prepared(vs[0].dtype, vs[0].device)
         with torch.no_grad():
-            sensitivity = zoo_sensitivity(v, inputs.projector, u, self.h, self.engine)
-            embeddings = inputs.projector(inputs.features).to(v.dtype)
-        return sads_weights(sensitivity), embeddings
+            sensitivities = zoo_sensitivities(vs, projector, u, self.h, self.engine)
+            embeddings = [one.projector(one.features).to(v.dtype) for one, v in zip(inputs, vs, strict=True)]
+        return [(sads_weights(s), e) for s, e in zip(sensitivities, embeddings, strict=True)]
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         from care_core.anchors import diversity_greedy
         from care_core.precision import matmul_precision
 
         with inputs.stage("scoring"):
-            weights, embeddings = inputs.memoized(("zoo-prune", self.h, self.m, self.seed, self.engine),
-                                                  lambda: self.scores(inputs))  # fmt: skip
+            weights, embeddings = self.scores(inputs)
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            order = diversity_greedy(weights, embeddings, keep, eps=1e-12)
+            order = diversity_greedy(weights, embeddings, keep, eps=SADS_EPS)
         return selection_result(inputs.features, order, weights, selection_order=order)
+
+    def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """Per image, :meth:`reduce`'s result (docs/design.md §Batches): the sensitivity of every image not in its
+        memo from one joint pass over their rows (each stored in its image's memo), SADS for all images in one
+        padded greedy loop (:func:`~care_core.batch.batch_anchors`); each stage timed once on the batch's timer.
+        Images that cannot share one pass (:func:`~care_core.methods.base.share_one_pass`) go one at a time."""
+        if not share_one_pass(inputs):
+            return super().reduce_batch(inputs, keeps)
+        from care_core.batch import batch_anchors
+        from care_core.kernels import as_gate
+        from care_core.precision import matmul_precision
+
+        first = inputs[0]
+        with first.stage("scoring"):
+            scored = self.batch_scores(inputs)
+        weights = [w for w, _ in scored]
+        with first.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
+            orders = batch_anchors(weights, [e for _, e in scored], keeps, SADS_EPS, as_gate("auto"))
+        return [selection_result(one.features, order, w, selection_order=order)
+                for one, order, w in zip(inputs, orders, weights, strict=True)]  # fmt: skip

@@ -164,7 +164,7 @@ def test_budget_independent_work_is_shared_and_changes_nothing(image: Any, monke
     alone = ReductionPipeline(shared.adapter, names, CaReConfig(m=16), memoize=False)
     tokens = shared.encode(image)
     calls = {"prca": 0, "zoo": 0}
-    prca, zoo = care_core.care.prca_scores, care_core.methods.zoo_prune.ZooPrune.scores
+    prca, zoo = care_core.care.prca_scores, care_core.methods.zoo_prune.ZooPrune._fresh_scores
 
     def count_prca(*args: Any, **kwargs: Any) -> Any:
         calls["prca"] += 1
@@ -175,7 +175,7 @@ def test_budget_independent_work_is_shared_and_changes_nothing(image: Any, monke
         return zoo(self, inputs)
 
     monkeypatch.setattr(care_core.care, "prca_scores", count_prca)
-    monkeypatch.setattr(care_core.methods.zoo_prune.ZooPrune, "scores", count_zoo)
+    monkeypatch.setattr(care_core.methods.zoo_prune.ZooPrune, "_fresh_scores", count_zoo)
     with_memo = shared(tokens, None, budgets)
     counted = dict(calls)
     without = alone(tokens, None, budgets)

@@ -363,6 +363,47 @@ def test_unknown_engine_is_an_error() -> None:
         perturbation_responses(features, _mlp(8, 16, 8, seed=5), unit_directions(4, 8, seed=6), h=5e-4, engine="nope")
 
 
+def test_images_are_packed_into_passes_of_bounded_rows() -> None:
+    from care_core._chunks import CHUNK_ELEMENTS, row_groups, two_pass_rows
+
+    # by hand: 5 + 3 = 8 fits a limit of 8; 4 starts a new pass; 10 exceeds the limit and goes alone; 2 after it
+    assert row_groups([5, 3, 4, 10, 2], 8) == [[0, 1], [2], [3], [4]]
+    assert row_groups([7], 3) == [[0]]
+    # one direction's two (rows, max(d_v, d_out)) intermediates: 2^26 / (2 * 4096) rows at LLaVA-NeXT's widths
+    assert two_pass_rows(1024, 4096) == 8192 and CHUNK_ELEMENTS == 2 * 8192 * 4096
+    assert two_pass_rows(1 << 27, 8) == 1
+
+
+class _RowCounter:
+    """A projector (a callable with ``out_features``, so nothing probes its width) recording each call's rows."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module, self.rows = module, []
+        self.out_features = module[2].out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(int(x.shape[0]))
+        return self.module(x)
+
+
+@pytest.mark.parametrize("engine", ["fd", "jvp"])
+def test_joint_responses_give_each_image_its_own_within_the_row_bound(engine: str) -> None:
+    from care_core.scoring import joint_responses
+
+    sizes, m = (42, 56, 49, 90), 6
+    features = [_clustered(n, 8, seed=n) for n in sizes]
+    projector = _RowCounter(_mlp(8, 16, 12, seed=3))
+    directions = unit_directions(m, 8, seed=5, dtype=torch.float64)
+    got = joint_responses(features, projector, directions, h=1e-3, engine=engine, max_rows=100)
+    for c, v in zip(got, features, strict=True):
+        want = perturbation_responses(v, projector.module, directions, h=1e-3, engine=engine)
+        assert c.shape == want.shape and c.is_contiguous()
+        torch.testing.assert_close(c, want, rtol=1e-12, atol=1e-14)
+    if engine == "fd":  # passes of 42 + 56, 49 and 90 rows (at most 100), each direction at +h and -h
+        assert sorted(set(projector.rows)) == sorted({m * 98, m * 49, m * 90})
+        assert len(projector.rows) == 2 * 3
+
+
 # ------------------------------------------------------------------------------------------ CUDA
 @cuda
 @pytest.mark.parametrize("bf16", [False, True])

@@ -1,7 +1,7 @@
 """Every registered method over a batch: per image, what the method gives that image alone (docs/design.md §Batches).
 
 The oracle is the method called on each image by itself. Images differ in N and K; they share one projector, as a
-pipeline's do, so CaRe's PRCA-anchored variants take their joint path (one Eq. 1 pass, one padded Eq. 3 loop).
+pipeline's do, so CaRe's variants and ZOO-Prune take their joint path (one Eq. 1 pass, one padded Eq. 3 loop).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ SIZES = {1: (56,), 3: (42, 132, 90), 8: (42, 132, 56, 90, 49, 110, 64, 72)}  # e
 KEEPS = (5, 40, 17, 9, 30, 3, 22, 12)
 CONFIG = CaReConfig(m=8, h=1e-3, seed=3, engine="fd")
 PRCA_ANCHORED = ("care", "prca-only", "prca+simple-calib")
+ZOO_ANCHORED = ("zoo-prune", "simple-calib", "confidence-calib")  # all read ZOO-Prune's sensitivity
 TOLERANCE = {torch.float64: {"rtol": 0, "atol": 1e-9}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
 
 
@@ -167,7 +168,9 @@ def test_memoised_psi_bar_is_not_recomputed(name):
 
 
 @pytest.mark.parametrize(("name", "stages"), [("care", ["scoring", "anchors", "calibration"]),
-                                              ("prca-only", ["scoring", "anchors"])])  # fmt: skip
+                                              ("prca-only", ["scoring", "anchors"]),
+                                              ("confidence-calib", ["scoring", "anchors", "calibration"]),
+                                              ("zoo-prune", ["scoring", "anchors"])])  # fmt: skip
 def test_each_stage_is_timed_once_for_the_batch(name, stages):
     seen: list[str] = []
 
@@ -199,6 +202,73 @@ def test_images_that_cannot_share_a_pass_go_one_at_a_time():
     bad = [wide[0], dataclasses.replace(wide[1], features=wide[1].features.clone().fill_(float("nan"))), wide[2]]
     with pytest.raises(CareError, match="NaN"):
         method.batch(bad, [4, 9, 2])
+
+
+# ------------------------------------------------------------------------------ ZOO-Prune's shared sensitivity
+
+
+class CountingProjector:
+    """The images' projector, counting its calls (a plain callable: the methods use it as it is)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.calls = module, 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.module(x)
+
+
+def counted_images(sizes: tuple[int, ...]) -> tuple[list[MethodInputs], CountingProjector]:
+    """Float64 images, each with its own memo, sharing one counting projector."""
+    inputs = images(sizes)
+    projector = CountingProjector(inputs[0].projector)
+    return [dataclasses.replace(one, projector=projector, memo={}) for one in inputs], projector
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("first", ZOO_ANCHORED)
+def test_zoo_sensitivity_is_computed_once_per_image_set_for_every_zoo_anchored_method(first, batch):
+    """Whichever ZOO-anchored method runs first scores every image in one joint pass and memoises it; the others
+    call the projector no more, and every image gets what each method gives it alone (no memo, own projector)."""
+    inputs, projector = counted_images(SIZES[batch])
+    keeps = list(KEEPS[:batch])
+    alone = images(SIZES[batch])
+    order = [first, *(name for name in ZOO_ANCHORED if name != first)]
+    for position, name in enumerate(order):
+        method = build_method(name, CONFIG)
+        got = method.batch(inputs, keeps)
+        if position == 0:
+            scored = projector.calls
+        for i, (result, one, keep) in enumerate(zip(got, alone, keeps, strict=True)):
+            assert_same_result(result, method(one, keep), TOLERANCE[torch.float64], f"{name} image {i}")
+    assert projector.calls == scored, "the later methods read the memo"
+    single, counter = counted_images(SIZES[1])
+    build_method(first, CONFIG).batch(single, [KEEPS[0]])
+    # one joint sensitivity pass: as many projector calls as for one image, plus one embedding call per image
+    assert scored == counter.calls + batch - 1
+
+
+def test_zoo_memo_is_not_shared_with_other_hyperparameters():
+    """Another h, m or seed computes its own sensitivity (the projector is called again) and gives each image
+    what that method gives it alone; the first method's memo entry is left as it was."""
+    inputs, projector = counted_images(SIZES[3])
+    keeps = [4, 9, 2]
+    base = build_method("zoo-prune", CONFIG).batch(inputs, keeps)
+    kept = [dict(one.memo) for one in inputs]
+    for change in ({"h": 2e-3}, {"m": 9}, {"seed": 4}):
+        config = dataclasses.replace(CONFIG, **change)
+        for name in ZOO_ANCHORED:
+            before = projector.calls
+            got = build_method(name, config).batch(inputs, keeps)
+            assert (projector.calls > before) == (name == "zoo-prune"), f"{change}: {name} scores once per change"
+            for i, (result, one, keep) in enumerate(zip(got, images(SIZES[3]), keeps, strict=True)):
+                assert_same_result(result, build_method(name, config)(one, keep), TOLERANCE[torch.float64],
+                                   f"{change} {name} image {i}")  # fmt: skip
+        for old, new in zip(base, got, strict=True):
+            assert not torch.equal(old.scores, new.scores), f"{change}: other weights"
+    for one, before in zip(inputs, kept, strict=True):
+        assert all(one.memo[key] is value for key, value in before.items())
+        assert len(one.memo) == 1 + 3
 
 
 # ------------------------------------------------------------------------------ DivPrune's joint greedy loop
