@@ -43,6 +43,12 @@ the row each patch ended in (merged tokens follow their top-1 target's row; toke
 are -1). The map has the patch grid's shape (``inputs.grid``, else a square N; the released code hard-codes
 576 = 24 x 24 slots and the first 144 window minima, i.e. all windows of that grid); without a grid there is no
 local penalty. Deviations: the sorts are stable (ties broken by position; the official ``argsort`` is unspecified).
+
+Batches (``FiCoCoV.reduce_batch``): images with the same N, ``keep`` and grid take the same steps (r depends only on
+T and ``keep``), so they run stacked in one loop with no padding (:func:`_batch_step`); every row-wise operation
+sees the numbers it sees for one image, the data-dependent sets (live map slots, penalised windows, top-k columns)
+are masks, and the only host sync of a step reads the images' adaptive k. An image alone in its group runs
+``reduce``.
 """
 
 from __future__ import annotations
@@ -72,25 +78,26 @@ def fresh_score_map(num_patches: int, device: torch.device | None = None) -> tor
 
 
 def redundancy_scores(logits: torch.Tensor) -> torch.Tensor:
-    """(T - 1,) ``0.35 * normalize(L[0, 1:]) - 0.65 * normalize(mean_j L[1:, 1:])`` (lower = more redundant)."""
-    cls_sim = F.normalize(logits[0, 1:], p=2, dim=-1)
-    patch_sim = F.normalize(logits[1:, 1:].mean(dim=-1), p=2, dim=-1)
+    """(..., T - 1) ``0.35 * normalize(L[0, 1:]) - 0.65 * normalize(mean_j L[1:, 1:])`` (lower = more redundant) of
+    logits (..., T, T)."""
+    cls_sim = F.normalize(logits[..., 0, 1:], p=2, dim=-1)
+    patch_sim = F.normalize(logits[..., 1:, 1:].mean(dim=-1), p=2, dim=-1)
     return BETA * cls_sim - (1 - BETA) * patch_sim
 
 
 def window_minima(values: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
-    """Raster positions of the minimum of every 2x2 window of `values` laid out on `grid` (first on ties)."""
-    if grid is None:
-        return torch.empty(0, dtype=torch.long, device=values.device)
+    """Raster positions of the minimum of every 2x2 window of `values` (M,) or (B, M) laid out on `grid` (first on
+    ties): (W,) or (B, W)."""
+    lead = values.shape[:-1]
+    if grid is None or grid[0] // 2 == 0 or grid[1] // 2 == 0:
+        return torch.empty(*lead, 0, dtype=torch.long, device=values.device)
     rows, cols = grid
     h, w = rows // 2, cols // 2
-    if h == 0 or w == 0:
-        return torch.empty(0, dtype=torch.long, device=values.device)
-    blocks = values.view(rows, cols)[: 2 * h, : 2 * w].reshape(h, 2, w, 2).permute(0, 2, 1, 3).reshape(h, w, 4)
-    arg = blocks.argmin(dim=-1)  # 0..3 = (dy, dx) in (0,0), (0,1), (1,0), (1,1)
+    blocks = values.reshape(-1, rows, cols)[:, : 2 * h, : 2 * w].reshape(-1, h, 2, w, 2).permute(0, 1, 3, 2, 4)
+    arg = blocks.reshape(-1, h, w, 4).argmin(dim=-1)  # 0..3 = (dy, dx) in (0,0), (0,1), (1,0), (1,1)
     wy = torch.arange(h, device=values.device)[:, None]
     wx = torch.arange(w, device=values.device)[None, :]
-    return ((2 * wy + arg // 2) * cols + 2 * wx + arg % 2).flatten()
+    return ((2 * wy + arg // 2) * cols + 2 * wx + arg % 2).reshape(*lead, h * w)
 
 
 def _penalise(scores: torch.Tensor, where: torch.Tensor) -> None:
@@ -286,6 +293,199 @@ def _patch_grid(inputs: MethodInputs) -> tuple[int, int] | None:
     return (side, side) if side * side == n else None
 
 
+# ---------------------------------------------------------------------------- B images of one shape in one loop
+# Images with the same N, keep and grid take the same steps (r depends only on T and keep): their rows stack into
+# (B, T, ...) without padding, so every row-wise operation (norms, means, quantile, softmax, top-k, sort) runs on the
+# same numbers as for one image. Data-dependent sets (the map's live slots, the windows a step penalises, the top-k
+# columns) become masks; positions a mask leaves out are sent to one extra scratch column, sliced off after.
+
+
+def _penalise_at(scores: torch.Tensor, where: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+    """:func:`_penalise` per image: scores (B, S) penalised at `where` (B, W) where `use` (B, W) holds."""
+    scratch = scores.shape[1]
+    padded = torch.cat([scores, scores.new_zeros(scores.shape[0], 1)], dim=1)
+    at = torch.where(use, where, scratch)
+    chosen = padded.gather(1, at)
+    return padded.scatter(1, at, torch.where(chosen > 0, chosen / 2, chosen * 2))[:, :scratch]
+
+
+def _released_penalty_batch(
+    scores: torch.Tensor, score_map: torch.Tensor, grid: tuple[int, int] | None, t: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_released_penalty` per image on scores (B, T - 1) and maps (B, M): (penalised scores, maps after).
+
+    The i-th live slot (ascending) takes score i while i < T - 1, as ``map[live[:count]] = scores[:count]``."""
+    slots_total = score_map.shape[1]
+    if grid is None:
+        side = math.isqrt(slots_total)
+        grid = (side, side) if side * side == slots_total else None
+    live = score_map != torch.inf
+    rank = live.cumsum(dim=1) - 1
+    written = scores.gather(1, rank.clamp(0, t - 2)).to(score_map.dtype)
+    new_map = torch.where(live & (rank < t - 1), written, score_map)
+    slots = window_minima(new_map, grid)
+    use = slots < t - 1  # slot index used as token (row - 1) index
+    scores = _penalise_at(scores, slots, use)
+    padded = torch.cat([new_map, new_map.new_zeros(new_map.shape[0], 1)], dim=1)
+    new_map = padded.scatter(1, torch.where(use, slots, slots_total), torch.inf)[:, :slots_total]
+    return scores, new_map
+
+
+def _paper_penalty_batch(scores: torch.Tensor, origin: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+    """:func:`_paper_penalty` per image on scores (B, T - 1) with origins (B, T)."""
+    if grid is None:
+        return scores
+    b, slots_total = scores.shape[0], grid[0] * grid[1]
+    patch = origin[:, 1:] - 1
+    slot = torch.where(patch >= 0, patch, slots_total)  # the CLS row goes to the scratch slot
+    board = torch.full((b, slots_total + 1), torch.inf, dtype=scores.dtype, device=scores.device)
+    board = board.scatter(1, slot, scores)[:, :slots_total]
+    rows = torch.arange(scores.shape[1], device=scores.device).expand(b, -1)
+    slot_row = torch.full((b, slots_total + 1), -1, dtype=torch.long, device=scores.device).scatter(1, slot, rows)
+    mins = window_minima(board, grid)
+    return _penalise_at(scores, slot_row.gather(1, mins), torch.isfinite(board.gather(1, mins)))
+
+
+@dataclass(frozen=True)
+class _BatchTargets:
+    """Correlate for B images: each merged row's top-k targets, padded to the largest k with zero weight."""
+
+    rows: torch.Tensor  # (B, T - r) input row of every output row
+    target_rows: torch.Tensor  # (B, r, k_max) output rows that receive the weight
+    weights: torch.Tensor  # (B, r, k_max) normalised per row over the image's own k columns, 0 beyond
+    k: torch.Tensor  # (B,) long: each image's adaptive k
+
+
+def _top_k_per_image(candidates: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, columns) (B, r, max k): image i's ``topk(ks[i])`` of `candidates` (B, r, T), its values normalised
+    per row; one ``topk`` for all images of one k (usually every image: k is the count above a fixed quantile)."""
+    b, r, _ = candidates.shape
+    k_max = max(ks)
+    if len(set(ks)) == 1:
+        values, columns = candidates.topk(k_max, dim=-1)
+        return values / values.sum(dim=-1, keepdim=True), columns
+    weights = candidates.new_zeros(b, r, k_max)
+    columns = torch.zeros(b, r, k_max, dtype=torch.long, device=candidates.device)
+    for k in sorted(set(ks) - {0}):
+        sel = torch.tensor([i for i, ki in enumerate(ks) if ki == k], device=candidates.device)
+        values, index = candidates[sel].topk(k, dim=-1)
+        weights[sel, :, :k] = values / values.sum(dim=-1, keepdim=True)
+        columns[sel, :, :k] = index
+    return weights, columns
+
+
+def _batch_targets(
+    logits: torch.Tensor, merge: torch.Tensor, remain: torch.Tensor, row_order: RowOrder
+) -> _BatchTargets:
+    """Correlate (:func:`_released_targets` / :func:`_paper_targets`) for B images; the one host sync of a step
+    reads every image's k."""
+    b, t, _ = logits.shape
+    r = merge.shape[1]
+    merged_logits = logits.gather(1, merge[..., None].expand(-1, -1, t))
+    threshold = torch.quantile(merged_logits, QUANTILE, dim=-1, keepdim=True)
+    k = (merged_logits > threshold).sum(dim=-1).amax(dim=-1)
+    ks = k.tolist()
+    probs = torch.softmax(merged_logits, dim=-1)  # the merged rows of softmax(L)
+    if row_order == "released":
+        rows = remain
+    elif row_order == "paper":
+        rows = remain.sort(dim=-1).values
+        merged = torch.zeros(b, 1, t, dtype=torch.bool, device=logits.device).scatter(2, merge[:, None, :], True)
+        probs = probs.masked_fill(merged, -1.0)  # only remaining tokens can be targets
+    else:
+        raise MethodError(f"ficoco-v: unknown row_order {row_order!r}")
+    if max(ks) == 0:
+        empty = torch.empty(b, r, 0, dtype=torch.long, device=logits.device)
+        return _BatchTargets(rows, empty, empty.to(logits.dtype), k)
+    weights, targets = _top_k_per_image(probs, ks)
+    if row_order == "released":  # r <= (T - 1) // 2, so no target row is negative (see _released_targets)
+        target_rows = torch.where(targets >= t - r, targets - r, targets)
+    else:
+        target_rows = torch.searchsorted(rows, targets.reshape(b, -1)).view_as(targets)
+    return _BatchTargets(rows, target_rows, weights, k)
+
+
+def _batch_compress(hidden: torch.Tensor, merge: torch.Tensor, found: _BatchTargets) -> torch.Tensor:
+    """:func:`_compress` for B images: one scatter-add over the flattened output rows, each image's sources in
+    its own (merged row, column) order, so every row sums in the order one image's call does."""
+    b, _, d = hidden.shape
+    n_out = found.rows.shape[1]
+    out = hidden.gather(1, found.rows[..., None].expand(-1, -1, d))
+    size = hidden.new_ones(b, n_out, 1)
+    k_max = found.weights.shape[2]
+    if k_max == 0:
+        return out
+    source = hidden.gather(1, merge[..., None].expand(-1, -1, d))
+    used = torch.arange(k_max, device=hidden.device) < found.k[:, None, None]
+    image = torch.arange(b, device=hidden.device)[:, None, None]
+    flat = torch.where(used, image * n_out + found.target_rows, b * n_out).reshape(-1)
+    w = found.weights.to(hidden.dtype)
+    values = (source[:, :, None, :] * w[..., None]).reshape(-1, d)
+    out = torch.cat([out.reshape(b * n_out, d), hidden.new_zeros(1, d)])
+    out.scatter_add_(0, flat[:, None].expand(-1, d), values)
+    size = torch.cat([size.reshape(b * n_out, 1), hidden.new_zeros(1, 1)])
+    size.scatter_add_(0, flat[:, None], w.reshape(-1, 1))
+    return (out[:-1] / size[:-1]).view(b, n_out, d)
+
+
+@dataclass
+class _BatchChain:
+    """The state of B images' FiCoCo-V steps (rows 0..T-1 of every image; row 0 protected)."""
+
+    hidden: torch.Tensor  # (B, T, d)
+    logits: torch.Tensor  # (B, T, T)
+    origin: torch.Tensor  # (B, T) token index of every row's own token
+    owner: torch.Tensor  # (B, 1 + N) current row of every input token (-1 = merged with no target)
+    score_map: torch.Tensor | None  # (B, N) released map state
+    first_scores: torch.Tensor | None = None  # (B, N) penalised scores of the first step
+
+    def image(self, i: int) -> _BatchChain:
+        """Image i's state (one image: no leading dimension)."""
+        first, score_map = self.first_scores, self.score_map
+        return _BatchChain(
+            self.hidden[i],
+            self.logits[i],
+            self.origin[i],
+            self.owner[i],
+            None if score_map is None else score_map[i],
+            None if first is None else first[i],
+        )
+
+
+def _batch_step(chain: _BatchChain, r: int, method: FiCoCoV, grid: tuple[int, int] | None) -> _BatchChain:
+    """One :func:`ficoco_step` for every image of `chain` (same T), with :meth:`FiCoCoV.reduce`'s bookkeeping."""
+    b, t, _ = chain.hidden.shape
+    device = chain.hidden.device
+    scores = redundancy_scores(chain.logits)
+    score_map = chain.score_map
+    if method.local_penalty == "released":
+        if score_map is None:
+            raise MethodError("ficoco-v: the released local penalty needs the score map state")
+        scores, score_map = _released_penalty_batch(scores, score_map, grid, t)
+    elif method.local_penalty == "paper":
+        scores = _paper_penalty_batch(scores, chain.origin, grid)
+    else:
+        raise MethodError(f"ficoco-v: unknown local_penalty {method.local_penalty!r}")
+    ranked = torch.cat([torch.full((b, 1), torch.inf, dtype=scores.dtype, device=device), scores], dim=1)
+    order = torch.sort(ranked, dim=1, stable=True).indices
+    merge, remain = order[:, :r], order[:, r:]
+    found = _batch_targets(chain.logits, merge, remain, method.row_order)
+    hidden = _batch_compress(chain.hidden, merge, found)
+    n_out = found.rows.shape[1]
+    row_map = torch.empty(b, t, dtype=torch.long, device=device)
+    row_map.scatter_(1, found.rows, torch.arange(n_out, device=device).expand(b, -1))
+    if found.target_rows.shape[2] > 0:  # a merged token follows its top-1 target (none where its image's k = 0)
+        follows = torch.where(found.k[:, None] > 0, found.target_rows[:, :, 0], -1)
+    else:
+        follows = torch.full_like(merge, -1)
+    row_map.scatter_(1, merge, follows)
+    owner = torch.where(chain.owner >= 0, row_map.gather(1, chain.owner.clamp_min(0)), chain.owner)
+    logits = chain.logits.gather(1, found.rows[..., None].expand(-1, -1, t))
+    logits = logits.gather(2, found.rows[:, None, :].expand(-1, n_out, -1))
+    first = scores if chain.first_scores is None else chain.first_scores
+    return _BatchChain(hidden, logits, chain.origin.gather(1, found.rows), owner, score_map, first)
+
+
 @register
 @dataclass(frozen=True)
 class FiCoCoV(Method):
@@ -309,7 +509,8 @@ class FiCoCoV(Method):
     row_order: RowOrder = "released"
     local_penalty: Penalty = "released"
 
-    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
+    def _probes(self, inputs: MethodInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden_with_cls, attention_logits) in their compute dtypes, checked to cover 1 + N tokens."""
         n = inputs.num_tokens
         if self.r < 1:
             raise MethodError(f"ficoco-v: r must be >= 1, got {self.r}")
@@ -320,9 +521,12 @@ class FiCoCoV(Method):
                 f"ficoco-v: hidden_with_cls {tuple(hidden.shape)} / attention_logits {tuple(logits.shape)} "
                 f"must cover 1 + N = {n + 1} tokens"
             )
-        device = hidden.device
-        x = hidden.to(compute_dtype(hidden.dtype))
-        logits = logits.to(compute_dtype(logits.dtype))
+        return hidden.to(compute_dtype(hidden.dtype)), logits.to(compute_dtype(logits.dtype))
+
+    def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        n = inputs.num_tokens
+        x, logits = self._probes(inputs)
+        device = x.device
         grid = _patch_grid(inputs)
         score_map = fresh_score_map(n, device) if self.local_penalty == "released" else None
         origin = torch.arange(n + 1, device=device)  # token index of every row's own token
@@ -355,11 +559,50 @@ class FiCoCoV(Method):
                 logits = logits[step.rows][:, step.rows]
                 x, score_map = step.hidden, step.score_map
                 steps.append(x.shape[0])
-        assignment = owner[1:] - 1  # output row = current row - 1 (row 0 is dropped -> -1)
-        return MethodResult(
-            tokens=x[1:].to(inputs.features.dtype),
-            token_index=origin[1:] - 1,
-            scores=first_scores,
-            assignment=assignment.clamp_min(-1),
-            info={"steps": tuple(steps), "score_map": score_map, "dropped_row_token": int(origin[0]) - 1},
-        )
+        return _result(inputs, _BatchChain(x, logits, origin, owner, score_map, first_scores), tuple(steps))
+
+    def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """Images of one N, budget, grid, device and dtypes take their steps together (:func:`_batch_step`, one
+        loop per such group, one host sync per step for the group's adaptive k); an image alone in its group runs
+        :meth:`reduce`."""
+        groups: dict[tuple[object, ...], list[int]] = {}
+        for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
+            hidden, logits = self._probes(one)
+            key = (one.num_tokens, keep, _patch_grid(one), hidden.device, hidden.dtype, logits.dtype, hidden.shape[1])
+            groups.setdefault(key, []).append(i)
+        results: dict[int, MethodResult] = {}
+        for members in groups.values():
+            if len(members) == 1:
+                results[members[0]] = self.reduce(inputs[members[0]], keeps[members[0]])
+                continue
+            group = [inputs[i] for i in members]
+            results.update(zip(members, self._reduce_group(group, keeps[members[0]]), strict=True))
+        return [results[i] for i in range(len(inputs))]
+
+    def _reduce_group(self, inputs: list[MethodInputs], keep: int) -> list[MethodResult]:
+        """:meth:`reduce` for images of one N, budget and grid, stacked (no padding: every step has one T)."""
+        probes = [self._probes(one) for one in inputs]
+        hidden = torch.stack([h for h, _ in probes])
+        b, n = len(inputs), inputs[0].num_tokens
+        rows = torch.arange(n + 1, device=hidden.device).expand(b, -1)
+        fresh = fresh_score_map(n, hidden.device).expand(b, -1) if self.local_penalty == "released" else None
+        chain = _BatchChain(hidden, torch.stack([lg for _, lg in probes]), rows, rows, fresh)
+        grid = _patch_grid(inputs[0])
+        steps = [n + 1]
+        with torch.no_grad():
+            while (t := chain.hidden.shape[1]) > keep + 1:
+                chain = _batch_step(chain, min(self.r, t - keep - 1, (t - 1) // 2), self, grid)
+                steps.append(chain.hidden.shape[1])
+        return [_result(one, chain.image(i), tuple(steps)) for i, one in enumerate(inputs)]
+
+
+def _result(inputs: MethodInputs, chain: _BatchChain, steps: tuple[int, ...]) -> MethodResult:
+    """The method's result from one image's final state (row 0 dropped, as LLaVA's ``patch`` select does)."""
+    assignment = chain.owner[1:] - 1  # output row = current row - 1 (row 0 is dropped -> -1)
+    return MethodResult(
+        tokens=chain.hidden[1:].to(inputs.features.dtype),
+        token_index=chain.origin[1:] - 1,
+        scores=chain.first_scores,
+        assignment=assignment.clamp_min(-1),
+        info={"steps": steps, "score_map": chain.score_map, "dropped_row_token": int(chain.origin[0]) - 1},
+    )

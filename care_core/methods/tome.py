@@ -27,10 +27,15 @@ Each output row's ``token_index`` is the patch that occupies it (the unmerged A 
 merged into), ``assignment`` is the row every input ended in (``merge_source``). Deviations: zero metric rows (NaN
 in the official normalisation) use a clamped norm (cosine 0 to everything); the descending sort is stable, so ties
 between equal similarities are broken by position (the official ``argsort`` does not specify it).
+
+Batches (:func:`tome_chain_batch`, ``ToMe.reduce_batch``): the calls of B images run in one loop, padded to the
+largest N, each image with its own schedule (r and the number of calls are known before the loop, so the loop
+never waits on the device); per image the same products, sort and summation order as :func:`tome_chain`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -186,6 +191,143 @@ def tome_chain(x: torch.Tensor, keep: int, r: int | None = None) -> ToMeChain:
     return ToMeChain(x, size[:, 0], group, occupant, tuple(steps))
 
 
+@dataclass(frozen=True)
+class _Round:
+    """One matching call for B images padded to T rows: the host-known sizes and their device copies."""
+
+    counts: list[int]  # tokens per image before the call
+    r: list[int]  # tokens each image merges (0 = the image is done)
+    counts_t: torch.Tensor  # (B,) long: `counts` on the device
+    r_t: torch.Tensor  # (B,) long: `r` on the device
+
+
+def _batch_similarity(x: torch.Tensor, rnd: _Round) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best cosine (B, |A|), its B position (B, |A|)) of every A row; -inf on padded and finished images' rows.
+
+    Each image's product is :func:`bipartite_soft_matching`'s on its own rows (one ``mm`` per image: a batched
+    product may round differently, and the sort below turns rounding into a different merge order). Padded B
+    columns are -inf, so they are never a match and ``max`` takes the first real best as for one image.
+    """
+    b, t = x.shape[0], x.shape[1]
+    m = x / x.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+    similarity = torch.full((b, (t + 1) // 2, t // 2), -torch.inf, dtype=x.dtype, device=x.device)
+    with matmul_precision(allow_tf32=False):
+        for i, (n, r) in enumerate(zip(rnd.counts, rnd.r, strict=True)):
+            if r > 0:
+                one = m[i, :n]
+                similarity[i, : (n + 1) // 2, : n // 2] = one[0::2] @ one[1::2].t()
+    return similarity.max(dim=2)
+
+
+def _batch_sources(order: torch.Tensor, rnd: _Round, t_out: int) -> torch.Tensor:
+    """(B, t_out) current row of every output row, -1 on padding.
+
+    Output rows per image: [unmerged A in sorted order] ++ [B], as :meth:`BipartiteMatch.occupant`; a finished
+    image keeps its rows in place.
+    """
+    ta = order.shape[1]
+    device = order.device
+    r, a_count, b_count = rnd.r_t[:, None], (rnd.counts_t[:, None] + 1) // 2, rnd.counts_t[:, None] // 2
+    unmerged = a_count - r
+    j = torch.arange(t_out, device=device)[None, :]
+    from_a = 2 * order.gather(1, (r + j).clamp_max(ta - 1))
+    from_b = 2 * (j - unmerged) + 1
+    current = torch.where(j < unmerged, from_a, torch.where(j < unmerged + b_count, from_b, -1))
+    done = rnd.r_t[:, None] == 0
+    return torch.where(done, torch.where(j < rnd.counts_t[:, None], j, -1), current)
+
+
+def _batch_row_of_input(order: torch.Tensor, match: torch.Tensor, rnd: _Round, t: int) -> torch.Tensor:
+    """(B, T) output row of every current row (:meth:`BipartiteMatch.row_of_input` per image; identity when done)."""
+    b, ta = order.shape
+    device = order.device
+    r = rnd.r_t[:, None]
+    unmerged = (rnd.counts_t[:, None] + 1) // 2 - r
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(ta, device=device).expand(b, ta))
+    rows = torch.empty(b, t, dtype=torch.long, device=device)
+    rows[:, 0::2] = torch.where(rank < r, unmerged + match, rank - r)
+    rows[:, 1::2] = unmerged + torch.arange(t // 2, device=device)
+    return torch.where(r == 0, torch.arange(t, device=device), rows)
+
+
+def _batch_merge_sum(x: torch.Tensor, order: torch.Tensor, match: torch.Tensor, rnd: _Round) -> torch.Tensor:
+    """(B, T, c) -> (B, |A| + |B| + 1, c): [A rows] ++ [B rows with their sources summed in] ++ [a zero row].
+
+    :meth:`BipartiteMatch.merge` with ``"sum"`` for every image at once: the sources of all images in one
+    ``scatter_reduce`` over the flattened B rows, each image's sources in its own order (a row's sum is
+    accumulated in the same order as for one image); an unused source slot goes to a scratch row.
+    """
+    b, t, c = x.shape
+    tb = t // 2
+    r_max = max(rnd.r)
+    a_rows, b_rows = x[:, 0::2], x[:, 1::2]
+    sources = order[:, :r_max]
+    slot = torch.arange(r_max, device=x.device)[None, :]
+    image = torch.arange(b, device=x.device)[:, None]
+    flat = torch.where(slot < rnd.r_t[:, None], image * tb + match.gather(1, sources), b * tb).reshape(-1)
+    values = a_rows.gather(1, sources[..., None].expand(-1, -1, c)).reshape(-1, c)
+    target = torch.cat([b_rows.reshape(b * tb, c), x.new_zeros(1, c)])
+    merged = target.scatter_reduce(0, flat[:, None].expand(-1, c), values, reduce="sum")[: b * tb]
+    return torch.cat([a_rows, merged.view(b, tb, c), x.new_zeros(b, 1, c)], dim=1)
+
+
+def _batch_call(
+    x: torch.Tensor, size: torch.Tensor, rnd: _Round
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One :func:`bipartite_soft_matching` + :func:`merge_wavg` for B padded images: (x, size, current row of every
+    output row, output row of every current row); finished images (r = 0) keep their rows."""
+    t = x.shape[1]
+    t_out = max(n - r for n, r in zip(rnd.counts, rnd.r, strict=True))
+    best, match = _batch_similarity(x, rnd)
+    order = torch.sort(best, dim=1, descending=True, stable=True).indices  # padded rows (-inf) sort last
+    current = _batch_sources(order, rnd, t_out)
+    layout = torch.where(current % 2 == 0, current // 2, (t + 1) // 2 + current // 2)  # [A] ++ [B] ++ [zero]
+    layout = torch.where(current < 0, (t + 1) // 2 + t // 2, layout)[..., None]
+    total = _batch_merge_sum(x * size, order, match, rnd).gather(1, layout.expand(-1, -1, x.shape[2]))
+    new_size = _batch_merge_sum(size, order, match, rnd).gather(1, layout)
+    new_size = torch.where(current[..., None] < 0, 1.0, new_size)  # padding: 0 / 1
+    done = (rnd.r_t == 0)[:, None, None]
+    x_out = torch.where(done, x[:, :t_out], total / new_size)
+    size_out = torch.where(done, size[:, :t_out], new_size)
+    return x_out, size_out, current, _batch_row_of_input(order, match, rnd, t)
+
+
+def tome_chain_batch(xs: Sequence[torch.Tensor], keeps: Sequence[int], rs: Sequence[int]) -> list[ToMeChain]:
+    """:func:`tome_chain` for B images (one device, dtype and width) in one loop of matching calls, no host sync.
+
+    The images are padded to the largest N with zero rows; call j merges ``tome_schedule(N_i, keep_i, r_i)[j]``
+    tokens of image i (0 once it is done). Per image the same numbers as :func:`tome_chain`: its own cosine
+    product, padded rows and columns at -inf (never matched, sorted after every real row, never a source), the
+    same stable descending sort (ties to the lower A position) and the same summation order in the merge.
+    """
+    sizes = [int(x.shape[0]) for x in xs]
+    schedules = [tome_schedule(n, k, r) for n, k, r in zip(sizes, keeps, rs, strict=True)]
+    calls = max(len(s) for s in schedules)
+    steps = [[s[j] if j < len(s) else 0 for s in schedules] for j in range(calls)]
+    counts = [sizes]
+    for step in steps:
+        counts.append([n - r for n, r in zip(counts[-1], step, strict=True)])
+    like = xs[0]
+    table = torch.tensor([counts[:-1], steps], dtype=torch.long).to(like.device)  # (2, calls, B): one copy
+    b, n_max = len(xs), max(sizes)
+    x = like.new_zeros(b, n_max, like.shape[1])
+    for i, one in enumerate(xs):
+        x[i, : sizes[i]] = one
+    size = like.new_ones(b, n_max, 1)
+    inputs = torch.arange(n_max, device=like.device).expand(b, n_max)
+    occupant = inputs.clone()
+    group = torch.where(inputs < torch.tensor(sizes, device=like.device)[:, None], inputs, 0)  # padding follows row 0
+    for j in range(calls):
+        rnd = _Round(counts[j], steps[j], table[0, j], table[1, j])
+        x, size, current, rows = _batch_call(x, size, rnd)
+        occupant = occupant.gather(1, current.clamp_min(0))
+        group = rows.gather(1, group)
+    return [
+        ToMeChain(x[i, :k], size[i, :k, 0], group[i, :n], occupant[i, :k], tuple(c[i] for c in counts[: len(s) + 1]))
+        for i, (n, k, s) in enumerate(zip(sizes, keeps, schedules, strict=True))
+    ]
+
+
 @register
 @dataclass(frozen=True)
 class ToMe(Method):
@@ -215,9 +357,25 @@ class ToMe(Method):
         r = self.r_per_call(inputs.num_tokens, keep)
         with torch.no_grad():
             chain = tome_chain(x.to(compute_dtype(x.dtype)), keep, r)
-        return MethodResult(
-            tokens=chain.tokens.to(x.dtype),
-            token_index=chain.occupant,
-            assignment=chain.group,
-            info={"size": chain.size, "steps": chain.steps},
-        )
+        return _result(chain, x.dtype)
+
+    def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """All images' matching calls in one loop (:func:`tome_chain_batch`); one image at a time where the
+        features differ in device, dtype or width."""
+        xs = [one.features.to(compute_dtype(one.features.dtype)) for one in inputs]
+        if len(inputs) == 1 or len({(x.device, x.dtype, x.shape[1]) for x in xs}) > 1:
+            return super().reduce_batch(inputs, keeps)
+        rs = [self.r_per_call(one.num_tokens, keep) for one, keep in zip(inputs, keeps, strict=True)]
+        with torch.no_grad():
+            chains = tome_chain_batch(xs, keeps, rs)
+        return [_result(chain, one.features.dtype) for chain, one in zip(chains, inputs, strict=True)]
+
+
+def _result(chain: ToMeChain, dtype: torch.dtype) -> MethodResult:
+    """The method's result from a chain: rows in ToMe's order, each row's occupant, the row every input went to."""
+    return MethodResult(
+        tokens=chain.tokens.to(dtype),
+        token_index=chain.occupant,
+        assignment=chain.group,
+        info={"size": chain.size, "steps": chain.steps},
+    )

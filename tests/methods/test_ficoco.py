@@ -3,10 +3,12 @@ and the golden file."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from care_core.methods import build_method
+from care_core.methods import MethodInputs, MethodResult, build_method
 from care_core.methods.ficoco import FiCoCoV, ficoco_step, fresh_score_map, redundancy_scores, window_minima
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
@@ -91,3 +93,75 @@ def test_method_modes(row_order: str, penalty: str) -> None:
 @pytest.mark.parametrize("name", GOLDEN_FILES["ficoco_v"])
 def test_golden(name: str) -> None:
     assert_golden_passes(name)
+
+
+# ------------------------------------------------------------------------------ many images in one loop
+
+# Images of one N and keep step together; the rest go alone. Batch 8 has groups of 4, 2, 1 and 1.
+BATCH_SIZES = {1: (144,), 3: (144, 90, 144), 8: (144, 144, 90, 144, 144, 90, 56, 144)}
+BATCH_KEEPS = {1: (20,), 3: (20, 30, 20), 8: (20, 20, 30, 20, 50, 30, 5, 20)}
+
+
+def _batch_inputs(sizes: tuple[int, ...], dtype: torch.dtype) -> list[MethodInputs]:
+    made = [make_inputs(n, d_v=8, seed=i) for i, n in enumerate(sizes)]
+    return [
+        dataclasses.replace(
+            one,
+            features=one.features.to(dtype),
+            probes={name: one.probes[name].to(dtype) for name in ("hidden_with_cls", "attention_logits")},
+        )
+        for one in made
+    ]
+
+
+def _assert_same(got: MethodResult, want: MethodResult, dtype: torch.dtype, what: str) -> None:
+    tol = {"rtol": 0, "atol": 1e-9} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    assert torch.equal(got.token_index, want.token_index) and torch.equal(got.assignment, want.assignment), what
+    assert got.info["steps"] == want.info["steps"], what
+    assert got.info["dropped_row_token"] == want.info["dropped_row_token"], what
+    torch.testing.assert_close(got.tokens, want.tokens, **tol, msg=what)
+    torch.testing.assert_close(got.scores, want.scores, **tol, msg=what)
+    if want.info["score_map"] is None:
+        assert got.info["score_map"] is None, what
+    else:
+        torch.testing.assert_close(got.info["score_map"], want.info["score_map"], **tol, msg=what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batch_gives_each_image_what_it_gets_alone(batch: int, dtype: torch.dtype) -> None:
+    method = build_method("ficoco-v", r=9)
+    inputs, keeps = _batch_inputs(BATCH_SIZES[batch], dtype), list(BATCH_KEEPS[batch])
+    for i, (got, one, keep) in enumerate(zip(method.batch(inputs, keeps), inputs, keeps, strict=True)):
+        _assert_same(got, method(one, keep), dtype, f"image {i}")
+
+
+@pytest.mark.parametrize("row_order", ["released", "paper"])
+@pytest.mark.parametrize("penalty", ["released", "paper"])
+def test_batch_modes_give_each_image_what_it_gets_alone(row_order: str, penalty: str) -> None:
+    method = build_method("ficoco-v", r=9, row_order=row_order, local_penalty=penalty)
+    inputs, keeps = _batch_inputs(BATCH_SIZES[8], torch.float64), list(BATCH_KEEPS[8])
+    for i, (got, one, keep) in enumerate(zip(method.batch(inputs, keeps), inputs, keeps, strict=True)):
+        _assert_same(got, method(one, keep), torch.float64, f"image {i}")
+
+
+@pytest.mark.parametrize(
+    ("row_order", "token_index", "assignment"),
+    [("released", [6, -1, 3], [-1, -1, -1, 2, -1, -1, 0]), ("paper", [4, 5, 6], [-1, -1, -1, -1, 0, 1, 2])],
+)
+def test_batch_ties_merge_the_lowest_rows_first(row_order: str, token_index: list[int], assignment: list[int]) -> None:
+    """Constant logits: every score ties, so each step merges the lowest rows (stable sort), and no logit exceeds
+    the 0.998-quantile (k = 0: merged tokens have no target and are dropped), while the random image in the same
+    group has k >= 1. 7 patches (no grid, no window penalty), keep 3: steps of 3 and 1. By hand: step 1 merges
+    tokens 1-3; step 2 merges row 1, which holds token 5 (released: rows in score order, CLS last) or token 4
+    (paper: token order). Released then drops row 0 (token 4) and ends with tokens 7, CLS, 4."""
+    flat = make_inputs(7, d_v=4, seed=1)
+    flat = dataclasses.replace(flat, probes={**flat.probes, "attention_logits": torch.zeros(8, 8)})
+    method = build_method("ficoco-v", row_order=row_order, local_penalty="paper")
+    got, other, again = method.batch([flat, make_inputs(7, d_v=4, seed=2), flat], [3, 3, 3])
+    assert got.info["steps"] == (8, 5, 4)
+    assert got.token_index.tolist() == token_index and got.assignment.tolist() == assignment
+    rows = torch.tensor(token_index) + 1  # merged tokens carry no weight: the kept rows are unchanged
+    torch.testing.assert_close(got.tokens, flat.probes["hidden_with_cls"][rows], rtol=0, atol=0)
+    assert torch.equal(again.tokens, got.tokens)
+    _assert_same(other, method(make_inputs(7, d_v=4, seed=2), 3), torch.float32, "the random image")

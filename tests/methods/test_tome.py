@@ -7,7 +7,7 @@ import torch
 
 from care_core.errors import MethodError
 from care_core.methods import build_method
-from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain, tome_schedule
+from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain, tome_chain_batch, tome_schedule
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
@@ -101,3 +101,50 @@ def test_survivors_depend_on_the_features() -> None:
     counts = torch.bincount(result.assignment, minlength=64).to(x.dtype)
     means = torch.zeros(64, 16).index_add_(0, result.assignment, x) / counts[:, None]
     assert torch.allclose(means, result.tokens, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ many images in one loop
+
+BATCH_SIZES = {1: (57,), 3: (40, 131, 90), 8: (40, 131, 57, 90, 1, 110, 64, 7)}
+BATCH_KEEPS = (5, 40, 17, 9, 1, 3, 64, 2)  # image 6 keeps all its tokens (no call at all)
+
+
+def _batch_images(sizes: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Random images; image 1 repeats its first half (exact ties), image 3 has zero rows (cosine 0 to all)."""
+    xs = [torch.randn(n, 6, generator=torch.Generator().manual_seed(n)).to(dtype) for n in sizes]
+    if len(xs) > 1:
+        xs[1][66:] = xs[1][:65].clone()
+    if len(xs) > 3:
+        xs[3][::4] = 0
+    return xs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batch_chain_gives_each_image_its_own_chain(batch: int, dtype: torch.dtype) -> None:
+    xs, keeps = _batch_images(BATCH_SIZES[batch], dtype), list(BATCH_KEEPS[:batch])
+    rs = [build_method("tome").r_per_call(x.shape[0], k) for x, k in zip(xs, keeps, strict=True)]
+    got = tome_chain_batch(xs, keeps, rs)
+    tol = {"rtol": 0, "atol": 1e-9} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    for i, (chain, x, keep, r) in enumerate(zip(got, xs, keeps, rs, strict=True)):
+        want = tome_chain(x, keep, r)
+        assert chain.steps == want.steps, f"image {i}"
+        assert torch.equal(chain.occupant, want.occupant) and torch.equal(chain.group, want.group), f"image {i}"
+        torch.testing.assert_close(chain.tokens, want.tokens, **tol, msg=f"image {i}")
+        assert torch.equal(chain.size, want.size), f"image {i}"
+
+
+def test_batch_ties_merge_into_the_first_match_and_padding_is_never_matched() -> None:
+    """[v, -v, v, -v, v, -v]: every A-B cosine is -1 (a tie everywhere), below the 0 a zero padded column would
+    give. One call of r = 3 merges all of A into B position 0 (the first best), in A order: by hand,
+    rows [(v + v + v - v) / 4, -v, -v]. Batched with a larger image, the padded columns must not attract them."""
+    v = torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64)
+    tied = torch.stack([v, -v] * 3)
+    other = torch.randn(20, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    chain, big = tome_chain_batch([tied, other], [3, 11], [3, 10])
+    torch.testing.assert_close(chain.tokens, torch.stack([v / 2, -v, -v]), rtol=0, atol=1e-12)
+    assert chain.group.tolist() == [0, 0, 0, 1, 0, 2] and chain.occupant.tolist() == [1, 3, 5]
+    assert chain.size.tolist() == [4.0, 1.0, 1.0]
+    want = tome_chain(other, 11, 10)
+    assert torch.equal(big.group, want.group) and torch.equal(big.occupant, want.occupant)
+    assert int(big.group.max()) < 11 and int(chain.group.max()) < 3, "no input ends in a padded row"
