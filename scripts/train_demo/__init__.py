@@ -55,10 +55,10 @@ mix of sizes, so it also measures how far that carries to other sizes (for Inter
 thumbnail, which its training never shows).
 
 Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``
-steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. At batch 8 on a
-shared two-core machine (one thread, median of three steps; 2026-11-26, where NeXT measured 3.4 and Qwen2.5-VL 1.0)
-a Qwen3-VL step costs about 1.05 ``tiny-llava`` steps, an InternVL3 step about 1.35 (a 448 px tile: 1024 patches
-through InternViT) and a LLaVA-OneVision step about 5.8 (two crops of 729 SigLIP patches, 1485 rows into the
+steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. In the same
+conditions (batch 8, median of three steps after one, 2026-11-26; NeXT measured 2.8 and Qwen2.5-VL 0.7 in the same
+runs) a Qwen3-VL step costs about 0.85 ``tiny-llava`` steps, an InternVL3 step about 1.3 (a 448 px tile: 1024
+patches through InternViT) and a LLaVA-OneVision step about 4.0 (two crops of 729 SigLIP patches, 1485 rows into the
 language model). On a GPU the
 Qwen2.5-VL tower without flash attention runs one attention call per window and image (9 windows per 336x336 image in
 its two windowed blocks, one call per image in the two others: 2,560 calls per forward at batch 128), so its steps are
