@@ -8,10 +8,10 @@ without a download.
 
 ``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
 ``demo_weights/manifest.json``; trained by ``scripts/train_demo`` on the synthetic shapes world of
-:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. ``tiny-llava-next`` and
-``tiny-qwen2.5-vl`` load their trained weights (wider skeletons, :data:`TRAINED_SIZES`) once the files are
-installed in the manifest, and are random until then. The other demos, and the ``-random`` ones, have seeded
-random weights and meaningless answers. Every demo folder holds a marker
+:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. ``tiny-llava-next``,
+``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``, ``tiny-internvl3`` and ``tiny-llava-onevision`` load their trained weights
+(wider skeletons, :data:`TRAINED_SIZES`) once the files are installed in the manifest, and are random until then.
+The ``-random`` demos have seeded random weights and meaningless answers. Every demo folder holds a marker
 (``care_demo.json``) with the weight file's sha256, checked on each load: a damaged cached copy is restored.
 """
 
@@ -352,10 +352,11 @@ def build_tiny_qwen2_5_vl(seed: int = 0, sizes: TinySizes | None = None) -> tupl
     return model, processor
 
 
-def build_tiny_qwen3_vl(seed: int = 0) -> tuple[Any, Any]:
+def build_tiny_qwen3_vl(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
     """Qwen3-VL with the real geometry (patch 16, 2x2 merge, resize factor 32, learned 48x48 position grid, the
     assumed hub pixel budget 65536..16777216, deepstack taps after vision blocks 1 and 2 of 4, interleaved
-    M-RoPE) and tiny widths; the image-only processor (no torchvision needed)."""
+    M-RoPE) and tiny widths (``sizes``; None: the random demo's own); the image-only processor (no torchvision
+    needed)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -363,15 +364,14 @@ def build_tiny_qwen3_vl(seed: int = 0) -> tuple[Any, Any]:
 
     tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tid = tok.convert_tokens_to_ids
+    # the random demo's text widths are Qwen2.5-VL's random ones (head 16, M-RoPE sections 2:3:3)
+    text = _qwen_text_widths(sizes)
     config = Qwen3VLConfig(
-        vision_config={"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "num_position_embeddings": 2304, "deepstack_visual_indexes": [1, 2]},
-        text_config={"vocab_size": _vocab_size(tok), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                     "max_position_embeddings": 8192,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
-                                         "mrope_interleaved": True},
+        vision_config={**_qwen_vision_widths(sizes), "patch_size": 16, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 2304, "deepstack_visual_indexes": [1, 2]},
+        text_config={"vocab_size": _vocab_size(tok), **text, "max_position_embeddings": 8192,
+                     "head_dim": text["hidden_size"] // text["num_attention_heads"],
+                     "rope_parameters": {**text["rope_parameters"], "rope_theta": 5e5, "mrope_interleaved": True},
                      "bos_token_id": None, "eos_token_id": tid("<|im_end|>"), "pad_token_id": tid("<|endoftext|>")},
         image_token_id=tid("<|image_pad|>"),
         video_token_id=tid("<|video_pad|>"),
@@ -407,10 +407,26 @@ INTERNVL_NAMED_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img
                          "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}  # fmt: skip
 
 
-def build_tiny_internvl3(seed: int = 0) -> tuple[Any, Any]:
+def _tower_and_qwen2_widths(
+    sizes: TinySizes | None, tower: tuple[int, int, int, int], text: tuple[int, int]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """A ViT tower's and a Qwen2 language model's widths (two query heads per key head, 4 layers): the random demo's
+    (``sizes`` None: ``tower`` = hidden, intermediate, layers, heads; ``text`` = hidden, intermediate, 4 heads) or
+    ``sizes``'."""
+    hidden, intermediate, layers, heads = tower if sizes is None else (
+        sizes.vision_hidden, sizes.vision_intermediate, sizes.vision_layers, sizes.heads)  # fmt: skip
+    text_hidden, text_intermediate, text_layers, text_heads = (*text, 4, 4) if sizes is None else (
+        sizes.text_hidden, sizes.text_intermediate, sizes.text_layers, sizes.heads)  # fmt: skip
+    return ({"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+             "num_attention_heads": heads},
+            {"hidden_size": text_hidden, "intermediate_size": text_intermediate, "num_hidden_layers": text_layers,
+             "num_attention_heads": text_heads, "num_key_value_heads": text_heads // 2})  # fmt: skip
+
+
+def build_tiny_internvl3(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
     """InternVL3 with the real geometry (InternViT 448 px tiles, patch 14, CLS, pixel shuffle 0.5: 256 tokens per
-    tile; 1..12 tiles + a thumbnail, the GotOcr2 processor's defaults) and tiny InternViT / Qwen2 widths; the
-    image-only processor (no torchvision needed)."""
+    tile; 1..12 tiles + a thumbnail, the GotOcr2 processor's defaults) and tiny InternViT / Qwen2 widths (``sizes``;
+    None: the random demo's own); the image-only processor (no torchvision needed)."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
@@ -420,12 +436,11 @@ def build_tiny_internvl3(seed: int = 0) -> tuple[Any, Any]:
     tok = build_byte_tokenizer(specials, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                named_tokens=INTERNVL_NAMED_TOKENS)  # fmt: skip
     tid = tok.convert_tokens_to_ids
+    tower, text = _tower_and_qwen2_widths(sizes, (32, 64, 2, 2), (64, 128))
     config = InternVLConfig(
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": [448, 448], "patch_size": [14, 14]},
-        text_config={"model_type": "qwen2", "vocab_size": _vocab_size(tok), "hidden_size": 64,
-                     "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "max_position_embeddings": 8192, "bos_token_id": None,
+        vision_config={**tower, "image_size": [448, 448], "patch_size": [14, 14]},
+        text_config={"model_type": "qwen2", "vocab_size": _vocab_size(tok), **text,
+                     "max_position_embeddings": 8192, "bos_token_id": None,
                      "eos_token_id": tid("<|im_end|>"), "pad_token_id": tid("<|endoftext|>")},
         image_token_id=tid("<IMG_CONTEXT>"), image_seq_length=256, downsample_ratio=0.5,
         vision_feature_layer=-1, vision_feature_select_strategy="default", projector_hidden_act="gelu",
@@ -440,10 +455,11 @@ def build_tiny_internvl3(seed: int = 0) -> tuple[Any, Any]:
     return model, processor
 
 
-def build_tiny_llava_onevision(seed: int = 0) -> tuple[Any, Any]:
+def build_tiny_llava_onevision(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
     """LLaVA-OneVision with the real geometry (SigLIP 384 px / 14 = 27x27 = 729 patches, no CLS, layer -1, strategy
-    "full", the anyres_max_9 pinpoints: 36 canvases 384..2304 in steps of 384) and tiny widths: a SigLIP tower and a
-    Qwen2 language model (GQA, qkv biases); the image-only processor (no torchvision needed)."""
+    "full", the anyres_max_9 pinpoints: 36 canvases 384..2304 in steps of 384) and tiny widths (``sizes``; None: the
+    random demo's own): a SigLIP tower and a Qwen2 language model (GQA, qkv biases); the image-only processor (no
+    torchvision needed)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
@@ -458,13 +474,12 @@ def build_tiny_llava_onevision(seed: int = 0) -> tuple[Any, Any]:
         pad_token="<|endoftext|>",
     )
     tid = tok.convert_tokens_to_ids
+    tower, text = _tower_and_qwen2_widths(sizes, (64, 128, 3, 4), (64, 160))
     config = LlavaOnevisionConfig(
-        vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
-                       "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 384, "patch_size": 14,
+        vision_config={"model_type": "siglip_vision_model", **tower, "image_size": 384, "patch_size": 14,
                        "vision_use_head": False},
-        text_config={"model_type": "qwen2", "vocab_size": _vocab_size(tok), "hidden_size": 64, "intermediate_size": 160,
-                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": tid("<|im_end|>"),
+        text_config={"model_type": "qwen2", "vocab_size": _vocab_size(tok), **text, "max_position_embeddings": 32768,
+                     "bos_token_id": None, "eos_token_id": tid("<|im_end|>"),
                      "pad_token_id": tid("<|endoftext|>")},
         image_token_index=tid("<image>"),
         video_token_index=tid("<video>"),
@@ -498,6 +513,24 @@ def build_trained_tiny_qwen2_5_vl(seed: int = 0) -> tuple[Any, Any]:
     """The trained tiny-qwen2.5-vl's architecture (:data:`TRAINED_SIZES`: tower 128 wide, 4 blocks; language model
     128 wide, 4 layers), weights from ``seed``."""
     return build_tiny_qwen2_5_vl(seed, TRAINED_SIZES)
+
+
+def build_trained_tiny_qwen3_vl(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-qwen3-vl's architecture (:data:`TRAINED_SIZES`: tower 128 wide, 4 blocks, two deepstack
+    mergers; language model 128 wide, 4 layers), weights from ``seed``."""
+    return build_tiny_qwen3_vl(seed, TRAINED_SIZES)
+
+
+def build_trained_tiny_llava_onevision(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-llava-onevision's architecture (:data:`TRAINED_SIZES`: SigLIP 128 wide, 4 layers; Qwen2 128
+    wide, 4 layers), weights from ``seed``."""
+    return build_tiny_llava_onevision(seed, TRAINED_SIZES)
+
+
+def build_trained_tiny_internvl3(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-internvl3's architecture (:data:`TRAINED_SIZES`: InternViT 128 wide, 4 layers; Qwen2 128
+    wide, 4 layers), weights from ``seed``."""
+    return build_tiny_internvl3(seed, TRAINED_SIZES)
 
 
 #: demo name -> demo, from the family registry (each family's record names its demos and their builders above)

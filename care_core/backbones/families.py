@@ -194,6 +194,13 @@ _DEMO = "care_core.backbones.demo"
 _LLAVA_GEOMETRY = "LLaVA-1.5 geometry (CLIP-336/14, 576 tokens)"
 _NEXT_GEOMETRY = "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672)"
 _QWEN25_GEOMETRY = "Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget)"
+_QWEN3_GEOMETRY = ("Qwen3-VL geometry (patch 16, 2x2 merge, resize factor 32, deepstack at 2 of 4 vision blocks, "
+                   "hub pixel budget)")  # fmt: skip
+_INTERNVL_GEOMETRY = (
+    "InternVL3 geometry (InternViT 448/14, pixel shuffle 0.5: 256 tokens per tile, 1-12 tiles + thumbnail)"
+)
+_ONEVISION_GEOMETRY = "LLaVA-OneVision geometry (SigLIP-384/14, no CLS, anyres_max_9 pinpoints, 3645 tokens at 768x768)"
+_ONCE_SHIPPED = "tiny weights (trained on synthetic shapes once shipped); demo only"
 
 register_family(BackboneFamily(
     name="llava-1.5", display="LLaVA-1.5", model_types=("llava",),
@@ -237,8 +244,10 @@ register_family(BackboneFamily(
     flops_spec="qwen3-vl-8b", lmms_eval_model="care_qwen3_vl",
     demos=(
         DemoBackbone("tiny-qwen3-vl", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
-                     "Qwen3-VL geometry (patch 16, 2x2 merge, resize factor 32, deepstack at 2 of 4 vision blocks, "
-                     "hub pixel budget), tiny random weights; demo only"),
+                     f"{_QWEN3_GEOMETRY}, {_ONCE_SHIPPED}",
+                     weights="tiny-qwen3-vl.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_qwen3_vl"),
+        DemoBackbone("tiny-qwen3-vl-random", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
+                     f"{_QWEN3_GEOMETRY}, tiny random weights; demo only"),
     ),
 ))  # fmt: skip
 register_family(BackboneFamily(
@@ -247,8 +256,10 @@ register_family(BackboneFamily(
     flops_spec="internvl3-8b", lmms_eval_model="care_internvl",
     demos=(
         DemoBackbone("tiny-internvl3", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
-                     "InternVL3 geometry (InternViT 448/14, pixel shuffle 0.5: 256 tokens per tile, 1-12 tiles + "
-                     "thumbnail), tiny random weights; demo only"),
+                     f"{_INTERNVL_GEOMETRY}, {_ONCE_SHIPPED}",
+                     weights="tiny-internvl3.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_internvl3"),
+        DemoBackbone("tiny-internvl3-random", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
+                     f"{_INTERNVL_GEOMETRY}, tiny random weights; demo only"),
     ),
 ))  # fmt: skip
 register_family(BackboneFamily(
@@ -257,7 +268,9 @@ register_family(BackboneFamily(
     crops=True, flops_spec="llava-onevision-7b", lmms_eval_model="care_llava",
     demos=(
         DemoBackbone("tiny-llava-onevision", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
-                     "LLaVA-OneVision geometry (SigLIP-384/14, no CLS, anyres_max_9 pinpoints, 3645 tokens at "
-                     "768x768), tiny random weights; demo only"),
+                     f"{_ONEVISION_GEOMETRY}, {_ONCE_SHIPPED}", weights="tiny-llava-onevision.safetensors",
+                     trained_builder=f"{_DEMO}:build_trained_tiny_llava_onevision"),
+        DemoBackbone("tiny-llava-onevision-random", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
+                     f"{_ONEVISION_GEOMETRY}, tiny random weights; demo only"),
     ),
 ))  # fmt: skip

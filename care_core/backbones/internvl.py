@@ -161,18 +161,19 @@ class InternVLAdapter(ChatAdapter):
         if pixel_values.dim() != 4 or len(counts) != len(sizes) or sum(counts) != pixel_values.shape[0]:
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} and num_patches {counts} do not hold the "
                              f"tiles of {len(sizes)} images")  # fmt: skip
-        shuffled = self._shuffled(pixel_values)  # (tiles, 256, 4 d_v)
+        with torch.no_grad():
+            shuffled = self._shuffled(pixel_values)  # (tiles, 256, 4 d_v)
         per_image = shuffled.split(counts)
         pixels = pixel_values.split(counts)
         return [self._tokens(per_image[i], pixels[i], sizes[i]) for i in range(len(sizes))]
 
     def _shuffled(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(tiles, tokens per tile, 4 d_v): what ``get_image_features`` hands its projector, through the model's
-        own ``pixel_shuffle``."""
+        own ``pixel_shuffle``; gradients where enabled (training)."""
         vt = self._inner.vision_tower
         vparam = next(vt.parameters())
         layer = int(self.model.config.vision_feature_layer)
-        with torch.no_grad(), quiet_transformers():
+        with quiet_transformers():
             out = vt(pixel_values=pixel_values.to(device=vparam.device, dtype=vparam.dtype),
                      output_hidden_states=layer != -1, return_dict=True)  # fmt: skip
             hidden = out.last_hidden_state if layer == -1 else out.hidden_states[layer]
@@ -181,6 +182,15 @@ class InternVLAdapter(ChatAdapter):
             grid = patches.reshape(patches.shape[0], side, side, -1)
             shuffled = self._inner.pixel_shuffle(grid, scale_factor=self.model.config.downsample_ratio)
         return shuffled.reshape(shuffled.shape[0], -1, shuffled.shape[-1])
+
+    def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
+        """(B, N, 4 d_v) pixel-shuffled pre-projector features of B images sharing ``reference``'s geometry (same
+        tiles), ``pixel_values`` (B, tiles, 3, 448, 448) their processor outputs; with gradients where enabled."""
+        batch, tiles = int(pixel_values.shape[0]), int(pixel_values.shape[1])
+        if tiles * self.tokens_per_tile != reference.num_tokens:
+            raise ValueError(f"{tiles} tiles per image do not give the reference's {reference.num_tokens} tokens")
+        shuffled = self._shuffled(pixel_values.flatten(0, 1))  # (B * tiles, 256, 4 d_v), tiles in order
+        return shuffled.view(batch, reference.num_tokens, -1)
 
     def tile_grid(self, height: int, width: int) -> tuple[int, int]:
         """(rows, cols) of tiles the processor cuts an image of ``height`` x ``width`` into."""

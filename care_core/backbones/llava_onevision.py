@@ -137,24 +137,28 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
 
     # ------------------------------------------------------------------ language model
     def _with_newlines(self, tokens: ImageTokens, rows: torch.Tensor) -> torch.Tensor:
-        """All N projected tokens -> the model's own sequence: the rows put back at their crops' patches and packed by
-        the model's ``pack_image_features`` (unpad, bilinear pooling where the model pools, newline rows)."""
+        """All N projected tokens (..., N, d) -> the model's own sequence: the rows put back at their crops' patches
+        and packed by the model's ``pack_image_features`` (unpad, bilinear pooling where the model pools, newline
+        rows); leading dimensions: a batch of images sharing ``tokens``' geometry."""
         inputs = tokens.model_inputs
         for key in ("crop_index", "patch_index", "image_sizes", "pixel_values"):
             if key not in inputs:
                 raise ValueError(f"tokens.model_inputs has no {key}; use ImageTokens from encode_image")
         inner = _inner(self.model)
+        lead, width = rows.shape[:-2], rows.shape[-1]
+        images = rows.reshape(-1, rows.shape[-2], width)
         crop, patch = inputs["crop_index"].to(rows.device), inputs["patch_index"].to(rows.device)
         per = self.num_image_tokens
         count = int(inputs["pixel_values"].shape[1])  # the image's crops, base view included
-        crops = rows.new_zeros(count, per, rows.shape[1])  # patches of the padding band stay 0: unpad drops them
-        crops[crop, patch] = rows
+        crops = rows.new_zeros(images.shape[0], count, per, width)  # the padding band stays 0: unpad drops it
+        crops[:, crop, patch] = images
+        sizes = inputs["image_sizes"].reshape(1, 2).expand(images.shape[0], 2)
         aspect = str(getattr(self.model.config, "vision_aspect_ratio", "anyres_max_9"))
         with quiet_transformers():
             packed, _ = inner.pack_image_features(
-                [crops], inputs["image_sizes"], image_newline=inner.image_newline, vision_aspect_ratio=aspect
+                list(crops), sizes, image_newline=inner.image_newline, vision_aspect_ratio=aspect
             )
-        return packed[0].to(rows.dtype)
+        return torch.stack(packed).to(rows.dtype).reshape(*lead, -1, width)
 
     def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
         kept = check_kept(kept, int(rows), tokens.num_tokens)

@@ -13,7 +13,9 @@ states after its first layers. The deepstack mergers work per group, so their ou
 ``model_inputs["deepstack"]`` ((levels, N, d_t)) and every level is reduced with the main rows: row r of the K rows
 gets token ``kept[r]``'s deepstack rows at every level, the same K rows in the same order; a row tied to no token
 (``kept`` -1) gets zero deepstack rows (nothing is added to it). Calibrated or merged rows keep the deepstack rows
-of the token whose index they carry (the anchor's own).
+of the token whose index they carry (the anchor's own). That rule is :meth:`Qwen3VLAdapter.fed_deepstack`, for one
+image or a batch; ``scripts/train_demo`` feeds a batch through it and :meth:`Qwen3VLAdapter.deepstack_outputs` (the
+rows and deepstack rows of :meth:`Qwen3VLAdapter.batch_tokens`, one tower pass with gradients).
 
 Geometry and positions as Qwen2.5-VL (:mod:`care_core.backbones.qwen2_5_vl`): the processor resizes to multiples of
 32 px, each token is a 32x32 block mapped linearly back to the original image; the kept rows get the (t, h, w)
@@ -85,6 +87,20 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         return len(self.model.config.vision_config.deepstack_visual_indexes)
 
     # ------------------------------------------------------------------ vision
+    def _tower(self, pixel_values: torch.Tensor, thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed patches through the tower once: (sum N, unit * d_v) merged-token features (the tower's last
+        hidden state, already in raster order of each merged grid) and (levels, sum N, d_t) deepstack rows;
+        gradients where enabled."""
+        visual = self._inner.visual
+        vparam = next(visual.parameters())
+        # one image (frame) is one segment per block: nothing to pack, and switching the setting costs ~ms
+        pack = self.pack_vision_attention and int(thw[:, 0].sum()) > 1
+        with quiet_transformers(), tower_attention(self.model, vparam.device, pack=pack):
+            out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=thw.to(vparam.device))
+        unit = int(self.model.config.vision_config.spatial_merge_size) ** 2
+        hidden = out.last_hidden_state  # processor order: each 2x2 group is 4 consecutive rows
+        return hidden.reshape(-1, unit * hidden.shape[-1]), torch.stack(list(out.deepstack_features))
+
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """Merged-token pre-projector features (N, 4 d_v) and deepstack rows (levels, N, d_t) per image, with their
         geometry: the packed patches of all images through the tower once (attention stays within each image)."""
@@ -92,17 +108,9 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         if thw.dim() != 2 or thw.shape[0] != len(sizes) or int(thw.prod(-1).sum()) != pixel_values.shape[0]:
             raise ValueError(f"image_grid_thw {tuple(thw.shape)} and pixel_values {tuple(pixel_values.shape)} do not "
                              f"hold the patches of {len(sizes)} images")  # fmt: skip
-        visual = self._inner.visual
-        vparam = next(visual.parameters())
-        # one image (frame) is one segment per block: nothing to pack, and switching the setting costs ~ms
-        pack = self.pack_vision_attention and int(thw[:, 0].sum()) > 1
-        packed = tower_attention(self.model, vparam.device, pack=pack)
-        with torch.no_grad(), quiet_transformers(), packed:
-            out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=thw.to(vparam.device))
+        with torch.no_grad():
+            features, deepstack = self._tower(pixel_values, thw)
         unit = int(self.model.config.vision_config.spatial_merge_size) ** 2
-        hidden = out.last_hidden_state  # processor order: each 2x2 group is 4 consecutive rows
-        features = hidden.reshape(-1, unit * hidden.shape[-1])
-        deepstack = torch.stack(list(out.deepstack_features))  # (levels, sum N, d_t)
         counts = [int(n) // unit for n in thw.prod(-1).tolist()]
         per_image, per_deepstack = features.split(counts), deepstack.split(counts, dim=1)
         pixels = pixel_values.split([n * unit for n in counts])
@@ -113,27 +121,49 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
             result.append(tokens)
         return result
 
+    def batch_tokens(self, pixel_values: torch.Tensor, reference: ImageTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N, unit * d_v) pre-projector features and (levels, B, N, d_t) deepstack rows of B images sharing
+        ``reference``'s geometry (same grid_thw), ``pixel_values`` (B, patches, C * T * P * P) their processor
+        outputs: one tower pass, with gradients where enabled (what ``scripts/train_demo`` trains through)."""
+        batch = int(pixel_values.shape[0])
+        thw = reference.model_inputs["image_grid_thw"].expand(batch, -1)
+        features, deepstack = self._tower(pixel_values.flatten(0, 1), thw)
+        n = reference.num_tokens
+        return features.view(batch, n, -1), deepstack.view(deepstack.shape[0], batch, n, -1)
+
     def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
-        """Not offered: training would also have to feed the deepstack rows."""
-        raise NotImplementedError("the qwen3-vl adapter has no batched training features (deepstack rows)")
+        """(B, N, unit * d_v): :meth:`batch_tokens`' features (training also feeds its deepstack rows)."""
+        return self.batch_tokens(pixel_values, reference)[0]
 
     # ------------------------------------------------------------------ language model
-    def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
-        """``{"image": BaseModelOutputWithDeepstackFeatures}``: the K main rows and, per deepstack level, the same
-        K rows (row r: token ``kept[r]``'s deepstack row; zeros for -1 rows; tokens 0..K-1 when ``kept`` is None)."""
+    @staticmethod
+    def fed_deepstack(deepstack: torch.Tensor, kept: torch.Tensor | None, k: int) -> torch.Tensor:
+        """(levels, ..., K, d_t) deepstack rows of K fed rows from every token's (levels, ..., N, d_t): row r gets
+        token ``kept[..., r]``'s (zeros for a -1 row, tied to no token); tokens 0..K-1 when ``kept`` is None."""
+        if kept is None:
+            return deepstack[..., :k, :]
+        select = kept.to(deepstack.device)
+        index = select.clamp(min=0).unsqueeze(-1).expand(*select.shape, deepstack.shape[-1])
+        levels = torch.gather(deepstack, -2, index.expand(deepstack.shape[0], *index.shape))
+        return levels * (select >= 0).to(deepstack.dtype).unsqueeze(-1)
+
+    @staticmethod
+    def deepstack_outputs(rows: torch.Tensor, levels: torch.Tensor) -> dict[str, Any]:
+        """``{"image": BaseModelOutputWithDeepstackFeatures}`` for rows (..., K, d_t) and their deepstack rows
+        (levels, ..., K, d_t): every image's rows in one list entry, in order (the placeholders' order)."""
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
+        width = rows.shape[-1]
+        return {"image": BaseModelOutputWithDeepstackFeatures(
+            pooler_output=[rows.reshape(-1, width)],  # type: ignore[arg-type]
+            deepstack_features=[[level.reshape(-1, width)] for level in levels],  # type: ignore[misc]
+        )}  # fmt: skip
+
+    def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
+        """The K main rows and, per deepstack level, the same K rows (:meth:`fed_deepstack`)."""
         deepstack = tokens.model_inputs.get("deepstack")
         if deepstack is None or deepstack.shape[:2] != (self.deepstack_levels, tokens.num_tokens):
             raise ValueError("tokens.model_inputs has no deepstack rows for every token; use ImageTokens from "
                              "encode_image")  # fmt: skip
-        k = int(rows.shape[0])
         deepstack = deepstack.to(device=rows.device, dtype=rows.dtype)
-        if kept is None:
-            levels = deepstack[:, :k]
-        else:
-            select = kept.to(rows.device)
-            levels = deepstack[:, select.clamp(min=0)] * (select >= 0).to(rows.dtype)[None, :, None]
-        return {"image": BaseModelOutputWithDeepstackFeatures(
-            pooler_output=[rows], deepstack_features=[[level] for level in levels]  # type: ignore[arg-type,misc]
-        )}  # fmt: skip
+        return self.deepstack_outputs(rows, self.fed_deepstack(deepstack, kept, int(rows.shape[0])))

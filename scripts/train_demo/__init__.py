@@ -10,23 +10,29 @@ own generate path, and write the weights to ship.
 Run from the repository root (as a module: it imports care_core and ``benchmarks.demo_world`` from there). A
 progress bar shows every phase (building the model, drawing the scenes, the steps, saving, the held-out
 evaluation); Ctrl-C stops with one line saying what was saved, and exit code 130. Backbones: the demos whose
-registry record names a weights file (``tiny-llava``, ``tiny-llava-next``, ``tiny-qwen2.5-vl``); the model starts
-from the record's trained skeleton (``DemoBackbone.build_trained``, :data:`~care_core.backbones.demo.TRAINED_SIZES`).
+registry record names a weights file (``tiny-llava``, ``tiny-llava-next``, ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``,
+``tiny-llava-onevision``, ``tiny-internvl3``); the model starts from the record's trained skeleton
+(``DemoBackbone.build_trained``, :data:`~care_core.backbones.demo.TRAINED_SIZES`).
 
 Recipe (seeded, one command): 24,000 scenes of split seed 0 (held-out questions: split seed 1) are drawn by
 worker processes and kept as the backbone's (PIL) processor output in uint8 (on the device; ``--pool-device cpu``
 keeps them in host memory). Every step normalises a batch of 128 images as the processor does, runs the family's
 own tower pass with gradients (``adapter.batch_features``: CLIP layer -2 without CLS per crop, LLaVA-NeXT's packing
-of base view and unpadded crops, Qwen2.5-VL's windowed tower with its 2x2 groups in raster order), projects them
-(the family's projector or merger) and feeds the language model the prompt ``adapter.prompt(question)`` with the
-visual rows where the adapter puts them (its own ids and, for Qwen2.5-VL, its multimodal-rope positions, taken from
-``adapter._lm_inputs`` for a reference image; LLaVA-NeXT's newline rows through ``adapter.fed_rows``), followed by
-`` answer`` and the end token; the answer loss is on the answer tokens only. A dense auxiliary loss (a linear head
+of base view and unpadded crops, Qwen2.5-VL's windowed tower with its 2x2 groups in raster order, Qwen3-VL's tower
+with its deepstack rows (``adapter.batch_tokens``), LLaVA-OneVision's SigLIP crops packed as NeXT's, InternVL3's
+tiles through InternViT and the pixel shuffle), projects them (the family's projector or merger) and feeds the
+language model the prompt ``adapter.prompt(question)`` with the visual rows where the adapter puts them (its own ids,
+InternVL3's ``<img>`` ... ``</img>`` included, and, for the Qwen families, its multimodal-rope positions, taken from
+``adapter._lm_inputs`` for a reference image; LLaVA-NeXT's and LLaVA-OneVision's newline rows through
+``adapter.fed_rows``; Qwen3-VL's rows and each row's deepstack rows, those of its token, as the encoder outputs its
+inference hands the model: ``adapter.fed_deepstack``, ``adapter.deepstack_outputs``), followed by `` answer`` and
+the end token; the answer loss is on the answer tokens only. A dense auxiliary loss (a linear head
 that is not shipped) asks each token's pre-projector features for the colour and shape of the object under the
 token's centre (``ImageTokens.boxes`` of the adapter: every token, base view and crops alike) and for the token's
 row and column on a 24 x 24 grid of ``ImageTokens.positions``. After the first 30% of the steps, half the steps
 feed a random subset of the visual tokens (K log-uniform in 48..N, in raster or shuffled order, fed as reduction
-feeds them: K rows in the given order, Qwen rows at their tokens' rope positions), so that the language model reads
+feeds them: K rows in the given order, Qwen rows at their tokens' rope positions with, for Qwen3-VL, their tokens'
+deepstack rows), so that the language model reads
 whatever rows it is given. AdamW (lr 1.5e-3, cosine, 5% warm-up), 5000 steps. A checkpoint is written every
 ``--checkpoint-every`` steps (DIR/checkpoint.pt); ``--resume`` continues from it bit for bit (CPU float32).
 
@@ -38,13 +44,22 @@ high without the image (a tiny-llava-next run of 1500 steps at batch 64 logged 0
 scenes it scored 0.88 with zero visual rows, and 54% of answers right with its own; 2026-11-26).
 
 Image size. ``tiny-llava`` trains on the world's mix of sizes (its processor crops all of them to one 336x336
-view). A batch must share one token geometry, so ``tiny-llava-next`` and ``tiny-qwen2.5-vl`` train on 336x336
-scenes (``--size``): LLaVA-NeXT then sees a base view and two 336x336 crops of the 336x672 canvas (N = 1152, plus 24
-newline rows), Qwen2.5-VL a 24x24 patch grid merged to 12x12 (N = 144). The held-out evaluation keeps the world's
-mix of sizes, so it also measures how far that carries to other sizes.
+view). A batch must share one token geometry, so the other demos train on one scene size (``--size``; the family's
+default in ``cli.TRAINED_FAMILIES``), 336x336 unless said: LLaVA-NeXT then sees a base view and two 336x336 crops of
+the 336x672 canvas (N = 1152, plus 24 newline rows), Qwen2.5-VL a 24x24 patch grid merged to 12x12 (N = 144).
+``tiny-qwen3-vl`` trains on 384x384 scenes: a 24x24 grid of 16 px patches merged to 12x12 (N = 144, as Qwen2.5-VL;
+336x336 would resize to 320x320, N = 100). LLaVA-OneVision sees a base view and one 384x384 crop (N = 729 + 27 x 27
+= 1458, plus 27 newline rows; no image of the world gives fewer), InternVL3 one 448 px tile and no thumbnail
+(N = 256; non-square scenes are cut into several tiles plus a thumbnail). The held-out evaluation keeps the world's
+mix of sizes, so it also measures how far that carries to other sizes (for InternVL3: to several tiles and the
+thumbnail, which its training never shows).
 
 Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``
-steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. On a GPU the
+steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. In the same
+conditions (batch 8, median of three steps after one, 2026-11-26; NeXT measured 2.8 and Qwen2.5-VL 0.7 in the same
+runs) a Qwen3-VL step costs about 0.85 ``tiny-llava`` steps, an InternVL3 step about 1.3 (a 448 px tile: 1024
+patches through InternViT) and a LLaVA-OneVision step about 4.0 (two crops of 729 SigLIP patches, 1485 rows into the
+language model). On a GPU the
 Qwen2.5-VL tower without flash attention runs one attention call per window and image (9 windows per 336x336 image in
 its two windowed blocks, one call per image in the two others: 2,560 calls per forward at batch 128), so its steps are
 bound by launches. ``--vision-attention packed`` runs each block's calls as one batched sdpa call per segment length

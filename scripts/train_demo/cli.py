@@ -30,6 +30,9 @@ TRAINED_FAMILIES: dict[str, tuple[int, int] | None] = {
     "llava-1.5": None,  # the processor crops every size to one 336x336 view: one geometry
     "llava-next": (336, 336),  # base view + two crops; other sizes give other crop counts
     "qwen2.5-vl": (336, 336),  # a 24x24 patch grid, 12x12 merged tokens
+    "qwen3-vl": (384, 384),  # a 24x24 grid of 16 px patches, 12x12 merged tokens (336 px would resize to 320: 10x10)
+    "llava-onevision": (336, 336),  # base view + one 384x384 crop, 729 + 27x27 tokens; other sizes, other crops
+    "internvl3": (336, 336),  # one 448 px tile (no thumbnail), 256 tokens; other aspect ratios cut other tiles
 }
 PACKED = "packed"  # --vision-attention: care_core's packed sdpa (one call per segment length), any device
 REFERENCE_SIZE = (336, 336)  # the reference image of the world's mix (every size gives tiny-llava one geometry)
@@ -208,7 +211,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenes", type=int, default=24000)
     parser.add_argument("--size", type=_size, default=None,
                         help="HxW of every training scene, or 'mixed' (the world's sizes); default: the family's "
-                             "(tiny-llava: mixed, the others 336x336)")  # fmt: skip
+                             "(tiny-llava: mixed, tiny-qwen3-vl 384x384, the others 336x336)")  # fmt: skip
     parser.add_argument(
         "--subset-share",
         type=float,

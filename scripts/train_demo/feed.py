@@ -1,7 +1,9 @@
 """What one training step feeds a backbone, taken from its adapter: the tower pass with gradients
-(``adapter.batch_features``), the projector, the visual rows the language model receives (``adapter.fed_rows``:
-LLaVA-NeXT's newline rows) and, for multimodal rope, the rows' positions (``adapter.row_positions``); the prompt's ids
-and positions are the adapter's own inference inputs (``_lm_inputs``) for a reference image of the training size.
+(``adapter.batch_features``; Qwen3-VL's ``adapter.batch_tokens`` also gives its deepstack rows), the projector, the
+visual rows the language model receives (``adapter.fed_rows``: LLaVA-NeXT's and LLaVA-OneVision's newline rows), for
+multimodal rope the rows' positions (``adapter.row_positions``) and, for Qwen3-VL, each row's deepstack rows
+(``adapter.fed_deepstack``, handed to the model as its inference does, ``adapter.deepstack_outputs``); the prompt's
+ids and positions are the adapter's own inference inputs (``_lm_inputs``) for a reference image of the training size.
 
 A batch is a right-padded sequence ``prompt head | R visual rows | question tail + answer`` per sample; every sample
 of a step shares the head, the image geometry and K, so the rows sit at the same place in every row of the batch.
@@ -69,9 +71,32 @@ class Feed:
         """The answer's ids as the model says it after the prompt: `` answer`` and the end token."""
         return [*self.adapter.tokenizer(" " + answer, add_special_tokens=False)["input_ids"], self.eos]
 
-    def features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, N, d_v) pre-projector features of normalised processor outputs, with gradients."""
-        return self.adapter.batch_features(pixels, self.reference)
+    @property
+    def deepstack(self) -> bool:
+        """True when the language model also takes deepstack rows per visual row (Qwen3-VL)."""
+        return hasattr(self.adapter, "fed_deepstack")
+
+    def features(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, N, d_v) pre-projector features of normalised processor outputs and, for Qwen3-VL, the (levels, B, N,
+        d_t) deepstack rows of the same tower pass (else None), with gradients."""
+        if self.deepstack:
+            features, deepstack = self.adapter.batch_tokens(pixels, self.reference)
+            return features, deepstack
+        return self.adapter.batch_features(pixels, self.reference), None
+
+    def visual_inputs(
+        self, head: torch.Tensor, rows: torch.Tensor, text: torch.Tensor, deepstack: torch.Tensor,
+        order: torch.Tensor | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The model's ids and encoder outputs for a family with deepstack rows, as its inference feeds them: ``head``
+        ids, R image placeholders, ``text`` ids; the R rows and each row's deepstack rows (its token's, ``order``)."""
+        adapter = self.adapter
+        batch, count = int(rows.shape[0]), int(rows.shape[1])
+        image = torch.full((batch, count), adapter.image_token_id, dtype=text.dtype, device=text.device)
+        ids = torch.cat([head, image, text], dim=1)
+        levels = adapter.fed_deepstack(deepstack, order, count)
+        return {"input_ids": ids, "mm_token_type_ids": (ids == adapter.image_token_id).long(),
+                "mm_encoder_outputs": adapter.deepstack_outputs(rows, levels)}  # fmt: skip
 
     def rows(self, projected: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
         """(B, R, d_t) rows the language model receives: all tokens (``order`` None, the family's own rows added)

@@ -162,17 +162,21 @@ def model_inputs(parts: Parts, data: Data, b: Batch) -> tuple[dict[str, Any], in
     if b.hflip.any() or b.vflip.any():
         pixels = _mirror(pixels, b)
     embed = parts.model.get_input_embeddings()
-    features = parts.feed.features(pixels)  # (B, N, d_v)
+    features, deepstack = parts.feed.features(pixels)  # (B, N, d_v); Qwen3-VL: (levels, B, N, d_t) too
     dense = parts.aux(features)  # (B, N, 7 + 5 + 24 + 24)
     rows = _visual_rows(parts, features, b)
     head = torch.tensor(parts.feed.layout(b.questions[0]).head, device=device).expand(batch, -1)
-    embeds = torch.cat([embed(head), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
     prefix = head.shape[1] + rows.shape[1]
-    attn = (torch.arange(embeds.shape[1], device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
-    inputs: dict[str, Any] = {"inputs_embeds": embeds, "attention_mask": attn}
+    length = prefix + b.text.shape[1]
+    attn = (torch.arange(length, device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
+    inputs: dict[str, Any] = {"attention_mask": attn}
+    if deepstack is None:  # the rows as input embeddings between the head's and the text's
+        inputs["inputs_embeds"] = torch.cat([embed(head), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
+    else:  # placeholders and encoder outputs, as inference feeds them: the model adds the deepstack rows
+        inputs.update(parts.feed.visual_inputs(head, rows, b.text, deepstack, b.order))
     if parts.feed.rope:  # a 1-D text row, then (t, h, w): the adapter's four rows
         mrope = parts.feed.positions(b.questions, b.order, b.text.shape[1])
-        text_row = torch.arange(embeds.shape[1]).view(1, 1, -1).expand(1, batch, -1)
+        text_row = torch.arange(length).view(1, 1, -1).expand(1, batch, -1)
         inputs["position_ids"] = torch.cat([text_row, mrope], dim=0).to(device)
     return inputs, prefix, dense
 

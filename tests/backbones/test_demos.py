@@ -50,12 +50,15 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
         "tiny-qwen2.5-vl",
         "tiny-qwen2.5-vl-random",
         "tiny-qwen3-vl",
+        "tiny-qwen3-vl-random",
         "tiny-internvl3",
+        "tiny-internvl3-random",
         "tiny-llava-onevision",
+        "tiny-llava-onevision-random",
     ]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
-    family_of = {**FAMILIES, "tiny-llava-random": "llava-1.5", "tiny-llava-next-random": "llava-next",
-                 "tiny-qwen2.5-vl-random": "qwen2.5-vl", "tiny-llava-onevision": "llava-onevision"}  # fmt: skip
+    family_of = {**FAMILIES, "tiny-llava-onevision": "llava-onevision"}
+    family_of.update({f"{name}-random": family for name, family in family_of.items()})
     for name in demos:
         assert DEMO_BACKBONES[name].family == family_of[name]
         assert DEMO_BACKBONES[name] in backbone_family(family_of[name]).demos
@@ -108,7 +111,16 @@ def test_demo_loads_from_its_folder(demos: dict[str, Any], demo_home: Path, name
     assert adapter.capabilities <= frozenset(PROBES)
 
 
-@pytest.mark.parametrize("name", ["tiny-llava-next-random", "tiny-qwen2.5-vl-random", "tiny-internvl3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny-llava-next-random",
+        "tiny-qwen2.5-vl-random",
+        "tiny-qwen3-vl-random",
+        "tiny-internvl3-random",
+        "tiny-llava-onevision-random",
+    ],
+)
 def test_demo_build_is_deterministic_and_keeps_global_rng(demo_home: Path, name: str) -> None:
     torch.manual_seed(1234)
     state = torch.random.get_rng_state()
@@ -289,7 +301,8 @@ TRAINED_DEMOS = [name for name, spec in DEMO_BACKBONES.items() if spec.weights]
 @pytest.fixture(scope="module")
 def weights_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ``demo_weights`` folder as ``train_demo --install-from`` leaves it for every trained demo: the shipped files
-    where the package has them, else the demo's trained skeleton with seed-0 weights (placeholders, made here)."""
+    where the package has them, else the demo's trained skeleton with seed-0 weights in float16, as train_demo saves
+    them (placeholders, made here)."""
     folder = tmp_path_factory.mktemp("demo_weights")
     manifest = read_manifest()
     for name in TRAINED_DEMOS:
@@ -299,7 +312,7 @@ def weights_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.copyfile(WEIGHTS_DIR / spec.weights, folder / spec.weights)
             continue
         model, _ = spec.build_trained(0)
-        model.save_pretrained(str(folder / name))
+        model.half().save_pretrained(str(folder / name))
         shutil.move(folder / name / "model.safetensors", folder / spec.weights)
         manifest[spec.weights] = {"sha256": file_sha256(folder / spec.weights),
                                   "bytes": (folder / spec.weights).stat().st_size, "backbone": name}  # fmt: skip

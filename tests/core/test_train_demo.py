@@ -1,7 +1,8 @@
 """scripts/train_demo: its merge augmentation (against a hand-built case and a per-token loop), its logged answer
 accuracy (a hand-built case), its stop on Ctrl-C (one line, exit code 130, no traceback), and per trained backbone: a
-step lowers the loss with gradients reaching tower, projector and language model, the rows it feeds equal the
-adapter's own inference inputs, and a checkpoint resumed gives the parameters of an uninterrupted run."""
+step lowers the loss with gradients reaching tower, projector, language model (and Qwen3-VL's deepstack mergers), the
+rows it feeds equal the adapter's own inference inputs (ids, positions, deepstack rows), and a checkpoint resumed gives
+the parameters of an uninterrupted run (the two Qwen families)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,14 @@ from scripts.train_demo.loop import (
     optimiser,
 )
 
-TRAINED = ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl"]
+TRAINED = [
+    "tiny-llava",
+    "tiny-llava-next",
+    "tiny-qwen2.5-vl",
+    "tiny-qwen3-vl",
+    "tiny-llava-onevision",
+    "tiny-internvl3",
+]
 
 
 def test_dropped_tokens_join_their_nearest_kept_token() -> None:
@@ -127,9 +135,19 @@ def test_training_feeds_what_the_adapter_feeds_at_inference(prepared: Any, reduc
         projected = adapter.projector(tokens.features if order is None else tokens.features[order])
         theirs = adapter._lm_inputs(question, tokens, projected, order)
         expected = adapter._prompt_embeddings(theirs)[0]
+        # rows as input embeddings, or (deepstack families) placeholders + encoder outputs as at inference
+        fed = ours["inputs_embeds"][0] if "inputs_embeds" in ours else adapter._prompt_embeddings(ours)[0]
     length = expected.shape[0]
     assert ours["attention_mask"][0].sum() > length  # the answer follows the prompt
-    torch.testing.assert_close(ours["inputs_embeds"][0, :length], expected, atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(fed[:length], expected, atol=2e-4, rtol=1e-3)
+    if "input_ids" in ours:
+        assert torch.equal(ours["input_ids"][0, :length], theirs["input_ids"][0])
+        assert torch.equal(ours["mm_token_type_ids"][0, :length], theirs["mm_token_type_ids"][0])
+        levels = ours["mm_encoder_outputs"]["image"].deepstack_features
+        expected_levels = theirs["mm_encoder_outputs"]["image"].deepstack_features
+        assert len(levels) == len(expected_levels) == adapter.deepstack_levels
+        for level, expected_level in zip(levels, expected_levels, strict=True):  # each row: its own token's
+            torch.testing.assert_close(level[0], expected_level[0], atol=2e-4, rtol=1e-3)
     if "position_ids" in theirs:
         assert torch.equal(ours["position_ids"][:, 0, :length], theirs["position_ids"][:, 0])
     else:
@@ -141,10 +159,12 @@ def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
     opt, _ = optimiser(args, parts)
     b = draw_batch(args, 0, torch.Generator().manual_seed(0), data, parts)
     adapter = parts.feed.adapter
-    watched = {"tower": next(adapter.model.model.visual.parameters()) if hasattr(adapter.model.model, "visual")
-               else next(adapter._vision_tower.parameters()),
-               "projector": next(adapter.projector.parameters()),
+    inner = adapter.model.model
+    tower = inner.visual if hasattr(inner, "visual") else inner.vision_tower
+    watched = {"tower": next(tower.parameters()), "projector": next(adapter.projector.parameters()),
                "language model": adapter._language_model.layers[0].self_attn.q_proj.weight}  # fmt: skip
+    for level, merger in enumerate(getattr(tower, "deepstack_merger_list", [])):  # Qwen3-VL: rows added in the LM
+        watched[f"deepstack merger {level}"] = merger.linear_fc2.weight
     seen: list[float] = []
     for _ in range(3):
         logits, dense = forward(parts, data, b)
@@ -159,8 +179,9 @@ def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
     assert seen[-1] < seen[0]
 
 
-def test_resuming_a_checkpoint_gives_the_uninterrupted_parameters(tmp_path: Path) -> None:
-    name = "tiny-qwen2.5-vl"  # multimodal-rope positions, token subsets: the whole generic path
+# multimodal-rope positions, token subsets: the whole generic path; Qwen3-VL adds the deepstack rows
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_resuming_a_checkpoint_gives_the_uninterrupted_parameters(tmp_path: Path, name: str) -> None:
 
     def run(out: Path, stop_after: int | None, *extra: str) -> dict[str, torch.Tensor]:
         out.mkdir(exist_ok=True)
