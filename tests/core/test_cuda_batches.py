@@ -1,0 +1,55 @@
+"""On a CUDA device: the batched paths that CUDA changes give per image what batch 1 gives there.
+
+The Qwen towers pack their attention on CUDA only (docs/design.md §Packed vision attention), and the merge
+methods' batched loops run other kernel shapes than one image's; the CPU tests cannot see either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from care_core import CaReConfig
+from care_core.backbones import load_backbone
+from care_core.methods import build_method
+from tests.backbones._helpers import noise_image
+from tests.methods.conftest import make_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SIZES = [(300, 420), (500, 260), (336, 336), (224, 448)]
+METHODS = ("tome", "ficoco-v", "zoo-prune", "simple-calib", "confidence-calib", "care")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl-random", "tiny-qwen3-vl-random"])
+def test_packed_tower_on_cuda_gives_each_image_its_unpacked_features(name: str, tmp_path: Path) -> None:
+    adapter: Any = load_backbone(name, device="cuda", dtype=torch.float32, home=tmp_path)
+    images = [noise_image(h, w, seed=i) for i, (h, w) in enumerate(SIZES)]
+    batch = adapter.encode_images(images)  # packed: CUDA and sdpa
+    adapter.pack_vision_attention = False  # transformers' own per-segment loop
+    alone = [adapter.encode_images([image])[0] for image in images]
+    assert adapter.model.config.vision_config._attn_implementation == "sdpa"  # restored after every call
+    for many, one in zip(batch, alone, strict=True):
+        torch.testing.assert_close(many.features, one.features, atol=1e-4, rtol=1e-4)
+
+
+def _on_cuda(probes: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in probes.items()}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_batched_methods_on_cuda_keep_what_each_image_keeps_alone(name: str) -> None:
+    made = [make_inputs(n, d_v=64, seed=7 * i + n) for i, n in enumerate((576, 400, 576, 324))]
+    projector = made[0].projector.cuda()
+    inputs = [dataclasses.replace(one, features=one.features.cuda(), positions=one.positions.cuda(),
+                                  projector=projector, probes=_on_cuda(one.probes)) for one in made]  # fmt: skip
+    keeps = [64, 40, 144, 64]
+    method = build_method(name, CaReConfig(m=16, seed=3))
+    for one, got, keep in zip(inputs, method.batch(inputs, keeps), keeps, strict=True):
+        want = method(one, keep)
+        assert torch.equal(got.indices.cpu(), want.indices.cpu()), name
+        torch.testing.assert_close(got.tokens, want.tokens, atol=1e-4, rtol=1e-4)
