@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "examples" / "tasks"
 POPE = TASKS / "care_pope_examples"
 VQA = TASKS / "care_vqa_examples"
+SHAPES = TASKS / "care_shapes_examples"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,16 @@ import torch
 
 pytest.importorskip("lmms_eval")
 
-from .conftest import POPE, ROOT, VQA
+from care_core.backbones.families import demo_backbones
+from care_core.synthetic import COLOURS, MAX_OBJECTS
+from care_core.synthetic import SHAPES as WORLD_SHAPES
+
+from .conftest import POPE, ROOT, SHAPES, VQA
+
+TRAINED_DEMOS = sorted(name for name, spec in demo_backbones().items() if spec.trained)
+#: every answer the shapes world has (care_core.synthetic's questions): a trained demo answers in these words
+WORLD_WORDS = {*WORLD_SHAPES, *COLOURS, "yes", "no", "left", "right", "top", "bottom",
+               *(str(n) for n in range(MAX_OBJECTS + 1))}  # fmt: skip
 
 
 def answers(report: dict[str, Any]) -> dict[str, dict[str, dict[str, str]]]:
@@ -38,6 +47,19 @@ def test_acceptance_json_has_the_metric_of_every_setting(care) -> None:
     for setting in report["settings"]:
         assert set(setting["tasks"]["care_pope_examples"]["metrics"]) == {"pope_accuracy", "pope_f1", "pope_yes_ratio"}
     assert report["backbone"]["demo"] is True and report["output_dir"] is None
+
+
+@pytest.mark.parametrize("model", TRAINED_DEMOS)
+def test_every_trained_demo_answers_the_shapes_task_in_the_worlds_words(care, model: str) -> None:
+    result = care("eval", "--model", model, "--method", "care", "--keep", "64", "--tasks", SHAPES, "--limit", "4",
+                  "--json", "--device", "cpu")  # fmt: skip
+    assert result.code == 0, result.err
+    report = result.json()
+    assert report["backbone"]["demo"] is True
+    for setting in report["settings"]:  # all tokens and care K=64
+        given = setting["tasks"]["care_shapes_examples"]["answers"]
+        assert len(given) == 4
+        assert {str(a).strip().lower() for a in given.values()} <= WORLD_WORDS, (model, setting["setting"], given)
 
 
 def test_table_two_tasks_output_dir_and_resume(care, tmp_path: Path) -> None:
