@@ -256,12 +256,20 @@ def save_checkpoint(
     os.replace(tmp, path)
 
 
+def _shown(option: str, value: Any) -> str:
+    """An option's value as the command line gives it (``--size``: ``mixed`` or ``HxW``)."""
+    if option == "size":
+        return "mixed" if value is None else f"{value[0]}x{value[1]}"
+    return repr(value)
+
+
 def load_checkpoint(path: Path, args: argparse.Namespace, parts: Parts, opt: Any, gen: Any) -> tuple[int, float]:
     """Restore a checkpoint into the run; the step to continue from and the seconds trained so far. Exits when its
     options differ from ``args``."""
     # on the CPU: the generator state must stay a CPU ByteTensor; the modules and the optimiser move theirs
     state = torch.load(path, map_location="cpu", weights_only=False)
-    differ = [f"{k}={v!r} (now {getattr(args, k)!r})" for k, v in state["options"].items() if getattr(args, k) != v]
+    differ = [f"{k}={_shown(k, v)} (now {_shown(k, getattr(args, k))})" for k, v in state["options"].items()
+              if getattr(args, k) != v]  # fmt: skip
     if differ:
         raise UsageError(f"{path} was written with other options: {', '.join(differ)}")
     parts.model.load_state_dict(state["model"])
