@@ -14,27 +14,28 @@ registry record names a weights file (``tiny-llava``, ``tiny-llava-next``, ``tin
 ``tiny-llava-onevision``, ``tiny-internvl3``); the model starts from the record's trained skeleton
 (``DemoBackbone.build_trained``, :data:`~care_core.backbones.demo.TRAINED_SIZES`).
 
-Recipe (seeded, one command): 24,000 scenes of split seed 0 (held-out questions: split seed 1) are drawn by
-worker processes and kept as the backbone's (PIL) processor output in uint8 (on the device; ``--pool-device cpu``
-keeps them in host memory). Every step normalises a batch of 128 images as the processor does, runs the family's
-own tower pass with gradients (``adapter.batch_features``: CLIP layer -2 without CLS per crop, LLaVA-NeXT's packing
-of base view and unpadded crops, Qwen2.5-VL's windowed tower with its 2x2 groups in raster order, Qwen3-VL's tower
-with its deepstack rows (``adapter.batch_tokens``), LLaVA-OneVision's SigLIP crops packed as NeXT's, InternVL3's
-tiles through InternViT and the pixel shuffle), projects them (the family's projector or merger) and feeds the
-language model the prompt ``adapter.prompt(question)`` with the visual rows where the adapter puts them (its own ids,
-InternVL3's ``<img>`` ... ``</img>`` included, and, for the Qwen families, its multimodal-rope positions, taken from
-``adapter._lm_inputs`` for a reference image; LLaVA-NeXT's and LLaVA-OneVision's newline rows through
+Recipe (seeded, one command): 24,000 scenes of split seed 0 (held-out questions: split seed 1) at the world's mix of
+image sizes are drawn by worker processes and kept as the backbone's (PIL) processor output in uint8, one tensor per
+bucket of token geometry (see Image size; on the device, ``--pool-device cpu`` keeps them in host memory). Every step
+draws its bucket (by the bucket's share of the scenes), normalises a batch of 128 of its images as the processor does,
+runs the family's own tower pass with gradients (``adapter.batch_features``: CLIP layer -2 without CLS per crop,
+LLaVA-NeXT's packing of base view and unpadded crops, Qwen2.5-VL's windowed tower with its 2x2 groups in raster order,
+Qwen3-VL's tower with its deepstack rows (``adapter.batch_tokens``), LLaVA-OneVision's SigLIP crops packed as NeXT's,
+InternVL3's tiles through InternViT and the pixel shuffle), projects them (the family's projector or merger) and feeds
+the language model the prompt ``adapter.prompt(question)`` with the visual rows where the adapter puts them (its own
+ids, InternVL3's ``<img>`` ... ``</img>`` included, and, for the Qwen families, its multimodal-rope positions, taken
+from ``adapter._lm_inputs`` for the bucket's reference image; LLaVA-NeXT's and LLaVA-OneVision's newline rows through
 ``adapter.fed_rows``; Qwen3-VL's rows and each row's deepstack rows, those of its token, as the encoder outputs its
-inference hands the model: ``adapter.fed_deepstack``, ``adapter.deepstack_outputs``), followed by `` answer`` and
-the end token; the answer loss is on the answer tokens only. A dense auxiliary loss (a linear head
-that is not shipped) asks each token's pre-projector features for the colour and shape of the object under the
-token's centre (``ImageTokens.boxes`` of the adapter: every token, base view and crops alike) and for the token's
-row and column on a 24 x 24 grid of ``ImageTokens.positions``. After the first 30% of the steps, half the steps
-feed a random subset of the visual tokens (K log-uniform in 48..N, in raster or shuffled order, fed as reduction
-feeds them: K rows in the given order, Qwen rows at their tokens' rope positions with, for Qwen3-VL, their tokens'
-deepstack rows), so that the language model reads
-whatever rows it is given. AdamW (lr 1.5e-3, cosine, 5% warm-up), 5000 steps. A checkpoint is written every
-``--checkpoint-every`` steps (DIR/checkpoint.pt); ``--resume`` continues from it bit for bit (CPU float32).
+inference hands the model: ``adapter.fed_deepstack``, ``adapter.deepstack_outputs``), followed by `` answer`` and the
+end token; the answer loss is on the answer tokens only. A dense auxiliary loss (a linear head that is not shipped)
+asks each token's pre-projector features for the colour and shape of the object under the token's centre
+(``ImageTokens.boxes`` of the adapter: every token, base view and crops alike) and for the token's row and column on a
+24 x 24 grid of ``ImageTokens.positions``. After the first 30% of the steps, half the steps feed a random subset of
+the visual tokens (K log-uniform in 48..N, in raster or shuffled order, fed as reduction feeds them, N the bucket's: K
+rows in the given order, Qwen rows at their tokens' rope positions with, for Qwen3-VL, their tokens' deepstack rows),
+so that the language model reads whatever rows it is given. AdamW (lr 1.5e-3, cosine, 5% warm-up), 5000 steps. A
+checkpoint is written every ``--checkpoint-every`` steps (DIR/checkpoint.pt); ``--resume`` continues from it bit for
+bit (CPU float32).
 
 Log. Every 250 steps: the step's answer loss (mean over answer tokens), ``token acc`` (the share of answer tokens
 that are the argmax, teacher-forced) and ``answer acc`` (the share of answers with every token right: what greedy
@@ -43,18 +44,32 @@ targets, 5.7 per answer on average) and only the first letter or two depend on t
 high without the image (a tiny-llava-next run of 1500 steps at batch 64 logged 0.92 and 0.15; on its training
 scenes it scored 0.88 with zero visual rows, and 54% of answers right with its own; 2026-11-26).
 
-Image size. ``tiny-llava`` trains on the world's mix of sizes (its processor crops all of them to one 336x336
-view). A batch must share one token geometry, so the other demos train on one scene size (``--size``; the family's
-default in ``cli.TRAINED_FAMILIES``), 336x336 unless said: LLaVA-NeXT then sees a base view and two 336x336 crops of
-the 336x672 canvas (N = 1152, plus 24 newline rows), Qwen2.5-VL a 24x24 patch grid merged to 12x12 (N = 144).
-``tiny-qwen3-vl`` trains on 384x384 scenes: a 24x24 grid of 16 px patches merged to 12x12 (N = 144, as Qwen2.5-VL;
-336x336 would resize to 320x320, N = 100). LLaVA-OneVision sees a base view and one 384x384 crop (N = 729 + 27 x 27
-= 1458, plus 27 newline rows; no image of the world gives fewer), InternVL3 one 448 px tile and no thumbnail
-(N = 256; non-square scenes are cut into several tiles plus a thumbnail). The held-out evaluation keeps the world's
-mix of sizes, so it also measures how far that carries to other sizes (for InternVL3: to several tiles and the
-thumbnail, which its training never shows).
+Image size. ``--size mixed`` (the default for every family) trains on the world's mix of sizes
+(``care_core.synthetic.IMAGE_SIZES``). A batch must share one token geometry, so the pool is grouped into buckets, one
+per geometry (``buckets.py``: sizes whose blank images the adapter encodes alike share one), each with its reference
+encoding (ids, rope positions, newline rows), normaliser and token centres, built once at start-up. Each step draws
+one bucket with the step's generator, with probability proportional to its share of the pool's scenes, so training
+sees the world's mix, and its batch from that bucket's questions. N over the world's sizes (the log's ``pool:`` line
+lists the buckets): ``tiny-llava`` 576 at every size (one bucket: its processor crops all of them to one 336x336 view,
+so its runs are what they were before buckets); LLaVA-NeXT 1152 (336x336: a base view and two crops) to 2880 (448x448,
+672x672: a base view and four crops), plus one newline row per row of crop tokens; Qwen2.5-VL 144 (336x336: 12x12
+merged tokens) to 576 (672x672: 24x24); Qwen3-VL 100 (336x336 resizes to 320x320: 10x10) to 441 (672x672: 21x21);
+LLaVA-OneVision 1458 (336x336: a base view and one crop) to 3645 (448x448, 672x672: four crops), plus newline rows;
+InternVL3 256 (336x336 and 448x448 share a bucket: one 448 px tile, no thumbnail) to 3328 (384x512, 480x360: 12 tiles
+and the thumbnail); one bucket per size for all but ``tiny-llava`` and InternVL3's two. ``--size HxW`` trains every
+scene at one size (one bucket: the runs before mixed sizes, e.g. 336x336, and 384x384 for ``tiny-qwen3-vl``, whose
+24x24 grid of 16 px patches gives 144 merged tokens). Why mixed: trained at 336x336 only (H200, full recipe,
+2026-11-26), ``tiny-qwen2.5-vl`` answered 88% of 100 held-out questions at 336x336 but 44.6% of 500 at the world's
+sizes (other sizes give it other token counts and rope positions, which it had never seen), and ``tiny-llava-next``
+83.2% at the world's sizes (position questions 52%). A checkpoint records the choice: ``--resume`` refuses one written
+with another ``--size``. The held-out evaluation keeps the world's mix (``--eval-size``). Memory: the pool of 24,000
+scenes in uint8 takes about 8 GB for ``tiny-llava``, 28-34 GB for NeXT, OneVision and the Qwen families, and about 82
+GB for InternVL3 (5.7 tiles of 448 px per scene on average; at 336x336 only it was 14.5 GB): InternVL3 needs
+``--pool-device cpu`` or fewer ``--scenes`` on an 80 GB card, and its steps in the 13-tile bucket feed 13 tiles per
+image through the tower.
 
-Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``
+Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26; steps at 336x336, 384x384 for Qwen3-VL: a
+step at another size costs more or less with its N) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``
 steps (three crops per image, 1176 rows into the language model) and a Qwen2.5-VL step about 0.7. In the same
 conditions (batch 8, median of three steps after one, 2026-11-26; NeXT measured 2.8 and Qwen2.5-VL 0.7 in the same
 runs) a Qwen3-VL step costs about 0.85 ``tiny-llava`` steps, an InternVL3 step about 1.3 (a 448 px tile: 1024

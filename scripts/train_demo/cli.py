@@ -20,22 +20,15 @@ from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, file_sha256, read
 from care_core.backbones.packed_attention import use_packed_vision_attention
 from care_core.synthetic import IMAGE_SIZES
 
-from .feed import Feed
+from .buckets import POSITION_BINS, Geometry, token_geometries
 from .heldout import evaluate
-from .loop import CHECKPOINT, MIRROR, POSITION_BINS, Data, Parts, fit
-from .pool import Normaliser, UsageError, make_pool
+from .loop import CHECKPOINT, MIRROR, Data, Parts, fit
+from .pool import Pool, UsageError, make_pool
 
-#: the families this script trains -> the image size their scenes are drawn at (None: the world's mix)
-TRAINED_FAMILIES: dict[str, tuple[int, int] | None] = {
-    "llava-1.5": None,  # the processor crops every size to one 336x336 view: one geometry
-    "llava-next": (336, 336),  # base view + two crops; other sizes give other crop counts
-    "qwen2.5-vl": (336, 336),  # a 24x24 patch grid, 12x12 merged tokens
-    "qwen3-vl": (384, 384),  # a 24x24 grid of 16 px patches, 12x12 merged tokens (336 px would resize to 320: 10x10)
-    "llava-onevision": (336, 336),  # base view + one 384x384 crop, 729 + 27x27 tokens; other sizes, other crops
-    "internvl3": (336, 336),  # one 448 px tile (no thumbnail), 256 tokens; other aspect ratios cut other tiles
-}
+#: the families this script trains (each on the world's mix of image sizes unless --size says one)
+TRAINED_FAMILIES = ("llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl", "llava-onevision", "internvl3")
+MIXED = "mixed"  # --size: the world's mix of image sizes, one bucket per token geometry
 PACKED = "packed"  # --vision-attention: care_core's packed sdpa (one call per segment length), any device
-REFERENCE_SIZE = (336, 336)  # the reference image of the world's mix (every size gives tiny-llava one geometry)
 
 
 class Run:
@@ -82,23 +75,9 @@ def _adapter(spec: Any, model: Any, processor: Any) -> Any:
     return import_path(backbone_family(spec.family).adapter)(model, processor, name=spec.name)
 
 
-def _centres(adapter: Any, sizes: list[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
-    """Per image size, each token's centre (x, y) in original pixels: the middle of the adapter's ``boxes``."""
-    from PIL import Image
-
-    out = {}
-    for height, width in sizes:
-        boxes = adapter.encode_image(Image.new("RGB", (width, height))).boxes
-        out[(height, width)] = ((boxes[:, :2] + boxes[:, 2:]) / 2).numpy()
-    if len({len(c) for c in out.values()}) != 1:
-        raise UsageError("the image sizes give different token counts; train on one --size")
-    return out
-
-
-def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, Feed, dict[tuple[int, int], np.ndarray]]:
-    """The model to train (the demo's trained skeleton from the seed), its adapter's feed and token centres."""
-    from PIL import Image
-
+def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, list[Geometry], dict[tuple[int, int], np.ndarray]]:
+    """The model to train (the demo's trained skeleton from the seed), the buckets of token geometry of the training
+    sizes (``--size``: one, or the world's mix) with their feeds, and per size the token centres."""
     spec = DEMO_BACKBONES[args.backbone]
     advance = run.phase("building the model", total=1)
     torch.manual_seed(args.seed)
@@ -113,37 +92,50 @@ def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, Feed, dict[tupl
         except (ImportError, ValueError) as exc:
             raise UsageError(f"--vision-attention {args.vision_attention}: {str(exc).splitlines()[0]}") from exc
     adapter = _adapter(spec, model, processor)
-    size = args.size or REFERENCE_SIZE
-    reference = adapter.encode_image(Image.new("RGB", (size[1], size[0])))
-    centres = _centres(adapter, [args.size] if args.size else list(dict.fromkeys(IMAGE_SIZES)))
+    sizes = [args.size] if args.size else list(IMAGE_SIZES)
+    geometries, centres = token_geometries(adapter, processor.image_processor, sizes, torch.device(args.device))
     advance(1)
-    return model, processor, Feed(adapter, reference), centres
+    return model, processor, geometries, centres
+
+
+def _data(pool: Pool, geometries: list[Geometry], store: torch.device) -> Data:
+    """The pool as the loop reads it: per question its bucket and its scene's row there, per bucket its questions
+    and scenes, and the ids of every answer (mirrored position answers included)."""
+    bucket_of = [pool.bucket[s] for s, _, _ in pool.qas]
+    questions = [torch.tensor([q for q, b in enumerate(bucket_of) if b == i], dtype=torch.long)
+                 for i in range(len(geometries))]  # fmt: skip
+    feed = geometries[0].feed
+    return Data(pool.pixels, pool.labels, pool.qas, bucket_of,
+                torch.tensor([pool.row[s] for s, _, _ in pool.qas], dtype=torch.long, device=store), questions,
+                [pool.bucket.count(i) for i in range(len(geometries))],
+                {a: feed.answer(a) for a in {a for _, _, a in pool.qas} | set(MIRROR)})  # fmt: skip
 
 
 def prepare(args: argparse.Namespace, run: Run) -> tuple[Parts, Data]:
-    """The model to train and the scene pool (on ``--pool-device``)."""
+    """The model to train and the scene pool (on ``--pool-device``, one tensor per bucket of token geometry)."""
     from care_core.synthetic import COLOURS, SHAPES
 
-    model, processor, feed, centres = build(args, run)
+    model, processor, geometries, centres = build(args, run)
     t0 = time.perf_counter()
     advance = run.phase(f"drawing {args.scenes} scenes ({args.workers} workers)", total=args.scenes)
-    pool = make_pool(args.scenes, args.workers, processor.image_processor, args.size, centres, advance)
-    run.log(f"pool: {args.scenes} scenes, {len(pool.qas)} questions, N = {feed.n} tokens in "
-            f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
     device = torch.device(args.device)
     store = device if args.pool_device == "device" else torch.device("cpu")
-    data = Data(pool.pixels.to(store), pool.labels.to(store), pool.qas,
-                torch.tensor([s for s, _, _ in pool.qas], device=store),
-                {a: feed.answer(a) for a in {a for _, _, a in pool.qas} | set(MIRROR)})  # fmt: skip
+    bucket_of = {size: i for i, g in enumerate(geometries) for size in g.sizes}
+    pool = make_pool(args.scenes, args.workers, processor.image_processor, args.size, centres, bucket_of, store,
+                     advance)  # fmt: skip
+    data = _data(pool, geometries, store)
+    run.log(
+        f"pool: {args.scenes} scenes, {len(pool.qas)} questions in {time.perf_counter() - t0:.1f} s; buckets "
+        + "; ".join(f"{g.describe()} ({n} scenes)" for g, n in zip(geometries, data.scenes, strict=True))
+    )
     model.to(device).train()
     model.requires_grad_(True)
+    feed = geometries[0].feed
     width = int(feed.reference.features.shape[-1])
     aux = torch.nn.Linear(width, 1 + len(COLOURS) + 1 + len(SHAPES) + 2 * POSITION_BINS).to(device)
-    bins = (feed.reference.positions.cpu() * POSITION_BINS).floor().clamp(0, POSITION_BINS - 1).long().T  # (2, N)
     tok = feed.adapter.tokenizer
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    normalise = Normaliser(processor.image_processor, args.size or REFERENCE_SIZE, device)
-    return Parts(model, processor, feed, aux, normalise, pad, bins), data
+    return Parts(model, processor, geometries, aux, pad), data
 
 
 def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
@@ -192,7 +184,7 @@ def install(backbone: str, source: Path) -> None:
 
 
 def _size(text: str) -> tuple[int, int] | str:
-    if text == "mixed":
+    if text == MIXED:
         return text
     height, _, width = text.partition("x")
     try:
@@ -209,9 +201,11 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--aux-weight", type=float, default=0.5, help="weight of the dense per-token loss")
     parser.add_argument("--scenes", type=int, default=24000)
-    parser.add_argument("--size", type=_size, default=None,
-                        help="HxW of every training scene, or 'mixed' (the world's sizes); default: the family's "
-                             "(tiny-llava: mixed, tiny-qwen3-vl 384x384, the others 336x336)")  # fmt: skip
+    parser.add_argument("--size", type=_size, default=MIXED,
+                        help="HxW of every training scene, or 'mixed' (the default: the world's sizes, each step's "
+                             "batch drawn from one bucket of token geometry by its share of the pool; HxW "
+                             "reproduces the runs trained on one size, e.g. 336x336, or 384x384 for "
+                             "tiny-qwen3-vl)")  # fmt: skip
     parser.add_argument(
         "--subset-share",
         type=float,
@@ -252,7 +246,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--eval-size",
         type=_size,
-        default="mixed",
+        default=MIXED,
         help="HxW of every held-out scene, or 'mixed' (the world's sizes: the standard set)",
     )
     args = parser.parse_args(argv)
@@ -261,8 +255,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if sum(x is not None for x in (args.out, args.evaluate_only, args.install_from)) != 1:
         parser.error("give one of --out DIR (or --resume DIR), --evaluate-only DIR, --install-from DIR")
     family = DEMO_BACKBONES[args.backbone].family
-    args.size = TRAINED_FAMILIES[family] if args.size is None else None if args.size == "mixed" else args.size
-    args.eval_size = None if args.eval_size == "mixed" else args.eval_size
+    args.size = None if args.size == MIXED else args.size
+    args.eval_size = None if args.eval_size == MIXED else args.eval_size
     if args.flip and family != "llava-1.5":
         parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
     if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1:

@@ -3,10 +3,12 @@
 visual rows the language model receives (``adapter.fed_rows``: LLaVA-NeXT's and LLaVA-OneVision's newline rows), for
 multimodal rope the rows' positions (``adapter.row_positions``) and, for Qwen3-VL, each row's deepstack rows
 (``adapter.fed_deepstack``, handed to the model as its inference does, ``adapter.deepstack_outputs``); the prompt's
-ids and positions are the adapter's own inference inputs (``_lm_inputs``) for a reference image of the training size.
+ids and positions are the adapter's own inference inputs (``_lm_inputs``) for a reference image of one token geometry
+(one feed per bucket of the pool, :mod:`.buckets`).
 
 A batch is a right-padded sequence ``prompt head | R visual rows | question tail + answer`` per sample; every sample
-of a step shares the head, the image geometry and K, so the rows sit at the same place in every row of the batch.
+of a step shares the head, the image geometry (its bucket's) and K, so the rows sit at the same place in every row of
+the batch.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class Layout:
 
 
 class Feed:
-    """One backbone's training feed (see the module docstring); ``reference``: the adapter's ImageTokens of an image
-    of the training size, whose geometry every training image shares."""
+    """One backbone's training feed for one bucket (see the module docstring); ``reference``: the adapter's
+    ImageTokens of an image of the bucket's first size, whose geometry every image of the bucket shares."""
 
     def __init__(self, adapter: Any, reference: Any) -> None:
         self.adapter = adapter

@@ -1,5 +1,5 @@
-"""The training loop: a step's batch (questions, token subset), its forward pass through the backbone's feed, the
-answer and dense auxiliary losses, AdamW with a cosine schedule, and checkpoints every few steps (``--resume``)."""
+"""The training loop: a step's batch (bucket, questions, token subset), its forward pass through the bucket's feed,
+the answer and dense auxiliary losses, AdamW with a cosine schedule, and checkpoints every few steps (``--resume``)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ import torch.nn.functional as F
 
 from care_core.synthetic import COLOURS, SHAPES
 
+from .buckets import POSITION_BINS, Geometry, pick_bucket
 from .feed import Feed
-from .pool import Normaliser, UsageError
+from .pool import UsageError
 
 MIRROR = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
 CHECKPOINT = "checkpoint.pt"
-#: position classes of the dense loss along each axis (the LLaVA-1.5 grid's 24 rows and columns)
-POSITION_BINS = 24
 #: the training options a checkpoint must agree with to be resumed
 RESUMED_OPTIONS = ("backbone", "seed", "steps", "batch", "lr", "aux_weight", "scenes", "subset_share", "merge_share",
                    "flip", "size")  # fmt: skip
@@ -61,12 +60,15 @@ def merge_into_kept(hidden: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Data:
-    """The scene pool (on ``pixels``' device) and the token ids of every answer."""
+    """The scene pool, one tensor per bucket (on ``row_of``'s device), and the token ids of every answer."""
 
-    pixels: torch.Tensor  # (S, ...) uint8 processor outputs
-    labels: torch.Tensor  # (S, 2, N) colour and shape ids under each token
+    pixels: list[torch.Tensor]  # per bucket (S_b, ...) uint8 processor outputs
+    labels: list[torch.Tensor]  # per bucket (S_b, 2, N_b) colour and shape ids under each token
     qas: list[tuple[int, str, str]]  # (scene, question, answer)
-    scene_of: torch.Tensor  # (Q,) scene of each question
+    bucket_of: list[int]  # (Q,) bucket of each question's scene
+    row_of: torch.Tensor  # (Q,) row of each question's scene in its bucket's tensors
+    questions: list[torch.Tensor]  # per bucket: (Q_b,) its questions (indices into qas)
+    scenes: list[int]  # per bucket: its number of scenes (a step draws a bucket by its share)
     answers: dict[str, list[int]]
 
 
@@ -76,11 +78,13 @@ class Parts:
 
     model: Any
     processor: Any  # saved beside the weights
-    feed: Feed
+    buckets: list[Geometry]  # per bucket: its feed, normaliser and position classes
     aux: torch.nn.Linear  # dense auxiliary head (not shipped)
-    normalise: Normaliser
     pad: int
-    bins: torch.Tensor  # (2, N) row and column class of each token (its position on a 24 x 24 grid)
+
+    @property
+    def adapter(self) -> Any:
+        return self.buckets[0].feed.adapter
 
 
 @dataclass
@@ -95,6 +99,7 @@ class Batch:
     text: torch.Tensor  # (B, width) tail + answer ids
     target: torch.Tensor  # (B, width) answer positions
     lengths: torch.Tensor
+    bucket: int  # every image of the batch has this bucket's token geometry
 
 
 def _subset(args: argparse.Namespace, step: int, gen: torch.Generator, n: int) -> tuple[int, torch.Tensor | None, bool]:
@@ -112,17 +117,20 @@ def _subset(args: argparse.Namespace, step: int, gen: torch.Generator, n: int) -
 
 
 def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: Data, parts: Parts) -> Batch:
-    """The step's questions, mirrors and visual-token subset (the recipe of the package docstring); the questions'
-    indices on the pool's device, the rest on the model's."""
+    """The step's bucket (drawn only when there are several), questions, mirrors and visual-token subset (the recipe
+    of the package docstring); the questions' indices on the pool's device, the rest on the model's."""
     device = parts.aux.weight.device
-    batch = torch.randint(0, len(data.qas), (args.batch,), generator=gen)
+    bucket = pick_bucket(gen, data.scenes) if len(data.scenes) > 1 else 0
+    feed = parts.buckets[bucket].feed
+    own = data.questions[bucket]
+    batch = own[torch.randint(0, len(own), (args.batch,), generator=gen)]
     # mirror images (and the answers of position questions with them): left/right and top/bottom balanced
     hflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
     vflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
-    k, order, merged = _subset(args, step, gen, parts.feed.n)
+    k, order, merged = _subset(args, step, gen, feed.n)
     picked = [data.qas[i] for i in batch.tolist()]
     said = [mirrored(a, bool(h), bool(v)) for (_, _, a), h, v in zip(picked, hflip, vflip, strict=True)]
-    seqs = [parts.feed.layout(q).tail + data.answers[a] for (_, q, _), a in zip(picked, said, strict=True)]
+    seqs = [feed.layout(q).tail + data.answers[a] for (_, q, _), a in zip(picked, said, strict=True)]
     width = max(len(s) for s in seqs)
     text = torch.full((args.batch, width), parts.pad, dtype=torch.long)
     target = torch.zeros((args.batch, width), dtype=torch.bool)
@@ -131,8 +139,8 @@ def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: 
         target[row, len(s) - len(data.answers[a]) : len(s)] = True
     lengths = torch.tensor([len(s) for s in seqs], device=device)
     kept = None if order is None else order.to(device)
-    return Batch(batch.to(data.pixels.device), hflip.to(device), vflip.to(device), k, kept, merged,
-                 [q for _, q, _ in picked], text.to(device), target.to(device), lengths)  # fmt: skip
+    return Batch(batch.to(data.row_of.device), hflip.to(device), vflip.to(device), k, kept, merged,
+                 [q for _, q, _ in picked], text.to(device), target.to(device), lengths, bucket)  # fmt: skip
 
 
 def _mirror(x: torch.Tensor, b: Batch) -> torch.Tensor:
@@ -142,30 +150,32 @@ def _mirror(x: torch.Tensor, b: Batch) -> torch.Tensor:
     return torch.where(b.vflip.view(shape), x.flip(-2), x)
 
 
-def _visual_rows(parts: Parts, features: torch.Tensor, b: Batch) -> torch.Tensor:
+def _visual_rows(feed: Feed, features: torch.Tensor, b: Batch) -> torch.Tensor:
     """(B, R, d_t) the rows the language model receives: all tokens, a subset, or a subset with the dropped tokens
     merged into the kept ones (before the projector)."""
-    projector = parts.feed.adapter.projector
+    projector = feed.adapter.projector
     if b.order is None:
-        return parts.feed.rows(projector(features), None)
+        return feed.rows(projector(features), None)
     if b.merged:
-        return parts.feed.rows(projector(merge_into_kept(features, b.order)), b.order)
+        return feed.rows(projector(merge_into_kept(features, b.order)), b.order)
     kept = torch.gather(features, 1, b.order.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
-    return parts.feed.rows(projector(kept), b.order)
+    return feed.rows(projector(kept), b.order)
 
 
 def model_inputs(parts: Parts, data: Data, b: Batch) -> tuple[dict[str, Any], int, torch.Tensor]:
     """The model's keyword arguments for a batch (input embeddings, mask, multimodal-rope positions where the family
     takes them), the length of the prefix before the question tail, and the dense auxiliary logits."""
     device, batch = b.text.device, b.text.shape[0]
-    pixels = parts.normalise(data.pixels[data.scene_of[b.index]].to(device))
+    geometry = parts.buckets[b.bucket]
+    feed = geometry.feed
+    pixels = geometry.normalise(data.pixels[b.bucket][data.row_of[b.index]].to(device))
     if b.hflip.any() or b.vflip.any():
         pixels = _mirror(pixels, b)
     embed = parts.model.get_input_embeddings()
-    features, deepstack = parts.feed.features(pixels)  # (B, N, d_v); Qwen3-VL: (levels, B, N, d_t) too
+    features, deepstack = feed.features(pixels)  # (B, N, d_v); Qwen3-VL: (levels, B, N, d_t) too
     dense = parts.aux(features)  # (B, N, 7 + 5 + 24 + 24)
-    rows = _visual_rows(parts, features, b)
-    head = torch.tensor(parts.feed.layout(b.questions[0]).head, device=device).expand(batch, -1)
+    rows = _visual_rows(feed, features, b)
+    head = torch.tensor(feed.layout(b.questions[0]).head, device=device).expand(batch, -1)
     prefix = head.shape[1] + rows.shape[1]
     length = prefix + b.text.shape[1]
     attn = (torch.arange(length, device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
@@ -173,9 +183,9 @@ def model_inputs(parts: Parts, data: Data, b: Batch) -> tuple[dict[str, Any], in
     if deepstack is None:  # the rows as input embeddings between the head's and the text's
         inputs["inputs_embeds"] = torch.cat([embed(head), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
     else:  # placeholders and encoder outputs, as inference feeds them: the model adds the deepstack rows
-        inputs.update(parts.feed.visual_inputs(head, rows, b.text, deepstack, b.order))
-    if parts.feed.rope:  # a 1-D text row, then (t, h, w): the adapter's four rows
-        mrope = parts.feed.positions(b.questions, b.order, b.text.shape[1])
+        inputs.update(feed.visual_inputs(head, rows, b.text, deepstack, b.order))
+    if feed.rope:  # a 1-D text row, then (t, h, w): the adapter's four rows
+        mrope = feed.positions(b.questions, b.order, b.text.shape[1])
         text_row = torch.arange(length).view(1, 1, -1).expand(1, batch, -1)
         inputs["position_ids"] = torch.cat([text_row, mrope], dim=0).to(device)
     return inputs, prefix, dense
@@ -193,14 +203,15 @@ def forward(parts: Parts, data: Data, b: Batch) -> tuple[torch.Tensor, torch.Ten
 def losses(parts: Parts, data: Data, b: Batch, dense: torch.Tensor) -> torch.Tensor:
     """The dense auxiliary loss: colour and shape of the object under each token, and the token's row and column."""
     batch = b.text.shape[0]
-    lab = data.labels[data.scene_of[b.index]].to(dense.device).long()  # (B, 2, N)
+    geometry = parts.buckets[b.bucket]
+    lab = data.labels[b.bucket][data.row_of[b.index]].to(dense.device).long()  # (B, 2, N)
     if b.hflip.any() or b.vflip.any():  # mirroring needs one raster grid (tiny-llava): labels mirrored with it
-        rows, cols = parts.feed.reference.grid
+        rows, cols = geometry.feed.reference.grid
         lab = _mirror(lab.view(batch, 2, rows, cols), b).flatten(2)
     dense = dense.float().flatten(0, 1)
     n_col, n_shape = 1 + len(COLOURS), 1 + len(SHAPES)
     cut = [0, n_col, n_col + n_shape, n_col + n_shape + POSITION_BINS, n_col + n_shape + 2 * POSITION_BINS]
-    bins = parts.bins.to(dense.device)
+    bins = geometry.bins.to(dense.device)
     return (
         F.cross_entropy(dense[:, cut[0] : cut[1]], lab[:, 0].flatten())
         + F.cross_entropy(dense[:, cut[1] : cut[2]], lab[:, 1].flatten())
@@ -245,12 +256,20 @@ def save_checkpoint(
     os.replace(tmp, path)
 
 
+def _shown(option: str, value: Any) -> str:
+    """An option's value as the command line gives it (``--size``: ``mixed`` or ``HxW``)."""
+    if option == "size":
+        return "mixed" if value is None else f"{value[0]}x{value[1]}"
+    return repr(value)
+
+
 def load_checkpoint(path: Path, args: argparse.Namespace, parts: Parts, opt: Any, gen: Any) -> tuple[int, float]:
     """Restore a checkpoint into the run; the step to continue from and the seconds trained so far. Exits when its
     options differ from ``args``."""
     # on the CPU: the generator state must stay a CPU ByteTensor; the modules and the optimiser move theirs
     state = torch.load(path, map_location="cpu", weights_only=False)
-    differ = [f"{k}={v!r} (now {getattr(args, k)!r})" for k, v in state["options"].items() if getattr(args, k) != v]
+    differ = [f"{k}={_shown(k, v)} (now {_shown(k, getattr(args, k))})" for k, v in state["options"].items()
+              if getattr(args, k) != v]  # fmt: skip
     if differ:
         raise UsageError(f"{path} was written with other options: {', '.join(differ)}")
     parts.model.load_state_dict(state["model"])
@@ -294,6 +313,6 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
             log(f"step {step:5d}  k {b.k:4d}{'m' if b.merged else ' '} answer loss {answer_loss.item():.4f}  "
                 f"aux {aux_loss.item():.3f}  token acc {acc.item():.3f}  answer acc {answers.item():.3f}  "
                 f"lr {lr_at(args, step):.2e}  {time.perf_counter() - started:.0f} s")  # fmt: skip
-    if data.pixels.is_cuda:
+    if data.row_of.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - started

@@ -1,6 +1,6 @@
 """The training scenes, drawn by worker processes: each scene's processor output as uint8 (normalised later on the
 device) and, per visual token, the colour and shape of the object under the token's centre (from the adapter's own
-token geometry, ``ImageTokens.boxes``)."""
+token geometry, ``ImageTokens.boxes``); one tensor per bucket of token geometry (:mod:`.buckets`)."""
 
 from __future__ import annotations
 
@@ -57,21 +57,40 @@ def token_labels(scene: Any, centres: np.ndarray) -> np.ndarray:
     return np.stack([colour, shape]).astype(np.uint8)
 
 
-def _make(index: int) -> tuple[int, np.ndarray, np.ndarray, list[tuple[str, str, str]]]:
+def _make(index: int) -> tuple[int, np.ndarray, np.ndarray, list[tuple[str, str, str]], tuple[int, int]]:
     scene = make_scene(TRAIN_SPLIT, index, size=_worker["size"], photos=_worker["photos"])
+    size = (scene.image.height, scene.image.width)
     pixels = raw_pixels(_worker["ip"], scene.image)
-    labels = token_labels(scene, _worker["centres"][(scene.image.height, scene.image.width)])
-    return index, pixels, labels, [(q.question, q.answer, q.type) for q in scene.questions]
+    labels = token_labels(scene, _worker["centres"][size])
+    return index, pixels, labels, [(q.question, q.answer, q.type) for q in scene.questions], size
 
 
 @dataclass
 class Pool:
-    """Scenes 0..S-1 of the training split: processor outputs (S, ...) uint8, token labels (S, 2, N) uint8 and the
-    questions (scene, question, answer)."""
+    """Scenes 0..S-1 of the training split, per bucket (token geometry): processor outputs (S_b, ...) uint8 and token
+    labels (S_b, 2, N_b) uint8; the questions (scene, question, answer) and, per scene, its bucket and its row in
+    the bucket's tensors."""
 
-    pixels: torch.Tensor
-    labels: torch.Tensor
+    pixels: list[torch.Tensor]
+    labels: list[torch.Tensor]
     qas: list[tuple[int, str, str]]
+    bucket: list[int]
+    row: list[int]
+
+
+def _stacked(arrays: list[np.ndarray | None], device: torch.device, chunk: int = 256) -> torch.Tensor:
+    """One (S_b, ...) tensor on ``device`` from the bucket's arrays, copied a chunk at a time and freed as they go
+    (the host holds the pool once, not twice)."""
+    if not arrays:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    first = arrays[0]
+    assert first is not None
+    out = torch.empty((len(arrays), *first.shape), dtype=torch.uint8, device=device)
+    for start in range(0, len(arrays), chunk):
+        part = arrays[start : start + chunk]
+        out[start : start + len(part)] = torch.from_numpy(np.stack(part))  # type: ignore[arg-type]
+        arrays[start : start + len(part)] = [None] * len(part)
+    return out
 
 
 def make_pool(
@@ -80,33 +99,38 @@ def make_pool(
     image_processor: Any,
     size: tuple[int, int] | None,
     centres: dict[tuple[int, int], np.ndarray],
+    bucket_of: dict[tuple[int, int], int],
+    store: torch.device,
     advance: Callable[[int], None],
 ) -> Pool:
-    """Draw the scenes on ``workers`` forked processes. ``size``: every scene's (height, width) (None: the world's
-    mix); ``centres``: per image size, the (N, 2) token centres (x, y) in original pixels."""
+    """Draw the scenes on ``workers`` forked processes and keep them on ``store``, one tensor per bucket. ``size``:
+    every scene's (height, width) (None: the world's mix); ``centres``: per image size, the (N, 2) token centres
+    (x, y) in original pixels; ``bucket_of``: per image size, its bucket."""
     _worker.update(ip=image_processor, size=size, centres=centres)  # inherited by the forked workers
     chunk = max(1, min(64, scenes // (4 * workers)))
-    pixels: np.ndarray | None = None
-    labels: np.ndarray | None = None
+    count = max(bucket_of.values()) + 1
+    pixels: list[list[np.ndarray | None]] = [[] for _ in range(count)]
+    labels: list[list[np.ndarray | None]] = [[] for _ in range(count)]
     qas: list[tuple[int, str, str]] = []
+    bucket, row = [0] * scenes, [0] * scenes
     with mp.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
-        for index, array, label, questions in pool.imap(_make, range(scenes), chunksize=chunk):
-            if pixels is None or labels is None:
-                pixels = np.empty((scenes, *array.shape), dtype=np.uint8)
-                labels = np.empty((scenes, *label.shape), dtype=np.uint8)
-            if array.shape != pixels.shape[1:]:
-                raise UsageError(f"scene {index}'s processor output {array.shape} differs from scene 0's "
-                                 f"{pixels.shape[1:]}: this backbone trains on one image size (--size)")  # fmt: skip
-            pixels[index], labels[index] = array, label
+        for index, array, label, questions, drawn in pool.imap(_make, range(scenes), chunksize=chunk):
+            b = bucket_of[drawn]
+            first = pixels[b][0] if pixels[b] else None
+            if first is not None and array.shape != first.shape:
+                raise UsageError(f"scene {index}'s processor output {array.shape} differs from that of the first "
+                                 f"{drawn[0]}x{drawn[1]} scene, {first.shape}")  # fmt: skip
+            bucket[index], row[index] = b, len(pixels[b])
+            pixels[b].append(array)
+            labels[b].append(label)
             qas.extend((index, q, a) for q, a, _ in questions)
             advance(1)
-    assert pixels is not None and labels is not None
-    return Pool(torch.from_numpy(pixels), torch.from_numpy(labels), qas)
+    return Pool([_stacked(p, store) for p in pixels], [_stacked(lab, store) for lab in labels], qas, bucket, row)
 
 
 class Normaliser:
     """uint8 processor outputs -> the processor's own normalised values, as one affine map per element measured on
-    the processor itself (a black and a white image of the training size): no copy of its mean, std or layout."""
+    the processor itself (a black and a white image of the bucket's size): no copy of its mean, std or layout."""
 
     def __init__(self, image_processor: Any, size: tuple[int, int], device: torch.device) -> None:
         from PIL import Image

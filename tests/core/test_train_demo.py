@@ -1,13 +1,17 @@
 """scripts/train_demo: its merge augmentation (against a hand-built case and a per-token loop), its logged answer
-accuracy (a hand-built case), its stop on Ctrl-C (one line, exit code 130, no traceback), and per trained backbone: a
-step lowers the loss with gradients reaching tower, projector, language model (and Qwen3-VL's deepstack mergers), the
-rows it feeds equal the adapter's own inference inputs (ids, positions, deepstack rows), and a checkpoint resumed gives
-the parameters of an uninterrupted run (the two Qwen families)."""
+accuracy (a hand-built case), its stop on Ctrl-C (one line, exit code 130, no traceback), its draw of a step's bucket
+of token geometry (the pool's shares of scenes), and per trained backbone: the world's image sizes grouped by token
+geometry (hand-computed token counts), a step lowers the loss with gradients reaching tower, projector, language model
+(and Qwen3-VL's deepstack mergers), the rows it feeds for scenes of two sizes equal the adapter's own inference inputs
+(ids, positions, deepstack rows), and a checkpoint of a run on the world's mix of sizes resumed gives the parameters
+of an uninterrupted run (the two Qwen families)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +19,9 @@ import pytest
 import torch
 
 from benchmarks.demo_world import TRAIN_SPLIT, load_photos
-from care_core.synthetic import make_scene
-from scripts.train_demo import cli
+from care_core.synthetic import IMAGE_SIZES, make_scene
+from scripts.train_demo import cli, loop
+from scripts.train_demo.buckets import pick_bucket
 from scripts.train_demo.loop import (
     Batch,
     answer_accuracy,
@@ -37,6 +42,25 @@ TRAINED = [
     "tiny-llava-onevision",
     "tiny-internvl3",
 ]
+#: per demo, its token count N at each of the world's image sizes, by the processors' rules: tiny-llava crops every
+#: size to one 336 px view (24 x 24 patches); Qwen2.5-VL rounds each side to a multiple of 28 px (14 px patches
+#: merged 2 x 2), Qwen3-VL to 32 px (16 px patches; 336 / 32 = 10.5 rounds to 10); InternVL3 cuts the 448 px tiles
+#: of the closest aspect ratio, plus a thumbnail when there are several, 256 tokens each
+TOKENS_AT = {
+    "tiny-llava": dict.fromkeys(IMAGE_SIZES, 576),
+    "tiny-qwen2.5-vl": {(336, 336): 12 * 12, (448, 448): 16 * 16, (672, 672): 24 * 24, (336, 504): 12 * 18,
+                        (504, 336): 18 * 12, (384, 512): 14 * 18, (480, 360): 17 * 13, (336, 672): 12 * 24},
+    "tiny-qwen3-vl": {(336, 336): 10 * 10, (448, 448): 14 * 14, (672, 672): 21 * 21, (336, 504): 10 * 16,
+                      (504, 336): 16 * 10, (384, 512): 12 * 16, (480, 360): 15 * 11, (336, 672): 10 * 21},
+    "tiny-internvl3": {(336, 336): 256, (448, 448): 256, (672, 672): (4 + 1) * 256, (336, 504): (6 + 1) * 256,
+                       (504, 336): (6 + 1) * 256, (384, 512): (12 + 1) * 256, (480, 360): (12 + 1) * 256,
+                       (336, 672): (2 + 1) * 256},
+}  # fmt: skip
+#: per demo, the sizes that share a bucket (one geometry: same token layout, same processor output); the others have
+#: one bucket per size
+SHARED = {"tiny-llava": [list(dict.fromkeys(IMAGE_SIZES))], "tiny-internvl3": [[(336, 336), (448, 448)]]}
+#: the sizes of the training split's scenes 0 and 1 (the tests' pool)
+SCENE_SIZES = ((336, 672), (448, 448))
 
 
 def test_dropped_tokens_join_their_nearest_kept_token() -> None:
@@ -76,6 +100,19 @@ def test_an_answer_counts_as_right_only_when_every_answer_token_is() -> None:
     assert float(answer_accuracy(torch.nn.functional.one_hot(text, 5).float(), text, target)) == 1.0
 
 
+def test_a_step_draws_its_bucket_by_the_pools_share_of_scenes() -> None:
+    # scenes 1 : 0 : 3: a uniform draw u < 1/4 picks bucket 0, any other bucket 2 (bucket 1 holds no scene)
+    gen, uniform = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    drawn = [pick_bucket(gen, [1, 0, 3]) for _ in range(12)]
+    assert drawn == [0 if float(torch.rand((), generator=uniform)) < 0.25 else 2 for _ in range(12)]
+    assert set(drawn) == {0, 2}
+    # over 9,000 draws the buckets of 6 : 2 : 1 scenes come about 6,000, 2,000 and 1,000 times (within 4 sigma)
+    gen = torch.Generator().manual_seed(0)
+    counts = Counter(pick_bucket(gen, [6, 2, 1]) for _ in range(9000))
+    for bucket, share in enumerate((6 / 9, 2 / 9, 1 / 9)):
+        assert abs(counts[bucket] - 9000 * share) < 4 * math.sqrt(9000 * share * (1 - share)), counts
+
+
 def test_ctrl_c_in_training_stops_with_one_line_and_130(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,7 +135,7 @@ def test_ctrl_c_in_training_stops_with_one_line_and_130(
 
 # ------------------------------------------------------------------------------ one backbone, a few scenes, CPU
 def _args(name: str, out: Path, *extra: str) -> argparse.Namespace:
-    return cli.parse(["--backbone", name, "--out", str(out), "--batch", "2", "--scenes", "3", "--workers", "1",
+    return cli.parse(["--backbone", name, "--out", str(out), "--batch", "2", "--scenes", "2", "--workers", "1",
                       "--device", "cpu", "--steps", "4", "--checkpoint-every", "2", *extra])  # fmt: skip
 
 
@@ -110,28 +147,63 @@ def prepared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return args, parts, data
 
 
+def test_the_world_sizes_are_grouped_by_token_geometry(prepared: Any) -> None:
+    args, parts, data = prepared
+    assert args.size is None  # the default: the world's mix
+    sizes = [size for geometry in parts.buckets for size in geometry.sizes]
+    assert sorted(sizes) == sorted(set(IMAGE_SIZES))  # every size in exactly one bucket
+    tokens_at = {size: geometry.n for geometry in parts.buckets for size in geometry.sizes}
+    if args.backbone in TOKENS_AT:
+        assert tokens_at == TOKENS_AT[args.backbone]
+    shared = SHARED.get(args.backbone, [])
+    alone = [[size] for size in tokens_at if all(size not in group for group in shared)]
+    assert sorted(geometry.sizes for geometry in parts.buckets) == sorted(shared + alone)
+    # the pool's 2 scenes (336x672, 448x448) each in its size's bucket, one tensor per bucket
+    bucket_of = {size: i for i, geometry in enumerate(parts.buckets) for size in geometry.sizes}
+    expected = [0] * len(parts.buckets)
+    for size in SCENE_SIZES:
+        expected[bucket_of[size]] += 1
+    assert data.scenes == expected
+    assert [len(pixels) for pixels in data.pixels] == expected
+    assert [tuple(labels.shape[1:]) for labels, n in zip(data.labels, expected, strict=True) if n] == [
+        (2, geometry.n) for geometry, n in zip(parts.buckets, expected, strict=True) if n
+    ]
+
+
+def test_one_size_gives_one_bucket(tmp_path: Path) -> None:
+    _, _, geometries, centres = cli.build(_args("tiny-qwen2.5-vl", tmp_path, "--size", "336x336"), cli.Run(tmp_path))
+    assert [(g.sizes, g.n) for g in geometries] == [([(336, 336)], 144)]
+    assert list(centres) == [(336, 336)]
+
+
 def _one(parts: Any, data: Any, question: int, order: torch.Tensor | None) -> Batch:
     """A batch of one question with all tokens (``order`` None) or the kept tokens ``order`` (1, K)."""
     _, text, answer = data.qas[question]
-    ids = parts.feed.layout(text).tail + data.answers[answer]
+    bucket = data.bucket_of[question]
+    feed = parts.buckets[bucket].feed
+    ids = feed.layout(text).tail + data.answers[answer]
     target = torch.zeros(1, len(ids), dtype=torch.bool)
     target[0, -len(data.answers[answer]) :] = True
     no = torch.zeros(1, dtype=torch.bool)
-    k = parts.feed.n if order is None else int(order.shape[1])
+    k = feed.n if order is None else int(order.shape[1])
     return Batch(torch.tensor([question]), no, no, k, order, False, [text], torch.tensor([ids]), target,
-                 torch.tensor([len(ids)]))  # fmt: skip
+                 torch.tensor([len(ids)]), bucket)  # fmt: skip
 
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["all-tokens", "shuffled-subset"])
-def test_training_feeds_what_the_adapter_feeds_at_inference(prepared: Any, reduced: bool) -> None:
+@pytest.mark.parametrize("scene_index", [0, 1], ids=["336x672", "448x448"])
+def test_training_feeds_what_the_adapter_feeds_at_inference(prepared: Any, scene_index: int, reduced: bool) -> None:
     args, parts, data = prepared
-    adapter = parts.feed.adapter
-    scene_index, question, _ = data.qas[1]
+    adapter = parts.adapter
+    index = next(i for i, (scene_of, _, _) in enumerate(data.qas) if scene_of == scene_index)
+    _, question, _ = data.qas[index]
     scene = make_scene(TRAIN_SPLIT, scene_index, size=args.size, photos=load_photos())
+    assert (scene.image.height, scene.image.width) == SCENE_SIZES[scene_index]
     tokens = adapter.encode_image(scene.image)  # the inference path: processor, tower under no_grad
+    assert tokens.num_tokens == parts.buckets[data.bucket_of[index]].n
     order = torch.randperm(tokens.num_tokens, generator=torch.Generator().manual_seed(1))[:40] if reduced else None
     with torch.no_grad():
-        ours, _, _ = model_inputs(parts, data, _one(parts, data, 1, None if order is None else order[None]))
+        ours, _, _ = model_inputs(parts, data, _one(parts, data, index, None if order is None else order[None]))
         projected = adapter.projector(tokens.features if order is None else tokens.features[order])
         theirs = adapter._lm_inputs(question, tokens, projected, order)
         expected = adapter._prompt_embeddings(theirs)[0]
@@ -157,8 +229,13 @@ def test_training_feeds_what_the_adapter_feeds_at_inference(prepared: Any, reduc
 def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
     args, parts, data = prepared
     opt, _ = optimiser(args, parts)
-    b = draw_batch(args, 0, torch.Generator().manual_seed(0), data, parts)
-    adapter = parts.feed.adapter
+    # a seed whose step draws the pool's bucket of the fewest tokens (the test's cost)
+    cheapest = min((i for i, n in enumerate(data.scenes) if n), key=lambda i: parts.buckets[i].n)
+    seed = next(s for s in range(100) if pick_bucket(torch.Generator().manual_seed(s), data.scenes) == cheapest)
+    b = draw_batch(args, 0, torch.Generator().manual_seed(seed), data, parts)
+    assert b.bucket == cheapest
+    assert {data.bucket_of[i] for i in b.index.tolist()} == {b.bucket}  # the batch's scenes share its geometry
+    adapter = parts.adapter
     inner = adapter.model.model
     tower = inner.visual if hasattr(inner, "visual") else inner.vision_tower
     watched = {"tower": next(tower.parameters()), "projector": next(adapter.projector.parameters()),
@@ -179,13 +256,24 @@ def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
     assert seen[-1] < seen[0]
 
 
-# multimodal-rope positions, token subsets: the whole generic path; Qwen3-VL adds the deepstack rows
-@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
-def test_resuming_a_checkpoint_gives_the_uninterrupted_parameters(tmp_path: Path, name: str) -> None:
+# multimodal-rope positions, token subsets, the world's mix (a bucket drawn per step) or one size: the whole generic
+# path; Qwen3-VL adds the deepstack rows
+@pytest.mark.parametrize(("name", "size"), [("tiny-qwen2.5-vl", "mixed"), ("tiny-qwen3-vl", "384x384")])
+def test_resuming_a_checkpoint_gives_the_uninterrupted_parameters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, size: str
+) -> None:
+    buckets: list[int] = []
+
+    def drawn(*args: Any) -> Batch:
+        b = draw_batch(*args)
+        buckets.append(b.bucket)
+        return b
+
+    monkeypatch.setattr(loop, "draw_batch", drawn)
 
     def run(out: Path, stop_after: int | None, *extra: str) -> dict[str, torch.Tensor]:
         out.mkdir(exist_ok=True)
-        args = _args(name, out, *extra)
+        args = _args(name, out, "--size", size, *extra)
         parts, data = cli.prepare(args, cli.Run(out))
         done = [0]
 
@@ -199,8 +287,10 @@ def test_resuming_a_checkpoint_gives_the_uninterrupted_parameters(tmp_path: Path
         return {k: v.clone() for k, v in parts.model.state_dict().items()}
 
     whole = run(tmp_path / "whole", None)  # 4 steps
+    assert len(set(buckets)) == (2 if size == "mixed" else 1)  # the mix: the steps switch geometry
     run(tmp_path / "split", 2)  # a checkpoint after 2 steps, killed in the third
     resumed = run(tmp_path / "split", None, "--resume", str(tmp_path / "split"))
+    assert buckets[4:] == buckets[:3] + buckets[2:4]  # the same buckets, step for step
     assert whole.keys() == resumed.keys()
     for key, value in whole.items():
         assert torch.equal(value, resumed[key]), key
