@@ -158,7 +158,7 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--model", default="tiny-llava")
     parser.add_argument("--questions", type=int, default=250, help="held-out questions drawn (types balanced)")
     parser.add_argument("--keep", type=int, action="append", help="K (repeatable; default 64)")
-    parser.add_argument("--method", action="append", help="method (repeatable; default every registered one)")
+    parser.add_argument("--method", action="append", help="method (repeatable; default every one the model serves)")
     parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2)))
     parser.add_argument("--seed", type=int, default=42, help="seed of the methods that draw random numbers")
     args = parser.parse_args(argv)
@@ -168,13 +168,20 @@ def parse(argv: list[str] | None) -> Any:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    from care_core.methods import method_names
+def _served_methods(model: str) -> list[str]:
+    """Every registered method that serves the model's family (``--method all``'s list; ``pool`` refuses
+    LLaVA-NeXT, for one)."""
+    from care_core.backbones import load_backbone
+    from care_core.methods.registry import methods_for_backbone
 
+    return methods_for_backbone(load_backbone(model).family)
+
+
+def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     writer = ResultsWriter(args, "cpu-bench_demo_coverage")
     keeps = args.keep or [64]
-    methods = args.method or method_names()
+    methods = args.method or _served_methods(args.model)
     items = heldout_items(args.questions)
     start = time.perf_counter()
     with mp.get_context("spawn").Pool(args.workers, initializer=_init,

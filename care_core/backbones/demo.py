@@ -8,9 +8,10 @@ without a download.
 
 ``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
 ``demo_weights/manifest.json``; trained by ``scripts/train_demo`` on the synthetic shapes world of
-:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes. ``tiny-llava-next``,
-``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``, ``tiny-internvl3`` and ``tiny-llava-onevision`` load their trained weights
-(wider skeletons, :data:`TRAINED_SIZES`) once the files are installed in the manifest, and are random until then.
+:mod:`care_core.synthetic`): it answers one-word questions about coloured shapes; so does ``tiny-llava-next``, whose
+file is installed too. ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``, ``tiny-internvl3`` and ``tiny-llava-onevision`` load
+their trained weights (wider skeletons, :data:`TRAINED_SIZES`) once the files are installed in the manifest, and are
+random until then.
 The ``-random`` demos have seeded random weights and meaningless answers. Every demo folder holds a marker
 (``care_demo.json``) with the weight file's sha256, checked on each load: a damaged cached copy is restored.
 """
