@@ -11,9 +11,8 @@ without a download.
 :mod:`care_core.synthetic`): it answers one-word questions about coloured shapes; so does ``tiny-llava-next``, whose
 file is installed too. ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``, ``tiny-internvl3`` and ``tiny-llava-onevision`` load
 their trained weights (wider skeletons, :data:`TRAINED_SIZES`) once the files are installed in the manifest, and are
-random until then.
-The ``-random`` demos have seeded random weights and meaningless answers. Every demo folder holds a marker
-(``care_demo.json``) with the weight file's sha256, checked on each load: a damaged cached copy is restored.
+random until then. The ``-random`` demos have seeded random weights and meaningless answers. Every demo folder holds
+a marker (``care_demo.json``) with the weight file's sha256, checked on each load: a damaged cached copy is restored.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, file_sha256, read_manifest, weights_dir
+from care_core.backbones.loading import adapter_for_model
 from care_core.backbones.packed_attention import use_packed_vision_attention
 from care_core.synthetic import IMAGE_SIZES
 
@@ -69,12 +70,6 @@ class Run:
         return "interrupted; saved so far: " + ", ".join(str(p) for p in self.saved)
 
 
-def _adapter(spec: Any, model: Any, processor: Any) -> Any:
-    from care_core.backbones.families import backbone_family, import_path
-
-    return import_path(backbone_family(spec.family).adapter)(model, processor, name=spec.name)
-
-
 def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, list[Geometry], dict[tuple[int, int], np.ndarray]]:
     """The model to train (the demo's trained skeleton from the seed), the buckets of token geometry of the training
     sizes (``--size``: one, or the world's mix) with their feeds, and per size the token centres."""
@@ -91,7 +86,7 @@ def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, list[Geometry],
                 model.set_attn_implementation({"vision_config": args.vision_attention})
         except (ImportError, ValueError) as exc:
             raise UsageError(f"--vision-attention {args.vision_attention}: {str(exc).splitlines()[0]}") from exc
-    adapter = _adapter(spec, model, processor)
+    adapter = adapter_for_model(model, processor, name=spec.name)
     sizes = [args.size] if args.size else list(IMAGE_SIZES)
     geometries, centres = token_geometries(adapter, processor.image_processor, sizes, torch.device(args.device))
     advance(1)
