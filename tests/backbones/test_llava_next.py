@@ -257,8 +257,10 @@ def test_cls_attention_is_per_crop_eager_in_packed_order(
     per_crop = eager_crops["out"].attentions[eager_crops["block"]][:, :, 0, :]  # (crops, H, 577): CLS rows
     crop, slot = packed_slots(tokens)
     expected = per_crop[crop, :, slot].T  # (H, 1 + N)
-    assert torch.allclose(probes["cls_attention"], expected, atol=1e-6, rtol=0)
-    assert torch.allclose(probes["cls_attention"][:, 0], per_crop[0, :, 0], atol=1e-6)  # base CLS to itself
+    # 1e-5: the trained demo's attention is sharp (rows up to 0.9), and two float32 attention kernels differ by a
+    # few ulps of 1 on some CPUs (an AMD host of the device machine, 2026-11-26); a wrong slot is off by far more
+    assert torch.allclose(probes["cls_attention"], expected, atol=1e-5, rtol=0)
+    assert torch.allclose(probes["cls_attention"][:, 0], per_crop[0, :, 0], atol=1e-5)  # base CLS to itself
     # each crop's share of the row is that crop's softmax: sums to 1 per crop (minus unpadded-away patches)
     assert float(probes["cls_attention"][:, 1:577].sum(-1).add(probes["cls_attention"][:, 0]).min()) == (
         pytest.approx(1.0, abs=1e-5)
