@@ -1,7 +1,10 @@
 """PRCA scoring, paper Eq. 1–2: perturbation responses of the projector and robust z-scores.
 
 Two engines compute the response matrix C (m, N):
-- ``fd``: Eq. 1 literally, ``||M(v + h u) - M(v - h u)|| / 2h``, in float32 or float64, tf32 off;
+- ``fd``: Eq. 1, ``||M(v + h u) - M(v - h u)|| / 2h``, in float32 or float64, tf32 off. For a Linear-act-Linear
+  projector the first layer is shared by linearity (``a +- h d``, a per token, d per direction) and the
+  difference is taken before the second layer (one product instead of two, through W2's triangular factor
+  where given); any other projector runs literally, two passes per direction;
 - ``jvp``: its h -> 0 limit ``||J_M(v) u||``, exact. For a Linear-act-Linear projector (LLaVA's)
   the first layer is applied once to the m directions and shared by all tokens, so the cost is
   about m N d_hidden d_out multiply-adds; any other projector goes through ``torch.func.jvp``.
@@ -132,19 +135,70 @@ def _upper_products(tangent: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def responses_fd(features: torch.Tensor, projector: Projector, directions: torch.Tensor, h: float) -> torch.Tensor:
-    """C[x, i] = ||M(v_i + h u_x) - M(v_i - h u_x)||_2 / (2h)  (Eq. 1), literally; (m, N)."""
+def responses_fd(
+    features: torch.Tensor,
+    projector: Projector,
+    directions: torch.Tensor,
+    h: float,
+    *,
+    factor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """C[x, i] = ||M(v_i + h u_x) - M(v_i - h u_x)||_2 / (2h)  (Eq. 1); (m, N), tf32 off.
+
+    A Linear-act-Linear projector goes through :func:`_fd_mlp` (the same Eq. 1 value, a fraction of the work;
+    `factor`: its second layer's triangular factor, :func:`triangular_factor`); any other projector takes
+    :func:`_fd_literal`, which ignores `factor`.
+    """
+    with matmul_precision(allow_tf32=False):  # tf32 would turn the nearly equal terms' difference into noise
+        mlp = _as_mlp(projector)
+        if mlp is not None:
+            return _fd_mlp(features, mlp, directions, h, factor)
+        return _fd_literal(features, projector, directions, h)
+
+
+def _fd_literal(features: torch.Tensor, projector: Projector, directions: torch.Tensor, h: float) -> torch.Tensor:
+    """Eq. 1 literally, for any projector: two passes over the N perturbed tokens per direction, in chunks."""
     n, dim = features.shape
     m = directions.shape[0]
     step = two_pass_chunk(m, n, dim, _out_features(projector, features))
     rows = []
-    with matmul_precision(allow_tf32=False):
-        for start in range(0, m, step):
-            u = directions[start : start + step]
-            plus = (features[None] + h * u[:, None]).reshape(-1, dim)
-            minus = (features[None] - h * u[:, None]).reshape(-1, dim)
-            diff = projector(plus) - projector(minus)
-            rows.append(diff.reshape(u.shape[0], n, -1).norm(dim=-1) / (2 * h))
+    for start in range(0, m, step):
+        u = directions[start : start + step]
+        plus = (features[None] + h * u[:, None]).reshape(-1, dim)
+        minus = (features[None] - h * u[:, None]).reshape(-1, dim)
+        diff = projector(plus) - projector(minus)
+        rows.append(diff.reshape(u.shape[0], n, -1).norm(dim=-1) / (2 * h))
+    return torch.cat(rows)
+
+
+def _fd_mlp(
+    features: torch.Tensor, mlp: _MLP, directions: torch.Tensor, h: float, factor: torch.Tensor | None
+) -> torch.Tensor:
+    """Eq. 1 for M(v) = W2 act(W1 v + b1) + b2: ||W2 [act(a_i + h d_x) - act(a_i - h d_x)]|| / 2h with
+    a_i = W1 v_i + b1 and d_x = W1 u_x; through ``factor`` R (W2 = QR, ||W2 t|| = ||R t||) where given.
+
+    The same value as :func:`_fd_literal` in exact arithmetic (only rounding differs). Multiply-adds: the first
+    layer N d d_h + m d d_h instead of 2 m N d d_h; the second m N d_h d_out instead of twice that (through R:
+    (B + 1) / 2B of it, :func:`_upper_products`).
+    """
+    # The first layer is linear: W1 (v +- h u) + b1 = a +- h d, so it runs on the N tokens and the m directions
+    # once, not on 2 m N perturbed points. b2 cancels, and the two activations are subtracted *before* W2:
+    # one second-layer product per (direction, token) instead of two, and W2 never amplifies the rounding of
+    # two large, nearly equal outputs whose difference is the signal.
+    pre = mlp.first(features)  # a (N, d_h), once per token
+    lifted = directions @ mlp.first.weight.T  # d (m, d_h), once per direction, shared by all tokens
+    second = mlp.second.weight if factor is None else factor
+    n, hidden = pre.shape
+    m = directions.shape[0]
+    step = two_pass_chunk(m, n, hidden, second.shape[0])  # a chunk holds (c, N, d_h) pairs and (c, N, d_out)
+    rows = []
+    for start in range(0, m, step):
+        shift = h * lifted[start : start + step, None]  # (c, 1, d_h)
+        diff = mlp.act(pre + shift)
+        diff -= mlp.act(pre - shift)  # (c, N, d_h)
+        flat = diff.reshape(-1, hidden)
+        out = flat @ second.T if factor is None else _upper_products(flat, factor)
+        rows.append(out.reshape(shift.shape[0], n, -1).norm(dim=-1) / (2 * h))
     return torch.cat(rows)
 
 
@@ -317,12 +371,13 @@ def perturbation_responses(
     """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype.
 
     A pure function: the projector is converted to the features' dtype and device on every call where
-    it differs (see :class:`Scorer` to do that once). `kernel` and `factor` (the second layer's
-    triangular factor, see :func:`triangular_factor`) apply to the jvp engine's MLP path.
+    it differs (see :class:`Scorer` to do that once). `factor` (the second layer's triangular factor of
+    the projector as converted, see :func:`triangular_factor`) applies to both engines' MLP paths,
+    `kernel` to the jvp engine's.
     """
     projector = prepare_projector(projector, features.dtype, features.device)
     if engine == "fd":
-        return responses_fd(features, projector, directions, h)
+        return responses_fd(features, projector, directions, h, factor=factor)
     if engine == "jvp":
         return responses_jvp(features, projector, directions, matmul, kernel=kernel, factor=factor)
     raise ValueError(f"unknown engine {engine!r} (expected 'jvp' or 'fd')")
@@ -336,6 +391,7 @@ def joint_responses(
     h: float,
     engine: str = "fd",
     max_rows: int | None = None,
+    factor: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """:func:`perturbation_responses` (m, N_i) of every image, from passes over several images' rows at once.
 
@@ -343,15 +399,18 @@ def joint_responses(
     of several images gives each image its own. Consecutive images share a pass up to ``max_rows`` rows (default
     :func:`~care_core._chunks.two_pass_rows`: one direction's intermediates then stay within the bound one
     image's chunks keep); an image with more rows goes alone, chunked as alone. Features of one width, device and
-    compute dtype; the projector is prepared for them once for all passes.
+    compute dtype; the projector is prepared for them once for all passes. `factor`: as for
+    :func:`perturbation_responses`.
     """
     first = features[0]
     projector = prepare_projector(projector, first.dtype, first.device)
-    limit = max_rows if max_rows is not None else two_pass_rows(first.shape[1], _out_features(projector, first))
+    mlp = _as_mlp(projector)  # a Linear-act-Linear's passes hold (rows, d_h) intermediates: bound those too
+    width = first.shape[1] if mlp is None else max(first.shape[1], mlp.first.out_features)
+    limit = max_rows if max_rows is not None else two_pass_rows(width, _out_features(projector, first))
     out: list[torch.Tensor] = []
     for group in row_groups([v.shape[0] for v in features], limit):
         joined = features[group[0]] if len(group) == 1 else torch.cat([features[i] for i in group])
-        responses = perturbation_responses(joined, projector, directions, h=h, engine=engine)
+        responses = perturbation_responses(joined, projector, directions, h=h, engine=engine, factor=factor)
         out.extend(c.contiguous() for c in responses.split([features[i].shape[0] for i in group], dim=1))
     return out
 
@@ -407,8 +466,8 @@ class Scorer:
     - the kernel decision: a fused kernel that failed to build here (Triton missing, a compilation
       error) is not tried again by this scorer in "auto" mode (:attr:`kernel_failures`);
     - for a Linear-act-Linear projector, the triangular factor R of its second layer
-      (:func:`triangular_factor`), per (dtype, device), where ``second_layer`` asks for it: the jvp
-      engine's norms then go through R, the same norms for (B + 1) / 2B of the multiply-adds.
+      (:func:`triangular_factor`), per (dtype, device), where ``second_layer`` asks for it: both
+      engines' norms then go through R, the same norms for (B + 1) / 2B of the multiply-adds.
 
     ``second_layer``: "auto" (through R on CUDA, W2 itself elsewhere), "dense" (always W2) or
     "triangular" (through R wherever the projector has one).
@@ -559,7 +618,7 @@ class Scorer:
     ) -> torch.Tensor:
         """:func:`perturbation_responses` with the prepared projector and this scorer's kernel gate."""
         projector = self.prepared(features.dtype, features.device)
-        factor = self.factor(features.dtype, features.device) if engine == "jvp" else None
+        factor = self.factor(features.dtype, features.device)
         return perturbation_responses(
             features, projector, directions, h=h, engine=engine, matmul=matmul, kernel=self.gate(kernel), factor=factor
         )

@@ -99,7 +99,8 @@ def test_one_scoring_pass_gives_each_image_its_responses(engine):
     joint = perturbation_responses(torch.cat(features), projector, u, h=cfg.h, engine=engine)
     for part, v in zip(joint.split([v.shape[0] for v in features], dim=1), features, strict=True):
         alone = perturbation_responses(v, projector, u, h=cfg.h, engine=engine)
-        torch.testing.assert_close(part, alone, rtol=1e-14, atol=0)
+        # fd's difference of two nearly equal activations magnifies an ulp of W1 v + b1 by |W1 v + b1| / h
+        torch.testing.assert_close(part, alone, rtol=1e-14 if engine == "jvp" else 1e-12, atol=0)
 
 
 @pytest.mark.parametrize("engine", ["jvp", "fd"])

@@ -396,7 +396,8 @@ def test_joint_responses_give_each_image_its_own_within_the_row_bound(engine: st
     directions = unit_directions(m, 8, seed=5, dtype=torch.float64)
     got = joint_responses(features, projector, directions, h=1e-3, engine=engine, max_rows=100)
     for c, v in zip(got, features, strict=True):
-        want = perturbation_responses(v, projector.module, directions, h=1e-3, engine=engine)
+        # alone through the same code path (a wrapped MLP is no Linear-act-Linear to the engines: Eq. 1 literally)
+        want = perturbation_responses(v, _RowCounter(projector.module), directions, h=1e-3, engine=engine)
         assert c.shape == want.shape and c.is_contiguous()
         torch.testing.assert_close(c, want, rtol=1e-12, atol=1e-14)
     if engine == "fd":  # passes of 42 + 56, 49 and 90 rows (at most 100), each direction at +h and -h

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from care_core.methods import MethodInputs, build_method
 from care_core.methods.zoo_prune import sads_select, sads_weights
+from care_core.scoring import Scorer
 from tests.reference import care_reference as reference
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
@@ -70,6 +72,29 @@ def test_registered_method_equals_an_independent_float64_computation(n: int, kee
     assert result.token_index.tolist() == sorted(order)
     np.testing.assert_allclose(result.scores.numpy(), weights, rtol=0, atol=1e-9)
     assert torch.equal(result.tokens, inputs.features[sorted(order)])
+
+
+@pytest.mark.parametrize("second_layer", [None, "dense", "triangular"])
+@pytest.mark.parametrize(("n", "keep", "seed"), [(100, 12, 2), (81, 10, 1)])
+def test_float32_selection_equals_the_literal_float64_one(
+    n: int, keep: int, seed: int, second_layer: str | None
+) -> None:
+    """In float32 (the default compute precision), through the fd engine's shared first layer and, with a
+    triangular scorer, W2's factor: the selection the literal float64 Eq. 1 responses give, and weights within a
+    quarter of the greedy's smallest margin of theirs (so the agreement is no luck)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)  # d_out >= d_h, so that W2 has a square triangular factor
+        projector = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 32))
+    inputs = dataclasses.replace(make_inputs(n=n, d_v=16, seed=seed), projector=projector)  # float32
+    if second_layer is not None:
+        inputs.scorer = Scorer(projector, second_layer=second_layer)
+        assert (inputs.scorer.factor(torch.float32, "cpu") is None) == (second_layer == "dense")
+    _, weights, embeddings = _independent(_float64(inputs))
+    order, margin = reference.greedy_anchors(embeddings, weights, keep, 1e-12)
+
+    result = build_method("zoo-prune")(inputs, keep)
+    assert result.info["selection_order"].tolist() == order
+    assert np.abs(result.scores.double().numpy() - weights).max() < margin / 4
 
 
 def test_pre_projector_diversity_would_be_seen() -> None:
