@@ -180,9 +180,27 @@ def care_eval(model: Path, task: Path, run: Run, device: str, dtype: str, work: 
     if done.returncode != 0:
         raise SystemExit(f"care eval failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     report = json.loads(done.stdout)
-    rows = [setting_row(setting, run, report["batch_size"]) for setting in report["settings"]]
+    batches = batch_seconds(work / f"out-{run.slug}" / "samples")
+    rows = [setting_row(setting, run, report["batch_size"]) | {"batches": batches.get(setting["setting"], [])}
+            for setting in report["settings"]]  # fmt: skip
     say(f"  {total:.0f} s; " + "; ".join(f"{r['setting']}: {r['samples_per_s']:.2f} samples/s" for r in rows))
     return {"command_s": total, "batch": report["batch_size"], "rows": rows, "backbone": report["backbone"]}
+
+
+def batch_seconds(folder: Path) -> dict[str, list[list[Any]]]:
+    """Per setting, each process's batches in the order answered: [rank, batch size, seconds], from the records
+    care eval saves (one line per sample, the batch's wall time shared out equally). One-time costs inside the
+    timed pass (graph captures, kernel builds at new shapes) show as the slow batches."""
+    out: dict[str, list[list[Any]]] = {}
+    for rank, shard in enumerate(sorted(folder.glob("shard-*.jsonl"))):
+        left = 0
+        for line in shard.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if left == 0:  # the first record of a batch: its size says how many lines follow
+                left = int(record["batch_size"])
+                out.setdefault(record["setting"], []).append([rank, left, record["seconds"] * left])
+            left -= 1
+    return out
 
 
 def setting_row(setting: dict[str, Any], run: Run, batch: dict[str, Any]) -> dict[str, Any]:
@@ -366,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"benchmark": "care eval throughput (issue #22)",
                                "date": dt.datetime.now(dt.timezone.utc).isoformat(), "environment": env,
                                "tiny": args.tiny, "backbones": {}}  # fmt: skip
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="care-bench-eval-", dir=args.work) as scratch:
         work = Path(scratch)
         results["task"] = write_task(work / "task", args.copies)

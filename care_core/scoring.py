@@ -4,7 +4,8 @@ Two engines compute the response matrix C (m, N):
 - ``fd``: Eq. 1, ``||M(v + h u) - M(v - h u)|| / 2h``, in float32 or float64, tf32 off. For a Linear-act-Linear
   projector the first layer is shared by linearity (``a +- h d``, a per token, d per direction) and the
   difference is taken before the second layer (one product instead of two, through W2's triangular factor
-  where given); any other projector runs literally, two passes per direction;
+  where given; that product, on the difference, follows ``matmul``: "auto" is tf32 on CUDA); any other
+  projector runs literally, two passes per direction;
 - ``jvp``: its h -> 0 limit ``||J_M(v) u||``, exact. For a Linear-act-Linear projector (LLaVA's)
   the first layer is applied once to the m directions and shared by all tokens, so the cost is
   about m N d_hidden d_out multiply-adds; any other projector goes through ``torch.func.jvp``.
@@ -142,17 +143,23 @@ def responses_fd(
     h: float,
     *,
     factor: torch.Tensor | None = None,
+    matmul: str = "float32",
 ) -> torch.Tensor:
-    """C[x, i] = ||M(v_i + h u_x) - M(v_i - h u_x)||_2 / (2h)  (Eq. 1); (m, N), tf32 off.
+    """C[x, i] = ||M(v_i + h u_x) - M(v_i - h u_x)||_2 / (2h)  (Eq. 1); (m, N).
 
     A Linear-act-Linear projector goes through :func:`_fd_mlp` (the same Eq. 1 value, a fraction of the work;
     `factor`: its second layer's triangular factor, :func:`triangular_factor`); any other projector takes
-    :func:`_fd_literal`, which ignores `factor`.
+    :func:`_fd_literal`, which ignores `factor`. Every product that forms the two nearly equal terms runs with
+    tf32 off; `matmul` ("float32", "tf32", or "auto": tf32 on CUDA) sets only the MLP path's second-layer
+    product, which acts on their difference (float64 inputs: never tf32).
     """
+    second_tf32 = features.dtype != torch.float64 and (
+        matmul == "tf32" or (matmul == "auto" and features.device.type == "cuda")
+    )
     with matmul_precision(allow_tf32=False):  # tf32 would turn the nearly equal terms' difference into noise
         mlp = _as_mlp(projector)
         if mlp is not None:
-            return _fd_mlp(features, mlp, directions, h, factor)
+            return _fd_mlp(features, mlp, directions, h, factor, second_tf32=second_tf32)
         return _fd_literal(features, projector, directions, h)
 
 
@@ -172,7 +179,13 @@ def _fd_literal(features: torch.Tensor, projector: Projector, directions: torch.
 
 
 def _fd_mlp(
-    features: torch.Tensor, mlp: _MLP, directions: torch.Tensor, h: float, factor: torch.Tensor | None
+    features: torch.Tensor,
+    mlp: _MLP,
+    directions: torch.Tensor,
+    h: float,
+    factor: torch.Tensor | None,
+    *,
+    second_tf32: bool = False,
 ) -> torch.Tensor:
     """Eq. 1 for M(v) = W2 act(W1 v + b1) + b2: ||W2 [act(a_i + h d_x) - act(a_i - h d_x)]|| / 2h with
     a_i = W1 v_i + b1 and d_x = W1 u_x; through ``factor`` R (W2 = QR, ||W2 t|| = ||R t||) where given.
@@ -197,7 +210,10 @@ def _fd_mlp(
         diff = mlp.act(pre + shift)
         diff -= mlp.act(pre - shift)  # (c, N, d_h)
         flat = diff.reshape(-1, hidden)
-        out = flat @ second.T if factor is None else _upper_products(flat, factor)
+        # the difference is already formed in float32, so tf32 here rounds it relative to itself (about 1e-3),
+        # not relative to the two large terms: far below the literal float32 path's cancellation error
+        with matmul_precision(allow_tf32=second_tf32):
+            out = flat @ second.T if factor is None else _upper_products(flat, factor)
         rows.append(out.reshape(shift.shape[0], n, -1).norm(dim=-1) / (2 * h))
     return torch.cat(rows)
 
@@ -373,11 +389,12 @@ def perturbation_responses(
     A pure function: the projector is converted to the features' dtype and device on every call where
     it differs (see :class:`Scorer` to do that once). `factor` (the second layer's triangular factor of
     the projector as converted, see :func:`triangular_factor`) applies to both engines' MLP paths,
-    `kernel` to the jvp engine's.
+    `kernel` to the jvp engine's; `matmul` to the jvp engine's products and the fd engine's second-layer
+    product on the difference (:func:`responses_fd`).
     """
     projector = prepare_projector(projector, features.dtype, features.device)
     if engine == "fd":
-        return responses_fd(features, projector, directions, h, factor=factor)
+        return responses_fd(features, projector, directions, h, factor=factor, matmul=matmul)
     if engine == "jvp":
         return responses_jvp(features, projector, directions, matmul, kernel=kernel, factor=factor)
     raise ValueError(f"unknown engine {engine!r} (expected 'jvp' or 'fd')")
@@ -392,6 +409,7 @@ def joint_responses(
     engine: str = "fd",
     max_rows: int | None = None,
     factor: torch.Tensor | None = None,
+    matmul: str = "auto",
 ) -> list[torch.Tensor]:
     """:func:`perturbation_responses` (m, N_i) of every image, from passes over several images' rows at once.
 
@@ -399,7 +417,7 @@ def joint_responses(
     of several images gives each image its own. Consecutive images share a pass up to ``max_rows`` rows (default
     :func:`~care_core._chunks.two_pass_rows`: one direction's intermediates then stay within the bound one
     image's chunks keep); an image with more rows goes alone, chunked as alone. Features of one width, device and
-    compute dtype; the projector is prepared for them once for all passes. `factor`: as for
+    compute dtype; the projector is prepared for them once for all passes. `factor` and `matmul`: as for
     :func:`perturbation_responses`.
     """
     first = features[0]
@@ -410,7 +428,8 @@ def joint_responses(
     out: list[torch.Tensor] = []
     for group in row_groups([v.shape[0] for v in features], limit):
         joined = features[group[0]] if len(group) == 1 else torch.cat([features[i] for i in group])
-        responses = perturbation_responses(joined, projector, directions, h=h, engine=engine, factor=factor)
+        responses = perturbation_responses(joined, projector, directions, h=h, engine=engine, factor=factor,
+                                           matmul=matmul)  # fmt: skip
         out.extend(c.contiguous() for c in responses.split([features[i].shape[0] for i in group], dim=1))
     return out
 

@@ -132,3 +132,18 @@ def test_joint_passes_through_the_factor_give_each_image_its_literal_responses()
     got = joint_responses(images, projector, u, h=H, engine="fd", max_rows=80, factor=r)
     for c, v in zip(got, images, strict=True):
         torch.testing.assert_close(c, _literal(v, projector, u, H), rtol=2e-12, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("through_factor", [False, True])
+def test_tf32_second_layer_on_cuda_stays_within_a_thousandth_of_eq1(through_factor: bool) -> None:
+    """On CUDA "auto" runs the second layer's product on the float32 difference in tf32: relative to Eq. 1 in
+    float64 it errs by about 1e-3 of the response, not of the two large terms (their difference is formed first)."""
+    projector = _llava()
+    features, u = _problem(n=300, m=16)
+    exact = _literal(features, projector, u, H)
+    gpu = projector.float().cuda()
+    factor = triangular_factor(gpu.linear_2.weight) if through_factor else None
+    got = perturbation_responses(features.float().cuda(), gpu, u.float().cuda(), h=H, engine="fd", factor=factor,
+                                 matmul="auto")  # fmt: skip
+    assert torch.allclose(got.double().cpu(), exact, rtol=5e-3, atol=0)
