@@ -4,7 +4,8 @@ Sensitivity S_i = mean over m shared unit directions of the raw Eq. 1 response w
 robust normalisation, no risk term); SADS weights w = min-max(S) (all ones if S is constant);
 diversity 1 - cos on the **post-projector** embeddings; greedy argmax w_j min_{s in S} D(s, j),
 ties to the lowest index. No calibration. The official LLaVA-1.5 code casts the perturbed inputs
-to fp16 before the projector; here Eq. 1 runs in float32 at least (docs/design.md §Response engines).
+to fp16 before the projector; here Eq. 1 runs in float32 at least, the second layer's product on the
+difference in TF32 on CUDA (docs/design.md §Response engines).
 """
 
 from __future__ import annotations
