@@ -52,4 +52,7 @@ def test_batched_methods_on_cuda_keep_what_each_image_keeps_alone(name: str) -> 
     for one, got, keep in zip(inputs, method.batch(inputs, keeps), keeps, strict=True):
         want = method(one, keep)
         assert torch.equal(got.indices.cpu(), want.indices.cpu()), name
-        torch.testing.assert_close(got.tokens, want.tokens, atol=1e-4, rtol=1e-4)
+        # a joint pass's products run other CUDA kernels than one image's; the scores' TF32 products (jvp, and
+        # the fd engine's second layer) then differ in their last bits, and calibration weights carry that into
+        # the tokens (1.5e-4 seen on an H200 for confidence-calib): equal indices, tokens to TF32 rounding
+        torch.testing.assert_close(got.tokens, want.tokens, atol=1e-3, rtol=1e-3)
