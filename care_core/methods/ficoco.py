@@ -372,7 +372,8 @@ class _BatchTargets:
 
 def _top_k_per_image(candidates: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, columns) (B, r, max k): image i's ``topk(ks[i])`` of `candidates` (B, r, T), its values normalised
-    per row; one ``topk`` for all images of one k (usually every image: k is the count above a fixed quantile)."""
+    per row; one ``topk`` for all images when they share k (usually: k is the count above a fixed quantile), else
+    one per image on its own rows (views: no index tensor to copy to the device)."""
     b, r, _ = candidates.shape
     k_max = max(ks)
     if len(set(ks)) == 1:
@@ -380,11 +381,11 @@ def _top_k_per_image(candidates: torch.Tensor, ks: list[int]) -> tuple[torch.Ten
         return values / values.sum(dim=-1, keepdim=True), columns
     weights = candidates.new_zeros(b, r, k_max)
     columns = torch.zeros(b, r, k_max, dtype=torch.long, device=candidates.device)
-    for k in sorted(set(ks) - {0}):
-        sel = [i for i, ki in enumerate(ks) if ki == k]
-        values, index = candidates[sel].topk(k, dim=-1)
-        weights[sel, :, :k] = values / values.sum(dim=-1, keepdim=True)
-        columns[sel, :, :k] = index
+    for i, k in enumerate(ks):
+        if k > 0:
+            values, index = candidates[i].topk(k, dim=-1)
+            weights[i, :, :k] = values / values.sum(dim=-1, keepdim=True)
+            columns[i, :, :k] = index
     return weights, columns
 
 
