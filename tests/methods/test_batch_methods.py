@@ -30,7 +30,7 @@ CONFIG = CaReConfig(m=8, h=1e-3, seed=3, engine="fd")
 PRCA_ANCHORED = ("care", "prca-only", "prca+simple-calib")
 ZOO_ANCHORED = ("zoo-prune", "simple-calib", "confidence-calib")  # all read ZOO-Prune's sensitivity
 TOLERANCE = {torch.float64: {"rtol": 0, "atol": 1e-9}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
-BIT_FOR_BIT = frozenset({"sparsevlm", "ficoco-v"})  # batches documented bit-identical on the CPU (design §Batches)
+BIT_FOR_BIT = frozenset({"sparsevlm", "ficoco-v"})  # bit-identical on the CPU: docs/design.md §Batches
 EXACT = {"rtol": 0, "atol": 0}
 
 
