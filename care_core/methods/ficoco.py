@@ -45,15 +45,19 @@ are -1). The map has the patch grid's shape (``inputs.grid``, else a square N; t
 local penalty. Deviations: the sorts are stable (ties broken by position; the official ``argsort`` is unspecified).
 
 Batches (``FiCoCoV.reduce_batch``): images with the same N, ``keep`` and grid take the same steps (r depends only on
-T and ``keep``), so they run stacked in one loop with no padding (:func:`_batch_step`); every row-wise operation
-sees the numbers it sees for one image, the data-dependent sets (live map slots, penalised windows, top-k columns)
-are masks, and the only host sync of a step reads the images' adaptive k. An image alone in its group runs
-``reduce``.
+T and ``keep``), so they run stacked with no padding (a group may be one image); every row-wise operation sees the
+numbers it sees for one image, and the data-dependent sets (live map slots, penalised windows, top-k columns) are
+masks. What a step merges and keeps (Filter, and so the next step's logits, rows and map) does not depend on the
+adaptive k, only where the merged tokens go does (Correlate, Compress): so every group's Filter steps run first
+(:func:`_batch_filter`), one host sync reads every step's k of every image, then every group's Correlate and
+Compress run (:func:`_batch_merge`) with no further sync.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -347,6 +351,16 @@ def _paper_penalty_batch(scores: torch.Tensor, origin: torch.Tensor, grid: tuple
 
 
 @dataclass(frozen=True)
+class _Filtered:
+    """One step's Filter for B images, and what Correlate and Compress need once the images' k is read."""
+
+    merge: torch.Tensor  # (B, r) rows merged away
+    rows: torch.Tensor  # (B, T - r) input row of every output row
+    merged_logits: torch.Tensor  # (B, r, T) the merged rows of the step's logits
+    k: torch.Tensor  # (B,) long: each image's adaptive k (on the device until the chain reads them all)
+
+
+@dataclass(frozen=True)
 class _BatchTargets:
     """Correlate for B images: each merged row's top-k targets, padded to the largest k with zero weight."""
 
@@ -358,7 +372,8 @@ class _BatchTargets:
 
 def _top_k_per_image(candidates: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, columns) (B, r, max k): image i's ``topk(ks[i])`` of `candidates` (B, r, T), its values normalised
-    per row; one ``topk`` for all images of one k (usually every image: k is the count above a fixed quantile)."""
+    per row; one ``topk`` for all images when they share k (usually: k is the count above a fixed quantile), else
+    one per image on its own rows (views: no index tensor to copy to the device)."""
     b, r, _ = candidates.shape
     k_max = max(ks)
     if len(set(ks)) == 1:
@@ -366,43 +381,31 @@ def _top_k_per_image(candidates: torch.Tensor, ks: list[int]) -> tuple[torch.Ten
         return values / values.sum(dim=-1, keepdim=True), columns
     weights = candidates.new_zeros(b, r, k_max)
     columns = torch.zeros(b, r, k_max, dtype=torch.long, device=candidates.device)
-    for k in sorted(set(ks) - {0}):
-        sel = torch.tensor([i for i, ki in enumerate(ks) if ki == k], device=candidates.device)
-        values, index = candidates[sel].topk(k, dim=-1)
-        weights[sel, :, :k] = values / values.sum(dim=-1, keepdim=True)
-        columns[sel, :, :k] = index
+    for i, k in enumerate(ks):
+        if k > 0:
+            values, index = candidates[i].topk(k, dim=-1)
+            weights[i, :, :k] = values / values.sum(dim=-1, keepdim=True)
+            columns[i, :, :k] = index
     return weights, columns
 
 
-def _batch_targets(
-    logits: torch.Tensor, merge: torch.Tensor, remain: torch.Tensor, row_order: RowOrder
-) -> _BatchTargets:
-    """Correlate (:func:`_released_targets` / :func:`_paper_targets`) for B images; the one host sync of a step
-    reads every image's k."""
-    b, t, _ = logits.shape
-    r = merge.shape[1]
-    merged_logits = logits.gather(1, merge[..., None].expand(-1, -1, t))
-    threshold = torch.quantile(merged_logits, QUANTILE, dim=-1, keepdim=True)
-    k = (merged_logits > threshold).sum(dim=-1).amax(dim=-1)
-    ks = k.tolist()
-    probs = torch.softmax(merged_logits, dim=-1)  # the merged rows of softmax(L)
-    if row_order == "released":
-        rows = remain
-    elif row_order == "paper":
-        rows = remain.sort(dim=-1).values
-        merged = torch.zeros(b, 1, t, dtype=torch.bool, device=logits.device).scatter(2, merge[:, None, :], True)
+def _batch_targets(step: _Filtered, ks: list[int], row_order: RowOrder) -> _BatchTargets:
+    """Correlate (:func:`_released_targets` / :func:`_paper_targets`) for B images whose k (`ks`) the chain has
+    read: targets from the softmax of the merged rows (only remaining tokens in the paper's row order)."""
+    b, r, t = step.merged_logits.shape
+    probs = torch.softmax(step.merged_logits, dim=-1)  # the merged rows of softmax(L)
+    if row_order == "paper":
+        merged = torch.zeros(b, 1, t, dtype=torch.bool, device=probs.device).scatter(2, step.merge[:, None, :], True)
         probs = probs.masked_fill(merged, -1.0)  # only remaining tokens can be targets
-    else:
-        raise MethodError(f"ficoco-v: unknown row_order {row_order!r}")
     if max(ks) == 0:
-        empty = torch.empty(b, r, 0, dtype=torch.long, device=logits.device)
-        return _BatchTargets(rows, empty, empty.to(logits.dtype), k)
+        empty = torch.empty(b, r, 0, dtype=torch.long, device=probs.device)
+        return _BatchTargets(step.rows, empty, empty.to(probs.dtype), step.k)
     weights, targets = _top_k_per_image(probs, ks)
     if row_order == "released":  # r <= (T - 1) // 2, so no target row is negative (see _released_targets)
         target_rows = torch.where(targets >= t - r, targets - r, targets)
     else:
-        target_rows = torch.searchsorted(rows, targets.reshape(b, -1)).view_as(targets)
-    return _BatchTargets(rows, target_rows, weights, k)
+        target_rows = torch.searchsorted(step.rows, targets.reshape(b, -1)).view_as(targets)
+    return _BatchTargets(step.rows, target_rows, weights, step.k)
 
 
 def _batch_compress(hidden: torch.Tensor, merge: torch.Tensor, found: _BatchTargets) -> torch.Tensor:
@@ -452,10 +455,10 @@ class _BatchChain:
         )
 
 
-def _batch_step(chain: _BatchChain, r: int, method: FiCoCoV, grid: tuple[int, int] | None) -> _BatchChain:
-    """One :func:`ficoco_step` for every image of `chain` (same T), with :meth:`FiCoCoV.reduce`'s bookkeeping."""
-    b, t, _ = chain.hidden.shape
-    device = chain.hidden.device
+def _batch_filter(chain: _BatchChain, r: int, method: FiCoCoV, grid: tuple[int, int] | None) -> _Filtered:
+    """Filter of one :func:`ficoco_step` for every image of `chain` (same T), and the images' adaptive k (on the
+    device): what the step merges and keeps does not depend on k, only its Compress does."""
+    b, t, _ = chain.logits.shape
     scores = redundancy_scores(chain.logits)
     score_map = chain.score_map
     if method.local_penalty == "released":
@@ -466,24 +469,40 @@ def _batch_step(chain: _BatchChain, r: int, method: FiCoCoV, grid: tuple[int, in
         scores = _paper_penalty_batch(scores, chain.origin, grid)
     else:
         raise MethodError(f"ficoco-v: unknown local_penalty {method.local_penalty!r}")
-    ranked = torch.cat([torch.full((b, 1), torch.inf, dtype=scores.dtype, device=device), scores], dim=1)
+    if method.row_order not in ("released", "paper"):
+        raise MethodError(f"ficoco-v: unknown row_order {method.row_order!r}")
+    ranked = torch.cat([torch.full((b, 1), torch.inf, dtype=scores.dtype, device=scores.device), scores], dim=1)
     order = torch.sort(ranked, dim=1, stable=True).indices
     merge, remain = order[:, :r], order[:, r:]
-    found = _batch_targets(chain.logits, merge, remain, method.row_order)
-    hidden = _batch_compress(chain.hidden, merge, found)
+    rows = remain if method.row_order == "released" else remain.sort(dim=-1).values
+    merged_logits = chain.logits.gather(1, merge[..., None].expand(-1, -1, t))
+    threshold = torch.quantile(merged_logits, QUANTILE, dim=-1, keepdim=True)
+    k = (merged_logits > threshold).sum(dim=-1).amax(dim=-1)
+    n_out = rows.shape[1]
+    logits = chain.logits.gather(1, rows[..., None].expand(-1, -1, t))
+    chain.logits = logits.gather(2, rows[:, None, :].expand(-1, n_out, -1))
+    chain.origin, chain.score_map = chain.origin.gather(1, rows), score_map
+    if chain.first_scores is None:
+        chain.first_scores = scores
+    return _Filtered(merge, rows, merged_logits, k)
+
+
+def _batch_merge(chain: _BatchChain, step: _Filtered, ks: list[int], row_order: RowOrder) -> None:
+    """Correlate and Compress of one step for every image of `chain`, its images' k read (`ks`): in place on the
+    chain's hidden states and owner rows, with :meth:`FiCoCoV.reduce`'s bookkeeping."""
+    b, t = chain.hidden.shape[:2]
+    device = chain.hidden.device
+    found = _batch_targets(step, ks, row_order)
+    chain.hidden = _batch_compress(chain.hidden, step.merge, found)
     n_out = found.rows.shape[1]
     row_map = torch.empty(b, t, dtype=torch.long, device=device)
     row_map.scatter_(1, found.rows, torch.arange(n_out, device=device).expand(b, -1))
     if found.target_rows.shape[2] > 0:  # a merged token follows its top-1 target (none where its image's k = 0)
         follows = torch.where(found.k[:, None] > 0, found.target_rows[:, :, 0], -1)
     else:
-        follows = torch.full_like(merge, -1)
-    row_map.scatter_(1, merge, follows)
-    owner = torch.where(chain.owner >= 0, row_map.gather(1, chain.owner.clamp_min(0)), chain.owner)
-    logits = chain.logits.gather(1, found.rows[..., None].expand(-1, -1, t))
-    logits = logits.gather(2, found.rows[:, None, :].expand(-1, n_out, -1))
-    first = scores if chain.first_scores is None else chain.first_scores
-    return _BatchChain(hidden, logits, chain.origin.gather(1, found.rows), owner, score_map, first)
+        follows = torch.full_like(step.merge, -1)
+    row_map.scatter_(1, step.merge, follows)
+    chain.owner = torch.where(chain.owner >= 0, row_map.gather(1, chain.owner.clamp_min(0)), chain.owner)
 
 
 @register
@@ -562,25 +581,35 @@ class FiCoCoV(Method):
         return _result(inputs, _BatchChain(x, logits, origin, owner, score_map, first_scores), tuple(steps))
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """Images of one N, budget, grid, device and dtypes take their steps together (:func:`_batch_step`, one
-        loop per such group, one host sync per step for the group's adaptive k); an image alone in its group runs
-        :meth:`reduce`."""
+        """Images of one N, budget, grid, device and dtypes take their steps together (:func:`_batch_filter`,
+        :func:`_batch_merge`; a group may be one image). Every group's Filter steps run first, then one host sync
+        reads every step's adaptive k of every group, then every group's Correlate and Compress; one more sync reads
+        the token each image ends with in row 0."""
         groups: dict[tuple[object, ...], list[int]] = {}
         for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
             hidden, logits = self._probes(one)
             key = (one.num_tokens, keep, _patch_grid(one), hidden.device, hidden.dtype, logits.dtype, hidden.shape[1])
             groups.setdefault(key, []).append(i)
+        with torch.no_grad():
+            chains = [
+                self._filter_group([inputs[i] for i in members], keeps[members[0]]) for members in groups.values()
+            ]
+            ks = _read_ks([step.k for _, steps, _ in chains for step in steps])
+            for chain, steps, _ in chains:
+                for step in steps:
+                    _batch_merge(chain, step, next(ks), self.row_order)
+            row_tokens = iter(torch.cat([chain.origin[:, 0] for chain, _, _ in chains]).tolist())  # one more sync
         results: dict[int, MethodResult] = {}
-        for members in groups.values():
-            if len(members) == 1:
-                results[members[0]] = self.reduce(inputs[members[0]], keeps[members[0]])
-                continue
-            group = [inputs[i] for i in members]
-            results.update(zip(members, self._reduce_group(group, keeps[members[0]]), strict=True))
+        for members, (chain, _, sizes) in zip(groups.values(), chains, strict=True):
+            for j, i in enumerate(members):
+                results[i] = _result(inputs[i], chain.image(j), sizes, next(row_tokens))
         return [results[i] for i in range(len(inputs))]
 
-    def _reduce_group(self, inputs: list[MethodInputs], keep: int) -> list[MethodResult]:
-        """:meth:`reduce` for images of one N, budget and grid, stacked (no padding: every step has one T)."""
+    def _filter_group(
+        self, inputs: list[MethodInputs], keep: int
+    ) -> tuple[_BatchChain, list[_Filtered], tuple[int, ...]]:
+        """(the chain after every Filter step, the steps, T before and after each) for images of one N, budget and
+        grid, stacked (no padding: every step has one T); hidden states and owners are still the inputs'."""
         probes = [self._probes(one) for one in inputs]
         hidden = torch.stack([h for h, _ in probes])
         b, n = len(inputs), inputs[0].num_tokens
@@ -588,21 +617,34 @@ class FiCoCoV(Method):
         fresh = fresh_score_map(n, hidden.device).expand(b, -1) if self.local_penalty == "released" else None
         chain = _BatchChain(hidden, torch.stack([lg for _, lg in probes]), rows, rows, fresh)
         grid = _patch_grid(inputs[0])
-        steps = [n + 1]
-        with torch.no_grad():
-            while (t := chain.hidden.shape[1]) > keep + 1:
-                chain = _batch_step(chain, min(self.r, t - keep - 1, (t - 1) // 2), self, grid)
-                steps.append(chain.hidden.shape[1])
-        return [_result(one, chain.image(i), tuple(steps)) for i, one in enumerate(inputs)]
+        sizes, steps = [n + 1], []
+        while (t := sizes[-1]) > keep + 1:
+            steps.append(_batch_filter(chain, min(self.r, t - keep - 1, (t - 1) // 2), self, grid))
+            sizes.append(chain.logits.shape[1])
+        return chain, steps, tuple(sizes)
 
 
-def _result(inputs: MethodInputs, chain: _BatchChain, steps: tuple[int, ...]) -> MethodResult:
-    """The method's result from one image's final state (row 0 dropped, as LLaVA's ``patch`` select does)."""
+def _read_ks(ks: list[torch.Tensor]) -> Iterator[list[int]]:
+    """Every step's images' k (B,) as lists, in order, read from the device in one host sync."""
+    if not ks:
+        return iter(())
+    sizes = [k.numel() for k in ks]
+    flat = torch.cat(ks).tolist()
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return iter([flat[lo:hi] for lo, hi in itertools.pairwise(bounds)])
+
+
+def _result(
+    inputs: MethodInputs, chain: _BatchChain, steps: tuple[int, ...], row_token: int | None = None
+) -> MethodResult:
+    """The method's result from one image's final state (row 0 dropped, as LLaVA's ``patch`` select does);
+    `row_token`: the token in row 0 (``origin[0]``) where the caller has read it already."""
+    dropped = int(chain.origin[0]) if row_token is None else row_token
     assignment = chain.owner[1:] - 1  # output row = current row - 1 (row 0 is dropped -> -1)
     return MethodResult(
         tokens=chain.hidden[1:].to(inputs.features.dtype),
         token_index=chain.origin[1:] - 1,
         scores=chain.first_scores,
         assignment=assignment.clamp_min(-1),
-        info={"steps": steps, "score_map": chain.score_map, "dropped_row_token": int(chain.origin[0]) - 1},
+        info={"steps": steps, "score_map": chain.score_map, "dropped_row_token": dropped - 1},
     )

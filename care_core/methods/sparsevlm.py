@@ -31,7 +31,15 @@ What the registered ``sparsevlm`` method does (our contract reduces the visual t
   that (no split with at least one kept token) nothing is recycled. The recycled rows average **pre-projector**
   features (the official code averages layer-2 hidden states); their ``token_index`` is the cluster centre's patch;
 * v2's "gravity" RoPE correction of the attention is not applied (the probe gives softmax attentions only; the
-  golden file does not apply it either); attention and embeddings are used in float32 (the official runs fp16).
+  golden file does not apply it either); attention and embeddings are used in float32 (the official runs fp16);
+* ties in relevance go to the lower token index (one stable descending sort gives the kept tokens and, after them,
+  the pruned ones in recycling order; the official ``topk`` leaves ties unspecified).
+
+The raters and relevance do not depend on the budget: they are computed once per image and kept in its memo
+(``inputs.memo``), so every budget of a ``care csr`` run reads them. Batches (``SparseVLM.reduce_batch``): each
+image's relevance alone (its own probe), then one sort of the relevances padded with -inf, one sort of the kept
+indices and one assignment scatter for all images; the recycling clusters run per image (their sizes are
+data-dependent) and, like the selection, without host syncs.
 """
 
 from __future__ import annotations
@@ -178,8 +186,55 @@ class SparseVLM(Method):
         return self.layer + 1  # layers 0..layer
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
+        rated = self._rated(inputs)
+        kept_count, clusters = self._split(inputs.num_tokens, keep)
+        order = relevance_order(rated.relevance)
+        kept = order[:kept_count].sort().values
+        assignment = torch.full((inputs.num_tokens,), -1, dtype=torch.long, device=kept.device)
+        assignment[kept] = torch.arange(kept_count, device=kept.device)
+        return self._result(inputs, rated, order, kept, assignment, clusters)
+
+    def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """Each image's relevance alone (memoised), then one padded stable sort, one sort of the kept indices and
+        one assignment scatter for all images; recycling per image (its clusters are data-dependent), without
+        host syncs; the budgets and the clustering noise go to the device in one copy each for the batch. One image
+        at a time where the relevances differ in device or dtype."""
+        rated = [self._rated(one) for one in inputs]
+        if len(inputs) < 2 or len({(r.relevance.device, r.relevance.dtype) for r in rated}) > 1:
+            return super().reduce_batch(inputs, keeps)
+        sizes = [one.num_tokens for one in inputs]
+        splits = [self._split(n, keep) for n, keep in zip(sizes, keeps, strict=True)]
+        orders, kept, assignment = _batch_selection([r.relevance for r in rated], [c for c, _ in splits])
+        drawn = [
+            self._noise(one, recycle_count(n - count)[0] if clusters else 0)
+            for one, n, (count, clusters) in zip(inputs, sizes, splits, strict=True)
+        ]  # one copy to the device for the batch (a pageable copy per image would wait for the device each time)
+        noises = torch.cat(drawn).to(orders.device).split([x.numel() for x in drawn])
+        return [
+            self._result(one, r, orders[i, :n], kept[i, :count], assignment[i, :n], clusters, noises[i])
+            for i, (one, r, n, (count, clusters)) in enumerate(zip(inputs, rated, sizes, splits, strict=True))
+        ]
+
+    def _noise(self, inputs: MethodInputs, count: int) -> torch.Tensor:
+        """The clustering's density tie-break noise for `count` recycled tokens: ``rand * noise`` (CPU, seeded)."""
+        g = torch.Generator().manual_seed(inputs.seed if self.seed is None else self.seed)
+        return torch.rand(count, generator=g) * self.noise
+
+    def _split(self, num_tokens: int, keep: int) -> tuple[int, int]:
+        """(tokens kept by relevance, recycled clusters) for budget `keep`."""
+        recycle = self.version == "1_0" if self.recycle is None else self.recycle
+        return recycle_split(num_tokens, keep) if recycle else (keep, 0)
+
+    def _rated(self, inputs: MethodInputs) -> Rated:
+        """The image's raters and relevance, computed once per image for every budget (kept in its memo)."""
         if self.version not in SCHEDULES:
             raise MethodError(f"sparsevlm: version must be '1_0' or '2_0', got {self.version!r}")
+        key = ("sparsevlm-relevance", self.version, self.layer)
+        rated: Rated = inputs.memoized(key, lambda: self._relevance(inputs))
+        return rated
+
+    def _relevance(self, inputs: MethodInputs) -> Rated:
+        """Steps 1 and 2 on the image's language-model probe (see the module docstring)."""
         lm = inputs.probe("language_model", self.name)
         n = inputs.num_tokens
         start, end = lm.image_span
@@ -201,31 +256,35 @@ class SparseVLM(Method):
             attention = attentions[self.layer]
             attention = attention.to(compute_dtype(attention.dtype))
             relevance, heads = rater_relevance(attention, (start, end), raters + text_start, self.version)
-        relevance = relevance.to(inputs.features.device)
-        recycle = self.version == "1_0" if self.recycle is None else self.recycle
-        kept_count, clusters = recycle_split(n, keep) if recycle else (keep, 0)
-        kept = torch.topk(relevance, kept_count).indices.sort().values
+        return Rated(relevance.to(inputs.features.device), raters, fallback, heads)
+
+    def _result(
+        self,
+        inputs: MethodInputs,
+        rated: Rated,
+        order: torch.Tensor,
+        kept: torch.Tensor,
+        assignment: torch.Tensor,
+        clusters: int,
+        noise: torch.Tensor | None = None,
+    ) -> MethodResult:
+        """The result from the image's relevance order, its kept tokens (ascending) and their assignment rows
+        (`noise`: the clustering's, drawn here when None)."""
         features = inputs.features
-        tokens = features[kept]
-        token_index = kept
-        assignment = torch.full((n,), -1, dtype=torch.long, device=features.device)
-        assignment[kept] = torch.arange(kept_count, device=features.device)
+        kept_count = kept.numel()
         info: dict[str, object] = {
-            "raters": raters,
-            "raters_fallback": fallback,
-            "heads_kept": heads,
+            "raters": rated.raters,
+            "raters_fallback": rated.fallback,
+            "heads_kept": rated.heads,
             "layer": self.layer,
             "kept": kept,
             "clusters": clusters,
         }
+        tokens, token_index = features[kept], kept
         if clusters:
-            pruned_mask = torch.ones(n, dtype=torch.bool, device=features.device)
-            pruned_mask[kept] = False
-            pruned = torch.nonzero(pruned_mask).flatten()
-            recycled, _ = recycle_count(pruned.numel())
-            members = pruned[torch.topk(relevance[pruned], recycled).indices]
-            g = torch.Generator().manual_seed(inputs.seed if self.seed is None else self.seed)
-            noise = torch.rand(members.numel(), generator=g) * self.noise
+            recycled, _ = recycle_count(inputs.num_tokens - kept_count)
+            members = order[kept_count : kept_count + recycled]  # the best pruned, by relevance (ties: lower index)
+            noise = self._noise(inputs, recycled) if noise is None else noise
             x = features[members].to(compute_dtype(features.dtype))
             with torch.no_grad():
                 merged, cluster, centres = cluster_and_merge(x, clusters, noise)
@@ -233,4 +292,41 @@ class SparseVLM(Method):
             token_index = torch.cat([kept, members[centres]])
             assignment[members] = kept_count + cluster
             info.update(recycled=members, cluster_of_recycled=cluster, cluster_centres=members[centres])
-        return MethodResult(tokens, token_index, relevance, assignment, info=info)
+        return MethodResult(tokens, token_index, rated.relevance, assignment, info=info)
+
+
+@dataclass(frozen=True)
+class Rated:
+    """One image's text raters and the relevance they give its visual tokens (budget-independent)."""
+
+    relevance: torch.Tensor  # (N,) on the features' device
+    raters: torch.Tensor  # (R,) rater positions relative to the text start
+    fallback: bool  # no text score above the mean: every text token rates
+    heads: torch.Tensor | None  # v2: the heads averaged
+
+
+def relevance_order(relevance: torch.Tensor) -> torch.Tensor:
+    """(..., N) token indices by descending relevance, ties to the lower index (a stable sort; the official
+    ``topk`` leaves ties unspecified): the first K are the K kept, the next ones the best pruned."""
+    return torch.sort(relevance, dim=-1, descending=True, stable=True).indices
+
+
+def _batch_selection(
+    relevances: list[torch.Tensor], counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(orders (B, max N), kept (B, max count) ascending, assignment (B, max N + 1)) of B images, image i's in
+    row i's first N_i / counts[i] / N_i columns: :func:`relevance_order` on the relevances padded with -inf (a
+    padded column sorts after every real one, and a stable sort orders a row's real columns as it does alone),
+    the first counts[i] of each order sorted ascending, and their ranks scattered into rows of -1."""
+    device = relevances[0].device
+    b, n_max, count_max = len(relevances), max(r.shape[0] for r in relevances), max(counts)
+    padded = torch.full((b, n_max), -torch.inf, dtype=relevances[0].dtype, device=device)
+    for i, relevance in enumerate(relevances):
+        padded[i, : relevance.shape[0]] = relevance
+    orders = relevance_order(padded)
+    rank = torch.arange(count_max, device=device)
+    within = rank < torch.tensor(counts, device=device)[:, None]
+    kept = torch.where(within, orders[:, :count_max], n_max).sort(dim=1).values  # n_max: past the image's count
+    assignment = torch.full((b, n_max + 1), -1, dtype=torch.long, device=device)
+    assignment.scatter_(1, kept, torch.where(within, rank, -1))  # column n_max: scratch for the padding
+    return orders, kept, assignment

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import MethodInputs, build_method
+from care_core.methods import MethodInputs, MethodResult, build_method
 from care_core.methods.sparsevlm import (
     PRUNING_LAYERS,
     SCHEDULES,
@@ -195,3 +196,65 @@ def test_span_mismatch_and_bad_version_are_errors() -> None:
 @pytest.mark.parametrize("name", GOLDEN_FILES["sparsevlm"])
 def test_golden(name: str) -> None:
     assert_golden_passes(name)
+
+
+# ------------------------------------------------------------------------------ many images at once
+
+BATCH_SIZES = {1: (144,), 3: (144, 90, 56), 8: (144, 90, 56, 144, 42, 110, 64, 72)}
+BATCH_KEEPS = {1: (40,), 3: (40, 12, 55), 8: (40, 12, 55, 7, 41, 1, 30, 71)}
+MODES = ({}, {"version": "2_0"}, {"recycle": False}, {"version": "2_0", "recycle": True})
+
+
+def _batch_inputs(sizes: tuple[int, ...], dtype: torch.dtype) -> list[MethodInputs]:
+    made = [make_inputs(n, d_v=8, seed=i) for i, n in enumerate(sizes)]
+    return [dataclasses.replace(one, features=one.features.to(dtype)) for one in made]
+
+
+def _assert_identical(got: MethodResult, want: MethodResult, what: str) -> None:
+    """Indices, assignment and info equal; tokens and scores bit for bit."""
+    for name in ("token_index", "assignment", "tokens", "scores"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {name}"
+    assert got.info.keys() == want.info.keys(), what
+    for key, value in want.info.items():
+        same = torch.equal(got.info[key], value) if isinstance(value, torch.Tensor) else got.info[key] == value
+        assert same, f"{what}: info[{key!r}]"
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["v1", "v2", "v1-no-recycling", "v2-recycling"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batch_gives_each_image_what_it_gets_alone(batch: int, dtype: torch.dtype, mode: dict[str, object]) -> None:
+    method = build_method("sparsevlm", **mode)
+    inputs, keeps = _batch_inputs(BATCH_SIZES[batch], dtype), list(BATCH_KEEPS[batch])
+    got = method.batch(inputs, keeps)
+    recycles = method.version == "1_0" if method.recycle is None else method.recycle
+    assert any(result.info["clusters"] for result in got) == recycles, "the batches do recycle where the mode does"
+    for i, (result, one, keep) in enumerate(zip(got, inputs, keeps, strict=True)):
+        assert result.tokens.shape[0] == keep
+        _assert_identical(result, method(one, keep), f"image {i}")
+
+
+def test_ties_keep_the_lowest_indices_and_recycle_the_next_ones_alone_and_in_a_batch() -> None:
+    """Uniform layer-2 attention: every token is rated alike. N = 8, K = 3 recycles: 2 kept + 1 cluster of the
+    int(0.3 * 6) + 1 = 2 best pruned, i.e. tokens 0, 1 kept and tokens 2, 3 merged (ties go to the lower index)."""
+    tied, _ = _scripted(favourite=())
+    method = build_method("sparsevlm")
+    alone = method(tied, 3)
+    assert alone.token_index[:2].tolist() == [0, 1] and alone.info["recycled"].tolist() == [2, 3]
+    assert alone.assignment.tolist() == [0, 1, 2, 2, -1, -1, -1, -1]
+    torch.testing.assert_close(alone.tokens[2], tied.features[2:4].mean(0), rtol=0, atol=1e-6)
+    for got in method.batch([make_inputs(56, d_v=5, seed=3), tied, tied], [9, 3, 3])[1:]:
+        _assert_identical(got, alone, "the tied image")
+
+
+def test_relevance_is_computed_once_per_image_for_every_budget() -> None:
+    inputs, lm = _scripted(n=30, favourite=(6, 1, 3, 20, 11))
+    memoised = dataclasses.replace(inputs, memo={})
+    method = build_method("sparsevlm")
+    got = [method(memoised, keep) for keep in (3, 9)] + method.batch([memoised, memoised], [12, 5])
+    assert lm.calls == [2], "one probe read for four budgets"
+    for result, keep in zip(got, (3, 9, 12, 5), strict=True):
+        assert result.scores is got[0].scores
+        _assert_identical(result, method(inputs, keep), f"K = {keep}")
+    assert len(lm.calls) == 5, "without a memo every call reads the probe"
