@@ -365,6 +365,8 @@ class CareLMM(lmms):
                 future.result()
         self.batches.run([grey] * self.batch_size, lambda chunk: self.answer_batch(chunk, [DEFAULT_QUESTION] *
                                                                                    len(chunk), 2))  # fmt: skip
+        if self.batch_size > 1:  # and one image: the kernels tune once per size class (care_core.kernels.size_class),
+            self.answer_batch([grey], [DEFAULT_QUESTION], 2)  # and a run's last, smaller batch can fall in the other
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
         """Answers in request order. Requests are grouped by generation settings (max_new_tokens, until) and

@@ -126,7 +126,7 @@ def test_a_bad_batch_size_is_refused_in_one_line_before_loading(given: object) -
         plugin.CareLMM(pretrained="no-such-model", method="none", batch_size=given)
 
 
-def test_warm_up_runs_the_batch_size_used_and_records_nothing(llava: Any) -> None:
+def test_warm_up_runs_the_batch_size_used_then_one_image_and_records_nothing(llava: Any) -> None:
     lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=3)
     sizes: list[int] = []
     run_batch = lm.pipeline.run_batch
@@ -137,7 +137,7 @@ def test_warm_up_runs_the_batch_size_used_and_records_nothing(llava: Any) -> Non
 
     lm.pipeline.run_batch = spy  # type: ignore[method-assign]
     lm.warm_up()
-    assert sizes == [3] and lm.records == []
+    assert sizes == [3, 1] and lm.records == []  # one image: the kernels' other size class (a last, small batch)
 
 
 def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> None:
