@@ -21,6 +21,8 @@ keeps the error at the level of PyTorch's tf32 matmuls (about 1e-4 relative).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -145,9 +147,13 @@ def _sqnorm_kernel(
 
 def _autotuned(configs):  # type: ignore[no-untyped-def]
     # p_ptr is zeroed before each config is tried and after the search: configs with wider output blocks
-    # leave the buffer's last blocks untouched, and those must read zero.
-    return triton.autotune(configs=configs, key=["size_class", "m", "d_h", "d_out"],
-                           reset_to_zero=["p_ptr"])(_sqnorm_kernel)  # fmt: skip
+    # leave the buffer's last blocks untouched, and those must read zero. The search takes seconds per size
+    # class, and every process of a run (and every run) would repeat it: where Triton can (3.2 on), its results
+    # are kept in Triton's on-disk cache beside the compiled kernels; BF16 and UPPER are in the key so that the
+    # four variants of the one kernel keep their own entries there.
+    cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(configs=configs, key=["size_class", "m", "d_h", "d_out", "BF16", "UPPER"],
+                           reset_to_zero=["p_ptr"], **cache)(_sqnorm_kernel)  # fmt: skip
 
 
 _kernel_bf16 = _autotuned(_BF16_CONFIGS)
