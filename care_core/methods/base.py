@@ -88,7 +88,8 @@ class MethodInputs:
     # inputs that other calls share.
     stage_timer: StageTimer | None = None
     # Optional per-image scratch space, owned by the caller: methods keep what does not depend on the budget
-    # (PRCA's psi_bar, ZOO-Prune's sensitivity) so that several budgets and methods compute it once.
+    # (PRCA's psi_bar, ZOO-Prune's sensitivity, the longest greedy order: :func:`memo_orders`) so that several
+    # budgets and methods compute it once.
     memo: dict[Hashable, Any] | None = None
     # Optional scoring state for `projector`, owned by the caller across images (a prepared float32 copy, the
     # directions, the second layer's triangular factor on CUDA): PRCA scoring uses it where given.
