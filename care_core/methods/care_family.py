@@ -104,7 +104,7 @@ class _CaReFamily(Method):
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
             order = anchor_orders([inputs], [keep], [self._order_key(inputs.features)], [weights], [rows], eps,
                                   as_gate(self.config.kernel))[0]  # fmt: skip
-        return order, weights, v.to(weights.dtype)
+        return order, weights, v.to(weights.dtype) if self.anchors_from == "zoo-prune" else v
 
     def _order_key(self, features: torch.Tensor) -> tuple[object, ...]:
         """Memo key of an image's Eq. 3 order: ZOO-Prune's SADS key (shared with zoo-prune and the other
