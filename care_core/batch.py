@@ -3,7 +3,8 @@ what :func:`~care_core.care.care_reduce` gives for it alone (to a BLAS's roundin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from care_core.errors import BudgetError, CareError
 from care_core.kernels import KernelGate
 from care_core.precision import compute_dtype, matmul_precision
 from care_core.scoring import Projector, Scorer, influence_scores, robust_zscores
+
+if TYPE_CHECKING:
+    from care_core.methods.base import MethodInputs
 
 
 def _check_batch(features: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> None:
@@ -146,6 +150,30 @@ def batch_anchors(
         for i, order in zip(rest, joint, strict=True):
             orders[i] = order
     return [o for o in orders if o is not None]
+
+
+def anchor_orders(
+    inputs: Sequence[MethodInputs],
+    keeps: Sequence[int],
+    keys: Sequence[Hashable],
+    weights: Sequence[torch.Tensor],
+    rows: Sequence[torch.Tensor],
+    eps: float,
+    gate: KernelGate,
+) -> list[torch.Tensor]:
+    """Eq. 3's selection order of ``keeps[i]`` steps per image (weights, the rows its diversity is measured on, its
+    eps and kernel gate) through the images' memos under ``keys[i]``
+    (:func:`~care_core.methods.base.memo_orders`: the order for K is the first K of any longer one). The images
+    lacking a long enough order: one alone by :func:`diversity_greedy`, as one image's call runs it; several by
+    :func:`batch_anchors`."""
+    from care_core.methods.base import memo_orders
+
+    def compute(todo: list[int], lengths: list[int]) -> list[torch.Tensor]:
+        if len(todo) == 1:
+            return [diversity_greedy(weights[todo[0]], rows[todo[0]], lengths[0], eps, kernel=gate)]
+        return batch_anchors([weights[i] for i in todo], [rows[i] for i in todo], lengths, eps, gate)
+
+    return memo_orders(inputs, keeps, keys, compute)
 
 
 def care_reduce_batch(

@@ -24,6 +24,7 @@ from care_core.scoring import (
 )
 
 if TYPE_CHECKING:
+    from care_core.kernels import KernelGate
     from care_core.methods.base import MethodResult
 
 StageTimer = Callable[[str], AbstractContextManager[object]]
@@ -192,6 +193,17 @@ def _scores(
         return prca_scores(v, projector, u, cfg, scorer=scorer)
 
 
+def _anchor_order(
+    psi_bar: torch.Tensor, v: torch.Tensor, k: int, eps: float, gate: KernelGate, given: torch.Tensor | None
+) -> torch.Tensor:
+    """Eq. 3's order of K anchors for :func:`care_reduce`: the one given (checked), or :func:`diversity_greedy`'s."""
+    if given is None:
+        return diversity_greedy(psi_bar, v, k, eps, kernel=gate)
+    if given.shape != (k,) or given.dtype != torch.long:
+        raise CareError(f"anchor_order must be ({k},) long indices, got {tuple(given.shape)} {given.dtype}")
+    return given
+
+
 def care_reduce(
     features: torch.Tensor,
     projector: Projector,
@@ -204,6 +216,7 @@ def care_reduce(
     stage_timer: StageTimer | None = None,
     scorer: Scorer | None = None,
     psi_bar: torch.Tensor | None = None,
+    anchor_order: torch.Tensor | None = None,
 ) -> Reduction:
     """Reduce N visual tokens to K calibrated tokens with CaRe.
 
@@ -220,7 +233,8 @@ def care_reduce(
     at d_h = 4096) once per projector. CPU results are bit-identical either way; ``Scorer`` says what the
     factor promises on CUDA.
     psi_bar: optional (N,) PRCA scores already computed by :func:`prca_scores` with this config for these
-    features (e.g. shared between budgets); scoring is then skipped.
+    features (e.g. shared between budgets); scoring is then skipped. anchor_order: optional (K,) Eq. 3 order
+    computed with this config from this psi_bar (e.g. the first K of a longer one); Eq. 3 is then skipped.
 
     >>> import torch
     >>> from care_core import CaReConfig, care_reduce
@@ -241,7 +255,7 @@ def care_reduce(
     gate = scorer.gate(cfg.kernel)
     with matmul_precision(allow_tf32=False), torch.no_grad():
         with timer("anchors"):
-            order = diversity_greedy(psi_bar, v, k, cfg.eps, kernel=gate)
+            order = _anchor_order(psi_bar, v, k, cfg.eps, gate, anchor_order)
             indices = order.sort().values
         with timer("calibration"):
             cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)

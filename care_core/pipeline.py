@@ -313,8 +313,9 @@ class ReductionPipeline:
         with torch.no_grad():
             tokens = self._encode_all(images, clock)
             pairs = [list(self._pairs(t, budgets, plan)) for t, plan in zip(tokens, plans, strict=True)]
-            inputs = [self.method_inputs(t, q, clock=clock, question_embeddings=csr)
-                      for t, (q, _) in zip(tokens, asked, strict=True)]  # fmt: skip
+            inputs = [self.method_inputs(t, q, clock=clock, question_embeddings=csr,
+                                         planned_keeps=sorted({k for _, _, k in image_pairs}))
+                      for t, (q, _), image_pairs in zip(tokens, asked, pairs, strict=True)]  # fmt: skip
             full: list[torch.Tensor] = []
             references: list[CSRReference | None] = [None] * count
             if csr or generate:
@@ -408,11 +409,13 @@ class ReductionPipeline:
         clock: StageClock | None = None,
         question_embeddings: bool = False,
         memo: bool = True,
+        planned_keeps: Sequence[int] = (),
     ) -> MethodInputs:
         """The methods' inputs for one image: the probes the methods need (timed as "probes" on ``clock``), the
         question's embeddings where a method reads them (or ``question_embeddings``), the pipeline's scorer and,
         with ``memo`` (and :attr:`memoize`), a memo that shares budget-independent work (PRCA's psi_bar,
-        ZOO-Prune's sensitivity) between every budget and method of the image."""
+        ZOO-Prune's sensitivity, the greedy orders, computed at the largest of ``planned_keeps``, the budgets' K
+        the caller will ask for) between every budget and method of the image."""
         from care_core.methods.base import MethodInputs
 
         vision_needs = sorted(self.needs - {"question"})
@@ -424,7 +427,7 @@ class ReductionPipeline:
             probes["question"] = self.adapter.question_embeddings(question)
         return MethodInputs(tokens.features, self.adapter.projector, tokens.positions, grid=tokens.grid,
                             probes=probes, seed=self.config.seed, memo={} if self.memoize and memo else None,
-                            scorer=self.scorer)  # fmt: skip
+                            scorer=self.scorer, planned_keeps=tuple(planned_keeps))  # fmt: skip
 
     def _run(
         self,

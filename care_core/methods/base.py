@@ -88,15 +88,27 @@ class MethodInputs:
     # inputs that other calls share.
     stage_timer: StageTimer | None = None
     # Optional per-image scratch space, owned by the caller: methods keep what does not depend on the budget
-    # (PRCA's psi_bar, ZOO-Prune's sensitivity) so that several budgets and methods compute it once.
+    # (PRCA's psi_bar, ZOO-Prune's sensitivity, the longest greedy order: :func:`memo_orders`) so that several
+    # budgets and methods compute it once.
     memo: dict[Hashable, Any] | None = None
     # Optional scoring state for `projector`, owned by the caller across images (a prepared float32 copy, the
     # directions, the second layer's triangular factor on CUDA): PRCA scoring uses it where given.
     scorer: Scorer | None = None
+    # Optional hint: the budgets' K the caller will ask for this image, any method (a pipeline's budgets). Greedy
+    # orders kept in the memo are computed at the largest of them, so that smaller budgets take a prefix; never
+    # required (without it, an order is computed at the K asked, and again at a larger K asked later).
+    planned_keeps: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.features.shape[0])
+
+    def order_length(self, keep: int) -> int:
+        """How many steps a greedy order for budget ``keep`` runs on this image: with a memo, the largest of
+        ``keep`` and :attr:`planned_keeps` (at most N), so that every planned budget reads a prefix; else ``keep``."""
+        if self.memo is None:
+            return keep
+        return max(keep, min(max(self.planned_keeps, default=0), self.num_tokens))
 
     def memoized(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """``compute()``, or its earlier value for ``key`` on these same inputs when a memo is kept."""
@@ -239,6 +251,40 @@ def share_one_pass(inputs: Sequence[MethodInputs]) -> bool:
             return False
     kinds = {(v.shape[1], v.device, compute_dtype(v.dtype)) for v in (one.features for one in inputs)}
     return len(kinds) == 1
+
+
+def memo_orders(
+    inputs: Sequence[MethodInputs],
+    keeps: Sequence[int],
+    keys: Sequence[Hashable],
+    compute: Callable[[list[int], list[int]], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Greedy selection orders of ``keeps[i]`` tokens per image, through the images' memos (docs/design.md
+    §Batches), for a greedy whose step t reads only the tokens chosen before it: its order for K is then the
+    first K of its order for any larger K, the same numbers from the same operations.
+
+    ``keys[i]``: image i's memo key, naming everything its order depends on besides the image (the greedy's
+    weights, rows, eps, tie and mask rules, kernel setting). A memo keeps the longest order computed under the
+    key. The images whose memo lacks one of at least ``keeps[i]`` steps (and those without a memo) are computed
+    together by one ``compute(images, lengths)`` (the orders of those images, by index, at those lengths), at
+    :meth:`MethodInputs.order_length`, and a longer order replaces a shorter one. Each order returned is the
+    caller's own tensor of ``keeps[i]`` indices."""
+    orders: dict[int, torch.Tensor] = {}
+    for i, (one, key, k) in enumerate(zip(inputs, keys, keeps, strict=True)):
+        stored = None if one.memo is None else one.memo.get(key)
+        if stored is not None and stored.shape[0] >= k:
+            orders[i] = stored
+    todo = [i for i in range(len(inputs)) if i not in orders]
+    if todo:
+        computed = compute(todo, [inputs[i].order_length(keeps[i]) for i in todo])
+        for i, order in zip(todo, computed, strict=True):
+            orders[i] = order
+            memo = inputs[i].memo
+            if memo is not None:
+                memo[keys[i]] = order
+    # with a memo, a copy of the prefix: the memo's tensor is never handed out
+    pairs = enumerate(zip(inputs, keeps, strict=True))
+    return [orders[i] if one.memo is None else orders[i][:k].clone() for i, (one, k) in pairs]
 
 
 def selection_result(

@@ -50,6 +50,12 @@ def prca_key(config: CaReConfig) -> tuple[object, ...]:
     return ("prca", *(getattr(config, name) for name in sorted(PRCA_FIELDS)))
 
 
+def prca_order_key(config: CaReConfig) -> tuple[object, ...]:
+    """Memo key of PRCA's Eq. 3 order (:func:`~care_core.batch.anchor_orders`): psi_bar's key (its fields include
+    Eq. 3's eps) and the kernel setting; not the budget (the order for K is the first K of any longer one)."""
+    return ("prca-order", prca_key(config), config.kernel)
+
+
 @dataclass(frozen=True)
 class _CaReFamily(Method):
     """What CaRe and its ablations share; a variant names itself, its rank, fields, anchors and calibration as
@@ -84,20 +90,29 @@ class _CaReFamily(Method):
 
     def _anchors(self, inputs: MethodInputs, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(selection order, weights psi_bar, features in compute precision), timing "scoring" and "anchors"."""
-        from care_core.anchors import diversity_greedy
+        from care_core.batch import anchor_orders
+        from care_core.kernels import as_gate
         from care_core.precision import compute_dtype, matmul_precision
 
         v = inputs.features.to(compute_dtype(inputs.features.dtype))
-        if self.anchors_from == "zoo-prune":
-            with inputs.stage("scoring"):
-                weights, embeddings = self._zoo().scores(inputs)  # memoised, shared with zoo-prune itself
-            with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-                order = diversity_greedy(weights, embeddings, keep, eps=SADS_EPS, kernel=self.config.kernel)
-                return order, weights, v.to(weights.dtype)
         with inputs.stage("scoring"):
-            psi_bar = self._psi_bar(inputs, v)
+            if self.anchors_from == "zoo-prune":
+                weights, rows = self._zoo().scores(inputs)  # memoised, shared with zoo-prune itself
+                eps = SADS_EPS
+            else:
+                weights, rows, eps = self._psi_bar(inputs, v), v, self.config.eps
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            return diversity_greedy(psi_bar, v, keep, self.config.eps, kernel=self.config.kernel), psi_bar, v
+            order = anchor_orders([inputs], [keep], [self._order_key(inputs.features)], [weights], [rows], eps,
+                                  as_gate(self.config.kernel))[0]  # fmt: skip
+        return order, weights, v.to(weights.dtype) if self.anchors_from == "zoo-prune" else v
+
+    def _order_key(self, features: torch.Tensor) -> tuple[object, ...]:
+        """Memo key of an image's Eq. 3 order: ZOO-Prune's SADS key (shared with zoo-prune and the other
+        ZOO-anchored ablations), or for PRCA anchors what psi_bar depends on with Eq. 3's eps
+        (:func:`prca_order_key`); both with this config's kernel setting."""
+        if self.anchors_from == "zoo-prune":
+            return self._zoo().order_key(features, self.config.kernel)
+        return prca_order_key(self.config)
 
     def _zoo(self) -> ZooPrune:
         """ZOO-Prune with this config's h, m and seed: what ZOO-Prune anchors come from."""
@@ -145,12 +160,13 @@ class _CaReFamily(Method):
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
         """CaRe's variants on B images (docs/design.md §Batches): the anchor weights of every image not in its memo
         from one joint Eq. 1 pass (PRCA's psi_bar, or ZOO-Prune's sensitivity for ZOO-Prune anchors; each new one
-        stored in its image's memo), Eq. 3 for all images in one padded loop, then each image's calibration; each
+        stored in its image's memo), Eq. 3 for the images lacking a long enough memoised order in one padded loop
+        (:func:`~care_core.batch.anchor_orders`), then each image's calibration; each
         stage timed once for the batch on the shared stage timer. Per image, :meth:`reduce`'s result (to the joint
         pass's rounding). Batches that cannot share one pass (:func:`_one_pass`) go one image at a time."""
         if not _one_pass(inputs):
             return super().reduce_batch(inputs, keeps)
-        from care_core.batch import batch_anchors
+        from care_core.batch import anchor_orders
         from care_core.care import scorer_for
         from care_core.precision import compute_dtype, matmul_precision
 
@@ -159,8 +175,9 @@ class _CaReFamily(Method):
         vs = [one.features.to(compute_dtype(one.features.dtype)) for one in inputs]
         with first.stage("scoring"):
             weights, rows, eps = self._batch_weights(inputs, vs, scorer)
+        keys = [self._order_key(one.features) for one in inputs]
         with first.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            orders = batch_anchors(weights, rows, keeps, eps, scorer.gate(self.config.kernel))
+            orders = anchor_orders(inputs, keeps, keys, weights, rows, eps, scorer.gate(self.config.kernel))
         if self.calibration == "none":
             return [selection_result(one.features, order, w, selection_order=order)
                     for one, order, w in zip(inputs, orders, weights, strict=True)]  # fmt: skip
@@ -233,17 +250,16 @@ class CaRe(_CaReFamily, name="care", rank=0, hyperparameters=PRCA_FIELDS | GATED
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
         """:func:`care_core.care.care_reduce` with this config, the inputs' stage timer and scorer (and, where
-        the inputs keep a memo, the psi_bar another budget or PRCA-anchored method already computed)."""
+        the inputs keep a memo, the psi_bar and the prefix of the Eq. 3 order another budget or PRCA-anchored
+        method already computed)."""
         from care_core.care import care_reduce
-        from care_core.precision import compute_dtype
 
-        psi_bar = None
+        psi_bar = order = None
         if inputs.memo is not None:
-            with inputs.stage("scoring"):
-                psi_bar = self._psi_bar(inputs, inputs.features.to(compute_dtype(inputs.features.dtype)))
+            order, psi_bar, _ = self._anchors(inputs, keep)
         reduction = care_reduce(
             inputs.features, inputs.projector, inputs.positions, keep=keep, config=self.config,
-            stage_timer=inputs.stage_timer, psi_bar=psi_bar, scorer=inputs.scorer,
+            stage_timer=inputs.stage_timer, psi_bar=psi_bar, scorer=inputs.scorer, anchor_order=order,
         )  # fmt: skip
         return reduction.to_method_result()
 

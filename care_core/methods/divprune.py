@@ -29,7 +29,7 @@ from typing import ClassVar
 from care_core._lazy import torch
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype, matmul_precision
-from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
+from care_core.methods.base import Category, Method, MethodInputs, MethodResult, memo_orders, selection_result
 from care_core.methods.registry import register
 
 _TINY = 1e-30  # only guards zero rows; any non-zero norm is used exactly as the official code does
@@ -143,26 +143,33 @@ class DivPrune(Method):
 
     mask_selected: bool = True  # False = the released rule verbatim (duplicate indices possible)
 
+    def order_key(self, features: torch.Tensor) -> tuple[object, ...]:
+        """Memo key of an image's selection order (:func:`~care_core.methods.base.memo_orders`): the mask rule and
+        the compute dtype; the order for K is the first K of any longer one (step t reads only earlier picks)."""
+        return ("divprune-order", self.mask_selected, compute_dtype(features.dtype))
+
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        with torch.no_grad():
-            embeddings = inputs.projector(inputs.features)
-            embeddings = embeddings.to(compute_dtype(embeddings.dtype))
-            order = divprune_select(embeddings, keep, mask_selected=self.mask_selected)
-        return self._result(inputs, order, keep)
+        return self.reduce_batch([inputs], [keep])[0]
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """Each image's embeddings and distances alone (its own projector call), then one greedy loop for all
-        (:func:`divprune_select_batch`); one image at a time where the embeddings differ in device or dtype or
-        the padded distances would exceed :data:`JOINT_MAX_ENTRIES`."""
+        """Each image's order from its memo where it holds one of at least K steps (no projector call, no
+        distances); the others by :meth:`_orders`, at the longest budget planned for them where they keep a memo
+        (:func:`~care_core.methods.base.memo_orders`)."""
+        keys = [self.order_key(one.features) for one in inputs]
+        orders = memo_orders(inputs, keeps, keys, lambda todo, ks: self._orders([inputs[i] for i in todo], ks))
+        return [self._result(one, order, keep) for one, order, keep in zip(inputs, orders, keeps, strict=True)]
+
+    def _orders(self, inputs: list[MethodInputs], keeps: list[int]) -> list[torch.Tensor]:
+        """Selection orders of ``keeps[i]`` steps: each image's embeddings and distances alone (its own projector
+        call), then one greedy loop for all (:func:`divprune_select_batch`); one image at a time where the
+        embeddings differ in device or dtype or the padded distances would exceed :data:`JOINT_MAX_ENTRIES`."""
         with torch.no_grad():
             embeddings = [one.projector(one.features) for one in inputs]
             embeddings = [x.to(compute_dtype(x.dtype)) for x in embeddings]
             joint = len(embeddings) * max(x.shape[0] for x in embeddings) ** 2 <= JOINT_MAX_ENTRIES
             if len(inputs) > 1 and joint and len({(x.device, x.dtype) for x in embeddings}) == 1:
-                orders = divprune_select_batch(embeddings, keeps, mask_selected=self.mask_selected)
-            else:
-                orders = [divprune_select(x, k, self.mask_selected) for x, k in zip(embeddings, keeps, strict=True)]
-        return [self._result(one, order, keep) for one, order, keep in zip(inputs, orders, keeps, strict=True)]
+                return divprune_select_batch(embeddings, keeps, mask_selected=self.mask_selected)
+            return [divprune_select(x, k, self.mask_selected) for x, k in zip(embeddings, keeps, strict=True)]
 
     def _result(self, inputs: MethodInputs, order: torch.Tensor, keep: int) -> MethodResult:
         if not self.mask_selected and order.unique().numel() < keep:

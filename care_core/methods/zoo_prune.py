@@ -102,6 +102,12 @@ class ZooPrune(Method):
 
         return ("zoo-prune", self.h, self.m, self.seed, self.engine, compute_dtype(features.dtype))
 
+    def order_key(self, features: torch.Tensor, kernel: str = "auto") -> tuple[object, ...]:
+        """Memo key of an image's SADS order (:func:`~care_core.batch.anchor_orders`): what its weights and
+        embeddings depend on (:meth:`memo_key`) and the greedy's kernel setting (SADS's eps is fixed), so
+        ZOO-anchored ablations with these hyperparameters and kernel setting share one order per image."""
+        return ("sads-order", self.memo_key(features), kernel)
+
     def scores(self, inputs: MethodInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(normalised sensitivity w, post-projector embeddings), both in compute precision; kept in the inputs'
         memo (one computation per image for every budget and every method with these hyperparameters)."""
@@ -135,23 +141,26 @@ class ZooPrune(Method):
         return [(sads_weights(s), e) for s, e in zip(sensitivities, embeddings, strict=True)]
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        from care_core.anchors import diversity_greedy
+        from care_core.batch import anchor_orders
+        from care_core.kernels import as_gate
         from care_core.precision import matmul_precision
 
         with inputs.stage("scoring"):
             weights, embeddings = self.scores(inputs)
         with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            order = diversity_greedy(weights, embeddings, keep, eps=SADS_EPS)
+            order = anchor_orders([inputs], [keep], [self.order_key(inputs.features)], [weights], [embeddings],
+                                  SADS_EPS, as_gate("auto"))[0]  # fmt: skip
         return selection_result(inputs.features, order, weights, selection_order=order)
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
         """Per image, :meth:`reduce`'s result (docs/design.md §Batches): the sensitivity of every image not in its
-        memo from one joint pass over their rows (each stored in its image's memo), SADS for all images in one
-        padded greedy loop (:func:`~care_core.batch.batch_anchors`); each stage timed once on the batch's timer.
+        memo from one joint pass over their rows (each stored in its image's memo), SADS for all images lacking a
+        long enough memoised order in one padded greedy loop (:func:`~care_core.batch.anchor_orders`); each stage
+        timed once on the batch's timer.
         Images that cannot share one pass (:func:`~care_core.methods.base.share_one_pass`) go one at a time."""
         if not share_one_pass(inputs):
             return super().reduce_batch(inputs, keeps)
-        from care_core.batch import batch_anchors
+        from care_core.batch import anchor_orders
         from care_core.kernels import as_gate
         from care_core.precision import matmul_precision
 
@@ -159,7 +168,8 @@ class ZooPrune(Method):
         with first.stage("scoring"):
             scored = self.batch_scores(inputs)
         weights = [w for w, _ in scored]
+        keys = [self.order_key(one.features) for one in inputs]
         with first.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            orders = batch_anchors(weights, [e for _, e in scored], keeps, SADS_EPS, as_gate("auto"))
+            orders = anchor_orders(inputs, keeps, keys, weights, [e for _, e in scored], SADS_EPS, as_gate("auto"))
         return [selection_result(one.features, order, w, selection_order=order)
                 for one, order, w in zip(inputs, orders, weights, strict=True)]  # fmt: skip

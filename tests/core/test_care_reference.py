@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from care_core import CaReConfig, care_reduce
+from care_core.errors import CareError
 from tests.core._problems import (
     make_problem,
     random_directions,
@@ -532,3 +533,24 @@ def test_confidence_equal_to_theta_c_is_a_signal(K, tau_g, seed):
     assert all(confidence[r] == 1.0 for r in at_threshold), "core: c_r must be exactly theta_c for this test"
     np.testing.assert_array_equal(to_np(red.signals), at_threshold, err_msg="c_r == theta_c must be a signal")
     assert_matches_reference(red, {**ref, "gate_margin": 0.0}, scale=float(np.abs(prob.V).max()))
+
+
+@pytest.mark.parametrize(("N", "K", "longer"), [(100, 11, 50), (600, 66, 300), (17, 5, 16)])
+def test_the_first_k_of_a_longer_anchor_order_gives_the_reference_at_k(N, K, longer):
+    """care_reduce given psi_bar and the first K of the order computed for a larger budget (what a memo shares
+    between budgets): Eq. 3's order for K is a prefix of the longer one, so the result is the reference's at K.
+    An order of another length, or not of indices, is an error."""
+    prob = make_problem(N + K, N, 16, True)
+    U = random_directions(N, 16, 16)
+    cfg = cfg_of(engine="fd", m=16)
+    ref = run_ref(prob, K, U, m=16, engine="fd")
+    assert ref["margin"] > 1e-10 and ref["gate_margin"] > 1e-10, "a near-tie: pick another seed"
+    first = run_core(prob, longer, cfg, U)
+    red = care_reduce(prob.features(torch.float64), prob.projector(torch.float64), prob.positions(torch.float64),
+                      keep=K, config=cfg, directions=torch.as_tensor(U), psi_bar=first.psi_bar,
+                      anchor_order=first.anchor_order[:K].clone())  # fmt: skip
+    assert_matches_reference(red, ref, scale=float(np.abs(prob.V).max()))
+    for bad in (first.anchor_order, first.anchor_order[:K].double()):
+        with pytest.raises(CareError, match="anchor_order"):
+            care_reduce(prob.features(torch.float64), prob.projector(torch.float64), prob.positions(torch.float64),
+                        keep=K, config=cfg, psi_bar=first.psi_bar, anchor_order=bad)  # fmt: skip

@@ -186,3 +186,39 @@ def test_budget_independent_work_is_shared_and_changes_nothing(image: Any, monke
         assert (a.method, a.budget) == (b.method, b.budget)
         assert torch.equal(a.result.tokens, b.result.tokens)
         assert torch.equal(a.result.token_index, b.result.token_index)
+
+
+def test_greedy_orders_run_once_per_image_at_the_largest_planned_budget(
+    image: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline hands each image its budgets' K (``MethodInputs.planned_keeps``), so with the budgets in
+    ascending order DivPrune's greedy, SADS (shared by the ZOO-anchored methods) and PRCA's Eq. 3 (shared by the
+    PRCA-anchored ones) each run once, at the largest K; every run's result is that of a pipeline without a memo."""
+    import care_core.batch
+    import care_core.care
+    import care_core.methods.divprune
+
+    names = ["divprune", "zoo-prune", "simple-calib", "care", "prca-only"]
+    budgets = [Budget.keep(8), Budget.keep(16), Budget.ratio(0.1)]  # 576 tokens: K = 8, 16, 57
+    shared = ReductionPipeline.from_pretrained("tiny-llava", methods=names, config=CaReConfig(m=16), device="cpu")
+    alone = ReductionPipeline(shared.adapter, names, CaReConfig(m=16), memoize=False)
+    tokens = shared.encode(image)
+    lengths: list[tuple[str, int]] = []
+    for module, name in ((care_core.methods.divprune, "divprune_select"), (care_core.batch, "diversity_greedy"),
+                         (care_core.care, "diversity_greedy")):  # fmt: skip
+        real, at = getattr(module, name), 1 if name == "divprune_select" else 2
+
+        def counted(*args: Any, _real: Any = real, _at: int = at, _name: str = name, **kwargs: Any) -> Any:
+            lengths.append((_name, int(args[_at])))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    with_memo = shared(tokens, None, budgets)
+    assert lengths == [("divprune_select", 57), ("diversity_greedy", 57), ("diversity_greedy", 57)]
+    without = alone(tokens, None, budgets)
+    assert len(lengths) == 3 + len(names) * len(budgets), "without a memo, every run computes its own order"
+    for a, b in zip(with_memo.runs, without.runs, strict=True):
+        assert (a.method, a.budget, a.keep) == (b.method, b.budget, b.keep)
+        assert torch.equal(a.result.tokens, b.result.tokens)
+        assert torch.equal(a.result.token_index, b.result.token_index)
+        assert torch.equal(a.result.info["selection_order"], b.result.info["selection_order"])

@@ -271,7 +271,8 @@ def test_zoo_memo_is_not_shared_with_other_hyperparameters():
             assert not torch.equal(old.scores, new.scores), f"{change}: other weights"
     for one, before in zip(inputs, kept, strict=True):
         assert all(one.memo[key] is value for key, value in before.items())
-        assert len(one.memo) == 1 + 3
+        assert sum(key[0] == "zoo-prune" for key in one.memo) == 1 + 3, "one sensitivity per setting"
+        assert len(one.memo) == 2 * (1 + 3), "and one SADS order per setting, shared by the three methods"
 
 
 # ------------------------------------------------------------------------------ DivPrune's joint greedy loop
