@@ -56,3 +56,17 @@ def test_batched_methods_on_cuda_keep_what_each_image_keeps_alone(name: str) -> 
         # the fd engine's second layer) then differ in their last bits, and calibration weights carry that into
         # the tokens (1.5e-4 seen on an H200 for confidence-calib): equal indices, tokens to TF32 rounding
         torch.testing.assert_close(got.tokens, want.tokens, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_greedy_order_on_cuda_is_a_prefix_of_any_longer_one(kernel: str) -> None:
+    """The memo's premise on the device (docs/design.md §Batches): K only bounds the greedy's loop, so the order for
+    K is the first K of the order for any larger K, with the fused kernel as with the loop."""
+    from care_core.anchors import diversity_greedy
+
+    g = torch.Generator().manual_seed(11)
+    features = torch.randn(2880, 64, generator=g).cuda()
+    weights = torch.rand(2880, generator=g).cuda()
+    longest = diversity_greedy(weights, features, 640, 1e-8, kernel=kernel)  # type: ignore[arg-type]
+    for k in (160, 320):
+        assert torch.equal(diversity_greedy(weights, features, k, 1e-8, kernel=kernel), longest[:k])  # type: ignore[arg-type]
