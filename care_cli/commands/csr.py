@@ -22,6 +22,9 @@ from care_core.config import CaReConfig
 from care_core.errors import ImageError, QuestionError
 
 if TYPE_CHECKING:
+    from PIL import Image
+
+    from care_core.prefetch import Prefetcher
     from care_core.runs import DatasetRun
 
 ImageArg = Annotated[
@@ -343,6 +346,7 @@ def _compute(
     at once). Returns the pairs skipped as bad, and the batch size: used, requested, the device's default and the
     final one (after any out-of-memory split)."""
     from care_core.batching import Batches, choose_batch_size
+    from care_core.prefetch import image_prefetcher
 
     choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None, attention_layers=pipe.attention_layers)
     batches = Batches(choice.size, device=pipe.adapter.device, on_notice=lambda line: render.print_notices([line]))
@@ -354,10 +358,14 @@ def _compute(
             todo.append((pid, pair, plan))
     skipped: list[dict[str, Any]] = []
     label = "CSR" if run.world.size == 1 else f"CSR (rank 0 of {run.world.size})"
-    with render.progress(label, quiet=quiet or not run.world.is_main) as progress:
+    with (
+        render.progress(label, quiet=quiet or not run.world.is_main) as progress,
+        image_prefetcher(pipe.adapter, _open_image, todo, batches.size, key=_item_key) as loader,
+    ):
         task = progress.add_task("", total=len(todo))
 
         def finished(chunk: list[Any], outputs: list[Any]) -> None:
+            loader.release(chunk)
             records: list[dict[str, Any]] = []
             failure: UserError | None = None
             for (_, pair, _), output in zip(chunk, outputs, strict=True):
@@ -373,18 +381,32 @@ def _compute(
                 raise failure
             progress.update(task, advance=len(chunk), description=chunk[-1][1].image.name)
 
-        batches.run(todo, lambda chunk: _csr_batch(pipe, chunk, budgets), finished)
+        batches.run(todo, lambda chunk: _csr_batch(pipe, loader, chunk, budgets, ahead=batches.size), finished)
     return skipped, choice.to_dict() | {"final": batches.size}
 
 
-def _csr_batch(pipe: Any, chunk: list[Any], budgets: list[Any]) -> list[Any]:
-    """The records of one batch of (pair id, pair, plan), with CSR; a pair whose image or question is bad gets its
-    error instead (the batch is then run pair by pair to find it). Records, not the pipeline's results: those hold
-    the batch's tensors on the device, and a run keeps what its batches return until it ends."""
+def _open_image(item: tuple[str, Pair, Any]) -> Image.Image:
+    """A (pair id, pair, plan)'s image, decoded (on a loader thread); ImageError if it is not a readable image."""
     from care_cli.io import load_image
 
+    return load_image(item[1].image)
+
+
+def _item_key(item: tuple[str, Pair, Any]) -> str:
+    return item[0]  # the pair id: unique within a run
+
+
+def _csr_batch(
+    pipe: Any, loader: Prefetcher[Any, Any], chunk: list[Any], budgets: list[Any], *, ahead: int
+) -> list[Any]:
+    """The records of one batch of (pair id, pair, plan), with CSR; a pair whose image or question is bad gets its
+    error instead (the batch is then run pair by pair to find it). The images come prepared from ``loader``, which
+    then starts the ``ahead`` pairs after the batch. Records, not the pipeline's results: those hold the batch's
+    tensors on the device, and a run keeps what its batches return until it ends."""
+    from care_core.prefetch import encoded_inputs
+
     try:
-        images = [load_image(pair.image) for _, pair, _ in chunk]
+        images = encoded_inputs(pipe.adapter, loader.inputs(chunk, ahead))
         results = pipe.run_batch(images, [pair.question for _, pair, _ in chunk], budgets, csr=True,
                                  plans=[plan for _, _, plan in chunk])  # fmt: skip
         backbone = pipe.backbone
@@ -392,7 +414,7 @@ def _csr_batch(pipe: Any, chunk: list[Any], budgets: list[Any]) -> list[Any]:
     except (UserError, ImageError, QuestionError) as exc:
         if len(chunk) == 1:
             return [exc]
-        return [one for item in chunk for one in _csr_batch(pipe, [item], budgets)]
+        return [one for item in chunk for one in _csr_batch(pipe, loader, [item], budgets, ahead=0)]
 
 
 def _records(pid: str, pair: Pair, backbone: Any, output: Any) -> list[dict[str, Any]]:

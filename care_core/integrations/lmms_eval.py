@@ -32,7 +32,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,6 +40,7 @@ from care_core.backbones.families import served_families
 from care_core.batching import Batches, BatchSizeArg
 from care_core.errors import CareError, MethodError
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
+from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher
 from care_core.runs import World
 
 #: model id -> (class in this module, aliases)
@@ -129,47 +129,9 @@ class _Request:
         return cls(index, context, doc_to_visual, doc_id, task, split, max_new, stops)
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """One request's image after the image processor (on a loader thread): what the vision tower needs."""
-
-    size: tuple[int, int]  # the original (height, width)
-    processed: dict[str, Any]  # the image processor's outputs for this image alone
-
-
-class _ImageLoader:
-    """Each request's image, opened, decoded and preprocessed on background threads (the next batch's while one
-    runs on the device), so the host's image work overlaps the model's."""
-
-    def __init__(self, open_image: Callable[[_Request], Any], order: Sequence[_Request], workers: int) -> None:
-        self._open = open_image
-        self._order = list(order)
-        self._place = {item.index: i for i, item in enumerate(self._order)}
-        self._futures: dict[int, Future[Any]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="care-images")
-
-    def __enter__(self) -> _ImageLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def _submit(self, item: _Request) -> Future[Any]:
-        if item.index not in self._futures:
-            self._futures[item.index] = self._pool.submit(self._open, item)
-        return self._futures[item.index]
-
-    def images(self, chunk: Sequence[_Request], ahead: int) -> list[Any]:
-        """The chunk's images (waiting for them); then the ``ahead`` requests after it start loading."""
-        futures = [self._submit(item) for item in chunk]
-        last = self._place[chunk[-1].index]
-        for item in self._order[last + 1 : last + 1 + ahead]:
-            self._submit(item)
-        return [future.result() for future in futures]
-
-    def release(self, chunk: Sequence[_Request]) -> None:
-        for item in chunk:
-            self._futures.pop(item.index, None)
+def _request_key(item: _Request) -> int:
+    """What tells requests apart in the image loader: their place in the input."""
+    return item.index
 
 
 class CareLMM(lmms):
@@ -307,7 +269,7 @@ class CareLMM(lmms):
         return self.answer_batch([image], [question], max_new_tokens)[0]
 
     def answer_batch(
-        self, images: Sequence[Image.Image | _Prepared], questions: Sequence[str], max_new_tokens: int
+        self, images: Sequence[Image.Image | PreparedImage], questions: Sequence[str], max_new_tokens: int
     ) -> list[tuple[str, int, int]]:
         """:meth:`answer` for several images at once: ``pipeline.run_batch`` (one encode, one method call per
         budget), then the reduced rows' answers in one ``answer_batch``; per sample what a batch of one gives.
@@ -315,14 +277,14 @@ class CareLMM(lmms):
         from care_core.budget import Budget
 
         pipe, cuda_graph = self.pipeline, self.spec.cuda_graph
-        images = self._encoded(images)
+        inputs = encoded_inputs(self.adapter, images)
         budget = self.spec.budget if self.spec.method is not None else Budget.ratio(1.0)  # no method: unused
         if not pipe.methods:  # all tokens: the pipeline's full answers (nothing else is generated)
-            results = pipe.run_batch(images, questions, [budget], generate=True, max_new_tokens=max_new_tokens,
+            results = pipe.run_batch(inputs, questions, [budget], generate=True, max_new_tokens=max_new_tokens,
                                      cuda_graph=cuda_graph)  # fmt: skip
             answers = [r.full_answer for r in results]
         else:  # the reduced rows only: run_batch's generate would also answer with all tokens
-            results = pipe.run_batch(images, questions, [budget])
+            results = pipe.run_batch(inputs, questions, [budget])
             runs = [r.runs[0] for r in results]
             answers = list(pipe.answer_batch([r.tokens for r in results], questions, [run.projected for run in runs],
                                              [run.result.token_index for run in runs], max_new_tokens=max_new_tokens,
@@ -332,19 +294,6 @@ class CareLMM(lmms):
             assert answer is not None  # generate=True gives every result its full answer
             out.append((answer.text, answer.visual_tokens, result.num_tokens))
         return out
-
-    def _encoded(self, images: Sequence[Image.Image | _Prepared]) -> list[Any]:
-        """The images as the pipeline takes them: prepared ones through the vision tower in one pass."""
-        prepared = [image for image in images if isinstance(image, _Prepared)]
-        if not prepared:
-            return list(images)
-        import torch
-
-        adapter: Any = self.adapter  # a chat adapter: only those prepare images (see _prepare)
-        with torch.no_grad():
-            tokens = iter(adapter.encode_processed(adapter.collate([p.processed for p in prepared]),
-                                                   [p.size for p in prepared]))  # fmt: skip
-        return [next(tokens) if isinstance(image, _Prepared) else image for image in images]
 
     def warm_up(self) -> None:
         """One untimed, unrecorded batch (of the batch size the run uses) on plain grey pictures.
@@ -391,39 +340,22 @@ class CareLMM(lmms):
             if self.on_batch is not None:
                 self.on_batch(done, len(items), records)
 
-        from care_core.backbones._chat import preprocess_workers
-        from care_core.backbones._hf import quiet_transformers
-
         batches = self.batches
-        workers = preprocess_workers(batches.size)
-        with (
-            quiet_transformers(),
-            _ImageLoader(self._prepare, order, workers) as loader,
-        ):  # quiet: once, for all threads
+        with image_prefetcher(self.adapter, self._image, order, batches.size, key=_request_key) as loader:
             for members in groups.values():
-                batches.run(members, lambda chunk: self._answer_chunk(chunk, loader.images(chunk, batches.size)),
+                batches.run(members, lambda chunk: self._answer_chunk(chunk, loader.inputs(chunk, batches.size)),
                             finished)  # fmt: skip
         return answers
 
-    def _answer_chunk(self, chunk: list[_Request], images: list[Image.Image]) -> list[tuple[str, int, int, float]]:
+    def _answer_chunk(
+        self, chunk: list[_Request], images: list[Image.Image | PreparedImage]
+    ) -> list[tuple[str, int, int, float]]:
         """(answer, visual rows fed, N, seconds) per request of one batch of equal generation settings; the seconds
         are the batch's wall time shared out equally."""
         start = time.perf_counter()
         out = self.answer_batch(images, [item.context for item in chunk], chunk[0].max_new_tokens)
         seconds = (time.perf_counter() - start) / len(chunk)
         return [(text, fed, n, seconds) for text, fed, n in out]
-
-    def _prepare(self, item: _Request) -> Image.Image | _Prepared:
-        """The request's image through the image processor where the adapter offers it (run on a loader thread): on
-        a GPU in the adapter's worker processes (the processor's Python work would hold the GIL against the thread
-        driving the GPU), elsewhere on this thread."""
-        image = self._image(item)
-        adapter: Any = self.adapter
-        if not hasattr(adapter, "process_image"):
-            return image
-        if adapter.device.type == "cuda":
-            return _Prepared((image.height, image.width), adapter.processor_pool().submit(image).result())
-        return _Prepared((image.height, image.width), adapter.process_image(image))
 
     def _image(self, item: _Request) -> Image.Image:
         """The request's one image, decoded (run in the loader's thread)."""

@@ -47,6 +47,27 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return data, json.loads(buffer.getvalue())
 
 
+def test_records_of_prefetched_images_are_those_of_the_raw_images(reference: Any) -> None:
+    """The pairs' images come opened and preprocessed ahead (care_core.prefetch); run_batch on the raw images, in
+    one batch, gives every record's numbers."""
+    from care_core.budget import budgets_from
+    from care_core.images import load_image
+
+    _, report = reference
+    pipe = ReductionPipeline.from_pretrained(None, methods=["care", "random"], device="cpu")
+    budgets = budgets_from([0.05], [16])
+    images = [load_image(EXAMPLES / PHOTOS[i % 3]) for i in range(len(QUESTIONS))]
+    direct = {}
+    for line, result in enumerate(pipe.run_batch(images, QUESTIONS, budgets, csr=True), start=1):
+        for run in result.runs:
+            assert run.csr is not None
+            direct[(line, run.method, run.budget.label)] = (result.num_tokens, run.keep, run.result.num_tokens,
+                                                            100 * run.csr)  # fmt: skip
+    got = {(r["line"], r["method"], r["budget"]): (r["N"], r["K"], r["tokens_out"], r["csr"])
+           for r in report["results"]}  # fmt: skip
+    assert len(got) == len(QUESTIONS) * 2 * 2 and got == direct
+
+
 @pytest.mark.parametrize("size", ["3", "8"])
 def test_any_batch_size_gives_the_results_of_batch_size_one(care, reference: Any, size: str) -> None:
     data, expected = reference

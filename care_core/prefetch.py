@@ -1,0 +1,173 @@
+"""Inputs prepared ahead: a data-set run's next batch is opened and preprocessed while the current one runs.
+
+A data-set run (``care csr --data``, ``care eval``) drives the device from one thread. Opening, decoding and
+preprocessing an image is host work that would otherwise sit between two batches while the device waits:
+
+* :class:`Prefetcher` prepares items on background threads; :meth:`Prefetcher.inputs` hands out a chunk's prepared
+  items and starts the next ``ahead`` ones (docs/design.md §Batch size, "Inputs");
+* :func:`image_preparer` prepares one image for an adapter: through the image processor where the adapter runs it
+  one image at a time (on a GPU in the adapter's worker processes,
+  :mod:`care_core.backbones.preprocess_pool`), into a :class:`PreparedImage`;
+* :func:`encoded_inputs` turns a batch of images and prepared images into what
+  :meth:`care_core.pipeline.ReductionPipeline.run_batch` takes: one vision-tower pass for the prepared ones;
+* :func:`image_prefetcher` puts these together for an adapter.
+
+Per image the tokens are exactly those ``adapter.encode_images`` gives (the same processor call per image, the same
+collate and tower pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from care_core.backbones.base import ImageTokens, VLMAdapter
+
+T = TypeVar("T")  # an item of the run (a request, a pair)
+R = TypeVar("R")  # what preparing it gives
+
+
+class Prefetcher(Generic[T, R]):
+    """``prepare`` on the items of ``order``, on ``workers`` background threads, each item once and ahead of need.
+
+    Items are told apart by ``key(item)`` (default: the item itself), unique within ``order``. A chunk asked for by
+    :meth:`inputs` may be any run of ``order``, also part of one asked for before (a batch split after running out
+    of memory): what was started is reused until :meth:`release`. An item whose ``prepare`` raised raises that
+    error whenever it is asked for; the other items, and the threads, are unaffected. Use it as a context manager:
+    leaving it waits for the running preparations and cancels the rest.
+    """
+
+    def __init__(
+        self,
+        prepare: Callable[[T], R],
+        order: Sequence[T],
+        workers: int,
+        *,
+        key: Callable[[T], Hashable] | None = None,
+    ) -> None:
+        self._prepare = prepare
+        self._key: Callable[[T], Hashable] = key if key is not None else _itself
+        self._order = list(order)
+        self._place = {self._key(item): i for i, item in enumerate(self._order)}
+        self._futures: dict[Hashable, Future[R]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, int(workers)), thread_name_prefix="care-prefetch")
+
+    def __enter__(self) -> Prefetcher[T, R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self, item: T) -> Future[R]:
+        key = self._key(item)
+        if key not in self._futures:
+            self._futures[key] = self._pool.submit(self._prepare, item)
+        return self._futures[key]
+
+    def inputs(self, chunk: Sequence[T], ahead: int) -> list[R]:
+        """The chunk's prepared items in its order (waiting for them; the first failed item's error is raised);
+        first the ``ahead`` items of ``order`` after the chunk start preparing."""
+        if not chunk:
+            return []
+        futures = [self._submit(item) for item in chunk]
+        last = self._place[self._key(chunk[-1])]
+        for item in self._order[last + 1 : last + 1 + max(0, ahead)]:
+            self._submit(item)
+        return [future.result() for future in futures]
+
+    def release(self, chunk: Sequence[T]) -> None:
+        """Forget the chunk's prepared items (a finished batch's): the memory they hold is freed."""
+        for item in chunk:
+            self._futures.pop(self._key(item), None)
+
+
+def _itself(item: Any) -> Hashable:
+    return item  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image after the image processor (on a loader thread): what the vision tower needs."""
+
+    size: tuple[int, int]  # the original (height, width)
+    processed: dict[str, Any]  # the image processor's outputs for this image alone
+
+
+def image_preparer(adapter: VLMAdapter, *, pool: bool = True) -> Callable[[Image.Image], Image.Image | PreparedImage]:
+    """The function that prepares one decoded image for ``adapter`` (safe to call from loader threads).
+
+    Where the adapter runs its image processor one image at a time (``process_image``), the image goes through it:
+    on a GPU with ``pool`` in the adapter's worker processes (``processor_pool``: the processor's Python work would
+    hold the GIL against the thread driving the GPU; the pool is started here, on the calling thread), else on the
+    calling thread. Other adapters get the image as it is (they encode it in ``run_batch``).
+    """
+    chat: Any = adapter
+    if not hasattr(chat, "process_image"):
+        return _unchanged
+    if pool and adapter.device.type == "cuda" and hasattr(chat, "processor_pool"):
+        processes = chat.processor_pool()
+
+        def through_pool(image: Image.Image) -> Image.Image | PreparedImage:
+            return PreparedImage((image.height, image.width), processes.submit(image).result())
+
+        return through_pool
+
+    def here(image: Image.Image) -> Image.Image | PreparedImage:
+        return PreparedImage((image.height, image.width), chat.process_image(image))
+
+    return here
+
+
+def _unchanged(image: Image.Image) -> Image.Image | PreparedImage:
+    return image
+
+
+def encoded_inputs(
+    adapter: VLMAdapter, images: Sequence[Image.Image | PreparedImage | ImageTokens]
+) -> list[Image.Image | ImageTokens]:
+    """The images as ``run_batch`` takes them: the prepared ones through the vision tower in one pass (``collate``
+    then ``encode_processed``), in place; the others as they are."""
+    prepared = [image for image in images if isinstance(image, PreparedImage)]
+    if not prepared:
+        return list(images)  # type: ignore[arg-type]  # no PreparedImage among them
+    import torch
+
+    chat: Any = adapter  # only adapters with process_image prepare images (see image_preparer)
+    with torch.no_grad():
+        tokens = iter(chat.encode_processed(chat.collate([p.processed for p in prepared]), [p.size for p in prepared]))
+    return [next(tokens) if isinstance(image, PreparedImage) else image for image in images]
+
+
+@contextlib.contextmanager
+def image_prefetcher(
+    adapter: VLMAdapter,
+    open_image: Callable[[T], Image.Image],
+    order: Sequence[T],
+    batch_size: int,
+    *,
+    key: Callable[[T], Hashable] | None = None,
+) -> Iterator[Prefetcher[T, Image.Image | PreparedImage]]:
+    """A :class:`Prefetcher` of each item's image, opened by ``open_image(item)`` and prepared for ``adapter``
+    (:func:`image_preparer`), on one thread per image of a batch of ``batch_size`` (at most one per CPU core).
+
+    The processor pool serves a run of more than one batch only: a single batch has nothing to overlap its
+    preparation with, and starting a worker process (it imports torch) takes seconds. An item whose image fails to
+    open or prepare raises that error when it is asked for. Transformers' warnings are quiet meanwhile (process-wide
+    settings: set once here, around the threads).
+    """
+    from care_core.backbones._chat import preprocess_workers
+    from care_core.backbones._hf import quiet_transformers
+
+    prepare = image_preparer(adapter, pool=len(order) > batch_size)
+
+    def opened(item: T) -> Image.Image | PreparedImage:
+        return prepare(open_image(item))
+
+    with quiet_transformers(), Prefetcher(opened, order, preprocess_workers(batch_size), key=key) as loader:
+        yield loader
