@@ -97,8 +97,8 @@ def test_prepared_images_encode_to_the_tokens_of_the_adapters_own_encode() -> No
     mixed = [prepare(images[0]), images[1], prepare(images[2])]
     assert [isinstance(one, PreparedImage) for one in mixed] == [True, False, True]
     assert mixed[0].size == (images[0].height, images[0].width)  # type: ignore[union-attr]
-    with torch.no_grad():
-        expected = adapter.encode_images(images)
+    with torch.no_grad():  # the same two images in one tower pass: some CPUs round a taller product differently
+        expected = dict(zip((0, 2), adapter.encode_images([images[0], images[2]]), strict=True))
     got = encoded_inputs(adapter, mixed)
     assert got[1] is images[1]  # a plain image is left for run_batch to encode
     for index in (0, 2):
