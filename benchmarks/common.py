@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed results: written only through --out
 TABLE_WIDTH = 80
+#: issue #22's multi-GPU targets: N processes (one GPU each) >= this many times one, same batch size
+PROCESS_TARGETS = {2: 1.8, 4: 3.5}
 KEY_COLUMN_MAX = 30  # a key column wider than this wraps (text only: value columns never wrap)
 
 console = Console(width=TABLE_WIDTH, highlight=False)
