@@ -104,23 +104,26 @@ def image_preparer(adapter: VLMAdapter, *, pool: bool = True) -> Callable[[Image
 
     Where the adapter runs its image processor one image at a time (``process_image``), the image goes through it:
     on a GPU with ``pool`` in the adapter's worker processes (``processor_pool``: the processor's Python work would
-    hold the GIL against the thread driving the GPU; the pool is started here, on the calling thread), else on the
-    calling thread. Other adapters get the image as it is (they encode it in ``run_batch``).
+    hold the GIL against the thread driving the GPU; the pool is started here, on the calling thread, and until its
+    workers are up the images are processed on the calling thread, so a run's first batch does not wait for them),
+    else on the calling thread. Other adapters get the image as it is (they encode it in ``run_batch``).
     """
     chat: Any = adapter
     if not hasattr(chat, "process_image"):
         return _unchanged
-    if pool and adapter.device.type == "cuda" and hasattr(chat, "processor_pool"):
-        processes = chat.processor_pool()
-
-        def through_pool(image: Image.Image) -> Image.Image | PreparedImage:
-            return PreparedImage((image.height, image.width), processes.submit(image).result())
-
-        return through_pool
 
     def here(image: Image.Image) -> Image.Image | PreparedImage:
         return PreparedImage((image.height, image.width), chat.process_image(image))
 
+    if pool and adapter.device.type == "cuda" and hasattr(chat, "processor_pool"):
+        processes = chat.processor_pool()
+
+        def through_pool(image: Image.Image) -> Image.Image | PreparedImage:
+            if not processes.ready:  # its workers are still starting (seconds): this thread gives the same output
+                return here(image)
+            return PreparedImage((image.height, image.width), processes.submit(image).result())
+
+        return through_pool
     return here
 
 

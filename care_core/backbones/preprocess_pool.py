@@ -44,8 +44,15 @@ def _process(image: Image.Image) -> dict[str, Any]:
         return process_image(_worker_processor, image)
 
 
+def _started() -> bool:
+    return True  # run by a worker once its initializer has run: the worker is up
+
+
 class ProcessorPool:
-    """``image_processor`` on ``workers`` spawned processes: :meth:`submit` an image, get its processor outputs."""
+    """``image_processor`` on ``workers`` spawned processes: :meth:`submit` an image, get its processor outputs.
+
+    Starting a worker (a new interpreter importing torch and transformers) takes seconds; the workers start at
+    once, in the background, and :attr:`ready` says when they have."""
 
     def __init__(self, image_processor: Any, workers: int | None = None) -> None:
         import torch.multiprocessing as mp
@@ -54,6 +61,13 @@ class ProcessorPool:
         # spawn: a forked child of a process holding a CUDA context is unsafe; torch's context shares tensors
         self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_start,
                                          initargs=(image_processor,))  # fmt: skip
+        # one trivial task per worker: the executor starts a process for each task no idle worker takes
+        self._starting = [self._pool.submit(_started) for _ in range(self.workers)]
+
+    @property
+    def ready(self) -> bool:
+        """Whether the workers have started (each start task has run); until then a caller may process in line."""
+        return all(task.done() for task in self._starting)
 
     def submit(self, image: Image.Image) -> Future[dict[str, Any]]:
         return self._pool.submit(_process, image)

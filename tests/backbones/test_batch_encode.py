@@ -83,6 +83,7 @@ def test_the_worker_processes_give_the_image_processors_own_output(demos: dict[s
     pool = ProcessorPool(adapter.processor.image_processor, workers=1)  # a spawned process (as on a GPU machine)
     try:
         got = [pool.submit(image).result(timeout=120) for image in images]
+        assert pool.ready  # its start task ran before the images
     finally:
         pool.close()
     for one, image in zip(got, images, strict=True):

@@ -113,9 +113,10 @@ class FakeGpuAdapter:
 
     device = torch.device("cuda")
 
-    def __init__(self) -> None:
+    def __init__(self, ready: bool = True) -> None:
         self.pools_started = 0
         self.calls: list[str] = []
+        self.ready = ready  # the pool's workers are up
 
     def process_image(self, image: Image.Image) -> dict[str, object]:
         self.calls.append("thread")
@@ -143,3 +144,15 @@ def test_the_processor_pool_serves_runs_of_more_than_one_batch(items: int, batch
     expected = [{"pixels": (10 + i, 20)} for i in range(items)]  # what each route gives for the image
     assert [p.processed for p in prepared] == expected  # type: ignore[union-attr]
     assert adapter.calls == [route] * items and adapter.pools_started == (route == "pool")
+
+
+def test_images_are_processed_in_line_while_the_pools_workers_start() -> None:
+    adapter = FakeGpuAdapter(ready=False)
+    images = {i: Image.new("RGB", (10 + i, 20)) for i in range(6)}
+    with image_prefetcher(adapter, images.__getitem__, list(images), 2) as loader:  # type: ignore[arg-type]
+        first = loader.inputs([0, 1], ahead=0)
+        adapter.ready = True  # the workers are up: the next images go to them
+        loader.release([0, 1])
+        rest = loader.inputs([2, 3, 4, 5], ahead=0)
+    assert adapter.pools_started == 1 and adapter.calls == ["thread"] * 2 + ["pool"] * 4
+    assert [p.processed for p in first + rest] == [{"pixels": (10 + i, 20)} for i in range(6)]  # type: ignore[union-attr]
