@@ -44,8 +44,8 @@ def linear(dtype=torch.float64):
     return nn.Linear(D_V, 20).to(dtype).requires_grad_(False)
 
 
-def assert_same(batch, single, *, exact: bool):
-    """Integer outputs equal; float outputs equal (exact) or within float32 rounding."""
+def assert_same(batch, single, *, exact: bool, tol: float = 1e-5):
+    """Integer outputs equal; float outputs equal (exact) or within ``tol`` (float32 rounding)."""
     for name in ("indices", "anchor_order", "signals", "residuals", "signal_targets"):
         assert torch.equal(getattr(batch, name), getattr(single, name)), name
     for name in ("psi_bar", "confidence", "tokens"):
@@ -54,16 +54,16 @@ def assert_same(batch, single, *, exact: bool):
         if exact:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=name)
         else:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
 
 
-def check_batch(features, projector, positions, budgets, *, config=ODD, exact=True, **kw):
+def check_batch(features, projector, positions, budgets, *, config=ODD, exact=True, tol=1e-5, **kw):
     """Each image of the batch against care_reduce on it alone, with its own budget."""
     got = care_reduce_batch(features, projector, positions, config=config, **kw)
     assert len(got) == len(features)
     for red, v, p, budget in zip(got, features, positions, budgets, strict=True):
         single = care_reduce(v, projector, p, config=config, **budget)
-        assert_same(red, single, exact=exact)
+        assert_same(red, single, exact=exact, tol=tol)
     return got
 
 
@@ -107,7 +107,12 @@ def test_one_scoring_pass_gives_each_image_its_responses(engine):
 def test_float32_batch_has_the_same_anchors_and_signals(engine):
     features, positions = images(SIZES[8], torch.float32)
     cfg = dataclasses.replace(ODD, engine=engine)
-    check_batch(features, mlp(torch.float32), positions, [{"ratio": 0.2}] * 8, config=cfg, ratio=0.2, exact=False)
+    # float32 fd: the difference of two nearly equal activations magnifies an ulp of W1 v + b1 (which a joint pass
+    # and one image's pass may round apart, as threaded BLAS blocks them differently) by |W1 v + b1| / h: about
+    # 2e-4 of psi_bar at h = 1e-3 (1.6e-4 seen on 2 threads); anchors and signals stay equal
+    tol = 1e-3 if engine == "fd" else 1e-5
+    check_batch(features, mlp(torch.float32), positions, [{"ratio": 0.2}] * 8, config=cfg, ratio=0.2, exact=False,
+                tol=tol)  # fmt: skip
 
 
 def test_linear_projector_and_default_config():
