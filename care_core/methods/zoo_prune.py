@@ -26,15 +26,6 @@ if TYPE_CHECKING:
 SADS_EPS = 1e-12
 
 
-def zoo_sensitivity(
-    features: torch.Tensor, projector: Projector, directions: torch.Tensor, h: float, engine: str = "fd"
-) -> torch.Tensor:
-    """S (N,): mean over directions of ||M(v + h u) - M(v - h u)|| / 2h (ZOO-Prune's estimator, Eq. 1)."""
-    from care_core.scoring import perturbation_responses
-
-    return perturbation_responses(features, projector, directions, h=h, engine=engine).mean(dim=0)
-
-
 def zoo_sensitivities(
     features: Sequence[torch.Tensor],
     projector: Projector,
@@ -44,8 +35,9 @@ def zoo_sensitivities(
     *,
     factor: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """S (N_i,) of every image, as :func:`zoo_sensitivity` gives it alone, from passes over several images' rows
-    at once (:func:`~care_core.scoring.joint_responses`; images of one width, device and compute dtype).
+    """S (N_i,) of every image: the mean over directions of ||M(v + h u) - M(v - h u)|| / 2h (ZOO-Prune's
+    estimator, Eq. 1), from passes over several images' rows at once (:func:`~care_core.scoring.joint_responses`:
+    each image's values as alone; images of one width, device and compute dtype).
     `factor`: the projector's second-layer triangular factor (:func:`~care_core.scoring.triangular_factor`), for
     a Linear-act-Linear projector: the same Eq. 1 norms for fewer multiply-adds."""
     from care_core.scoring import joint_responses
@@ -141,25 +133,19 @@ class ZooPrune(Method):
         return [(sads_weights(s), e) for s, e in zip(sensitivities, embeddings, strict=True)]
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        from care_core.batch import anchor_orders
-        from care_core.kernels import as_gate
-        from care_core.precision import matmul_precision
-
-        with inputs.stage("scoring"):
-            weights, embeddings = self.scores(inputs)
-        with inputs.stage("anchors"), matmul_precision(allow_tf32=False), torch.no_grad():
-            order = anchor_orders([inputs], [keep], [self.order_key(inputs.features)], [weights], [embeddings],
-                                  SADS_EPS, as_gate("auto"))[0]  # fmt: skip
-        return selection_result(inputs.features, order, weights, selection_order=order)
+        return self._select([inputs], [keep])[0]
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """Per image, :meth:`reduce`'s result (docs/design.md §Batches): the sensitivity of every image not in its
-        memo from one joint pass over their rows (each stored in its image's memo), SADS for all images lacking a
-        long enough memoised order in one padded greedy loop (:func:`~care_core.batch.anchor_orders`); each stage
-        timed once on the batch's timer.
-        Images that cannot share one pass (:func:`~care_core.methods.base.share_one_pass`) go one at a time."""
+        """Per image, :meth:`reduce`'s result (docs/design.md §Batches); images that cannot share one pass
+        (:func:`~care_core.methods.base.share_one_pass`) go one at a time."""
         if not share_one_pass(inputs):
             return super().reduce_batch(inputs, keeps)
+        return self._select(inputs, keeps)
+
+    def _select(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
+        """The sensitivity of every image not in its memo from one joint pass over their rows (each stored in its
+        image's memo), SADS for all images lacking a long enough memoised order in one padded greedy loop
+        (:func:`~care_core.batch.anchor_orders`); each stage timed once, on the first image's timer."""
         from care_core.batch import anchor_orders
         from care_core.kernels import as_gate
         from care_core.precision import matmul_precision
