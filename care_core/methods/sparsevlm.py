@@ -186,22 +186,20 @@ class SparseVLM(Method):
         return self.layer + 1  # layers 0..layer
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        rated = self._rated(inputs)
-        kept_count, clusters = self._split(inputs.num_tokens, keep)
-        order = relevance_order(rated.relevance)
-        kept = order[:kept_count].sort().values
-        assignment = torch.full((inputs.num_tokens,), -1, dtype=torch.long, device=kept.device)
-        assignment[kept] = torch.arange(kept_count, device=kept.device)
-        return self._result(inputs, rated, order, kept, assignment, clusters)
+        return self._select([inputs], [keep], [self._rated(inputs)])[0]
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """Each image's relevance alone (memoised), then one padded stable sort, one sort of the kept indices and
-        one assignment scatter for all images; recycling per image (its clusters are data-dependent), without
-        host syncs; the budgets and the clustering noise go to the device in one copy each for the batch. One image
-        at a time where the relevances differ in device or dtype."""
+        """Each image's relevance alone (memoised), then :meth:`_select` for all; one image at a time where the
+        relevances differ in device or dtype."""
         rated = [self._rated(one) for one in inputs]
         if len(inputs) < 2 or len({(r.relevance.device, r.relevance.dtype) for r in rated}) > 1:
             return super().reduce_batch(inputs, keeps)
+        return self._select(inputs, keeps, rated)
+
+    def _select(self, inputs: list[MethodInputs], keeps: list[int], rated: list[Rated]) -> list[MethodResult]:
+        """One padded stable sort, one sort of the kept indices and one assignment scatter for the images (of one
+        device and dtype); recycling per image (its clusters are data-dependent), without host syncs; the budgets
+        and the clustering noise go to the device in one copy each."""
         sizes = [one.num_tokens for one in inputs]
         splits = [self._split(n, keep) for n, keep in zip(sizes, keeps, strict=True)]
         orders, kept, assignment = _batch_selection([r.relevance for r in rated], [c for c, _ in splits])
@@ -266,10 +264,10 @@ class SparseVLM(Method):
         kept: torch.Tensor,
         assignment: torch.Tensor,
         clusters: int,
-        noise: torch.Tensor | None = None,
+        noise: torch.Tensor,
     ) -> MethodResult:
-        """The result from the image's relevance order, its kept tokens (ascending) and their assignment rows
-        (`noise`: the clustering's, drawn here when None)."""
+        """The result from the image's relevance order, its kept tokens (ascending), their assignment rows and the
+        clustering's noise."""
         features = inputs.features
         kept_count = kept.numel()
         info: dict[str, object] = {
@@ -284,7 +282,6 @@ class SparseVLM(Method):
         if clusters:
             recycled, _ = recycle_count(inputs.num_tokens - kept_count)
             members = order[kept_count : kept_count + recycled]  # the best pruned, by relevance (ties: lower index)
-            noise = self._noise(inputs, recycled) if noise is None else noise
             x = features[members].to(compute_dtype(features.dtype))
             with torch.no_grad():
                 merged, cluster, centres = cluster_and_merge(x, clusters, noise)
