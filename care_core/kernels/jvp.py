@@ -35,13 +35,14 @@ def _cfg(bm: int, bn: int, bk: int, dirs: int, stages: int, warps: int) -> trito
 
 
 # (BM, BN, DIRS, stages, warps) of each autotune candidate; bf16 and tf32 differ only in the K tile BK
-# (64 vs 32 elements: the same 128 bytes per row of an operand tile).
+# (64 vs 32 elements: the same 128 bytes per row of an operand tile). On a cold Triton cache every
+# candidate costs its compile (about 0.3 s on an H100) in a process's first call; the (128, 64, 4, ·, 8)
+# tiles were dropped after losing every search they were in by 15-30% (N = 576 and 2880, bf16 and tf32,
+# H100 and H200: benchmarks/results/2026-11-26-gpu-h100-micro*.json, 2026-11-26-gpu-h200*.json).
 _TILES = (
     (128, 256, 1, 3, 8),
     (128, 128, 2, 3, 8),
     (128, 128, 2, 4, 8),
-    (128, 64, 4, 4, 8),
-    (128, 64, 4, 3, 8),
 )
 
 

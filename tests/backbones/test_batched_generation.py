@@ -187,3 +187,16 @@ def test_cuda_graph_batches_give_each_sample_its_eager_answer(demo_home: Path, i
         assert [(g.text, g.token_ids) for g in batch] == [(g.text, g.token_ids) for g in eager]
     eager_batch = adapter.generate_batch(*batch_samples, max_new_tokens=NEW_TOKENS, cuda_graph=False)
     assert [g.token_ids for g in eager_batch] == [g.token_ids for g in eager]
+
+
+@cuda_only
+def test_a_short_batch_replays_the_larger_bucket_captured_at_its_length(demo_home: Path, images: list[Any]) -> None:
+    adapter = load_backbone("tiny-llava", home=demo_home, device="cuda", dtype="float32")
+    three = _samples(adapter, images)
+    eight: Samples = tuple([*part, *part, *part[:2]] for part in three)  # type: ignore[assignment]
+    adapter.generate_batch(*eight, max_new_tokens=NEW_TOKENS)  # bucket 8, captured at the longest prompt's rows
+    greedy = adapter._static_greedy()
+    captured = greedy.captures
+    short = adapter.generate_batch(*three, max_new_tokens=NEW_TOKENS)  # bucket 4: replays bucket 8's graphs
+    assert greedy.captures == captured and {b for b, _ in greedy.prefills} == {8}
+    assert [g.token_ids for g in short] == [g.token_ids for g in _alone(adapter, three, cuda_graph=False)]

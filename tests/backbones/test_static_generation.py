@@ -12,7 +12,7 @@ import torch
 
 from care_core.backbones import load_backbone
 from care_core.backbones.probes import attention_implementation
-from care_core.backbones.static_generation import BUCKET, StaticGreedy, eos_ids, unsupported_reason
+from care_core.backbones.static_generation import BUCKET, StaticGreedy, eos_ids, reused_bucket, unsupported_reason
 from care_core.errors import GenerationError
 
 from ._helpers import noise_image, reference_ids
@@ -88,6 +88,16 @@ def test_one_cache_serves_growing_prompts(demo: Any, image: Any) -> None:
     assert greedy.kv is not None and greedy.kv.capacity >= 576
     spans = {span for _, span in greedy.decodes}  # the short prompt's steps attended over its own span only
     assert min(spans) < greedy.kv.capacity
+
+
+def test_a_short_batch_reuses_a_captured_bucket_at_most_four_times_its_own() -> None:
+    captured = [(16, 96), (8, 112), (64, 96)]  # (batch bucket, padded rows) with a graph
+    assert reused_bucket(4, 96, captured) == 16  # the tail of a run at batch 16
+    assert reused_bucket(2, 96, captured) == 2  # 16 is 8x its own bucket: it captures its own
+    assert reused_bucket(4, 112, captured) == 8  # the smallest larger bucket at its own padded length
+    assert reused_bucket(4, 80, captured) == 4  # no graph at 80 rows
+    assert reused_bucket(16, 96, captured) == 16  # its own bucket, captured, is never traded for a larger one
+    assert reused_bucket(16, 112, captured) == 16  # a smaller captured bucket cannot hold it
 
 
 def test_replaced_weights_make_the_loop_stale(demo: Any) -> None:
