@@ -35,7 +35,8 @@ the visual tokens (K log-uniform in 48..N, in raster or shuffled order, fed as r
 rows in the given order, Qwen rows at their tokens' rope positions with, for Qwen3-VL, their tokens' deepstack rows),
 so that the language model reads whatever rows it is given. AdamW (lr 1.5e-3, cosine, 5% warm-up), 5000 steps. A
 checkpoint is written every ``--checkpoint-every`` steps (DIR/checkpoint.pt); ``--resume`` continues from it bit for
-bit (CPU float32).
+bit (CPU float32). Before each checkpoint the weights are checked: a run whose weights turned NaN or infinite stops
+there (one line, exit code 1) and keeps the last finite checkpoint.
 
 Log. Every 250 steps: the step's answer loss (mean over answer tokens), ``token acc`` (the share of answer tokens
 that are the argmax, teacher-forced) and ``answer acc`` (the share of answers with every token right: what greedy
@@ -65,8 +66,9 @@ sizes (other sizes give it other token counts and rope positions, which it had n
 ``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-mixed.json``): ``tiny-qwen3-vl`` trains well (0.82 logged answer
 accuracy at step 2250), but two ``tiny-llava-next`` runs stall near 0.6 (the shipped 336x336 run reached 0.87) and two
 ``tiny-qwen2.5-vl`` runs turn NaN between steps 250 and 500: nothing mixed ships yet. A checkpoint records the
-choice: ``--resume`` refuses one written with another ``--size``. The held-out evaluation keeps the world's mix (``--eval-size``). Memory: the pool of 24,000
-scenes in uint8 takes about 8 GB for ``tiny-llava``, 28-34 GB for NeXT, OneVision and the Qwen families, and about 82
+choice: ``--resume`` refuses one written with another ``--size``. The held-out evaluation keeps the world's mix
+(``--eval-size``). Memory: the pool of 24,000 scenes in uint8 takes about 8 GB for ``tiny-llava``, 28-34 GB for
+NeXT, OneVision and the Qwen families, and about 82
 GB for InternVL3 (5.7 tiles of 448 px per scene on average; at 336x336 only it was 14.5 GB): InternVL3 needs
 ``--pool-device cpu`` or fewer ``--scenes`` on an 80 GB card, and its steps in the 13-tile bucket feed 13 tiles per
 image through the tower.

@@ -23,7 +23,7 @@ from care_core.synthetic import IMAGE_SIZES
 
 from .buckets import POSITION_BINS, Geometry, token_geometries
 from .heldout import evaluate
-from .loop import CHECKPOINT, MIRROR, Data, Parts, fit
+from .loop import CHECKPOINT, MIRROR, Data, Diverged, Parts, fit
 from .pool import Pool, UsageError, make_pool
 
 #: the families this script trains (each on the world's mix of image sizes unless --size says one)
@@ -325,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Diverged as exc:
+        run.log(str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if (out / CHECKPOINT).is_file():  # the steps so far: --resume continues from them
             run.record(out / CHECKPOINT)

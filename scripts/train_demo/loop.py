@@ -21,6 +21,12 @@ from .buckets import POSITION_BINS, Geometry, pick_bucket
 from .feed import Feed
 from .pool import UsageError
 
+
+class Diverged(Exception):
+    """The weights stopped being finite: the run stops before a checkpoint would keep them (``main``: one line, exit
+    code 1), so the last checkpoint is the last finite state."""
+
+
 MIRROR = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
 CHECKPOINT = "checkpoint.pt"
 #: the training options a checkpoint must agree with to be resumed
@@ -279,6 +285,18 @@ def load_checkpoint(path: Path, args: argparse.Namespace, parts: Parts, opt: Any
     return int(state["step"]), float(state.get("seconds", 0.0))
 
 
+def check_finite(params: list[torch.nn.Parameter], step: int, last_saved: int) -> None:
+    """Raise :class:`Diverged` when a weight is NaN or infinite after ``step`` steps (one host sync per checkpoint).
+
+    Gradient clipping does not protect the weights from a non-finite gradient (its norm is then NaN, and so is every
+    clipped gradient), and a run that goes on trains nothing: two mixed-size Qwen2.5-VL runs turned NaN before step
+    500 and ran to step 2500 (2026-11-27)."""
+    if bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        return
+    kept = f"the checkpoint of step {last_saved} is kept" if last_saved else "no checkpoint was written"
+    raise Diverged(f"training diverged: some weights are NaN or infinite after step {step}; {kept}")
+
+
 def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[[int], None], parts: Parts,
         data: Data) -> float:  # fmt: skip
     """The training loop from the checkpoint in ``args.out`` (``--resume``) or step 0; returns the seconds trained
@@ -292,6 +310,7 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
         log(f"resumed at step {start} from {checkpoint} ({before:.0f} s trained before)")
         advance(start)
     started = time.perf_counter() - before
+    last_saved = start
     for step in range(start, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(args, step)
@@ -305,7 +324,9 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
         opt.step()
         advance(1)
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            check_finite(params, step + 1, last_saved)
             save_checkpoint(checkpoint, args, step + 1, time.perf_counter() - started, parts, opt, gen)
+            last_saved = step + 1
         if step % 250 == 0 or step == args.steps - 1:
             with torch.no_grad():
                 acc = (logits.argmax(-1)[b.target] == b.text[b.target]).float().mean()

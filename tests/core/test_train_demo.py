@@ -304,3 +304,38 @@ def test_vision_attention_packed_sets_the_qwen_tower_and_refuses_other_towers(tm
     assert model.config.text_config._attn_implementation == "sdpa"
     with pytest.raises(cli.UsageError, match=r"^--vision-attention packed: llava: .* Qwen3-VL towers only"):
         cli.build(_args("tiny-llava", tmp_path, "--vision-attention", "packed"), cli.Run(tmp_path))
+
+
+def test_a_run_whose_weights_turn_nan_stops_and_keeps_the_last_finite_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made = loop.optimiser
+
+    def poisoned(args: Any, parts: Any) -> Any:
+        opt, params = made(args, parts)
+        step, calls = opt.step, [0]
+
+        def poisoning_step(*a: Any, **k: Any) -> Any:
+            out = step(*a, **k)
+            calls[0] += 1
+            if calls[0] == 3:  # the third step leaves a NaN weight (as a non-finite gradient through AdamW would)
+                with torch.no_grad():
+                    params[0].view(-1)[0] = float("nan")
+            return out
+
+        opt.step = poisoning_step
+        return opt, params
+
+    monkeypatch.setattr(loop, "optimiser", poisoned)
+    argv = ["--backbone", "tiny-llava", "--out", str(tmp_path), "--batch", "2", "--scenes", "2", "--workers", "1",
+            "--device", "cpu", "--steps", "4", "--checkpoint-every", "2", "--skip-eval"]  # fmt: skip
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1] == ("error: training diverged: some weights are NaN or infinite after step 4; the checkpoint of "
+                       "step 2 is kept")  # fmt: skip
+    state = torch.load(tmp_path / loop.CHECKPOINT, map_location="cpu", weights_only=False)
+    assert state["step"] == 2
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert not (tmp_path / "tiny-llava.safetensors").exists()  # nothing diverged was saved to ship
+    assert "training diverged" in (tmp_path / "log.txt").read_text()
