@@ -92,6 +92,11 @@ the arithmetic rather than by launches, it packs too but gains nothing measurabl
 Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side by side: held-out 86.6%
 and 85.8%).
 
+Two options for the mixed-size trainings that stall (not in the shipped recipe, not yet measured): ``--warm-size
+336x336 --warm-share 0.4`` draws the first 40% of the steps from the 336x336 bucket only (the size the shipped NeXT
+run learnt on), then the mix; ``--position-targets base-view`` asks the dense loss for the row and column of the base
+view's tokens only, since a crop's tower cannot tell which of two or four crops it is in (``buckets.position_bins``).
+
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,
 ``benchmarks/results/2026-11-26-gpu-h200-train_demo-variant.json``): held-out 85.6% and 91.0% with all tokens (the

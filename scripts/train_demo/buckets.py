@@ -31,7 +31,7 @@ class Geometry:
     sizes: list[tuple[int, int]]  # (height, width)
     feed: Feed
     normalise: Normaliser
-    bins: torch.Tensor  # (2, N)
+    bins: torch.Tensor  # (2, N): IGNORED where the dense loss asks no row and column
 
     @property
     def n(self) -> int:
@@ -65,11 +65,34 @@ def _key(tokens: Any, normalise: Normaliser) -> tuple[Any, ...]:
     )
 
 
+#: what the dense loss's row and column classes ask: every token, or the tokens of the view that shows the whole
+#: image (``ImageTokens.views`` 0: LLaVA-NeXT's and LLaVA-OneVision's base view), whose tower sees where they lie; a
+#: crop's tower sees only its crop, and where two or four crops share its local positions, their global row and
+#: column cannot be told apart (the other tokens' classes are ignored: ``IGNORED``)
+POSITION_TARGETS = ("all", "base-view")
+IGNORED = -100  # F.cross_entropy's default ignore_index
+
+
+def position_bins(tokens: Any, targets: str = "all") -> torch.Tensor:
+    """(2, N) row and column class of each token on a 24 x 24 grid of ``tokens.positions``; with ``targets``
+    "base-view", :data:`IGNORED` for tokens outside view 0 (where the tokens have views and some are in view 0)."""
+    bins = (tokens.positions.cpu() * POSITION_BINS).floor().clamp(0, POSITION_BINS - 1).long().T
+    views = tokens.views
+    if targets == "base-view" and views is not None and bool((views == 0).any()):
+        bins = bins.masked_fill((views.cpu() != 0)[None], IGNORED)
+    return bins
+
+
 def token_geometries(
-    adapter: Any, image_processor: Any, sizes: list[tuple[int, int]], device: torch.device
+    adapter: Any,
+    image_processor: Any,
+    sizes: list[tuple[int, int]],
+    device: torch.device,
+    position_targets: str = "all",
 ) -> tuple[list[Geometry], dict[tuple[int, int], np.ndarray]]:
     """The buckets of ``sizes`` (in the order of their first size; normalisers on ``device``) and, per size, each
-    token's centre (x, y) in original pixels: the middle of the adapter's ``boxes``."""
+    token's centre (x, y) in original pixels: the middle of the adapter's ``boxes``. ``position_targets``: one of
+    :data:`POSITION_TARGETS` (:func:`position_bins`)."""
     from PIL import Image
 
     geometries: list[Geometry] = []
@@ -83,10 +106,18 @@ def token_geometries(
         if key in keys:
             geometries[keys.index(key)].sizes.append((height, width))
             continue
-        bins = (tokens.positions.cpu() * POSITION_BINS).floor().clamp(0, POSITION_BINS - 1).long().T  # (2, N)
         keys.append(key)
+        bins = position_bins(tokens, position_targets)
         geometries.append(Geometry([(height, width)], Feed(adapter, tokens), normalise, bins))
     return geometries, centres
+
+
+def warm_scenes(scenes: list[int], geometries: list[Geometry], size: tuple[int, int] | None) -> list[int]:
+    """``scenes`` (per bucket) with every bucket but ``size``'s emptied: the draw of a warm-up step (``size`` None:
+    ``scenes`` as they are)."""
+    if size is None:
+        return scenes
+    return [n if size in g.sizes else 0 for n, g in zip(scenes, geometries, strict=True)]
 
 
 def pick_bucket(gen: torch.Generator, scenes: list[int]) -> int:

@@ -21,7 +21,7 @@ from care_core.backbones.loading import adapter_for_model
 from care_core.backbones.packed_attention import use_packed_vision_attention
 from care_core.synthetic import IMAGE_SIZES
 
-from .buckets import POSITION_BINS, Geometry, token_geometries
+from .buckets import POSITION_BINS, POSITION_TARGETS, Geometry, token_geometries
 from .heldout import evaluate
 from .loop import CHECKPOINT, MIRROR, Data, Diverged, Parts, fit
 from .pool import Pool, UsageError, make_pool
@@ -88,7 +88,8 @@ def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, list[Geometry],
             raise UsageError(f"--vision-attention {args.vision_attention}: {str(exc).splitlines()[0]}") from exc
     adapter = adapter_for_model(model, processor, name=spec.name)
     sizes = [args.size] if args.size else list(IMAGE_SIZES)
-    geometries, centres = token_geometries(adapter, processor.image_processor, sizes, torch.device(args.device))
+    geometries, centres = token_geometries(adapter, processor.image_processor, sizes, torch.device(args.device),
+                                           args.position_targets)  # fmt: skip
     advance(1)
     return model, processor, geometries, centres
 
@@ -210,6 +211,13 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-share", type=float, default=0.0,
                         help="share of the subset steps whose dropped tokens are averaged into their nearest kept "
                              "token (0: the shipped recipe)")  # fmt: skip
+    parser.add_argument("--warm-size", type=_size, default=None, metavar="HxW",
+                        help="with --size mixed: the first --warm-share of the steps draw their batches from this "
+                             "size's bucket only (e.g. 336x336), the rest from the mix (default: none)")  # fmt: skip
+    parser.add_argument("--warm-share", type=float, default=0.0, help="share of the steps that --warm-size covers")
+    parser.add_argument("--position-targets", choices=POSITION_TARGETS, default="all",
+                        help="tokens whose row and column the dense loss asks: all (the shipped recipe) or those "
+                             "of the base view, which shows the whole image (LLaVA-NeXT, LLaVA-OneVision)")  # fmt: skip
     parser.add_argument("--flip", action="store_true",
                         help="mirror half of the images (and position answers with them); tiny-llava only, not in "
                              "the shipped recipe")  # fmt: skip
@@ -252,6 +260,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     family = DEMO_BACKBONES[args.backbone].family
     args.size = None if args.size == MIXED else args.size
     args.eval_size = None if args.eval_size == MIXED else args.eval_size
+    if args.warm_size == MIXED or (args.warm_size is None) != (args.warm_share == 0):
+        parser.error("--warm-size HxW and --warm-share (above 0) go together")
+    if args.warm_size is not None and (args.size is not None or args.warm_size not in IMAGE_SIZES):
+        parser.error("--warm-size needs --size mixed and one of the world's sizes: "
+                     + ", ".join(f"{h}x{w}" for h, w in dict.fromkeys(IMAGE_SIZES)))  # fmt: skip
+    if not 0 <= args.warm_share < 1:
+        parser.error(f"--warm-share must be in [0, 1), got {args.warm_share}")
     if args.flip and family != "llava-1.5":
         parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
     if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1:
@@ -265,7 +280,8 @@ def heldout_key(size: tuple[int, int] | None) -> str:
 
 
 def _summary(args: argparse.Namespace, argv: list[str] | None, extra: dict[str, Any]) -> dict[str, Any]:
-    options = ("seed", "steps", "batch", "lr", "scenes", "size", "subset_share", "merge_share", "flip")
+    options = ("seed", "steps", "batch", "lr", "scenes", "size", "subset_share", "merge_share", "flip", "warm_size",
+               "warm_share", "position_targets")  # fmt: skip
     return {"backbone": args.backbone,
             "command": "python -m scripts.train_demo " + " ".join(sys.argv[1:] if argv is None else argv),
             **{name: getattr(args, name) for name in options}, **extra}  # fmt: skip

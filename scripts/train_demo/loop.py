@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from care_core.synthetic import COLOURS, SHAPES
 
-from .buckets import POSITION_BINS, Geometry, pick_bucket
+from .buckets import POSITION_BINS, Geometry, pick_bucket, warm_scenes
 from .feed import Feed
 from .pool import UsageError
 
@@ -31,7 +31,7 @@ MIRROR = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
 CHECKPOINT = "checkpoint.pt"
 #: the training options a checkpoint must agree with to be resumed
 RESUMED_OPTIONS = ("backbone", "seed", "steps", "batch", "lr", "aux_weight", "scenes", "subset_share", "merge_share",
-                   "flip", "size")  # fmt: skip
+                   "flip", "size", "warm_size", "warm_share", "position_targets")  # fmt: skip
 
 
 def mirrored(answer: str, horizontal: bool, vertical: bool) -> str:
@@ -126,7 +126,8 @@ def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: 
     """The step's bucket (drawn only when there are several), questions, mirrors and visual-token subset (the recipe
     of the package docstring); the questions' indices on the pool's device, the rest on the model's."""
     device = parts.aux.weight.device
-    bucket = pick_bucket(gen, data.scenes) if len(data.scenes) > 1 else 0
+    warm = args.warm_size if step < args.warm_share * args.steps else None  # the warm-up's steps: its size only
+    bucket = pick_bucket(gen, warm_scenes(data.scenes, parts.buckets, warm)) if len(data.scenes) > 1 else 0
     feed = parts.buckets[bucket].feed
     own = data.questions[bucket]
     batch = own[torch.randint(0, len(own), (args.batch,), generator=gen)]

@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 from benchmarks.demo_world import TRAIN_SPLIT, load_photos
 from care_core.synthetic import IMAGE_SIZES, make_scene
 from scripts.train_demo import cli, loop
-from scripts.train_demo.buckets import pick_bucket
+from scripts.train_demo.buckets import IGNORED, pick_bucket, position_bins
 from scripts.train_demo.loop import (
     Batch,
     answer_accuracy,
@@ -111,6 +112,19 @@ def test_a_step_draws_its_bucket_by_the_pools_share_of_scenes() -> None:
     counts = Counter(pick_bucket(gen, [6, 2, 1]) for _ in range(9000))
     for bucket, share in enumerate((6 / 9, 2 / 9, 1 / 9)):
         assert abs(counts[bucket] - 9000 * share) < 4 * math.sqrt(9000 * share * (1 - share)), counts
+
+
+def test_base_view_position_targets_ignore_the_other_views_tokens() -> None:
+    # rows (y) and columns (x) as fractions of the image: classes floor(24 * p), clamped to 0..23
+    positions = torch.tensor([[0.0, 0.99], [0.5, 0.26], [0.75, 0.1], [1.0, 0.5]])
+    crops = SimpleNamespace(positions=positions, views=torch.tensor([0, 0, 1, 1]))
+    every = [[0, 12, 18, 23], [23, 6, 2, 12]]
+    assert position_bins(crops).tolist() == every
+    assert position_bins(crops, "base-view").tolist() == [[0, 12, IGNORED, IGNORED], [23, 6, IGNORED, IGNORED]]
+    one_view = SimpleNamespace(positions=positions, views=None)  # a single view (LLaVA-1.5, the Qwen grids)
+    assert position_bins(one_view, "base-view").tolist() == every
+    no_base = SimpleNamespace(positions=positions, views=torch.ones(4, dtype=torch.long))  # nothing would be asked
+    assert position_bins(no_base, "base-view").tolist() == every
 
 
 def test_ctrl_c_in_training_stops_with_one_line_and_130(
@@ -224,6 +238,18 @@ def test_training_feeds_what_the_adapter_feeds_at_inference(prepared: Any, scene
         assert torch.equal(ours["position_ids"][:, 0, :length], theirs["position_ids"][:, 0])
     else:
         assert "position_ids" not in ours
+
+
+def test_warm_up_steps_draw_only_the_warm_sizes_bucket(prepared: Any) -> None:
+    args, parts, data = prepared
+    if len(data.scenes) == 1:
+        pytest.skip("every size shares one bucket (tiny-llava): nothing to restrict")
+    warm = argparse.Namespace(**{**vars(args), "warm_size": (448, 448), "warm_share": 0.5, "steps": 40})
+    bucket = next(i for i, geometry in enumerate(parts.buckets) if (448, 448) in geometry.sizes)
+    gen = torch.Generator().manual_seed(0)
+    drawn = [draw_batch(warm, step, gen, data, parts).bucket for step in range(40)]
+    assert set(drawn[:20]) == {bucket}  # the first half: the warm size only
+    assert len(set(drawn[20:])) == 2  # then the pool's mix (its two scenes' buckets)
 
 
 def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
