@@ -51,6 +51,13 @@ masks. What a step merges and keeps (Filter, and so the next step's logits, rows
 adaptive k, only where the merged tokens go does (Correlate, Compress): so every group's Filter steps run first
 (:func:`_batch_filter`), one host sync reads every step's k of every image, then every group's Correlate and
 Compress run (:func:`_batch_merge`) with no further sync.
+
+Budgets (an image's ``MethodInputs.memo`` and ``planned_keeps``): a budget's chain is its step sizes
+(:func:`step_sizes`), so two budgets of one image take the same steps on the same numbers until the larger one's last,
+partial step. With a memo, a call starts from the state after the longest prefix of its step sizes the memo holds, and
+keeps a copy of its state after the last step it shares with each other planned budget (rows, logits, origins,
+owners, map, first scores) under the step sizes that led there: K = 640, 320, 160 take the steps of K = 160 and one
+more each, in any order of calls, each bit-identical to the budget alone. Without a memo every call runs its own.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 from care_core._lazy import F, torch
@@ -433,7 +440,8 @@ def _batch_compress(hidden: torch.Tensor, merge: torch.Tensor, found: _BatchTarg
 
 @dataclass
 class _BatchChain:
-    """The state of B images' FiCoCo-V steps (rows 0..T-1 of every image; row 0 protected)."""
+    """The state of B images' FiCoCo-V steps (rows 0..T-1 of every image; row 0 protected), or of one image's
+    (the same without the leading dimension: :meth:`image`, what the memo keeps)."""
 
     hidden: torch.Tensor  # (B, T, d)
     logits: torch.Tensor  # (B, T, T)
@@ -453,6 +461,96 @@ class _BatchChain:
             None if score_map is None else score_map[i],
             None if first is None else first[i],
         )
+
+    def clone(self) -> _BatchChain:
+        """A copy that shares no tensor with this state (what an image's memo keeps and what it hands out)."""
+        first, score_map = self.first_scores, self.score_map
+        return _BatchChain(
+            self.hidden.clone(),
+            self.logits.clone(),
+            self.origin.clone(),
+            self.owner.clone(),
+            None if score_map is None else score_map.clone(),
+            None if first is None else first.clone(),
+        )
+
+    @staticmethod
+    def stack(images: list[_BatchChain]) -> _BatchChain:
+        """One state of B images from their own states (no leading dimension; all of one T and kind)."""
+        return _BatchChain(
+            torch.stack([one.hidden for one in images]),
+            torch.stack([one.logits for one in images]),
+            torch.stack([one.origin for one in images]),
+            torch.stack([one.owner for one in images]),
+            _stack_present([one.score_map for one in images]),
+            _stack_present([one.first_scores for one in images]),
+        )
+
+
+def _stack_present(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The tensors stacked, or None where the images have none."""
+    present = [value for value in values if value is not None]
+    return torch.stack(present) if present else None
+
+
+# --------------------------------------------------------------------------- budgets of one image share steps
+# A budget's chain is its step sizes (step_sizes): two budgets of one image take the same steps, on the same numbers,
+# until the larger one's last (partial) step. With a memo, the state after the last step a budget shares with another
+# planned budget is kept under the step sizes that led to it; a call resumes from the longest such prefix of its own.
+
+
+def step_sizes(n: int, keep: int, r: int) -> tuple[int, ...]:
+    """T before and after every step of budget `keep` on N tokens: steps of ``min(r, T - 1 - keep, (T - 1) // 2)``
+    from ``N + 1`` rows until ``keep + 1`` remain."""
+    sizes = [n + 1]
+    while (t := sizes[-1]) > keep + 1:
+        sizes.append(t - min(r, t - keep - 1, (t - 1) // 2))
+    return tuple(sizes)
+
+
+def _shared_steps(sizes: tuple[int, ...], other: tuple[int, ...]) -> int:
+    """How many steps two step sequences from one start share (their common prefix, less the start)."""
+    same = 0
+    for a, b in zip(sizes, other, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same - 1
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where one budget's chain starts, and after which of its steps the image's memo keeps the state (the last
+    step another planned budget shares with it)."""
+
+    sizes: tuple[int, ...]  # T before and after every step (step_sizes)
+    done: int  # steps the start state has taken (0: the probes)
+    start: _BatchChain | None  # a copy of the memoised state after `done` steps; None: from the probes
+    store: frozenset[int]  # s: the state after step s goes to the memo
+    states: dict[tuple[int, ...], _BatchChain] | None  # the image's memo entry (states by step sizes); None: no memo
+
+    def keep_state(self, done: int, chain: _BatchChain) -> None:
+        """Memoise a copy of one image's `chain` after `done` steps where another planned budget resumes from it."""
+        if self.states is not None and done in self.store:
+            self.states[self.sizes[: done + 1]] = chain.clone()
+
+
+def _merge_group(
+    chain: _BatchChain,
+    steps: list[_Filtered],
+    saved: dict[int, _BatchChain],
+    plans: list[_Plan],
+    ks: Iterator[list[int]],
+    row_order: RowOrder,
+) -> None:
+    """Correlate and Compress of a group's Filter steps (each step's k of its images next in `ks`); after a step
+    whose Filter state is `saved`, the images that keep their state there memoise it."""
+    for s, step in enumerate(steps, start=plans[0].done + 1):
+        _batch_merge(chain, step, next(ks), row_order)
+        if s in saved:
+            state = replace(saved[s], hidden=chain.hidden, owner=chain.owner)
+            for j, plan in enumerate(plans):
+                plan.keep_state(s, state.image(j))
 
 
 def _batch_filter(chain: _BatchChain, r: int, method: FiCoCoV, grid: tuple[int, int] | None) -> _Filtered:
@@ -514,6 +612,8 @@ class FiCoCoV(Method):
     Steps of ``r`` tokens (last one smaller) on [CLS, patches] with the feature layer's attention logits, then row 0
     is dropped (LLaVA's ``patch`` select): ``keep`` rows. Released row order and persistent score map by default
     (the map starts fresh per image); ``row_order="paper"`` / ``local_penalty="paper"`` for the paper's reading.
+    With a memo, the budgets of one image share the steps they have in common (:meth:`_plan`: each resumes from the
+    last state it shares with a budget run before; ``planned_keeps`` say which states to keep).
     """
 
     name: ClassVar[str] = "ficoco-v"
@@ -543,85 +643,108 @@ class FiCoCoV(Method):
         return hidden.to(compute_dtype(hidden.dtype)), logits.to(compute_dtype(logits.dtype))
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        n = inputs.num_tokens
         x, logits = self._probes(inputs)
-        device = x.device
-        grid = _patch_grid(inputs)
-        score_map = fresh_score_map(n, device) if self.local_penalty == "released" else None
-        origin = torch.arange(n + 1, device=device)  # token index of every row's own token
-        owner = torch.arange(n + 1, device=device)  # current row of every input token
-        first_scores = None
-        steps = [n + 1]
+        plan = self._plan(inputs, keep, x, logits)
+        chain = self._fresh(inputs, x, logits) if plan.start is None else plan.start
+        grid, sizes = _patch_grid(inputs), plan.sizes
         with torch.no_grad():
-            while x.shape[0] > keep + 1:
-                t = x.shape[0]
-                step = ficoco_step(
-                    x,
-                    logits,
-                    min(self.r, t - keep - 1, (t - 1) // 2),
-                    score_map=score_map,
-                    grid=grid,
-                    row_order=self.row_order,
-                    local_penalty=self.local_penalty,
-                    origin=origin,
-                )
-                if first_scores is None:
-                    first_scores = step.scores
-                row_map = torch.empty(t, dtype=torch.long, device=device)
-                row_map[step.rows] = torch.arange(step.rows.numel(), device=device)
-                if step.targets.shape[1] > 0:
-                    row_map[step.merge] = step.target_rows[:, 0]  # follows its top-1 target
-                else:
-                    row_map[step.merge] = -1
-                owner = torch.where(owner >= 0, row_map[owner.clamp_min(0)], owner)
-                origin = origin[step.rows]
-                logits = logits[step.rows][:, step.rows]
-                x, score_map = step.hidden, step.score_map
-                steps.append(x.shape[0])
-        return _result(inputs, _BatchChain(x, logits, origin, owner, score_map, first_scores), tuple(steps))
+            for s in range(plan.done, len(sizes) - 1):
+                chain = self._step(chain, sizes[s] - sizes[s + 1], grid)
+                plan.keep_state(s + 1, chain)
+        return _result(inputs, chain, sizes)
+
+    def _fresh(self, inputs: MethodInputs, hidden: torch.Tensor, logits: torch.Tensor) -> _BatchChain:
+        """One image's state before its first step: row i holds token i (0 = CLS), a fresh score map."""
+        n, device = inputs.num_tokens, hidden.device
+        rows = torch.arange(n + 1, device=device)
+        return _BatchChain(
+            hidden, logits, rows, rows, fresh_score_map(n, device) if self.local_penalty == "released" else None
+        )
+
+    def _step(self, chain: _BatchChain, r: int, grid: tuple[int, int] | None) -> _BatchChain:
+        """One image's state after one :func:`ficoco_step` of `r` tokens (a new state; `chain` is left as it is)."""
+        t, device = chain.hidden.shape[0], chain.hidden.device
+        step = ficoco_step(
+            chain.hidden,
+            chain.logits,
+            r,
+            score_map=chain.score_map,
+            grid=grid,
+            row_order=self.row_order,
+            local_penalty=self.local_penalty,
+            origin=chain.origin,
+        )
+        row_map = torch.empty(t, dtype=torch.long, device=device)
+        row_map[step.rows] = torch.arange(step.rows.numel(), device=device)
+        if step.targets.shape[1] > 0:
+            row_map[step.merge] = step.target_rows[:, 0]  # follows its top-1 target
+        else:
+            row_map[step.merge] = -1
+        owner = torch.where(chain.owner >= 0, row_map[chain.owner.clamp_min(0)], chain.owner)
+        first = step.scores if chain.first_scores is None else chain.first_scores
+        logits = chain.logits[step.rows][:, step.rows]
+        return _BatchChain(step.hidden, logits, chain.origin[step.rows], owner, step.score_map, first)
+
+    def _plan(self, inputs: MethodInputs, keep: int, hidden: torch.Tensor, logits: torch.Tensor) -> _Plan:
+        """Budget `keep`'s chain on this image. With a memo: from the state after the longest prefix of its step
+        sizes that the memo holds, keeping on the way the state after the last step it shares with each other
+        planned budget (``inputs.planned_keeps``). The step sizes are all the chain reads of r and the budget, so
+        the key names the rest: the orders, the grid, the compute dtypes."""
+        n = inputs.num_tokens
+        sizes = step_sizes(n, keep, self.r)
+        if inputs.memo is None:
+            return _Plan(sizes, 0, None, frozenset(), None)
+        key = (self.name, "chain", self.row_order, self.local_penalty, _patch_grid(inputs), hidden.dtype, logits.dtype)
+        states: dict[tuple[int, ...], _BatchChain] = inputs.memoized(key, dict)
+        done = next((s for s in range(len(sizes) - 1, 0, -1) if sizes[: s + 1] in states), 0)
+        start = states[sizes[: done + 1]].clone() if done else None
+        planned = {k for k in inputs.planned_keeps if 1 <= k <= n and k != keep}
+        shared = {_shared_steps(sizes, step_sizes(n, k, self.r)) for k in planned}
+        return _Plan(sizes, done, start, frozenset(s for s in shared if s > done), states)
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """Images of one N, budget, grid, device and dtypes take their steps together (:func:`_batch_filter`,
-        :func:`_batch_merge`; a group may be one image). Every group's Filter steps run first, then one host sync
-        reads every step's adaptive k of every group, then every group's Correlate and Compress; one more sync reads
-        the token each image ends with in row 0."""
+        """Images of one N, budget, grid, device and dtypes that start from the same step (the probes, or a state
+        their memos hold: :meth:`_plan`) take their steps together (:func:`_batch_filter`, :func:`_batch_merge`; a
+        group may be one image). Every group's Filter steps run first, then one host sync reads every step's
+        adaptive k of every group, then every group's Correlate and Compress; one more sync reads the token each
+        image ends with in row 0."""
         groups: dict[tuple[object, ...], list[int]] = {}
+        plans, starts = [], []
         for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
             hidden, logits = self._probes(one)
-            key = (one.num_tokens, keep, _patch_grid(one), hidden.device, hidden.dtype, logits.dtype, hidden.shape[1])
+            plans.append(plan := self._plan(one, keep, hidden, logits))
+            starts.append(self._fresh(one, hidden, logits) if plan.start is None else plan.start)
+            key = (keep, plan.done, _patch_grid(one), hidden.shape, hidden.device, hidden.dtype, logits.dtype)
             groups.setdefault(key, []).append(i)
         with torch.no_grad():
             chains = [
-                self._filter_group([inputs[i] for i in members], keeps[members[0]]) for members in groups.values()
+                self._filter_group([starts[i] for i in m], [plans[i] for i in m], _patch_grid(inputs[m[0]]))
+                for m in groups.values()
             ]
             ks = _read_ks([step.k for _, steps, _ in chains for step in steps])
-            for chain, steps, _ in chains:
-                for step in steps:
-                    _batch_merge(chain, step, next(ks), self.row_order)
+            for members, (chain, steps, saved) in zip(groups.values(), chains, strict=True):
+                _merge_group(chain, steps, saved, [plans[i] for i in members], ks, self.row_order)
             row_tokens = iter(torch.cat([chain.origin[:, 0] for chain, _, _ in chains]).tolist())  # one more sync
         results: dict[int, MethodResult] = {}
-        for members, (chain, _, sizes) in zip(groups.values(), chains, strict=True):
+        for members, (chain, _, _) in zip(groups.values(), chains, strict=True):
             for j, i in enumerate(members):
-                results[i] = _result(inputs[i], chain.image(j), sizes, next(row_tokens))
+                results[i] = _result(inputs[i], chain.image(j), plans[i].sizes, next(row_tokens))
         return [results[i] for i in range(len(inputs))]
 
     def _filter_group(
-        self, inputs: list[MethodInputs], keep: int
-    ) -> tuple[_BatchChain, list[_Filtered], tuple[int, ...]]:
-        """(the chain after every Filter step, the steps, T before and after each) for images of one N, budget and
-        grid, stacked (no padding: every step has one T); hidden states and owners are still the inputs'."""
-        probes = [self._probes(one) for one in inputs]
-        hidden = torch.stack([h for h, _ in probes])
-        b, n = len(inputs), inputs[0].num_tokens
-        rows = torch.arange(n + 1, device=hidden.device).expand(b, -1)
-        fresh = fresh_score_map(n, hidden.device).expand(b, -1) if self.local_penalty == "released" else None
-        chain = _BatchChain(hidden, torch.stack([lg for _, lg in probes]), rows, rows, fresh)
-        grid = _patch_grid(inputs[0])
-        sizes, steps = [n + 1], []
-        while (t := sizes[-1]) > keep + 1:
-            steps.append(_batch_filter(chain, min(self.r, t - keep - 1, (t - 1) // 2), self, grid))
-            sizes.append(chain.logits.shape[1])
-        return chain, steps, tuple(sizes)
+        self, starts: list[_BatchChain], plans: list[_Plan], grid: tuple[int, int] | None
+    ) -> tuple[_BatchChain, list[_Filtered], dict[int, _BatchChain]]:
+        """(the chain after every Filter step, the steps, the chain's Filter state after each step s after which an
+        image memoises its state) for images of one N, budget, grid and start, stacked (no padding: every step has
+        one T); hidden states and owners are still the start's."""
+        chain = _BatchChain.stack(starts)
+        sizes, done = plans[0].sizes, plans[0].done
+        steps, saved = [], {}
+        for s in range(done, len(sizes) - 1):
+            steps.append(_batch_filter(chain, sizes[s] - sizes[s + 1], self, grid))
+            if any(s + 1 in plan.store for plan in plans):
+                saved[s + 1] = replace(chain)  # the step's merge gives its hidden states and owners
+        return chain, steps, saved
 
 
 def _read_ks(ks: list[torch.Tensor]) -> Iterator[list[int]]:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from care_core.methods import MethodInputs, MethodResult, build_method
+from care_core.methods import MethodInputs, MethodResult, build_method, ficoco
 from care_core.methods.ficoco import FiCoCoV, ficoco_step, fresh_score_map, redundancy_scores, window_minima
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
@@ -115,16 +115,15 @@ def _batch_inputs(sizes: tuple[int, ...], dtype: torch.dtype) -> list[MethodInpu
 
 
 def _assert_same(got: MethodResult, want: MethodResult, what: str) -> None:
-    tol = {"rtol": 0, "atol": 0}  # bit for bit on the CPU, in float64 and float32
-    assert torch.equal(got.token_index, want.token_index) and torch.equal(got.assignment, want.assignment), what
+    """Bit for bit (on the CPU, in float64 and float32): every tensor of the result and of its info."""
+    for name in ("tokens", "token_index", "assignment", "scores"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), f"{what}: {name}"
     assert got.info["steps"] == want.info["steps"], what
     assert got.info["dropped_row_token"] == want.info["dropped_row_token"], what
-    torch.testing.assert_close(got.tokens, want.tokens, **tol, msg=what)
-    torch.testing.assert_close(got.scores, want.scores, **tol, msg=what)
     if want.info["score_map"] is None:
         assert got.info["score_map"] is None, what
     else:
-        torch.testing.assert_close(got.info["score_map"], want.info["score_map"], **tol, msg=what)
+        assert torch.equal(got.info["score_map"], want.info["score_map"]), f"{what}: score_map"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -165,3 +164,106 @@ def test_batch_ties_merge_the_lowest_rows_first(row_order: str, token_index: lis
     torch.testing.assert_close(got.tokens, flat.probes["hidden_with_cls"][rows], rtol=0, atol=0)
     assert torch.equal(again.tokens, got.tokens)
     _assert_same(other, method(make_inputs(7, d_v=4, seed=2), 3), "the random image")
+
+
+# ------------------------------------------------------------------------------ budgets of one image share steps
+
+# N = 324 (an 18 x 18 grid), r = 42, by hand: K = 16 steps 325 -> 283 -> 241 -> 199 -> 157 -> 115 -> 73 -> 37 -> 19
+# -> 17 (9 steps); K = 40 shares the first 6 (to 73), then 73 -> 41; K = 100 shares the first 5 (to 115), then
+# 115 -> 101. Alone: 9 + 7 + 6 = 22 steps; sharing: 9 + 1 + 1 = 11.
+PLANNED = (16, 40, 100)
+ORDERS = {"ascending": PLANNED, "descending": PLANNED[::-1]}
+MODES = {"released": ("released", "released"), "paper": ("paper", "paper")}
+
+
+def _spoil(result: MethodResult) -> None:
+    """Overwrite every tensor a caller gets (a memo that handed one out would then give wrong results)."""
+    for value in (result.tokens, result.scores, result.info["score_map"]):
+        if value is not None:
+            value.fill_(float("nan"))
+    result.token_index.fill_(-7)
+    result.assignment.fill_(-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_budgets_sharing_a_memo_get_what_each_gets_alone(order: str, mode: str, dtype: torch.dtype) -> None:
+    """Every budget, in either order and asked twice (the second time from the latest state the memo holds), and
+    K = 60 (not planned; it shares the first 6 steps), gives what a call without memo gives, bit for bit; results
+    overwritten by the caller leave the memo intact."""
+    row_order, penalty = MODES[mode]
+    method = build_method("ficoco-v", row_order=row_order, local_penalty=penalty)
+    alone = _batch_inputs((324,), dtype)[0]
+    shared = dataclasses.replace(alone, memo={}, planned_keeps=PLANNED)
+    for keep in (*ORDERS[order], 60, *ORDERS[order]):
+        got = method(shared, keep)
+        _assert_same(got, method(alone, keep), f"K = {keep}")
+        _spoil(got)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_budgets_sharing_a_memo_take_their_common_steps_once(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three planned budgets take the smallest one's 9 steps and one own step each for the other two (the T of
+    every step by hand, above); the memo keeps only the two states they resume from (after 5 and 6 steps)."""
+    seen: list[int] = []
+    real = ficoco.ficoco_step
+
+    def counting(hidden: torch.Tensor, *args: object, **kwargs: object) -> ficoco.FiCoCoStep:
+        seen.append(hidden.shape[0])
+        return real(hidden, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ficoco, "ficoco_step", counting)
+    inputs = dataclasses.replace(_batch_inputs((324,), torch.float64)[0], memo={}, planned_keeps=PLANNED)
+    for keep in ORDERS[order]:
+        FiCoCoV()(inputs, keep)
+    chain_16 = [325, 283, 241, 199, 157, 115, 73, 37, 19]
+    expected = [*chain_16, 73, 115] if order == "ascending" else [*chain_16[:6], 115, 73, *chain_16[6:]]
+    assert seen == expected
+    assert sorted(state.hidden.shape[0] for entry in inputs.memo.values() for state in entry.values()) == [73, 115]
+    seen.clear()
+    FiCoCoV()(_batch_inputs((324,), torch.float64)[0], 40)  # without a memo: every step of its own
+    assert seen == [*chain_16[:6], 73]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("order", ORDERS)
+def test_batches_sharing_memos_give_each_image_what_it_gets_alone(order: str, dtype: torch.dtype) -> None:
+    """Three images (two of N = 324 step together, N = 306 alone), every budget in either order: what each image
+    gets alone without memo. Image 2 first runs one budget alone, so its memo holds a state where image 0's does
+    not: the two then step apart (another start), and still get their own results."""
+    method = build_method("ficoco-v")
+    alone = _batch_inputs((324, 306, 324), dtype)
+    shared = [dataclasses.replace(one, memo={}, planned_keeps=PLANNED) for one in alone]
+    _spoil(method(shared[2], ORDERS[order][0]))
+    for keep in ORDERS[order]:
+        got = method.batch(shared, [keep] * 3)
+        for i, (result, one) in enumerate(zip(got, alone, strict=True)):
+            _assert_same(result, method(one, keep), f"K = {keep}, image {i}")
+            _spoil(result)
+
+
+def test_batches_sharing_memos_take_their_common_steps_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of three images (two groups) at three planned budgets takes the Filter steps of the smallest budget
+    alone and at most one more per larger budget and group; without memos, far more."""
+    seen: list[int] = []
+    real = ficoco._batch_filter
+
+    def counting(chain: ficoco._BatchChain, *args: object) -> ficoco._Filtered:
+        seen.append(chain.logits.shape[1])
+        return real(chain, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ficoco, "_batch_filter", counting)
+    method = build_method("ficoco-v")
+
+    def steps(inputs: list[MethodInputs], keeps: tuple[int, ...]) -> int:
+        seen.clear()
+        for keep in keeps:
+            method.batch(inputs, [keep] * len(inputs))
+        return len(seen)
+
+    alone = _batch_inputs((324, 306, 324), torch.float64)
+    smallest = steps(alone, (16,))
+    shared = [dataclasses.replace(one, memo={}, planned_keeps=PLANNED) for one in alone]
+    assert steps(shared, PLANNED[::-1]) <= smallest + 2 * 2
+    assert steps(alone, PLANNED) >= smallest + 2 * 5  # K = 40 and 100 each take 5 steps or more per group
