@@ -64,7 +64,8 @@ scene at one size (one bucket: the runs before mixed sizes, e.g. 336x336, and 38
 sizes (other sizes give it other token counts and rope positions, which it had never seen), and ``tiny-llava-next``
 83.2% at the world's sizes (position questions 52%). Mixed sizes measured (4 x H200, full recipe, 2026-11-27,
 ``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-mixed.json``): ``tiny-qwen3-vl`` trains well (0.82 logged answer
-accuracy at step 2250), but two ``tiny-llava-next`` runs stall near 0.6 (the shipped 336x336 run reached 0.87) and two
+accuracy at step 2250), but two ``tiny-llava-next`` runs stall near 0.6 (the shipped 336x336 run reached 0.87; held-out
+59.2% and 58.4%, shape questions 38% and 33%) and two
 ``tiny-qwen2.5-vl`` runs turn NaN between steps 250 and 500: nothing mixed ships yet. A checkpoint records the
 choice: ``--resume`` refuses one written with another ``--size``. The held-out evaluation keeps the world's mix
 (``--eval-size``). Memory: the pool of 24,000 scenes in uint8 takes about 8 GB for ``tiny-llava``, 28-34 GB for
