@@ -135,6 +135,14 @@ def _upper_products(tangent: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def allows_tf32(matmul: str, features: torch.Tensor) -> bool:
+    """Whether a ``matmul`` setting lets the products on ``features`` run in tf32: "tf32", or "auto" on CUDA;
+    never for float64 features (the engines' one rule)."""
+    if features.dtype == torch.float64:
+        return False
+    return matmul == "tf32" or (matmul == "auto" and features.device.type == "cuda")
+
+
 @torch.no_grad()
 def responses_fd(
     features: torch.Tensor,
@@ -153,9 +161,7 @@ def responses_fd(
     tf32 off; `matmul` ("float32", "tf32", or "auto": tf32 on CUDA) sets only the MLP path's second-layer
     product, which acts on their difference (float64 inputs: never tf32).
     """
-    second_tf32 = features.dtype != torch.float64 and (
-        matmul == "tf32" or (matmul == "auto" and features.device.type == "cuda")
-    )
+    second_tf32 = allows_tf32(matmul, features)
     with matmul_precision(allow_tf32=False):  # tf32 would turn the nearly equal terms' difference into noise
         mlp = _as_mlp(projector)
         if mlp is not None:
@@ -361,10 +367,7 @@ def responses_jvp(
     `factor`: the triangular factor of the projector's second layer (:func:`triangular_factor`), for
     a Linear-act-Linear projector; ignored by any other.
     """
-    on_cuda = features.device.type == "cuda"
-    allow_tf32 = matmul == "tf32" or (matmul == "auto" and on_cuda)
-    if features.dtype == torch.float64:
-        allow_tf32 = False
+    allow_tf32 = allows_tf32(matmul, features)
     low = torch.bfloat16 if matmul == "bf16" and features.dtype != torch.float64 else None
     with matmul_precision(allow_tf32=allow_tf32):
         mlp = _as_mlp(projector)

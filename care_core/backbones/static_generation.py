@@ -369,8 +369,8 @@ class StaticGreedy:
         lengths = [int(p.shape[0]) for p in prompts]
         rows = BUCKET * math.ceil(max(lengths) / BUCKET)
         needed = max(rows, max(lengths) + max_new_tokens - 1)
-        self._ensure_capacity(batch_bucket(len(prompts)), needed)  # a growth drops every graph: then none is reused
         batch = batch_bucket(len(prompts))
+        self._ensure_capacity(batch, needed)  # a growth drops every graph: then none is reused
         if self.graphs:
             batch = reused_bucket(batch, rows, [key for key, e in self.prefills.items() if e.graph is not None])
         # decode steps attend over the positions this call can reach, not the whole cache (a long prompt's earlier
