@@ -298,6 +298,22 @@ def check_finite(params: list[torch.nn.Parameter], step: int, last_saved: int) -
     raise Diverged(f"training diverged: some weights are NaN or infinite after step {step}; {kept}")
 
 
+def update(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor) -> bool:
+    """One optimiser step on ``loss`` with gradients clipped at norm 1; False (and no step: the weights, moments and
+    step count stay as they were) when the gradient is NaN or infinite, as a loss scaler skips an overflowing step.
+
+    Clipping alone would pass a non-finite gradient on to AdamW and every weight would turn NaN: one bad batch (a
+    bf16 overflow in one bucket, say) would end the run. The check costs one host sync per step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    if not bool(torch.isfinite(norm)):
+        opt.zero_grad(set_to_none=True)
+        return False
+    opt.step()
+    return True
+
+
 def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[[int], None], parts: Parts,
         data: Data) -> float:  # fmt: skip
     """The training loop from the checkpoint in ``args.out`` (``--resume``) or step 0; returns the seconds trained
@@ -312,6 +328,7 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
         advance(start)
     started = time.perf_counter() - before
     last_saved = start
+    skipped: dict[int, int] = {}  # bucket -> steps skipped for a non-finite gradient (this call's)
     for step in range(start, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(args, step)
@@ -319,10 +336,9 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
         logits, dense = forward(parts, data, b)
         aux_loss = losses(parts, data, b, dense)
         answer_loss = F.cross_entropy(logits.float()[b.target], b.text[b.target])
-        opt.zero_grad(set_to_none=True)
-        (answer_loss + args.aux_weight * aux_loss).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if not update(opt, params, answer_loss + args.aux_weight * aux_loss):
+            skipped[b.bucket] = skipped.get(b.bucket, 0) + 1
+            log(f"step {step:5d}  skipped: non-finite gradient (bucket {_bucket_name(parts, b.bucket)}, k {b.k})")
         advance(1)
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             check_finite(params, step + 1, last_saved)
@@ -335,6 +351,13 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
             log(f"step {step:5d}  k {b.k:4d}{'m' if b.merged else ' '} answer loss {answer_loss.item():.4f}  "
                 f"aux {aux_loss.item():.3f}  token acc {acc.item():.3f}  answer acc {answers.item():.3f}  "
                 f"lr {lr_at(args, step):.2e}  {time.perf_counter() - started:.0f} s")  # fmt: skip
+    if skipped:
+        log("steps skipped for a non-finite gradient: "
+            + ", ".join(f"{_bucket_name(parts, k)} {n}" for k, n in sorted(skipped.items())))  # fmt: skip
     if data.row_of.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - started
+
+
+def _bucket_name(parts: Parts, bucket: int) -> str:
+    return "/".join(f"{h}x{w}" for h, w in parts.buckets[bucket].sizes)

@@ -365,3 +365,19 @@ def test_a_run_whose_weights_turn_nan_stops_and_keeps_the_last_finite_checkpoint
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     assert not (tmp_path / "tiny-llava.safetensors").exists()  # nothing diverged was saved to ship
     assert "training diverged" in (tmp_path / "log.txt").read_text()
+
+
+def test_a_step_with_a_non_finite_gradient_leaves_weights_and_optimiser_untouched() -> None:
+    weight = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = torch.optim.AdamW([weight], lr=0.1)
+    assert loop.update(opt, [weight], (weight**2).sum())  # a finite step moves the weights
+    after_one = weight.detach().clone()
+    assert not torch.equal(after_one, torch.tensor([1.0, -2.0]))
+    moments = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[weight].items()}
+    for bad in (float("nan"), float("inf")):
+        assert not loop.update(opt, [weight], (weight * bad).sum())
+        assert torch.equal(weight.detach(), after_one)
+        assert weight.grad is None
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(moments[k])) for k, v in opt.state[weight].items())
+    assert loop.update(opt, [weight], (weight**2).sum())  # and the run goes on
+    assert float(opt.state[weight]["step"]) == 2.0
