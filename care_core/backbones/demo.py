@@ -606,6 +606,23 @@ def weights_problem(folder: Path, marker: dict[str, Any]) -> str | None:
     return None
 
 
+def outdated(spec: DemoBackbone, marker: dict[str, Any]) -> str | None:
+    """Why a cached trained demo is not the one this care ships (None: it is, or the demo is random).
+
+    The marker's hash only says the cached file is what was cached; a care whose shipped weights were retrained
+    (a new manifest entry) must not keep answering with the old ones, so a trained demo's marker must also carry
+    the manifest's sha256."""
+    if not spec.trained:
+        return None
+    assert spec.weights is not None
+    entry = read_manifest().get(spec.weights)
+    shipped = entry.get("sha256") if isinstance(entry, dict) else None
+    cached = marker.get("sha256")
+    if shipped is None or cached == shipped:
+        return None
+    return f"another release's (sha256 {str(cached)[:12]}, this care ships {str(shipped)[:12]})"
+
+
 def _is_built(folder: Path, spec: DemoBackbone) -> bool:
     marker = read_marker(folder)
     return marker is not None and marker.get("name") == spec.name and marker.get("version") == spec.version
@@ -635,11 +652,12 @@ def install_demo(name: str, home: Path) -> DemoInstall:
     notices: list[str] = []
     marker = read_marker(target) if _is_built(target, spec) else None
     if marker is not None:
-        problem = weights_problem(target, marker)
-        if problem is None:
+        damage, older = weights_problem(target, marker), outdated(spec, marker)
+        if damage is None and older is None:
             return DemoInstall(target)
         source = "the copy shipped with care" if spec.trained else f"seed {spec.seed}"
-        notices.append(f"{spec.name}: cached weights in {target} were {problem}; restored from {source}")
+        done = f"restored from {source}" if damage else f"replaced by {source}"
+        notices.append(f"{spec.name}: cached weights in {target} were {damage or older}; {done}")
     if _other_rank_builds():
         _wait_until_intact(target, spec)
         return DemoInstall(target, tuple(notices))
@@ -667,7 +685,8 @@ def _wait_until_intact(target: Path, spec: DemoBackbone, timeout_s: float = 900.
 
 def _intact(folder: Path, spec: DemoBackbone) -> bool:
     marker = read_marker(folder) if _is_built(folder, spec) else None
-    return marker is not None and (folder / "config.json").is_file() and weights_problem(folder, marker) is None
+    return (marker is not None and (folder / "config.json").is_file() and weights_problem(folder, marker) is None
+            and outdated(spec, marker) is None)  # fmt: skip
 
 
 def _build_into(spec: DemoBackbone, root: Path, target: Path) -> None:

@@ -470,3 +470,24 @@ def test_no_method_at_k64_beats_all_tokens(demo: Any, heldout: list[tuple[Any, I
     full = _hits(demo, sample, None)
     for name in method_names():
         assert _hits(demo, sample, name) <= full + 2, name  # noise margin: 2 of 25
+
+
+@pytest.mark.parametrize("name", TRAINED_DEMOS)
+def test_a_cached_demo_from_another_release_is_replaced_by_the_shipped_weights(
+    installed: Path, tmp_path: Path, name: str
+) -> None:
+    spec = DEMO_BACKBONES[name]
+    home = tmp_path / "home"
+    folder = ensure_demo(name, home)
+    weights = folder / "model.safetensors"
+    _edit(weights)  # an older release's weights: intact in themselves, their marker records their own hash
+    marker = json.loads((folder / MARKER).read_text())
+    older = file_sha256(weights)
+    (folder / MARKER).write_text(json.dumps({**marker, "sha256": older}))
+    adapter = load_backbone(name, home=home)
+    assert len(adapter.notices) == 1
+    notice = adapter.notices[0]
+    assert "\n" not in notice and older[:12] in notice and "replaced by the copy shipped with care" in notice
+    shipped = read_manifest()[spec.weights]["sha256"]
+    assert file_sha256(weights) == shipped and json.loads((folder / MARKER).read_text())["sha256"] == shipped
+    assert load_backbone(name, home=home).notices == []
