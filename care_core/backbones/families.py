@@ -200,7 +200,8 @@ _INTERNVL_GEOMETRY = (
     "InternVL3 geometry (InternViT 448/14, pixel shuffle 0.5: 256 tokens per tile, 1-12 tiles + thumbnail)"
 )
 _ONEVISION_GEOMETRY = "LLaVA-OneVision geometry (SigLIP-384/14, no CLS, anyres_max_9 pinpoints, 3645 tokens at 768x768)"
-_ONCE_SHIPPED = "tiny weights (trained on synthetic shapes once shipped); demo only"
+#: the demos whose weights file is optional: trained or random is the record's ``trained`` (its marker's "weights")
+_OPTIONAL_WEIGHTS = "tiny weights (trained on synthetic shapes where shipped, else random); demo only"
 
 register_family(BackboneFamily(
     name="llava-1.5", display="LLaVA-1.5", model_types=("llava",),
@@ -220,7 +221,7 @@ register_family(BackboneFamily(
     flops_spec="llava-next-7b", lmms_eval_model="care_llava",
     demos=(
         DemoBackbone("tiny-llava-next", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
-                     f"{_NEXT_GEOMETRY}, tiny weights (trained on synthetic shapes once shipped); demo only",
+                     f"{_NEXT_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
                      weights="tiny-llava-next.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_llava_next"),
         DemoBackbone("tiny-llava-next-random", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
                      f"{_NEXT_GEOMETRY}, tiny random weights; demo only"),
@@ -232,7 +233,7 @@ register_family(BackboneFamily(
     flops_spec="qwen2.5-vl-7b", lmms_eval_model="care_qwen2_5_vl",
     demos=(
         DemoBackbone("tiny-qwen2.5-vl", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
-                     f"{_QWEN25_GEOMETRY}, tiny weights (trained on synthetic shapes once shipped); demo only",
+                     f"{_QWEN25_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
                      weights="tiny-qwen2.5-vl.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_qwen2_5_vl"),
         DemoBackbone("tiny-qwen2.5-vl-random", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
                      f"{_QWEN25_GEOMETRY}, tiny random weights; demo only"),
@@ -244,7 +245,7 @@ register_family(BackboneFamily(
     flops_spec="qwen3-vl-8b", lmms_eval_model="care_qwen3_vl",
     demos=(
         DemoBackbone("tiny-qwen3-vl", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
-                     f"{_QWEN3_GEOMETRY}, {_ONCE_SHIPPED}",
+                     f"{_QWEN3_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
                      weights="tiny-qwen3-vl.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_qwen3_vl"),
         DemoBackbone("tiny-qwen3-vl-random", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
                      f"{_QWEN3_GEOMETRY}, tiny random weights; demo only"),
@@ -256,7 +257,7 @@ register_family(BackboneFamily(
     flops_spec="internvl3-8b", lmms_eval_model="care_internvl",
     demos=(
         DemoBackbone("tiny-internvl3", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
-                     f"{_INTERNVL_GEOMETRY}, {_ONCE_SHIPPED}",
+                     f"{_INTERNVL_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
                      weights="tiny-internvl3.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_internvl3"),
         DemoBackbone("tiny-internvl3-random", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
                      f"{_INTERNVL_GEOMETRY}, tiny random weights; demo only"),
@@ -268,7 +269,7 @@ register_family(BackboneFamily(
     crops=True, flops_spec="llava-onevision-7b", lmms_eval_model="care_llava",
     demos=(
         DemoBackbone("tiny-llava-onevision", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
-                     f"{_ONEVISION_GEOMETRY}, {_ONCE_SHIPPED}", weights="tiny-llava-onevision.safetensors",
+                     f"{_ONEVISION_GEOMETRY}, " + _OPTIONAL_WEIGHTS, weights="tiny-llava-onevision.safetensors",
                      trained_builder=f"{_DEMO}:build_trained_tiny_llava_onevision"),
         DemoBackbone("tiny-llava-onevision-random", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
                      f"{_ONEVISION_GEOMETRY}, tiny random weights; demo only"),

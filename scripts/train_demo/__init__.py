@@ -34,6 +34,9 @@ asks each token's pre-projector features for the colour and shape of the object 
 the visual tokens (K log-uniform in 48..N, in raster or shuffled order, fed as reduction feeds them, N the bucket's: K
 rows in the given order, Qwen rows at their tokens' rope positions with, for Qwen3-VL, their tokens' deepstack rows),
 so that the language model reads whatever rows it is given. AdamW (lr 1.5e-3, cosine, 5% warm-up), 5000 steps. A
+step whose gradient is NaN or infinite is skipped (weights and AdamW moments untouched) and logged with its bucket:
+the mixed-size Qwen2.5-VL runs of 2026-11-27 skipped 7 and 14 of 5000, every one a step with all the tokens of a
+448x448, 672x672 or 336x672 image, where without the skip the first one had turned every weight NaN. A
 checkpoint is written every ``--checkpoint-every`` steps (DIR/checkpoint.pt); ``--resume`` continues from it bit for
 bit (CPU float32). Before each checkpoint the weights are checked: a run whose weights turned NaN or infinite stops
 there (one line, exit code 1) and keeps the last finite checkpoint.
@@ -63,10 +66,11 @@ scene at one size (one bucket: the runs before mixed sizes, e.g. 336x336, and 38
 2026-11-26), ``tiny-qwen2.5-vl`` answered 88% of 100 held-out questions at 336x336 but 44.6% of 500 at the world's
 sizes (other sizes give it other token counts and rope positions, which it had never seen), and ``tiny-llava-next``
 83.2% at the world's sizes (position questions 52%). Mixed sizes measured (4 x H200, full recipe, 2026-11-27,
-``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-mixed.json``): ``tiny-qwen3-vl`` trains well (0.82 logged answer
-accuracy at step 2250), but two ``tiny-llava-next`` runs stall near 0.6 (the shipped 336x336 run reached 0.87; held-out
-59.2% and 58.4%, shape questions 38% and 33%) and two
-``tiny-qwen2.5-vl`` runs turn NaN between steps 250 and 500: nothing mixed ships yet. A checkpoint records the
+``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-mixed.json`` and ``...-train_demo-sweep.json``):
+``tiny-qwen3-vl`` trains well (two runs: 96.0% and 97.0% held-out, shipped), ``tiny-llava-next`` stalls near 0.6
+logged answer accuracy from step 0 (held-out 59.2% and 58.4%) but not after 2000 warm-up steps at 336x336
+(``--warm-size 336x336 --warm-share 0.4``: 86.8%, shipped, one run), and ``tiny-qwen2.5-vl`` finishes once steps
+with a non-finite gradient are skipped (79.2% and 70.4%: not shipped). A checkpoint records the
 choice: ``--resume`` refuses one written with another ``--size``. The held-out evaluation keeps the world's mix
 (``--eval-size``). Memory: the pool of 24,000 scenes in uint8 takes about 8 GB for ``tiny-llava``, 28-34 GB for
 NeXT, OneVision and the Qwen families, and about 82
@@ -91,12 +95,10 @@ the arithmetic rather than by launches, it packs too but gains nothing measurabl
 ``--vision-attention flash_attention_2`` (where flash-attn is installed) uses flash-attn's variable-length kernel.
 
 Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side by side: held-out 86.6%
-and 85.8%).
-
-Two options for the mixed-size trainings that stall (not in the shipped recipe, not yet measured): ``--warm-size
-336x336 --warm-share 0.4`` draws the first 40% of the steps from the 336x336 bucket only (the size the shipped NeXT
-run learnt on), then the mix; ``--position-targets base-view`` asks the dense loss for the row and column of the base
-view's tokens only, since a crop's tower cannot tell which of two or four crops it is in (``buckets.position_bins``).
+and 85.8%); ``--backbone tiny-qwen3-vl`` (the recipe as it stands, mixed sizes; two runs: 96.0% and 97.0%);
+``--backbone tiny-llava-next --warm-size 336x336 --warm-share 0.4`` (one run: 86.8%; position questions 60%, leaning
+to "left" and "top" at every size). ``--position-targets base-view`` (the dense loss asks only the base view's
+tokens for their row and column) did not help NeXT: 81.6% and 75.8% at 336x336, 81.8% mixed with the warm-up.
 
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,
