@@ -37,9 +37,14 @@ class Geometry:
     def n(self) -> int:
         return self.feed.n
 
+    @property
+    def name(self) -> str:
+        """``336x336, 448x448``: the bucket's sizes, as the log names it."""
+        return ", ".join(f"{h}x{w}" for h, w in self.sizes)
+
     def describe(self) -> str:
         """``336x336, 448x448: N = 256`` (the log's line per bucket)."""
-        return ", ".join(f"{h}x{w}" for h, w in self.sizes) + f": N = {self.n}"
+        return f"{self.name}: N = {self.n}"
 
 
 def _digest(*tensors: torch.Tensor) -> str:

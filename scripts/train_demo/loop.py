@@ -338,7 +338,7 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
         answer_loss = F.cross_entropy(logits.float()[b.target], b.text[b.target])
         if not update(opt, params, answer_loss + args.aux_weight * aux_loss):
             skipped[b.bucket] = skipped.get(b.bucket, 0) + 1
-            log(f"step {step:5d}  skipped: non-finite gradient (bucket {_bucket_name(parts, b.bucket)}, k {b.k})")
+            log(f"step {step:5d}  skipped: non-finite gradient (bucket {parts.buckets[b.bucket].name}; k {b.k})")
         advance(1)
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             check_finite(params, step + 1, last_saved)
@@ -353,11 +353,7 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
                 f"lr {lr_at(args, step):.2e}  {time.perf_counter() - started:.0f} s")  # fmt: skip
     if skipped:
         log("steps skipped for a non-finite gradient: "
-            + ", ".join(f"{_bucket_name(parts, k)} {n}" for k, n in sorted(skipped.items())))  # fmt: skip
+            + "; ".join(f"{parts.buckets[k].name}: {n}" for k, n in sorted(skipped.items())))  # fmt: skip
     if data.row_of.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - started
-
-
-def _bucket_name(parts: Parts, bucket: int) -> str:
-    return "/".join(f"{h}x{w}" for h, w in parts.buckets[bucket].sizes)
