@@ -96,9 +96,20 @@ the arithmetic rather than by launches, it packs too but gains nothing measurabl
 
 Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side by side: held-out 86.6%
 and 85.8%); ``--backbone tiny-qwen3-vl`` (the recipe as it stands, mixed sizes; two runs: 96.0% and 97.0%);
-``--backbone tiny-llava-next --warm-size 336x336 --warm-share 0.4`` (one run: 86.8%; position questions 60%, leaning
-to "left" and "top" at every size). ``--position-targets base-view`` (the dense loss asks only the base view's
-tokens for their row and column) did not help NeXT: 81.6% and 75.8% at 336x336, 81.8% mixed with the warm-up.
+``--backbone tiny-llava-next --warm-size 336x336 --warm-share 0.4`` (86.8%; position questions 60%, leaning to
+"left" and "top" at every size; a second run of 2026-11-27 answered 80.6%, position 56%: NeXT's training is noisy);
+``--backbone tiny-llava-onevision --warm-size 336x336 --warm-share 0.4 --pool-device cpu`` (two runs, 82.6% shipped
+and 81.8%, each alone on one H200: position 51% and 47%, every other type 76-99%;
+``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-sweep2.json``). ``--position-targets base-view`` (the dense
+loss asks only the base view's tokens for their row and column) did not help NeXT: 81.6% and 75.8% at 336x336, 81.8%
+mixed with the warm-up.
+
+Position questions are what keeps NeXT, OneVision and Qwen2.5-VL under 85%. A linear probe reads a token's half of
+the image from the rows the language model gets (91-98% for NeXT, 90-99% for Qwen2.5-VL), so the tower and
+projector keep it; the language models do not learn to read it, except Qwen3-VL's (98-100%), whose interleaved
+multimodal rope lets attention pick rows and columns (Qwen2.5-VL's sections give the width the six slowest of 16
+frequencies: under 0.005 rad across a row of 24 tokens). ``--position-share S`` (each batch question is about
+position with probability S instead of about one in five; not yet measured) is the next lever to try.
 
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,

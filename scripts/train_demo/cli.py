@@ -23,7 +23,7 @@ from care_core.synthetic import IMAGE_SIZES
 
 from .buckets import POSITION_BINS, POSITION_TARGETS, Geometry, token_geometries
 from .heldout import evaluate
-from .loop import CHECKPOINT, MIRROR, Data, Diverged, Parts, fit
+from .loop import CHECKPOINT, MIRROR, POSITION, RESUMED_OPTIONS, Data, Diverged, Parts, fit
 from .pool import Pool, UsageError, make_pool
 
 #: the families this script trains (each on the world's mix of image sizes unless --size says one)
@@ -101,8 +101,11 @@ def _data(pool: Pool, geometries: list[Geometry], store: torch.device) -> Data:
     questions = [torch.tensor([q for q, b in enumerate(bucket_of) if b == i], dtype=torch.long)
                  for i in range(len(geometries))]  # fmt: skip
     feed = geometries[0].feed
+    about_position = [q[torch.tensor([pool.types[i] == POSITION for i in q.tolist()], dtype=torch.bool)]
+                      for q in questions]  # fmt: skip
     return Data(pool.pixels, pool.labels, pool.qas, bucket_of,
                 torch.tensor([pool.row[s] for s, _, _ in pool.qas], dtype=torch.long, device=store), questions,
+                about_position,
                 [pool.bucket.count(i) for i in range(len(geometries))],
                 {a: feed.answer(a) for a in {a for _, _, a in pool.qas} | set(MIRROR)})  # fmt: skip
 
@@ -218,6 +221,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--position-targets", choices=POSITION_TARGETS, default="all",
                         help="tokens whose row and column the dense loss asks: all (the shipped recipe) or those "
                              "of the base view, which shows the whole image (LLaVA-NeXT, LLaVA-OneVision)")  # fmt: skip
+    parser.add_argument("--position-share", type=float, default=None, metavar="S",
+                        help="draw each batch question about position with probability S (default: as the pool "
+                             "has them, about one in five); not in the shipped recipe")  # fmt: skip
     parser.add_argument("--flip", action="store_true",
                         help="mirror half of the images (and position answers with them); tiny-llava only, not in "
                              "the shipped recipe")  # fmt: skip
@@ -267,6 +273,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                      + ", ".join(f"{h}x{w}" for h, w in dict.fromkeys(IMAGE_SIZES)))  # fmt: skip
     if not 0 <= args.warm_share < 1:
         parser.error(f"--warm-share must be in [0, 1), got {args.warm_share}")
+    if args.position_share is not None and not 0 < args.position_share < 1:
+        parser.error(f"--position-share must be in (0, 1), got {args.position_share}")
     if args.flip and family != "llava-1.5":
         parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
     if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1:
@@ -280,11 +288,9 @@ def heldout_key(size: tuple[int, int] | None) -> str:
 
 
 def _summary(args: argparse.Namespace, argv: list[str] | None, extra: dict[str, Any]) -> dict[str, Any]:
-    options = ("seed", "steps", "batch", "lr", "scenes", "size", "subset_share", "merge_share", "flip", "warm_size",
-               "warm_share", "position_targets")  # fmt: skip
     return {"backbone": args.backbone,
             "command": "python -m scripts.train_demo " + " ".join(sys.argv[1:] if argv is None else argv),
-            **{name: getattr(args, name) for name in options}, **extra}  # fmt: skip
+            **{name: getattr(args, name) for name in RESUMED_OPTIONS}, **extra}  # fmt: skip
 
 
 def train_and_evaluate(args: argparse.Namespace, argv: list[str] | None, run: Run) -> None:

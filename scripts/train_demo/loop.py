@@ -31,7 +31,9 @@ MIRROR = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
 CHECKPOINT = "checkpoint.pt"
 #: the training options a checkpoint must agree with to be resumed
 RESUMED_OPTIONS = ("backbone", "seed", "steps", "batch", "lr", "aux_weight", "scenes", "subset_share", "merge_share",
-                   "flip", "size", "warm_size", "warm_share", "position_targets")  # fmt: skip
+                   "flip", "size", "warm_size", "warm_share", "position_targets", "position_share")  # fmt: skip
+#: the type of the world's position questions (``care_core.synthetic.QA.type``)
+POSITION = "position"
 
 
 def mirrored(answer: str, horizontal: bool, vertical: bool) -> str:
@@ -74,6 +76,7 @@ class Data:
     bucket_of: list[int]  # (Q,) bucket of each question's scene
     row_of: torch.Tensor  # (Q,) row of each question's scene in its bucket's tensors
     questions: list[torch.Tensor]  # per bucket: (Q_b,) its questions (indices into qas)
+    position_questions: list[torch.Tensor]  # per bucket: those of its questions that are about position
     scenes: list[int]  # per bucket: its number of scenes (a step draws a bucket by its share)
     answers: dict[str, list[int]]
 
@@ -122,6 +125,20 @@ def _subset(args: argparse.Namespace, step: int, gen: torch.Generator, n: int) -
     return k, order if shuffled else order.sort(dim=1).values, merged
 
 
+def _questions(args: argparse.Namespace, gen: torch.Generator, data: Data, bucket: int) -> torch.Tensor:
+    """(B,) the step's questions from ``bucket``: uniformly from its questions (the recipe), or with
+    ``--position-share`` s each one a position question with probability s (uniform among those) and another
+    question otherwise (uniformly, as the recipe, in a bucket that lacks one kind: only in pools of a few scenes)."""
+    own = data.questions[bucket]
+    about_position = data.position_questions[bucket]
+    if args.position_share is None or len(about_position) in (0, len(own)):
+        return own[torch.randint(0, len(own), (args.batch,), generator=gen)]
+    others = own[~torch.isin(own, about_position)]
+    picked = torch.rand(args.batch, generator=gen) < args.position_share
+    return torch.where(picked, about_position[torch.randint(0, len(about_position), (args.batch,), generator=gen)],
+                       others[torch.randint(0, len(others), (args.batch,), generator=gen)])  # fmt: skip
+
+
 def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: Data, parts: Parts) -> Batch:
     """The step's bucket (drawn only when there are several), questions, mirrors and visual-token subset (the recipe
     of the package docstring); the questions' indices on the pool's device, the rest on the model's."""
@@ -129,8 +146,7 @@ def draw_batch(args: argparse.Namespace, step: int, gen: torch.Generator, data: 
     warm = args.warm_size if step < args.warm_share * args.steps else None  # the warm-up's steps: its size only
     bucket = pick_bucket(gen, warm_scenes(data.scenes, parts.buckets, warm)) if len(data.scenes) > 1 else 0
     feed = parts.buckets[bucket].feed
-    own = data.questions[bucket]
-    batch = own[torch.randint(0, len(own), (args.batch,), generator=gen)]
+    batch = _questions(args, gen, data, bucket)
     # mirror images (and the answers of position questions with them): left/right and top/bottom balanced
     hflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)
     vflip = torch.rand(args.batch, generator=gen) < 0.5 if args.flip else torch.zeros(args.batch, dtype=torch.bool)

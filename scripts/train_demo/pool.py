@@ -68,12 +68,13 @@ def _make(index: int) -> tuple[int, np.ndarray, np.ndarray, list[tuple[str, str,
 @dataclass
 class Pool:
     """Scenes 0..S-1 of the training split, per bucket (token geometry): processor outputs (S_b, ...) uint8 and token
-    labels (S_b, 2, N_b) uint8; the questions (scene, question, answer) and, per scene, its bucket and its row in
-    the bucket's tensors."""
+    labels (S_b, 2, N_b) uint8; the questions (scene, question, answer) with each one's type (``QA.type``) and, per
+    scene, its bucket and its row in the bucket's tensors."""
 
     pixels: list[torch.Tensor]
     labels: list[torch.Tensor]
     qas: list[tuple[int, str, str]]
+    types: list[str]
     bucket: list[int]
     row: list[int]
 
@@ -112,6 +113,7 @@ def make_pool(
     pixels: list[list[np.ndarray | None]] = [[] for _ in range(count)]
     labels: list[list[np.ndarray | None]] = [[] for _ in range(count)]
     qas: list[tuple[int, str, str]] = []
+    types: list[str] = []
     bucket, row = [0] * scenes, [0] * scenes
     with mp.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
         for index, array, label, questions, drawn in pool.imap(_make, range(scenes), chunksize=chunk):
@@ -124,8 +126,10 @@ def make_pool(
             pixels[b].append(array)
             labels[b].append(label)
             qas.extend((index, q, a) for q, a, _ in questions)
+            types.extend(t for _, _, t in questions)
             advance(1)
-    return Pool([_stacked(p, store) for p in pixels], [_stacked(lab, store) for lab in labels], qas, bucket, row)
+    return Pool([_stacked(p, store) for p in pixels], [_stacked(lab, store) for lab in labels], qas, types, bucket,
+                row)  # fmt: skip
 
 
 class Normaliser:

@@ -252,6 +252,23 @@ def test_warm_up_steps_draw_only_the_warm_sizes_bucket(prepared: Any) -> None:
     assert len(set(drawn[20:])) == 2  # then the pool's mix (its two scenes' buckets)
 
 
+def test_position_share_sets_the_share_of_position_questions_in_the_batches(prepared: Any) -> None:
+    args, parts, data = prepared
+    gen = torch.Generator().manual_seed(0)
+    about_position = ("on the left or the right?", "at the top or the bottom?")  # the world's two position questions
+    mixed = [i for i, q in enumerate(data.questions) if 0 < len(data.position_questions[i]) < len(q)]
+    assert mixed  # a bucket with both kinds (a pool of two scenes may also have one without position questions)
+    for share in (0.2, 0.8):
+        drawn = argparse.Namespace(**{**vars(args), "position_share": share, "batch": 50})
+        batches = [draw_batch(drawn, step, gen, data, parts) for step in range(16)]
+        asked = [q for b in batches if b.bucket in mixed for q in b.questions]
+        assert len(asked) >= 300
+        measured = sum(q.endswith(about_position) for q in asked) / len(asked)
+        assert abs(measured - share) < 0.1, (share, measured)  # 300 draws or more: 0.1 is over four standard deviations
+        for b in batches:  # every question from the step's bucket
+            assert all(data.bucket_of[int(i)] == b.bucket for i in b.index)
+
+
 def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
     args, parts, data = prepared
     opt, _ = optimiser(args, parts)
