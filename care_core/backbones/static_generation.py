@@ -41,10 +41,12 @@ BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby l
 CAPACITY_STEP = 256  # the cache grows in steps of this many positions
 MAX_PREFILL_GRAPHS = 8  # (batch, padded length) pairs whose prefill graph is kept (least recently used dropped first)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes are padded up to one of these; larger batches go in chunks
-# a short batch (a data set's last) replays a captured bucket up to this many times its own instead of capturing
-# its own: LLaVA-1.5-7B's capture at batch 4 cost 0.42 s on an H100, more than the dummy rows' arithmetic
-# (a 4x bucket), while replaying 64 all-token prompts for one sample would cost more than the capture
-REUSE_BUCKET_FACTOR = 4
+# a short batch (a data set's last) replays a larger captured bucket instead of capturing its own where the dummy
+# samples add at most this many prompt rows. On an H100 LLaVA-1.5-7B's capture at batch 4 cost 0.42 s, and its
+# prefill of 64 reduced prompts (K = 64: 112 rows each, 7168 rows) 0.23 s (3.6 ms per sample, 2026-11-27), so 8192
+# dummy rows cost about 0.26 s, while a decode step reads the weights once whatever the batch; 60 dummy all-token
+# prompts (624 rows each: 37k rows) would cost more than the capture
+REUSE_DUMMY_ROWS = 8192
 DECODERS = frozenset({"llama", "mistral", "qwen2"})  # decoder layers whose forward this loop drives as they are
 ATTENTION = frozenset({"sdpa", "eager"})  # attention functions that take the decode step's additive mask
 
@@ -140,9 +142,9 @@ def batch_bucket(size: int) -> int:
 
 def reused_bucket(own: int, rows: int, captured: Iterable[tuple[int, int]]) -> int:
     """The batch bucket to run in: ``own`` (the samples' own bucket) where it is captured at ``rows`` padded rows;
-    else the smallest captured one at ``rows`` larger than ``own`` and at most :data:`REUSE_BUCKET_FACTOR` times
-    it; else ``own`` (captured on first use)."""
-    buckets = {b for b, r in captured if r == rows and own <= b <= REUSE_BUCKET_FACTOR * own}
+    else the smallest captured one at ``rows`` larger than ``own`` whose dummy samples add at most
+    :data:`REUSE_DUMMY_ROWS` prompt rows ((bucket - own) x rows); else ``own`` (captured on first use)."""
+    buckets = {b for b, r in captured if r == rows and own <= b and (b - own) * rows <= REUSE_DUMMY_ROWS}
     return min(buckets, default=own)
 
 

@@ -90,14 +90,17 @@ def test_one_cache_serves_growing_prompts(demo: Any, image: Any) -> None:
     assert min(spans) < greedy.kv.capacity
 
 
-def test_a_short_batch_reuses_a_captured_bucket_at_most_four_times_its_own() -> None:
-    captured = [(16, 96), (8, 112), (64, 96)]  # (batch bucket, padded rows) with a graph
-    assert reused_bucket(4, 96, captured) == 16  # the tail of a run at batch 16
-    assert reused_bucket(2, 96, captured) == 2  # 16 is 8x its own bucket: it captures its own
+def test_a_short_batch_reuses_a_captured_bucket_where_its_dummy_rows_are_few() -> None:
+    captured = [(16, 96), (8, 112), (64, 96), (64, 624), (64, 160)]  # (batch bucket, padded rows) with a graph
+    assert reused_bucket(4, 96, captured) == 16  # the tail of a run at batch 16: 12 x 96 dummy rows
+    assert reused_bucket(1, 96, captured) == 16  # 15 x 96 = 1440 dummy rows
     assert reused_bucket(4, 112, captured) == 8  # the smallest larger bucket at its own padded length
     assert reused_bucket(4, 80, captured) == 4  # no graph at 80 rows
     assert reused_bucket(16, 96, captured) == 16  # its own bucket, captured, is never traded for a larger one
     assert reused_bucket(16, 112, captured) == 16  # a smaller captured bucket cannot hold it
+    assert reused_bucket(4, 624, captured) == 4  # 60 x 624 = 37,440 dummy rows (all-token prompts): its own
+    assert reused_bucket(8, 160, captured) == 8  # 56 x 160 = 8,960 > 8,192: its own
+    assert reused_bucket(16, 160, captured) == 64  # 48 x 160 = 7,680: the batch-64 graphs
 
 
 def test_replaced_weights_make_the_loop_stale(demo: Any) -> None:
