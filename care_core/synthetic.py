@@ -47,7 +47,8 @@ IMAGE_SIZES: tuple[tuple[int, int], ...] = (
     (480, 360),
     (336, 672),
 )
-QUESTION_TYPES: tuple[str, ...] = ("colour", "shape", "exists", "count", "position")
+POSITION = "position"  # the type of the left/right and top/bottom questions
+QUESTION_TYPES: tuple[str, ...] = ("colour", "shape", "exists", "count", POSITION)
 MAX_OBJECTS = 4
 _POSITION_MARGIN = 0.1  # an object's centre at least this far (fraction of the square) from a centre line
 
@@ -212,10 +213,10 @@ def _questions(rng: np.random.Generator, objects: Sequence[SceneObject], height:
         axis, o = pick(options)
         if axis == "h":
             answer = "left" if o.center[0] < width / 2 else "right"
-            out.append(QA(f"Is the {o.name} on the left or the right?", answer, "position"))
+            out.append(QA(f"Is the {o.name} on the left or the right?", answer, POSITION))
         else:
             answer = "top" if o.center[1] < height / 2 else "bottom"
-            out.append(QA(f"Is the {o.name} at the top or the bottom?", answer, "position"))
+            out.append(QA(f"Is the {o.name} at the top or the bottom?", answer, POSITION))
     return out
 
 

@@ -19,11 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, file_sha256, read_manifest, weights_dir
 from care_core.backbones.loading import adapter_for_model
 from care_core.backbones.packed_attention import use_packed_vision_attention
-from care_core.synthetic import IMAGE_SIZES
+from care_core.synthetic import IMAGE_SIZES, POSITION
 
 from .buckets import POSITION_BINS, POSITION_TARGETS, Geometry, token_geometries
 from .heldout import evaluate
-from .loop import CHECKPOINT, MIRROR, POSITION, RESUMED_OPTIONS, Data, Diverged, Parts, fit
+from .loop import CHECKPOINT, MIRROR, RESUMED_OPTIONS, Data, Diverged, Parts, fit
 from .pool import Pool, UsageError, make_pool
 
 #: the families this script trains (each on the world's mix of image sizes unless --size says one)

@@ -32,8 +32,6 @@ CHECKPOINT = "checkpoint.pt"
 #: the training options a checkpoint must agree with to be resumed
 RESUMED_OPTIONS = ("backbone", "seed", "steps", "batch", "lr", "aux_weight", "scenes", "subset_share", "merge_share",
                    "flip", "size", "warm_size", "warm_share", "position_targets", "position_share")  # fmt: skip
-#: the type of the world's position questions (``care_core.synthetic.QA.type``)
-POSITION = "position"
 
 
 def mirrored(answer: str, horizontal: bool, vertical: bool) -> str:
