@@ -612,10 +612,9 @@ def outdated(spec: DemoBackbone, marker: dict[str, Any]) -> str | None:
     The marker's hash only says the cached file is what was cached; a care whose shipped weights were retrained
     (a new manifest entry) must not keep answering with the old ones, so a trained demo's marker must also carry
     the manifest's sha256."""
-    if not spec.trained:
+    if spec.weights is None:
         return None
-    assert spec.weights is not None
-    entry = read_manifest().get(spec.weights)
+    entry = read_manifest().get(spec.weights)  # none listed: a random demo (an optional file not installed)
     shipped = entry.get("sha256") if isinstance(entry, dict) else None
     cached = marker.get("sha256")
     if shipped is None or cached == shipped:

@@ -101,11 +101,11 @@ def _data(pool: Pool, geometries: list[Geometry], store: torch.device) -> Data:
     questions = [torch.tensor([q for q, b in enumerate(bucket_of) if b == i], dtype=torch.long)
                  for i in range(len(geometries))]  # fmt: skip
     feed = geometries[0].feed
-    about_position = [q[torch.tensor([pool.types[i] == POSITION for i in q.tolist()], dtype=torch.bool)]
-                      for q in questions]  # fmt: skip
+    is_position = [torch.tensor([pool.types[i] == POSITION for i in q.tolist()], dtype=torch.bool) for q in questions]
     return Data(pool.pixels, pool.labels, pool.qas, bucket_of,
                 torch.tensor([pool.row[s] for s, _, _ in pool.qas], dtype=torch.long, device=store), questions,
-                about_position,
+                [q[m] for q, m in zip(questions, is_position, strict=True)],
+                [q[~m] for q, m in zip(questions, is_position, strict=True)],
                 [pool.bucket.count(i) for i in range(len(geometries))],
                 {a: feed.answer(a) for a in {a for _, _, a in pool.qas} | set(MIRROR)})  # fmt: skip
 

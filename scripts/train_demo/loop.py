@@ -75,6 +75,7 @@ class Data:
     row_of: torch.Tensor  # (Q,) row of each question's scene in its bucket's tensors
     questions: list[torch.Tensor]  # per bucket: (Q_b,) its questions (indices into qas)
     position_questions: list[torch.Tensor]  # per bucket: those of its questions that are about position
+    other_questions: list[torch.Tensor]  # per bucket: the rest of its questions
     scenes: list[int]  # per bucket: its number of scenes (a step draws a bucket by its share)
     answers: dict[str, list[int]]
 
@@ -127,11 +128,9 @@ def _questions(args: argparse.Namespace, gen: torch.Generator, data: Data, bucke
     """(B,) the step's questions from ``bucket``: uniformly from its questions (the recipe), or with
     ``--position-share`` s each one a position question with probability s (uniform among those) and another
     question otherwise (uniformly, as the recipe, in a bucket that lacks one kind: only in pools of a few scenes)."""
-    own = data.questions[bucket]
-    about_position = data.position_questions[bucket]
-    if args.position_share is None or len(about_position) in (0, len(own)):
+    own, about_position, others = data.questions[bucket], data.position_questions[bucket], data.other_questions[bucket]
+    if args.position_share is None or len(about_position) == 0 or len(others) == 0:
         return own[torch.randint(0, len(own), (args.batch,), generator=gen)]
-    others = own[~torch.isin(own, about_position)]
     picked = torch.rand(args.batch, generator=gen) < args.position_share
     return torch.where(picked, about_position[torch.randint(0, len(about_position), (args.batch,), generator=gen)],
                        others[torch.randint(0, len(others), (args.batch,), generator=gen)])  # fmt: skip
