@@ -146,6 +146,7 @@ def bench_answers(w: Workload, tower_ms: float, reps: int, decoding: str) -> lis
             rows.append({**base, "note": f"{type(exc).__name__}: {exc}"[:300]})
             continue
         full, red = out.full_answer, out.runs[0].answer
+        assert full is not None and red is not None  # generate=True answers with all tokens and with the K kept
         row = {**base, **answer_row(w, out, red.decoding, keep, tower_ms, NEW_TOKENS)}
         row["eager_reason"] = [full.eager_reason, red.eager_reason]
         rows.append(row)

@@ -23,6 +23,7 @@ from care_core.errors import CareError
 
 if TYPE_CHECKING:
     from care_core.backbones.base import VLMAdapter
+    from care_core.budget import Budget
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -88,12 +89,14 @@ def resolve_batch_size(
     max_new_tokens: int | None,
     max_batch_size: int | None = None,
     attention_layers: int = 0,
+    budget: Budget | None = None,
 ) -> int:
     """``requested`` as a number: ``auto`` is :func:`default_batch_size`, at most ``max_batch_size`` where given."""
     wanted = parse_batch_size(requested)
     if wanted != AUTO:
         return int(wanted)
-    size = default_batch_size(adapter, max_new_tokens=max_new_tokens, attention_layers=attention_layers)
+    size = default_batch_size(adapter, max_new_tokens=max_new_tokens, attention_layers=attention_layers,
+                              budget=budget)  # fmt: skip
     return size if max_batch_size is None else max(1, min(size, int(max_batch_size)))
 
 
@@ -103,10 +106,12 @@ def default_batch_size(
     max_new_tokens: int | None,
     prompt_tokens: int = PROMPT_TOKENS,
     attention_layers: int = 0,
+    budget: Budget | None = None,
 ) -> int:
     """The batch size ``auto`` picks for ``adapter`` (docs/design.md §Batch size): :data:`CPU_BATCH_SIZE` off CUDA;
     on CUDA the free memory over :func:`sample_bytes` for the visual tokens of a reference image, in [1, 64].
-    ``max_new_tokens`` None: no answers (CSR), the language model does not run."""
+    ``max_new_tokens`` None: no answers (CSR), the language model does not run. ``budget``: the answers read only
+    the tokens a method keeps (None: all of them)."""
     if adapter.device.type != "cuda":
         return CPU_BATCH_SIZE
     import torch
@@ -115,9 +120,12 @@ def default_batch_size(
     side = REFERENCE_IMAGE_SIDE
     with torch.no_grad():
         visual_tokens = adapter.encode_images([Image.new("RGB", (side, side), (128, 128, 128))])[0].num_tokens
+    fed = None  # K above the reference image's N: that image is answered from all its tokens
+    if budget is not None and (budget.kind == "ratio" or budget.value <= visual_tokens):
+        fed = budget.resolve(visual_tokens)
     per_sample = sample_bytes(adapter.model.config, visual_tokens=visual_tokens, prompt_tokens=prompt_tokens,
                               max_new_tokens=max_new_tokens, dtype_bytes=adapter.dtype.itemsize,
-                              attention_layers=attention_layers)  # fmt: skip
+                              attention_layers=attention_layers, fed_tokens=fed)  # fmt: skip
     return batch_size_for(free_cuda_bytes(adapter.device), per_sample)
 
 
@@ -139,35 +147,42 @@ def sample_bytes(
     max_new_tokens: int | None,
     dtype_bytes: int,
     attention_layers: int = 0,
+    fed_tokens: int | None = None,
 ) -> int:
     """Memory one sample needs beyond the weights (a config with ``text_config``/``vision_config`` or flat):
 
-    KV cache 2 L_t H_kv d_h (T + N + new) + prefill activations (T + N)(4 d_t + 2 I_t) + vision tower
-    N_v ((L_v + 1) d_v + 2 I_v), times the LM dtype's bytes; N_v = N s^2 (s: the tower's spatial merge, 1 without).
-    ``max_new_tokens`` None: no answers, so no KV cache. ``attention_layers`` a > 0 (a method reads the language-model
-    probe's attention maps of layers 0..a-1): the probe's prefill activations and float32 maps (a + 1) H (T + N)^2 · 4
-    bytes (the a kept, which every sample of a batch holds until its methods have run, and the layer being computed).
+    KV cache 2 L_t H_kv d_h (T + K + new) + prefill activations (T + K)(4 d_t + 2 I_t) + vision tower
+    N_v ((L_v + 1) d_v + 2 I_v), times the LM dtype's bytes; N_v = N s^2 (s: the tower's spatial merge, 1 without);
+    K = ``fed_tokens``, the visual rows the answer reads (None: all N). ``max_new_tokens`` None: no answers, so no KV
+    cache. K < N (a method reduces): plus the reduction's float32 working set N (N + 4 d_t) · 4 bytes (an N x N
+    affinity and four copies of the N projected rows). ``attention_layers`` a > 0 (a method reads the language-model
+    probe's attention maps of layers 0..a-1): the probe's prefill activations over T + N and float32 maps
+    (a + 1) H (T + N)^2 · 4 bytes (the a kept, which every sample of a batch holds until its methods have run, and
+    the layer being computed).
     """
     text = getattr(config, "text_config", None) or config
     vision = getattr(config, "vision_config", None)
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    sequence = prompt_tokens + visual_tokens
-    kv = prefill = attention_maps = 0
+    fed = visual_tokens if fed_tokens is None else min(int(fed_tokens), visual_tokens)
+    full, answered = prompt_tokens + visual_tokens, prompt_tokens + fed
+    kv = prefill = attention_maps = reduction = 0
     if max_new_tokens is not None:
-        kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * (sequence + max_new_tokens)
-    if max_new_tokens is not None or attention_layers > 0:
-        prefill = sequence * (4 * int(text.hidden_size) + 2 * int(text.intermediate_size))
-    if attention_layers > 0:
-        attention_maps = (min(attention_layers, int(text.num_hidden_layers)) + 1) * heads * sequence**2 * 4
+        kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * (answered + max_new_tokens)
+        prefill = answered * (4 * int(text.hidden_size) + 2 * int(text.intermediate_size))
+    if attention_layers > 0:  # the probe's prefill runs over every token
+        prefill = full * (4 * int(text.hidden_size) + 2 * int(text.intermediate_size))
+        attention_maps = (min(attention_layers, int(text.num_hidden_layers)) + 1) * heads * full**2 * 4
+    if fed < visual_tokens:
+        reduction = visual_tokens * (visual_tokens + 4 * int(text.hidden_size)) * 4
     tower = 0
     if vision is not None:
         merge = int(getattr(vision, "spatial_merge_size", None) or 1)
         layers = int(getattr(vision, "num_hidden_layers", 0) or getattr(vision, "depth", 0))
         width = int(getattr(vision, "hidden_size", 0) or getattr(vision, "embed_dim", 0))
         tower = visual_tokens * merge**2 * ((layers + 1) * width + 2 * int(getattr(vision, "intermediate_size", 0)))
-    return (kv + prefill + tower) * dtype_bytes + attention_maps
+    return (kv + prefill + tower) * dtype_bytes + attention_maps + reduction
 
 
 def free_cuda_bytes(device: Any) -> int:

@@ -186,8 +186,8 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate every setting on this process's share of the documents; rank 0 returns the report (others {}).
 
-    ``batch_size`` (a number or "auto") is resolved once on the loaded backbone; a setting whose batches had to be
-    split for memory hands its smaller size on to the next."""
+    ``batch_size``: a number is used by every setting, and a setting whose batches had to be split for memory hands
+    its smaller size on to the next; "auto" is resolved per setting, for the tokens its answers read."""
     from care_core.batching import choose_batch_size
     from care_core.integrations import lmms_eval as plugin
     from care_core.methods import build_method
@@ -216,13 +216,13 @@ def run_eval(
     with samples:
         samples.start()  # creates the output folder: nothing is created before the tasks and model are known
         ran = _evaluate(specs, selection, manager, adapter, samples, limit=limit, folder=folder, quiet=quiet,
-                        batch_size=choice.size)  # fmt: skip
+                        batch_size=choice.requested)  # fmt: skip
         records = samples.merge()
     if not main:
         return {}
     settings = [_setting_report(spec, results, _chosen(records, spec), computed, wall, selection.names, folder)
-                | {"batch_size": size, "peak_gpu_memory_gib": peak}
-                for spec, results, computed, wall, size, peak in ran]  # fmt: skip
+                | {"batch_size_start": start, "batch_size": size, "peak_gpu_memory_gib": peak}
+                for spec, results, computed, wall, (start, size), peak in ran]  # fmt: skip
     return _report(settings, selection, backbone_info(adapter).to_dict(), specs, skipped, limit, processes, folder,
                    warm_up=adapter.device.type == "cuda", batch=choice.to_dict())  # fmt: skip
 
@@ -248,11 +248,12 @@ def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], l
 
 def _evaluate(
     specs: list[Any], selection: Any, manager: Any, adapter: Any, samples: Any, *, limit: float | None,
-    folder: Path | None, quiet: bool, batch_size: int,
-) -> list[tuple[Any, dict[str, Any], dict[str, int], float, int, float | None]]:  # fmt: skip
+    folder: Path | None, quiet: bool, batch_size: int | str,
+) -> list[tuple[Any, dict[str, Any], dict[str, int], float, tuple[int, int], float | None]]:  # fmt: skip
     """simple_evaluate per setting; each answered sample's record saved as it comes. On rank 0, per setting:
-    (spec, lmms-eval's results, documents answered now per task, wall seconds, batch size at its end, peak GPU
-    memory in GiB: the most any process held for tensors during the setting, warm-up included; None off CUDA)."""
+    (spec, lmms-eval's results, documents answered now per task, wall seconds, batch size (at its start, at its
+    end), peak GPU memory in GiB: the most any process held for tensors during the setting, warm-up included, after
+    the previous setting's decoding cache was released; None off CUDA)."""
     from lmms_eval.evaluator import simple_evaluate
 
     from care_core.batching import peak_gpu_memory_gib, reset_peak_gpu_memory
@@ -274,6 +275,7 @@ def _evaluate(
         bar = progress.add_task("", total=None)
         for number, spec in enumerate(specs, start=1):
             progress.update(bar, description=f"{spec.label} ({number}/{len(specs)})", completed=0, total=None)
+            adapter.release_decoding_cache()  # a cache sized for the previous setting's rows would count here
             reset_peak_gpu_memory(adapter.device)
             lm = plugin.CareLMM.from_spec(spec, adapter, on_batch=_saver(samples, spec, progress, bar),
                                           batch_size=batch_size, on_notice=_notice)  # fmt: skip
@@ -291,8 +293,10 @@ def _evaluate(
             answered = processes.gather({(r.task, r.doc_id) for r in lm.records})
             processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
             computed = {task: sum(1 for t, _ in set().union(*answered) if t == task) for task in selection.names}
-            batch_size = lm.batch_size  # smaller after an out-of-memory split: the next setting starts there
-            ran.append((spec, results, computed, wall, batch_size, max(peaks) if peaks else None))
+            if batch_size != "auto":  # smaller after an out-of-memory split: the next setting starts there
+                batch_size = lm.batch_size
+            sizes = (lm.batches.requested, lm.batch_size)
+            ran.append((spec, results, computed, wall, sizes, max(peaks) if peaks else None))
     return ran
 
 
@@ -330,7 +334,9 @@ def _report(
         "limit": limit,
         "processes": processes.world.size,
         "warm_up": warm_up,
-        "batch_size": batch,  # the size used ("batch_size"), what was asked for and the device rule's default
+        # what was asked for ("requested"), the size used by every setting where it was a number ("batch_size"),
+        # and the device rule's pick with all tokens ("default"); per setting its own at its start and end
+        "batch_size": batch,
         "config": specs[0].config.to_dict(),
         "methods_skipped": skipped,
         "settings": settings,
@@ -442,8 +448,12 @@ def show_report(report: dict[str, Any]) -> None:
 
     tables.print_eval(report)
     batch = report["batch_size"]
-    render.stdout.print(f"batch size {batch['batch_size']} ({'auto, ' if batch['requested'] == 'auto' else ''}"
-                        f"the default here: {batch['default']})", highlight=False)  # fmt: skip
+    if batch["requested"] == "auto":  # resolved per setting, for the tokens its answers read
+        picked = "; ".join(f"{s['setting']} {s['batch_size_start']}" for s in report["settings"])
+        render.stdout.print(f"batch size auto, per setting: {picked}", highlight=False)
+    else:
+        render.stdout.print(f"batch size {batch['batch_size']} (auto here: {batch['default']} with all tokens)",
+                            highlight=False)  # fmt: skip
     for item in report["methods_skipped"]:
         render.stderr.print(f"[yellow]left out {item['method']}:[/] {item['reason']}")
     if report.get("summary"):

@@ -510,6 +510,14 @@ class ChatAdapter(VLMAdapter):
         """The first sample's reason against graphs (None when every sample allows them)."""
         return next((r for r in (self._graph_reason(x, max_new_tokens) for x in inputs) if r is not None), None)
 
+    def release_decoding_cache(self) -> None:
+        """Drop the static KV cache and the captured graphs; the next graph call captures anew."""
+        if self._greedy_graphs is not None:
+            from ..batching import free_memory
+
+            self._greedy_graphs = None
+            free_memory()
+
     def _static_greedy(self) -> Any:
         """The adapter's :class:`~care_core.backbones.static_generation.StaticGreedy` (made on first use)."""
         from .static_generation import StaticGreedy

@@ -223,6 +223,12 @@ class VLMAdapter(ABC):
         """Why :meth:`generate` would not replay CUDA graphs here (one line), or None when it would."""
         return f"the {self.family} adapter generates eagerly only"
 
+    def release_decoding_cache(self) -> None:
+        """Drop what decoding keeps between calls (a static KV cache and its CUDA graphs), so that the next calls
+        hold only the memory they need (a cache sized for all N tokens outlives a switch to K of them). Nothing
+        here: this base class keeps no cache."""
+        return None
+
     @abstractmethod
     def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
         """Exactly the requested probes (keys of ``care_core.methods.base.PROBES``) for the image of ``tokens``.

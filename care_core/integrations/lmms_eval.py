@@ -238,13 +238,16 @@ class CareLMM(lmms):
     @property
     def batches(self) -> Batches:
         """The batch runner: ``batch_size`` resolved on first use (``auto`` by the device rule of
-        care_core.batching, for answers of up to DEFAULT_MAX_NEW_TOKENS), smaller after an out-of-memory split."""
+        care_core.batching, for answers of up to DEFAULT_MAX_NEW_TOKENS from this setting's kept tokens), smaller
+        after an out-of-memory split."""
         if self._batches is None:
             from care_core.batching import resolve_batch_size
 
             layers = self.pipeline.attention_layers if self.pipeline is not None else 0
+            budget = self.spec.budget if self.spec.method is not None else None
             size = resolve_batch_size(self._batch_request, self.adapter, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-                                      max_batch_size=self._max_batch_size, attention_layers=layers)  # fmt: skip
+                                      max_batch_size=self._max_batch_size, attention_layers=layers,
+                                      budget=budget)  # fmt: skip
             self._batches = Batches(size, device=self.adapter.device, on_notice=lambda line: self.on_notice(line))
         return self._batches
 

@@ -10,9 +10,10 @@ from pytest import approx
 from benchmarks import bench_csr_scale, bench_eval_gpu
 
 
-def _eval_row(backbone: str, method: str | None, processes: int, rate: float) -> dict[str, Any]:
+def _eval_row(backbone: str, method: str | None, processes: int, rate: float, size: int = 32) -> dict[str, Any]:
     return {"backbone": backbone, "method": method, "processes": processes, "decoding": "graphs",
-            "batch_size_requested": "auto", "batch_size": 32, "samples_per_s": rate}  # fmt: skip
+            "batch_size_requested": "auto", "batch_size_start": size, "batch_size": size,
+            "samples_per_s": rate}  # fmt: skip
 
 
 def test_eval_ratios_and_targets_compare_rows_of_the_same_command() -> None:
@@ -30,6 +31,15 @@ def test_eval_ratios_and_targets_compare_rows_of_the_same_command() -> None:
         ("llava-next-7b batch 32", "2 procs / 1"): False,  # 63 / 36 = 1.75 < 1.8
         ("llava-1.5-7b batch 32, 1 proc", "CaRe / all tokens"): False,  # 1.9 < 2
     }
+
+
+def test_care_over_all_tokens_is_a_target_only_at_the_same_batch_size() -> None:
+    # auto picked 16 for all tokens and 64 for CaRe (its answers read K rows): the ratio is reported, not judged
+    rows = [_eval_row("llava-next-7b", None, 1, 9.0, size=16), _eval_row("llava-next-7b", "care", 1, 36.0, size=64)]
+    bench_eval_gpu.add_ratios(rows)
+    assert rows[1]["x_all_tokens"] == approx(4.0) and rows[1]["same_batch_as_all_tokens"] is False
+    verdicts = {(c["where"], c["what"]): c["met"] for c in bench_eval_gpu.targets(rows)}
+    assert verdicts == {("llava-next-7b batch 64", "CaRe samples/s"): True}
 
 
 def test_preprocessing_share_is_ms_per_image_over_the_care_settings_ms_per_sample() -> None:

@@ -58,6 +58,24 @@ def test_the_memory_estimate_per_sample_is_the_documented_formula() -> None:
     )
 
 
+def test_answers_from_kept_tokens_count_their_rows_and_the_reduction_working_set() -> None:
+    text = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=3)  # fmt: skip
+    vision = SimpleNamespace(hidden_size=32, intermediate_size=48, num_hidden_layers=5, spatial_merge_size=2)
+    config = SimpleNamespace(text_config=text, vision_config=vision)
+    # K = 4 of N = 20: KV 2 * 3 * 2 * 8 * (10 + 4 + 5) = 1824; prefill 14 * (4*64 + 2*96) = 6272; tower (all N
+    # tokens) 23040; in bfloat16; plus the float32 working set 20 * (20 + 4 * 64) * 4 = 22080 bytes
+    assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=5, dtype_bytes=2,
+                        fed_tokens=4) == 2 * (1824 + 6272 + 23040) + 22080  # fmt: skip
+    # K >= N: nothing is reduced, the all-tokens estimate (3360 + 13440 + 23040, as above)
+    assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=5, dtype_bytes=2,
+                        fed_tokens=20) == 2 * (3360 + 13440 + 23040)  # fmt: skip
+    # a method reading attention maps (a = 2) probes all N tokens: the probe's prefill over 30 rows (13440) and
+    # maps 3 * 8 * 30^2 * 4 = 86400, beside the answer's KV over the kept rows (1824)
+    assert sample_bytes(config, visual_tokens=20, prompt_tokens=10, max_new_tokens=5, dtype_bytes=2,
+                        fed_tokens=4, attention_layers=2) == 2 * (1824 + 13440 + 23040) + 86400 + 22080  # fmt: skip
+
+
 def test_the_cuda_rule_fills_the_free_memory_between_1_and_64_in_decoder_buckets() -> None:
     gib = 1 << 30
     assert batch_size_for(10 * gib, gib // 2) == 8  # floor((0.8 * 10 GiB - 0.5 GiB) / 0.5 GiB) = 15 -> bucket 8

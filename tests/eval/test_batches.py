@@ -140,6 +140,24 @@ def test_warm_up_runs_the_batch_size_used_then_one_image_and_records_nothing(lla
     assert sizes == [3, 1] and lm.records == []  # one image: the kernels' other size class (a last, small batch)
 
 
+def test_auto_is_picked_per_setting_for_the_tokens_its_answers_read(llava: Any, monkeypatch: Any) -> None:
+    from care_core import batching
+    from care_core.budget import Budget
+
+    asked: list[Any] = []
+
+    def rule(adapter: Any, *, budget: Any = None, **kwargs: Any) -> int:
+        asked.append(budget)
+        return 2 if budget is None else 5
+
+    monkeypatch.setattr(batching, "default_batch_size", rule)
+    unreduced = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size="auto")
+    reduced = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava,
+                                       batch_size="auto")  # fmt: skip
+    assert (unreduced.batch_size, reduced.batch_size) == (2, 5)
+    assert asked == [None, Budget.keep(24)]
+
+
 def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> None:
     args = ["eval", "--model", "tiny-llava", "--method", "care", "--keep", "16", "--tasks", POPE, "--limit", "6",
             "--device", "cpu", "--json"]  # fmt: skip
@@ -151,6 +169,7 @@ def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> No
     one, four = reports["1"], reports["4"]
     assert one["batch_size"] == {"batch_size": 1, "requested": 1, "default": CPU_BATCH_SIZE}
     assert four["batch_size"]["batch_size"] == 4 and [s["batch_size"] for s in four["settings"]] == [4, 4]
+    assert [s["batch_size_start"] for s in four["settings"]] == [4, 4]
     assert [s["peak_gpu_memory_gib"] for s in four["settings"]] == [None, None]  # no GPU memory on the CPU
     for a, b in zip(one["settings"], four["settings"], strict=True):
         assert a["tasks"]["care_pope_examples"]["answers"] == b["tasks"]["care_pope_examples"]["answers"]
