@@ -176,6 +176,24 @@ def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> No
         assert a["tasks"]["care_pope_examples"]["metrics"] == b["tasks"]["care_pope_examples"]["metrics"]
 
 
+def test_care_eval_releases_the_decoding_cache_before_each_setting(care, monkeypatch: Any) -> None:
+    from care_core.backbones._chat import ChatAdapter
+
+    released: list[bool] = []
+    release = ChatAdapter.release_decoding_cache
+
+    def spy(self: Any) -> None:
+        self._greedy_graphs = object()  # as if the previous setting had left a static cache
+        release(self)
+        released.append(self._greedy_graphs is None)
+
+    monkeypatch.setattr(ChatAdapter, "release_decoding_cache", spy)
+    result = care("eval", "--model", "tiny-llava", "--method", "care", "--keep", "16", "--tasks", POPE, "--limit", "2",
+                  "--device", "cpu", "--json")  # fmt: skip
+    assert result.code == 0, result.err
+    assert released == [True, True]  # all tokens, then care K=16: each starts without the other's cache
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
 def test_care_eval_refuses_a_bad_batch_size(care, value: str) -> None:
     result = care("eval", "--tasks", POPE, "--device", "cpu", "--batch-size", value)
