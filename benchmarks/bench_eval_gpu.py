@@ -16,17 +16,19 @@ What it does, per backbone (``--backbones``):
 3. runs ``care eval --model <folder> --method care --keep K --tasks <task> --batch-size B`` exactly as a user would
    (a separate process; ``--num-processes N`` for N GPUs; ``--cuda-graphs`` or ``--no-cuda-graphs``, see
    ``--decoding``) on a copy of the shipped task ``examples/tasks/care_pope_examples`` whose 12 documents are
-   repeated ``--copies`` times. One command evaluates both settings (all tokens first, then CaRe K) at the same
-   batch size; from its summary JSON, per setting: the batch size used, samples per second over lmms-eval's pass,
-   its wall time and the peak GPU memory; and, from the records care eval saves, each process's batches in the
-   order answered (size and seconds: one-time costs inside the timed pass show as the slow ones).
+   repeated ``--copies`` times. One command evaluates both settings (all tokens first, then CaRe K), at the batch
+   size given, or with ``auto`` at each setting's own pick (care eval resolves it per setting); from its summary
+   JSON, per setting: the batch size used, samples per second over lmms-eval's pass, its wall time and the peak GPU
+   memory; and, from the records care eval saves, each process's batches in the order answered (size and seconds:
+   one-time costs inside the timed pass show as the slow ones).
 
-Then it reports CaRe / all tokens at the same batch size, the issue's targets MET or NOT MET (NeXT CaRe >= 35
-samples/s; NeXT CaRe >= 3x all tokens; LLaVA-1.5 CaRe >= 2x all tokens; 2 processes >= 1.8x one and 4 processes >=
-3.5x, where both ran) and the preprocessing's share of the CaRe setting's time per sample. Random weights: answers
-run to ``max_new_tokens`` (8) every time, so timings compare like with like, and accuracy means nothing. On a GPU,
-``care eval`` answers once untimed before each setting. Writes its JSON into --results-dir (default: a new scratch
-folder; --out FILE writes a copy there too, never over an existing file). Run from the repository root.
+Then it reports CaRe / all tokens of the same command, the issue's targets MET or NOT MET (NeXT CaRe >= 35 samples/s;
+CaRe >= 3x all tokens on NeXT and >= 2x on LLaVA-1.5, judged where both settings ran at one batch size; 2 processes
+>= 1.8x one and 4 processes >= 3.5x, where both ran) and the preprocessing's share of the CaRe setting's time per
+sample. Random weights: answers run to ``max_new_tokens`` (8) every time, so timings compare like with like, and
+accuracy means nothing. On a GPU, ``care eval`` answers once untimed before each setting. Writes its JSON into
+--results-dir (default: a new scratch folder; --out FILE writes a copy there too, never over an existing file). Run
+from the repository root.
 """
 
 from __future__ import annotations
