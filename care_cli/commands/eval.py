@@ -449,7 +449,8 @@ def show_report(report: dict[str, Any]) -> None:
     tables.print_eval(report)
     batch = report["batch_size"]
     if batch["requested"] == "auto":  # resolved per setting, for the tokens its answers read
-        picked = "; ".join(f"{s['setting']} {s['batch_size_start']}" for s in report["settings"])
+        picked = "; ".join(f"{s['setting'] if s['method'] else 'all tokens'} {s['batch_size_start']}"
+                           for s in report["settings"])  # fmt: skip
         render.stdout.print(f"batch size auto, per setting: {picked}", highlight=False)
     else:
         render.stdout.print(f"batch size {batch['batch_size']} (auto here: {batch['default']} with all tokens)",
