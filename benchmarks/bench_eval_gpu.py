@@ -231,10 +231,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         base = by_key.get(key(row, method=None))
         one = by_key.get(key(row, processes=1)) if row["processes"] > 1 else None
-        reduced = base if row["method"] is not None else None
-        row["x_all_tokens"] = row["samples_per_s"] / reduced["samples_per_s"] if reduced else None
+        unreduced = base if row["method"] is not None else None  # the all-tokens row a reduced row is compared with
+        row["x_all_tokens"] = row["samples_per_s"] / unreduced["samples_per_s"] if unreduced else None
         # auto picks each setting's size for the tokens its answers read: the ratio is then not at one batch size
-        row["same_batch_as_all_tokens"] = reduced is not None and _sizes(row) == _sizes(reduced)
+        row["same_batch_as_all_tokens"] = unreduced is not None and _sizes(row) == _sizes(unreduced)
         row["x_one_process"] = row["samples_per_s"] / one["samples_per_s"] if one else None
 
 

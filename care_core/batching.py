@@ -120,9 +120,7 @@ def default_batch_size(
     side = REFERENCE_IMAGE_SIDE
     with torch.no_grad():
         visual_tokens = adapter.encode_images([Image.new("RGB", (side, side), (128, 128, 128))])[0].num_tokens
-    fed = None  # K above the reference image's N: that image is answered from all its tokens
-    if budget is not None and (budget.kind == "ratio" or budget.value <= visual_tokens):
-        fed = budget.resolve(visual_tokens)
+    fed = budget.resolve_at_most(visual_tokens) if budget is not None else None
     per_sample = sample_bytes(adapter.model.config, visual_tokens=visual_tokens, prompt_tokens=prompt_tokens,
                               max_new_tokens=max_new_tokens, dtype_bytes=adapter.dtype.itemsize,
                               attention_layers=attention_layers, fed_tokens=fed)  # fmt: skip

@@ -86,6 +86,13 @@ class Budget:
             return resolve_budget(num_tokens, ratio=self.value)
         return resolve_budget(num_tokens, keep=int(self.value))
 
+    def resolve_at_most(self, num_tokens: int) -> int:
+        """:meth:`resolve`, except that a K above N keeps all N tokens instead of being an error (for estimates made
+        on a reference image, not on the user's)."""
+        if self.kind == "keep" and int(self.value) > num_tokens:
+            return num_tokens
+        return self.resolve(num_tokens)
+
 
 def budgets_from(ratios: Iterable[Ratio] = (), keeps: Iterable[int] = ()) -> list[Budget]:
     """Budgets in the order given (ratios, then keeps), duplicates dropped; at least one."""

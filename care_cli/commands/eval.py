@@ -256,7 +256,7 @@ def _evaluate(
     the previous setting's decoding cache was released; None off CUDA)."""
     from lmms_eval.evaluator import simple_evaluate
 
-    from care_core.batching import peak_gpu_memory_gib, reset_peak_gpu_memory
+    from care_core.batching import AUTO, peak_gpu_memory_gib, reset_peak_gpu_memory
     from care_core.integrations import lmms_eval as plugin
     from care_core.runs import scoped_environ
 
@@ -293,7 +293,7 @@ def _evaluate(
             answered = processes.gather({(r.task, r.doc_id) for r in lm.records})
             processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
             computed = {task: sum(1 for t, _ in set().union(*answered) if t == task) for task in selection.names}
-            if batch_size != "auto":  # smaller after an out-of-memory split: the next setting starts there
+            if batch_size != AUTO:  # smaller after an out-of-memory split: the next setting starts there
                 batch_size = lm.batch_size
             sizes = (lm.batches.requested, lm.batch_size)
             ran.append((spec, results, computed, wall, sizes, max(peaks) if peaks else None))

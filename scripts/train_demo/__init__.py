@@ -104,14 +104,17 @@ and 81.8%, each alone on one H200: position 51% and 47%, every other type 76-99%
 loss asks only the base view's tokens for their row and column) did not help NeXT: 81.6% and 75.8% at 336x336, 81.8%
 mixed with the warm-up.
 
-Position questions are what keeps NeXT, OneVision and Qwen2.5-VL under 85%. A linear probe reads a token's half of
-the image from the rows the language model gets (91-98% for NeXT, 90-99% for Qwen2.5-VL), so the tower and
-projector keep it; the language models do not learn to read it, except Qwen3-VL's (98-100%), whose interleaved
-multimodal rope lets attention pick rows and columns (Qwen2.5-VL's sections give the width the six slowest of 16
-frequencies: under 0.005 rad across a row of 24 tokens). ``--position-share S`` makes each batch question one about
-position with probability S instead of about one in five; it has not been tried in a full training. As a 400-step
-fine-tune of the Qwen2.5-VL run on a CPU (tower frozen, 336x336) it did not help: position 60% at S = 0.8, against
-66.7% before and 63.3% with the text rope's theta lowered to 100 (the sweep2 results file).
+Position questions kept NeXT, OneVision and Qwen2.5-VL under 85%. A linear probe reads a token's half of the image
+from the rows the language model gets (91-98% for NeXT, 90-99% for Qwen2.5-VL), so the tower and projector keep it;
+with the recipe's mix of questions the language models do not learn to read it, except Qwen3-VL's (98-100%), whose
+interleaved multimodal rope lets attention pick rows and columns (Qwen2.5-VL's sections give the width the six
+slowest of 16 frequencies: under 0.005 rad across a row of 24 tokens). ``--position-share S`` makes each batch
+question one about position with probability S instead of about one in five. As a 400-step fine-tune of the
+Qwen2.5-VL run on a CPU (tower frozen, 336x336) it did not help: position 60% at S = 0.8, against 66.7% before and
+63.3% with the text rope's theta lowered to 100 (the sweep2 results file). In full trainings
+(``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-sweep3.json``) S = 0.4 with NeXT's warm-up answered 85.6% and
+84.2% (position 89% and 79%): the shipped ``tiny-llava-next``; Qwen2.5-VL learned position (93%) but not shapes (42%)
+in 5000 steps.
 
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,

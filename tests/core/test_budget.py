@@ -54,3 +54,11 @@ def test_budgets_keep_their_order_without_duplicates() -> None:
     assert budgets_from([0.11, 0.11], [128, 64, 128]) == [Budget.ratio(0.11), Budget.keep(128), Budget.keep(64)]
     with pytest.raises(BudgetError):
         budgets_from([], [])
+
+
+def test_resolving_at_most_n_keeps_all_tokens_where_k_exceeds_n() -> None:
+    assert Budget.keep(160).resolve_at_most(2880) == 160
+    assert Budget.keep(3000).resolve_at_most(2880) == 2880  # resolve() refuses it: K > N
+    assert Budget.ratio(0.11).resolve_at_most(576) == 63  # as resolve(): floor(0.11 · 576)
+    with pytest.raises(BudgetError):
+        Budget.keep(3000).resolve(2880)
