@@ -24,7 +24,6 @@ FILE writes a copy there too, never over an existing file). Run from the reposit
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -67,24 +66,9 @@ def make_pairs(folder: Path, count: int) -> Path:
 
 def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
     """LLaVA-NeXT-7B (CLIP-L/336 + Vicuna-7B shapes), seeded random weights, bf16 on CUDA, saved to ``folder``."""
-    import torch
+    from benchmarks.models import save_random_model
 
-    from benchmarks.models import build_llava_next
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    start = time.perf_counter()
-    model, processor = build_llava_next(torch.device(device), dtype, tiny)
-    built = time.perf_counter() - start
-    model.save_pretrained(str(folder))
-    processor.save_pretrained(str(folder))
-    saved = time.perf_counter() - start - built
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # care csr runs in its own process: leave it the memory
-    return {"parameters": params, "dtype": str(dtype).removeprefix("torch."), "build_s": built,
-            "save_s": saved, "tiny": tiny}  # fmt: skip
+    return save_random_model("build_llava_next", folder, device, tiny)
 
 
 def care_csr(

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import os
 import platform
@@ -85,25 +84,9 @@ DURATION = (
 
 def build_model(name: str, folder: Path, device: str, tiny: bool) -> dict[str, Any]:
     """The backbone with random weights, saved to ``folder``; returns what it cost."""
-    import torch
+    from benchmarks.models import save_random_model
 
-    from benchmarks import models
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    start = time.perf_counter()
-    model, processor = getattr(models, BACKBONES[name].builder)(torch.device(device), dtype, tiny)
-    built = time.perf_counter() - start
-    params = sum(p.numel() for p in model.parameters())
-    start = time.perf_counter()
-    model.save_pretrained(str(folder))
-    processor.save_pretrained(str(folder))
-    saved = time.perf_counter() - start
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # care eval runs in its own process: leave it the memory
-    return {"parameters": params, "dtype": str(dtype).removeprefix("torch."), "build_s": built, "save_s": saved,
-            "tiny": tiny}  # fmt: skip
+    return save_random_model(BACKBONES[name].builder, folder, device, tiny)
 
 
 def task_rows() -> list[dict[str, Any]]:
