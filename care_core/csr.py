@@ -7,6 +7,7 @@ question, so it is computed once (:func:`csr_reference`) and reused for every me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -23,7 +24,7 @@ class CSRReference:
     full_unit: torch.Tensor  # (N, d_t) L2-normalised projected tokens
     weights: torch.Tensor  # (N,) w_i = r_i / sum r, or uniform 1/N when sum r = 0
 
-    @property
+    @cached_property  # a host sync: once per reference, not once per method and budget that reads it
     def uniform(self) -> bool:
         """True when no token had positive relevance and the weights fell back to 1/N."""
         return bool(torch.all(self.weights == self.weights[0]))
@@ -45,13 +46,19 @@ def csr_reference(full_projected: torch.Tensor, question_embeds: torch.Tensor) -
     return CSRReference(full, weights)
 
 
-def csr_from_reference(reference: CSRReference, reduced_projected: torch.Tensor) -> float:
-    """CSR = sum_i w_i c_i with c_i = max_j [v_i . s_j]_+ over the unit reduced tokens s_j."""
+def csr_tensor_from_reference(reference: CSRReference, reduced_projected: torch.Tensor) -> torch.Tensor:
+    """CSR = sum_i w_i c_i with c_i = max_j [v_i . s_j]_+ over the unit reduced tokens s_j, as a 0-dim tensor on
+    the reference's device and dtype: no host sync, so that a caller can read many at once (one ``.tolist()``)."""
     full = reference.full_unit
     with matmul_precision(allow_tf32=False):
         reduced = unit_rows(reduced_projected.to(device=full.device, dtype=full.dtype), _NORM_EPS)
         coverage = (full @ reduced.T).clamp_min(0).amax(dim=1)
-    return float((reference.weights * coverage).sum().clamp(0, 1))
+    return (reference.weights * coverage).sum().clamp(0, 1)
+
+
+def csr_from_reference(reference: CSRReference, reduced_projected: torch.Tensor) -> float:
+    """:func:`csr_tensor_from_reference` as a float (one host sync)."""
+    return float(csr_tensor_from_reference(reference, reduced_projected))
 
 
 def csr_score(full_projected: torch.Tensor, reduced_projected: torch.Tensor, question_embeds: torch.Tensor) -> float:

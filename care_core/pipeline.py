@@ -264,6 +264,7 @@ class ReductionPipeline:
         max_new_tokens: int = 32,
         plan: Mapping[str, Sequence[Budget]] | None = None,
         cuda_graph: bool | None = None,
+        timed: bool = True,
     ) -> ImageResult:
         """Run every method at every budget on one image (or on tokens from :meth:`encode`).
 
@@ -272,11 +273,12 @@ class ReductionPipeline:
         answer with all tokens and one with each reduction (:meth:`answer`; untimed -- :meth:`time_answers`
         times them). ``plan`` (method -> budgets) runs only those pairs, e.g. what a resumed run still lacks;
         by default every method runs at every budget. ``cuda_graph`` goes to the adapter's ``generate`` (None:
-        graphs where the adapter finds them safe). The batch of one of :meth:`run_batch`.
+        graphs where the adapter finds them safe). ``timed``: see :meth:`run_batch`. The batch of one of
+        :meth:`run_batch`.
         """
         return self.run_batch([image], [question], budgets, csr=csr, generate=generate,
                               max_new_tokens=max_new_tokens, plans=None if plan is None else [plan],
-                              cuda_graph=cuda_graph)[0]  # fmt: skip
+                              cuda_graph=cuda_graph, timed=timed)[0]  # fmt: skip
 
     def run_batch(
         self,
@@ -289,12 +291,15 @@ class ReductionPipeline:
         max_new_tokens: int = 32,
         plans: Sequence[Mapping[str, Sequence[Budget]] | None] | None = None,
         cuda_graph: bool | None = None,
+        timed: bool = True,
     ) -> list[ImageResult]:
         """:meth:`__call__` on several images at once (``questions[i]`` and ``plans[i]`` for image i): per image
         the result it gets alone (docs/design.md §Batches). The vision tower runs once for the batch where the
         backbone allows, each method once per budget for every image (:meth:`Method.batch`), and the answers in
         batches (:meth:`VLMAdapter.generate_batch`). Stage timings are the whole batch's (``batch_size`` says
-        how many images shared them)."""
+        how many images shared them), measured with CUDA synchronised around every stage, which is what makes
+        them meaningful and what costs: ``timed=False`` synchronises nowhere for timing and leaves every
+        ``timings_ms`` empty (same results; what callers that ignore timings want, e.g. ``care csr``)."""
         import torch
 
         from care_core.csr import csr_reference
@@ -309,7 +314,7 @@ class ReductionPipeline:
         if not budgets:
             raise BudgetError("give at least one budget")
         _check_new_tokens(max_new_tokens)
-        clock = StageClock(self.adapter.device)
+        clock = StageClock(self.adapter.device, timed=timed)
         with torch.no_grad():
             tokens = self._encode_all(images, clock)
             pairs = [list(self._pairs(t, budgets, plan)) for t, plan in zip(tokens, plans, strict=True)]
@@ -324,7 +329,7 @@ class ReductionPipeline:
                     if csr:
                         references = [csr_reference(rows, one.probes["question"])
                                       for rows, one in zip(full, inputs, strict=True)]  # fmt: skip
-            runs = self._run_groups(pairs, inputs, references)
+            runs = self._run_groups(pairs, inputs, references, timed=timed)
             full_answers: list[Answer | None] = [None] * count
             if generate:
                 said = [q or DEFAULT_QUESTION for q, _ in asked]  # generate always has one (see _question)
@@ -353,18 +358,26 @@ class ReductionPipeline:
         pairs: list[list[tuple[str, Budget, int]]],
         inputs: list[MethodInputs],
         references: list[CSRReference | None],
+        *,
+        timed: bool = True,
     ) -> list[list[MethodRun]]:
-        """Each (method, budget) once over every image that has it; per image its runs in :meth:`_pairs` order."""
+        """Each (method, budget) once over every image that has it; per image its runs in :meth:`_pairs` order.
+        Every CSR of the call is read back at the end, together (:func:`_read_csr`)."""
         runs: list[list[MethodRun]] = [[] for _ in pairs]
         groups: dict[tuple[str, Budget], list[tuple[int, int]]] = {}
         for i, image_pairs in enumerate(pairs):
             for name, budget, k in image_pairs:
                 groups.setdefault((name, budget), []).append((i, k))
+        pending: list[tuple[MethodRun, torch.Tensor, CSRReference]] = []
         for (name, budget), members in groups.items():
-            items = self._run([inputs[i] for i, _ in members], name, budget, [k for _, k in members],
-                              [references[i] for i, _ in members])  # fmt: skip
-            for (i, _), item in zip(members, items, strict=True):
+            items, scores = self._run([inputs[i] for i, _ in members], name, budget, [k for _, k in members],
+                                      [references[i] for i, _ in members], timed=timed)  # fmt: skip
+            for (i, _), item, score in zip(members, items, scores, strict=True):
                 runs[i].append(item)
+                reference = references[i]
+                if score is not None and reference is not None:
+                    pending.append((item, score, reference))
+        _read_csr(pending)
         return runs
 
     def _answer_runs(
@@ -436,13 +449,17 @@ class ReductionPipeline:
         budget: Budget,
         keeps: list[int],
         references: list[CSRReference | None],
-    ) -> list[MethodRun]:
+        *,
+        timed: bool = True,
+    ) -> tuple[list[MethodRun], list[torch.Tensor | None]]:
         """Method ``name`` at K = ``keeps[i]`` on every image of ``inputs`` at once, then the projector per image,
-        then CSR against ``references[i]`` (where given); timed for the whole group."""
-        from care_core.csr import csr_from_reference
+        then CSR against ``references[i]`` (where given); timed for the whole group (unless not ``timed``). The
+        runs, and their CSR as 0-dim tensors (None without a reference), not yet read: the caller reads them all
+        at once (:func:`_read_csr`), so that the host never waits for the GPU between groups."""
+        from care_core.csr import csr_tensor_from_reference
 
         adapter = self.adapter
-        clock = StageClock(adapter.device)
+        clock = StageClock(adapter.device, timed=timed)
         with clock("method"):  # copies of the inputs carry this call's timer; the shared memo stays shared
             results = self.methods[name].batch([dataclasses.replace(one, stage_timer=clock) for one in inputs], keeps)
         inner = sum(ms for stage, ms in clock.ms.items() if stage != "method")
@@ -452,15 +469,15 @@ class ReductionPipeline:
             projected = [adapter.projector(result.tokens.to(adapter.dtype)) for result in results]
         items = [MethodRun(name, budget, k, result, rows)
                  for k, result, rows in zip(keeps, results, projected, strict=True)]  # fmt: skip
-        for item, reference in zip(items, references, strict=True):
-            if reference is not None:
-                with clock("csr"):
-                    item.csr = csr_from_reference(reference, item.projected)
-                item.uniform_weights = bool(reference.uniform)
+        scores: list[torch.Tensor | None] = [None] * len(items)
+        for i, (item, reference) in enumerate(zip(items, references, strict=True)):
+            if reference is not None:  # per image: a batched product would round differently from the batch of one
+                with clock("csr"):  # timed: the clock's sync waits for the kernels, not the read-back (_read_csr)
+                    scores[i] = csr_tensor_from_reference(reference, item.projected)
         timings = {key: round(ms, 3) for key, ms in clock.ms.items()}
         for item in items:
             item.timings_ms = dict(timings)
-        return items
+        return items, scores
 
     def answer(
         self,
@@ -570,6 +587,20 @@ class ReductionPipeline:
             return adapter.projector(result.tokens.to(adapter.dtype)), result.token_index
 
         return run
+
+
+def _read_csr(pending: list[tuple[MethodRun, torch.Tensor, CSRReference]]) -> None:
+    """Each run's CSR from its 0-dim tensor (and whether its reference's weights are uniform), all in one host
+    sync instead of one per image and group: ``torch.stack(...).tolist()`` gives each the float that
+    ``float(tensor)`` would (the same values, read exactly)."""
+    import torch
+
+    if not pending:
+        return
+    values = torch.stack([score for _, score, _ in pending]).tolist()
+    for (item, _, reference), value in zip(pending, values, strict=True):
+        item.csr = value
+        item.uniform_weights = reference.uniform  # read once per reference (cached), after the queue has drained
 
 
 def _check_new_tokens(max_new_tokens: int) -> None:

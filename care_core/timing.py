@@ -22,12 +22,15 @@ T = TypeVar("T")
 class StageClock:
     """Milliseconds per named stage (accumulated); synchronises CUDA so GPU work is counted.
 
-    Usable wherever the core takes a ``stage_timer``: ``with clock("scoring"): ...``.
+    Usable wherever the core takes a ``stage_timer``: ``with clock("scoring"): ...``. Built with ``timed=False``
+    it is the same interface doing nothing: no synchronisation and :attr:`ms` stays empty -- for callers that
+    want no timings, since every synchronisation drains the GPU's queue and leaves it idle until the host catches up.
     """
 
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: Any = None, *, timed: bool = True) -> None:
         self.ms: dict[str, float] = {}
         self.device = device
+        self.timed = timed
 
     def _sync(self) -> None:
         device = self.device
@@ -36,6 +39,9 @@ class StageClock:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if not self.timed:
+            yield
+            return
         self._sync()
         start = time.perf_counter()
         try:

@@ -167,3 +167,21 @@ def test_a_finished_batch_leaves_nothing_alive_for_the_next(
     assert result.code == 0, result.err
     assert result.json()["results"] == expected["results"]
     assert len(alive_at_start) == 3 and alive_at_start == [0, 0, 0]  # batches of 2, 2, 1
+
+
+def test_batches_run_untimed(care, reference: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records hold no timings, so no stage clock synchronises CUDA for them: every result comes untimed."""
+    data, expected = reference
+    run_batch = ReductionPipeline.run_batch
+    timings: list[dict[str, float]] = []
+
+    def watched(self: Any, images: list[Any], *args: Any, **kwargs: Any) -> Any:
+        results = run_batch(self, images, *args, **kwargs)
+        timings.extend([result.timings_ms for result in results] + [r.timings_ms for x in results for r in x.runs])
+        return results
+
+    monkeypatch.setattr(ReductionPipeline, "run_batch", watched)
+    result = care("csr", "--data", data, *ARGS, "--batch-size", "2")
+    assert result.code == 0, result.err
+    assert result.json()["results"] == expected["results"]
+    assert len(timings) == 5 * (1 + 2 * 2) and all(t == {} for t in timings)  # pairs x (image + methods x budgets)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from care_core import csr_score
+from care_core.csr import csr_from_reference, csr_reference, csr_tensor_from_reference
 from tests.reference.care_reference import reference_csr
 
 
@@ -47,6 +48,19 @@ def test_hand_worked_positive_relevance():
     q = T([[2.0, 0.0]])
     assert csr_score(full, reduced, q) == pytest.approx(0.3, abs=1e-12)
     assert reference_csr(full.numpy(), reduced.numpy(), q.numpy()) == pytest.approx(0.3, abs=1e-12)
+    _tensor_csr_is(full, reduced, q, 0.3)
+
+
+def _tensor_csr_is(full: torch.Tensor, reduced: torch.Tensor, q: torch.Tensor, expected: float) -> None:
+    """The tensor form, in float64 and float32: a 0-dim tensor of the reference's dtype with the hand-worked value,
+    and exactly the float of the float form."""
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        full, reduced, q = full.to(dtype), reduced.to(dtype), q.to(dtype)
+        reference = csr_reference(full, q)
+        got = csr_tensor_from_reference(reference, reduced)
+        assert got.ndim == 0 and got.dtype == dtype
+        assert got.item() == pytest.approx(expected, abs=tolerance)
+        assert float(got) == csr_from_reference(reference, reduced) == csr_score(full, reduced, q)
 
 
 def test_hand_worked_two_reduced_two_question():
@@ -63,6 +77,7 @@ def test_hand_worked_two_reduced_two_question():
     expected = 0.625 / math.sqrt(2) + 0.375 * 1.4 / math.sqrt(2)
     assert expected == pytest.approx(0.8131728, abs=1e-7)
     assert csr_score(full, reduced, q) == pytest.approx(expected, abs=1e-12)
+    _tensor_csr_is(full, reduced, q, expected)
 
 
 def test_no_positive_relevance_uses_uniform_weights():
@@ -76,6 +91,8 @@ def test_no_positive_relevance_uses_uniform_weights():
     expected = (1.0 + 0.0 + 1.0 / math.sqrt(2)) / 3.0
     assert expected == pytest.approx(0.56903559, abs=1e-8)
     assert csr_score(full, reduced, q) == pytest.approx(expected, abs=1e-12)
+    _tensor_csr_is(full, reduced, q, expected)
+    assert csr_reference(full, q).uniform
     assert reference_csr(full.numpy(), reduced.numpy(), q.numpy()) == pytest.approx(expected, abs=1e-12)
 
 

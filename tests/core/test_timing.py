@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from care_core.errors import CareError
 from care_core.timing import StageClock, alternating_medians
@@ -45,3 +46,25 @@ def test_no_warm_up_and_bad_repeats() -> None:
     assert feeds.calls == ["a", "b"] and timed[0].medians_ms["step"] == 300.0
     with pytest.raises(CareError, match="repeats must be at least 1"):
         alternating_medians([feeds.feed("a")], repeats=0)
+
+
+def test_a_timed_clock_on_cuda_synchronises_around_each_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    clock = StageClock("cuda")
+    with clock("scoring"):
+        pass
+    assert calls == ["cuda", "cuda"] and list(clock.ms) == ["scoring"]
+
+
+def test_an_untimed_clock_records_nothing_and_never_synchronises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(device: object = None) -> None:
+        raise AssertionError("an untimed clock synchronised")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    clock = StageClock("cuda", timed=False)
+    with clock("method"), clock("scoring"):
+        pass
+    with pytest.raises(ValueError, match="inside"), clock("csr"):  # what the stage raises goes through
+        raise ValueError("inside")
+    assert clock.ms == {}
