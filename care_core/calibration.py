@@ -147,13 +147,14 @@ def _layout(anchors: list[torch.Tensor], sizes: list[int], device: torch.device)
     counts = [n - k for n, k in zip(sizes, ks, strict=True)]
     n_max, k_max = max(sizes), max(ks)
     anchor_ok = torch.arange(k_max)[None, :] < torch.tensor(ks)[:, None]
-    anchor_ok = anchor_ok.to(device)
+    anchor_ok = anchor_ok.to(device, non_blocking=True)  # host masks: blocking copies would wait for the GPU
     anchor_index = _padded(anchors, k_max).long()
     # token n_max is a spare column: the pads mark it, so no pad can overwrite a real anchor's mark
-    taken = (torch.arange(n_max + 1)[None, :] >= torch.tensor(sizes)[:, None]).to(device)  # padding counts as taken
+    taken = torch.arange(n_max + 1)[None, :] >= torch.tensor(sizes)[:, None]  # padding counts as taken
+    taken = taken.to(device, non_blocking=True)
     taken.scatter_(1, torch.where(anchor_ok, anchor_index, n_max), True)
     residual_index = torch.argsort(taken[:, :n_max].to(torch.int32), dim=1, stable=True)[:, : max(counts)]
-    residual_ok = (torch.arange(max(counts))[None, :] < torch.tensor(counts)[:, None]).to(device)
+    residual_ok = (torch.arange(max(counts))[None, :] < torch.tensor(counts)[:, None]).to(device, non_blocking=True)
     rows = torch.arange(len(anchors), device=device)[:, None]
     return _Layout(rows, anchor_index, anchor_ok, residual_index, residual_ok)
 

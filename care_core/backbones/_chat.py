@@ -15,7 +15,7 @@ from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
 from ..images import to_rgb
 from ._hf import quiet_transformers
-from .base import ImageTokens, VLMAdapter, check_batch, check_kept
+from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_on_host
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
 
 
@@ -163,7 +163,8 @@ class ChatAdapter(VLMAdapter):
         self.processor = processor
         self.name = name
         self.is_demo = is_demo
-        self._prompt_cache: dict[str, torch.Tensor] = {}  # question -> prompt ids with one placeholder
+        #: question -> prompt ids with one placeholder, and its place
+        self._prompt_cache: dict[str, tuple[torch.Tensor, int]] = {}
         #: image size key -> token geometry, for families that work it out in Python per image (LLaVA-NeXT, OneVision)
         self._geometry_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
@@ -319,16 +320,18 @@ class ChatAdapter(VLMAdapter):
         its placeholder then repeated ``k`` times. That is the tokenisation of ``k`` placeholders: a tokenizer cuts
         the text at added tokens first, and the empty texts between placeholders give no tokens (tested on every
         family's tokenizer); tokenising thousands of placeholders per sample is what it saves."""
-        ids = self._prompt_ids(question)
-        at = int((ids == self.image_token_id).nonzero()[0])
-        full = torch.cat([ids[:at], ids.new_full((k,), self.image_token_id), ids[at + 1 :]])[None].to(self.device)
+        ids, at = self._prompt_ids(question)
+        full = torch.cat([ids[:at], ids.new_full((k,), self.image_token_id), ids[at + 1 :]])[None]
+        # a fresh host tensor: a blocking copy would wait for all the GPU work queued before it, once per sample
+        full = full.to(self.device, non_blocking=True)
         return {"input_ids": full, "attention_mask": torch.ones_like(full)}
 
-    def _prompt_ids(self, question: str) -> torch.Tensor:
-        """(L,) token ids of the prompt with one image placeholder, kept per question."""
+    def _prompt_ids(self, question: str) -> tuple[torch.Tensor, int]:
+        """(L,) token ids (CPU) of the prompt with one image placeholder, and the placeholder's place; kept per
+        question."""
         kept = self._prompt_cache
-        ids = kept.get(question)
-        if ids is None:
+        cached = kept.get(question)
+        if cached is None:
             head, tail = self.prompt(question).split(self.image_token, 1)
             ids = self.tokenizer(head + self._image_text(1) + tail, return_tensors="pt")["input_ids"][0]
             n = int((ids == self.image_token_id).sum())
@@ -336,8 +339,8 @@ class ChatAdapter(VLMAdapter):
                 raise RuntimeError(f"the prompt with one image placeholder tokenised to {n} of them")
             if len(kept) >= PROMPT_CACHE_SIZE:
                 kept.pop(next(iter(kept)))
-            kept[question] = ids
-        return ids
+            cached = kept[question] = (ids, int((ids == self.image_token_id).nonzero()[0]))
+        return cached
 
     def _check_projected(self, projected: torch.Tensor) -> torch.Tensor:
         """``projected`` (K >= 1, d_t), detached, in the embedding table's dtype and device."""
@@ -446,6 +449,7 @@ class ChatAdapter(VLMAdapter):
         the batch's time); see docs/design.md §Batched answers."""
         start = time.perf_counter()
         check_batch(questions, tokens, projected, kept)
+        kept = kept_on_host(kept)  # each sample's check reads its kept on the host: one copy (and wait) for all
         inputs = [self._lm_inputs(q, t, p, k) for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)]
         if max_new_tokens < 1:
             return [Generation("", (), "eager", "no new tokens were asked for") for _ in inputs]

@@ -91,8 +91,9 @@ class LlavaAdapter(ChatAdapter):
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """The crops joined on the model's device (on the CPU the join is a copy of the batch while the GPU waits)."""
-        return {"pixel_values": torch.cat([part["pixel_values"].to(self.device) for part in parts])}
+        """The crops joined on the model's device (on the CPU the join is a copy of the batch while the GPU waits;
+        each copy is queued without waiting for the GPU, which a blocking copy would do once per image)."""
+        return {"pixel_values": torch.cat([part["pixel_values"].to(self.device, non_blocking=True) for part in parts])}
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """576 pre-projector tokens per image and their geometry, the crops of all images in one tower pass.
@@ -124,7 +125,8 @@ class LlavaAdapter(ChatAdapter):
             geom = crop_geometry(height, width, ip, (crop_h, crop_w))
             model_inputs = {"pixel_values": pixel_values[i : i + 1], "image_size": (height, width),
                             "crop_geometry": geom}  # fmt: skip
-            tokens.append(grid_image_tokens(features[i], geom, rows, cols, patch, model_inputs))
+            tokens.append(grid_image_tokens(features[i], geom, rows, cols, patch, model_inputs,
+                                            cache=self._geometry_cache))  # fmt: skip
         return tokens
 
     def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -51,13 +51,11 @@ import torch
 from ..errors import ModelLoadError
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept, is_all_tokens
-from .geometry import clip_boxes, crop_geometry, grid_crop_boxes
+from .geometry import GEOMETRY_CACHE_SIZE, clip_boxes, crop_geometry, grid_crop_boxes
 from .llava import LlavaAdapter, _inner
 from .probes import _linear32, clip_vision_capture
 
 LLAVA_NEXT_FALLBACK_PROMPT = "[INST] {image}\n{question} [/INST]"
-#: image geometries (size, crops) an adapter keeps worked out
-GEOMETRY_CACHE_SIZE = 256
 
 
 def _size_hw(size: Any, key_h: str = "height", key_w: str = "width") -> tuple[int, int] | None:

@@ -205,7 +205,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         block = int(vc.patch_size) * merge
         geom = CropGeometry(height, width, rows * block, cols * block, 0, 0, rows * block, cols * block)
         model_inputs = {"pixel_values": pixel_values, "image_grid_thw": thw, "image_size": (height, width)}
-        return grid_image_tokens(features, geom, rows, cols, block, model_inputs)
+        return grid_image_tokens(features, geom, rows, cols, block, model_inputs, cache=self._geometry_cache)
 
     # ------------------------------------------------------------------ language model
     def full_positions(self, question: str, tokens: ImageTokens) -> dict[str, torch.Tensor]:

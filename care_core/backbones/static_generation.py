@@ -383,7 +383,7 @@ class StaticGreedy:
         for i, prompt in enumerate(prompts):
             entry.embeds[i, : lengths[i]].copy_(prompt)
         last = [length - 1 for length in lengths] + [0] * (batch - len(prompts))
-        entry.last.copy_(torch.tensor(last, dtype=torch.long))
+        entry.last.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)  # no wait for queued work
         entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
         return self._decode_loop(batch, span, len(prompts), max_new_tokens)
 
