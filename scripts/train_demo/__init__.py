@@ -114,7 +114,10 @@ Qwen2.5-VL run on a CPU (tower frozen, 336x336) it did not help: position 60% at
 63.3% with the text rope's theta lowered to 100 (the sweep2 results file). In full trainings
 (``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-sweep3.json``) S = 0.4 with NeXT's warm-up answered 85.6% and
 84.2% (position 89% and 79%): the shipped ``tiny-llava-next``; Qwen2.5-VL learned position (93%) but not shapes (42%)
-in 5000 steps.
+in 5000 steps. With NeXT's warm-up as well (``--backbone tiny-qwen2.5-vl --vision-attention packed --warm-size 336x336
+--warm-share 0.4 --position-share 0.4``; two runs side by side on one H200, 822 s each,
+``benchmarks/results/2026-11-27-gpu-h200-train_demo-qwen25-warm-position.json``) it answered 95.2% and 94.2% (position
+99% and 86%): the shipped ``tiny-qwen2.5-vl``.
 
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,

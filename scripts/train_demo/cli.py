@@ -223,7 +223,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
                              "of the base view, which shows the whole image (LLaVA-NeXT, LLaVA-OneVision)")  # fmt: skip
     parser.add_argument("--position-share", type=float, default=None, metavar="S",
                         help="draw each batch question about position with probability S (default: as the pool "
-                             "has them, about one in five); the shipped tiny-llava-next run used 0.4")  # fmt: skip
+                             "has them, about one in five); the shipped tiny-llava-next and tiny-qwen2.5-vl runs "
+                             "used 0.4")  # fmt: skip
     parser.add_argument("--flip", action="store_true",
                         help="mirror half of the images (and position answers with them); tiny-llava only, not in "
                              "the shipped recipe")  # fmt: skip
