@@ -28,6 +28,7 @@ from torch import nn
 from care_core import kernels
 from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, row_groups, two_pass_chunk, two_pass_rows
 from care_core._chunks import chunk_size as _chunk_size
+from care_core._memo import remember
 from care_core.kernels import Kernel, KernelGate, as_gate
 from care_core.precision import matmul_precision
 
@@ -622,10 +623,8 @@ class Scorer:
         key = (m, dim, seed, torch.device(device), dtype)
         found = self._directions.get(key)
         if found is None:
-            found = unit_directions(m, dim, seed, device=device, dtype=dtype)
-            if len(self._directions) >= self._MAX_DIRECTIONS:
-                self._directions.pop(next(iter(self._directions)))
-            self._directions[key] = found
+            found = remember(self._directions, key, unit_directions(m, dim, seed, device=device, dtype=dtype),
+                             self._MAX_DIRECTIONS)  # fmt: skip
         return found.clone()  # callers may change theirs; a device-side clone costs microseconds
 
     def responses(

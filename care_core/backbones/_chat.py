@@ -11,6 +11,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from PIL import Image
 
+from .._memo import remember
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
 from ..images import to_rgb
@@ -337,9 +338,7 @@ class ChatAdapter(VLMAdapter):
             n = int((ids == self.image_token_id).sum())
             if n != 1:
                 raise RuntimeError(f"the prompt with one image placeholder tokenised to {n} of them")
-            if len(kept) >= PROMPT_CACHE_SIZE:
-                kept.pop(next(iter(kept)))
-            cached = kept[question] = (ids, int((ids == self.image_token_id).nonzero()[0]))
+            cached = remember(kept, question, (ids, int((ids == self.image_token_id).nonzero()[0])), PROMPT_CACHE_SIZE)
         return cached
 
     def _check_projected(self, projected: torch.Tensor) -> torch.Tensor:

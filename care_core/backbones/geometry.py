@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._memo import remember
+
 if TYPE_CHECKING:
     from .base import ImageTokens
 
@@ -178,9 +180,7 @@ def grid_image_tokens(
         boxes = clip_boxes(geom.crop_to_original(grid_crop_boxes(rows, cols, patch)), geom.height, geom.width)
         cached = (boxes.to(torch.float32), grid_positions(rows, cols).to(torch.float32), geom.seen_box())
         if cache is not None:
-            if len(cache) >= GEOMETRY_CACHE_SIZE:
-                cache.pop(next(iter(cache)))
-            cache[key] = cached
+            remember(cache, key, cached, GEOMETRY_CACHE_SIZE)
     boxes, positions, seen_box = cached
     return ImageTokens(
         features=features,

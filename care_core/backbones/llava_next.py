@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from .._memo import remember
 from ..errors import ModelLoadError
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept, is_all_tokens
@@ -170,9 +171,7 @@ class LlavaNextAdapter(LlavaAdapter):
             centre_y = (boxes[:, 1] + boxes[:, 3]) / 2 / height
             positions = torch.stack([centre_y, centre_x], dim=1).to(torch.float32)
             boxes = boxes.to(torch.float32)
-            if len(kept) >= GEOMETRY_CACHE_SIZE:
-                kept.pop(next(iter(kept)))
-            cached = kept[key] = (crop_index, patch_index, hires_grid, boxes, positions)
+            cached = remember(kept, key, (crop_index, patch_index, hires_grid, boxes, positions), GEOMETRY_CACHE_SIZE)
         crop_index, patch_index, hires_grid, boxes, positions = cached
         return crop_index.clone(), patch_index.clone(), hires_grid, boxes.clone(), positions.clone()
 

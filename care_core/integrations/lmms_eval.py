@@ -277,7 +277,6 @@ class CareLMM(lmms):
         """:meth:`answer` for several images at once: ``pipeline.run_batch`` (one encode, one method call per
         budget), then the reduced rows' answers in one ``answer_batch``; per sample what a batch of one gives.
         Images already through the image processor (a loader's) go straight to the vision tower."""
-        from care_core.backbones.base import kept_on_host
         from care_core.budget import Budget
 
         pipe, cuda_graph = self.pipeline, self.spec.cuda_graph
@@ -290,10 +289,9 @@ class CareLMM(lmms):
         else:  # the reduced rows only: run_batch's generate would also answer with all tokens
             results = pipe.run_batch(inputs, questions, [budget])
             runs = [r.runs[0] for r in results]
-            # the kept indices are read on the host per sample (checks, visual rows fed): one copy for the batch
-            kept = kept_on_host([run.result.token_index for run in runs])
             answers = list(pipe.answer_batch([r.tokens for r in results], questions, [run.projected for run in runs],
-                                             kept, max_new_tokens=max_new_tokens, cuda_graph=cuda_graph))  # fmt: skip
+                                             [run.result.token_index for run in runs], max_new_tokens=max_new_tokens,
+                                             cuda_graph=cuda_graph))  # fmt: skip
         out = []
         for answer, result in zip(answers, results, strict=True):
             assert answer is not None  # generate=True gives every result its full answer
