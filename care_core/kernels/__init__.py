@@ -9,6 +9,8 @@ Nothing here imports Triton until a fused kernel runs: ``import care_core`` neve
   for bf16 matmuls; for tf32 only with ``kernel="fused"`` (cuBLAS was faster on an H200).
 - :mod:`care_core.kernels.greedy`: Eq. 3's K sequential greedy steps in one single-block kernel over a
   precomputed cosine Gram matrix: one launch, no host synchronisation, no per-step launches.
+- :mod:`care_core.kernels.divprune`: DivPrune's max-min greedy for B images in one launch (one program per
+  image) over their precomputed distance matrices.
 
 Which path runs is the ``kernel`` setting (``CaReConfig.kernel``): "auto" (fused where it applies and
 can run), "torch" (never fused) or "fused" (fused wherever it applies, tf32 scoring included; a
@@ -166,6 +168,15 @@ def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Ten
     from care_core.kernels.greedy import greedy_order as run
 
     return run(weights, gram, k)
+
+
+def divprune_orders(
+    dist: torch.Tensor, first: torch.Tensor, sizes: torch.Tensor, steps: int, mask_selected: bool
+) -> torch.Tensor:
+    """The fused DivPrune greedy (:func:`care_core.kernels.divprune.divprune_orders`); imports Triton when called."""
+    from care_core.kernels.divprune import divprune_orders as run
+
+    return run(dist, first, sizes, steps, mask_selected)
 
 
 def triton_enabled(device: torch.device) -> bool:

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from care_core._lazy import torch
+from care_core.config import Kernel
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, memo_orders, selection_result
 from care_core.methods.registry import register
+
+if TYPE_CHECKING:
+    from care_core.kernels import KernelGate
 
 _TINY = 1e-30  # only guards zero rows; any non-zero norm is used exactly as the official code does
 # a batch whose padded (B, max N, max N) distances would hold more entries (1 GiB in float32) goes one image at a time
@@ -88,7 +92,11 @@ def _first_scores(dist: torch.Tensor) -> torch.Tensor:
 
 
 def divprune_select_batch(
-    embeddings: Sequence[torch.Tensor], ks: Sequence[int], mask_selected: bool = False
+    embeddings: Sequence[torch.Tensor],
+    ks: Sequence[int],
+    mask_selected: bool = False,
+    *,
+    kernel: Kernel | KernelGate = "torch",
 ) -> list[torch.Tensor]:
     """:func:`divprune_select` for B images (one device and dtype) in one loop of max k_i steps with no host sync.
 
@@ -97,6 +105,9 @@ def divprune_select_batch(
     step takes each row's argmax (first index on ties), the running minima of all images at once, and (with
     `mask_selected`) the lowest-index unselected token where the argmax is already selected: per image the same
     numbers and steps as :func:`divprune_select`, so the same order. Image i keeps its first k_i picks.
+
+    ``kernel`` "auto" or "fused" (CUDA, Triton, finite distances, N <= 16384): the steps of all images run in one
+    launch (:mod:`care_core.kernels.divprune`) over the same distances, with the same rules, so the same orders.
     """
     sizes = [int(x.shape[0]) for x in embeddings]
     for n, k in zip(sizes, ks, strict=True):
@@ -111,6 +122,9 @@ def divprune_select_batch(
         dist[i, :n, :n] = cosine_distance_matrix(x)
         scores[i, :n] = _first_scores(dist[i, :n, :n])
         selected[i, :n] = False
+    fused = _fused_orders(dist, scores, sizes, steps, mask_selected, kernel)
+    if fused is not None:
+        return [fused[i, :k].clone() for i, k in enumerate(ks)]
     rows = torch.arange(b, device=like.device)
     order = torch.zeros(b, steps, dtype=torch.long, device=like.device)
     for step in range(steps):
@@ -122,6 +136,25 @@ def divprune_select_batch(
         picked = dist[rows, chosen]  # (B, max N): row `chosen` of each image's matrix, -inf on padding
         scores = picked if step == 0 else torch.minimum(scores, picked)
     return [order[i, :k].clone() for i, k in enumerate(ks)]
+
+
+def _fused_orders(dist: torch.Tensor, first: torch.Tensor, sizes: list[int], steps: int, mask_selected: bool,
+                  kernel: Kernel | KernelGate) -> torch.Tensor | None:  # fmt: skip
+    """(B, steps) orders from the fused kernel, or None where the loop runs: the "torch" setting, no CUDA or Triton,
+    N above the kernel's limit, a NaN distance (the kernel's argmax and minimum do not order NaN as torch's do;
+    one host read per call) or a kernel that cannot be built here ("auto")."""
+    from care_core import kernels
+
+    gate = kernels.as_gate(kernel)
+    if gate.kernel == "torch" or gate.choose("divprune", dist.device) == "torch":
+        return None
+    applies = dist.shape[-1] <= kernels.GREEDY_MAX_TOKENS and not bool(torch.isnan(dist).any())
+    if not applies:
+        if gate.kernel == "fused":
+            raise MethodError("divprune: kernel='fused' takes distances without NaN of at most 16384 tokens")
+        return None
+    counts = torch.tensor(sizes, dtype=torch.int32).to(dist.device, non_blocking=True)
+    return gate.attempt("divprune", lambda: kernels.divprune_orders(dist, first, counts, steps, mask_selected))
 
 
 @register
@@ -142,6 +175,13 @@ class DivPrune(Method):
     cost_model: ClassVar[str | None] = "divprune"
 
     mask_selected: bool = True  # False = the released rule verbatim (duplicate indices possible)
+    # the greedy's path on CUDA: "torch" (the loop) until the fused kernel's CUDA test has run on a GPU (design.md)
+    kernel: Kernel = "torch"
+
+    def __post_init__(self) -> None:
+        from care_core.kernels import check_kernel
+
+        check_kernel(self.kernel)
 
     def order_key(self, features: torch.Tensor) -> tuple[object, ...]:
         """Memo key of an image's selection order (:func:`~care_core.methods.base.memo_orders`): the mask rule and
@@ -167,8 +207,9 @@ class DivPrune(Method):
             embeddings = [one.projector(one.features) for one in inputs]
             embeddings = [x.to(compute_dtype(x.dtype)) for x in embeddings]
             joint = len(embeddings) * max(x.shape[0] for x in embeddings) ** 2 <= JOINT_MAX_ENTRIES
-            if len(inputs) > 1 and joint and len({(x.device, x.dtype) for x in embeddings}) == 1:
-                return divprune_select_batch(embeddings, keeps, mask_selected=self.mask_selected)
+            alike = len({(x.device, x.dtype) for x in embeddings}) == 1
+            if (len(inputs) > 1 or self.kernel != "torch") and joint and alike:
+                return divprune_select_batch(embeddings, keeps, self.mask_selected, kernel=self.kernel)
             return [divprune_select(x, k, self.mask_selected) for x, k in zip(embeddings, keeps, strict=True)]
 
     def _result(self, inputs: MethodInputs, order: torch.Tensor, keep: int) -> MethodResult:

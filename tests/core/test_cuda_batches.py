@@ -70,3 +70,20 @@ def test_greedy_order_on_cuda_is_a_prefix_of_any_longer_one(kernel: str) -> None
     longest = diversity_greedy(weights, features, 640, 1e-8, kernel=kernel)  # type: ignore[arg-type]
     for k in (160, 320):
         assert torch.equal(diversity_greedy(weights, features, k, 1e-8, kernel=kernel), longest[:k])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mask_selected", [True, False])
+def test_fused_divprune_on_cuda_selects_what_the_loop_selects(mask_selected: bool) -> None:
+    """The compiled kernel (care_core.kernels.divprune) against the loop on the same distances; repeated rows make
+    ties and, past four picks, exhaustion (the masked rule's fallback, the official rule's duplicates)."""
+    from care_core.methods.divprune import divprune_select_batch
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, 64, generator=g) for n in (2880, 577, 1152, 40)]
+    xs.append(torch.randn(4, 64, generator=g)[torch.arange(30) % 4])
+    xs = [x.cuda() for x in xs]
+    ks = [640, 577 if mask_selected else 600, 160, 40, 12]
+    loop = divprune_select_batch(xs, ks, mask_selected, kernel="torch")
+    fused = divprune_select_batch(xs, ks, mask_selected, kernel="fused")
+    for a, b in zip(loop, fused, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())

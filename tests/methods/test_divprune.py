@@ -67,3 +67,53 @@ def test_zero_tokens_select_distinct_indices() -> None:
 @pytest.mark.parametrize("name", GOLDEN_FILES["divprune"])
 def test_golden(name: str) -> None:
     assert_golden_passes(name)
+
+
+# The fused kernel (care_core.kernels.divprune) against the loop it replaces, through the same entry point; run by
+# Triton's interpreter on the CPU (in a subprocess: TRITON_INTERPRET is read when Triton is imported). CI's CPU
+# wheel of torch brings no Triton, so this runs where Triton is installed; tests/core/test_cuda_batches.py runs the
+# compiled kernel on a GPU.
+_INTERPRETED = """
+import torch
+import care_core.kernels as kernels
+from care_core.methods.divprune import divprune_select_batch
+kernels.why_not_fused = lambda device: None  # let the gate choose the kernel on the CPU (interpreted)
+g = torch.Generator().manual_seed(0)
+base = torch.randn(4, 8, generator=g)
+cases = []
+for dtype in (torch.float32, torch.float64):
+    xs = [torch.randn(n, 16, generator=g, dtype=dtype) for n in (37, 64, 5, 50)]
+    cases += [(xs, [20, 64, 5, 12], True), (xs, [20, 30, 5, 12], False)]
+# ties and exhaustion: repeated rows (the masked rule's fallback, the official rule's duplicates) and zero rows
+repeated = [base[torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 0])], base[torch.tensor([1, 1, 1])], torch.zeros(6, 8)]
+cases += [(repeated, [10, 3, 6], True), (repeated, [8, 3, 6], False)]
+for xs, ks, mask in cases:
+    loop = divprune_select_batch(xs, ks, mask, kernel="torch")
+    fused = divprune_select_batch(xs, ks, mask, kernel="fused")
+    assert all(torch.equal(a, b) for a, b in zip(loop, fused, strict=True)), (ks, mask, loop, fused)
+print("equal", len(cases))
+"""
+
+
+def test_fused_kernel_selects_what_the_loop_selects_interpreted() -> None:
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CARE_DISABLE_TRITON": ""}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "equal 6"
+
+
+def test_kernel_setting_is_checked_and_fused_refuses_the_cpu() -> None:
+    from care_core.errors import CareError
+
+    with pytest.raises(CareError, match="kernel"):
+        build_method("divprune", kernel="cuda")
+    inputs = make_inputs(20, seed=1)
+    assert torch.equal(build_method("divprune", kernel="auto")(inputs, 5).indices,
+                       build_method("divprune")(inputs, 5).indices)  # fmt: skip
+    with pytest.raises(CareError, match="fused"):
+        build_method("divprune", kernel="fused")(inputs, 5)
