@@ -106,7 +106,7 @@ def divprune_select_batch(
     `mask_selected`) the lowest-index unselected token where the argmax is already selected: per image the same
     numbers and steps as :func:`divprune_select`, so the same order. Image i keeps its first k_i picks.
 
-    ``kernel`` "auto" or "fused" (CUDA, Triton, finite distances, N <= 16384): the steps of all images run in one
+    ``kernel`` "auto" or "fused" (CUDA, Triton, no NaN distance, N <= 16384): the steps of all images run in one
     launch (:mod:`care_core.kernels.divprune`) over the same distances, with the same rules, so the same orders.
     """
     sizes = [int(x.shape[0]) for x in embeddings]
@@ -146,12 +146,13 @@ def _fused_orders(dist: torch.Tensor, first: torch.Tensor, sizes: list[int], ste
     from care_core import kernels
 
     gate = kernels.as_gate(kernel)
-    if gate.kernel == "torch" or gate.choose("divprune", dist.device) == "torch":
+    if gate.choose("divprune", dist.device) == "torch":
         return None
     applies = dist.shape[-1] <= kernels.GREEDY_MAX_TOKENS and not bool(torch.isnan(dist).any())
     if not applies:
         if gate.kernel == "fused":
-            raise MethodError("divprune: kernel='fused' takes distances without NaN of at most 16384 tokens")
+            limit = kernels.GREEDY_MAX_TOKENS
+            raise MethodError(f"divprune: kernel='fused' takes distances without NaN of at most {limit} tokens")
         return None
     counts = torch.tensor(sizes, dtype=torch.int32).to(dist.device, non_blocking=True)
     return gate.attempt("divprune", lambda: kernels.divprune_orders(dist, first, counts, steps, mask_selected))
