@@ -4,14 +4,16 @@ bf16), every method that serves it x 3 budgets, run as a user runs it, per batch
     python -m benchmarks.bench_csr_scale                          # --batch-size auto, one process
     python -m benchmarks.bench_csr_scale --batch-sizes 1,auto     # batch 1 next to auto, on the same pairs
     python -m benchmarks.bench_csr_scale --processes 1,2          # one GPU and two (torchrun, one GPU each)
+    python -m benchmarks.bench_csr_scale --pairs 192,768          # two data sets: 768 pairs spread the first batch
     python -m benchmarks.bench_csr_scale --quick                  # 8 pairs, care, random and divprune only
     python -m benchmarks.bench_csr_scale --tiny --quick --device cpu   # smoke test of the benchmark anywhere
 
 It builds the model once with seeded random weights (``benchmarks.models``), saves it to a scratch folder, writes
-``--pairs`` (image, question) lines of the example photos, then runs ``care csr --data <pairs> --model <folder>
---method all --keep 640 --keep 320 --keep 160 --batch-size B [--num-processes N] --json`` once per batch size x
-process count (after one untimed command on 8 pairs, so that every timed one starts from the on-disk caches of
-Triton's compiled kernels and tuning results that any earlier run on the machine leaves), and reads from its report
+``--pairs`` (image, question) lines of the example photos (a data set per count of the comma list), then runs
+``care csr --data <pairs> --model <folder> --method all --keep 640 --keep 320 --keep 160 --batch-size B
+[--num-processes N] --json`` once per data set x batch size x process count (after one untimed command on 8 pairs,
+so that every timed one starts from the on-disk caches of Triton's compiled kernels and tuning results that any
+earlier run on the machine leaves), and reads from its report
 the batch size used, the computing seconds (``compute_seconds``: all processes, model loading excluded) and the peak
 GPU memory. pairs/s = pairs / computing seconds; the first batch carries the process's CUDA warm-up (care csr does
 no untimed warm-up). It compares each row with batch 1 of the same process count where that ran, else with the
@@ -103,16 +105,16 @@ def care_csr(
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row over batch 1 (same process count; else the recorded pipeline) and over one process (same batch
     size); the targets, MET or NOT MET."""
-    ones = {r["processes"]: r["pairs_per_s"] for r in rows if r["batch_size_requested"] == "1"}
-    single = {r["batch_size_requested"]: r["pairs_per_s"] for r in rows if r["processes"] == 1}
+    ones = {(r["pairs"], r["processes"]): r["pairs_per_s"] for r in rows if r["batch_size_requested"] == "1"}
+    single = {(r["pairs"], r["batch_size_requested"]): r["pairs_per_s"] for r in rows if r["processes"] == 1}
     checks = []
     for row in rows:
-        base = ones.get(row["processes"])
+        base = ones.get((row["pairs"], row["processes"]))
         row["baseline"] = "batch 1, this run" if base else f"recorded {RECORDED_BATCH_ONE} (H100, batch 1)"
         row["x_batch_one"] = row["pairs_per_s"] / (base or RECORDED_BATCH_ONE)
-        one = single.get(row["batch_size_requested"]) if row["processes"] > 1 else None
+        one = single.get((row["pairs"], row["batch_size_requested"])) if row["processes"] > 1 else None
         row["x_one_process"] = row["pairs_per_s"] / one if one else None
-        where = f"batch {row['batch_size']}, {row['processes']} proc"
+        where = f"{row['pairs']} pairs, batch {row['batch_size']}, {row['processes']} proc"
         if row["processes"] == 1 and row["batch_size_requested"] != "1":
             checks.append({"where": where, "what": "x batch 1", "value": row["x_batch_one"],
                            "target": SPEEDUP_TARGET, "met": row["x_batch_one"] >= SPEEDUP_TARGET})  # fmt: skip
@@ -124,8 +126,8 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], title: str) -> None:
-    print_table(title, ("batch", "procs", "pairs/s", "compute s", "peak GiB", "x batch 1", "x 1 proc"),
-                [(batch_label(r), str(r["processes"]), fmt(r["pairs_per_s"]),
+    print_table(title, ("pairs", "batch", "procs", "pairs/s", "compute s", "peak GiB", "x batch 1", "x 1 proc"),
+                [(str(r["pairs"]), batch_label(r), str(r["processes"]), fmt(r["pairs_per_s"]),
                   fmt(r["compute_s"], 1), fmt(r["peak_gpu_memory_gib"], 1), fmt(r["x_batch_one"]),
                   fmt(r["x_one_process"])) for r in rows])  # fmt: skip
     print_table("targets of issue #22", ("where", "what", "value", "target", "verdict"),
@@ -145,13 +147,20 @@ def comma_list(text: str) -> list[str]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser(__doc__, quick=QUICK, duration=DURATION, device="auto")
-    parser.add_argument("--pairs", type=int, default=192, help="(image, question) pairs (default 192)")
+    counts = "comma list of (image, question) pair counts, a data set each (default 192), e.g. 192,768"
+    parser.add_argument("--pairs", default="192", help=counts)
     parser.add_argument("--tiny", action="store_true", help="tiny widths (smoke test)")
     parser.add_argument("--batch-sizes", default="auto", help="comma list of care csr --batch-size values, e.g. 1,auto")
     parser.add_argument("--processes", default="1", help="comma list of process counts (one GPU each), e.g. 1,2")
     args = parser.parse_args(argv)
+    try:
+        args.pairs = [int(n) for n in comma_list(args.pairs)]
+    except ValueError:
+        parser.error(f"--pairs takes a comma list of counts, got {args.pairs!r}")
+    if not args.pairs or min(args.pairs) < 1:
+        parser.error("--pairs needs counts of at least 1")
     if args.quick:
-        args.pairs = min(args.pairs, 8)
+        args.pairs = [min(n, 8) for n in args.pairs]
     return args
 
 
@@ -178,14 +187,14 @@ def main(argv: list[str] | None = None) -> None:
 
     scratch = Path(tempfile.mkdtemp(prefix="care-bench-csr-"))  # the model folder and the pairs file
     try:
-        data = make_pairs(scratch, args.pairs)
         model = scratch / ("llava-next-tiny" if args.tiny else "llava-next-7b-random")
         say(f"building {'tiny' if args.tiny else '7B'} LLaVA-NeXT with random weights into {model} ...")
         built = build_model(model, "cuda:0" if args.device.startswith("cuda") else "cpu", args.tiny)
         say("untimed warm-up command (8 pairs): fills the on-disk caches of compiled kernels and kernel tuning")
         care_csr(model, make_pairs(scratch / "warm-up", WARM_UP_PAIRS), WARM_UP_PAIRS, args, "auto", 1)
-        rows = [care_csr(model, data, args.pairs, args, batch, int(n))
-                for n in comma_list(args.processes) for batch in comma_list(args.batch_sizes)]  # fmt: skip
+        rows = [care_csr(model, make_pairs(scratch / f"pairs-{count}", count), count, args, batch, int(n))
+                for count in args.pairs for n in comma_list(args.processes)
+                for batch in comma_list(args.batch_sizes)]  # fmt: skip
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     checks = compare(rows)
@@ -193,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 
     card = torch.cuda.get_device_name(0) if gpus and args.device != "cpu" else platform.processor() or "cpu"
     title = (f"care csr --data, LLaVA-NeXT-{'tiny' if args.tiny else '7B'} (random weights), "
-             f"{len(rows[0]['methods'])} methods x {len(BUDGETS)} budgets, {args.pairs} pairs, {card}")  # fmt: skip
+             f"{len(rows[0]['methods'])} methods x {len(BUDGETS)} budgets, {card}")  # fmt: skip
     show(rows, checks, title)
     writer.finish({"date": stamp(), "card": card, "gpus": gpus, "model": built, "budgets": list(BUDGETS),
                    "pairs": args.pairs, "recorded_batch_one_pairs_per_s": RECORDED_BATCH_ONE, "rows": rows,

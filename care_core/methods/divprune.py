@@ -176,8 +176,8 @@ class DivPrune(Method):
     cost_model: ClassVar[str | None] = "divprune"
 
     mask_selected: bool = True  # False = the released rule verbatim (duplicate indices possible)
-    # the greedy's path on CUDA: "torch" (the loop) until the fused kernel's CUDA test has run on a GPU (design.md)
-    kernel: Kernel = "torch"
+    # the greedy's path on CUDA: "auto" = the fused kernel where it applies (design.md §Batches), else the loop
+    kernel: Kernel = "auto"
 
     def __post_init__(self) -> None:
         from care_core.kernels import check_kernel
@@ -209,7 +209,9 @@ class DivPrune(Method):
             embeddings = [x.to(compute_dtype(x.dtype)) for x in embeddings]
             joint = len(embeddings) * max(x.shape[0] for x in embeddings) ** 2 <= JOINT_MAX_ENTRIES
             alike = len({(x.device, x.dtype) for x in embeddings}) == 1
-            if (len(inputs) > 1 or self.kernel != "torch") and joint and alike:
+            # one image too where the kernel may run (one launch); "fused" goes there to be refused off CUDA
+            fused = self.kernel == "fused" or (self.kernel == "auto" and embeddings[0].is_cuda)
+            if (len(inputs) > 1 or fused) and joint and alike:
                 return divprune_select_batch(embeddings, keeps, self.mask_selected, kernel=self.kernel)
             return [divprune_select(x, k, self.mask_selected) for x, k in zip(embeddings, keeps, strict=True)]
 

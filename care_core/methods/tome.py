@@ -31,6 +31,9 @@ between equal similarities are broken by position (the official ``argsort`` does
 Batches (:func:`tome_chain_batch`, ``ToMe.reduce_batch``): the calls of B images run in one loop, padded to the
 largest N, each image with its own schedule (r and the number of calls are known before the loop, so the loop
 never waits on the device); per image the same products, sort and summation order as :func:`tome_chain`.
+Budgets: ToMe's r differs per budget, so two budgets of an image share no call; with a memo, an image's first call
+computes the chains of all its planned budgets in that one loop and its memo holds the others until their own
+call takes them (a resumed run's plan may leave some untaken: computed for nothing, never wrong).
 """
 
 from __future__ import annotations
@@ -353,22 +356,58 @@ class ToMe(Method):
         return max(1, -(-(num_tokens - keep) // self.calls))
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        x = inputs.features
-        r = self.r_per_call(inputs.num_tokens, keep)
-        with torch.no_grad():
-            chain = tome_chain(x.to(compute_dtype(x.dtype)), keep, r)
-        return _result(chain, x.dtype)
+        return self.reduce_batch([inputs], [keep])[0]
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """All images' matching calls in one loop (:func:`tome_chain_batch`); one image at a time where the
-        features differ in device, dtype or width."""
-        xs = [one.features.to(compute_dtype(one.features.dtype)) for one in inputs]
-        if len(inputs) == 1 or len({(x.device, x.dtype, x.shape[1]) for x in xs}) > 1:
-            return super().reduce_batch(inputs, keeps)
-        rs = [self.r_per_call(one.num_tokens, keep) for one, keep in zip(inputs, keeps, strict=True)]
-        with torch.no_grad():
-            chains = tome_chain_batch(xs, keeps, rs)
-        return [_result(chain, one.features.dtype) for chain, one in zip(chains, inputs, strict=True)]
+        """Every image's chain for its budget and, where it keeps a memo, for its other planned budgets
+        (``planned_keeps``) in the same loop of matching calls (:func:`tome_chain_batch`); those wait in the memo
+        for their own call (each chain is the one its budget gets alone: the budgets share no step, r differs).
+        One chain at a time where the features differ in device, dtype or width."""
+        jobs, found = self._jobs(inputs, keeps)
+        if jobs:
+            xs = [inputs[i].features.to(compute_dtype(inputs[i].features.dtype)) for i, _ in jobs]
+            ks = [k for _, k in jobs]
+            with torch.no_grad():
+                if len(jobs) == 1 or len({(x.device, x.dtype, x.shape[1]) for x in xs}) > 1:
+                    chains = [tome_chain(x, k, self.r_per_call(x.shape[0], k)) for x, k in zip(xs, ks, strict=True)]
+                else:
+                    rs = [self.r_per_call(x.shape[0], k) for x, k in zip(xs, ks, strict=True)]
+                    chains = tome_chain_batch(xs, ks, rs)
+            for (i, k), chain in zip(jobs, chains, strict=True):
+                found[(i, k)] = chain
+                memo = inputs[i].memo
+                if memo is not None and k != keeps[i]:  # another budget's, for its own call
+                    memo[self._memo_key(k, chain.tokens.dtype)] = chain
+        results = []
+        for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
+            chain = found[(i, keep)]
+            if one.memo is not None:  # handed out once: the memo keeps no tensor a caller holds
+                one.memo.pop(self._memo_key(keep, chain.tokens.dtype), None)
+            results.append(_result(chain, one.features.dtype))
+        return results
+
+    def _memo_key(self, keep: int, dtype: torch.dtype) -> tuple[object, ...]:
+        """What an image's chain for ``keep`` depends on besides the image: r (from ``calls``), the compute dtype."""
+        return (self.name, "chain", self.calls, keep, dtype)
+
+    def _jobs(
+        self, inputs: list[MethodInputs], keeps: list[int]
+    ) -> tuple[list[tuple[int, int]], dict[tuple[int, int], ToMeChain]]:
+        """(the (image, budget) chains to compute, those an image's memo holds already): each image's ``keep``, plus
+        its other planned budgets (1 <= K <= N) where it keeps a memo."""
+        jobs: list[tuple[int, int]] = []
+        found: dict[tuple[int, int], ToMeChain] = {}
+        for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
+            dtype = compute_dtype(one.features.dtype)
+            held = None if one.memo is None else one.memo.get(self._memo_key(keep, dtype))
+            if held is not None:
+                found[(i, keep)] = held
+                continue
+            memo = {} if one.memo is None else one.memo
+            planned = () if one.memo is None else one.planned_keeps
+            others = {k for k in planned if 1 <= k <= one.num_tokens and self._memo_key(k, dtype) not in memo}
+            jobs += [(i, k) for k in [keep, *sorted(others - {keep}, reverse=True)] if (i, k) not in jobs]
+        return jobs, found
 
 
 def _result(chain: ToMeChain, dtype: torch.dtype) -> MethodResult:

@@ -50,9 +50,9 @@ def test_preprocessing_share_is_ms_per_image_over_the_care_settings_ms_per_sampl
     assert (share["share_threads"], share["share_one_thread"]) == (approx(0.2), approx(0.8))
 
 
-def _csr_row(batch: str, processes: int, rate: float) -> dict[str, Any]:
+def _csr_row(batch: str, processes: int, rate: float, pairs: int = 192) -> dict[str, Any]:
     return {"batch_size_requested": batch, "batch_size": 1 if batch == "1" else 64, "processes": processes,
-            "pairs_per_s": rate}  # fmt: skip
+            "pairs_per_s": rate, "pairs": pairs}  # fmt: skip
 
 
 def test_csr_compares_with_batch_one_of_this_run_or_else_the_recorded_pipeline() -> None:
@@ -63,3 +63,14 @@ def test_csr_compares_with_batch_one_of_this_run_or_else_the_recorded_pipeline()
     checks = bench_csr_scale.compare(alone)
     assert alone[0]["x_batch_one"] == approx(4.72 / 1.18)  # the recorded 1.18 pairs/s
     assert [(c["what"], c["met"]) for c in checks] == [("x batch 1", True), ("2 procs / 1", False)]  # 8 / 4.72 < 1.8
+
+
+def test_csr_compares_each_pair_count_within_its_own_rows() -> None:
+    """192 and 768 pairs in one run: the 768-pair processes are judged against the 768-pair single process."""
+    rows = [_csr_row("auto", 1, 4.0), _csr_row("auto", 2, 7.0), _csr_row("auto", 1, 5.0, 768),
+            _csr_row("auto", 2, 9.5, 768)]  # fmt: skip
+    checks = bench_csr_scale.compare(rows)
+    assert rows[1]["x_one_process"] == approx(7.0 / 4.0) and rows[3]["x_one_process"] == approx(9.5 / 5.0)
+    assert [(c["where"].split(",")[0], c["what"], c["met"]) for c in checks] == [
+        ("192 pairs", "x batch 1", False), ("192 pairs", "2 procs / 1", False),
+        ("768 pairs", "x batch 1", True), ("768 pairs", "2 procs / 1", True)]  # fmt: skip

@@ -87,3 +87,38 @@ def test_fused_divprune_on_cuda_selects_what_the_loop_selects(mask_selected: boo
     fused = divprune_select_batch(xs, ks, mask_selected, kernel="fused")
     for a, b in zip(loop, fused, strict=True):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_ficoco_row_quantile_on_cuda_is_torch_quantile(dtype: torch.dtype) -> None:
+    """FiCoCo-V's threshold from a small top-k equals torch.quantile's sort on the device too, ties included."""
+    from care_core.methods.ficoco import QUANTILE, row_quantile
+
+    g = torch.Generator().manual_seed(2)
+    for t in (2, 77, 577, 2881):
+        rows = torch.randn(3, 42, t, generator=g, dtype=dtype).cuda()
+        rows[1] = rows[1].round()
+        for q in (QUANTILE, 0.5, 0.0, 1.0):
+            assert torch.equal(row_quantile(rows, q), torch.quantile(rows, q, dim=-1, keepdim=True)), (t, q)
+
+
+@pytest.mark.parametrize("name", ["tome", "ficoco-v"])
+def test_planned_budgets_on_cuda_give_each_budget_what_it_gets_alone(name: str) -> None:
+    """Images with memos and planned budgets (ToMe's one loop over them, FiCoCo-V's shared steps), each budget
+    asked in turn for the batch: per image and budget, what the budget gets alone without memo."""
+    made = [make_inputs(n, d_v=64, seed=5 * i + n) for i, n in enumerate((576, 400, 576))]
+    alone = [_cuda_inputs(one) for one in made]
+    planned = (160, 64, 16)
+    shared = [dataclasses.replace(one, memo={}, planned_keeps=planned) for one in alone]
+    method = build_method(name)
+    for keep in planned:
+        for one, got in zip(alone, method.batch(shared, [keep] * 3), strict=True):
+            want = method(one, keep)
+            assert torch.equal(got.token_index.cpu(), want.token_index.cpu()), (name, keep)
+            # the merges' scatter-adds run in atomics on CUDA: the same sums in any order, to float32 rounding
+            torch.testing.assert_close(got.tokens, want.tokens, atol=1e-5, rtol=1e-5)
+
+
+def _cuda_inputs(one: Any) -> Any:
+    return dataclasses.replace(one, features=one.features.cuda(), positions=one.positions.cuda(),
+                               projector=one.projector.cuda(), probes=_on_cuda(one.probes))  # fmt: skip

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import build_method
+from care_core.methods import build_method, tome
 from care_core.methods.tome import bipartite_soft_matching, merge_wavg, tome_chain, tome_chain_batch, tome_schedule
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
@@ -148,3 +150,40 @@ def test_batch_ties_merge_into_the_first_match_and_padding_is_never_matched() ->
     want = tome_chain(other, 11, 10)
     assert torch.equal(big.group, want.group) and torch.equal(big.occupant, want.occupant)
     assert int(big.group.max()) < 11 and int(chain.group.max()) < 3, "no input ends in a padded row"
+
+
+# ------------------------------------------------------------------------------ budgets of one image, one loop
+
+PLANNED_KEEPS = (40, 9, 3)
+
+
+@pytest.mark.parametrize("first", PLANNED_KEEPS)
+def test_planned_budgets_run_in_the_first_calls_loop_and_match_each_budget_alone(
+    first: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a memo and planned budgets, the first call runs every planned chain of every image in one loop; the
+    later calls compute nothing, and every (image, budget) gets bit for bit what it gets alone without memo."""
+    alone = [dataclasses.replace(make_inputs(n=n, d_v=6, seed=n), features=x)
+             for n, x in zip((90, 131), _batch_images((90, 131), torch.float64), strict=True)]  # fmt: skip
+    shared = [dataclasses.replace(one, memo={}, planned_keeps=PLANNED_KEEPS) for one in alone]
+    loops: list[list[int]] = []
+    real = tome.tome_chain_batch
+
+    def counting(xs: list[torch.Tensor], keeps: list[int], rs: list[int]) -> list[tome.ToMeChain]:
+        loops.append(list(keeps))
+        return real(xs, keeps, rs)
+
+    monkeypatch.setattr(tome, "tome_chain_batch", counting)
+    method = build_method("tome")
+    order = [first, *(k for k in PLANNED_KEEPS if k != first)]
+    for keep in order:
+        got = method.batch(shared, [keep, keep])
+        for i, (result, one) in enumerate(zip(got, alone, strict=True)):
+            want = method(one, keep)
+            assert torch.equal(result.tokens, want.tokens), f"image {i}, K = {keep}"
+            assert torch.equal(result.token_index, want.token_index), f"image {i}, K = {keep}"
+            assert torch.equal(result.assignment, want.assignment), f"image {i}, K = {keep}"
+    others = sorted((k for k in PLANNED_KEEPS if k != first), reverse=True)
+    assert loops[0] == [first, *others, first, *others], "one loop: both images, every planned budget"
+    assert len(loops) == 1, "the later calls take their chains from the memo (the checks alone run tome_chain)"
+    assert all(not one.memo for one in shared), "every chain was handed out once and left the memo"
