@@ -398,15 +398,15 @@ class ToMe(Method):
         jobs: list[tuple[int, int]] = []
         found: dict[tuple[int, int], ToMeChain] = {}
         for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
-            dtype = compute_dtype(one.features.dtype)
-            held = None if one.memo is None else one.memo.get(self._memo_key(keep, dtype))
-            if held is not None:
+            memo, dtype = one.memo, compute_dtype(one.features.dtype)
+            if memo is None:
+                jobs.append((i, keep))
+            elif (held := memo.get(self._memo_key(keep, dtype))) is not None:
                 found[(i, keep)] = held
-                continue
-            memo = {} if one.memo is None else one.memo
-            planned = () if one.memo is None else one.planned_keeps
-            others = {k for k in planned if 1 <= k <= one.num_tokens and self._memo_key(k, dtype) not in memo}
-            jobs += [(i, k) for k in [keep, *sorted(others - {keep}, reverse=True)] if (i, k) not in jobs]
+            else:
+                planned = {k for k in one.planned_keeps if 1 <= k <= one.num_tokens and k != keep}
+                others = sorted((k for k in planned if self._memo_key(k, dtype) not in memo), reverse=True)
+                jobs += [(i, k) for k in (keep, *others)]
         return jobs, found
 
 
