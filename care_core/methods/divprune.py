@@ -204,13 +204,16 @@ class DivPrune(Method):
         """Selection orders of ``keeps[i]`` steps: each image's embeddings and distances alone (its own projector
         call), then one greedy loop for all (:func:`divprune_select_batch`); one image at a time where the
         embeddings differ in device or dtype or the padded distances would exceed :data:`JOINT_MAX_ENTRIES`."""
+        from care_core.kernels import choose_kernel
+
         with torch.no_grad():
             embeddings = [one.projector(one.features) for one in inputs]
             embeddings = [x.to(compute_dtype(x.dtype)) for x in embeddings]
             joint = len(embeddings) * max(x.shape[0] for x in embeddings) ** 2 <= JOINT_MAX_ENTRIES
             alike = len({(x.device, x.dtype) for x in embeddings}) == 1
-            # one image too where the kernel may run (one launch); "fused" goes there to be refused off CUDA
-            fused = self.kernel == "fused" or (self.kernel == "auto" and embeddings[0].is_cuda)
+            # one image too where the fused kernel may run (one launch); the kernels' rule decides ("fused" where it
+            # cannot run is refused there)
+            fused = choose_kernel(self.kernel, embeddings[0].device) == "fused"
             if (len(inputs) > 1 or fused) and joint and alike:
                 return divprune_select_batch(embeddings, keeps, self.mask_selected, kernel=self.kernel)
             return [divprune_select(x, k, self.mask_selected) for x, k in zip(embeddings, keeps, strict=True)]
