@@ -18,7 +18,8 @@ with dummy rows, the prompts right-padded to a common multiple of :data:`BUCKET`
 positions 0..L_i-1, takes its first token from its own last row and decodes at its own position (per-sample
 write index, mask and rotary position), so it sees exactly the keys and positions of its batch-1 run. Graphs
 are kept per (batch bucket, padded length) for prefill and per batch bucket for decode; a short batch replays a
-larger bucket already captured at its padded length (:func:`reused_bucket`) rather than capturing its own.
+larger bucket already captured at its padded length or a longer one (:func:`reused_shape`) rather than capturing
+its own.
 
 The maths is the eager forward's (same modules, same attention functions); only float rounding may differ from
 ``model.generate``'s kernels. :func:`unsupported_reason` says where this loop would not be the model's own
@@ -41,12 +42,13 @@ BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby l
 CAPACITY_STEP = 256  # the cache grows in steps of this many positions
 MAX_PREFILL_GRAPHS = 8  # (batch, padded length) pairs whose prefill graph is kept (least recently used dropped first)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes are padded up to one of these; larger batches go in chunks
-# a short batch (a data set's last) replays a larger captured bucket instead of capturing its own where the dummy
-# samples add at most this many prompt rows. On an H100 LLaVA-1.5-7B's capture at batch 4 cost 0.42 s, and its
-# prefill of 64 reduced prompts (K = 64: 112 rows each, 7168 rows) 0.23 s (3.6 ms per sample, 2026-11-27), so 8192
-# dummy rows cost about 0.26 s, while a decode step reads the weights once whatever the batch; 60 dummy all-token
-# prompts (624 rows each: 37k rows) would cost more than the capture
-REUSE_DUMMY_ROWS = 8192
+# a short batch (a data set's last) replays a larger captured (bucket, padded length) instead of capturing its own
+# where the dummy samples and the longer padding add at most this many prompt rows. On an H100 (2026-11-27) a
+# capture at batch 4 cost LLaVA-1.5-7B 0.42-1.09 s and LLaVA-NeXT-7B 0.30 s over the replay, and a 7B prefill about
+# 32 us per row (64 prompts of 112 rows: 0.23 s), so 12288 dummy rows cost about 0.39 s, while a decode step reads
+# the weights once whatever the batch. LLaVA-1.5's last 4 reduced prompts (K = 64: 176 rows) fit the batch-64
+# graphs (10,560 dummy rows); 4 all-token prompts (624 rows: 37k dummy rows) capture their own
+REUSE_DUMMY_ROWS = 12288
 DECODERS = frozenset({"llama", "mistral", "qwen2"})  # decoder layers whose forward this loop drives as they are
 ATTENTION = frozenset({"sdpa", "eager"})  # attention functions that take the decode step's additive mask
 
@@ -140,12 +142,16 @@ def batch_bucket(size: int) -> int:
     return next(b for b in BATCH_BUCKETS if b >= size)
 
 
-def reused_bucket(own: int, rows: int, captured: Iterable[tuple[int, int]]) -> int:
-    """The batch bucket to run in: ``own`` (the samples' own bucket) where it is captured at ``rows`` padded rows;
-    else the smallest captured one at ``rows`` larger than ``own`` whose dummy samples add at most
-    :data:`REUSE_DUMMY_ROWS` prompt rows ((bucket - own) x rows); else ``own`` (captured on first use)."""
-    buckets = {b for b, r in captured if r == rows and own <= b and (b - own) * rows <= REUSE_DUMMY_ROWS}
-    return min(buckets, default=own)
+def reused_shape(own: int, rows: int, captured: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """The (batch bucket, padded rows) to run ``own`` samples of ``rows`` padded rows in: their own where captured;
+    else the captured one with the fewest rows (bucket x rows) that holds them (bucket >= own, rows >= theirs) and
+    adds at most :data:`REUSE_DUMMY_ROWS` prompt rows; else their own (captured on first use). Extra padding rows
+    are like the bucket's: causal attention keeps every real row blind to them."""
+    shapes = set(captured)
+    if (own, rows) in shapes:
+        return own, rows
+    fits = [(b * r, b, r) for b, r in shapes if b >= own and r >= rows and b * r - own * rows <= REUSE_DUMMY_ROWS]
+    return min(fits)[1:] if fits else (own, rows)
 
 
 class StaticKV:
@@ -345,8 +351,14 @@ class StaticGreedy:
                 step()  # the real step, and the warm-up the capture needs on its stream
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                step()  # recorded, not run: the state the eager step left stands
+            # capture_begin/end rather than torch.cuda.graph(), whose entry empties the device and pinned-host
+            # caching allocators: every later batch would then allocate its buffers from the driver again
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    step()  # recorded, not run: the state the eager step left stands
+                finally:
+                    graph.capture_end()
             self.captures += 1
             return graph
 
@@ -374,7 +386,7 @@ class StaticGreedy:
         batch = batch_bucket(len(prompts))
         self._ensure_capacity(batch, needed)  # a growth drops every graph: then none is reused
         if self.graphs:
-            batch = reused_bucket(batch, rows, [key for key, e in self.prefills.items() if e.graph is not None])
+            batch, rows = reused_shape(batch, rows, [key for key, e in self.prefills.items() if e.graph is not None])
         # decode steps attend over the positions this call can reach, not the whole cache (a long prompt's earlier
         # call may have grown it tenfold): one decode graph per (batch bucket, span)
         span = CAPACITY_STEP * math.ceil(needed / CAPACITY_STEP)

@@ -200,3 +200,19 @@ def test_a_short_batch_replays_the_larger_bucket_captured_at_its_length(demo_hom
     short = adapter.generate_batch(*three, max_new_tokens=NEW_TOKENS)  # bucket 4: replays bucket 8's graphs
     assert greedy.captures == captured and {b for b, _ in greedy.prefills} == {8}
     assert [g.token_ids for g in short] == [g.token_ids for g in _alone(adapter, three, cuda_graph=False)]
+
+
+@cuda_only
+def test_a_short_batch_of_shorter_prompts_replays_a_longer_captured_shape(demo_home: Path, images: list[Any]) -> None:
+    adapter = load_backbone("tiny-llava", home=demo_home, device="cuda", dtype="float32")
+    three = _samples(adapter, images)
+    eight: Samples = tuple([*part, *part, *part[:2]] for part in three)  # type: ignore[assignment]
+    adapter.generate_batch(*eight, max_new_tokens=NEW_TOKENS)  # bucket 8 at the all-rows prompt's padded length
+    greedy = adapter._static_greedy()
+    captured, shapes = greedy.captures, set(greedy.prefills)
+    short: Samples = tuple([part[0], part[2]] for part in three)  # type: ignore[assignment]  # 7 and 12 kept rows
+    answers = adapter.generate_batch(*short, max_new_tokens=NEW_TOKENS)  # their own rows: far fewer than bucket 8's
+    assert set(greedy.prefills) == shapes  # the prefill replayed bucket 8's graph at its longer padding
+    assert greedy.captures == captured + 1  # one decode graph: at the positions these prompts reach (a shorter span)
+    assert {batch for batch, _ in greedy.decodes} == {8} and len(greedy.decodes) == 2
+    assert [g.token_ids for g in answers] == [g.token_ids for g in _alone(adapter, short, cuda_graph=False)]

@@ -12,7 +12,7 @@ import torch
 
 from care_core.backbones import load_backbone
 from care_core.backbones.probes import attention_implementation
-from care_core.backbones.static_generation import BUCKET, StaticGreedy, eos_ids, reused_bucket, unsupported_reason
+from care_core.backbones.static_generation import BUCKET, StaticGreedy, eos_ids, reused_shape, unsupported_reason
 from care_core.errors import GenerationError
 
 from ._helpers import noise_image, reference_ids
@@ -90,17 +90,27 @@ def test_one_cache_serves_growing_prompts(demo: Any, image: Any) -> None:
     assert min(spans) < greedy.kv.capacity
 
 
-def test_a_short_batch_reuses_a_captured_bucket_where_its_dummy_rows_are_few() -> None:
-    captured = [(16, 96), (8, 112), (64, 96), (64, 624), (64, 160)]  # (batch bucket, padded rows) with a graph
-    assert reused_bucket(4, 96, captured) == 16  # the tail of a run at batch 16: 12 x 96 dummy rows
-    assert reused_bucket(1, 96, captured) == 16  # 15 x 96 = 1440 dummy rows
-    assert reused_bucket(4, 112, captured) == 8  # the smallest larger bucket at its own padded length
-    assert reused_bucket(4, 80, captured) == 4  # no graph at 80 rows
-    assert reused_bucket(16, 96, captured) == 16  # its own bucket, captured, is never traded for a larger one
-    assert reused_bucket(16, 112, captured) == 16  # a smaller captured bucket cannot hold it
-    assert reused_bucket(4, 624, captured) == 4  # 60 x 624 = 37,440 dummy rows (all-token prompts): its own
-    assert reused_bucket(8, 160, captured) == 8  # 56 x 160 = 8,960 > 8,192: its own
-    assert reused_bucket(16, 160, captured) == 64  # 48 x 160 = 7,680: the batch-64 graphs
+def test_a_short_batch_reuses_a_captured_shape_where_its_extra_rows_are_few() -> None:
+    captured = [(16, 96), (8, 112), (64, 96), (64, 624), (64, 176), (16, 272)]  # (batch bucket, rows) with a graph
+    assert reused_shape(4, 112, captured) == (8, 112)  # 4 dummy samples of 112 rows: the fewest rows that hold it
+    assert reused_shape(4, 96, captured) == (8, 112)  # 8 x 112 = 896 rows < 16 x 96 = 1,536
+    assert reused_shape(1, 80, captured) == (8, 112)  # longer padding: 896 - 80 = 816 extra rows
+    assert reused_shape(16, 96, captured) == (16, 96)  # its own shape, captured, is never traded for a larger one
+    assert reused_shape(16, 112, captured) == (16, 272)  # 16 x (272 - 112) = 2,560 extra rows, fewer than 64 x 176
+    assert reused_shape(4, 624, captured) == (4, 624)  # 60 x 624 = 37,440 dummy rows (all-token prompts): its own
+    assert reused_shape(32, 176, captured) == (64, 176)  # 32 x 176 = 5,632 dummy rows
+    assert reused_shape(32, 272, captured) == (32, 272)  # no captured shape holds 32 samples of 272 rows
+    assert reused_shape(4, 256, [(64, 272)]) == (4, 256)  # 64 x 272 - 4 x 256 = 16,384 > 12,288: its own
+
+
+def test_llava_15s_last_batch_replays_the_graphs_of_its_full_batches() -> None:
+    # care eval on LLaVA-1.5 at K = 64, batch 64 (H100, 2026-11-27): the warm-up's prompts pad to 112 rows, the
+    # task's to 176 (162-166 rows: 64 kept tokens and the byte tokenizer's question); the last 4 captured their
+    # own graphs under the earlier rule, which looked only at the same padded length and 8,192 dummy rows
+    captured = [(64, 112), (64, 176)]
+    assert reused_shape(4, 176, captured) == (64, 176)  # 60 x 176 = 10,560 dummy rows
+    assert reused_shape(4, 160, captured) == (64, 176)  # 64 x 176 - 4 x 160 = 10,624 extra rows
+    assert reused_shape(64, 192, captured) == (64, 192)  # longer prompts than any captured: a graph of their own
 
 
 def test_replaced_weights_make_the_loop_stale(demo: Any) -> None:
