@@ -44,10 +44,10 @@ MAX_PREFILL_GRAPHS = 8  # (batch, padded length) pairs whose prefill graph is ke
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes are padded up to one of these; larger batches go in chunks
 # a short batch (a data set's last) replays a larger captured (bucket, padded length) instead of capturing its own
 # where the dummy samples and the longer padding add at most this many prompt rows. On an H100 (2026-11-27) a
-# capture at batch 4 cost LLaVA-1.5-7B 0.42-1.09 s and LLaVA-NeXT-7B 0.30 s over the replay, and a 7B prefill about
-# 32 us per row (64 prompts of 112 rows: 0.23 s), so 12288 dummy rows cost about 0.39 s, while a decode step reads
-# the weights once whatever the batch. LLaVA-1.5's last 4 reduced prompts (K = 64: 176 rows) fit the batch-64
-# graphs (10,560 dummy rows); 4 all-token prompts (624 rows: 37k dummy rows) capture their own
+# capture cost 0.2-1.1 s over the replay, and LLaVA-1.5-7B's last 4 reduced prompts (K = 64: 176 rows) replayed in
+# the batch-64 graphs (10,560 dummy rows) took 0.29 s more than in their own bucket's (about 27 us per row: 12,288
+# rows about 0.34 s); a decode step reads the weights once whatever the batch. 4 all-token prompts (688 rows: 41k
+# dummy rows) capture their own
 REUSE_DUMMY_ROWS = 12288
 DECODERS = frozenset({"llama", "mistral", "qwen2"})  # decoder layers whose forward this loop drives as they are
 ATTENTION = frozenset({"sdpa", "eager"})  # attention functions that take the decode step's additive mask

@@ -97,7 +97,7 @@ def test_a_short_batch_reuses_a_captured_shape_where_its_extra_rows_are_few() ->
     assert reused_shape(1, 80, captured) == (8, 112)  # longer padding: 896 - 80 = 816 extra rows
     assert reused_shape(16, 96, captured) == (16, 96)  # its own shape, captured, is never traded for a larger one
     assert reused_shape(16, 112, captured) == (16, 272)  # 16 x (272 - 112) = 2,560 extra rows, fewer than 64 x 176
-    assert reused_shape(4, 624, captured) == (4, 624)  # 60 x 624 = 37,440 dummy rows (all-token prompts): its own
+    assert reused_shape(4, 624, captured) == (4, 624)  # 60 x 624 = 37,440 dummy rows: its own
     assert reused_shape(32, 176, captured) == (64, 176)  # 32 x 176 = 5,632 dummy rows
     assert reused_shape(32, 272, captured) == (32, 272)  # no captured shape holds 32 samples of 272 rows
     assert reused_shape(4, 256, [(64, 272)]) == (4, 256)  # 64 x 272 - 4 x 256 = 16,384 > 12,288: its own
