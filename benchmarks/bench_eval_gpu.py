@@ -20,7 +20,9 @@ What it does, per backbone (``--backbones``):
    size given, or with ``auto`` at each setting's own pick (care eval resolves it per setting); from its summary
    JSON, per setting: the batch size used, samples per second over lmms-eval's pass, its wall time and the peak GPU
    memory; and, from the records care eval saves, each process's batches in the order answered (size and seconds:
-   one-time costs inside the timed pass show as the slow ones).
+   one-time costs inside the timed pass show as the slow ones); process 0's read apart (``batch_profile``): its first
+   batch, the median full batch between first and last (the steady state, and samples/s from it), its last, and the
+   pass's seconds outside its batches.
 
 Then it reports CaRe / all tokens of the same command, the issue's targets MET or NOT MET (NeXT CaRe >= 35 samples/s;
 CaRe >= 3x all tokens on NeXT and >= 2x on LLaVA-1.5, judged where both settings ran at one batch size; 2 processes
@@ -168,6 +170,8 @@ def care_eval(model: Path, task: Path, run: Run, device: str, dtype: str, work: 
     batches = batch_seconds(work / f"out-{run.slug}" / "samples")
     rows = [setting_row(setting, run, report["batch_size"]) | {"batches": batches.get(setting["setting"], [])}
             for setting in report["settings"]]  # fmt: skip
+    for row in rows:
+        row["batch_profile"] = batch_profile(row["batches"], row["wall_s"])
     say(f"  {total:.0f} s; " + "; ".join(f"{r['setting']}: {r['samples_per_s']:.2f} samples/s" for r in rows))
     return {"command_s": total, "batch": report["batch_size"], "rows": rows, "backbone": report["backbone"]}
 
@@ -186,6 +190,21 @@ def batch_seconds(folder: Path) -> dict[str, list[list[Any]]]:
                 out.setdefault(record["setting"], []).append([rank, left, record["seconds"] * left])
             left -= 1
     return out
+
+
+def batch_profile(batches: list[list[Any]], wall_s: float) -> dict[str, Any] | None:
+    """Rank 0's batches read apart: the first (warm-up left-overs: graphs at the task's padded lengths), the median
+    of the full ones between first and last (the steady state, and ``steady_samples_per_s`` from it), the last (a
+    short tail), and the pass's seconds outside all of rank 0's batches (lmms-eval, waiting for inputs)."""
+    own = [(int(size), float(seconds)) for rank, size, seconds in batches if rank == 0]
+    if not own:
+        return None
+    full = max(size for size, _ in own)
+    middle = sorted(seconds for size, seconds in own[1:-1] if size == full)
+    median = statistics.median(middle) if middle else None
+    return {"batches": len(own), "full_size": full, "first_s": own[0][1], "median_s": median, "last_s": own[-1][1],
+            "last_size": own[-1][0], "outside_s": wall_s - sum(seconds for _, seconds in own),
+            "steady_samples_per_s": full / median if median else None}  # fmt: skip
 
 
 def setting_row(setting: dict[str, Any], run: Run, batch: dict[str, Any]) -> dict[str, Any]:
@@ -336,6 +355,11 @@ def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], shares: list[
                                  batch_label(r), fmt(r["samples_per_s"]),
                                  fmt(r["wall_s"], 1), fmt(r["peak_gpu_memory_gib"], 1), fmt(r["x_all_tokens"]),
                                  fmt(r["x_one_process"])) for r in rows])  # fmt: skip
+    print_table("process 0's batches, s (steady: the median full one between first and last)",
+                ("backbone", "setting", "first", "steady", "last (n)", "outside", "steady/s"),
+                [(r["backbone"], r["setting"] if r["method"] else "all tokens", fmt(p["first_s"]),
+                  fmt(p["median_s"]), f"{fmt(p['last_s'])} ({p['last_size']})", fmt(p["outside_s"], 1),
+                  fmt(p["steady_samples_per_s"])) for r in rows if (p := r.get("batch_profile"))])  # fmt: skip
     print_table("targets of issue #22", ("where", "what", "value", "target", "verdict"),
                 [(c["where"], c["what"], fmt(c["value"]), f">= {c['target']:g}", "MET" if c["met"] else "NOT MET")
                  for c in checks])  # fmt: skip

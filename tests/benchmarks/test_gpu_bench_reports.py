@@ -74,3 +74,17 @@ def test_csr_compares_each_pair_count_within_its_own_rows() -> None:
     assert [(c["where"].split(",")[0], c["what"], c["met"]) for c in checks] == [
         ("192 pairs", "x batch 1", False), ("192 pairs", "2 procs / 1", False),
         ("768 pairs", "x batch 1", True), ("768 pairs", "2 procs / 1", True)]  # fmt: skip
+
+
+def test_a_pass_reads_apart_into_its_first_steady_and_last_batches() -> None:
+    # rank 0: a slow first batch of 64, three steady ones, a short tail of 4; rank 1's batches are not read
+    batches = [[0, 64, 0.94], [0, 64, 0.80], [1, 64, 9.0], [0, 64, 0.84], [0, 64, 0.82], [0, 4, 0.42]]
+    profile = bench_eval_gpu.batch_profile(batches, wall_s=4.62)
+    assert profile is not None
+    assert (profile["batches"], profile["full_size"], profile["last_size"]) == (5, 64, 4)
+    assert (profile["first_s"], profile["median_s"], profile["last_s"]) == (0.94, 0.82, 0.42)
+    assert profile["outside_s"] == approx(4.62 - 3.82)
+    assert profile["steady_samples_per_s"] == approx(64 / 0.82)
+    assert bench_eval_gpu.batch_profile([[1, 8, 1.0]], wall_s=1.0) is None  # nothing from rank 0
+    two = bench_eval_gpu.batch_profile([[0, 64, 1.0], [0, 8, 0.3]], wall_s=1.5)
+    assert two is not None and two["median_s"] is None and two["steady_samples_per_s"] is None  # no middle batch
