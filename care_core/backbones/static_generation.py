@@ -143,10 +143,11 @@ def batch_bucket(size: int) -> int:
 
 
 def reused_shape(own: int, rows: int, captured: Iterable[tuple[int, int]]) -> tuple[int, int]:
-    """The (batch bucket, padded rows) to run ``own`` samples of ``rows`` padded rows in: their own where captured;
-    else the captured one with the fewest rows (bucket x rows) that holds them (bucket >= own, rows >= theirs) and
-    adds at most :data:`REUSE_DUMMY_ROWS` prompt rows; else their own (captured on first use). Extra padding rows
-    are like the bucket's: causal attention keeps every real row blind to them."""
+    """The (batch bucket, padded rows) a batch runs in, given its own bucket ``own`` and its prompts' padded
+    ``rows``: its own shape where captured; else the captured shape with the fewest rows (bucket x rows) that holds
+    it (bucket >= own, rows >= its rows) and adds at most :data:`REUSE_DUMMY_ROWS` prompt rows; else its own
+    (captured on first use). Extra padding rows are like the bucket's: causal attention keeps every real row blind
+    to them."""
     shapes = set(captured)
     if (own, rows) in shapes:
         return own, rows
