@@ -3,13 +3,17 @@ K=64 (random weights, bf16), each next to the unreduced model at the same batch 
 
     python -m benchmarks.bench_eval_gpu                # per backbone one care eval at --batch-size auto, 516 samples
     python -m benchmarks.bench_eval_gpu --batch-sizes 1,auto --processes 1,2   # batch 1 too; 1 and 2 GPUs
+    python -m benchmarks.bench_eval_gpu --tokenizer llama-pieces   # the prompts' real row counts (see below)
     python -m benchmarks.bench_eval_gpu --quick        # one copy of the task (12 samples)
     python -m benchmarks.bench_eval_gpu --tiny --quick --device cpu   # smoke test of the benchmark (tiny widths)
 
 What it does, per backbone (``--backbones``):
 1. builds it (CLIP-L/336 24 layers, Vicuna-7B; NeXT with anyres pinpoints; ``benchmarks.models``) with seeded random
    weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor, the byte tokenizer of the
-   demos) to a local folder, so that ``--model <folder>`` loads it like any checkpoint;
+   demos) to a local folder, so that ``--model <folder>`` loads it like any checkpoint. The byte tokenizer spells
+   each POPE prompt's text in 96-102 rows where the real checkpoints' Llama 2 tokenizer gives 29-30;
+   ``--tokenizer llama-pieces`` gives the stand-in that tokenizer's pieces of these prompts
+   (``benchmarks.models.LLAMA_POPE_PIECES``), so the prompts have their real lengths (other text stays bytes);
 2. times the image preprocessing before the vision tower: the saved folder's image processor (loaded alone, no
    model) on 16 task images through ``care_core.backbones._chat.preprocess_images``, the function
    ``ChatAdapter.preprocess`` runs, with its thread pool and with one thread;
@@ -84,11 +88,11 @@ DURATION = (
 )
 
 
-def build_model(name: str, folder: Path, device: str, tiny: bool) -> dict[str, Any]:
-    """The backbone with random weights, saved to ``folder``; returns what it cost."""
+def build_model(name: str, folder: Path, device: str, tiny: bool, tokenizer: str = "bytes") -> dict[str, Any]:
+    """The backbone with random weights and the stand-in ``tokenizer``, saved to ``folder``; returns what it cost."""
     from benchmarks.models import save_random_model
 
-    return save_random_model(BACKBONES[name].builder, folder, device, tiny)
+    return save_random_model(BACKBONES[name].builder, folder, device, tiny, tokenizer=tokenizer)
 
 
 def task_rows() -> list[dict[str, Any]]:
@@ -322,6 +326,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--decoding", default="graphs", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--tokenizer", default="bytes", choices=("bytes", "llama-pieces"),
+                        help="the models' stand-in tokenizer: every text byte by byte (96-102 text rows per prompt), "
+                             "or knowing the Llama 2 tokenizer's pieces of the task's prompts (29-30, as the real "
+                             "checkpoints' tokenizer gives)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.copies, args.processes = 1, "1"
@@ -382,7 +390,7 @@ def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: P
     folder = work / f"{name}-{'tiny' if args.tiny else 'random'}"
     cuda = args.device.startswith("cuda")
     say(f"building {'tiny' if args.tiny else 'full-size'} {name} with random weights into {folder} ...")
-    built = build_model(name, folder, "cuda:0" if cuda else "cpu", args.tiny)
+    built = build_model(name, folder, "cuda:0" if cuda else "cpu", args.tiny, args.tokenizer)
     say(
         f"  {built['parameters'] / 1e9:.2f} B parameters, built {built['build_s']:.1f} s, saved {built['save_s']:.1f} s"
     )
@@ -402,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = plan(args)
     results: dict[str, Any] = {"benchmark": "care eval throughput (issue #22)",
                                "date": dt.datetime.now(dt.timezone.utc).isoformat(), "environment": env,
-                               "tiny": args.tiny, "backbones": {}}  # fmt: skip
+                               "tiny": args.tiny, "tokenizer": args.tokenizer, "backbones": {}}  # fmt: skip
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="care-bench-eval-", dir=args.work) as scratch:
@@ -419,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     size = "tiny" if args.tiny else "7B"
     show(rows, results["targets"], results["preprocessing_share"],
          f"care eval on {results['task']} ({rows[0]['samples']} samples), {size} random weights, "
-         f"{env.get('gpus', ['cpu'])[0]}")  # fmt: skip
+         f"{args.tokenizer} tokenizer, {env.get('gpus', ['cpu'])[0]}")  # fmt: skip
     writer.finish(results)
 
 

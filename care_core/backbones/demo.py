@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,7 @@ def build_byte_tokenizer(
     eos_token: str = "</s>",
     pad_token: str = "<pad>",
     named_tokens: dict[str, str] | None = None,
+    pieces: Sequence[str] = (),
 ) -> Any:
     """An offline byte-level tokenizer that encodes any text without ``<unk>``.
 
@@ -131,6 +133,8 @@ def build_byte_tokenizer(
     for Qwen), and ``special_tokens`` (e.g. ``"<image>"``) registered as never-split special tokens after
     the bytes. ``eos_token`` / ``pad_token`` may name one of ``special_tokens``. ``named_tokens``: tokenizer
     attributes naming some of ``special_tokens`` (e.g. InternVL's ``context_image_token``), saved with it.
+    ``pieces``: strings encoded as one token each wherever a word is made of them (merges built byte by byte,
+    in the order given), e.g. the pieces a real tokenizer splits a benchmark's prompts into.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -139,7 +143,8 @@ def build_byte_tokenizer(
     vocab = {t: i for i, t in enumerate(base)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    merges = _piece_merges(pieces, vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     if add_bos:
@@ -159,6 +164,25 @@ def build_byte_tokenizer(
     if eos_token != "</s>" or pad_token != "<pad>":
         tok.add_special_tokens({"eos_token": eos_token, "pad_token": pad_token})
     return tok
+
+
+def _piece_merges(pieces: Sequence[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Byte-level BPE merges that build each piece left to right from its bytes (new symbols added to ``vocab``)."""
+    from tokenizers import pre_tokenizers
+
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    merges: list[tuple[str, str]] = []
+    for piece in pieces:
+        words = split.pre_tokenize_str(piece)
+        if len(words) != 1:
+            raise ValueError(f"piece {piece!r} is not one word to the byte-level pre-tokenizer")
+        symbol = words[0][0]
+        for end in range(2, len(symbol) + 1):
+            merged = symbol[:end]
+            if merged not in vocab:
+                merges.append((symbol[: end - 1], symbol[end - 1]))
+                vocab[merged] = len(vocab)
+    return merges
 
 
 @dataclass(frozen=True)

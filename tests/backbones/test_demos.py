@@ -21,6 +21,7 @@ from care_core.backbones.demo import (
     TRAINED_DEMO_NOTE,
     TRAINED_SIZES,
     WEIGHTS_DIR,
+    build_byte_tokenizer,
     file_sha256,
     read_manifest,
 )
@@ -491,3 +492,18 @@ def test_a_cached_demo_from_another_release_is_replaced_by_the_shipped_weights(
     shipped = read_manifest()[spec.weights]["sha256"]
     assert file_sha256(weights) == shipped and json.loads((folder / MARKER).read_text())["sha256"] == shipped
     assert load_backbone(name, home=home).notices == []
+
+
+def test_the_byte_tokenizer_encodes_given_pieces_as_one_token_where_a_word_is_made_of_them() -> None:
+    text = "Is there? ASSISTANT: three"
+    plain = build_byte_tokenizer(["<image>"])
+    assert len(plain(text)["input_ids"]) == 1 + len(text.encode())  # <s>, then one token per byte
+    pieced = build_byte_tokenizer(["<image>"], pieces=(" there", "SS", "IST", "ANT", " A"))
+    ids = pieced(text)["input_ids"]
+    # by hand: " ASSISTANT" is " A" SS IST ANT; " three" shares only " th" with " there" (Ġ is the byte-level space)
+    assert pieced.convert_ids_to_tokens(ids) == ["<s>", "I", "s", "Ġthere", "?", "ĠA", "SS", "IST", "ANT", ":",
+                                                 "Ġth", "r", "e", "e"]  # fmt: skip
+    assert pieced.decode(ids, skip_special_tokens=True) == text
+    assert pieced.unk_token_id not in ids
+    with pytest.raises(ValueError, match="not one word"):
+        build_byte_tokenizer([], pieces=("two words",))
