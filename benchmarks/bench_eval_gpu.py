@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import EXAMPLES, PROCESS_TARGETS, ROOT, ResultsWriter, fmt, make_parser, print_table, say
+from benchmarks.models import TOKENIZER_PIECES
 
 TASK = EXAMPLES / "tasks" / "care_pope_examples"
 PREPROCESS_IMAGES = 16  # images per timed preprocessing call (a batch of the size auto picks at the least)
@@ -326,7 +327,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--decoding", default="graphs", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    parser.add_argument("--tokenizer", default="bytes", choices=("bytes", "llama-pieces"),
+    parser.add_argument("--tokenizer", default="bytes", choices=tuple(TOKENIZER_PIECES),
                         help="the models' stand-in tokenizer: every text byte by byte (96-102 text rows per prompt), "
                              "or knowing the Llama 2 tokenizer's pieces of the task's prompts (29-30, as the real "
                              "checkpoints' tokenizer gives)")  # fmt: skip
