@@ -377,18 +377,18 @@ class ToMe(Method):
                 found[(i, k)] = chain
                 memo = inputs[i].memo
                 if memo is not None and k != keeps[i]:  # another budget's, for its own call
-                    memo[self._memo_key(k, chain.tokens.dtype)] = chain
+                    memo[self._memo_key(inputs[i], k)] = chain
         results = []
         for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
             chain = found[(i, keep)]
             if one.memo is not None:  # handed out once: the memo keeps no tensor a caller holds
-                one.memo.pop(self._memo_key(keep, chain.tokens.dtype), None)
+                one.memo.pop(self._memo_key(one, keep), None)
             results.append(_result(chain, one.features.dtype))
         return results
 
-    def _memo_key(self, keep: int, dtype: torch.dtype) -> tuple[object, ...]:
+    def _memo_key(self, one: MethodInputs, keep: int) -> tuple[object, ...]:
         """What an image's chain for ``keep`` depends on besides the image: r (from ``calls``), the compute dtype."""
-        return (self.name, "chain", self.calls, keep, dtype)
+        return (self.name, "chain", self.calls, keep, compute_dtype(one.features.dtype))
 
     def _jobs(
         self, inputs: list[MethodInputs], keeps: list[int]
@@ -398,14 +398,14 @@ class ToMe(Method):
         jobs: list[tuple[int, int]] = []
         found: dict[tuple[int, int], ToMeChain] = {}
         for i, (one, keep) in enumerate(zip(inputs, keeps, strict=True)):
-            memo, dtype = one.memo, compute_dtype(one.features.dtype)
+            memo = one.memo
             if memo is None:
                 jobs.append((i, keep))
-            elif (held := memo.get(self._memo_key(keep, dtype))) is not None:
+            elif (held := memo.get(self._memo_key(one, keep))) is not None:
                 found[(i, keep)] = held
             else:
                 planned = {k for k in one.planned_keeps if 1 <= k <= one.num_tokens and k != keep}
-                others = sorted((k for k in planned if self._memo_key(k, dtype) not in memo), reverse=True)
+                others = sorted((k for k in planned if self._memo_key(one, k) not in memo), reverse=True)
                 jobs += [(i, k) for k in (keep, *others)]
         return jobs, found
 
