@@ -37,7 +37,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import EXAMPLES, PROCESS_TARGETS, ROOT, ResultsWriter, fmt, make_parser, print_table, say, stamp
+from benchmarks.common import (
+    EXAMPLES,
+    PROCESS_TARGETS,
+    ROOT,
+    ResultsWriter,
+    comma_list,
+    fmt,
+    make_parser,
+    print_table,
+    say,
+    stamp,
+)
 
 BUDGETS = (640, 320, 160)
 QUESTIONS = ("What is in the image?", "What colour is the main object?", "Where was this taken?",
@@ -139,10 +150,6 @@ def batch_label(row: dict[str, Any]) -> str:
     """The batch size used, "->" the size it ended at where out-of-memory splitting cut it, (what was asked)."""
     final = f"->{row['batch_size_final']}" if row["batch_size_final"] != row["batch_size"] else ""
     return f"{row['batch_size']}{final} ({row['batch_size_requested']})"
-
-
-def comma_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

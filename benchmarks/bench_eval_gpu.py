@@ -55,8 +55,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import EXAMPLES, PROCESS_TARGETS, ROOT, ResultsWriter, fmt, make_parser, print_table, say
-from benchmarks.models import TOKENIZER_PIECES
+from benchmarks.common import (
+    EXAMPLES,
+    PROCESS_TARGETS,
+    ROOT,
+    ResultsWriter,
+    comma_list,
+    fmt,
+    make_parser,
+    print_table,
+    say,
+)
+from benchmarks.models import DEFAULT_TOKENIZER, TOKENIZER_PIECES
 
 TASK = EXAMPLES / "tasks" / "care_pope_examples"
 PREPROCESS_IMAGES = 16  # images per timed preprocessing call (a batch of the size auto picks at the least)
@@ -89,7 +99,7 @@ DURATION = (
 )
 
 
-def build_model(name: str, folder: Path, device: str, tiny: bool, tokenizer: str = "bytes") -> dict[str, Any]:
+def build_model(name: str, folder: Path, device: str, tiny: bool, tokenizer: str) -> dict[str, Any]:
     """The backbone with random weights and the stand-in ``tokenizer``, saved to ``folder``; returns what it cost."""
     from benchmarks.models import save_random_model
 
@@ -310,10 +320,6 @@ def card_slug(env: dict[str, Any]) -> str:
     return (match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", gpus[0].lower())).lower()
 
 
-def comma_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser(__doc__, quick=QUICK, duration=DURATION, device="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
@@ -327,7 +333,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--decoding", default="graphs", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    parser.add_argument("--tokenizer", default="bytes", choices=tuple(TOKENIZER_PIECES),
+    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, choices=tuple(TOKENIZER_PIECES),
                         help="the models' stand-in tokenizer: every text byte by byte (96-102 text rows per prompt), "
                              "or knowing the Llama 2 tokenizer's pieces of the task's prompts (29-30, as the real "
                              "checkpoints' tokenizer gives)")  # fmt: skip

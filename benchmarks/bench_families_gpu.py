@@ -29,7 +29,18 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import EXAMPLES, Clock, ResultsWriter, fail, fmt, make_parser, pick_device, print_table, say
+from benchmarks.common import (
+    EXAMPLES,
+    Clock,
+    ResultsWriter,
+    comma_list,
+    fail,
+    fmt,
+    make_parser,
+    pick_device,
+    print_table,
+    say,
+)
 from benchmarks.gpu.context import M_DIRECTIONS, QUESTION, Workload, card_slug, environment
 from benchmarks.gpu.generate import answer_row
 from benchmarks.gpu.scoring import Micro, floor_ms, matmul_rates
@@ -55,7 +66,7 @@ def parse(argv: list[str] | None) -> Any:
                         help="auto: CUDA graphs where the adapter allows, else eager (default)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="the demo widths (smoke test of this benchmark)")
     args = parser.parse_args(argv)
-    args.families = [f.strip() for f in args.families.split(",") if f.strip()]
+    args.families = comma_list(args.families)
     unknown = [f for f in args.families if f not in FAMILY_MODELS]
     if unknown or not args.families:
         raise fail(

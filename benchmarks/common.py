@@ -60,6 +60,11 @@ def make_parser(doc: str, *, quick: str, duration: str, device: str | None = Non
     return parser
 
 
+def comma_list(text: str) -> list[str]:
+    """A comma-separated option's items, stripped, empty ones dropped (``"1, auto,"`` -> ``["1", "auto"]``)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def fail(message: str) -> SystemExit:
     """Print ``error: message`` on stderr; the SystemExit (code 2) to raise."""
     print(f"error: {message}", file=sys.stderr)

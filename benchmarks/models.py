@@ -36,6 +36,7 @@ LLAMA_POPE_PIECES = ("USER", "Is", " there", " a", " person", " in", " the", " i
                      "oon", " dog", " car", " an", " animal", "INST", " [")  # fmt: skip
 #: the stand-in tokenizers a benchmark model may carry: every text byte by byte (the demos'), or with the pieces above
 TOKENIZER_PIECES: dict[str, tuple[str, ...]] = {"bytes": (), "llama-pieces": LLAMA_POPE_PIECES}
+DEFAULT_TOKENIZER = "bytes"  # the tokenizer of every recorded figure
 
 
 def _configs(tok: Any, tiny: bool, max_positions: int) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def _processor_options(template: str) -> dict[str, Any]:
 
 
 def build_llava(
-    device: torch.device, dtype: torch.dtype, tiny: bool = False, tokenizer: str = "bytes"
+    device: torch.device, dtype: torch.dtype, tiny: bool = False, tokenizer: str = DEFAULT_TOKENIZER
 ) -> tuple[Any, Any]:
     """LLaVA-1.5-7B (CLIP-L/336 24 layers, 1024->4096->4096 GELU projector, Vicuna-7B): (model, processor)."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
@@ -88,7 +89,7 @@ def build_llava(
 
 
 def build_llava_next(
-    device: torch.device, dtype: torch.dtype, tiny: bool = False, tokenizer: str = "bytes"
+    device: torch.device, dtype: torch.dtype, tiny: bool = False, tokenizer: str = DEFAULT_TOKENIZER
 ) -> tuple[Any, Any]:
     """LLaVA-NeXT-7B (vicuna): the LLaVA-1.5-7B parts + anyres (default pinpoints): (model, processor)."""
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
