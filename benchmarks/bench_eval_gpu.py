@@ -3,17 +3,18 @@ K=64 (random weights, bf16), each next to the unreduced model at the same batch 
 
     python -m benchmarks.bench_eval_gpu                # per backbone one care eval at --batch-size auto, 516 samples
     python -m benchmarks.bench_eval_gpu --batch-sizes 1,auto --processes 1,2   # batch 1 too; 1 and 2 GPUs
-    python -m benchmarks.bench_eval_gpu --tokenizer llama-pieces   # the prompts' real row counts (see below)
+    python -m benchmarks.bench_eval_gpu --tokenizer bytes   # the prompts spelt byte by byte (see below)
     python -m benchmarks.bench_eval_gpu --quick        # one copy of the task (12 samples)
     python -m benchmarks.bench_eval_gpu --tiny --quick --device cpu   # smoke test of the benchmark (tiny widths)
 
 What it does, per backbone (``--backbones``):
 1. builds it (CLIP-L/336 24 layers, Vicuna-7B; NeXT with anyres pinpoints; ``benchmarks.models``) with seeded random
-   weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor, the byte tokenizer of the
-   demos) to a local folder, so that ``--model <folder>`` loads it like any checkpoint. The byte tokenizer spells
-   each POPE prompt's text in 96-102 rows where the real checkpoints' Llama 2 tokenizer gives 29-30;
-   ``--tokenizer llama-pieces`` gives the stand-in that tokenizer's pieces of these prompts
-   (``benchmarks.models.LLAMA_POPE_PIECES``), so the prompts have their real lengths (other text stays bytes);
+   weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor) to a local folder, so
+   that ``--model <folder>`` loads it like any checkpoint. Its stand-in tokenizer (``--tokenizer``) gives the task's
+   prompts the row counts of the real checkpoints' Llama 2 tokenizer, 29-30 text rows (default ``llama-pieces``:
+   the byte tokenizer of the demos knowing that tokenizer's pieces of these prompts,
+   ``benchmarks.models.LLAMA_POPE_PIECES``; other text stays bytes), or spells each byte as a row, 96-102
+   (``bytes``, the tokenizer of every figure recorded before 2026-11-27 night);
 2. times the image preprocessing before the vision tower: the saved folder's image processor (loaded alone, no
    model) on 16 task images through ``care_core.backbones._chat.preprocess_images``, the function
    ``ChatAdapter.preprocess`` runs, with its thread pool and with one thread;
@@ -66,7 +67,7 @@ from benchmarks.common import (
     print_table,
     say,
 )
-from benchmarks.models import DEFAULT_TOKENIZER, TOKENIZER_PIECES
+from benchmarks.models import TASK_TOKENIZER, TOKENIZER_PIECES
 
 TASK = EXAMPLES / "tasks" / "care_pope_examples"
 PREPROCESS_IMAGES = 16  # images per timed preprocessing call (a batch of the size auto picks at the least)
@@ -333,10 +334,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--decoding", default="graphs", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, choices=tuple(TOKENIZER_PIECES),
-                        help="the models' stand-in tokenizer: every text byte by byte (96-102 text rows per prompt), "
-                             "or knowing the Llama 2 tokenizer's pieces of the task's prompts (29-30, as the real "
-                             "checkpoints' tokenizer gives)")  # fmt: skip
+    parser.add_argument("--tokenizer", default=TASK_TOKENIZER, choices=tuple(TOKENIZER_PIECES),
+                        help="the models' stand-in tokenizer: knowing the Llama 2 tokenizer's pieces of the task's "
+                             "prompts (29-30 text rows, as the real checkpoints' tokenizer gives; the default), or "
+                             "every text byte by byte (96-102)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.copies, args.processes = 1, "1"
