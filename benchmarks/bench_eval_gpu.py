@@ -14,7 +14,7 @@ What it does, per backbone (``--backbones``):
    prompts the row counts of the real checkpoints' Llama 2 tokenizer, 29-30 text rows (default ``llama-pieces``:
    the byte tokenizer of the demos knowing that tokenizer's pieces of these prompts,
    ``benchmarks.models.LLAMA_POPE_PIECES``; other text stays bytes), or spells each byte as a row, 96-102
-   (``bytes``, the tokenizer of every figure recorded before 2026-11-27 night);
+   (``bytes``, the tokenizer of every figure of this benchmark recorded before 2026-11-27 night);
 2. times the image preprocessing before the vision tower: the saved folder's image processor (loaded alone, no
    model) on 16 task images through ``care_core.backbones._chat.preprocess_images``, the function
    ``ChatAdapter.preprocess`` runs, with its thread pool and with one thread;

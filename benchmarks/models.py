@@ -36,7 +36,7 @@ LLAMA_POPE_PIECES = ("USER", "Is", " there", " a", " person", " in", " the", " i
                      "oon", " dog", " car", " an", " animal", "INST", " [")  # fmt: skip
 #: the stand-in tokenizers a benchmark model may carry: every text byte by byte (the demos'), or with the pieces above
 TOKENIZER_PIECES: dict[str, tuple[str, ...]] = {"bytes": (), "llama-pieces": LLAMA_POPE_PIECES}
-DEFAULT_TOKENIZER = "bytes"  # the models' default, and the tokenizer of every figure recorded before 2026-11-27 night
+DEFAULT_TOKENIZER = "bytes"  # the models' default: every benchmark's but bench_eval_gpu's (its own until 2026-11-27)
 #: bench_eval_gpu's default from 2026-11-27 night: care eval on the task as a user runs it, whose real checkpoint
 #: gives its prompts 29-30 text rows
 TASK_TOKENIZER = "llama-pieces"
