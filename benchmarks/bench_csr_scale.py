@@ -43,6 +43,7 @@ from benchmarks.common import (
     ROOT,
     ResultsWriter,
     comma_list,
+    fail,
     fmt,
     make_parser,
     print_table,
@@ -179,10 +180,10 @@ def check_device(args: argparse.Namespace) -> int:
     if args.device == "auto":
         args.device = "cuda" if gpus else "cpu"
     if args.device.startswith("cuda") and not gpus:
-        raise SystemExit("error: no CUDA device; run with --tiny --device cpu for a smoke test")
+        raise fail("no CUDA device; run with --tiny --device cpu for a smoke test")
     wanted = max(int(p) for p in comma_list(args.processes))
     if args.device.startswith("cuda") and wanted > gpus:
-        raise SystemExit(f"error: --processes {wanted}: only {gpus} GPU(s) visible")
+        raise fail(f"--processes {wanted}: only {gpus} GPU(s) visible")
     return gpus
 
 

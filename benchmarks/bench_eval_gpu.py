@@ -62,6 +62,7 @@ from benchmarks.common import (
     ROOT,
     ResultsWriter,
     comma_list,
+    fail,
     fmt,
     make_parser,
     print_table,
@@ -349,14 +350,14 @@ def plan(args: argparse.Namespace) -> list[Run]:
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("error: no CUDA device; run with --tiny --device cpu for a smoke test")
+        raise fail("no CUDA device; run with --tiny --device cpu for a smoke test")
     unknown = [b for b in comma_list(args.backbones) if b not in BACKBONES]
     if unknown:
-        raise SystemExit(f"error: --backbones: unknown {', '.join(unknown)} (choose from {', '.join(BACKBONES)})")
+        raise fail(f"--backbones: unknown {', '.join(unknown)} (choose from {', '.join(BACKBONES)})")
     processes = [int(p) for p in comma_list(args.processes)]
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
     if args.device.startswith("cuda") and max(processes) > gpus:
-        raise SystemExit(f"error: --processes {max(processes)}: only {gpus} GPU(s) visible")
+        raise fail(f"--processes {max(processes)}: only {gpus} GPU(s) visible")
     decodings = comma_list(args.decoding)
     if args.device == "cpu":
         decodings = [d for d in decodings if d != "graphs"] or ["eager"]
