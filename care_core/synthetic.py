@@ -220,6 +220,21 @@ def _questions(rng: np.random.Generator, objects: Sequence[SceneObject], height:
     return out
 
 
+def _scene_rng(seed: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), int(index), 7919])
+
+
+def _drawn_size(rng: np.random.Generator) -> tuple[int, int]:
+    """The scene's (height, width): the first draw of its generator."""
+    return IMAGE_SIZES[int(rng.integers(0, len(IMAGE_SIZES)))]
+
+
+def scene_size(seed: int, index: int) -> tuple[int, int]:
+    """The (height, width) that ``make_scene(seed, index)`` draws, without drawing the scene (to lay out storage for
+    a pool of scenes before they are drawn)."""
+    return _drawn_size(_scene_rng(seed, index))
+
+
 def make_scene(
     seed: int,
     index: int,
@@ -232,8 +247,8 @@ def make_scene(
     ``size`` (height, width) overrides the drawn image size; ``photos`` are candidate backgrounds (a quarter of
     the scenes use a dimmed, desaturated crop of one when given). Deterministic in ``(seed, index, size, photos)``.
     """
-    rng = np.random.default_rng([int(seed), int(index), 7919])
-    height, width = size if size is not None else IMAGE_SIZES[int(rng.integers(0, len(IMAGE_SIZES)))]
+    rng = _scene_rng(seed, index)
+    height, width = size if size is not None else _drawn_size(rng)
     background = _background(rng, height, width, photos)
     count = int(rng.integers(1, MAX_OBJECTS + 1))
     objects = _place(rng, height, width, count)

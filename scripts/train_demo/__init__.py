@@ -74,9 +74,19 @@ with a non-finite gradient are skipped (79.2% and 70.4%: not shipped). A checkpo
 choice: ``--resume`` refuses one written with another ``--size``. The held-out evaluation keeps the world's mix
 (``--eval-size``). Memory: the pool of 24,000 scenes in uint8 takes about 8 GB for ``tiny-llava``, 28-34 GB for
 NeXT, OneVision and the Qwen families, and about 82
-GB for InternVL3 (5.7 tiles of 448 px per scene on average; at 336x336 only it was 14.5 GB): InternVL3 needs
-``--pool-device cpu`` or fewer ``--scenes`` on an 80 GB card, and its steps in the 13-tile bucket feed 13 tiles per
-image through the tower.
+GB for InternVL3 (5.7 tiles of 448 px per scene on average; at 336x336 only it was 14.5 GB). Each scene is written
+into its bucket's tensor as it arrives (the sizes are known before the scenes are drawn), so the host holds the pool
+once with ``--pool-device cpu`` and not at all on the device (gathering first and stacking after took 1.9 times the
+pool: InternVL3's did not fit a 128 GB host). InternVL3 needs ``--pool-device cpu`` on an 80 GB card, and on a 141 GB
+H200 too at batch 128: its steps in the 13-tile bucket feed 13 tiles per image through the tower, 62 GB of
+activations at batch 128 (31 GB at 64) beside the 82 GB pool.
+
+Replicas. ``--replicas N`` trains N runs of one command at once, for the reproduction check: the pool is drawn once
+(in host memory), then one forked process per run trains in OUT/run-k on GPU k modulo the GPUs there (several share a
+GPU where there are fewer), each with its own checkpoint, log, summary and console file (OUT/run-k/console.txt),
+the pool moved to its device or read from the parent's host memory without a copy (``--pool-device cpu``). Runs of
+one seed differ on a GPU (its kernels are not bit-reproducible) and not on the CPU. The parent never touches CUDA and
+runs on one thread: a process forked after OpenMP ran on several threads hangs in its first parallel region.
 
 Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26; steps at 336x336, 384x384 for Qwen3-VL: a
 step at another size costs more or less with its N) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``

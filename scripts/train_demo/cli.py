@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -24,7 +27,7 @@ from care_core.synthetic import IMAGE_SIZES, POSITION
 from .buckets import POSITION_BINS, POSITION_TARGETS, Geometry, token_geometries
 from .heldout import evaluate
 from .loop import CHECKPOINT, MIRROR, RESUMED_OPTIONS, Data, Diverged, Parts, fit
-from .pool import Pool, UsageError, make_pool
+from .pool import Drawn, Pool, UsageError, make_pool
 
 #: the families this script trains (each on the world's mix of image sizes unless --size says one)
 TRAINED_FAMILIES = ("llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl", "llava-onevision", "internvl3")
@@ -110,21 +113,34 @@ def _data(pool: Pool, geometries: list[Geometry], store: torch.device) -> Data:
                 {a: feed.answer(a) for a in {a for _, _, a in pool.qas} | set(MIRROR)})  # fmt: skip
 
 
-def prepare(args: argparse.Namespace, run: Run) -> tuple[Parts, Data]:
-    """The model to train and the scene pool (on ``--pool-device``, one tensor per bucket of token geometry)."""
+def draw(args: argparse.Namespace, run: Run, image_processor: Any, geometries: list[Geometry],
+         centres: dict[tuple[int, int], np.ndarray], store: torch.device) -> Drawn:  # fmt: skip
+    """The scene pool on ``store`` (``--workers`` processes) and the seconds it took."""
+    t0 = time.perf_counter()
+    advance = run.phase(f"drawing {args.scenes} scenes ({args.workers} workers)", total=args.scenes)
+    bucket_of = {size: i for i, g in enumerate(geometries) for size in g.sizes}
+    pool = make_pool(args.scenes, args.workers, image_processor, args.size, centres, bucket_of, store, advance)
+    return Drawn(pool, time.perf_counter() - t0)
+
+
+def prepare(args: argparse.Namespace, run: Run, drawn: Drawn | None = None) -> tuple[Parts, Data]:
+    """The model to train and the scene pool (on ``--pool-device``, one tensor per bucket of token geometry): drawn
+    here, or ``drawn`` beforehand (``--replicas``: one pool for every run)."""
     from care_core.synthetic import COLOURS, SHAPES
 
     model, processor, geometries, centres = build(args, run)
-    t0 = time.perf_counter()
-    advance = run.phase(f"drawing {args.scenes} scenes ({args.workers} workers)", total=args.scenes)
     device = torch.device(args.device)
     store = device if args.pool_device == "device" else torch.device("cpu")
-    bucket_of = {size: i for i, g in enumerate(geometries) for size in g.sizes}
-    pool = make_pool(args.scenes, args.workers, processor.image_processor, args.size, centres, bucket_of, store,
-                     advance)  # fmt: skip
-    data = _data(pool, geometries, store)
+    if drawn is None:
+        drawn = draw(args, run, processor.image_processor, geometries, centres, store)
+        how = ""
+    else:  # on the CPU the tensors stay the parent's pages (a forked child reads them without a copy)
+        drawn = Drawn(replace(drawn.pool, pixels=[p.to(store) for p in drawn.pool.pixels],
+                              labels=[lab.to(store) for lab in drawn.pool.labels]), drawn.seconds)  # fmt: skip
+        how = f", drawn once for {args.replicas} runs"
+    data = _data(drawn.pool, geometries, store)
     run.log(
-        f"pool: {args.scenes} scenes, {len(pool.qas)} questions in {time.perf_counter() - t0:.1f} s; buckets "
+        f"pool: {args.scenes} scenes, {len(drawn.pool.qas)} questions in {drawn.seconds:.1f} s{how}; buckets "
         + "; ".join(f"{g.describe()} ({n} scenes)" for g, n in zip(geometries, data.scenes, strict=True))
     )
     model.to(device).train()
@@ -137,10 +153,10 @@ def prepare(args: argparse.Namespace, run: Run) -> tuple[Parts, Data]:
     return Parts(model, processor, geometries, aux, pad), data
 
 
-def train(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+def train(args: argparse.Namespace, run: Run, drawn: Drawn | None) -> dict[str, Any]:
     """Build, train and save the model: the float16 weights that ship and a loadable model folder."""
     spec = DEMO_BACKBONES[args.backbone]
-    parts, data = prepare(args, run)
+    parts, data = prepare(args, run, drawn)
     advance = run.phase("training", total=args.steps)
     train_s = fit(args, run.log, advance, parts, data)
     questions = len(data.qas)
@@ -244,7 +260,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints")
     parser.add_argument("--skip-eval", action="store_true", help="train and save only (evaluate with --evaluate-only)")
     parser.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", help="cuda, cpu or a torch device name (default: cuda where there is one)")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N",
+                        help="train N runs of the recipe at once from one drawn pool: one process per run, run k "
+                             "in OUT/run-k on GPU k modulo the GPUs there (two trainings from a clean state for "
+                             "the reproduction check, with one pool's drawing and host memory)")  # fmt: skip
     parser.add_argument("--vision-attention", metavar="IMPL",
                         help=f"the vision tower's attention implementation while training: {PACKED} (Qwen2.5-VL: one "
                              "sdpa call per window length instead of one per window), flash_attention_2 where "
@@ -278,8 +298,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--position-share must be in (0, 1), got {args.position_share}")
     if args.flip and family != "llava-1.5":
         parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
-    if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1:
-        parser.error("--steps, --batch and --checkpoint-every must be at least 1")
+    if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1 or args.replicas < 1:
+        parser.error("--steps, --batch, --checkpoint-every and --replicas must be at least 1")
+    if args.replicas > 1 and args.out is None:
+        parser.error("--replicas trains: give --out DIR (or --resume DIR)")
+    args.replica = 0
     return args
 
 
@@ -294,13 +317,15 @@ def _summary(args: argparse.Namespace, argv: list[str] | None, extra: dict[str, 
             **{name: getattr(args, name) for name in RESUMED_OPTIONS}, **extra}  # fmt: skip
 
 
-def train_and_evaluate(args: argparse.Namespace, argv: list[str] | None, run: Run) -> None:
+def train_and_evaluate(args: argparse.Namespace, argv: list[str] | None, run: Run, drawn: Drawn | None) -> None:
     started = time.perf_counter()
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     run.log(f"{args.backbone}: torch {torch.__version__}, device {device_name}")
-    trained = train(args, run)
+    trained = train(args, run, drawn)
     extra = {"pool_questions": trained["pool_questions"], "device": device_name,
              "train_seconds": trained["train_seconds"], "sha256": file_sha256(trained["weights"])}  # fmt: skip
+    if args.replicas > 1:
+        extra["replica"] = f"{args.replica + 1} of {args.replicas}"
     if not args.skip_eval:
         extra[heldout_key(args.eval_size)] = evaluate(trained["folder"], args.eval, args.workers, 64, run,
                                                       args.eval_size)  # fmt: skip
@@ -323,19 +348,21 @@ def evaluate_only(args: argparse.Namespace, run: Run) -> None:
     run.record(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    if args.install_from is not None:
-        try:
-            install(args.backbone, args.install_from)
-        except UsageError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    from transformers.utils import logging as hf_logging
+def default_device() -> str:
+    """cuda where a GPU is seen, else cpu (asked only where it is needed: a process that asks CUDA before it forks
+    leaves its children unable to use it)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    hf_logging.set_verbosity_error()  # transformers' notes and bars would break the progress display
-    hf_logging.disable_progress_bar()
+
+def unusable(device: str) -> str | None:
+    """Why ``device`` cannot train here (None: it can)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {device}: no CUDA device is visible here"
+    return None
+
+
+def session(args: argparse.Namespace, argv: list[str] | None, drawn: Drawn | None = None) -> int:
+    """One run (train and evaluate, or evaluate only) in its folder, with its progress display; the exit code."""
     out = args.out if args.evaluate_only is None else args.evaluate_only
     out.mkdir(parents=True, exist_ok=True)
     run = Run(out, continued=args.resume is not None or args.evaluate_only is not None)
@@ -344,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.evaluate_only is not None:
                 evaluate_only(args, run)
             else:
-                train_and_evaluate(args, argv, run)
+                train_and_evaluate(args, argv, run, drawn)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -358,3 +385,109 @@ def main(argv: list[str] | None = None) -> int:
         print(run.interrupted(), file=sys.stderr)
         return 130
     return 0
+
+
+def _replica(args: argparse.Namespace, argv: list[str] | None, k: int, drawn: Drawn) -> int:
+    """Run k of ``--replicas`` in a forked child: OUT/run-k, GPU k modulo the GPUs (or the CPU), its output in
+    OUT/run-k/console.txt (several live progress displays on one terminal would overwrite each other)."""
+    child = argparse.Namespace(**vars(args))
+    child.out = args.out / f"run-{k}"
+    child.resume = child.out if args.resume is not None else None
+    child.replica = k
+    child.out.mkdir(parents=True, exist_ok=True)
+    device = args.device or default_device()
+    if problem := unusable(device):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if device == "cuda":
+        torch.cuda.set_device(k % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    child.device = device
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.replicas))
+    with open(child.out / "console.txt", "a", encoding="utf-8") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    return session(child, argv, drawn)
+
+
+def replicas(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--replicas N``: the pool drawn once on the CPU, then one forked process per run (``_replica``), all from the
+    same seed; waits for all of them (Ctrl-C reaches them too: each stops as one run does) and says how each ended.
+    This process never touches CUDA, so that its children can."""
+    assert args.out is not None
+    # one thread here: a child forked after this process ran OpenMP on several threads hangs in its first parallel
+    # region (GNU OpenMP, measured); this process only builds the model and gathers the workers' scenes
+    torch.set_num_threads(1)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asks NVML, which leaves no CUDA state to fork
+    if args.device is not None and (problem := unusable(args.device)):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    run = Run(args.out, continued=args.resume is not None)
+    here = argparse.Namespace(**{**vars(args), "device": "cpu"})
+    try:
+        with run.progress:
+            _, processor, geometries, centres = build(here, run)
+            drawn = draw(here, run, processor.image_processor, geometries, centres, torch.device("cpu"))
+    except KeyboardInterrupt:
+        print("interrupted: nothing saved", file=sys.stderr)
+        return 130
+    pids = []
+    for k in range(args.replicas):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(args, argv, k, drawn)
+        pids.append(pid)
+    codes = [_wait(pid) for pid in pids]
+    for k, code in enumerate(codes):
+        print(f"{args.out / f'run-{k}'}: exit code {code}", file=sys.stderr if code else sys.stdout)
+    return next((c for c in codes if c), 0)
+
+
+def _child(args: argparse.Namespace, argv: list[str] | None, k: int, drawn: Drawn) -> NoReturn:
+    """A forked child's whole life: run k, then leave without returning into the parent's frames (which would fork
+    the next runs again), an unexpected error's traceback in its console file and exit code 1."""
+    code = 1
+    try:
+        code = _replica(args, argv, k, drawn)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pid: int) -> int:
+    """A child's exit code (a signal's: 128 + its number), waiting through Ctrl-C (the children stop on it)."""
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+        except KeyboardInterrupt:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.install_from is not None:
+        try:
+            install(args.backbone, args.install_from)
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # transformers' notes and bars would break the progress display
+    hf_logging.disable_progress_bar()
+    if args.replicas > 1:
+        return replicas(args, argv)
+    args.device = args.device or default_device()
+    if problem := unusable(args.device):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return session(args, argv)

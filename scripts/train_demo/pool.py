@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from benchmarks.demo_world import TRAIN_SPLIT, load_photos
-from care_core.synthetic import COLOURS, SHAPES, label_image, make_scene
+from care_core.synthetic import COLOURS, SHAPES, label_image, make_scene, scene_size
 
 _worker: dict[str, Any] = {}
 
@@ -79,19 +79,23 @@ class Pool:
     row: list[int]
 
 
-def _stacked(arrays: list[np.ndarray | None], device: torch.device, chunk: int = 256) -> torch.Tensor:
-    """One (S_b, ...) tensor on ``device`` from the bucket's arrays, copied a chunk at a time and freed as they go
-    (the host holds the pool once, not twice)."""
-    if not arrays:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    first = arrays[0]
-    assert first is not None
-    out = torch.empty((len(arrays), *first.shape), dtype=torch.uint8, device=device)
-    for start in range(0, len(arrays), chunk):
-        part = arrays[start : start + chunk]
-        out[start : start + len(part)] = torch.from_numpy(np.stack(part))  # type: ignore[arg-type]
-        arrays[start : start + len(part)] = [None] * len(part)
-    return out
+@dataclass
+class Drawn:
+    """A drawn pool and the seconds its drawing took (``--replicas``: drawn once, before the runs start)."""
+
+    pool: Pool
+    seconds: float
+
+
+def _rows(sizes: list[tuple[int, int]], bucket_of: dict[tuple[int, int], int]) -> tuple[list[int], ...]:
+    """Per scene its bucket and its row in the bucket's tensors (scenes in index order), and per bucket its scenes."""
+    bucket = [bucket_of[size] for size in sizes]
+    filled = [0] * (max(bucket_of.values()) + 1)
+    row = []
+    for b in bucket:
+        row.append(filled[b])
+        filled[b] += 1
+    return bucket, row, filled
 
 
 def make_pool(
@@ -104,32 +108,41 @@ def make_pool(
     store: torch.device,
     advance: Callable[[int], None],
 ) -> Pool:
-    """Draw the scenes on ``workers`` forked processes and keep them on ``store``, one tensor per bucket. ``size``:
-    every scene's (height, width) (None: the world's mix); ``centres``: per image size, the (N, 2) token centres
-    (x, y) in original pixels; ``bucket_of``: per image size, its bucket."""
+    """Draw the scenes on ``workers`` forked processes into one tensor per bucket on ``store``. ``size``: every
+    scene's (height, width) (None: the world's mix); ``centres``: per image size, the (N, 2) token centres (x, y) in
+    original pixels; ``bucket_of``: per image size, its bucket.
+
+    Each scene's size is known before it is drawn (:func:`~care_core.synthetic.scene_size`), so every bucket's tensor
+    is laid out once and each scene written into its row as it arrives: the host holds the pool at most once, and
+    not at all with the pool on the GPU. (Gathering the scenes first and stacking them after took about twice the
+    pool in host memory: 1.9x measured, so InternVL3's 82 GB pool did not fit a 128 GB host.)"""
     _worker.update(ip=image_processor, size=size, centres=centres)  # inherited by the forked workers
     chunk = max(1, min(64, scenes // (4 * workers)))
-    count = max(bucket_of.values()) + 1
-    pixels: list[list[np.ndarray | None]] = [[] for _ in range(count)]
-    labels: list[list[np.ndarray | None]] = [[] for _ in range(count)]
+    sizes = [size or scene_size(TRAIN_SPLIT, index) for index in range(scenes)]
+    bucket, row, filled = _rows(sizes, bucket_of)
+    pixels: list[torch.Tensor | None] = [None] * len(filled)
+    labels: list[torch.Tensor | None] = [None] * len(filled)
     qas: list[tuple[int, str, str]] = []
     types: list[str] = []
-    bucket, row = [0] * scenes, [0] * scenes
     with mp.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
         for index, array, label, questions, drawn in pool.imap(_make, range(scenes), chunksize=chunk):
-            b = bucket_of[drawn]
-            first = pixels[b][0] if pixels[b] else None
-            if first is not None and array.shape != first.shape:
+            b = bucket[index]
+            assert drawn == sizes[index], f"scene {index} was drawn at {drawn}, not at its scene_size {sizes[index]}"
+            into, labels_into = pixels[b], labels[b]
+            if into is None or labels_into is None:  # the bucket's first scene gives its tensors' shapes
+                into = pixels[b] = torch.empty((filled[b], *array.shape), dtype=torch.uint8, device=store)
+                labels_into = labels[b] = torch.empty((filled[b], *label.shape), dtype=torch.uint8, device=store)
+            elif tuple(into.shape[1:]) != array.shape:
                 raise UsageError(f"scene {index}'s processor output {array.shape} differs from that of the first "
-                                 f"{drawn[0]}x{drawn[1]} scene, {first.shape}")  # fmt: skip
-            bucket[index], row[index] = b, len(pixels[b])
-            pixels[b].append(array)
-            labels[b].append(label)
+                                 f"{drawn[0]}x{drawn[1]} scene, {tuple(into.shape[1:])}")  # fmt: skip
+            into[row[index]] = torch.from_numpy(array)
+            labels_into[row[index]] = torch.from_numpy(label)
             qas.extend((index, q, a) for q, a, _ in questions)
             types.extend(t for _, _, t in questions)
             advance(1)
-    return Pool([_stacked(p, store) for p in pixels], [_stacked(lab, store) for lab in labels], qas, types, bucket,
-                row)  # fmt: skip
+    empty = torch.empty(0, dtype=torch.uint8, device=store)
+    return Pool([empty if p is None else p for p in pixels], [empty if lab is None else lab for lab in labels], qas,
+                types, bucket, row)  # fmt: skip
 
 
 class Normaliser:

@@ -20,6 +20,7 @@ from care_core.synthetic import (
     iter_questions,
     label_image,
     make_scene,
+    scene_size,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +33,13 @@ def test_scenes_are_deterministic_per_seed_and_index() -> None:
     other = make_scene(1, 7, photos=PHOTOS)  # the held-out split: another seed, other scenes
     assert other.image.tobytes() != a.image.tobytes()
     assert make_scene(0, 8).image.tobytes() != make_scene(0, 7).image.tobytes()
+
+
+def test_scene_size_is_the_size_of_the_image_make_scene_draws() -> None:
+    for seed in (0, 1):
+        sizes = [scene_size(seed, index) for index in range(40)]
+        assert sizes == [make_scene(seed, index).image.size[::-1] for index in range(40)]  # PIL: (width, height)
+        assert len(set(sizes)) > 3  # the world's mix, not one size
 
 
 @pytest.mark.parametrize("index", range(12))

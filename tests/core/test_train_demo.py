@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,7 +134,7 @@ def test_base_view_position_targets_ignore_the_other_views_tokens() -> None:
 def test_ctrl_c_in_training_stops_with_one_line_and_130(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def prepare(args: Any, run: Any) -> tuple[Any, Any]:
+    def prepare(args: Any, run: Any, drawn: Any = None) -> tuple[Any, Any]:
         run.log("pool: 8 scenes")  # set-up done, log written
         return None, None
 
@@ -145,6 +149,44 @@ def test_ctrl_c_in_training_stops_with_one_line_and_130(
     assert err.splitlines() == [f"interrupted; saved so far: {tmp_path / 'log.txt'}"]
     assert "pool: 8 scenes" in (tmp_path / "log.txt").read_text()
     assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("replicas", ["1", "2"])
+def test_cuda_where_none_is_visible_is_one_line_and_exit_2_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], replicas: str
+) -> None:
+    code = cli.main(["--out", str(tmp_path / "run"), "--device", "cuda", "--replicas", replicas])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --device cuda: no CUDA device is visible here"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_replicas_share_one_pool_and_each_trains_the_run_alone(tmp_path: Path) -> None:
+    """``--replicas 2`` on the CPU (bit-reproducible there): both forked runs give the weights of the same command
+    without replicas, each in its own folder with its own log and summary, from one drawing of the pool."""
+    options = ["--backbone", "tiny-llava", "--scenes", "2", "--workers", "1", "--batch", "2", "--steps", "2",
+               "--device", "cpu", "--skip-eval"]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    # the replicas run on cpu_count // 2 threads each: the run alone on as many (float sums depend on the split)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+
+    def train(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "scripts.train_demo", "--out", str(out), *options, *extra]
+        return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+
+    both, alone = train(tmp_path / "both", "--replicas", "2"), train(tmp_path / "alone")
+    assert both.returncode == 0 and alone.returncode == 0, both.stderr + alone.stderr
+    assert [line for line in both.stdout.splitlines() if "exit code" in line] == [
+        f"{tmp_path / 'both' / f'run-{k}'}: exit code 0" for k in (0, 1)
+    ]
+    expected = json.loads((tmp_path / "alone" / "tiny-llava.json").read_text())["sha256"]
+    for k in (0, 1):
+        run = tmp_path / "both" / f"run-{k}"
+        summary = json.loads((run / "tiny-llava.json").read_text())
+        assert (summary["sha256"], summary["replica"]) == (expected, f"{k + 1} of 2")
+        assert "drawn once for 2 runs" in (run / "log.txt").read_text()
+        assert (run / "model" / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------ one backbone, a few scenes, CPU
