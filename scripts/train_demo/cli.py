@@ -246,12 +246,16 @@ def _options(parser: argparse.ArgumentParser) -> None:
                              "the shipped recipe")  # fmt: skip
 
 
+def trainable() -> list[str]:
+    """The demos this script trains: those whose registry record names a weights file, of :data:`TRAINED_FAMILIES`."""
+    return sorted(n for n, s in DEMO_BACKBONES.items() if s.weights and s.family in TRAINED_FAMILIES)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     from . import __doc__ as doc
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    trainable = sorted(n for n, s in DEMO_BACKBONES.items() if s.weights and s.family in TRAINED_FAMILIES)
-    parser.add_argument("--backbone", default="tiny-llava", choices=trainable)
+    parser.add_argument("--backbone", default="tiny-llava", choices=trainable())
     parser.add_argument("--out", type=Path, help="output folder (train, then evaluate unless --skip-eval)")
     parser.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its checkpoint")
     parser.add_argument("--evaluate-only", type=Path, metavar="DIR", help="evaluate the model trained in DIR")
