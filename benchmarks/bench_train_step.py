@@ -5,7 +5,7 @@
     python -m benchmarks.bench_train_step --quick --device cpu             # batch 2, a few steps, on the CPU
 
 For each backbone, batch size and place of the scene pool (``device``: on the GPU; ``cpu``: host memory, one batch
-copied per step), it times the trainer's own step (``loop.draw_batch``, ``forward``, ``losses``, ``update``) in two
+copied per step), it times the trainer's own step (``scripts.train_demo.loop.train_step``, what ``fit`` runs) in two
 phases: the bucket of fewest tokens, which is every shipped recipe's warm-up bucket (InternVL3's one 448 px tile,
 the other families' 336x336), at step 0 (all tokens); and the world's mix (a bucket drawn per step by its share of
 the pool) at the middle of a run (half the steps feed a token subset). Each time is the mean of synchronised steps
@@ -18,12 +18,21 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ResultsWriter, comma_list, fail, fmt, host, make_parser, pick_device, print_table, stamp
+from benchmarks.common import (
+    Clock,
+    ResultsWriter,
+    comma_list,
+    fail,
+    fmt,
+    host,
+    make_parser,
+    pick_device,
+    print_table,
+    stamp,
+)
 
 BACKBONES = ("tiny-internvl3", "tiny-llava-onevision")  # the two demos still short of their target (issue #24)
 PHASES = ("warm-up", "mix")  # the bucket of fewest tokens at step 0; the world's mix mid-run
@@ -40,62 +49,53 @@ def _phase(args: argparse.Namespace, parts: Any, phase: str) -> int:
 
 
 def time_steps(args: argparse.Namespace, parts: Any, data: Any, phase: str, steps: tuple[int, int]) -> dict[str, Any]:
-    """Mean seconds of ``steps[1]`` synchronised steps after ``steps[0]`` untimed ones, and the peak GPU memory."""
+    """Mean seconds of ``steps[1]`` trainer steps after ``steps[0]`` untimed ones, and the phase's peak GPU memory."""
     import torch
-    import torch.nn.functional as F
 
-    from scripts.train_demo import loop
+    from scripts.train_demo.loop import optimiser, train_step
 
     step = _phase(args, parts, phase)
-    opt, params = loop.optimiser(args, parts)
+    opt, params = optimiser(args, parts)
     gen = torch.Generator().manual_seed(0)
-    cuda = parts.aux.weight.device.type == "cuda"
+    device = parts.aux.weight.device
+    clock = Clock(device)
 
-    def one() -> None:
-        b = loop.draw_batch(args, step, gen, data, parts)
-        logits, dense = loop.forward(parts, data, b)
-        answer_loss = F.cross_entropy(logits.float()[b.target], b.text[b.target])
-        loop.update(opt, params, answer_loss + args.aux_weight * loop.losses(parts, data, b, dense))
+    def run(count: int) -> None:
+        for _ in range(count):
+            train_step(args, step, gen, data, parts, opt, params)
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps[0]):
-        one()
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps[1]):
-        one()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / steps[1]
-    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
-    return {"s_per_step": round(seconds, 4), "samples_per_s": round(args.batch / seconds, 1),
-            "peak_gpu_gb": None if peak is None else round(peak, 1)}  # fmt: skip
-
-
-def on_the_host(data: Any) -> Any:
-    """The pool moved to host memory, as ``--pool-device cpu`` keeps it."""
-    return replace(data, pixels=[p.cpu() for p in data.pixels], labels=[lab.cpu() for lab in data.labels],
-                   row_of=data.row_of.cpu())  # fmt: skip
+    if clock.cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    run(steps[0])
+    clock.sync()
+    seconds = clock.once(lambda: run(steps[1])) / 1e3 / steps[1]
+    peak = round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if clock.cuda else None
+    return {"s_per_step": round(seconds, 4), "samples_per_s": round(args.batch / seconds, 1), "peak_gpu_gb": peak}
 
 
 def measure(backbone: str, options: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
-    """Every (batch, pool, phase) of one backbone, from one drawn pool."""
+    """Every (batch, pool, phase) of one backbone, from one drawn pool (``cli.prepare`` moves it where each pool
+    setting keeps it, as ``--replicas`` does)."""
+    import torch
+
     from scripts.train_demo import cli
 
     out = Path(tempfile.mkdtemp(prefix="care-train-step-"))
     args = cli.parse(["--backbone", backbone, "--out", str(out), "--scenes", str(options.scenes), "--workers",
                       str(options.workers), "--device", str(device), "--steps", "1000"])  # fmt: skip
-    parts, data = cli.prepare(args, cli.Run(out))
-    pools = {"device": data, "cpu": on_the_host(data) if "cpu" in options.pools else None}
+    run = cli.Run(out)
+    _, processor, geometries, centres = cli.build(args, run)
+    drawn = cli.draw(args, run, processor.image_processor, geometries, centres, torch.device("cpu"))
     rows = []
-    for batch in options.batches:
-        args.batch = batch
-        for pool in options.pools:
+    for pool in options.pools:
+        args.pool_device = pool
+        parts, data = cli.prepare(args, run, drawn)
+        for batch in options.batches:
+            args.batch = batch
             for phase in PHASES:
-                timed = time_steps(args, parts, pools[pool], phase, options.steps[phase])
+                timed = time_steps(args, parts, data, phase, options.steps[phase])
                 rows.append({"backbone": backbone, "batch": batch, "pool": pool, "phase": phase, **timed})
+        del parts, data
     return rows
 
 

@@ -11,7 +11,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -135,9 +134,8 @@ def prepare(args: argparse.Namespace, run: Run, drawn: Drawn | None = None) -> t
         drawn = draw(args, run, processor.image_processor, geometries, centres, store)
         how = ""
     else:  # on the CPU the tensors stay the parent's pages (a forked child reads them without a copy)
-        drawn = Drawn(replace(drawn.pool, pixels=[p.to(store) for p in drawn.pool.pixels],
-                              labels=[lab.to(store) for lab in drawn.pool.labels]), drawn.seconds)  # fmt: skip
-        how = f", drawn once for {args.replicas} runs"
+        drawn = Drawn(drawn.pool.to(store), drawn.seconds)
+        how = f", drawn once for {args.replicas} runs" if args.replicas > 1 else ", drawn beforehand"
     data = _data(drawn.pool, geometries, store)
     run.log(
         f"pool: {args.scenes} scenes, {len(drawn.pool.qas)} questions in {drawn.seconds:.1f} s{how}; buckets "

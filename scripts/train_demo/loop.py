@@ -327,6 +327,25 @@ def update(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: t
     return True
 
 
+def train_step(
+    args: argparse.Namespace,
+    step: int,
+    gen: torch.Generator,
+    data: Data,
+    parts: Parts,
+    opt: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+) -> tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """One step of the recipe (what ``fit`` runs and ``benchmarks.bench_train_step`` times): the step's batch, its
+    logits, answer and auxiliary losses, and whether the optimiser stepped (not on a non-finite gradient)."""
+    b = draw_batch(args, step, gen, data, parts)
+    logits, dense = forward(parts, data, b)
+    aux_loss = losses(parts, data, b, dense)
+    answer_loss = F.cross_entropy(logits.float()[b.target], b.text[b.target])
+    updated = update(opt, params, answer_loss + args.aux_weight * aux_loss)
+    return b, logits, answer_loss, aux_loss, updated
+
+
 def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[[int], None], parts: Parts,
         data: Data) -> float:  # fmt: skip
     """The training loop from the checkpoint in ``args.out`` (``--resume``) or step 0; returns the seconds trained
@@ -345,11 +364,8 @@ def fit(args: argparse.Namespace, log: Callable[[str], None], advance: Callable[
     for step in range(start, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(args, step)
-        b = draw_batch(args, step, gen, data, parts)
-        logits, dense = forward(parts, data, b)
-        aux_loss = losses(parts, data, b, dense)
-        answer_loss = F.cross_entropy(logits.float()[b.target], b.text[b.target])
-        if not update(opt, params, answer_loss + args.aux_weight * aux_loss):
+        b, logits, answer_loss, aux_loss, updated = train_step(args, step, gen, data, parts, opt, params)
+        if not updated:
             skipped[b.bucket] = skipped.get(b.bucket, 0) + 1
             log(f"step {step:5d}  skipped: non-finite gradient (bucket {parts.buckets[b.bucket].name}; k {b.k})")
         advance(1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -77,6 +77,10 @@ class Pool:
     types: list[str]
     bucket: list[int]
     row: list[int]
+
+    def to(self, store: torch.device) -> Pool:
+        """The pool with its tensors on ``store`` (on the CPU, a CPU pool's own tensors: no copy)."""
+        return replace(self, pixels=[p.to(store) for p in self.pixels], labels=[lab.to(store) for lab in self.labels])
 
 
 @dataclass
