@@ -78,9 +78,18 @@ def pick_device(name: str) -> Any:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise fail(f"--device {name}: no CUDA device here (use --device cpu)")
+    if problem := missing_cuda(name):
+        raise fail(problem)
     return device
+
+
+def missing_cuda(name: str) -> str | None:
+    """Why ``--device name`` cannot run here: CUDA asked for where none is visible (None: it can)."""
+    import torch
+
+    if name.split(":")[0] == "cuda" and not torch.cuda.is_available():
+        return f"--device {name}: no CUDA device here (use --device cpu)"
+    return None
 
 
 # ----------------------------------------------------------------------------------------- results

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from benchmarks.common import missing_cuda
 from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, file_sha256, read_manifest, weights_dir
 from care_core.backbones.loading import adapter_for_model
 from care_core.backbones.packed_attention import use_packed_vision_attention
@@ -356,13 +357,6 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def unusable(device: str) -> str | None:
-    """Why ``device`` cannot train here (None: it can)."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return f"--device {device}: no CUDA device is visible here"
-    return None
-
-
 def session(args: argparse.Namespace, argv: list[str] | None, drawn: Drawn | None = None) -> int:
     """One run (train and evaluate, or evaluate only) in its folder, with its progress display; the exit code."""
     out = args.out if args.evaluate_only is None else args.evaluate_only
@@ -398,7 +392,7 @@ def _replica(args: argparse.Namespace, argv: list[str] | None, k: int, drawn: Dr
     child.replica = k
     child.out.mkdir(parents=True, exist_ok=True)
     device = args.device or default_device()
-    if problem := unusable(device):
+    if problem := missing_cuda(device):
         print(f"error: {problem}", file=sys.stderr)
         return 2
     if device == "cuda":
@@ -421,7 +415,7 @@ def replicas(args: argparse.Namespace, argv: list[str] | None) -> int:
     # region (GNU OpenMP, measured); this process only builds the model and gathers the workers' scenes
     torch.set_num_threads(1)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asks NVML, which leaves no CUDA state to fork
-    if args.device is not None and (problem := unusable(args.device)):
+    if args.device is not None and (problem := missing_cuda(args.device)):
         print(f"error: {problem}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
@@ -489,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas > 1:
         return replicas(args, argv)
     args.device = args.device or default_device()
-    if problem := unusable(args.device):
+    if problem := missing_cuda(args.device):
         print(f"error: {problem}", file=sys.stderr)
         return 2
     return session(args, argv)

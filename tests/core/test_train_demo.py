@@ -158,7 +158,7 @@ def test_cuda_where_none_is_visible_is_one_line_and_exit_2_before_any_work(
 ) -> None:
     code = cli.main(["--out", str(tmp_path / "run"), "--device", "cuda", "--replicas", replicas])
     assert code == 2
-    assert capsys.readouterr().err.splitlines() == ["error: --device cuda: no CUDA device is visible here"]
+    assert capsys.readouterr().err.splitlines() == ["error: --device cuda: no CUDA device here (use --device cpu)"]
     assert not (tmp_path / "run").exists()
 
 
