@@ -391,10 +391,7 @@ def _replica(args: argparse.Namespace, argv: list[str] | None, k: int, drawn: Dr
     child.resume = child.out if args.resume is not None else None
     child.replica = k
     child.out.mkdir(parents=True, exist_ok=True)
-    device = args.device or default_device()
-    if problem := missing_cuda(device):
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    device = args.device or default_device()  # main has refused a --device that cannot run here
     if device == "cuda":
         torch.cuda.set_device(k % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
@@ -414,10 +411,6 @@ def replicas(args: argparse.Namespace, argv: list[str] | None) -> int:
     # one thread here: a child forked after this process ran OpenMP on several threads hangs in its first parallel
     # region (GNU OpenMP, measured); this process only builds the model and gathers the workers' scenes
     torch.set_num_threads(1)
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asks NVML, which leaves no CUDA state to fork
-    if args.device is not None and (problem := missing_cuda(args.device)):
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args.out, continued=args.resume is not None)
     here = argparse.Namespace(**{**vars(args), "device": "cpu"})
@@ -480,10 +473,12 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()  # transformers' notes and bars would break the progress display
     hf_logging.disable_progress_bar()
+    if args.replicas > 1:  # CUDA asked through NVML, which leaves no CUDA state for the replicas to inherit
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if args.device is not None and (problem := missing_cuda(args.device)):  # one check, before any work
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.replicas > 1:
         return replicas(args, argv)
     args.device = args.device or default_device()
-    if problem := missing_cuda(args.device):
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     return session(args, argv)
