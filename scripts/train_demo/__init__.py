@@ -108,10 +108,11 @@ Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (tw
 and 85.8%); ``--backbone tiny-qwen3-vl`` (the recipe as it stands, mixed sizes; two runs: 96.0% and 97.0%);
 ``--backbone tiny-llava-next --warm-size 336x336 --warm-share 0.4`` (86.8%; position questions 60%, leaning to
 "left" and "top" at every size; a second run of 2026-11-27 answered 80.6%, position 56%: NeXT's training is noisy);
-``--backbone tiny-llava-onevision --warm-size 336x336 --warm-share 0.4 --position-share 0.4 --steps 6000`` (two
-replicas, one per H200 of a 2-GPU host, 978 s each: 90.4% shipped and 84.4%, position 66% and 60%; 6 points apart, so
-not yet reproduced within 2; ``benchmarks/results/2026-11-28-gpu-2xh200-train_demo-sweep5.json``; the same options
-without the position share, 5000 steps: 82.6% and 81.8%, position 51% and 47%, sweep2). ``--position-targets
+``--backbone tiny-llava-onevision --warm-size 336x336 --warm-share 0.3 --position-share 0.4 --steps 8000`` (two
+replicas, one per H200 of a 4-GPU host, 1405 s each: 95.2% shipped and 90.0%, position 91% and 66%; 5.2 points
+apart, so not yet reproduced within 2; ``benchmarks/results/2026-11-28-gpu-4xh200-train_demo-sweep6.json``; with
+``--warm-share 0.4 --steps 6000``: 90.4% and 84.4%, sweep5; without the position share, 5000 steps: 82.6% and 81.8%,
+position 51% and 47%, sweep2). ``--position-targets
 base-view`` (the dense loss asks only the base view's tokens for their row and column) did not help NeXT: 81.6% and
 75.8% at 336x336, 81.8% mixed with the warm-up.
 
@@ -131,9 +132,11 @@ in 5000 steps. With NeXT's warm-up as well (``--backbone tiny-qwen2.5-vl --visio
 99% and 86%): the shipped ``tiny-qwen2.5-vl``. The same warm-up (one 448 px tile) and share on InternVL3
 (``--backbone tiny-internvl3 --warm-size 448x448 --warm-share 0.4 --pool-device cpu --position-share 0.4``; two runs,
 one per H200 of a 4-GPU host, 1192 s each, ``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-sweep4.json``)
-answered 80.8% and 80.2% ("is there" 62% and 57% its weakest type): the shipped ``tiny-internvl3``, below 85%. On
-OneVision at 5000 steps (``--warm-size 336x336 --warm-share 0.4 --pool-device cpu --position-share 0.4``) it answered
-82.0% and 73.0%, position 64% and 49%; with 6000 steps, the shipped run above.
+answered 80.8% and 80.2% ("is there" 62% and 57% its weakest type): the shipped ``tiny-internvl3``, below 85%; a
+longer warm-up (``--warm-share 0.55 --position-share 0.3 --steps 6000``, sweep6, 1115 s each) answered 90.2% ("is
+there" 88%) and 77.6%, not installed yet. On OneVision at 5000 steps (``--warm-size 336x336 --warm-share 0.4
+--pool-device cpu --position-share 0.4``) it answered 82.0% and 73.0%, position 64% and 49%; with 8000 steps, the
+shipped run above.
 
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,
