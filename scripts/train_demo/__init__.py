@@ -132,11 +132,11 @@ in 5000 steps. With NeXT's warm-up as well (``--backbone tiny-qwen2.5-vl --visio
 99% and 86%): the shipped ``tiny-qwen2.5-vl``. The same warm-up (one 448 px tile) and share on InternVL3
 (``--backbone tiny-internvl3 --warm-size 448x448 --warm-share 0.4 --pool-device cpu --position-share 0.4``; two runs,
 one per H200 of a 4-GPU host, 1192 s each, ``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-sweep4.json``)
-answered 80.8% and 80.2% ("is there" 62% and 57% its weakest type): the shipped ``tiny-internvl3``, below 85%; a
-longer warm-up (``--warm-share 0.55 --position-share 0.3 --steps 6000``, sweep6, 1115 s each) answered 90.2% ("is
-there" 88%) and 77.6%, not installed yet. On OneVision at 5000 steps (``--warm-size 336x336 --warm-share 0.4
---pool-device cpu --position-share 0.4``) it answered 82.0% and 73.0%, position 64% and 49%; with 8000 steps, the
-shipped run above.
+answered 80.8% and 80.2% ("is there" 62% and 57% its weakest type), below 85%; a longer warm-up
+(``--warm-share 0.55 --position-share 0.3 --steps 6000``, sweep6, 1115 s each) answered 90.2% ("is there" 88%) and
+77.6%, 12.6 points apart: the first is the shipped ``tiny-internvl3``. On OneVision at 5000 steps (``--warm-size
+336x336 --warm-share 0.4 --pool-device cpu --position-share 0.4``) it answered 82.0% and 73.0%, position 64% and 49%;
+with 8000 steps, the shipped run above.
 
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,
