@@ -87,6 +87,8 @@ GPU where there are fewer), each with its own checkpoint, log, summary and conso
 the pool moved to its device or read from the parent's host memory without a copy (``--pool-device cpu``). Runs of
 one seed differ on a GPU (its kernels are not bit-reproducible) and not on the CPU. The parent never touches CUDA and
 runs on one thread: a process forked after OpenMP ran on several threads hangs in its first parallel region.
+``--sequential`` runs them one after another instead, from the same drawing, the next once the last ended with exit
+code 0 (InternVL3's pair on one H200, whose memory holds one run's steps at batch 128).
 
 Cost. On the CPU (float32, one thread, batch 8 and 16, 2026-11-26; steps at 336x336, 384x384 for Qwen3-VL: a
 step at another size costs more or less with its N) a LLaVA-NeXT step costs about 3.0 ``tiny-llava``

@@ -268,6 +268,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="train N runs of the recipe at once from one drawn pool: one process per run, run k "
                              "in OUT/run-k on GPU k modulo the GPUs there (two trainings from a clean state for "
                              "the reproduction check, with one pool's drawing and host memory)")  # fmt: skip
+    parser.add_argument("--sequential", action="store_true",
+                        help="with --replicas: the runs one after another instead of at once (a GPU with memory "
+                             "for one run), still from the one drawn pool")  # fmt: skip
     parser.add_argument("--vision-attention", metavar="IMPL",
                         help=f"the vision tower's attention implementation while training: {PACKED} (Qwen2.5-VL: one "
                              "sdpa call per window length instead of one per window), flash_attention_2 where "
@@ -305,6 +308,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--steps, --batch, --checkpoint-every and --replicas must be at least 1")
     if args.replicas > 1 and args.out is None:
         parser.error("--replicas trains: give --out DIR (or --resume DIR)")
+    if args.sequential and args.replicas < 2:
+        parser.error("--sequential orders the runs of --replicas N: give N of at least 2")
     args.replica = 0
     return args
 
@@ -405,8 +410,8 @@ def _replica(args: argparse.Namespace, argv: list[str] | None, k: int, drawn: Dr
 
 def replicas(args: argparse.Namespace, argv: list[str] | None) -> int:
     """``--replicas N``: the pool drawn once on the CPU, then one forked process per run (``_replica``), all from the
-    same seed; waits for all of them (Ctrl-C reaches them too: each stops as one run does) and says how each ended.
-    This process never touches CUDA, so that its children can."""
+    same seed, at once or (``--sequential``) one after another; waits for all of them (Ctrl-C reaches them too: each
+    stops as one run does) and says how each ended. This process never touches CUDA, so that its children can."""
     assert args.out is not None
     # one thread here: a child forked after this process ran OpenMP on several threads hangs in its first parallel
     # region (GNU OpenMP, measured); this process only builds the model and gathers the workers' scenes
@@ -421,15 +426,20 @@ def replicas(args: argparse.Namespace, argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing saved", file=sys.stderr)
         return 130
-    pids = []
+    pids, codes = [], []
     for k in range(args.replicas):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             _child(args, argv, k, drawn)
-        pids.append(pid)
-    codes = [_wait(pid) for pid in pids]
+        if args.sequential:  # the next run starts when this one has ended well (not after Ctrl-C or an error)
+            codes.append(_wait(pid))
+            if codes[-1]:
+                break
+        else:
+            pids.append(pid)
+    codes += [_wait(pid) for pid in pids]
     for k, code in enumerate(codes):
         print(f"{args.out / f'run-{k}'}: exit code {code}", file=sys.stderr if code else sys.stdout)
     return next((c for c in codes if c), 0)

@@ -63,11 +63,11 @@ def _same(batched: ImageResult, alone: ImageResult) -> None:
         assert got.answer.visual_tokens == ref.answer.visual_tokens, where
 
 
-@pytest.mark.parametrize("order", [[2, 0, 1], list(range(8))], ids=["3-shuffled", "8"])
 def test_a_batch_gives_every_image_what_it_gets_alone(
-    batch_one: tuple[ReductionPipeline, list[ImageResult]], images: list[Any], order: list[int]
+    batch_one: tuple[ReductionPipeline, list[ImageResult]], images: list[Any]
 ) -> None:
     pipe, alone = batch_one
+    order = [5, 2, 7, 0, 3, 6, 1, 4]  # all eight sizes, shuffled: results come back in the order given
     assert len(pipe.methods) >= 4  # the demo serves several methods (all 16 on the LLaVA demos)
     out = pipe.run_batch([images[i] for i in order], [QUESTIONS[i] for i in order], BUDGETS, csr=True,
                          generate=True, max_new_tokens=NEW_TOKENS)  # fmt: skip

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -187,6 +188,41 @@ def test_replicas_share_one_pool_and_each_trains_the_run_alone(tmp_path: Path) -
         assert (summary["sha256"], summary["replica"]) == (expected, f"{k + 1} of 2")
         assert "drawn once for 2 runs" in (run / "log.txt").read_text()
         assert (run / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("failing", [None, 0])
+def test_sequential_replicas_run_one_after_another_and_stop_at_a_failed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failing: int | None
+) -> None:
+    events = tmp_path / "events"
+
+    def child(args: Any, argv: Any, k: int, drawn: Any) -> None:  # a forked run: says when it starts and ends
+        try:
+            with open(events, "a") as sink:
+                sink.write(f"start {k}\n")
+            time.sleep(0.2)  # at once, the other runs would start meanwhile
+            with open(events, "a") as sink:
+                sink.write(f"end {k}\n")
+        finally:  # never back into pytest's frames in the forked process
+            os._exit(1 if k == failing else 0)
+
+    monkeypatch.setattr(cli, "build", lambda args, run: (None, SimpleNamespace(image_processor=None), [], {}))
+    monkeypatch.setattr(cli, "draw", lambda *args: None)
+    monkeypatch.setattr(cli, "_child", child)
+    args = cli.parse(["--out", str(tmp_path / "runs"), "--replicas", "3", "--sequential", "--device", "cpu"])
+    code = cli.replicas(args, None)
+    ran = 3 if failing is None else failing + 1
+    assert events.read_text().split("\n")[:-1] == [f"{when} {k}" for k in range(ran) for when in ("start", "end")]
+    assert code == (0 if failing is None else 1)
+    said = capsys.readouterr()
+    assert (said.out + said.err).count("exit code") == ran
+
+
+def test_sequential_needs_replicas(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as stop:
+        cli.parse(["--out", str(tmp_path), "--sequential"])
+    assert stop.value.code == 2
+    assert "--sequential orders the runs of --replicas N" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ one backbone, a few scenes, CPU
