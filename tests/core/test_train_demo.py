@@ -209,6 +209,7 @@ def test_sequential_replicas_run_one_after_another_and_stop_at_a_failed_run(
     monkeypatch.setattr(cli, "build", lambda args, run: (None, SimpleNamespace(image_processor=None), [], {}))
     monkeypatch.setattr(cli, "draw", lambda *args: None)
     monkeypatch.setattr(cli, "_child", child)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # the parent's one thread: not this process's
     args = cli.parse(["--out", str(tmp_path / "runs"), "--replicas", "3", "--sequential", "--device", "cpu"])
     code = cli.replicas(args, None)
     ran = 3 if failing is None else failing + 1
