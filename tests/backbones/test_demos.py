@@ -443,7 +443,9 @@ def heldout(demo: Any) -> list[tuple[Any, ImageTokens]]:
     return [(qa, demo.encode_image(scene.image)) for scene, qa in iter_questions(1, HELDOUT_SAMPLE, photos=photos)]
 
 
-def _first_words(adapter: Any, sample: list[tuple[Any, ImageTokens]], methods: list[str], keep: int = 64) -> Any:
+def _first_words(
+    adapter: Any, sample: list[tuple[Any, ImageTokens]], methods: list[str], keep: int = 64
+) -> tuple[list[str], dict[str, list[str]]]:
     """The first word of every answer (all tokens, and each method at K = ``keep``), on the library's batched path:
     one :meth:`~care_core.pipeline.ReductionPipeline.run_batch` over the sample, whose answers are per image those of
     ``care reduce --generate`` on it alone (tests/core/test_pipeline_batch.py)."""
