@@ -108,13 +108,15 @@ the arithmetic rather than by launches, it packs too but gains nothing measurabl
 
 Shipped weights: ``--backbone tiny-llava --out DIR --workers 8`` on one H200 (two runs side by side: held-out 86.6%
 and 85.8%); ``--backbone tiny-qwen3-vl`` (the recipe as it stands, mixed sizes; two runs: 96.0% and 97.0%);
-``--backbone tiny-llava-next --warm-size 336x336 --warm-share 0.4`` (86.8%; position questions 60%, leaning to
-"left" and "top" at every size; a second run of 2026-11-27 answered 80.6%, position 56%: NeXT's training is noisy);
-``--backbone tiny-llava-onevision --warm-size 336x336 --warm-share 0.3 --position-share 0.4 --steps 8000`` (two
-replicas, one per H200 of a 4-GPU host, 1405 s each: 95.2% shipped and 90.0%, position 91% and 66%; 5.2 points
-apart, so not yet reproduced within 2; ``benchmarks/results/2026-11-28-gpu-4xh200-train_demo-sweep6.json``; with
-``--warm-share 0.4 --steps 6000``: 90.4% and 84.4%, sweep5; without the position share, 5000 steps: 82.6% and 81.8%,
-position 51% and 47%, sweep2). ``--position-targets
+``--backbone tiny-llava-next --warm-size 336x336 --warm-share 0.4 --position-share 0.4`` (85.6% and 84.2%, below;
+without ``--position-share``: 86.8%, position questions 60%, leaning to "left" and "top" at every size, and a second
+run of 2026-11-27 80.6%, position 56%: NeXT's training is noisy);
+``--backbone tiny-llava-onevision --warm-size 336x336 --warm-share 0.3 --position-share 0.5 --steps 8400`` (two
+replicas, sweep7, 1585 s and 1468 s: 93.2% shipped and 92.8%, 0.4 points apart;
+``benchmarks/results/2026-11-28-gpu-h200-train_demo-sweep7-finished.json`` and
+``2026-11-29-gpu-h200-train_demo-sweep7-second-replica.json``; with ``--position-share 0.4 --steps 8000``: 95.2% and
+90.0%, position 91% and 66%, sweep6; with ``--warm-share 0.4 --steps 6000``: 90.4% and 84.4%, sweep5; without the
+position share, 5000 steps: 82.6% and 81.8%, position 51% and 47%, sweep2). ``--position-targets
 base-view`` (the dense loss asks only the base view's tokens for their row and column) did not help NeXT: 81.6% and
 75.8% at 336x336, 81.8% mixed with the warm-up.
 
@@ -136,9 +138,10 @@ in 5000 steps. With NeXT's warm-up as well (``--backbone tiny-qwen2.5-vl --visio
 one per H200 of a 4-GPU host, 1192 s each, ``benchmarks/results/2026-11-27-gpu-4xh200-train_demo-sweep4.json``)
 answered 80.8% and 80.2% ("is there" 62% and 57% its weakest type), below 85%; a longer warm-up
 (``--warm-share 0.55 --position-share 0.3 --steps 6000``, sweep6, 1115 s each) answered 90.2% ("is there" 88%) and
-77.6%, 12.6 points apart: the first is the shipped ``tiny-internvl3``. On OneVision at 5000 steps (``--warm-size
+77.6%, 12.6 points apart; with ``--steps 7200`` (sweep7, 1674 s and 1669 s) 91.4% and 91.2%: the first is the shipped
+``tiny-internvl3``. On OneVision at 5000 steps (``--warm-size
 336x336 --warm-share 0.4 --pool-device cpu --position-share 0.4``) it answered 82.0% and 73.0%, position 64% and 49%;
-with 8000 steps, the shipped run above.
+with 8000 and 8400 steps, the runs above.
 
 Measured variant, not shipped (``--subset-share 0 --flip``: all visual tokens in every step, as a real VLM is
 trained, and mirrored images; two runs of seed 0 side by side on one H200, 2026-11-26,
