@@ -1,10 +1,12 @@
-"""Full-size LLaVA-1.5-7B and LLaVA-NeXT-7B with seeded random weights, built directly on the device.
+"""Every family at full size with seeded random weights, built directly on the device (:data:`FULL_SIZE`).
 
-care_core ships tiny demo builders only (``care_core.backbones.demo``); the GPU benchmarks need the real shapes:
-CLIP-L/336 (24 layers), the 1024->4096->4096 GELU projector and Vicuna-7B, with the demos' byte tokenizer and
-chat templates (or, with ``tokenizer="llama-pieces"``, that tokenizer knowing the pieces the real one splits the
-shipped POPE-style prompts into). ``tiny=True`` keeps the same image geometry (576 tokens per 336x336 view) at
-tiny widths, for a smoke test on the CPU. Weights are random: timings do not depend on their values.
+care_core ships tiny demo builders only (``care_core.backbones.demo``); the GPU benchmarks need the real shapes.
+LLaVA-1.5-7B and LLaVA-NeXT-7B: CLIP-L/336 (24 layers), the 1024->4096->4096 GELU projector and Vicuna-7B, with the
+demos' byte tokenizer and chat templates (or, with ``tokenizer="llama-pieces"``, that tokenizer knowing the pieces
+the real one splits the shipped POPE-style prompts into). ``tiny=True`` keeps the same image geometry (576 tokens
+per 336x336 view) at tiny widths, for a smoke test on the CPU. Qwen2.5-VL-7B, Qwen3-VL-8B, LLaVA-OneVision-7B
+and InternVL3-8B: their demo's config at the flops spec's widths, with the demo's processor. Weights are random:
+timings do not depend on their values.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +113,7 @@ def build_llava_next(
     return model, processor
 
 
-# ------------------------------------------------------------------ Qwen3-VL, LLaVA-OneVision, InternVL3
+# ------------------------------------------------------------------ Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, InternVL3
 # The demo builders (care_core.backbones.demo) hold each family's geometry, token ids and processor; the full-size
 # models take the demo's config and replace its widths with the flops spec's (care_core.flops.specs.KNOWN_BACKBONES).
 
@@ -144,6 +149,21 @@ def qwen3_vl_8b_config(tiny_config: Any) -> Any:
     return _widened(tiny_config, vision, {**_text_widths(spec.lm), "rope_parameters": rope})
 
 
+def qwen2_5_vl_7b_config(tiny_config: Any) -> Any:
+    """Qwen2.5-VL-7B: the 32-block windowed ViT (1280 wide, full attention in blocks 7, 15, 23, 31) and the 28-layer
+    Qwen2.5-7B text model (GQA 28/4; M-RoPE sections 16/24/24 of its 64 frequencies, theta 1e6), as
+    Qwen/Qwen2.5-VL-7B-Instruct's config.json gives them (the flops spec's dims)."""
+    from care_core.flops.specs import KNOWN_BACKBONES
+
+    spec = KNOWN_BACKBONES["qwen2.5-vl-7b"]
+    vit = spec.vision
+    vision = dict(depth=vit.layers, hidden_size=vit.hidden, intermediate_size=vit.intermediate, num_heads=vit.heads,
+                  out_hidden_size=spec.projector.out_dim, window_size=vit.window_size,
+                  fullatt_block_indexes=list(vit.full_attention_layers))  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+    return _widened(tiny_config, vision, {**_text_widths(spec.lm), "rope_parameters": rope})
+
+
 def _spec_widths(tiny_config: Any, spec_name: str) -> Any:
     """``tiny_config`` at the widths of the flops spec ``spec_name``: its ViT's and its language model's."""
     from care_core.flops.specs import KNOWN_BACKBONES
@@ -167,6 +187,7 @@ def internvl3_8b_config(tiny_config: Any) -> Any:
 
 #: family -> (the flops spec, the demo builder, the full-size config from the demo's, the adapter class name)
 FAMILY_MODELS: dict[str, tuple[str, str, Any, str]] = {
+    "qwen2.5-vl": ("qwen2.5-vl-7b", "build_tiny_qwen2_5_vl", qwen2_5_vl_7b_config, "Qwen2_5_VLAdapter"),
     "qwen3-vl": ("qwen3-vl-8b", "build_tiny_qwen3_vl", qwen3_vl_8b_config, "Qwen3VLAdapter"),
     "llava-onevision": ("llava-onevision-7b", "build_tiny_llava_onevision", llava_onevision_7b_config,
                         "LlavaOnevisionAdapter"),
@@ -184,6 +205,39 @@ def build_family(family: str, device: torch.device, dtype: torch.dtype, tiny: bo
     if tiny:
         return small.to(device=device, dtype=dtype).requires_grad_(False), processor
     return _random_model(type(small), full_config(small.config), device, dtype, seed=0), processor
+
+
+@dataclass(frozen=True)
+class FullSize:
+    """One family at full size for the GPU benchmarks: its flops spec, adapter class, builder and image side."""
+
+    spec: str  # the flops spec (care_core.flops.specs.KNOWN_BACKBONES) whose dims the model takes
+    adapter: str  # the adapter class in care_core.backbones
+    side: int  # the square image side the latency gate feeds it (issue #47's table)
+    build: Callable[[torch.device, torch.dtype, bool], tuple[Any, Any]]  # (device, dtype, tiny) -> (model, processor)
+
+
+#: every family the benchmarks build at full size, in the latency gate's order
+FULL_SIZE: dict[str, FullSize] = {
+    "llava-1.5": FullSize("llava-1.5-7b", "LlavaAdapter", 336, partial(build_llava, tokenizer=TASK_TOKENIZER)),
+    "llava-next": FullSize("llava-next-7b", "LlavaNextAdapter", 672,
+                           partial(build_llava_next, tokenizer=TASK_TOKENIZER)),
+    "llava-onevision": FullSize("llava-onevision-7b", "LlavaOnevisionAdapter", 768,
+                                partial(build_family, "llava-onevision")),
+    "qwen2.5-vl": FullSize("qwen2.5-vl-7b", "Qwen2_5_VLAdapter", 1008, partial(build_family, "qwen2.5-vl")),
+    "qwen3-vl": FullSize("qwen3-vl-8b", "Qwen3VLAdapter", 1024, partial(build_family, "qwen3-vl")),
+    "internvl3": FullSize("internvl3-8b", "InternVLAdapter", 672, partial(build_family, "internvl3")),
+}  # fmt: skip
+
+
+def full_size_adapter(family: str, device: torch.device, tiny: bool = False) -> Any:
+    """The family's adapter over its full-size model (bf16 on CUDA, float32 elsewhere; ``tiny``: the small widths)."""
+    from care_core import backbones
+
+    entry = FULL_SIZE[family]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, processor = entry.build(device, dtype, tiny)
+    return getattr(backbones, entry.adapter)(model, processor, name=f"{entry.spec} (random weights)")
 
 
 def save_random_model(builder: str, folder: Path, device: str, tiny: bool, **options: Any) -> dict[str, Any]:

@@ -1,0 +1,517 @@
+"""The latency gate: how much sooner one request is answered with CaRe, on every family at full size, one GPU.
+
+    python -m benchmarks.latency                          # the six families one after another (one H200)
+    python -m benchmarks.latency --families qwen3-vl      # one family
+    python -m benchmarks.latency --part dropin            # transformers' generate through the drop-in, batch 8
+    python -m benchmarks.latency --tiny --quick --device cpu   # smoke test of this benchmark (the demo widths)
+
+``--part answers`` (the default), per family (built one at a time with random weights in bf16, ``FULL_SIZE`` in
+:mod:`benchmarks.models`; ``examples/astronaut.jpg`` resized to the family's square side): N; K = floor(N/9), and
+for LLaVA-NeXT also K = 160 (the paper's setting); then the pipeline's timed answers
+(``ReductionPipeline.time_answers``, batch 1, :data:`NEW_TOKENS` new tokens; medians of alternating rounds after a
+warm-up round that captures any CUDA graphs), once with the default decoding and once eagerly:
+
+- **first token**: ``first_token_from_features``, from the pre-projector features on the GPU to the first token on
+  the host (the method re-run without memo, the projector, the prompt, the prefill, the token's selection), all
+  tokens against CaRe; the speed-up is their ratio;
+- **prefill**: the first token from the projected rows (prompt assembly, prefill, selection) with all N tokens and
+  with K, against its floor max(FLOPs / :data:`PEAK_BF16_TFLOPS`, weight bytes / :data:`HBM_TBPS`) for the rows the
+  language model reads (the decoder layers' linear maps, causal attention, the head on the last row);
+- **scoring**: PRCA's responses (Eq. 1, m = 64, jvp engine, tf32) through a ``Scorer`` against
+  2 m N r FLOPs at the tf32 rate of an 8192^3 matmul measured in the same run, r the second layer's multiply-adds per
+  row through its triangular (d_out >= d_h) or trapezoidal (d_out < d_h) factor; the whole ``care_reduce`` beside it.
+
+``--part dropin``: ``model.generate(**inputs)`` on a batch of 8 copies of the image, 8 new tokens, with all tokens
+and inside ``reduce_visual_tokens(method="care", keep=160)`` (LLaVA-NeXT at 672x672; the vision tower included);
+Qwen3-VL at 1024x1024 with K = floor(N/9), reported with the tower's share of the reduced call.
+
+Each target of :data:`TARGETS` prints MET or NOT MET, and the JSON records the git commit and whether the tree had
+uncommitted changes (from ``git``; where the tree has no git folder, as on a device machine, from the environment
+variables ``CARE_SOURCE_COMMIT`` and ``CARE_SOURCE_DIRTY`` set by whoever copied it). Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    EXAMPLES,
+    RESULTS,
+    ROOT,
+    Clock,
+    ResultsWriter,
+    comma_list,
+    fail,
+    fmt,
+    make_parser,
+    pick_device,
+    print_table,
+    say,
+)
+from benchmarks.gpu.context import card_slug, environment
+from benchmarks.gpu.scoring import floor_ms, matmul_rates
+from benchmarks.models import FULL_SIZE, full_size_adapter
+
+QUESTION = "Is there a person in the image? Answer the question using a single word or phrase."
+NEW_TOKENS = 8
+PEAK_BF16_TFLOPS = 790.0  # an H200's measured dense bf16 matmul rate (8192^3), the prefill floor's compute side
+HBM_TBPS = 4.8  # an H200's memory bandwidth, TB/s: the prefill floor's weight-reading side
+MATMUL_SIZE = 8192
+PAPER_KEEP = {"llava-next": 160}  # the paper's budget where the gate times one beside floor(N/9)
+DROPIN_BATCH = 8
+DURATION = (
+    "answers: about 7 minutes for the six families on one H200 (builds included); dropin: about 2 minutes; "
+    "--tiny --quick --device cpu: about a minute on a 2-core CPU."
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One figure of the gate and the bound it must hold."""
+
+    figure: str  # what is compared: "first_default", "first_eager", "prefill_x_floor", "scoring_x_floor", ...
+    family: str  # a family of FULL_SIZE, or "*": every family (for first_eager: every family with N >= 1000)
+    keep: str  # "N/9" or a number
+    bound: float
+    at_least: bool  # True: the figure must be >= bound; False: <= bound
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("first_default", "llava-next", "160", 3.5, True),
+    Target("first_default", "llava-onevision", "N/9", 3.0, True),
+    Target("first_default", "qwen2.5-vl", "N/9", 2.0, True),
+    Target("first_default", "qwen3-vl", "N/9", 2.0, True),
+    Target("first_default", "internvl3", "N/9", 2.0, True),
+    Target("first_default", "llava-1.5", "N/9", 1.2, True),  # K = 64 = floor(576 / 9)
+    Target("first_eager", "*", "N/9", 1.0, True),  # families with N >= 1000 (LLaVA-1.5: reported, no target)
+    Target("prefill_x_floor", "*", "N/9", 2.0, False),
+    Target("scoring_x_floor", "*", "N/9", 1.3, False),
+    Target("dropin_speedup", "llava-next", "160", 2.5, True),
+)
+EAGER_TARGET_MIN_TOKENS = 1000
+
+
+def parse(argv: list[str] | None) -> Any:
+    parser = make_parser(__doc__ or "", quick="2 timed rounds instead of --reps", duration=DURATION, device="cuda")
+    parser.add_argument("--part", choices=("answers", "dropin"), default="answers")
+    parser.add_argument("--families", default=",".join(FULL_SIZE), help="comma-separated: " + ", ".join(FULL_SIZE))
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds per figure (default 5)")
+    parser.add_argument("--tiny", action="store_true", help="the demo widths (smoke test of this benchmark)")
+    parser.add_argument("--docs", action="store_true",
+                        help="no run: rewrite the README's and docs/performance.md's latency block from the newest "
+                        "committed answers result")  # fmt: skip
+    args = parser.parse_args(argv)
+    args.families = comma_list(args.families)
+    unknown = [f for f in args.families if f not in FULL_SIZE]
+    if unknown or not args.families:
+        raise fail(f"--families: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(FULL_SIZE)}")
+    if args.reps < 1:
+        raise fail(f"--reps must be at least 1, got {args.reps}")
+    if args.quick:
+        args.reps = min(args.reps, 2)
+    return args
+
+
+# ----------------------------------------------------------------------------------------- provenance
+def source_state() -> dict[str, Any]:
+    """The commit the code was measured at and whether the tree differed from it (git, else the environment)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, check=True)  # fmt: skip
+        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()), "from": "git"}
+    except (OSError, subprocess.CalledProcessError):
+        dirty = os.environ.get("CARE_SOURCE_DIRTY")
+        return {"commit": os.environ.get("CARE_SOURCE_COMMIT"), "dirty": None if dirty is None else dirty == "1",
+                "from": "environment (no git folder)"}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------- floors
+def language_model_parts(model: Any) -> tuple[Any, Any]:
+    """The decoder (embedding table, layers, final norm) and the head of a transformers VLM."""
+    return model.model.language_model, model.lm_head
+
+
+def prefill_floor_ms(model: Any, rows: int) -> dict[str, float]:
+    """The prefill of ``rows`` prompt rows at the card's pace: max(FLOPs / peak bf16 rate, weights read / HBM rate).
+
+    FLOPs: 2 per multiply-add of every decoder layer's linear maps per row, causal attention (QK^T and AV over the
+    rows before each row: 2 rows^2 q_dim per layer) and the head on the last row. Bytes: the decoder layers, the
+    final norm and the head (the embedding table is only gathered from)."""
+    lm, head = language_model_parts(model)
+    layers = list(lm.layers)
+    linear_macs = sum(m.in_features * m.out_features for layer in layers for m in layer.modules()
+                      if isinstance(m, torch.nn.Linear))  # fmt: skip
+    q_dim = int(layers[0].self_attn.q_proj.out_features)
+    flops = 2 * rows * linear_macs + 2 * rows * rows * q_dim * len(layers) + 2 * head.in_features * head.out_features
+    tensors = [*(p for layer in layers for p in layer.parameters()), *lm.norm.parameters(), *head.parameters()]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    compute_ms, memory_ms = flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3, weight_bytes / (HBM_TBPS * 1e12) * 1e3
+    return {"floor_ms": max(compute_ms, memory_ms), "flops": float(flops), "weight_bytes": float(weight_bytes)}
+
+
+def second_layer(projector: Any) -> tuple[int, int]:
+    """(d_h, d_out) of the projector's last linear map."""
+    last = [m for m in projector.modules() if isinstance(m, torch.nn.Linear)][-1]
+    return int(last.in_features), int(last.out_features)
+
+
+def factor_macs_per_row(d_h: int, d_out: int) -> int:
+    """Multiply-adds per tangent through the second layer's upper factor R (r = min(d_out, d_h) rows, row i
+    nonzero from column i on): the triangle's d_h (d_h + 1) / 2 where d_out >= d_h, the trapezoid's
+    r d_h - r (r - 1) / 2 where d_out < d_h."""
+    r = min(d_out, d_h)
+    return r * d_h - r * (r - 1) // 2
+
+
+# ----------------------------------------------------------------------------------------- measurements
+def gate_image(family: str) -> Any:
+    """The example photo resized to the family's square side."""
+    from PIL import Image
+
+    side = FULL_SIZE[family].side
+    return Image.open(EXAMPLES / "astronaut.jpg").convert("RGB").resize((side, side))
+
+
+def keeps_for(family: str, n: int) -> dict[str, int]:
+    """The budgets timed: label -> K (floor(N/9), and the paper's where the family has one)."""
+    keeps = {"N/9": max(1, n // 9)}
+    if family in PAPER_KEEP:
+        keeps[str(PAPER_KEEP[family])] = PAPER_KEEP[family]
+    return keeps
+
+
+def scoring_stage(adapter: Any, tokens: Any, keep: int, clock: Clock, reps: int, tf32: float) -> dict[str, Any]:
+    """PRCA's responses (Eq. 1, jvp, tf32) through a Scorer against their floor; the whole care_reduce beside."""
+    from care_core import CaReConfig, care_reduce
+    from care_core.scoring import Scorer
+
+    cfg = CaReConfig()
+    projector, features = adapter.projector, tokens.features.float()
+    scorer = Scorer(projector)
+    directions = scorer.directions(cfg.m, features.shape[1], cfg.seed, device=features.device)
+    responses = partial(scorer.responses, features, directions, h=cfg.h, engine="jvp", matmul="tf32")
+    d_h, d_out = second_layer(projector)
+    macs = cfg.m * tokens.num_tokens * factor_macs_per_row(d_h, d_out)
+    row: dict[str, Any] = {"d_h": d_h, "d_out": d_out, "floor_macs": macs, "floor_ms": floor_ms(macs, tf32)}
+    row["scoring_ms"] = clock.median(responses, reps=max(reps, 3), warmup=2)
+    row["scoring_x_floor"] = row["scoring_ms"] / row["floor_ms"]
+    reduce = partial(care_reduce, features, projector, tokens.positions, keep=keep, config=cfg, scorer=scorer)
+    row["care_reduce_ms"] = clock.median(reduce, reps=max(reps, 3), warmup=1)
+    return row
+
+
+def timed_answers(pipe: Any, tokens: Any, keeps: dict[str, int], decoding: bool | None, reps: int) -> Any:
+    """The pipeline's timed answers with all tokens and at each budget (``decoding``: None default, False eager)."""
+    from care_core.budget import Budget
+
+    budgets = [Budget.keep(k) for k in keeps.values()]
+    out = pipe(tokens, QUESTION, budgets, generate=True, max_new_tokens=NEW_TOKENS, cuda_graph=decoding)
+    return pipe.time_answers(out, max_new_tokens=NEW_TOKENS, repeats=reps, cuda_graph=decoding)
+
+
+def answer_rows(family: str, result: Any, keeps: dict[str, int], decoding: str, text_rows: int) -> list[dict]:
+    """One row per budget: first token and prefill, all tokens against CaRe, with the prefill floors."""
+    full = result.full_answer
+    rows = []
+    for (label, keep), run in zip(keeps.items(), result.runs, strict=True):
+        care = run.answer
+        row = {"family": family, "decoding": decoding, "keep_label": label, "K": keep,
+               "used": [full.decoding, care.decoding], "eager_reason": [full.eager_reason, care.eager_reason],
+               "visual_rows": [full.visual_tokens, care.visual_tokens], "text_rows": text_rows,
+               "first_all_ms": full.first_token_from_features_ms, "first_care_ms": care.first_token_from_features_ms,
+               "prefill_all_ms": full.first_token_ms, "prefill_care_ms": care.first_token_ms,
+               "forward_all_ms": full.prefill_ms, "forward_care_ms": care.prefill_ms,
+               "total_all_ms": full.total_ms, "total_care_ms": care.total_ms,
+               "answers": [full.text, care.text]}  # fmt: skip
+        row["speedup"] = row["first_all_ms"] / row["first_care_ms"]
+        rows.append(row)
+    return rows
+
+
+def text_rows_of(adapter: Any, tokens: Any) -> int:
+    """The prompt's rows that are not visual: the all-token prompt's length less its visual rows."""
+    with torch.no_grad():
+        projected = adapter.projector(tokens.features)
+        length = int(adapter.language_model_logits(QUESTION, tokens, projected).shape[0])
+    return length - adapter.visual_tokens_fed(tokens, tokens.num_tokens)
+
+
+def with_floors(rows: list[dict[str, Any]], model: Any) -> None:
+    """Each row's prefill floors at N and at K rows (visual + text) and the measured prefill over them."""
+    for row in rows:
+        for side, visual in zip(("all", "care"), row["visual_rows"], strict=True):
+            floor = prefill_floor_ms(model, visual + row["text_rows"])
+            row[f"prefill_{side}_floor_ms"] = floor["floor_ms"]
+            row[f"prefill_{side}_x_floor"] = row[f"prefill_{side}_ms"] / floor["floor_ms"]
+
+
+def bench_family(family: str, args: Any, device: torch.device, clock: Clock, tf32: float) -> dict[str, Any]:
+    """Build one family, measure scoring and answers (default decoding, then eager), free the model."""
+    from care_core.pipeline import ReductionPipeline
+
+    began = time.perf_counter()
+    adapter = full_size_adapter(family, device, args.tiny)
+    params = sum(p.numel() for p in adapter.model.parameters())
+    out: dict[str, Any] = {"family": family, "spec": FULL_SIZE[family].spec, "parameters": params,
+                           "build_s": time.perf_counter() - began}  # fmt: skip
+    try:
+        image = gate_image(family)
+        tokens = adapter.encode_image(image)
+        n = tokens.num_tokens
+        keeps = keeps_for(family, n)
+        out.update(image=f"{image.width}x{image.height}", N=n, keeps=keeps)
+        out["tower_ms"] = clock.median(partial(adapter.encode_image, image), reps=args.reps)
+        say(f"== {family}: {params / 1e9:.2f} B parameters, N = {n}, K = {list(keeps.values())}")
+        out["scoring"] = scoring_stage(adapter, tokens, keeps["N/9"], clock, args.reps, tf32)
+        text_rows = text_rows_of(adapter, tokens)
+        pipe = ReductionPipeline(adapter, ["care"])
+        out["answers"] = []
+        for label, decoding in (("default", None), ("eager", False)):
+            result = timed_answers(pipe, tokens, keeps, decoding, args.reps)
+            rows = answer_rows(family, result, keeps, label, text_rows)
+            with_floors(rows, adapter.model)
+            out["answers"] += rows
+            for row in rows:
+                say(f"  {label} K={row['K']} ({row['used'][1]}): first token {row['first_all_ms']:.1f} -> "
+                    f"{row['first_care_ms']:.1f} ms ({row['speedup']:.2f}x)")  # fmt: skip
+    except Exception as exc:  # one family's failure is recorded; the others still run
+        out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        say(f"  {family}: {out['error']}")
+    finally:
+        adapter.release_decoding_cache()
+        del adapter
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------------------------------- drop-in
+def dropin_inputs(adapter: Any, image: Any, batch: int) -> dict[str, Any]:
+    """The processor's batch for ``batch`` copies of the image with the gate's question, on the model's device."""
+    prompt = adapter.prompt(QUESTION)
+    processor = adapter.processor
+    inputs = processor(images=[image] * batch, text=[prompt] * batch, return_tensors="pt", padding=True)
+    return {key: value.to(adapter.device) if isinstance(value, torch.Tensor) else value
+            for key, value in inputs.items()}  # fmt: skip
+
+
+def dropin_generate(model: Any, inputs: dict[str, Any]) -> Any:
+    """``model.generate`` on the batch, exactly :data:`NEW_TOKENS` greedy tokens per sample."""
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device, clock: Clock) -> dict[str, Any]:
+    """``model.generate`` on a batch with all tokens and inside the drop-in (the tower included in both)."""
+    from care_core import reduce_visual_tokens
+
+    adapter = full_size_adapter(family, device, args.tiny)
+    try:
+        image = gate_image(family)
+        inputs = dropin_inputs(adapter, image, DROPIN_BATCH)
+        n = adapter.encode_image(image).num_tokens
+        keep = keep or max(1, n // 9)
+        generate = partial(dropin_generate, adapter.model, inputs)
+
+        row: dict[str, Any] = {"family": family, "N": n, "K": keep, "batch": DROPIN_BATCH, "new_tokens": NEW_TOKENS}
+        row["all_ms"] = clock.median(generate, reps=args.reps, warmup=1)
+        with reduce_visual_tokens(adapter.model, processor=adapter.processor, method="care", keep=keep):
+            row["care_ms"] = clock.median(generate, reps=args.reps, warmup=1)
+        row["tower_ms"] = clock.median(partial(adapter.encode_images, [image] * DROPIN_BATCH), reps=args.reps)
+        row["speedup"] = row["all_ms"] / row["care_ms"]
+        row["tower_share_of_care"] = row["tower_ms"] / row["care_ms"]
+        say(f"== drop-in {family}: {row['all_ms']:.1f} -> {row['care_ms']:.1f} ms ({row['speedup']:.2f}x), "
+            f"tower {row['tower_ms']:.1f} ms")  # fmt: skip
+        return row
+    except Exception as exc:
+        return {"family": family, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        del adapter
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------- targets and tables
+def figures(results: dict[str, Any]) -> list[tuple[str, str, str, float | None, int]]:
+    """(figure, family, budget label, value, N) of every measured figure a target may read."""
+    out: list[tuple[str, str, str, float | None, int]] = []
+    for fam in results.get("families", []):
+        name, n = fam["family"], fam.get("N", 0)
+        if "scoring" in fam:
+            out.append(("scoring_x_floor", name, "N/9", fam["scoring"]["scoring_x_floor"], n))
+        for row in fam.get("answers", []):
+            out.append((f"first_{row['decoding']}", name, row["keep_label"], row["speedup"], n))
+            if row["decoding"] == "default":
+                out.append(("prefill_x_floor", name, row["keep_label"], row["prefill_care_x_floor"], n))
+    for row in results.get("dropin", []):
+        out.append(("dropin_speedup", row["family"], str(row.get("K")), row.get("speedup"), row.get("N", 0)))
+    return out
+
+
+def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target that a measured figure falls under, with the figure and MET / NOT MET."""
+    rows = []
+    for target in TARGETS:
+        for figure, family, label, value, n in figures(results):
+            if figure != target.figure or label != target.keep or target.family not in ("*", family):
+                continue
+            if target.figure == "first_eager" and n < EAGER_TARGET_MIN_TOKENS:
+                continue  # e.g. LLaVA-1.5's 576-row eager prefill is launch-bound at batch 1: reported only
+            met = value is not None and (value >= target.bound if target.at_least else value <= target.bound)
+            sign = ">=" if target.at_least else "<="
+            rows.append({"figure": figure, "family": family, "K": label, "value": value,
+                         "target": f"{sign} {target.bound}", "met": met})  # fmt: skip
+    return rows
+
+
+def print_answers(results: dict[str, Any]) -> None:
+    header = ["family", "decoding", "K", "first all ms", "first CaRe ms", "speed-up", "prefill N ms",
+              "prefill K ms", "K x floor"]  # fmt: skip
+    rows = [[fam["family"], row["decoding"], str(row["K"]), fmt(row["first_all_ms"], 1), fmt(row["first_care_ms"], 1),
+             fmt(row["speedup"]), fmt(row["prefill_all_ms"], 1), fmt(row["prefill_care_ms"], 1),
+             fmt(row["prefill_care_x_floor"], 1)]
+            for fam in results["families"] for row in fam.get("answers", [])]  # fmt: skip
+    print_table("First token from the features (batch 1), all tokens vs CaRe; prefill from the rows", header, rows,
+                keys=3)  # fmt: skip
+    header = ["family", "N", "scoring ms", "floor ms", "x floor", "care_reduce ms", "tower ms"]
+    rows = [[fam["family"], str(fam.get("N", "—")), fmt(fam["scoring"]["scoring_ms"]),
+             fmt(fam["scoring"]["floor_ms"]), fmt(fam["scoring"]["scoring_x_floor"]),
+             fmt(fam["scoring"]["care_reduce_ms"]), fmt(fam.get("tower_ms"), 1)]
+            for fam in results["families"] if "scoring" in fam]  # fmt: skip
+    print_table("PRCA scoring (Eq. 1, m = 64, tf32) against its floor", header, rows)
+    for fam in results["families"]:
+        reasons = sorted({r for row in fam.get("answers", []) for r in row["eager_reason"] if r})
+        if reasons or "error" in fam:
+            say(f"{fam['family']}: " + "; ".join([*(f"eager: {r}" for r in reasons), fam.get("error", "")]).strip("; "))
+
+
+def print_verdicts(rows: list[dict[str, Any]]) -> None:
+    table = [[r["figure"], r["family"], r["K"], fmt(r["value"]), r["target"], "MET" if r["met"] else "NOT MET"]
+             for r in rows]  # fmt: skip
+    print_table("Targets", ["figure", "family", "K", "value", "target", "verdict"], table, keys=3)
+
+
+# ----------------------------------------------------------------------------------------- docs
+DOC_BLOCKS = ("README.md", "docs/performance.md")  # files holding a block rendered from the newest answers result
+BEGIN, END = "<!-- latency-gate:begin (python -m benchmarks.latency --docs) -->", "<!-- latency-gate:end -->"
+
+
+def newest_result(folder: Path = RESULTS, part: str = "answers") -> Path | None:
+    """The newest committed gate result of ``part`` (file names start with the date, so the last in order)."""
+    found = sorted(folder.glob(f"*-latency-{part}*.json"))
+    return found[-1] if found else None
+
+
+def _headline(results: dict[str, Any], rows: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
+    """The README's sentence: LLaVA-NeXT-7B at the paper's K = 160, default decoding."""
+    row = rows.get(("llava-next", "default", "160"))
+    if row is None:
+        return []
+    card = results["environment"].get("card", "?")
+    return [f"On one {card}, LLaVA-NeXT-7B at K = 160 reaches the first token **{row['speedup']:.2f}×** sooner than "
+            f"with all tokens ({row['first_all_ms']:.1f} → {row['first_care_ms']:.1f} ms from the vision features, "
+            "CaRe's own time included).", ""]  # fmt: skip
+
+
+def _table(results: dict[str, Any], rows: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
+    """One line per family and budget: first token (default decoding, then eager's speed-up) and the floors."""
+    lines = ["| family (image) | N | K | first token, all → CaRe (ms) | speed-up | eager | prefill K × floor | "
+             "scoring × floor |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for fam in results["families"]:
+        for label in fam.get("keeps", {}):
+            row, eager = rows.get((fam["family"], "default", label)), rows.get((fam["family"], "eager", label))
+            if row is None:
+                continue
+            eager_cell = "—" if eager is None else f"{eager['speedup']:.2f}×"
+            lines.append(f"| {fam['family']} ({fam['image']}) | {fam['N']} | {row['K']} | {row['first_all_ms']:.1f}"
+                         f" → {row['first_care_ms']:.1f} | {row['speedup']:.2f}× | {eager_cell} | "
+                         f"{row['prefill_care_x_floor']:.2f} | {fam['scoring']['scoring_x_floor']:.2f} |")  # fmt: skip
+    return lines
+
+
+def render_markdown(results: dict[str, Any], name: str) -> str:
+    """The docs' block for an answers result named ``name``: the headline sentence, the table, its source."""
+    rows = {(r["family"], r["decoding"], r["keep_label"]): r for f in results["families"] for r in f.get("answers", [])}
+    used = sorted({u for (_, decoding, _), r in rows.items() if decoding == "default" for u in r["used"]})
+    source = results["source"]
+    commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
+    met = sum(bool(v["met"]) for v in results.get("targets", []))
+    footer = (f"Batch 1, {results['new_tokens']} new tokens; default decoding ran as {', '.join(used) or '—'}; "
+              f"{met} of {len(results.get('targets', []))} targets met. Source: `benchmarks/results/{name}` "
+              f"(`python -m benchmarks.latency`, commit {commit}).")  # fmt: skip
+    return "\n".join([*_headline(results, rows), *_table(results, rows), "", footer]) + "\n"
+
+
+def write_docs(root: Path = ROOT) -> list[Path]:
+    """Replace the block between :data:`BEGIN` and :data:`END` of each of :data:`DOC_BLOCKS` by the newest result's."""
+    newest = newest_result(root / "benchmarks" / "results")
+    if newest is None:
+        raise fail("no committed latency result (benchmarks/results/*-latency-answers*.json) to render")
+    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    changed = []
+    for name in DOC_BLOCKS:
+        path = root / name
+        text = path.read_text(encoding="utf-8")
+        if BEGIN not in text or END not in text:
+            raise fail(f"{name} has no latency block ({BEGIN} ... {END})")
+        head, rest = text.split(BEGIN, 1)
+        new = head + BEGIN + "\n" + block + END + rest.split(END, 1)[1]
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.docs:
+        for path in write_docs():
+            say(f"rewrote the latency block of {path}")
+        return
+    device = pick_device(args.device)
+    env = environment(device)
+    writer = ResultsWriter(args, f"gpu-{card_slug(env['card'])}-latency-{args.part}")
+    clock = Clock(device)
+    started = time.perf_counter()
+    size = 256 if args.tiny or device.type == "cpu" else MATMUL_SIZE
+    results: dict[str, Any] = {"environment": env, "source": source_state(), "part": args.part,
+                               "question": QUESTION, "new_tokens": NEW_TOKENS, "reps": args.reps, "tiny": args.tiny,
+                               "peak_bf16_tflops": PEAK_BF16_TFLOPS, "hbm_tbps": HBM_TBPS, "matmul_size": size,
+                               "weights": "random (timings do not depend on weight values)",
+                               "families": [], "dropin": []}  # fmt: skip
+    results["matmul_tflops"] = matmul_rates(device, clock, size)
+    say(f"{env['card']}, torch {env['torch']}, transformers {env['transformers']}; tf32 "
+        f"{results['matmul_tflops']['tf32']:.0f} TFLOP/s; source {results['source']}")  # fmt: skip
+    if args.part == "answers":
+        for family in args.families:
+            results["families"].append(bench_family(family, args, device, clock, results["matmul_tflops"]["tf32"]))
+            writer.save(results)
+        print_answers(results)
+    else:
+        for family in [f for f in ("llava-next", "qwen3-vl") if f in args.families]:
+            results["dropin"].append(bench_dropin(family, PAPER_KEEP.get(family), args, device, clock))
+            writer.save(results)
+    results["targets"] = verdicts(results)
+    results["wall_s"] = time.perf_counter() - started
+    print_verdicts(results["targets"])
+    writer.finish(results)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None

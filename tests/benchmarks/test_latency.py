@@ -1,0 +1,89 @@
+"""The latency gate's arithmetic: floors counted by hand, targets judged on figures made up for the test."""
+
+from __future__ import annotations
+
+import subprocess
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from torch import nn
+
+from benchmarks import latency
+
+
+def test_factor_rows_cost_the_triangle_or_the_trapezoid() -> None:
+    assert latency.factor_macs_per_row(4, 4) == 4 + 3 + 2 + 1  # square R: row i nonzero from column i on
+    assert latency.factor_macs_per_row(5, 3) == 5 + 4 + 3  # wide W2 (d_out < d_h): a 3 x 5 trapezoid
+    assert latency.factor_macs_per_row(4, 6) == 4 + 3 + 2 + 1  # tall W2: R is d_h x d_h
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(8, 8, bias=False)
+        self.self_attn.o_proj = nn.Linear(8, 8, bias=False)
+        self.mlp = nn.Linear(8, 16, bias=False)
+
+
+def _model() -> Any:
+    lm = nn.Module()
+    lm.layers = nn.ModuleList([_Layer(), _Layer()])
+    lm.norm = nn.LayerNorm(8, bias=False)
+    head = nn.Linear(8, 100, bias=False)
+    return SimpleNamespace(model=SimpleNamespace(language_model=lm), lm_head=head)
+
+
+def test_prefill_floor_counts_linears_causal_attention_the_head_and_the_weights_read() -> None:
+    model = _model()  # float32 weights: 4 bytes each
+    floor = latency.prefill_floor_ms(model, rows=10)
+    per_row_macs = 2 * (8 * 8 + 8 * 8 + 8 * 16)  # two layers: q, o and the 8 -> 16 map
+    flops = 2 * 10 * per_row_macs + 2 * 10 * 10 * 8 * 2 + 2 * 8 * 100  # linears, causal QK^T and AV, head
+    weights = 4 * (2 * (64 + 64 + 128) + 8 + 800)  # layers, norm, head (the embedding table is not read)
+    assert floor["flops"] == flops
+    assert floor["weight_bytes"] == weights
+    expected = max(flops / (latency.PEAK_BF16_TFLOPS * 1e12), weights / (latency.HBM_TBPS * 1e12)) * 1e3
+    assert floor["floor_ms"] == pytest.approx(expected)
+
+
+def test_budgets_are_a_ninth_and_the_papers_where_it_has_one() -> None:
+    assert latency.keeps_for("llava-next", 2880) == {"N/9": 320, "160": 160}
+    assert latency.keeps_for("qwen3-vl", 1024) == {"N/9": 113}
+    assert latency.keeps_for("llava-1.5", 576) == {"N/9": 64}
+
+
+def _answer(decoding: str, label: str, speedup: float, x_floor: float) -> dict[str, Any]:
+    return {"decoding": decoding, "keep_label": label, "speedup": speedup, "prefill_care_x_floor": x_floor}
+
+
+def test_verdicts_judge_each_figure_against_its_own_target() -> None:
+    results = {"families": [
+        {"family": "llava-next", "N": 2880, "scoring": {"scoring_x_floor": 1.2},
+         "answers": [_answer("default", "N/9", 3.0, 1.9), _answer("default", "160", 3.6, 1.5),
+                     _answer("eager", "N/9", 0.9, 9.0), _answer("eager", "160", 1.1, 9.0)]},
+        {"family": "llava-1.5", "N": 576, "scoring": {"scoring_x_floor": 1.4},
+         "answers": [_answer("default", "N/9", 1.3, 2.5), _answer("eager", "N/9", 0.8, 9.0)]},
+    ], "dropin": [{"family": "llava-next", "K": 160, "N": 2880, "speedup": 2.4}]}  # fmt: skip
+    verdicts = {(v["figure"], v["family"], v["K"]): v["met"] for v in latency.verdicts(results)}
+    assert verdicts == {
+        ("first_default", "llava-next", "160"): True,  # 3.6 >= 3.5 (its N/9 row has no first-token target)
+        ("first_default", "llava-1.5", "N/9"): True,  # 1.3 >= 1.2
+        ("first_eager", "llava-next", "N/9"): False,  # 0.9 < 1.0; LLaVA-1.5 (N = 576 < 1000): no eager target
+        ("prefill_x_floor", "llava-next", "N/9"): True,  # 1.9 <= 2
+        ("prefill_x_floor", "llava-1.5", "N/9"): False,  # 2.5 > 2
+        ("scoring_x_floor", "llava-next", "N/9"): True,  # 1.2 <= 1.3
+        ("scoring_x_floor", "llava-1.5", "N/9"): False,  # 1.4 > 1.3
+        ("dropin_speedup", "llava-next", "160"): False,  # 2.4 < 2.5
+    }
+
+
+def test_source_state_reads_git_and_else_the_environment(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=latency.ROOT, capture_output=True, text=True)
+    if head.returncode == 0:  # a clone: the commit git names
+        assert latency.source_state()["commit"] == head.stdout.strip()
+    monkeypatch.setattr(latency, "ROOT", tmp_path)  # a copied tree without its git folder
+    monkeypatch.setenv("CARE_SOURCE_COMMIT", "abc123")
+    monkeypatch.setenv("CARE_SOURCE_DIRTY", "0")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert latency.source_state() == {"commit": "abc123", "dirty": False, "from": "environment (no git folder)"}
