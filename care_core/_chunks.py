@@ -44,8 +44,8 @@ def row_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 # Column blocks of the block-triangular second layer (care_core.scoring.triangular_factor): block b of the
 # output needs only the hidden units from the block's first column on, so B blocks cost (B + 1) / 2B of a
-# dense layer's multiply-adds (5/8 at B = 4). More blocks skip more of the triangle but give narrower matmuls
-# (B = 8 and 16 were slower than 4 on an H200 at N = 2880).
+# dense layer's multiply-adds (5/8 at B = 4; a trapezoid, d_out < d_h, skips less). More blocks skip more of
+# the triangle but give narrower matmuls (B = 8 and 16 were slower than 4 on an H200 at N = 2880).
 TRIANGULAR_BLOCKS = 4
 #: How the jvp engine applies a Linear-act-Linear projector's second layer: "dense" (W2 itself) or "triangular"
 #: (through W2's triangular factor R in column blocks); care_core.scoring.Scorer adds "auto" (triangular on CUDA).
@@ -60,6 +60,7 @@ def block_bounds(width: int, blocks: int = TRIANGULAR_BLOCKS) -> list[tuple[int,
     return [(lo, hi) for lo, hi in itertools.pairwise(edges) if hi > lo]
 
 
-def triangular_macs(width: int, blocks: int = TRIANGULAR_BLOCKS) -> int:
-    """Multiply-adds per row of t R^T through the blocks, R upper triangular (width, width)."""
-    return sum((width - lo) * (hi - lo) for lo, hi in block_bounds(width, blocks))
+def upper_macs(rows: int, cols: int, blocks: int = TRIANGULAR_BLOCKS) -> int:
+    """Multiply-adds per row of t R^T through the blocks, R (rows, cols) upper triangular (rows = cols) or
+    trapezoidal (rows < cols): output block [lo, hi) reads the hidden units lo.. only."""
+    return sum((cols - lo) * (hi - lo) for lo, hi in block_bounds(rows, blocks))

@@ -8,9 +8,11 @@ Two engines compute the response matrix C (m, N):
   projector runs literally, two passes per direction;
 - ``jvp``: its h -> 0 limit ``||J_M(v) u||``, exact. For a Linear-act-Linear projector (LLaVA's)
   the first layer is applied once to the m directions and shared by all tokens, so the cost is
-  about m N d_hidden d_out multiply-adds; any other projector goes through ``torch.func.jvp``.
+  about m N d_hidden d_out multiply-adds; a norm-first projector (LayerNorm or RMSNorm, per patch or per
+  row, then Linear-act-Linear: the Qwen mergers, InternVL3's; :mod:`care_core.norm_first`) shares W1 u the
+  same way through the norm's exact derivative; any other projector goes through ``torch.func.jvp``.
   On CUDA with bf16 matmuls that MLP path is one fused Triton kernel (``care_core.kernels``; also
-  for tf32 with ``kernel="fused"``); the CPU path is plain PyTorch.
+  for tf32 with ``kernel="fused"``); the CPU path and the norm-first path are plain PyTorch.
 
 The functions are pure: every call computes what it needs (directions, a converted projector) and
 decides its kernel afresh. :class:`Scorer` is the user-owned object that keeps those between calls.
@@ -25,11 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from care_core import kernels
+from care_core import kernels, norm_first
 from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, row_groups, two_pass_chunk, two_pass_rows
 from care_core._chunks import chunk_size as _chunk_size
 from care_core._memo import remember
 from care_core.kernels import Kernel, KernelGate, as_gate
+from care_core.norm_first import NormFirstMLP
 from care_core.precision import matmul_precision
 
 Projector = Callable[[torch.Tensor], torch.Tensor]
@@ -91,6 +94,24 @@ def _as_mlp(projector: Projector) -> _MLP | None:
     return _MLP(first, act, second)
 
 
+def _as_norm_first(projector: Projector) -> NormFirstMLP | None:
+    """Recognise a norm-first projector (:func:`care_core.norm_first.describe`) with an elementwise activation,
+    else None."""
+    found = norm_first.describe(projector)
+    if found is None or type(found.act).__name__ not in _ELEMENTWISE_ACTIVATIONS:
+        return None
+    return found
+
+
+def _second_linear(projector: Projector) -> nn.Linear | None:
+    """The second Linear of a projector the jvp engine scores on a fast path (Linear-act-Linear or norm-first)."""
+    mlp = _as_mlp(projector)
+    if mlp is not None:
+        return mlp.second
+    found = _as_norm_first(projector)
+    return None if found is None else found.second
+
+
 def prepare_projector(projector: Projector, dtype: torch.dtype, device: torch.device) -> Projector:
     """The projector with its floating-point parameters in `dtype` on `device`.
 
@@ -112,24 +133,23 @@ def _out_features(projector: Projector, features: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def triangular_factor(weight: torch.Tensor) -> torch.Tensor | None:
-    """R (d_h, d_h), upper triangular, of W2 = Q R (reduced QR, in float64), in W2's dtype and device.
+def triangular_factor(weight: torch.Tensor) -> torch.Tensor:
+    """R of W2 = Q R (reduced QR, in float64), in W2's dtype and device: (d_h, d_h) upper triangular where W2
+    (d_out, d_h) has d_out >= d_h, (d_out, d_h) upper trapezoidal where d_out < d_h.
 
-    Q has orthonormal columns, so ||W2 t|| = ||Q R t|| = ||R t|| for every t: the jvp's norms can go
-    through R and skip its zero triangle (:data:`~care_core._chunks.TRIANGULAR_BLOCKS`). None where W2
-    (d_out, d_h) has fewer rows than columns (R would not be square). A float64 QR of a 4096 x 4096 W2
-    takes about 0.2 s on an H200: a :class:`Scorer` makes it once.
+    Q has orthonormal columns (square and orthogonal in the trapezoidal case), so ||W2 t|| = ||Q R t|| = ||R t||
+    for every t: the jvp's norms can go through R and skip its zero part, R[i, j] = 0 for j < i
+    (:data:`~care_core._chunks.TRIANGULAR_BLOCKS`). A float64 QR of a 4096 x 4096 W2 takes about 0.2 s on an
+    H200: a :class:`Scorer` makes it once.
     """
-    d_out, d_h = weight.shape
-    if d_out < d_h:
-        return None
     r = torch.linalg.qr(weight.detach().double(), mode="r").R
     return r.to(weight.dtype).contiguous()
 
 
 def _upper_products(tangent: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """tangent @ R^T for upper-triangular R, block column by block column: block [lo, hi) of the output
-    needs only hidden units lo.. (R[lo:hi, :lo] = 0), (B + 1) / 2B of the dense multiply-adds."""
+    """tangent @ R^T for R (rows, d_h) upper triangular or trapezoidal, block column by block column: block
+    [lo, hi) of the output needs only hidden units lo.. (R[lo:hi, :lo] = 0); for a triangle (B + 1) / 2B of the
+    dense multiply-adds (:func:`~care_core._chunks.upper_macs`)."""
     out = tangent.new_empty(tangent.shape[0], r.shape[0])
     for lo, hi in block_bounds(r.shape[0], TRIANGULAR_BLOCKS):
         torch.mm(tangent[:, lo:], r[lo:hi, lo:].T, out=out[:, lo:hi])
@@ -237,8 +257,9 @@ def _jvp_mlp(
 ) -> torch.Tensor:
     """||W2 diag(act'(W1 v + b1)) W1 u|| for every token and direction, sharing W1 u across tokens.
 
-    ``factor``: W2's triangular factor R (:func:`triangular_factor`) in W2's place; the norms are the
-    same and the second layer costs (B + 1) / 2B of its multiply-adds (the fused kernel: about half).
+    ``factor``: W2's factor R (:func:`triangular_factor`) in W2's place; the norms are the same and through a
+    triangle the second layer costs (B + 1) / 2B of its multiply-adds (the fused kernel: about half; a
+    trapezoid, d_out < d_h, runs on the PyTorch path).
 
     The product, the matmul and the norm run fused in one Triton kernel (:mod:`care_core.kernels.jvp`)
     where :func:`_fused_jvp_applies` and the ``kernel`` setting allow it; otherwise (CPU, float32/float64
@@ -312,7 +333,45 @@ def _fused_jvp_applies(
         return False  # full float32 matmuls (or dense tf32 outside "fused" mode): PyTorch (cuBLAS) path
     if low is not None and low != torch.bfloat16:
         return False
+    if upper and w2.shape[0] != w2.shape[1]:
+        return False  # the kernel skips a square triangle only; a trapezoid stays on the PyTorch path
     return kernels.jvp_shape_supported(w2.shape[1], w2.shape[0])
+
+
+def _jvp_norm_mlp(
+    features: torch.Tensor,
+    desc: NormFirstMLP,
+    directions: torch.Tensor,
+    low: torch.dtype | None,
+    factor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """||J_M(v_i) u_x|| (Eq. 1, h -> 0) for a norm-first projector: the first layer's tangent through the norm's
+    exact derivative (:func:`care_core.norm_first.first_layer_tangents`: W1 on the m directions once, shared by all
+    tokens), then act'(pre) and the second layer, through ``factor`` R (:func:`triangular_factor`: triangular or
+    trapezoidal, same norms) where given.
+
+    Multiply-adds: N d_in d_h (the forward's per-block products) + m d_in d_h + N m d_in + 2 m N blocks d_h, then
+    m N d_h d_out (through R: :func:`~care_core._chunks.upper_macs`), against the generic path's (m + 2 chunks)
+    F_M(N). ``low``: bf16 operands for the second-layer product (norms accumulated in float32).
+    """
+    prepared = norm_first.first_layer(desc, features, directions)
+    slope = _activation_slope(desc.act, prepared.pre)  # act'(W1 norm(v) + b1), (N, d_h)
+    second = desc.second.weight if factor is None else factor
+    if low is not None:
+        second = second.to(low)
+    n, hidden = prepared.pre.shape
+    m = directions.shape[0]
+    step = _chunk_size(m, n * max(hidden, second.shape[0]))  # a chunk holds (N, c, d_h) tangents, (N c, d_out) out
+    rows = []
+    for start in range(0, m, step):
+        tangent = norm_first.first_layer_tangents(prepared, start, start + step)  # (N, c, d_h)
+        tangent *= slope[:, None]
+        flat = tangent.reshape(-1, hidden) if low is None else tangent.reshape(-1, hidden).to(low)
+        out = flat @ second.T if factor is None else _upper_products(flat, second)
+        if low is not None:
+            out = out.float()  # norms of bf16 products are accumulated in float32
+        rows.append(out.view(n, -1, out.shape[-1]).norm(dim=-1).T.to(features.dtype))
+    return torch.cat(rows)
 
 
 def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch.Tensor) -> torch.Tensor:
@@ -363,10 +422,13 @@ def responses_jvp(
 ) -> torch.Tensor:
     """C[x, i] = ||J_M(v_i) u_x||_2, the exact h -> 0 limit of Eq. 1; (m, N).
 
-    `matmul`: "auto" (float32 on CPU, tf32 on CUDA), "float32", "tf32" or "bf16" (MLP path only).
-    `kernel`: "auto", "fused" or "torch" (see :mod:`care_core.kernels`), or a caller-owned gate.
-    `factor`: the triangular factor of the projector's second layer (:func:`triangular_factor`), for
-    a Linear-act-Linear projector; ignored by any other.
+    Three paths: Linear-act-Linear (:func:`_jvp_mlp`), norm-first (:func:`_jvp_norm_mlp`), any other projector
+    ``torch.func.jvp`` (:func:`_jvp_generic`); all exact, only rounding differs.
+    `matmul`: "auto" (float32 on CPU, tf32 on CUDA), "float32", "tf32" or "bf16" (the second layer of the
+    MLP and norm-first paths; the generic path runs float32 there).
+    `kernel`: "auto", "fused" or "torch" (see :mod:`care_core.kernels`; MLP path), or a caller-owned gate.
+    `factor`: the triangular (or trapezoidal) factor of the projector's second layer (:func:`triangular_factor`),
+    for a Linear-act-Linear or norm-first projector; ignored by any other.
     """
     allow_tf32 = allows_tf32(matmul, features)
     low = torch.bfloat16 if matmul == "bf16" and features.dtype != torch.float64 else None
@@ -374,6 +436,9 @@ def responses_jvp(
         mlp = _as_mlp(projector)
         if mlp is not None:
             return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32, kernel=kernel, factor=factor)
+        norm_mlp = _as_norm_first(projector)
+        if norm_mlp is not None:
+            return _jvp_norm_mlp(features, norm_mlp, directions, low, factor)
         return _jvp_generic(features, projector, directions)
 
 
@@ -391,10 +456,10 @@ def perturbation_responses(
     """Response matrix C (m, N) of Eq. 1 with the chosen engine; features already in compute dtype.
 
     A pure function: the projector is converted to the features' dtype and device on every call where
-    it differs (see :class:`Scorer` to do that once). `factor` (the second layer's triangular factor of
-    the projector as converted, see :func:`triangular_factor`) applies to both engines' MLP paths,
-    `kernel` to the jvp engine's; `matmul` to the jvp engine's products and the fd engine's second-layer
-    product on the difference (:func:`responses_fd`).
+    it differs (see :class:`Scorer` to do that once). `factor` (the second layer's triangular or trapezoidal
+    factor of the projector as converted, see :func:`triangular_factor`) applies to both engines' MLP paths
+    and the jvp engine's norm-first path, `kernel` to the jvp engine's MLP path; `matmul` to the jvp engine's
+    products and the fd engine's second-layer product on the difference (:func:`responses_fd`).
     """
     projector = prepare_projector(projector, features.dtype, features.device)
     if engine == "fd":
@@ -426,8 +491,8 @@ def joint_responses(
     """
     first = features[0]
     projector = prepare_projector(projector, first.dtype, first.device)
-    mlp = _as_mlp(projector)  # a Linear-act-Linear's passes hold (rows, d_h) intermediates: bound those too
-    width = first.shape[1] if mlp is None else max(first.shape[1], mlp.first.out_features)
+    second = _second_linear(projector)  # a fast path's passes hold (rows, d_h) intermediates: bound those too
+    width = first.shape[1] if second is None else max(first.shape[1], second.in_features)
     limit = max_rows if max_rows is not None else two_pass_rows(width, _out_features(projector, first))
     out: list[torch.Tensor] = []
     for group in row_groups([v.shape[0] for v in features], limit):
@@ -488,9 +553,10 @@ class Scorer:
       (the 16 most recent keys);
     - the kernel decision: a fused kernel that failed to build here (Triton missing, a compilation
       error) is not tried again by this scorer in "auto" mode (:attr:`kernel_failures`);
-    - for a Linear-act-Linear projector, the triangular factor R of its second layer
-      (:func:`triangular_factor`), per (dtype, device), where ``second_layer`` asks for it: both
-      engines' norms then go through R, the same norms for (B + 1) / 2B of the multiply-adds.
+    - for a Linear-act-Linear or norm-first projector, the factor R of its second layer
+      (:func:`triangular_factor`: triangular, or trapezoidal where d_out < d_h), per (dtype, device), where
+      ``second_layer`` asks for it: the jvp engine's norms (and the fd engine's on its MLP path) then go
+      through R, the same norms for (B + 1) / 2B of the multiply-adds (a triangle; a trapezoid skips less).
 
     ``second_layer``: "auto" (through R on CUDA, W2 itself elsewhere), "dense" (always W2) or
     "triangular" (through R wherever the projector has one).
@@ -605,15 +671,16 @@ class Scorer:
         return found
 
     def factor(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
-        """The triangular factor of the prepared projector's second layer where ``second_layer`` uses one
-        on `device` (and the projector is Linear-act-Linear with d_out >= d_h), else None; made once."""
+        """The triangular (d_out >= d_h) or trapezoidal (d_out < d_h) factor of the prepared projector's second
+        layer where ``second_layer`` uses one on `device` and the projector is Linear-act-Linear or norm-first,
+        else None; made once."""
         key = (dtype, torch.device(device))
         if self.second_layer == "dense" or (self.second_layer == "auto" and key[1].type != "cuda"):
             return None
         self._check_weights()
         if key not in self._factors:
-            mlp = _as_mlp(self.prepared(*key))
-            self._factors[key] = None if mlp is None else triangular_factor(mlp.second.weight)
+            second = _second_linear(self.prepared(*key))
+            self._factors[key] = None if second is None else triangular_factor(second.weight)
         return self._factors[key]
 
     def directions(

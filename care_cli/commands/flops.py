@@ -61,8 +61,8 @@ EngineOpt = Annotated[
 SecondLayerOpt = Annotated[
     SecondLayer,
     typer.Option("--second-layer", help="How the jvp engine applies the projector's second layer: dense (the "
-                 "functional core, the CPU) or triangular (through W2's triangular factor, what the pipeline's "
-                 "Scorer runs on CUDA).", rich_help_panel=_COUNT),
+                 "functional core, the CPU) or triangular (through W2's QR factor R, triangular or, where d_out < d_h, "
+                 "trapezoidal: what the pipeline's Scorer runs on CUDA).", rich_help_panel=_COUNT),
 ]  # fmt: skip
 Gqa = Annotated[
     bool,
@@ -142,7 +142,7 @@ def _caption(report: dict[str, Any]) -> str:
     if engine == "jvp":
         triangular = report["options"].get("second_layer") == "triangular"
         scoring += (
-            "; second layer through its triangular factor, as a Scorer runs it on CUDA"
+            "; second layer through its triangular factor R (trapezoidal if d_out < d_h), as a Scorer runs it on CUDA"
             if triangular
             else "; dense second layer (on CUDA the pipeline's Scorer runs --second-layer triangular)"
         )

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..norm_first import NormFirstMLP
 from ._chat import ChatAdapter
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
@@ -83,6 +84,20 @@ class QwenMergerProjector(nn.Module):
         h = ln.weight * h.to(dtype)
         out = self.merger.mlp(h.reshape(-1, self.in_features))
         return out.reshape(*lead, out.shape[-1])
+
+    def norm_first_mlp(self) -> NormFirstMLP | None:
+        """This forward for PRCA's fast jvp path (:mod:`care_core.norm_first`): RMSNorm per patch with ``ln_q``'s
+        weight and epsilon, statistics in at least float32, then the merger's MLP; None for a subclass that
+        computes something else or an MLP that is not Linear -> act -> Linear."""
+        mlp = self.merger.mlp
+        if type(self).forward is not QwenMergerProjector.forward or not (
+            isinstance(mlp, nn.Sequential) and len(mlp) == 3
+        ):
+            return None
+        ln = self.merger.ln_q
+        first, act, second = mlp
+        return NormFirstMLP("rms", ln.weight, None, float(ln.variance_epsilon), self.unit, first, act, second,
+                            upcast=True)  # fmt: skip
 
 
 class Qwen2_5_VLAdapter(ChatAdapter):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..norm_first import NormFirstMLP
 from ._hf import quiet_transformers
 from .base import ImageTokens
 from .packed_attention import tower_attention
@@ -66,6 +67,16 @@ class Qwen3VLMergerProjector(nn.Module):
         h = F.layer_norm(x.reshape(-1, self.patch_dim), (self.patch_dim,), m.norm.weight, m.norm.bias, m.norm.eps)
         out = m.linear_fc2(m.act_fn(m.linear_fc1(h.reshape(-1, self.in_features))))
         return out.reshape(*lead, out.shape[-1])
+
+    def norm_first_mlp(self) -> NormFirstMLP | None:
+        """This forward for PRCA's fast jvp path (:mod:`care_core.norm_first`): LayerNorm per patch with the
+        merger's ``norm`` (weight, bias, eps), in the input's dtype, then ``linear_fc1`` -> ``act_fn`` ->
+        ``linear_fc2``; None for a subclass that computes something else."""
+        if type(self).forward is not Qwen3VLMergerProjector.forward:
+            return None
+        m = self.merger
+        return NormFirstMLP("layer", m.norm.weight, m.norm.bias, float(m.norm.eps), self.unit, m.linear_fc1,
+                            m.act_fn, m.linear_fc2)  # fmt: skip
 
 
 class Qwen3VLAdapter(Qwen2_5_VLAdapter):

@@ -20,7 +20,8 @@ token width, H/I the LLM hidden/FFN width, L layers):
     F_M(N)    = 2 N Σ_linear (in · out)
 
 Supp. B's 2 m F_M(N) is what the ``fd`` engine runs. The default ``jvp`` engine runs, for LLaVA's projector
-(d_v -> d_h -> d_out), F_1(N) + F_1(m) + 2 m N d_h d_out in its place (:func:`jvp_response_terms`).
+(d_v -> d_h -> d_out), F_1(N) + F_1(m) + 2 m N d_h d_out in its place, and for a norm-first projector (the Qwen
+mergers, InternVL's) that plus the tangent through the norm (:func:`jvp_response_terms`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-from care_core._chunks import SecondLayer, triangular_macs, two_pass_chunk
+from care_core._chunks import TRIANGULAR_BLOCKS, SecondLayer, two_pass_chunk, upper_macs
 
 if TYPE_CHECKING:
     from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
@@ -68,24 +69,31 @@ def jvp_response_terms(
 
     A Linear -> activation -> Linear projector (LLaVA's ``mlp2x_gelu``): the first layer once on the N tokens,
     its weight once on the m directions (W1 u, shared by every token), and the second layer on the m·N tangents
-    act'(W1 v + b1) ⊙ W1 u. Any other projector (the Qwen2.5-VL merger) goes through ``torch.func.jvp`` at the N
-    tokens, vmapped over chunks of directions (``care_core._chunks``): per chunk one primal pass F_M(N), the
-    chunk's tangents, and one more F_M(N) because forward-mode AD's product rule (x_t W + x W_t) also multiplies
-    the tokens by the weights' zero tangent: (m + 2 · chunks) F_M(N) in all. InternVL's LayerNorm + MLP takes this
-    path too (its LayerNorm makes the first layer's tangent token-dependent); its LayerNorm is inside F_M.
+    act'(W1 v + b1) ⊙ W1 u. A norm-first projector (the Qwen mergers, InternVL's LayerNorm + MLP;
+    ``care_core.norm_first``) adds the tangent through the norm to that: :func:`norm_first_terms`. Any other
+    projector goes through ``torch.func.jvp`` at the N tokens, vmapped over chunks of directions
+    (``care_core._chunks``): per chunk one primal pass F_M(N), the chunk's tangents, and one more F_M(N) because
+    forward-mode AD's product rule (x_t W + x W_t) also multiplies the tokens by the weights' zero tangent:
+    (m + 2 · chunks) F_M(N) in all.
 
-    ``second_layer="triangular"`` (what a ``Scorer`` runs on CUDA, e.g. the pipeline's; needs d_out >= d_h): the
-    second layer goes through the d_h x d_h triangular factor R of W2 = QR in ``blocks`` column blocks, each
-    needing only the hidden units from its first column on: ``2mN · triangular_macs(d_h, blocks)``. ``blocks``
-    defaults to the fused kernel's tiles (d_h / 256); the PyTorch path uses 4 (``care_core._chunks``). The
-    one-off QR is not counted (made once per projector, not per image).
+    ``second_layer="triangular"`` (what a ``Scorer`` runs on CUDA, e.g. the pipeline's): the second layer goes
+    through the factor R of W2 = QR (d_h x d_h upper triangular; where d_out < d_h, d_out x d_h upper trapezoidal)
+    in ``blocks`` column blocks, each needing only the hidden units from its first column on:
+    ``2mN · upper_macs(rows of R, d_h, blocks)``. ``blocks`` defaults to what runs: the fused kernel's tiles
+    (d_h / 256) for a Linear-act-Linear projector with a square R, else the PyTorch path's 4
+    (``care_core._chunks``). The one-off QR is not counted (made once per projector, not per image).
     """
-    if _is_linear_act_linear(projector):
+    if _is_linear_act_linear(projector) or _is_norm_first(projector):
         (d_in, d_hidden), (_, d_out) = projector.linears
-        terms = {"F_1(N)": 2 * n * d_in * d_hidden, "F_1(m)": 2 * m * d_in * d_hidden}
-        if _through_triangle(projector, second_layer):
-            b = blocks if blocks is not None else max(1, d_hidden // FUSED_TILE_COLUMNS)
-            terms[f"2mN R-triangle ({b} blocks)"] = 2 * m * n * triangular_macs(d_hidden, b)
+        if _is_norm_first(projector):
+            terms = norm_first_terms(n, m, projector)
+        else:
+            terms = {"F_1(N)": 2 * n * d_in * d_hidden, "F_1(m)": 2 * m * d_in * d_hidden}
+        if second_layer == "triangular":
+            rows = min(d_out, d_hidden)
+            b = blocks if blocks is not None else _factor_blocks(projector)
+            shape = "triangle" if rows == d_hidden else "trapezoid"
+            terms[f"2mN R-{shape} ({b} blocks)"] = 2 * m * n * upper_macs(rows, d_hidden, b)
         else:
             terms["2mN d_h d_out"] = 2 * m * n * d_hidden * d_out
         return terms
@@ -95,23 +103,62 @@ def jvp_response_terms(
             "F_M(N) zero tangent per chunk": chunks * f_m}  # fmt: skip
 
 
+def norm_first_terms(n: int, m: int, projector: ProjectorSpec) -> dict[str, int]:
+    """The first layer's tangents through the norm (``care_core.norm_first.first_layer``), B = ``norm_blocks``:
+    the per-block products W1_b (g ⊙ x̂_ib) on the N tokens (``F_1(N)``), W1 on the m directions (``F_1(m)``),
+    W1 β once where the norm shifts (``F_1(1) shift``), the inner products ⟨x̂_ib, t_jb⟩ (``2mN d_v``), and the
+    combination Σ_b (1/s_ib) [W1_b (g ⊙ t_jb) - c_ijb W1_b (g ⊙ x̂_ib)] as two products with B inner terms
+    (``4mN B d_h``). A LayerNorm counted in F_M (InternVL's) is counted once more, on the N tokens' forward."""
+    (d_in, d_hidden), _ = projector.linears
+    terms = {"F_1(N)": 2 * n * d_in * d_hidden, "F_1(m)": 2 * m * d_in * d_hidden}
+    if projector.norm_shift:
+        terms["F_1(1) shift"] = 2 * d_in * d_hidden
+    terms["2mN d_v <x^, t>"] = 2 * m * n * d_in
+    terms["4mN B d_h combine"] = 4 * m * n * projector.norm_blocks * d_hidden
+    if projector.layer_norm:
+        terms["LayerNorm(N)"] = n * LAYER_NORM_FLOPS_PER_ELEMENT * projector.layer_norm
+    return terms
+
+
 def _is_linear_act_linear(projector: ProjectorSpec) -> bool:
     """The projectors the jvp engine scores on its MLP path (``care_core.scoring._as_mlp``)."""
     return projector.kind == "mlp2x_gelu" and len(projector.linears) == 2
 
 
-def _through_triangle(projector: ProjectorSpec, second_layer: SecondLayer) -> bool:
-    """Whether the jvp engine's second layer runs through W2's triangular factor (it needs d_out >= d_h, as
-    ``care_core.scoring.triangular_factor`` does)."""
-    if second_layer != "triangular" or not _is_linear_act_linear(projector):
-        return False
+def _is_norm_first(projector: ProjectorSpec) -> bool:
+    """The projectors the jvp engine scores on its norm-first path (``care_core.scoring._as_norm_first``)."""
+    return projector.norm_blocks > 0 and len(projector.linears) == 2
+
+
+def _factor_blocks(projector: ProjectorSpec) -> int:
+    """Column blocks of R the jvp engine runs: the fused kernel's tiles for a Linear-act-Linear projector with a
+    square R (``care_core.scoring._fused_jvp_applies``), else the PyTorch path's."""
     (_, d_hidden), (_, d_out) = projector.linears
-    return d_out >= d_hidden
+    if _is_linear_act_linear(projector) and d_out >= d_hidden:
+        return max(1, d_hidden // FUSED_TILE_COLUMNS)
+    return TRIANGULAR_BLOCKS
+
+
+def _through_factor(projector: ProjectorSpec, second_layer: SecondLayer) -> bool:
+    """Whether the jvp engine's second layer runs through W2's factor R (MLP and norm-first paths)."""
+    return second_layer == "triangular" and (_is_linear_act_linear(projector) or _is_norm_first(projector))
 
 
 def jvp_response_note(projector: ProjectorSpec, second_layer: SecondLayer = "dense") -> str:
     """One line on what :func:`jvp_response_terms` counts for this projector."""
-    if _through_triangle(projector, second_layer):
+    if _is_norm_first(projector):
+        second = (
+            f"the second layer through W2's factor R (W2 = QR, ||W2 t|| = ||R t||) in {TRIANGULAR_BLOCKS} column "
+            "blocks, each from its first hidden unit on"
+            if _through_factor(projector, second_layer)
+            else "2mN d_h d_out (second layer on the m·N tangents)"
+        )
+        return (
+            "responses as the jvp engine runs them for a norm-first projector: F_1(N) + F_1(m) + the tangent "
+            f"through the norm (2mN d_v + 4mN B d_h, B = {projector.norm_blocks} blocks normalised apart) + {second}, "
+            "in place of Supp. B's 2mF_M(N)"
+        )
+    if _through_factor(projector, second_layer):
         return (
             "responses as the jvp engine runs them with a Scorer on CUDA: F_1(N) + F_1(m) + the second layer through "
             f"its triangular factor R (W2 = QR, ||W2 t|| = ||R t||) in blocks of {FUSED_TILE_COLUMNS} columns, each "

@@ -91,6 +91,10 @@ class ProjectorSpec:
     token_dim: int  # d_v: the width of one visual token as the reduction sees it (pre-projector)
     linears: tuple[tuple[int, int], ...]
     layer_norm: int = 0  # width of a LayerNorm on the input before the linears (InternVL: 4096); 0 = none
+    # norm-first projectors (care_core.norm_first): the input's blocks normalised on their own before the first
+    # linear (the Qwen mergers: 4 patches; InternVL: 1, the whole row), 0 = no norm first; whether the norm shifts
+    norm_blocks: int = 0
+    norm_shift: bool = False
 
     @property
     def out_dim(self) -> int:
@@ -187,16 +191,17 @@ def _llava_projector(hidden: int, token_dim: int = 1024) -> ProjectorSpec:
 
 
 def _qwen_merger(out: int, vit_hidden: int = 1280, merge: int = 2, kind: str = "qwen2.5-vl merger") -> ProjectorSpec:
-    """A Qwen merger (Qwen2.5-VL: RMSNorm per patch; Qwen3-VL: LayerNorm per patch; norms cost 0): the MLP on the
-    4 · d_v group."""
+    """A Qwen merger (Qwen2.5-VL: RMSNorm per patch; Qwen3-VL: LayerNorm per patch, with a shift; norms cost 0):
+    the MLP on the 4 · d_v group."""
     width = vit_hidden * merge * merge
-    return ProjectorSpec(kind=kind, token_dim=width, linears=((width, width), (width, out)))
+    return ProjectorSpec(kind=kind, token_dim=width, linears=((width, width), (width, out)), norm_blocks=merge * merge,
+                         norm_shift=kind == "qwen3-vl merger")  # fmt: skip
 
 
 def _internvl_projector(hidden: int, vit_hidden: int = 1024, shuffle: int = 2) -> ProjectorSpec:
     width = vit_hidden * shuffle * shuffle
     return ProjectorSpec(kind="internvl ln+mlp", token_dim=width, linears=((width, hidden), (hidden, hidden)),
-                         layer_norm=width)  # fmt: skip
+                         layer_norm=width, norm_blocks=1, norm_shift=True)  # fmt: skip
 
 
 _LLAVA15_NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the image size"

@@ -37,7 +37,7 @@ def _llava() -> nn.Module:
 
 PROJECTORS = {
     "gelu": lambda: _sequential(nn.GELU()),
-    "tanh-gelu-narrow-out": lambda: _sequential(nn.GELU(approximate="tanh"), d_out=20),  # d_out < d_h: no factor
+    "tanh-gelu-narrow-out": lambda: _sequential(nn.GELU(approximate="tanh"), d_out=20),  # d_out < d_h: R trapezoidal
     "silu": lambda: _sequential(nn.SiLU()),
     "llava": _llava,
 }

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from care_core import CaReConfig, care_reduce, kernels
-from care_core._chunks import block_bounds, triangular_macs
+from care_core._chunks import block_bounds, upper_macs
 from care_core.calibration import residual_indices
 from care_core.scoring import (
     Scorer,
@@ -36,9 +36,11 @@ def test_block_bounds_and_their_cost_by_hand() -> None:
     assert block_bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert block_bounds(3, 4) == [(0, 1), (1, 2), (2, 3)]  # never an empty block
     # rows of t R^T: block b needs the hidden units from its first column on: 8·2 + 6·2 + 4·2 + 2·2
-    assert triangular_macs(8, 4) == 40 == 8 * 8 * 5 // 8  # (B + 1) / 2B of dense at B = 4
-    assert triangular_macs(4096, 16) == 4096 * 4096 * 17 // 32  # the fused kernel's 256-column tiles
-    assert triangular_macs(5, 1) == 25  # one block: dense
+    assert upper_macs(8, 8, 4) == 40 == 8 * 8 * 5 // 8  # (B + 1) / 2B of dense at B = 4
+    assert upper_macs(4096, 4096, 16) == 4096 * 4096 * 17 // 32  # the fused kernel's 256-column tiles
+    assert upper_macs(5, 5, 1) == 25  # one block: dense
+    # a trapezoid R (4, 8): blocks of output rows [0, 2), [2, 4) read hidden units 0.. and 2..: 8·2 + 6·2
+    assert upper_macs(4, 8, 2) == 28
 
 
 def test_factor_is_upper_triangular_and_keeps_every_norm() -> None:
@@ -49,10 +51,9 @@ def test_factor_is_upper_triangular_and_keeps_every_norm() -> None:
     t = torch.randn(30, 24, generator=g, dtype=torch.float64)
     torch.testing.assert_close((t @ r.T).norm(dim=1), (t @ w2.T).norm(dim=1), rtol=1e-12, atol=0)
     torch.testing.assert_close(_upper_products(t, r), t @ r.T, rtol=1e-12, atol=1e-12)  # the blocks skip zeros only
-    assert triangular_factor(torch.randn(10, 24, dtype=torch.float64)) is None  # d_out < d_h: no square R
 
 
-@pytest.mark.parametrize(("d_h", "d_out"), [(32, 32), (32, 48)])
+@pytest.mark.parametrize(("d_h", "d_out"), [(32, 32), (32, 48), (32, 20)])  # the last: a trapezoidal R (20, 32)
 def test_triangular_scorer_gives_the_dense_responses(d_h: int, d_out: int) -> None:
     mlp = _mlp(12, d_h, d_out, seed=1)
     features, _ = _inputs(70, 12, seed=2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config
@@ -217,9 +219,10 @@ def test_triangular_second_layer_terms_match_the_code_path(n: int) -> None:
 
 
 @pytest.mark.parametrize(("n", "m"), [(50, 8), (1110, 64)])  # one chunk of directions; 13 chunks of 5
-def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp(n: int, m: int) -> None:
-    """The merger is no Linear-act-Linear: torch.func.jvp vmapped over chunks of directions runs, per chunk, one
-    primal pass and one product with the weights' zero tangent besides the chunk's tangents."""
+def test_jvp_response_terms_of_the_qwen_merger_match_its_norm_first_path(n: int, m: int) -> None:
+    """The merger (RMSNorm per patch, then Linear-GELU-Linear) takes the jvp engine's norm-first path; the generic
+    torch.func.jvp path (forced by a plain function) still runs, per chunk, one primal pass and one product with the
+    weights' zero tangent besides the chunk's tangents."""
     from care_core._chunks import two_pass_chunk
     from care_core.backbones.qwen2_5_vl import QwenMergerProjector
     from care_core.scoring import responses_jvp
@@ -233,10 +236,45 @@ def test_jvp_response_terms_of_the_qwen_merger_match_torch_func_jvp(n: int, m: i
     counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
     terms = fx.jvp_response_terms(n, m, spec.projector)
     _close(counted, sum(terms.values()))
+    d, out = 5120, 3584  # 4 patches of 1280 -> 5120 -> 3584, no shift (RMSNorm)
+    by_hand = 2 * n * d * d + 2 * m * d * d + 2 * m * n * d + 4 * m * n * 4 * d + 2 * m * n * d * out
+    assert sum(terms.values()) == by_hand
+    generic, _ = count_flops(lambda: responses_jvp(features, lambda v: projector(v), directions, "float32"))
     chunks = -(-m // two_pass_chunk(m, n, spec.projector.token_dim, spec.projector.out_dim))
     assert chunks == (1 if m == 8 else 13)
     f_m = fx.projector_flops(spec.projector, n)
-    assert sum(terms.values()) == (m + 2 * chunks) * f_m  # Supp. B: 2 m F_M(N)
+    no_norm_path = replace(spec.projector, norm_blocks=0)  # what the count gives a projector on the generic path
+    assert sum(fx.jvp_response_terms(n, m, no_norm_path).values()) == (m + 2 * chunks) * f_m  # Supp. B: 2 m F_M(N)
+    width_probe = fx.projector_flops(spec.projector, 1)  # a plain function names no out_features: one row through it
+    _close(generic - width_probe, (m + 2 * chunks) * f_m)
+
+
+@pytest.mark.parametrize(("n", "m"), [(50, 8), (1280, 64)])
+def test_jvp_response_terms_of_the_internvl_projector_match_its_norm_first_path(n: int, m: int) -> None:
+    """InternVL's LayerNorm(4096) + MLP: one block, a shift (W1 β once); the LayerNorm's own 7 FLOPs per element
+    on the N tokens, which FlopCounterMode counts 0, are added back as for F_M."""
+    from transformers import InternVLConfig
+    from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
+    from care_core._chunks import TRIANGULAR_BLOCKS
+    from care_core.scoring import responses_jvp
+
+    spec = KNOWN_BACKBONES["internvl3-8b"]
+    config = InternVLConfig(text_config={"model_type": "qwen2", "hidden_size": spec.lm.hidden})
+    with torch.device("meta"):
+        projector = InternVLMultiModalProjector(config)
+    features = torch.empty(n, 4096, device="meta")
+    directions = torch.empty(m, 4096, device="meta")
+    counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
+    terms = fx.jvp_response_terms(n, m, spec.projector)
+    _close(counted + n * fx.LAYER_NORM_FLOPS_PER_ELEMENT * 4096, sum(terms.values()))
+    factor = torch.empty(3584, 3584, device="meta")  # R of W2 = QR, square (d_out = d_h)
+    through_r, _ = count_flops(
+        lambda: responses_jvp(features, projector, directions, "float32", kernel="torch", factor=factor)
+    )
+    terms = fx.jvp_response_terms(n, m, spec.projector, "triangular")
+    assert f"2mN R-triangle ({TRIANGULAR_BLOCKS} blocks)" in terms  # the PyTorch path's blocks: no fused kernel here
+    _close(through_r + n * fx.LAYER_NORM_FLOPS_PER_ELEMENT * 4096, sum(terms.values()))
 
 
 # optional vision-tower term --------------------------------------------------------------------------------
@@ -274,8 +312,9 @@ def test_tiny_qwen_vit_matches_formula(grid: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize(("n", "m"), [(50, 8), (1024, 64)])
 def test_jvp_and_fd_response_terms_of_the_qwen3_merger_match_the_code_that_runs(n: int, m: int) -> None:
-    """Qwen3-VL's main merger (LayerNorm per patch, then the MLP on 4·d_v) goes through torch.func.jvp like
-    Qwen2.5-VL's; the fd engine costs Supp. B's 2 m F_M(N)."""
+    """Qwen3-VL's main merger (LayerNorm per patch, then the MLP on 4·d_v) takes the jvp engine's norm-first path
+    like Qwen2.5-VL's, dense or through W2's trapezoidal factor R (4096 x 4608); the fd engine costs Supp. B's
+    2 m F_M(N)."""
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
 
@@ -291,6 +330,14 @@ def test_jvp_and_fd_response_terms_of_the_qwen3_merger_match_the_code_that_runs(
     directions = torch.empty(m, spec.projector.token_dim, device="meta")
     counted, _ = count_flops(lambda: responses_jvp(features, projector, directions, "float32", kernel="torch"))
     _close(counted, sum(fx.jvp_response_terms(n, m, spec.projector).values()))
+    factor = torch.empty(4096, 4608, device="meta")  # R of the wide W2 = QR: upper trapezoidal
+    through_r, _ = count_flops(
+        lambda: responses_jvp(features, projector, directions, "float32", kernel="torch", factor=factor)
+    )
+    terms = fx.jvp_response_terms(n, m, spec.projector, "triangular")
+    # by hand: output blocks of 1024 rows read hidden units 0.., 1024.., 2048.., 3072.. of 4608
+    assert terms["2mN R-trapezoid (4 blocks)"] == 2 * m * n * (4608 + 3584 + 2560 + 1536) * 1024
+    _close(through_r, sum(terms.values()))
     counted_fd, _ = count_flops(lambda: responses_fd(features, projector, directions, 1e-3))
     _close(counted_fd, fx.score_terms(n, 1, m, spec.projector, spec.lm.hidden)["2mF_M(N)"])
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from care_core.flops import formulas as fx
@@ -42,6 +44,33 @@ def test_care_terms_as_spec_writes_them() -> None:
     w = t + k
     layer = 8 * w * 4096**2 + 6 * w * 4096 * 11008 + 4 * w * w * 4096
     assert fx.prefill_flops(cost.schedule, spec.lm, t) == 32 * layer
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "d_h", "d_out", "blocks", "shift", "layer_norm"),
+    [("qwen2.5-vl-7b", 5120, 5120, 3584, 4, False, 0), ("qwen3-vl-8b", 4608, 4608, 4096, 4, True, 0),
+     ("internvl3-8b", 4096, 3584, 3584, 1, True, 4096)],
+)  # fmt: skip
+def test_care_jvp_terms_of_norm_first_projectors_by_hand(
+    name: str, d: int, d_h: int, d_out: int, blocks: int, shift: bool, layer_norm: int
+) -> None:
+    """The jvp engine's norm-first path: per-block first layer on the N tokens, W1 on the m directions, W1 β once
+    (a LayerNorm's shift), the (N, m) inner products per block, the two products that combine them, the second
+    layer on m·N tangents (dense, or through R: triangle or trapezoid in 4 column blocks)."""
+    spec, n, k, m = KNOWN_BACKBONES[name], 1000, 100, 64
+    selection = m * n * spec.lm.hidden + n * n * d + k * n
+    first = 2 * n * d * d_h + 2 * m * d * d_h + (2 * d * d_h if shift else 0) + n * 7 * layer_norm
+    through_norm = 2 * m * n * d + 4 * m * n * blocks * d_h
+    dense = method_cost("care", spec, n, k, m)
+    assert sum(dense.score.values()) == first + through_norm + 2 * m * n * d_h * d_out + selection
+    assert "norm-first" in dense.note
+    factor = method_cost("care", spec, n, k, m, second_layer="triangular")
+    rows = min(d_h, d_out)  # R is (rows, d_h); block [lo, hi) of its rows reads hidden units lo..
+    edges = [rows * b // 4 for b in range(5)]
+    upper = sum((d_h - lo) * (hi - lo) for lo, hi in itertools.pairwise(edges))
+    assert sum(factor.score.values()) == first + through_norm + 2 * m * n * upper + selection
+    # Supp. B's 2 m F_M(N) (the fd engine) is over 4x the jvp engine's score work on these projectors
+    assert sum(method_cost("care", spec, n, k, m, engine="fd").score.values()) > 4 * sum(dense.score.values())
 
 
 def test_spec_projector_gap_figure() -> None:

@@ -1,0 +1,276 @@
+"""The jvp engine's norm-first path (Eq. 1, ||J_M(v) u|| through a LayerNorm or RMSNorm, per patch or per row, then
+Linear-act-Linear): the norm's derivative against forward-mode AD, which projector takes which path, the responses
+and care_reduce's result against the generic torch.func.jvp path on every family's demo projector, and the second
+layer's trapezoidal factor (d_out < d_h)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from torch import nn
+from torch.nn import functional as F
+
+from care_core import CaReConfig, care_reduce, scoring
+from care_core.backbones import load_backbone
+from care_core.backbones.qwen2_5_vl import QwenMergerProjector
+from care_core.norm_first import NormFirstMLP, first_layer, first_layer_tangents, from_modules
+from care_core.scoring import (
+    Scorer,
+    _as_mlp,
+    _as_norm_first,
+    _fused_jvp_applies,
+    _upper_products,
+    responses_jvp,
+    triangular_factor,
+    unit_directions,
+)
+
+MLP_DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision")
+# demo -> (norm kind, blocks normalised apart, statistics upcast, an image size that gives a small N)
+NORM_FIRST_DEMOS = {
+    "tiny-qwen2.5-vl": ("rms", 4, True, (224, 168)),
+    "tiny-qwen3-vl": ("layer", 4, False, (256, 192)),
+    "tiny-internvl3": ("layer", 1, False, (448, 448)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("norm_first_home")
+
+
+def _scene(size: tuple[int, int]) -> Image.Image:
+    """A colour gradient with a red disc and a blue box (CaRe accepts calibration signals on it; on noise it may
+    accept none)."""
+    w, h = size
+    ramp_x, ramp_y = torch.linspace(0, 255, w).expand(h, w), torch.linspace(0, 255, h)[:, None].expand(h, w)
+    pixels = torch.stack([ramp_x, ramp_y, torch.full((h, w), 128.0)], dim=-1).to(torch.uint8)
+    image = Image.fromarray(pixels.numpy())
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((w // 5, h // 5, w // 2, h // 2), fill=(230, 20, 20))
+    draw.rectangle((w // 2, h // 2, 4 * w // 5, 9 * h // 10), fill=(20, 20, 230))
+    return image
+
+
+@pytest.fixture(scope="module")
+def demo_tokens(home: Path) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
+    """Per norm-first demo: its projector, and one image's features and positions (the demo's real geometry)."""
+    out = {}
+    for name, (*_, size) in NORM_FIRST_DEMOS.items():
+        adapter: Any = load_backbone(name, home=home)
+        tokens = adapter.encode_image(_scene(size))
+        out[name] = (adapter.projector, tokens.features.cpu(), tokens.positions.cpu())
+    return out
+
+
+def _fast_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the generic path fail, so that a result shows the fast path ran."""
+
+    def refuse(*args: object) -> torch.Tensor:
+        raise AssertionError("the generic torch.func.jvp path ran")
+
+    monkeypatch.setattr(scoring, "_jvp_generic", refuse)
+
+
+def _generic(projector: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The projector as a plain function: no recogniser reads it, so the jvp engine takes torch.func.jvp."""
+    return lambda v: projector(v)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+# ------------------------------------------------------------------------------ the norm's exact derivative
+def _blockwise(kind: str, p: int, blocks: int, eps: float, seed: int) -> tuple[NormFirstMLP, Callable[..., Any]]:
+    """A norm-first projector over `blocks` blocks of p, as a description and as a forward written here with
+    F.layer_norm / F.rms_norm per block (the route forward-mode AD differentiates)."""
+    g = torch.Generator().manual_seed(seed)
+    gamma = 1 + 0.5 * torch.randn(p, generator=g, dtype=torch.float64)
+    beta = torch.randn(p, generator=g, dtype=torch.float64) if kind == "layer" else None
+    torch.manual_seed(seed)
+    first, second = nn.Linear(blocks * p, 24).double(), nn.Linear(24, 10).double()
+    desc = NormFirstMLP(kind, gamma, beta, eps, blocks, first, nn.GELU(), second)  # type: ignore[arg-type]
+
+    def normed_first(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, p)
+        y = F.layer_norm(rows, (p,), gamma, beta, eps) if kind == "layer" else F.rms_norm(rows, (p,), gamma, eps)
+        return first(y.reshape(x.shape[0], -1))
+
+    return desc, normed_first
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("blocks", [1, 3])
+@pytest.mark.parametrize("eps", [1e-6, 1e-1])
+def test_first_layer_tangent_through_the_norm_equals_forward_mode_ad(kind: str, blocks: int, eps: float) -> None:
+    desc, normed_first = _blockwise(kind, 8, blocks, eps, seed=blocks)
+    g = torch.Generator().manual_seed(7)
+    x = 0.3 * torch.randn(20, 8 * blocks, generator=g, dtype=torch.float64) + 0.2  # small rows: eps matters
+    u = unit_directions(6, 8 * blocks, seed=3, dtype=torch.float64)
+    with torch.no_grad():
+        prepared = first_layer(desc, x, u)
+        got = first_layer_tangents(prepared, 0, 6)  # (N, m, d_h)
+        want = torch.stack([torch.func.jvp(normed_first, (x,), (d.expand_as(x),))[1] for d in u], dim=1)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13 * float(want.abs().max()))
+        torch.testing.assert_close(prepared.pre, normed_first(x), rtol=1e-13, atol=1e-13)  # the forward too
+        if eps == 1e-1:  # the same formula without eps is visibly off: eps is in it, not negligible here
+            without = first_layer_tangents(first_layer(dataclasses.replace(desc, eps=0.0), x, u), 0, 6)
+            assert _relative(without, want) > 1e-3
+
+
+def test_rms_norm_without_eps_uses_the_dtypes_machine_epsilon() -> None:
+    torch.manual_seed(0)
+    projector = nn.Sequential(nn.RMSNorm(6), nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5)).double()  # eps=None
+    x = 1e-8 * torch.randn(15, 6, dtype=torch.float64)  # mean(x²) ~ 1e-16: machine epsilon (2.2e-16) matters
+    u = unit_directions(4, 6, seed=1, dtype=torch.float64)
+    with torch.no_grad():
+        want = responses_jvp(x, _generic(projector), u, "float32")
+        assert _relative(responses_jvp(x, projector, u, "float32"), want) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------ recognition
+def _mlp_after(norm: nn.Module, act: nn.Module | None = None) -> nn.Sequential:
+    return nn.Sequential(norm, nn.Linear(12, 16), act if act is not None else nn.GELU(), nn.Linear(16, 8))
+
+
+def test_recogniser_reads_plain_norm_first_sequentials_and_nothing_else() -> None:
+    layer = _as_norm_first(_mlp_after(nn.LayerNorm(12, eps=1e-3)))
+    assert layer is not None and (layer.kind, layer.blocks, layer.eps, layer.width) == ("layer", 1, 1e-3, 12)
+    rms = _as_norm_first(_mlp_after(nn.RMSNorm(12, elementwise_affine=False)))
+    assert rms is not None and (rms.kind, rms.gamma, rms.beta, rms.eps) == ("rms", None, None, None)
+
+    class ScaledNorm(nn.LayerNorm):  # a subclass may compute anything: not read as a LayerNorm
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    assert _as_norm_first(_mlp_after(ScaledNorm(12))) is None
+    assert _as_norm_first(_mlp_after(nn.LayerNorm(12), nn.Softmax(dim=-1))) is None  # not elementwise
+    assert _as_norm_first(nn.Sequential(nn.LayerNorm((3, 4)), nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 8))) is None
+    assert _as_norm_first(_mlp_after(nn.Identity())) is None
+    assert from_modules(nn.LayerNorm(10), nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 8)) is None  # widths differ
+    assert _as_norm_first(lambda v: v) is None and _as_mlp(_mlp_after(nn.LayerNorm(12))) is None
+
+
+def test_a_qwen_merger_subclass_with_its_own_forward_takes_the_generic_path(demo_tokens: dict[str, Any]) -> None:
+    projector = demo_tokens["tiny-qwen2.5-vl"][0]
+
+    class Doubled(QwenMergerProjector):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    assert _as_norm_first(projector) is not None
+    assert _as_norm_first(Doubled(projector.merger)) is None
+
+
+def test_each_demo_projector_takes_its_path(home: Path, demo_tokens: dict[str, Any]) -> None:
+    for name in MLP_DEMOS:  # Linear-GELU-Linear: the MLP path (and its fused kernel on CUDA), unchanged
+        projector = load_backbone(name, home=home).projector
+        assert _as_mlp(projector) is not None and _as_norm_first(projector) is None, name
+    for name, (kind, blocks, upcast, _) in NORM_FIRST_DEMOS.items():
+        projector = demo_tokens[name][0]
+        desc = _as_norm_first(projector)
+        assert _as_mlp(projector) is None and desc is not None, name
+        assert (desc.kind, desc.blocks, desc.upcast) == (kind, blocks, upcast), name
+        params = dict(projector.named_parameters())
+        assert any(desc.gamma is t for t in params.values()) and any(desc.first.weight is t for t in params.values())
+
+
+# ------------------------------------------------------------------------ the demos: fast against generic
+def _second_weight(projector: nn.Module) -> torch.Tensor:
+    desc = _as_norm_first(projector)
+    assert desc is not None
+    return desc.second.weight
+
+
+@pytest.mark.parametrize("name", list(NORM_FIRST_DEMOS))
+def test_fast_responses_equal_the_generic_path_on_the_demo_projector(
+    name: str, demo_tokens: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    projector, features, _ = demo_tokens[name]
+    double = copy.deepcopy(projector).double()
+    v = features.double()
+    u = unit_directions(12, v.shape[1], seed=5, dtype=torch.float64)
+    with torch.no_grad():
+        generic = responses_jvp(v, _generic(double), u, "float32")
+        single = responses_jvp(v.float(), _generic(projector), u.float(), "float32")
+        _fast_only(monkeypatch)
+        fast = responses_jvp(v, double, u, "float32")
+        through_r = responses_jvp(v, double, u, "float32", factor=triangular_factor(_second_weight(double)))
+        fast_single = responses_jvp(v.float(), projector, u.float(), "float32")
+    assert _relative(fast, generic) < 1e-10  # observed: below 1e-15
+    assert _relative(through_r, generic) < 1e-10
+    # float32: both paths round alike (observed: up to 3e-7 of the largest response, fast and generic)
+    assert _relative(fast_single.double(), generic) < 2e-6 and _relative(single.double(), generic) < 2e-6
+
+
+@pytest.mark.parametrize("name", list(NORM_FIRST_DEMOS))
+def test_care_reduce_through_the_fast_path_keeps_anchors_signals_and_tokens(
+    name: str, demo_tokens: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    projector, features, positions = demo_tokens[name]
+    double = copy.deepcopy(projector).double()
+    v, p = features.double(), positions.double()
+    config = CaReConfig(m=16)
+    keep = max(4, v.shape[0] // 4)
+    generic = care_reduce(v, _generic(double), p, keep=keep, config=config)
+    _fast_only(monkeypatch)
+    fast = care_reduce(v, double, p, keep=keep, config=config)
+    assert torch.equal(fast.indices, generic.indices) and torch.equal(fast.anchor_order, generic.anchor_order)
+    assert torch.equal(fast.signals, generic.signals) and fast.signals.numel() > 0
+    torch.testing.assert_close(fast.tokens, generic.tokens, rtol=1e-9, atol=1e-9)
+
+
+def test_bf16_second_layer_stays_within_bf16_rounding(demo_tokens: dict[str, Any]) -> None:
+    projector, features, _ = demo_tokens["tiny-qwen3-vl"]
+    u = unit_directions(8, features.shape[1], seed=4)
+    with torch.no_grad():
+        full = responses_jvp(features, projector, u, "float32")
+        low = responses_jvp(features, projector, u, "bf16")
+    assert low.dtype == torch.float32 and 0 < _relative(low, full) < 2e-2  # bf16 keeps 8 bits: ~4e-3 each
+
+
+def test_a_scorer_keeps_the_trapezoidal_factor_of_a_norm_first_projector(demo_tokens: dict[str, Any]) -> None:
+    projector, features, _ = demo_tokens["tiny-qwen3-vl"]  # W2 (128, 512): d_out < d_h
+    scorer = Scorer(projector, second_layer="triangular")
+    r = scorer.factor(torch.float64, "cpu")
+    w2 = projector.merger.linear_fc2.weight
+    assert r is not None and r.shape == w2.shape and scorer.factor(torch.float64, "cpu") is r  # made once
+    v = features.double()
+    u = unit_directions(8, v.shape[1], seed=2, dtype=torch.float64)
+    dense = Scorer(projector, second_layer="dense").responses(v, u, h=1e-3)
+    assert _relative(scorer.responses(v, u, h=1e-3), dense) < 1e-12
+
+
+# ------------------------------------------------------------------------------ the trapezoidal factor
+def test_trapezoidal_factor_keeps_every_norm_and_its_blocks_skip_only_zeros() -> None:
+    g = torch.Generator().manual_seed(0)
+    w2 = torch.randn(10, 24, generator=g, dtype=torch.float64)  # d_out < d_h
+    r = triangular_factor(w2)
+    assert r.shape == (10, 24)
+    assert torch.equal(r.tril(-1), torch.zeros_like(r))  # the zero part: R[i, j] = 0 for j < i
+    assert bool((r.diagonal().abs() > 1e-3).all())  # and nothing more is zero (a full-rank W2)
+    t = torch.randn(30, 24, generator=g, dtype=torch.float64)
+    torch.testing.assert_close((t @ r.T).norm(dim=1), (t @ w2.T).norm(dim=1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(_upper_products(t, r), t @ r.T, rtol=1e-12, atol=1e-12)
+
+
+def test_the_fused_kernel_takes_square_factors_only() -> None:
+    features = torch.zeros(4, 8)
+    assert _fused_jvp_applies(features, torch.zeros(256, 256), None, True, "auto", upper=True)
+    assert not _fused_jvp_applies(features, torch.zeros(256, 512), None, True, "auto", upper=True)  # a trapezoid
