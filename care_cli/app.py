@@ -6,22 +6,30 @@ transformers are imported when a command loads a model, after its arguments and 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
-from collections.abc import Sequence
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import typer
 import typer.core
 
+from care_cli import options as opt
+from care_cli import render
 from care_cli.commands import csr as csr_command
 from care_cli.commands import eval as eval_command
 from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
 from care_cli.commands import visualize as visualize_command
+from care_cli.errors import UserError
 from care_cli.run_options import Interrupted
-from care_core.errors import CareError, one_line
+from care_core.errors import CareError, CareWarning, one_line
+from care_core.home import cache_environment
+from care_core.runs import scoped_environ
 
 _EMOJI_CODE = re.compile(r"(:\S*?(?:-(?:emoji|text))?:)")  # the codes rich's markup turns into emoji
 _WORD_JOINER = "\u2060"  # invisible, zero width: splits an emoji code without changing what is shown
@@ -87,7 +95,37 @@ class _PlainHelp:
 
 
 class CareCommand(_PlainHelp, typer.core.TyperCommand):
-    """A ``care`` subcommand."""
+    """A ``care`` subcommand; a single-valued option given more than once is an error (the parser would keep the
+    last value silently)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and not ctx.resilient_parsing:
+            _, _, order = self.make_parser(ctx).parse_args(args=list(args))  # the options in the order given
+            refuse_repeated_options(ctx, order)
+        return super().parse_args(ctx, args)  # type: ignore[no-any-return]
+
+
+def refuse_repeated_options(ctx: Any, order: Sequence[Any]) -> None:
+    """UserError for the first single-valued option (value or switch) that ``order``, the parser's list of the
+    options given, holds more than once; it says which commands take that option several times."""
+    counts = Counter(p for p in order if isinstance(p, typer.core.TyperOption) and not (p.multiple or p.count or
+                                                                                         p.is_eager))  # fmt: skip
+    option, times = next(((p, n) for p, n in counts.items() if n > 1), (None, 0))
+    if option is None:
+        return
+    flag = max(option.opts, key=len)
+    given = f"given {'twice' if times == 2 else f'{times} times'}"
+    command = f"care {ctx.info_name}"
+    if option.is_flag:
+        raise UserError(f"{'/'.join([flag, *option.secondary_opts])} {given} ({command} takes it once)")
+    siblings = getattr(ctx.parent.command, "commands", {}) if ctx.parent is not None else {}
+    several = [f"care {name}" for name, sub in siblings.items()
+               if any(getattr(p, "multiple", False) and flag in p.opts for p in sub.params)]  # fmt: skip
+    elsewhere = ""
+    if several:
+        listed = " and ".join([", ".join(several[:-1]), several[-1]]) if len(several) > 1 else several[0]
+        elsewhere = f"; {listed} take{'s' if len(several) == 1 else ''} several"
+    raise UserError(f"{flag} {given} ({command} takes one {opt.VALUE_NOUNS.get(flag, 'value')}{elsewhere})")
 
 
 class CareGroup(_PlainHelp, typer.core.TyperGroup):
@@ -167,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(argv) if argv is not None else sys.argv[1:]
     bare = _help_for_no_args(command, args)
     try:
-        result = command.main(args=args, prog_name="care", standalone_mode=False, obj={"argv": args})
+        with one_line_warnings(), scoped_environ(keep_set=True, **cache_environment()):
+            result = command.main(args=args, prog_name="care", standalone_mode=False, obj={"argv": args})
     except CareError as exc:
         flags = flags_of(command, args)
         print(f"error: {one_line(exc.render(lambda name: flags.get(name, name)))}", file=sys.stderr)
@@ -189,6 +228,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result == 130:  # Typer turned a KeyboardInterrupt the command did not handle into exit code 130
         return _interrupted("interrupted")
     return result if isinstance(result, int) else 0
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While a command runs, each warning the library gives about the user's input (:class:`CareWarning`) is one
+    ``warning:`` line on stderr, every time; other warnings are shown as Python shows them."""
+    with warnings.catch_warnings():  # restores the filters and showwarning afterwards
+        python_shows = warnings.showwarning
+        warnings.simplefilter("always", CareWarning)
+
+        def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, CareWarning):
+                render.print_warning(one_line(message))
+            else:
+                python_shows(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield
 
 
 def _interrupted(message: str | None) -> int:

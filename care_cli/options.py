@@ -35,6 +35,8 @@ RatioSpecs = Annotated[
                  help="Retention ratio in (0, 1], repeatable; START:STOP:STEP gives a range (STOP included).",
                  show_default=False),
 ]  # fmt: skip
+#: what one value of these options is, in the error for a single-valued option given twice (other options: "value")
+VALUE_NOUNS = {"--ratio": "budget", "--keep": "budget", "--method": "method"}
 Keeps = Annotated[list[int] | None, typer.Option("--keep", "-k", help="Tokens kept, K (repeatable).", metavar="INT")]
 Model = Annotated[
     str | None,

@@ -148,6 +148,11 @@ def print_notices(notices: list[str]) -> None:
         stderr.print(f"[yellow]note:[/] {notice}", highlight=False, soft_wrap=True)  # one line, however long
 
 
+def print_warning(text: str) -> None:
+    """One ``warning:`` line on stderr (the library's warnings about the user's input, e.g. a very large image)."""
+    stderr.print(Text.assemble(("warning:", "yellow"), " ", text), highlight=False, soft_wrap=True)
+
+
 def print_json(payload: dict[str, Any]) -> None:
     """Exactly one JSON object on stdout (plain write: no rich markup or wrapping)."""
     sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")

@@ -72,3 +72,12 @@ class ConfigError(CareError):
 
 class GenerationError(CareError):
     """A generation option cannot be honoured here (e.g. CUDA graphs asked for without a CUDA device)."""
+
+
+class CareWarning(UserWarning):
+    """A one-line warning about what the user gave that is served anyway; the CLI prints it as ``warning: …``."""
+
+
+class LargeImageWarning(CareWarning):
+    """An image above Pillow's decompression-bomb warning size, within the limit: it is decoded (slowly, in much
+    memory)."""

@@ -7,8 +7,10 @@ naming the path.
 from __future__ import annotations
 
 import contextlib
-import re
+import os
 import struct
+import threading
+import warnings
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,15 +18,17 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from care_core.errors import ImageError, one_line
+from care_core.errors import CareError, ImageError, LargeImageWarning, one_line
 
-__all__ = ["load_image", "to_rgb"]
+__all__ = ["MAX_PIXELS_VARIABLE", "load_image", "max_image_pixels", "to_rgb"]
+
+#: the environment variable that sets the largest image, in pixels, :func:`load_image` decodes
+MAX_PIXELS_VARIABLE = "CARE_MAX_IMAGE_PIXELS"
 
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 # Exceptions Pillow's decoders raise for corrupt or truncated data.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
-_BOMB_RE = re.compile(r"\((\d+) pixels\) exceeds limit of (\d+) pixels")
 # What an OS error while reaching the file means to the user; the first matching type wins.
 _ACCESS_PROBLEMS: tuple[tuple[type[OSError], str], ...] = (
     (FileNotFoundError, "no such file"),
@@ -51,15 +55,73 @@ def _strict_truncation() -> Iterator[None]:
         ImageFile.LOAD_TRUNCATED_IMAGES = previous
 
 
-def _bomb_message(name: str, exc: Exception) -> str:
-    """One-line message for Pillow's DecompressionBombError."""
-    match = _BOMB_RE.search(str(exc))
-    if match:
-        pixels, limit = match.groups()
-        detail = f"image too large ({pixels} pixels > limit {limit})"
-    else:
-        detail = f"image too large ({one_line(exc)})"
-    return f"{name}: {detail}; Pillow's decompression-bomb guard refused it"
+class _PillowGuard:
+    """Pillow's own decompression-bomb check, switched off while :func:`load_image` decodes (it applies the same
+    limits itself, in its own words, with a way to raise them).
+
+    Pillow reads its limit only from the process-wide ``Image.MAX_IMAGE_PIXELS``, and loader threads decode in
+    parallel: the first load to start saves the limit and sets None, the last to finish restores it, so the caller's
+    setting is back once no load runs. :meth:`limit` is the caller's setting at any time.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loads = 0
+        self._saved: int | None = None
+
+    def limit(self) -> int | None:
+        """The caller's ``Image.MAX_IMAGE_PIXELS`` (Pillow warns above it and refuses above twice it)."""
+        with self._lock:
+            return self._saved if self._loads else Image.MAX_IMAGE_PIXELS
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        with self._lock:
+            if not self._loads:
+                self._saved = Image.MAX_IMAGE_PIXELS
+                Image.MAX_IMAGE_PIXELS = None
+            self._loads += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loads -= 1
+                if not self._loads:
+                    Image.MAX_IMAGE_PIXELS = self._saved
+
+
+_PILLOW_GUARD = _PillowGuard()
+
+
+def max_image_pixels() -> int | None:
+    """The largest image, in pixels, :func:`load_image` decodes: ``$CARE_MAX_IMAGE_PIXELS``, else where Pillow's own
+    guard refuses (twice ``PIL.Image.MAX_IMAGE_PIXELS``: 178,956,970 by default); None: no limit (Pillow's set to
+    None). CareError for a value that is not a whole number >= 1."""
+    text = os.environ.get(MAX_PIXELS_VARIABLE, "").strip()
+    if not text:
+        pillow = _PILLOW_GUARD.limit()
+        return None if pillow is None else 2 * pillow
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise CareError(f"{MAX_PIXELS_VARIABLE} must be a whole number of pixels, at least 1; got {one_line(text)!r}")
+    return value
+
+
+def _check_pixels(name: str, size: tuple[int, int], limit: int | None) -> None:
+    """ImageError above ``limit`` pixels; LargeImageWarning above Pillow's warning size (within the limit)."""
+    width, height = size
+    pixels = max(1, width) * max(1, height)
+    if limit is not None and pixels > limit:
+        raise ImageError(f"{name}: {pixels:,} pixels ({width}×{height}) exceed the limit of {limit:,}, a guard "
+                         f"against decompression bombs; to open it, set {MAX_PIXELS_VARIABLE}={pixels}")  # fmt: skip
+    large = _PILLOW_GUARD.limit()
+    if large is not None and pixels > large:
+        megabytes = 3 * pixels / 1e6  # the decoded 8-bit RGB image alone
+        warnings.warn(f"{name}: {pixels:,} pixels ({width}×{height}), a large image: decoding it takes time and at "
+                      f"least {megabytes:,.0f} MB of memory", LargeImageWarning, stacklevel=3)  # fmt: skip
 
 
 def _sixteen_bit_to_rgb(im: Image.Image) -> Image.Image:
@@ -138,7 +200,8 @@ def _decode_problem(exc: Exception) -> str:
 def load_image(path: str | Path) -> Image.Image:
     """Load an image file as a fully decoded 8-bit RGB image (first frame, EXIF-oriented).
 
-    Raises ImageError with a one-line message naming the path for anything that is not a readable image.
+    Raises ImageError with a one-line message naming the path for anything that is not a readable image, and for an
+    image over :func:`max_image_pixels`; warns (LargeImageWarning) above Pillow's warning size.
     """
     name = one_line(path)
     p = Path(path).expanduser()
@@ -154,14 +217,14 @@ def load_image(path: str | Path) -> Image.Image:
     if st.st_size == 0:
         raise ImageError(f"{name}: empty file, not an image")
 
+    limit = max_image_pixels()
     try:
-        with _strict_truncation(), Image.open(p) as im:
+        with _strict_truncation(), _PILLOW_GUARD.off(), Image.open(p) as im:
+            _check_pixels(name, im.size, limit)  # from the header, before anything is decoded
             im.load()
             return to_rgb(_orient(im))
     except ImageError:
         raise
-    except Image.DecompressionBombError as exc:
-        raise ImageError(_bomb_message(name, exc)) from None
     except MemoryError:
         raise ImageError(f"{name}: not enough memory to decode the image") from None
     except _DECODE_ERRORS as exc:

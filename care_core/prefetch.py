@@ -121,6 +121,7 @@ def image_preparer(adapter: VLMAdapter, *, pool: bool = True) -> Callable[[Image
         def through_pool(image: Image.Image) -> Image.Image | PreparedImage:
             if not processes.ready:  # its workers are still starting (seconds): this thread gives the same output
                 return here(image)
+            chat.check_image(image)  # ImageError here, as process_image raises it, for an image the processor refuses
             return PreparedImage((image.height, image.width), processes.submit(image).result())
 
         return through_pool

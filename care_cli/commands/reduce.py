@@ -11,6 +11,7 @@ import typer
 from care_cli import options as opt
 from care_cli import render
 from care_core.config import CaReConfig
+from care_core.errors import one_line
 from care_core.pipeline import DEFAULT_QUESTION
 
 ImageArg = Annotated[Path, typer.Argument(help="Image file (any size, mode or EXIF orientation).", show_default=False)]
@@ -78,6 +79,7 @@ def reduce(
     with render.status("Loading backbone (the demo is built on first use)…", quiet=json_output):
         pipe = ReductionPipeline.from_pretrained(model, methods=[name], config=config, device=device, dtype=dtype)
     render.print_notices(pipe.adapter.notices)
+    pipe.adapter.check_image(picture, name=one_line(image))
     if cuda_graphs:
         reason = pipe.adapter.graph_generation_reason()
         if reason is not None:

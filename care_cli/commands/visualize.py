@@ -13,6 +13,7 @@ from care_cli import options as opt
 from care_cli import render
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
+from care_core.errors import one_line
 
 FORMATS = (".png", ".pdf", ".svg")
 MAX_DPI = 1200
@@ -84,10 +85,10 @@ def visualize(
     opt.check_question(question)
     picture = load_image(image)
 
-    report, drawing = build_figure(picture, names, config, every=every, budget=budget, model=model,
-                                   device=device, dtype=dtype, view=view.strip().lower() if view else None,
-                                   scores=scores, links=links, question=question, dpi=dpi,
-                                   quiet=json_output)  # fmt: skip
+    report, drawing = build_figure(picture, names, config, image_name=one_line(image), every=every, budget=budget,
+                                   model=model, device=device, dtype=dtype,
+                                   view=view.strip().lower() if view else None, scores=scores, links=links,
+                                   question=question, dpi=dpi, quiet=json_output)  # fmt: skip
     width, height = drawing.size_px
     if width * height > MAX_FIGURE_PIXELS:
         raise UserError(f"--dpi {dpi:g} gives a {width}x{height} canvas; use a smaller --dpi")
@@ -118,6 +119,7 @@ def build_figure(
     names: list[str],
     config: CaReConfig,
     *,
+    image_name: str,
     every: bool,
     budget: Any,
     model: str | None,
@@ -130,7 +132,8 @@ def build_figure(
     dpi: float,
     quiet: bool,
 ) -> tuple[dict[str, Any], Any]:
-    """Run every method through the library pipeline and draw the figure; the JSON report and the drawing."""
+    """Run every method through the library pipeline and draw the figure (``image_name``: the file, as errors name
+    it); the JSON report and the drawing."""
     import numpy as np
 
     from care_core.overlays import PanelInput, TokenGeometry, overlay_figure
@@ -140,6 +143,7 @@ def build_figure(
         pipe = ReductionPipeline.from_pretrained(model, methods=names, config=config, device=device, dtype=dtype,
                                                  skip_unavailable=every)  # fmt: skip
     render.print_notices(pipe.adapter.notices)
+    pipe.adapter.check_image(picture, name=image_name)
     with render.status("Encoding the image and running the methods…", quiet=quiet):
         output = pipe(picture, question, [budget])
     backbone = pipe.backbone

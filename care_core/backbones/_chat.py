@@ -243,7 +243,9 @@ class ChatAdapter(VLMAdapter):
 
     def process_image(self, image: Image.Image) -> dict[str, Any]:
         """The image processor's outputs (CPU tensors) for one image, as for a list of one; touches no process-wide
-        state, so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them)."""
+        state, so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them).
+        ImageError for an image the processor refuses (:meth:`check_image`)."""
+        self.check_image(image)
         return process_image(self.processor.image_processor, image)
 
     def processor_pool(self) -> Any:
@@ -257,7 +259,10 @@ class ChatAdapter(VLMAdapter):
 
     def preprocess(self, images: Sequence[Image.Image]) -> dict[str, Any]:
         """The image processor's outputs for ``images``: one image per call on :func:`preprocess_workers` threads
-        (:func:`preprocess_images`), then :meth:`collate`. Per image exactly the processor's output for it alone."""
+        (:func:`preprocess_images`), then :meth:`collate`. Per image exactly the processor's output for it alone;
+        ImageError for an image the processor refuses (:meth:`check_image`), before any is processed."""
+        for image in images:
+            self.check_image(image)
         return self.collate(preprocess_images(self.processor.image_processor, images))
 
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -34,7 +34,9 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from ..errors import ImageError
 from ..generation import Generation
+from .families import backbone_family
 
 
 @dataclass
@@ -119,6 +121,8 @@ class VLMAdapter(ABC):
     _notices: list[str] | None = None
     #: probe name -> how this backbone builds it, where that differs from a single-grid CLIP tower
     probe_notes: ClassVar[dict[str, str]] = {}
+    #: the largest aspect ratio (long side over short side) the family's image processor takes; None: any
+    max_aspect_ratio: ClassVar[float | None] = None
 
     @property
     def notices(self) -> list[str]:
@@ -170,6 +174,18 @@ class VLMAdapter(ABC):
             )
         verb = "is" if len(missing) == 1 else "are"
         raise MethodError(f"{self.name}: {reason}; {listed} {verb} not available")
+
+    def check_image(self, image: Image.Image, name: str | None = None) -> None:
+        """ImageError (one line, naming ``name``, default the image's size) for an image the family's image processor
+        refuses; every path into the processor calls it first, and commands call it with the file's name."""
+        limit = self.max_aspect_ratio
+        width, height = image.size
+        ratio = max(width, height) / max(1, min(width, height))
+        if limit is not None and ratio > limit:
+            display = backbone_family(self.family).display
+            raise ImageError(f"{name or 'image'} ({width}×{height} px): aspect ratio {ratio:.6g}:1 exceeds {display}'s "
+                             f"limit of {limit:g}:1 (its image processor refuses wider or taller images); crop or pad "
+                             "it")  # fmt: skip
 
     def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
         """How many visual rows the language model receives for ``rows`` projected rows (see module doc)."""

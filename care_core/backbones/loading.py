@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError, one_line
+from ..home import care_home
 from .base import VLMAdapter
 from .demo import install_demo, marker_note, read_marker, weights_problem
 from .families import DEFAULT_DEMO, backbone_family, demo_backbones, import_path, model_types
@@ -42,16 +43,6 @@ def adapter_class(model_type: str) -> type[VLMAdapter]:
     if getattr(adapter, "family", None) != family.name:  # the record and its adapter must name each other
         raise RuntimeError(f"{family.adapter} is the adapter of family {family.name!r} but says {adapter.family!r}")
     return adapter
-
-
-def care_home() -> Path:
-    """Where care keeps its files (built demos): ``$CARE_HOME`` or the user cache dir."""
-    env = os.environ.get("CARE_HOME")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("care"))
 
 
 def hf_hub_cache() -> Path:

@@ -113,6 +113,10 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     #: on CUDA, run the tower's per-window / per-image sdpa calls as one call per segment length
     #: (:mod:`care_core.backbones.packed_attention`; the same maths); False keeps transformers' loop
     pack_vision_attention: bool = True
+    #: transformers' ``smart_resize`` (``models/qwen2_vl/image_processing*_qwen2_vl.py``, the image processor of both
+    #: Qwen families) raises for a long side over 200 times the short one; it has no constant to read, so the limit is
+    #: written here once and :meth:`check_image` refuses such an image before the processor runs
+    max_aspect_ratio: ClassVar[float | None] = 200.0
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)

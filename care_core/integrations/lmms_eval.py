@@ -652,12 +652,22 @@ def task_error(exc: BaseException, names: Sequence[str], manager: Any) -> CareEr
         if datasets:
             name, path, subset = datasets[0]
             subset_arg = f", '{subset}'" if subset else ""
+            folder = datasets_cache()
             return EvalTaskError(
-                f"task {name} needs the dataset {path} from the Hugging Face hub, which is not in the local cache; "
-                f'on a machine that reaches the hub, fetch it with: python -c "import datasets; '
-                f"datasets.load_dataset('{path}'{subset_arg})\" (same HF_HOME), then copy that cache here"
+                f"task {name} needs the dataset {path} from the Hugging Face hub, which is not in the local cache "
+                f"({folder}); on a machine that reaches the hub, fetch it with: HF_DATASETS_CACHE={folder} python -c "
+                f"\"import datasets; datasets.load_dataset('{path}'{subset_arg})\", then copy that folder here"
             )
     return EvalTaskError(f"cannot load the task(s) {', '.join(names)}: {type(exc).__name__}: {text[:300]}")
+
+
+def datasets_cache() -> str:
+    """The datasets cache lmms-eval prepares its tasks' data in (its own rule: ``LMMS_EVAL_DATASETS_CACHE``, else
+    ``HF_DATASETS_CACHE``, else ``HF_HOME``'s; ``care eval`` sets ``HF_DATASETS_CACHE`` under ``CARE_HOME`` where
+    none is set, :mod:`care_core.home`)."""
+    from lmms_eval.api.task import _resolve_hf_datasets_cache_dir
+
+    return str(_resolve_hf_datasets_cache_dir())
 
 
 _HUB_WORDS = ("offline", "connect", "couldn't reach", "not found on the hub", "huggingface.co", "localentrynotfound",

@@ -137,3 +137,16 @@ def test_named_method_the_backbone_cannot_serve_is_an_error(care, photo: Path) -
         "csr", photo, "--question", QUESTION, "--method", "visionzip", "--keep", "8", "--model", "tiny-qwen2.5-vl"
     )
     assert run.code == 2 and "CLS" in run.err and len(run.err.strip().splitlines()) == 1
+
+
+def test_an_image_the_qwen_processor_refuses_is_a_bad_pair_of_its_own(care, tmp_path: Path) -> None:
+    Image.new("RGB", (3000, 10), (200, 30, 30)).save(tmp_path / "thin.png")  # 300:1; Qwen takes up to 200:1
+    data = _jsonl(tmp_path, [GOOD, json.dumps({"image": "thin.png", "question": "What colour?"}), GOOD])
+    run = care("csr", "--data", data, "--keep", "8", "--model", "tiny-qwen2.5-vl")
+    assert run.code == 2 and "line 2" in run.err and "aspect ratio 300:1 exceeds Qwen2.5-VL's limit of 200:1" in run.err
+    assert len(run.err.strip().splitlines()) == 1 and "Traceback" not in run.err
+    run = care("csr", "--data", data, "--keep", "8", "--model", "tiny-qwen2.5-vl", "--skip-bad", "--json")
+    assert run.code == 0, run.err
+    report = run.json()
+    assert report["pairs"] == 2 and [s["line"] for s in report["skipped"]] == [2]
+    assert "aspect ratio 300:1" in report["skipped"][0]["reason"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 import zlib
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from care_cli.io import (
     save_safetensors_atomic,
 )
 from care_core import images as care_images
-from care_core.errors import ImageError
+from care_core.errors import CareError, ImageError, LargeImageWarning
 
 RED = (255, 0, 0)
 WHITE = (255, 255, 255)
@@ -431,8 +432,8 @@ def test_loading_images_leaves_truncation_leniency_off() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_decompression_bomb(tmp_path: Path) -> None:
-    # IHDR claims 40000x40000 (1.6 G pixels); the data is tiny and never decoded.
+def _bomb(tmp_path: Path) -> Path:
+    """A PNG whose header claims 40000x40000 (1.6 G pixels); its data is tiny and never decoded."""
     raw = zlib.compress(b"\x00" * 64)
     data = (
         b"\x89PNG\r\n\x1a\n"
@@ -442,21 +443,81 @@ def test_decompression_bomb(tmp_path: Path) -> None:
     )
     path = tmp_path / "bomb.png"
     path.write_bytes(data)
-    assert Image.MAX_IMAGE_PIXELS is not None
+    return path
+
+
+def test_an_image_over_the_limit_is_refused_in_one_line_saying_how_to_open_it(tmp_path: Path) -> None:
+    path = _bomb(tmp_path)
+    assert Image.MAX_IMAGE_PIXELS == 89_478_485  # Pillow's default: it refuses above twice that, 178,956,970
     message = _user_error(path)
-    assert "too large" in message
-    assert "1600000000 pixels" in message
-    assert f"limit {2 * Image.MAX_IMAGE_PIXELS}" in message
-    assert "decompression-bomb" in message
+    assert message == (f"{path}: 1,600,000,000 pixels (40000×40000) exceed the limit of 178,956,970, a guard against "
+                       "decompression bombs; to open it, set CARE_MAX_IMAGE_PIXELS=1600000000")  # fmt: skip
 
 
-def test_decompression_bomb_warning_is_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("setting", "opens"), [("3600", True), ("3_600", True), ("3599", False)])
+def test_care_max_image_pixels_sets_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, opens: bool
+) -> None:
+    path = tmp_path / "big.png"
+    Image.new("RGB", (60, 60), RED).save(path)  # 3,600 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow would refuse above 2,000
+    assert "exceed the limit of 2,000" in _user_error(path)
+    monkeypatch.setenv("CARE_MAX_IMAGE_PIXELS", setting)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if opens:
+            _check_rgb(load_image(path), (60, 60))
+        else:
+            assert "exceed the limit of 3,599" in _user_error(path)
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    assert Image.MAX_IMAGE_PIXELS == 1000  # the caller's setting, back
+
+
+@pytest.mark.parametrize("setting", ["many", "0", "-5", "1e9"])
+def test_a_bad_care_max_image_pixels_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    path = tmp_path / "small.png"
+    Image.new("RGB", (4, 4), RED).save(path)
+    monkeypatch.setenv("CARE_MAX_IMAGE_PIXELS", setting)
+    with pytest.raises(CareError, match=f"^CARE_MAX_IMAGE_PIXELS must be a whole number of pixels, at least 1; got "
+                                        f"'{setting}'$"):  # fmt: skip
+        load_image(path)
+
+
+def test_a_large_image_warns_in_our_words_not_pillows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "big.png"
     Image.new("RGB", (30, 30), RED).save(path)
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # 900 pixels: between 1x and 2x the limit
-    with pytest.warns(Image.DecompressionBombWarning):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # 900 pixels: between Pillow's warning and its refusal
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         out = load_image(path)
     _check_rgb(out, (30, 30))
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (LargeImageWarning, f"{path}: 900 pixels (30×30), a large image: decoding it takes time and at least 0 MB "
+                            "of memory")]  # fmt: skip
+
+
+def test_a_large_image_is_one_warning_line_in_the_cli(care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "big.png"
+    Image.new("RGB", (400, 400), RED).save(path)  # 160,000 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100_000)
+    run = care("reduce", path, "--keep", "8", "--json")
+    assert run.code == 0, run.err
+    assert run.err == (f"warning: {path}: 160,000 pixels (400×400), a large image: decoding it takes time and at "
+                       "least 0 MB of memory\n")  # fmt: skip
+
+
+def test_loader_threads_leave_pillows_guard_as_the_caller_set_it(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = []
+    for i in range(16):
+        paths.append(tmp_path / f"{i}.png")
+        _noise((64 + i, 48)).save(paths[-1])
+    caller_set = Image.MAX_IMAGE_PIXELS
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for _ in range(4):
+            assert [im.size for im in pool.map(load_image, paths)] == [(64 + i, 48) for i in range(16)]
+    assert caller_set == Image.MAX_IMAGE_PIXELS
 
 
 def test_guard_untouched_by_module() -> None:

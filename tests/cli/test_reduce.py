@@ -137,7 +137,8 @@ def test_decompression_bomb_is_refused(care, photo: Path, tmp_path: Path, monkey
     Image.new("L", (400, 400)).save(big)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 160,000 pixels is > 2 x the limit
     run = care("reduce", big, "--keep", "8")
-    assert run.code == 2 and "decompression-bomb" in run.err and len(run.err.strip().splitlines()) == 1
+    assert run.code == 2 and "decompression bombs" in run.err and len(run.err.strip().splitlines()) == 1
+    assert "set CARE_MAX_IMAGE_PIXELS=160000" in run.err
 
 
 @pytest.mark.parametrize(
@@ -261,3 +262,12 @@ def test_hyperparameters_reach_the_ablations(care, photo: Path) -> None:
     ignored = care("reduce", photo, "--keep", "32", "--method", "prca+simple-calib", "--theta-c", "0.5", "-q",
                    "What is it?", "--json").json()["csr"]  # fmt: skip
     assert ignored == with_q[0]  # the ungated ablation reads no theta_c
+
+
+def test_an_image_wider_than_the_qwen_limit_is_one_line_naming_it(care, tmp_path: Path) -> None:
+    thin = tmp_path / "thin.png"
+    Image.new("RGB", (3000, 10), (200, 30, 30)).save(thin)  # 300:1; Qwen's image processor takes up to 200:1
+    run = care("reduce", thin, "--keep", "8", "--model", "tiny-qwen2.5-vl")
+    assert run.code == 2 and run.out == ""
+    assert run.err == (f"error: {thin} (3000×10 px): aspect ratio 300:1 exceeds Qwen2.5-VL's limit of 200:1 (its "
+                       "image processor refuses wider or taller images); crop or pad it\n")  # fmt: skip

@@ -277,3 +277,13 @@ def test_panorama_figure_is_bounded_and_drawn(care, tmp_path: Path, width: int, 
     for panel in report["panels"]:
         assert_edges(png, panel["anchors"], "red")
         assert_edges(png, panel["signals"], "green")
+
+
+def test_an_image_taller_than_the_qwen_limit_is_one_line_naming_it(care, tmp_path: Path) -> None:
+    thin = tmp_path / "tall.png"
+    Image.new("RGB", (10, 2001), (200, 30, 30)).save(thin)  # 200.1:1; Qwen's image processor takes up to 200:1
+    out = tmp_path / "tall_fig.png"
+    run = care("visualize", thin, "--keep", "8", "--model", "tiny-qwen3-vl", "--out", out)
+    assert run.code == 2 and not out.exists()
+    assert run.err.startswith(f"error: {thin} (10×2001 px): aspect ratio 200.1:1 exceeds Qwen3-VL's limit of 200:1")
+    assert run.err.count("\n") == 1 and "Traceback" not in run.err

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from care_core.errors import ImageError
 from care_core.prefetch import Prefetcher, PreparedImage, encoded_inputs, image_prefetcher, image_preparer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -113,12 +114,18 @@ class FakeGpuAdapter:
 
     device = torch.device("cuda")
 
-    def __init__(self, ready: bool = True) -> None:
+    def __init__(self, ready: bool = True, widest: int | None = None) -> None:
         self.pools_started = 0
         self.calls: list[str] = []
         self.ready = ready  # the pool's workers are up
+        self.widest = widest  # the widest image its processor takes (None: any)
+
+    def check_image(self, image: Image.Image, name: str | None = None) -> None:
+        if self.widest is not None and image.width > self.widest:
+            raise ImageError(f"{name or 'image'} is too wide")
 
     def process_image(self, image: Image.Image) -> dict[str, object]:
+        self.check_image(image)
         self.calls.append("thread")
         return {"pixels": image.size}
 
@@ -156,3 +163,12 @@ def test_images_are_processed_in_line_while_the_pools_workers_start() -> None:
         rest = loader.inputs([2, 3, 4, 5], ahead=0)
     assert adapter.pools_started == 1 and adapter.calls == ["thread"] * 2 + ["pool"] * 4
     assert [p.processed for p in first + rest] == [{"pixels": (10 + i, 20)} for i in range(6)]  # type: ignore[union-attr]
+
+
+def test_an_image_the_processor_refuses_never_reaches_the_pool() -> None:
+    adapter = FakeGpuAdapter(widest=12)
+    prepare = image_preparer(adapter, pool=True)  # type: ignore[arg-type]
+    with pytest.raises(ImageError, match="too wide"):
+        prepare(Image.new("RGB", (13, 20)))
+    assert adapter.calls == []  # refused before the pool (or this thread) ran the processor
+    assert isinstance(prepare(Image.new("RGB", (12, 20))), PreparedImage) and adapter.calls == ["pool"]

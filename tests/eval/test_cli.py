@@ -92,7 +92,7 @@ def test_table_two_tasks_output_dir_and_resume(care, tmp_path: Path) -> None:
     for leftover in [cache / "cache.db", cache / "cache.audit.jsonl", *cache.glob("runs/*/.*ed")]:
         leftover.unlink()
     (cache / "runs" / "care-eval").rename(cache / "runs" / "killed-run")
-    more = care(*args[:-4], "--limit", "3", "--output-dir", out, "--json", "--device", "cpu")
+    more = care(*args[:-6], "--limit", "3", "--output-dir", out, "--json", "--device", "cpu")
     assert more.code == 0, more.err
     assert all(t["computed"] == 1 and t["samples"] == 3 for s in more.json()["settings"] for t in s["tasks"].values())
 
@@ -213,6 +213,8 @@ def test_a_hub_error_behind_a_retry_says_which_dataset_and_how_to_fetch_it(monke
     assert "RetryError" not in message and "\n" not in message
     assert "task pope needs the dataset lmms-lab-encoder/POPE" in message and "not in the local cache" in message
     assert "datasets.load_dataset('lmms-lab-encoder/POPE')" in message
+    # fetched into the datasets cache this run reads (the tests' own, set by eval_environment)
+    assert f"HF_DATASETS_CACHE={os.environ['HF_DATASETS_CACHE']} python -c" in message
 
 
 def test_ctrl_c_says_how_to_resume(care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
