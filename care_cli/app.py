@@ -7,12 +7,14 @@ transformers are imported when a command loads a model, after its arguments and 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
+import typing
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 import typer.core
@@ -32,31 +34,76 @@ from care_core.home import cache_environment
 from care_core.runs import scoped_environ
 
 _EMOJI_CODE = re.compile(r"(:\S*?(?:-(?:emoji|text))?:)")  # the codes rich's markup turns into emoji
-_WORD_JOINER = "\u2060"  # invisible, zero width: splits an emoji code without changing what is shown
+# An empty markup span: rich replaces emoji codes within each run of text between tags, so ``:[b][/b]B:`` is shown
+# as ``:B:`` (nothing is added to what is shown or copied), where ``:B:`` would become an emoji.
+_SPLIT_EMOJI = "[b][/b]"
 
 
 def escape_help(text: str | None) -> str | None:
-    """A help text shown as written: rich markup (``[tag]``) escaped, and colon-delimited words that rich
-    would turn into emoji (``A:B:STEP`` holds ``:B:``) kept as text."""
+    """A help text shown as written: rich markup (``[tag]``) escaped, colon-delimited words that rich would turn
+    into emoji (``A:B:STEP`` holds ``:B:``) kept as text, and each paragraph's lines joined (Typer keeps the line
+    breaks of a description's later paragraphs, which would break a sentence where the source line ends)."""
     if not text:
         return text
     from rich.markup import escape
 
-    text = escape(text)
+    text = escape(_join_lines(text))
     if ":" not in text:
         return text
     from rich.emoji import Emoji
 
     def keep(match: re.Match[str]) -> str:
         code = match.group(1)
-        return code if Emoji.replace(code) == code else code[0] + _WORD_JOINER + code[1:]
+        return code if Emoji.replace(code) == code else code[0] + _SPLIT_EMOJI + code[1:]
 
     return _EMOJI_CODE.sub(keep, text)
 
 
+def _join_lines(text: str) -> str:
+    """Each paragraph (blank-line separated) on one line; Typer's ``\\b`` paragraphs keep their lines."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split()) for p in paragraphs)
+
+
+_EXPECTED = {int: "a whole number", float: "a number"}  # what an option of each type takes, in users' words
+
+
+def value_problem(flag: str, annotation: Any, value: Any) -> str | None:
+    """The one-line message for a value that an option's type refuses (``--keep takes a whole number, got
+    '2.5'``), or None where every value given fits the type (the refusal was then about something else)."""
+    if typing.get_origin(annotation) is list:
+        (annotation,) = typing.get_args(annotation)
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if typing.get_origin(annotation) is Literal:
+        choices = [str(choice) for choice in typing.get_args(annotation)]
+        bad = [v for v in values if str(v) not in choices]
+        return f"{flag} must be one of {', '.join(choices)}, got {bad[0]!r}" if bad else None
+    expected = _EXPECTED.get(annotation)
+    if expected is None:
+        return None
+    bad = [v for v in values if not _parses(annotation, v)]
+    return f"{flag} takes {expected}, got {bad[0]!r}" if bad else None
+
+
+def _parses(kind: type, value: Any) -> bool:
+    try:
+        kind(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class OptionValueError(typer.BadParameter):
+    """A value an option's type refuses, shown as our one-line message (no parser prefix)."""
+
+    def format_message(self) -> str:
+        return self.message
+
+
 class CareOption(typer.core.TyperOption):
     """--help in users' words: no ``<bool>`` for flags (they take no value), ``<int> (repeatable)`` for repeatable
-    options instead of ``<list[int]>`` (typer versions that show types)."""
+    options instead of ``<list[int]>`` (typer versions that show types); a value the option's type refuses is
+    reported by :func:`value_problem` rather than in the type checker's words."""
 
     def display_type_rich(self, ctx: Any) -> str | None:
         if self.is_flag:
@@ -65,6 +112,15 @@ class CareOption(typer.core.TyperOption):
         if isinstance(text, str) and text.startswith("<list[") and text.endswith("]>"):
             return f"<{text[6:-2]}> (repeatable)"
         return text
+
+    def process_value(self, ctx: Any, value: Any) -> Any:
+        try:
+            return super().process_value(ctx, value)
+        except typer.BadParameter:
+            problem = value_problem(max(self.opts, key=len), self.type_descriptor.annotation, value)
+            if problem is None:
+                raise
+            raise OptionValueError(problem, ctx=ctx, param=self) from None
 
 
 def _as_care_option(param: Any) -> None:

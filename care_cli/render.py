@@ -1,9 +1,9 @@
 """Rich rendering and --json output; the only place that writes to the terminal.
 
 Every table goes through :func:`print_table`, which keeps it readable at the console's width (the terminal's,
-80 when piped): names and figures are never cut or wrapped, text wraps. A table wider than the console is
-printed in parts that each repeat its key columns; where even one part cannot fit, each row is printed as a
-block of ``header  value`` lines.
+80 when piped): names and figures are never cut or wrapped, text wraps, and the title and caption wrap at the
+console's width, not the table's. A table wider than the console is printed in parts that each repeat its key
+columns; where even one part cannot fit, each row is printed as a block of ``header  value`` lines.
 """
 
 from __future__ import annotations
@@ -104,14 +104,10 @@ def print_table(
     parts = table_parts(columns, rows, console.width)
     if parts is None:
         _print_records(console, title, columns, rows)
-        if caption:
-            console.print(Text(caption, style=caption_style or "table.caption"))
-        return
-    for number, part in enumerate(parts):
-        last = number == len(parts) - 1
-        shown_title = title if number == 0 or title is None else f"{title} (continued)"
-        table = Table(title=shown_title, title_justify="left", caption=caption if last and len(parts) == 1 else None,
-                      caption_justify="left", caption_style=caption_style, box=box)  # fmt: skip
+    for number, part in enumerate(parts or []):
+        if title is not None:  # at the console's width: a narrow table must not wrap its title
+            console.print(Text(title if number == 0 else f"{title} (continued)", style="table.title"))
+        table = Table(box=box)
         for i in part:
             column = columns[i]
             whole = column.kind != "text"
@@ -123,7 +119,7 @@ def print_table(
                 table.add_section()
             table.add_row(*[row[i] for i in part], style=row_styles[r] if row_styles is not None else None)
         console.print(table)
-    if caption and len(parts) > 1:  # under the last part, at the console's width rather than that part's
+    if caption:  # under the table (its last part), at the console's width rather than the table's
         console.print(Text(caption, style=caption_style or "table.caption"))
 
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
@@ -34,6 +35,22 @@ NOTE_COLOUR = "darkred"
 BAR_IN = 0.22  # width of one bar (narrower once the plot would be wider than PLOT_MAX_IN)
 PLOT_MAX_IN = 10.0
 ZERO_BASE_RATIO = 0.5  # the y axis starts at 0 unless every bar's lowest point is above this share of the top
+# Every figure's text, tick labels and mathtext in DejaVu Sans, which ships with matplotlib: the same letters on
+# every machine whatever its matplotlibrc (the layout measures text in this font).
+FONT_FAMILY = "DejaVu Sans"
+
+
+def pinned_fonts() -> Any:
+    """A context (also a decorator) in which figures are built in :data:`FONT_FAMILY`, mathtext included. Tick
+    labels made later, when the figure is drawn, copy the first tick's, which is made while building."""
+    return matplotlib.rc_context({"font.family": "sans-serif", "font.sans-serif": [FONT_FAMILY],
+                                  "mathtext.fontset": "dejavusans"})  # fmt: skip
+
+
+def has_interval(row: dict[str, Any]) -> bool:
+    """Whether a summary row's mean has a spread to show: it pools two or more pairs (rows without a count ``n``
+    are taken to have one)."""
+    return int(row.get("n", 2)) >= 2
 
 
 def method_style(index: int) -> tuple[str, str]:
@@ -103,12 +120,14 @@ def _legend_and_note(
     return renderer, usable
 
 
+@pinned_fonts()
 def csr_bar_chart(
     rows: Sequence[dict[str, Any]], *, title: str, note: str | None = None, dpi: float = CHART_DPI
 ) -> Figure:
-    """Grouped bars of 100 x CSR: one group per budget, one bar per method, std as error bars.
+    """Grouped bars of 100 x CSR: one group per budget, one bar per method, ± std over the pairs as error bars
+    (none for a bar of one pair; the y label says which).
 
-    `rows` hold `method`, `budget`, `mean`, `std` (as `care csr` summarises them), in display order.
+    `rows` hold `method`, `budget`, `mean`, `std` and `n` (as `care csr` summarises them), in display order.
     Methods get colour-blind-safe colours (:data:`METHOD_COLORS`, then hatched); the legend sits right of
     the axes, never over a bar; the y range follows :func:`csr_axis_range`; ``note`` (e.g. the demo
     backbone's warning) is a footer wrapped to the figure's width. Laid out with matplotlib's
@@ -124,27 +143,27 @@ def csr_bar_chart(
     ax = fig.add_subplot()
     lows, highs = [], []
     for i, method in enumerate(methods):
-        xs, means, stds = [], [], []
-        for j, budget in enumerate(budgets):
-            row = lookup.get((method, budget))
-            if row is None:
-                continue
-            xs.append(j - 0.4 + width * (i + 0.5))
-            means.append(float(row["mean"]))
-            stds.append(float(row["std"]) if math.isfinite(float(row["std"])) else 0.0)
-            lows.append(means[-1] - stds[-1])
-            highs.append(means[-1] + stds[-1])
+        found = [(j, lookup[(method, b)]) for j, b in enumerate(budgets) if (method, b) in lookup]
+        xs = [j - 0.4 + width * (i + 0.5) for j, _ in found]
+        means = [float(row["mean"]) for _, row in found]
+        stds = [float(row["std"]) if has_interval(row) and math.isfinite(float(row["std"])) else 0.0
+                for _, row in found]  # fmt: skip
+        lows += [m - d for m, d in zip(means, stds, strict=True)]
+        highs += [m + d for m, d in zip(means, stds, strict=True)]
         colour, hatch = method_style(i)
         dark = sum(to_rgb(colour)) < 1.2
-        ax.bar(xs, means, width=width * 0.92, yerr=stds, label=method, color=colour, edgecolor="black",
-               linewidth=0.5, hatch=hatch or None, hatchcolor="white" if dark else "black",
-               error_kw={"ecolor": "0.2", "elinewidth": 0.9, "capsize": 2.0, "capthick": 0.9})  # fmt: skip
+        bars = [(x, m, d) for (_, row), x, m, d in zip(found, xs, means, stds, strict=True) if has_interval(row)]
+        ax.bar(xs, means, width=width * 0.92, label=method, color=colour, edgecolor="black", linewidth=0.5,
+               hatch=hatch or None, hatchcolor="white" if dark else "black")  # fmt: skip
+        if bars:  # error bars only where the bar pools two or more pairs
+            ax.errorbar([b[0] for b in bars], [b[1] for b in bars], yerr=[b[2] for b in bars], fmt="none",
+                        ecolor="0.2", elinewidth=0.9, capsize=2.0, capthick=0.9)  # fmt: skip
     bottom, top = csr_axis_range(lows, highs)
     ax.set_ylim(bottom, top)
     ax.set_xticks(range(len(budgets)), budgets)
     ax.set_xlim(-0.5, len(budgets) - 0.5)
-    ylabel = "CSR (×100)" if bottom == 0 else f"CSR (×100), axis from {bottom:g}"
-    ax.set_ylabel(ylabel, fontsize=FONT_PT)
+    spread = ", mean ± std over pairs" if any(has_interval(r) for r in rows) else ", one pair"
+    ax.set_ylabel("CSR (×100)" + spread + ("" if bottom == 0 else f", axis from {bottom:g}"), fontsize=FONT_PT)
     ax.set_xlabel("budget", fontsize=FONT_PT)
     ax.tick_params(labelsize=FONT_PT)
     ax.grid(axis="y", alpha=0.3)
@@ -158,12 +177,14 @@ def csr_bar_chart(
 CURVE_MIN_BUDGETS = 3  # `care csr --plot` draws curves from this many budgets on, grouped bars below it
 
 
+@pinned_fonts()
 def csr_budget_curves(
     rows: Sequence[dict[str, Any]], *, title: str, note: str | None = None, dpi: float = CHART_DPI
 ) -> Figure:
-    """CSR (x100) against the share of visual tokens kept, one line per method, 95% confidence band.
+    """CSR (x100) against the share of visual tokens kept, one line per method, 95% confidence band (where a point
+    pools two or more pairs; the y label says whether there is one).
 
-    `rows` hold `method`, `mean`, `ci95` (half-width of the 95% interval of the mean over pairs) and
+    `rows` hold `method`, `mean`, `ci95` (half-width of the 95% interval of the mean over pairs), `n` (pairs) and
     `kept_pct` (mean 100 K / N over pairs), one per method x budget, as `care csr` summarises them. The x
     axis is the kept share, so ratio and keep budgets share one axis. Colours as :func:`csr_bar_chart`
     (colour-blind safe; a line style per repeated colour); legend right of the axes; ``note`` as a footer.
@@ -176,25 +197,27 @@ def csr_budget_curves(
     ax = fig.add_subplot()
     lows, highs = [], []
     for i, method in enumerate(methods):
-        points = sorted((float(r["kept_pct"]), float(r["mean"]), float(r.get("ci95") or 0.0))
+        points = sorted((float(r["kept_pct"]), float(r["mean"]), float(r.get("ci95") or 0.0), has_interval(r))
                         for r in rows if r["method"] == method)  # fmt: skip
         xs = [p[0] for p in points]
         ys = [p[1] for p in points]
-        half = [p[2] if math.isfinite(p[2]) else 0.0 for p in points]
+        half = [p[2] if p[3] and math.isfinite(p[2]) else 0.0 for p in points]
         colour, _ = method_style(i)
         style = styles[(i // len(METHOD_COLORS)) % len(styles)]
         ax.plot(xs, ys, color=colour, linestyle=style, marker=markers[i % len(markers)], markersize=4,
                 linewidth=1.6, label=method, zorder=3)  # fmt: skip
-        ax.fill_between(xs, [y - h for y, h in zip(ys, half, strict=True)],
-                        [y + h for y, h in zip(ys, half, strict=True)], color=colour, alpha=0.18, linewidth=0,
-                        zorder=2)  # fmt: skip
+        if any(p[3] for p in points):  # a band only over points that pool two or more pairs
+            ax.fill_between(xs, [y - h for y, h in zip(ys, half, strict=True)],
+                            [y + h for y, h in zip(ys, half, strict=True)], where=[p[3] for p in points],
+                            color=colour, alpha=0.18, linewidth=0, zorder=2)  # fmt: skip
         lows += [y - h for y, h in zip(ys, half, strict=True)]
         highs += [y + h for y, h in zip(ys, half, strict=True)]
     bottom, top = csr_axis_range(lows, highs)
     ax.set_ylim(bottom, top)
     ax.set_xlim(left=0)
     ax.set_xlabel("visual tokens kept (% of N)", fontsize=FONT_PT)
-    ylabel = "CSR (×100), mean ± 95% CI" + ("" if bottom == 0 else f", axis from {bottom:g}")
+    spread = ", mean ± 95% CI" if any(has_interval(r) for r in rows) else ", one pair (no interval)"
+    ylabel = "CSR (×100)" + spread + ("" if bottom == 0 else f", axis from {bottom:g}")
     ax.set_ylabel(ylabel, fontsize=FONT_PT)
     ax.tick_params(labelsize=FONT_PT)
     ax.grid(alpha=0.3)

@@ -4,10 +4,10 @@ Pure drawing, no file I/O: a numpy image, each token's footprint in original-ima
 methods' results go in; a :class:`matplotlib.figure.Figure` (Agg canvas, never pyplot) comes out with,
 per panel, the pixel boxes of the anchors and signals in the figure's own pixel coordinates.
 
-Conventions (the paper's): Calib-Anchors / kept tokens are red boxes (:data:`RED`), accepted calibration
-signals green boxes (:data:`GREEN`), discarded tokens are dimmed, the part of the image the model never
-sees (outside ``seen_box``, e.g. LLaVA-1.5's centre crop) is hatched grey. Merging methods colour each
-input token by the output token it merged into. Box outlines are drawn *inside* each footprint (the
+Conventions (the paper's): calibration anchors (the paper's Calib-Anchors) / kept tokens are red boxes
+(:data:`RED`), accepted calibration signals green boxes (:data:`GREEN`), discarded tokens are dimmed, the part of
+the image the model never sees (outside ``seen_box``, e.g. LLaVA-1.5's centre crop) is hatched grey. Merging
+methods colour each input token by the output token it merged into. Box outlines are drawn *inside* each footprint (the
 stroke's outer edge is the footprint's edge), so neighbouring boxes never paint over each other.
 
 Layout (a figure for a paper, at any aspect ratio and panel count), in inches rounded to whole pixels at
@@ -41,15 +41,16 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from care_core.figures import NOTE_COLOUR
+from care_core.figures import NOTE_COLOUR, pinned_fonts
 
-RED = "#ff0000"  # Calib-Anchors / kept tokens
+RED = "#ff0000"  # calibration anchors / kept tokens
 GREEN = "#00c000"  # accepted calibration signals
 DIM = 0.3  # brightness factor of discarded tokens' footprints
 UNSEEN_FACE = (0.55, 0.55, 0.55, 0.6)
 UNSEEN_HATCH = "0.3"
 MERGE_ALPHA = 0.45
 SCORE_CMAP = "viridis"
+LINKS_MAX = 100  # links drawn per panel at most: the strongest signal of each anchor, the strongest first
 
 # Layout, in inches (rounded to whole pixels at the figure's dpi).
 IMAGE_SIDE_IN = 3.2  # each image has the area of a square of this side ...
@@ -127,18 +128,25 @@ class PanelInput:
     assignment: np.ndarray | None = None  # (N,) output row per input token, -1 = dropped
     signals: np.ndarray | None = None  # accepted calibration signals
     scores: np.ndarray | None = None  # (N,) the method's per-token scores
+    confidence: np.ndarray | None = None  # (N,) calibration: each residual token's c_r (Eq. 6), NaN elsewhere
 
     @classmethod
     def from_result(cls, method: str, category: str, result: Any, keep: int) -> PanelInput:
         """From a ``MethodResult`` (tensors on any device)."""
+        assignment = None if result.assignment is None else _numpy(result.assignment).astype(np.int64).reshape(-1)
+        confidence = None
+        if assignment is not None and "confidence" in result.info and "residuals" in result.info:
+            confidence = np.full(assignment.size, np.nan)
+            confidence[_numpy(result.info["residuals"]).astype(np.int64)] = _numpy(result.info["confidence"])
         return cls(
             method=method,
             category=category,
             keep=int(keep),
             token_index=_numpy(result.token_index).astype(np.int64).reshape(-1),
-            assignment=None if result.assignment is None else _numpy(result.assignment).astype(np.int64).reshape(-1),
+            assignment=assignment,
             signals=None if result.signals is None else _numpy(result.signals).astype(np.int64).reshape(-1),
             scores=None if result.scores is None else _numpy(result.scores).astype(np.float64).reshape(-1),
+            confidence=confidence,
         )
 
     @property
@@ -160,6 +168,7 @@ class PanelInfo:
     anchors: list[list[float]]  # [x0, y0, x1, y1] per anchor, figure pixels, (0, 0) top-left
     signals: list[list[float]]
     image_extent: list[float]  # [x0, y0, x1, y1] of the image axes, figure pixels
+    links: list[tuple[int, int]] = field(default_factory=list)  # (signal, anchor) tokens of each link drawn
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -171,6 +180,7 @@ class PanelInfo:
             "anchor_tokens": self.anchor_tokens,
             "signal_tokens": self.signal_tokens,
             "image_extent": self.image_extent,
+            "links": [list(link) for link in self.links],
         }
 
 
@@ -702,8 +712,11 @@ def _draw_panel(
     raster = _compose(canvas.base, geometry, canvas.drawn, kept, fills)
     ax.imshow(raster, extent=(0, width, height, 0), aspect="auto", interpolation="antialiased", zorder=0)
     _draw_unseen(ax, geometry)
-    if links and signals.size and panel.assignment is not None:
-        _draw_links(ax, geometry, panel, signals, canvas.drawn, canvas.stroke_pt)
+    drawn_links = strongest_links(panel, signals, canvas.drawn) if links else []
+    if drawn_links:
+        centres = (geometry.boxes[:, 0:2] + geometry.boxes[:, 2:4]) / 2
+        ax.add_collection(LineCollection([[centres[s], centres[a]] for s, a in drawn_links], colors=GREEN,
+                                         linewidths=max(0.4, canvas.stroke_pt / 3), alpha=0.8, zorder=2))  # fmt: skip
     if signals.size:
         _outline(ax, geometry.boxes[signals], canvas, GREEN, 3)
     if anchors.size:
@@ -719,6 +732,7 @@ def _draw_panel(
         anchors=_to_figure_px(ax, geometry.boxes[anchors], layout.height),
         signals=_to_figure_px(ax, geometry.boxes[signals], layout.height),
         image_extent=_axes_extent(ax, geometry, layout.height),
+        links=drawn_links,
     )
 
 
@@ -733,6 +747,7 @@ def _draw_legend_and_note(fig: Figure, layout: _Layout, handles: list[Any]) -> N
                  color=NOTE_COLOUR, linespacing=LINE_SPACING)  # fmt: skip
 
 
+@pinned_fonts()
 def overlay_figure(
     image: np.ndarray,
     geometry: TokenGeometry,
@@ -750,7 +765,8 @@ def overlay_figure(
     ``image`` is the original (H, W, 3) uint8 picture; ``geometry`` the tokens' footprints in it.
     ``view`` picks LLaVA-NeXT's base or high-resolution tokens (ignored, with a note, for one-view
     backbones). ``show_scores`` adds a heat map of the first panel's scores that has them (psi_bar for
-    CaRe); ``links`` draws a thin line from each signal to the anchor it mostly feeds. ``note`` (e.g. the
+    CaRe); ``links`` draws a thin line from signals to the anchor they mostly feed: the strongest signal of
+    each anchor (highest c_r), at most :data:`LINKS_MAX` (a note says how many are drawn). ``note`` (e.g. the
     demo backbone's warning) is a footer wrapped to the canvas. See the module docstring for the layout.
     """
     image = _checked_image(image, geometry, panels, dpi)
@@ -780,26 +796,33 @@ def overlay_figure(
     if shown is not None and scores_label is not None:
         scores_info = _draw_scores(fig, layout, len(panels), geometry, canvas.base, drawn, shown, scores_label, dpi)
     _draw_legend_and_note(fig, layout, handles)
+    if links:
+        notes += [f"{info.method}: {len(info.links)} links for the {summary['drawn']['signals']} signals shown: "
+                  f"each anchor's strongest signal (highest c_r), at most {LINKS_MAX}"
+                  for info, summary in zip(infos, summaries, strict=True) if summary["drawn"]["signals"]]  # fmt: skip
     return OverlayFigure(fig, float(dpi), (layout.width, layout.height), infos, scores_info, notes)
 
 
-def _draw_links(
-    ax: Any, geometry: TokenGeometry, panel: PanelInput, signals: np.ndarray, drawn: np.ndarray, stroke_pt: float
-) -> None:
-    assert panel.assignment is not None
-    segments = []
-    centres = (geometry.boxes[:, 0:2] + geometry.boxes[:, 2:4]) / 2
-    for s in signals:
+def strongest_links(panel: PanelInput, signals: np.ndarray, drawn: np.ndarray) -> list[tuple[int, int]]:
+    """(signal, anchor) token pairs to link: per drawn anchor, the drawn signal that feeds it with the highest
+    confidence c_r (the lowest index among equals, or where c_r is unknown), strongest first, at most
+    :data:`LINKS_MAX` (every signal's link would cover the image: 459 on InternVL3 at K = 64)."""
+    if panel.assignment is None or not signals.size:
+        return []
+    best: dict[int, tuple[float, int]] = {}  # anchor -> (-c_r, signal): the smallest is the strongest
+    for s in (int(i) for i in signals if drawn[i]):
         row = int(panel.assignment[s])
         if not 0 <= row < panel.token_index.size:
             continue
-        target = int(panel.token_index[row])
-        if target < 0 or not drawn[target]:
+        anchor = int(panel.token_index[row])
+        if anchor < 0 or not drawn[anchor]:
             continue
-        segments.append([centres[s], centres[target]])
-    if segments:
-        ax.add_collection(LineCollection(segments, colors=GREEN, linewidths=max(0.4, stroke_pt / 3), alpha=0.8,
-                                         zorder=2))  # fmt: skip
+        c_r = float(panel.confidence[s]) if panel.confidence is not None else math.nan
+        key = (-c_r if math.isfinite(c_r) else math.inf, s)
+        if anchor not in best or key < best[anchor]:
+            best[anchor] = key
+    ranked = sorted((key, anchor) for anchor, key in best.items())
+    return [(key[1], anchor) for key, anchor in ranked[:LINKS_MAX]]
 
 
 def _scores_title(panel: PanelInput, backbone: str, view_line: str | None) -> tuple[str, str]:
@@ -851,7 +874,7 @@ def _draw_scores(
 def _legend_handles(categories: set[str], has_signals: bool, unseen: bool, links: bool) -> list[Any]:
     names = []
     if "calibration" in categories:
-        names.append("Calib-Anchor")
+        names.append("calibration anchor")
     if "selection" in categories:
         names.append("kept token")
     if "merging" in categories:
@@ -860,7 +883,7 @@ def _legend_handles(categories: set[str], has_signals: bool, unseen: bool, links
     if has_signals:
         handles.append(Patch(facecolor="none", edgecolor=GREEN, linewidth=1.5, label="calibration signal"))
     if links:
-        handles.append(Line2D([], [], color=GREEN, linewidth=0.8, label="signal → the anchor it feeds"))
+        handles.append(Line2D([], [], color=GREEN, linewidth=0.8, label="strongest signal → its anchor"))
     if "merging" in categories:
         palette = matplotlib.colormaps["tab20"]
         handles.append(Patch(facecolor=palette(2), alpha=0.7, edgecolor="none",

@@ -140,7 +140,7 @@ def csr(
 ) -> None:
     """CSR (x100) of each method at each budget: how much question-relevant meaning survives.
 
-    At least one budget is required (--ratio and --keep are repeatable; --ratio A:B:STEP gives a range).
+    At least one budget is required (--ratio and --keep are repeatable; --ratio START:STOP:STEP gives a range).
     Several budgets draw a CSR-against-budget curve with --plot.
     """
     from care_core.batching import parse_batch_size

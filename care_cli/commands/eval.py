@@ -24,6 +24,7 @@ from care_cli import options as opt
 from care_cli import render, run_options
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
+from care_core.integrations import missing_task_path
 
 SUMMARY = "care_eval_summary.json"
 CACHE_RUN_ID = "care-eval"  # fixed: a rerun's ranks reopen the databases a killed run left
@@ -35,7 +36,7 @@ TasksOpt = Annotated[
     list[str],
     typer.Option("--tasks", "-t", metavar="TASKS",
                  help="lmms-eval task names, local task folders or task YAML files; comma-separated and/or "
-                      "repeatable (e.g. pope,gqa or examples/tasks/care_pope_examples).", show_default=False),
+                      "repeatable (e.g. pope,gqa, or a folder in examples/tasks/).", show_default=False),
 ]  # fmt: skip
 LimitOpt = Annotated[
     float | None, typer.Option("--limit", help="Documents per task: N (>= 1), or a fraction of the task (< 1).")
@@ -55,9 +56,15 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show lmms-eval's ow
 
 
 def _split_tasks(values: list[str]) -> list[str]:
+    """The --tasks entries, comma-separated ones split; a path that does not exist is refused here, before
+    lmms-eval (seconds to import) is loaded."""
     out = [part.strip() for value in values for part in value.split(",") if part.strip()]
     if not out:
         raise UserError("--tasks: give at least one task")
+    for spec in out:
+        missing = missing_task_path(spec)
+        if missing:
+            raise UserError(f"--tasks {missing}")
     return list(dict.fromkeys(out))
 
 

@@ -4,6 +4,7 @@ the method classes; no torch is imported)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import typer
@@ -35,15 +36,25 @@ def method_rows() -> list[dict[str, Any]]:
             "needs_described": {k: PROBES[k] for k in sorted(cls.needs)},
             "hyperparameters": used,
             "hyperparameter_flags": [opt.flag_of(f) for f in used],
-            "ignores": [f for f in config_fields if f not in cls.hyperparameters],
+            "runtime_options": [f for f in config_fields if f in cls.runtime_options],
+            "runtime_option_flags": [opt.flag_of(f) for f in config_fields if f in cls.runtime_options],
+            "ignores": [f for f in config_fields if f not in cls.hyperparameters | cls.runtime_options],
             "backbones": [family for family in family_names() if cls.serves(family)],
             "not_served": {family: cls.why_not_served(family) for family in family_names() if not cls.serves(family)},
             "score_label": cls.score_label,
             "cost_model": cls.cost_model,
             "paper": cls.paper,
-            "summary": " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()),
+            "summary": _plain(" ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())),
         })  # fmt: skip
     return rows
+
+
+_SYMBOLS = {"keep": "K"}  # parameters named in docstrings, as the CLI's output writes them
+
+
+def _plain(text: str) -> str:
+    """A docstring sentence as users read it: reStructuredText's literal markup dropped (````keep```` reads K)."""
+    return re.sub(r"``(.+?)``", lambda match: _SYMBOLS.get(match.group(1), match.group(1)), text)
 
 
 def _flags(row: dict[str, Any]) -> str:
@@ -96,6 +107,7 @@ def show_method(row: dict[str, Any], families: tuple[str, ...]) -> None:
         ("what it does", row["summary"]),
         ("needs", needs or "the visual tokens and the projector only"),
         ("hyperparameters", _flags(row)),
+        *[("also reads", f"{flag} (how it runs, not what it computes)") for flag in row["runtime_option_flags"]],
         ("backbones", _listed(row["backbones"], families)),
         ("not on", _not_served(row["not_served"])),
         ("scores", row["score_label"] or "none"),

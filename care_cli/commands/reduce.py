@@ -188,20 +188,17 @@ def write_reduction(path: Path, output: Any, summary: dict[str, Any]) -> None:
 
 def show_summary(summary: dict[str, Any]) -> None:
     backbone = summary["backbone"]
-    n, k = summary["N"], summary["K"]
+    n = summary["N"]
     residual = n - len(summary["anchors"])
     grid = summary["grid"]
     calibrates = summary["category"] == "calibration"
-    kept = f"K = {k}  ({100 * summary['kept_share']:.1f}% of N)"
-    if summary["tokens_out"] != k:
-        kept += f", {summary['tokens_out']} output rows"
     rows = [
         ("image", f"{summary['image']['path']}  ({summary['image']['width']}×{summary['image']['height']} px)"),
         ("backbone", f"{backbone['name']} ({backbone['family']}, {backbone['device']}, {backbone['dtype']})"),
         ("method", summary["method"]),
         ("visual tokens", f"N = {n}" + (f"  (grid {grid[0]}×{grid[1]})" if grid else "")),
-        ("kept", kept),
-        ("anchors" if calibrates else "kept tokens", render.short_list(summary["anchors"])),
+        ("kept", _kept_line(summary)),
+        ("anchors" if calibrates else "kept patches", render.short_list(summary["anchors"])),
     ]
     if calibrates or summary["num_signals"]:
         rows.append(("calibration signals", f"{summary['num_signals']} of {residual} residual tokens "
@@ -218,6 +215,24 @@ def show_summary(summary: dict[str, Any]) -> None:
     render.timings_table(summary["timings_ms"])
     if summary.get("answers"):
         show_answers(summary)
+
+
+def _kept_line(summary: dict[str, Any]) -> str:
+    """K and its share of N, and where the output rows sit when they are not one per listed patch: rows tied to
+    no patch (``token_index`` -1: a CLS token, a merged summary) or several rows at one patch."""
+    k, rows = summary["K"], summary["token_index"]
+    line = f"K = {k}  ({100 * summary['kept_share']:.1f}% of N)"
+    if len(rows) != k:
+        line += f", {len(rows)} output rows"
+    at_patches = sum(1 for index in rows if index >= 0)
+    patches = len(summary["anchors"])
+    if at_patches == len(rows) and patches == at_patches:
+        return line
+    where = [f"{patches} patches" + (f" ({at_patches} rows)" if at_patches != patches else "")]
+    if at_patches != len(rows):
+        where.append(f"{len(rows) - at_patches} row{'s' if len(rows) - at_patches != 1 else ''} at no patch "
+                     "(a CLS or merged token)")  # fmt: skip
+    return f"{line}: {' + '.join(where)}"
 
 
 def show_answers(summary: dict[str, Any]) -> None:

@@ -264,7 +264,7 @@ KNOWN_BACKBONES: dict[str, BackboneSpec] = {
             "qwen2.5-vl-7b", "Qwen2.5-VL-7B", "qwen2.5-vl", _QWEN25_7B, _qwen_merger(3584), _QWEN_VIT,
             1110, _QWEN_NOTE, None, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS, paper_budgets=(222, 111),
             paper_key="Qwen2.5-VL-7B", source="Qwen/Qwen2.5-VL-7B-Instruct config.json",
-            aliases=("qwen", "qwen2.5-vl-7b-instruct", "qwen/qwen2.5-vl-7b-instruct", "qwen25-vl"),
+            aliases=("qwen2.5-vl-7b-instruct", "qwen/qwen2.5-vl-7b-instruct", "qwen25-vl"),
         ),
         BackboneSpec(
             "qwen3-vl-8b", "Qwen3-VL-8B", "qwen3-vl", _QWEN3_8B, _qwen_merger(4096, 1152, kind="qwen3-vl merger"),
@@ -314,11 +314,17 @@ def resolve_backbone(name: str) -> BackboneSpec:
     looks_like_path = key.endswith(".json") or key.startswith((".", "/", "~")) or "\\" in key
     if looks_like_path:
         raise BackboneSpecError(f"no such file or folder: {key}")
-    choices = [*short_names(), *KNOWN_BACKBONES, *_ALIASES]
-    close = difflib.get_close_matches(lowered, choices, n=3, cutoff=0.5)
+    known = [*short_names(), *KNOWN_BACKBONES]
+    families = [family for family in short_names() if family.startswith(lowered)]
+    if len(families) > 1:  # "llava", "qwen": a family name would be a guess
+        raise BackboneSpecError(f"{name!r} is ambiguous: give one of {', '.join(families)} (or a full name such as "
+                                f"{short_names()[families[0]]})", parameter="backbone")  # fmt: skip
+    # suggestions by the names the error lists: an alias that is close stands for its spec's name
+    choices = {**{key: key for key in known}, **_ALIASES}
+    close = [choices[match] for match in difflib.get_close_matches(lowered, list(choices), n=3, cutoff=0.5)]
     hint = f"; did you mean {', '.join(dict.fromkeys(close))}?" if close else ""
-    known = ", ".join([*short_names(), *KNOWN_BACKBONES])
-    raise BackboneSpecError(f"unknown backbone {name!r}{hint} (known: {known}; or a local config.json or model folder)")
+    raise BackboneSpecError(f"unknown backbone {name!r}{hint} (known: {', '.join(known)}; or a local config.json or "
+                            "model folder)")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- config.json

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 #: What to install when lmms-eval is missing (one line, for error messages).
 EVAL_EXTRA_HINT = "pip install 'care-vtr[eval]'"
@@ -39,4 +40,14 @@ def broken_torchvision() -> str | None:
             f"torchvision is installed but cannot be imported ({type(exc).__name__}: {detail}); it does not match "
             "your torch build. Install the torchvision built for your torch, or remove it: pip uninstall torchvision"
         )
+    return None
+
+
+def missing_task_path(spec: str) -> str | None:
+    """The problem with a ``--tasks`` entry written as a path (a .yaml/.yml suffix, a ``/``, a leading ``.``) that
+    does not exist; None for an existing path or a task name. Checked before lmms-eval is imported (seconds)."""
+    path = Path(spec).expanduser()
+    looks_like_path = path.suffix.lower() in (".yaml", ".yml") or "/" in spec or spec.startswith(".")
+    if looks_like_path and not path.exists():
+        return f"{spec}: no such task folder or YAML file"
     return None

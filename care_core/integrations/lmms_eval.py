@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from care_core.backbones.families import served_families
 from care_core.batching import Batches, BatchSizeArg
 from care_core.errors import CareError, MethodError
+from care_core.integrations import missing_task_path
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
 from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher
 from care_core.runs import World
@@ -576,10 +577,10 @@ def select_tasks(specs: Sequence[str]) -> TaskSelection:
         if not spec:
             continue
         path = Path(spec).expanduser()
-        looks_like_path = path.suffix.lower() in (".yaml", ".yml") or "/" in spec or spec.startswith(".")
+        missing = missing_task_path(spec)
+        if missing:
+            raise EvalTaskError(missing, parameter="tasks")
         if not path.exists():
-            if looks_like_path:
-                raise EvalTaskError(f"{spec}: no such task folder or YAML file", parameter="tasks")
             names.append(spec)
             continue
         folder = path.resolve() if path.is_dir() else path.resolve().parent

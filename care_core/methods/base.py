@@ -166,6 +166,8 @@ class Method:
     rank: ClassVar[int] = 1000
     #: CaReConfig fields the method reads when built by ``build_method(name, config)``
     hyperparameters: ClassVar[frozenset[str]] = frozenset()
+    #: CaReConfig fields that choose how the method's maths runs (fused or PyTorch kernels), not what it computes
+    runtime_options: ClassVar[frozenset[str]] = frozenset()
     #: what the per-token ``scores`` are, for figure labels ("psi_bar" for PRCA); None = generic "scores"
     score_label: ClassVar[str | None] = None
     #: key of the method's cost model in ``care_core.flops.methods`` (None = no cost model)

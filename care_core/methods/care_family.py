@@ -63,6 +63,7 @@ class _CaReFamily(Method):
 
     config: CaReConfig = field(default_factory=CaReConfig)
     paper: ClassVar[str] = PAPER
+    runtime_options: ClassVar[frozenset[str]] = frozenset({"kernel"})  # the anchor greedy's and PRCA's kernels
     anchors_from: ClassVar[str] = "prca"  # "prca" or "zoo-prune"
     calibration: ClassVar[str] = "gated"  # "gated", "all" or "none"
 

@@ -11,30 +11,89 @@ from pathlib import Path
 import pytest
 from rich.text import Text
 
-from care_cli.app import _WORD_JOINER, escape_help
+from care_cli.app import escape_help
 
 from .conftest import EXAMPLES
 
 CORE = Path(__file__).resolve().parents[2] / "care_core"
+COMMANDS = ["", "reduce", "csr", "methods", "flops", "visualize", "eval"]
+INVISIBLE = {"\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u00ad"}  # zero-width characters, soft hyphen
 
 
 @pytest.mark.parametrize(
     "text",
     ["--ratio A:B:STEP gives a range", "[bold]not bold[/bold]", "[default: 3]", "a [b] c [/]", "cuda:N", ":smile: x",
-     "HEIGHTxWIDTH (e.g. 672x672)"],
+     "HEIGHTxWIDTH (e.g. 672x672)", "a:b:c:d:e", ":B::B:"],
 )  # fmt: skip
 def test_help_text_is_shown_as_written(text: str) -> None:
-    shown = Text.from_markup(escape_help(text) or "").plain
-    assert shown.replace(_WORD_JOINER, "") == text
+    """Character for character: what a user copies from the help is what was written (no emoji, no invisible
+    character splitting an emoji code)."""
+    assert Text.from_markup(escape_help(text) or "").plain == text
 
 
-@pytest.mark.parametrize("command", ["", "reduce", "csr", "methods", "flops", "visualize", "eval"])
+def test_help_paragraphs_are_joined_into_sentences() -> None:
+    """Each paragraph on one line, except Typer's ``\\b`` (keep the lines) paragraphs; no markup in these."""
+    written = "First line.\n\n    A sentence that\n    goes on.\n\n\bkept\nas lines"
+    assert escape_help(written) == "First line.\n\nA sentence that goes on.\n\n\bkept\nas lines"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_help_has_no_emoji_and_no_markup(care, command: str) -> None:
     run = care(*([command] if command else []), "--help")
     assert run.code == 0, run.err
     emoji = [c for c in run.out if ord(c) >= 0x1F000 or 0x2600 <= ord(c) < 0x2800]
     assert not emoji, emoji
     assert "[/" not in run.out and "[bold" not in run.out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_at_80_columns_cuts_no_word_and_hides_no_character(care, monkeypatch: pytest.MonkeyPatch,
+                                                                command: str) -> None:  # fmt: skip
+    monkeypatch.setenv("COLUMNS", "80")
+    run = care(*([command] if command else []), "--help")
+    assert run.code == 0, run.err
+    assert "…" not in run.out, run.out
+    assert not INVISIBLE & set(run.out)
+    if command == "eval":
+        assert "examples/tasks/)." in run.out  # the example of a task folder, whole
+    if command == "csr":
+        assert "START:STOP:STEP" in run.out  # as written, copyable
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c])
+def test_help_descriptions_break_no_sentence(care, monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """Wide enough for every paragraph on one line, each paragraph of the description is one line: Typer kept the
+    source's line breaks of later paragraphs, breaking sentences where the docstring's lines end."""
+    import typer
+
+    from care_cli.app import app
+
+    monkeypatch.setenv("COLUMNS", "400")
+    run = care(command, "--help")
+    assert run.code == 0, run.err
+    lines = [" ".join(line.split()) for line in run.out.splitlines()]
+    description = typer.main.get_command(app).commands[command].help  # type: ignore[attr-defined]
+    for paragraph in description.split("\n\n"):
+        assert " ".join(paragraph.split()) in lines, (paragraph, run.out)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["reduce", EXAMPLES / "astronaut.jpg", "--keep", "2.5"], "--keep takes a whole number, got '2.5'"),
+        (["reduce", EXAMPLES / "astronaut.jpg", "--keep", "8", "--engine", "xyz"],
+         "--engine must be one of jvp, fd, got 'xyz'"),
+        (["reduce", EXAMPLES / "astronaut.jpg", "--keep", "8", "--h", "small"], "--h takes a number, got 'small'"),
+        (["csr", EXAMPLES / "astronaut.jpg", "-q", "x", "--keep", "8", "--keep", "1e3"],
+         "--keep takes a whole number, got '1e3'"),  # a repeatable option: the value refused
+        (["flops", "--convention", "tflops"], "--convention must be one of flops, macs, got 'tflops'"),
+        (["eval", "--tasks", "pope", "--keep", "8", "--limit", "ten"], "--limit takes a number, got 'ten'"),
+    ],
+)  # fmt: skip
+def test_values_an_option_refuses_get_one_line_in_our_words(care, args: list[object], message: str) -> None:
+    run = care(*args)
+    assert run.code == 2 and run.out == "" and run.err.count("\n") == 1, run.err
+    assert run.err.startswith(f"error: {message} (see 'care "), run.err
 
 
 # ------------------------------------------------------------------------------------------------ errors

@@ -271,3 +271,18 @@ def test_an_image_wider_than_the_qwen_limit_is_one_line_naming_it(care, tmp_path
     assert run.code == 2 and run.out == ""
     assert run.err == (f"error: {thin} (3000×10 px): aspect ratio 300:1 exceeds Qwen2.5-VL's limit of 200:1 (its "
                        "image processor refuses wider or taller images); crop or pad it\n")  # fmt: skip
+
+
+def test_kept_says_which_rows_stand_for_no_patch(care, photo: Path) -> None:
+    """VisionZip keeps K rows of which one (CLS, ``token_index`` -1) is at no patch: the summary says so beside the
+    patch list, whose count is then K - 1."""
+    summary = care("reduce", photo, "--method", "visionzip", "--keep", "64", "--json").json()
+    rows = summary["token_index"]
+    patchless = sum(1 for index in rows if index < 0)
+    assert len(rows) == 64 and patchless == 1 and len(set(rows) - {-1}) == len(summary["anchors"])
+    out = " ".join(care("reduce", photo, "--method", "visionzip", "--keep", "64").out.replace("│", " ").split())
+    patches = len(summary["anchors"])
+    assert f"K = 64 (11.1% of N): {patches} patches + {patchless} row at no patch (a CLS or merged token)" in out
+    assert f"(the first 24 of {patches};" in out
+    plain = " ".join(care("reduce", photo, "--keep", "64").out.replace("│", " ").split())
+    assert "K = 64 (11.1% of N) anchors" in plain  # every row at its own patch: nothing to add

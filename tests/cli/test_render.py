@@ -106,6 +106,18 @@ def test_method_details_spell_hyperparameters_as_flags(care, narrow: None) -> No
     assert care("methods", "carre").code == 2
 
 
+def test_method_texts_have_no_markup_and_the_care_family_names_its_kernel_option(care) -> None:
+    listed = {m["name"]: m for m in care("methods", "--json").json()["methods"]}
+    assert not [name for name, m in listed.items() if "``" in m["summary"]]
+    assert "until K tokens" in listed["tome"]["summary"] and "exactly K tokens" in listed["pool"]["summary"]
+    for name in ("care", "prca-only", "simple-calib", "confidence-calib", "prca+simple-calib"):
+        assert listed[name]["runtime_option_flags"] == ["--kernel"] and "kernel" not in listed[name]["ignores"]
+    assert listed["random"]["runtime_option_flags"] == [] and "kernel" in listed["random"]["ignores"]
+    details = " ".join(care("methods", "care").out.replace("│", " ").split())
+    assert "also reads --kernel (how it runs, not what it computes)" in details
+    assert "also reads" not in care("methods", "random").out
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -41,6 +41,7 @@ def heavy_imports(*args: str) -> tuple[int, list[str]]:
         (["csr", str(EXAMPLES / "astronaut.jpg"), "-q", "x", "--keep", "8", "--method", "carre"], 2),
         (["visualize", str(EXAMPLES / "astronaut.jpg"), "--keep", "8"], 2),
         (["reduce", str(EXAMPLES / "astronaut.jpg"), "--keep", "8", "--keep", "9"], 2),
+        (["eval", "--tasks", str(EXAMPLES / "tasks" / "nope"), "--keep", "8"], 2),  # before lmms-eval (torch)
     ],
 )
 def test_no_heavy_import(args: list[str], code: int) -> None:

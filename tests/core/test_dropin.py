@@ -209,3 +209,31 @@ def test_bad_arguments_fail_in_one_line_before_the_block(adapters: dict[str, Any
     with pytest.raises(ModelLoadError, match="model type 'bert'"):
         care_core.reduce_visual_tokens(other, processor=processor, keep=5)
     assert "generate" not in vars(model)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dropin_generate.py"
+
+
+def _example(*args: str) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=600)
+
+
+def test_the_example_asks_the_shapes_demo_about_its_shapes() -> None:
+    """examples/shapes.png holds a cyan cross and a red triangle (examples/LICENSES.md): asked about it, the demo
+    answers with the scene's words, with all tokens and with K of them."""
+    run = _example("--keep", "32")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[:3] == ["shapes.png: What colour is the cross?", "  all tokens: ' cyan'", "  K = 32: ' cyan'"], lines
+    assert "shapes.png: What shape is red?" in lines and "  all tokens: ' triangle'" in lines
+
+
+def test_the_example_refuses_a_model_the_dropin_does_not_serve_in_one_line() -> None:
+    run = _example("--model", "tiny-internvl3")
+    assert run.returncode == 2 and run.stdout == "", run.stdout
+    assert run.stderr.startswith("error: the drop-in cannot serve internvl3") and run.stderr.count("\n") == 1, (
+        run.stderr
+    )

@@ -48,3 +48,30 @@ def test_every_text_is_inside_the_canvas() -> None:
     for text in texts:
         box = text.get_window_extent(renderer)
         assert box.x0 >= -0.5 and box.y0 >= -0.5 and box.x1 <= width + 0.5 and box.y1 <= height + 0.5, text
+
+
+def test_one_pair_has_no_band_and_the_label_says_so() -> None:
+    rows = [{**row, "n": 1, "ci95": 0.0} for row in _rows()]
+    ax = csr_budget_curves(rows, title="CSR on tiny-llava (1 pair)").axes[0]
+    assert not [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert "one pair" in ax.get_ylabel() and "CI" not in ax.get_ylabel()
+    pooled = csr_budget_curves([{**row, "n": 12} for row in _rows()], title="t").axes[0]
+    assert len([c for c in pooled.collections if isinstance(c, PolyCollection)]) == 3
+    assert "mean ± 95% CI" in pooled.get_ylabel()
+
+
+def test_bars_say_what_their_error_bars_are() -> None:
+    from matplotlib.container import ErrorbarContainer
+
+    from care_core.figures import csr_bar_chart
+
+    rows = [{"method": m, "budget": b, "mean": 50.0 + i, "std": 2.0, "n": 8} for i, m in enumerate(("care", "random"))
+            for b in ("K=64", "K=128")]  # fmt: skip
+    ax = csr_bar_chart(rows, title="t").axes[0]
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2 and "mean ± std over pairs" in ax.get_ylabel()
+    spans = sorted(round(float(seg[1, 1] - seg[0, 1]), 9) for c in bars for seg in c.lines[2][0].get_segments())
+    assert spans == [4.0] * 4  # ± 2 around each mean
+    one = csr_bar_chart([{**row, "n": 1, "std": 0.0} for row in rows], title="t").axes[0]
+    assert not [c for c in one.containers if isinstance(c, ErrorbarContainer)]
+    assert "one pair" in one.get_ylabel() and "±" not in one.get_ylabel()

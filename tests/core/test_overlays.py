@@ -462,3 +462,88 @@ def test_csr_axis_shows_close_values() -> None:
     assert hi - lo <= 3 * (data_hi - data_lo), (lo, hi)
     spread = csr_rows(["care", "zoo-prune", "visionzip"], ["K=64"], 5, 90)
     assert csr_bar_chart(spread, title="t").axes[0].get_ylim()[0] == 0
+
+
+# --- links, legend, fonts ----------------------------------------------------------------------------------
+
+
+def test_links_are_each_anchors_strongest_signal_and_capped() -> None:
+    """On 256 tokens: 120 anchors, 136 signals with known c_r, several per anchor. Drawn: per anchor its signal of
+    the highest c_r, the LINKS_MAX strongest of those (hand-ranked here), and a note says how many."""
+    from matplotlib.collections import LineCollection
+
+    from care_core.overlays import LINKS_MAX
+
+    geometry = grid_geometry(256, 256, rows=16)
+    n = geometry.num_tokens
+    anchors = np.arange(0, 240, 2)
+    signals = np.array(sorted(set(range(n)) - set(anchors.tolist())))
+    rng = np.random.default_rng(5)
+    assignment = np.full(n, -1)
+    assignment[anchors] = np.arange(anchors.size)
+    assignment[signals] = rng.permutation(np.arange(signals.size) % anchors.size)  # every anchor fed, 16 twice
+    confidence = np.full(n, np.nan)
+    confidence[signals] = rng.random(signals.size)
+    panel = PanelInput("care", "calibration", anchors.size, anchors, assignment, signals, None, confidence)
+    best: dict[int, int] = {}
+    for s in signals.tolist():
+        a = int(anchors[assignment[s]])
+        if a not in best or confidence[s] > confidence[best[a]]:
+            best[a] = s
+    expected = sorted(((s, a) for a, s in best.items()), key=lambda link: -confidence[link[0]])[:LINKS_MAX]
+    assert len(best) > LINKS_MAX  # the cap matters here
+
+    drawing = overlay_figure(random_image(256, 256), geometry, [panel], backbone="t", links=True)
+    assert drawing.panels[0].links == expected
+    segments = [seg for c in drawing.figure.axes[0].collections if isinstance(c, LineCollection)
+                for seg in c.get_segments()]  # fmt: skip
+    assert len(segments) == LINKS_MAX
+    assert any(f"{LINKS_MAX} links for the {signals.size} signals shown" in note for note in drawing.notes)
+    plain = overlay_figure(random_image(256, 256), geometry, [panel], backbone="t")
+    assert plain.panels[0].links == [] and not any("links" in note for note in plain.notes)
+
+
+def test_legend_names_anchors_and_signals_alike() -> None:
+    geometry = grid_geometry(200, 200)
+    drawing = overlay_figure(random_image(200, 200), geometry, panels_for(geometry, 1), backbone="t", links=True)
+    labels = [text.get_text() for text in drawing.figure.legends[0].get_texts()]
+    assert labels[:3] == ["calibration anchor", "calibration signal", "strongest signal → its anchor"], labels
+
+
+def test_every_text_of_a_figure_is_in_one_font_whatever_the_rc() -> None:
+    """Built and drawn under a matplotlibrc that asks for serif text: titles, legend, footer, the heat map's
+    colour-bar tick labels (made while drawing) and the CSR charts' ticks are all in DejaVu Sans."""
+    import matplotlib
+    from matplotlib import font_manager
+    from matplotlib.text import Text
+
+    from care_core.figures import csr_bar_chart, csr_budget_curves
+
+    geometry = grid_geometry(200, 300)
+    with matplotlib.rc_context({"font.family": "serif", "mathtext.fontset": "cm"}):
+        figures = [
+            overlay_figure(
+                random_image(200, 300),
+                geometry,
+                panels_for(geometry, 1),
+                backbone="t",
+                show_scores=True,
+                note=DEMO_NOTE,
+            ).figure,
+            csr_bar_chart(csr_rows(["care", "random"], ["K=64"], 20, 80), title="t"),
+            csr_budget_curves(
+                [
+                    {**r, "ci95": 1.0, "kept_pct": 10.0 * (i + 1)}
+                    for i, r in enumerate(csr_rows(["care"], ["K=8", "K=16", "K=32"], 20, 80))
+                ],
+                title="t",
+            ),
+        ]
+        for figure in figures:
+            figure.canvas.draw()
+            texts = [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip()]
+            ticks = [t for ax in figure.axes for t in ax.get_yticklabels() if t.get_text()]
+            assert ticks
+            fonts = {font_manager.findfont(t.get_fontproperties()).rsplit("/", 1)[-1] for t in texts + ticks}
+            assert fonts == {"DejaVuSans.ttf"}, fonts
+            assert all(t.get_fontproperties().get_math_fontfamily() == "dejavusans" for t in texts)

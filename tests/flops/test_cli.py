@@ -195,3 +195,54 @@ def test_ratio_budgets_are_the_decimal_typed(care, tokens: int, ratio: str, keep
     run = care("flops", "--backbone", "llava-1.5", "--tokens", str(tokens), "--ratio", ratio, "--json")
     assert run.code == 0, run.err
     assert run.json()["budgets"] == [keep]
+
+
+def _console_width(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    from rich.console import Console
+
+    from care_cli import render
+
+    monkeypatch.setattr(render, "stdout", Console(width=width, soft_wrap=False))
+
+
+def _table_body(out: str, methods: tuple[str, ...]) -> list[str]:
+    """The lines of the first table from below its header rule to its last row."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "───" in line)
+    rows = [i for i, line in enumerate(lines) if line.split()[:1] and line.split()[0] in methods]
+    return lines[start + 1 : rows[-1] + 1]
+
+
+def test_the_title_wraps_at_the_console_width_not_the_table_width(care, monkeypatch: pytest.MonkeyPatch) -> None:
+    _console_width(monkeypatch, 200)
+    run = care("flops")
+    assert run.code == 0, run.err
+    assert run.out.splitlines()[0] == "Analytic TFLOPs — LLaVA-1.5-7B: N = 576 visual tokens, T = 64 text tokens"
+
+
+def test_rows_follow_each_other_and_budgets_of_several_rows_are_ruled_apart(
+    care, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _console_width(monkeypatch, 120)
+    body = _table_body(care("flops").out, ("baseline", "care"))
+    assert len(body) == 4 and all(line.strip() for line in body)  # baseline and care at 3 budgets, no blank row
+    args = ["--method", "care", "--method", "fastv", "--keep", "64", "--keep", "128"]
+    body = _table_body(care("flops", *args).out, ("baseline", "care", "fastv"))
+    assert all(line.strip() for line in body), body
+    rules = [i for i, line in enumerate(body) if "┈" in line]
+    assert len(rules) == 1 and len(body) == 6  # baseline, K=64 x 2 methods, a rule, K=128 x 2 methods
+    tokens = [line.split()[1] for line in body if "┈" not in line]
+    assert tokens[1] == tokens[2] != tokens[3] == tokens[4]  # the rule between the two budgets
+
+
+def test_paper_comparison_is_two_parts_at_80_columns_the_comparison_first(
+    care, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _console_width(monkeypatch, 80)
+    run = care("flops", "--paper")
+    assert run.code == 0, run.err
+    lines = run.out.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Paper Table S1")]
+    assert len(starts) == 2, run.out
+    first_part = "\n".join(lines[starts[0] : starts[1]])
+    assert "paper %" in first_part and "+200.61%" in first_part and "residual" not in first_part

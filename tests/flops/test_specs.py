@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,23 @@ def test_internvl_config_and_its_tile_limit(tmp_path: Path) -> None:
     assert spec.default_tokens == 1280  # 672x672: 2x2 tiles + thumbnail, 256 each
     _write(tmp_path / "internvl", {"max_patches": 1}, "preprocessor_config.json")
     assert from_config(tmp_path / "internvl").default_tokens == 256  # one tile, no thumbnail
+
+
+@pytest.mark.parametrize(("name", "families"), [("llava", ["llava-1.5", "llava-next", "llava-onevision"]),
+                                                ("qwen", ["qwen2.5-vl", "qwen3-vl"]),
+                                                ("Qwen", ["qwen2.5-vl", "qwen3-vl"])])  # fmt: skip
+def test_a_name_that_begins_several_families_is_ambiguous(name: str, families: list[str]) -> None:
+    with pytest.raises(BackboneSpecError, match="ambiguous") as info:
+        resolve_backbone(name)
+    assert all(family in str(info.value) for family in families), info.value
+
+
+@pytest.mark.parametrize("typo", ["llava15x", "llava-1.6x", "llava-nxt", "qwen25-vlx", "lava", "internvl"])
+def test_suggestions_name_only_backbones_the_error_lists(typo: str) -> None:
+    with pytest.raises(BackboneSpecError) as info:
+        resolve_backbone(typo)
+    message = str(info.value)
+    suggested = re.search(r"did you mean (.*?)\?", message)
+    listed = re.search(r"known: (.*?);", message)
+    assert suggested and listed, message
+    assert set(suggested.group(1).split(", ")) <= set(listed.group(1).split(", ")), message
