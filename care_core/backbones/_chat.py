@@ -18,6 +18,7 @@ from ..images import to_rgb
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_on_host
 from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
+from .static_generation import StaticPrompt
 
 
 def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
@@ -140,7 +141,8 @@ class ChatAdapter(VLMAdapter):
     (used when neither the processor nor the tokenizer has a chat template), and implement
     :meth:`_lm_inputs` (the model's keyword arguments for a prompt with given visual rows),
     :attr:`_language_model` (the decoder whose ``layers[i].self_attn`` the language-model probe hooks) and,
-    where they offer vision probes, :meth:`_vision_probes`.
+    where they offer vision probes, :meth:`_vision_probes`; families whose language model takes more than input
+    embeddings (Qwen's positions and DeepStack rows) override :meth:`_static_prompt` and :attr:`static_inputs`.
     """
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
@@ -155,6 +157,9 @@ class ChatAdapter(VLMAdapter):
     image_token_id: int
     #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
     dropin_refusal: str | None = None
+    #: the :meth:`_lm_inputs` keys :meth:`_static_prompt` carries into the static loop (a prompt with others decodes
+    #: through ``model.generate``)
+    static_inputs: ClassVar[frozenset[str]] = frozenset({"input_ids", "attention_mask", "mm_encoder_outputs"})
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         """What every family keeps: the model, its processor, the name and whether it is a demo, and the memos of
@@ -326,11 +331,15 @@ class ChatAdapter(VLMAdapter):
         its placeholder then repeated ``k`` times. That is the tokenisation of ``k`` placeholders: a tokenizer cuts
         the text at added tokens first, and the empty texts between placeholders give no tokens (tested on every
         family's tokenizer); tokenising thousands of placeholders per sample is what it saves."""
-        ids, at = self._prompt_ids(question)
-        full = torch.cat([ids[:at], ids.new_full((k,), self.image_token_id), ids[at + 1 :]])[None]
         # a fresh host tensor: a blocking copy would wait for all the GPU work queued before it, once per sample
-        full = full.to(self.device, non_blocking=True)
+        full = self._prompt_ids_with(question, k).to(self.device, non_blocking=True)
         return {"input_ids": full, "attention_mask": torch.ones_like(full)}
+
+    def _prompt_ids_with(self, question: str, k: int) -> torch.Tensor:
+        """(1, L) token ids (a fresh CPU tensor) of the prompt with ``k`` image placeholders where the one-placeholder
+        prompt has its one (:meth:`_prompt_ids`)."""
+        ids, at = self._prompt_ids(question)
+        return torch.cat([ids[:at], ids.new_full((k,), self.image_token_id), ids[at + 1 :]])[None]
 
     def _prompt_ids(self, question: str) -> tuple[torch.Tensor, int]:
         """(L,) token ids (CPU) of the prompt with one image placeholder, and the placeholder's place; kept per
@@ -479,8 +488,8 @@ class ChatAdapter(VLMAdapter):
         if reason is None:
             try:
                 with torch.no_grad():
-                    embeds = [self._prompt_embeddings(sample) for sample in inputs]
-                    ids = self._static_greedy().generate_batch(embeds, max_new_tokens)
+                    prompts = [self._static_prompt(sample) for sample in inputs]
+                    ids = self._static_greedy().generate_batch(prompts, max_new_tokens)
                 return [tuple(i) for i in ids], "cuda-graph", None
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
                 from ..batching import is_out_of_memory
@@ -509,7 +518,7 @@ class ChatAdapter(VLMAdapter):
         return unsupported_reason(self.model, length)
 
     def _graph_reason(self, inputs: dict[str, Any], max_new_tokens: int) -> str | None:
-        extra = sorted(set(inputs) - {"input_ids", "attention_mask", "mm_encoder_outputs"})
+        extra = sorted(set(inputs) - self.static_inputs)
         if extra:
             return f"the {self.family} prompt carries {', '.join(extra)} beside its embeddings"
         return self.graph_generation_reason(int(inputs["input_ids"].shape[1]) + max_new_tokens)
@@ -535,6 +544,11 @@ class ChatAdapter(VLMAdapter):
             greedy = StaticGreedy(self.model, graphs=True)
             self._greedy_graphs = greedy
         return greedy
+
+    def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
+        """The static loop's prompt for :meth:`_lm_inputs`' ``inputs``: its input embeddings (families whose
+        language model takes more override this, and list the keys it covers in :attr:`static_inputs`)."""
+        return StaticPrompt(self._prompt_embeddings(inputs)[0])
 
     def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:
         """(1, L, d_t) input embeddings of a prompt from :meth:`_lm_inputs`, visual rows in its placeholders."""

@@ -20,6 +20,9 @@ model silently falls back to 1-D positions) and the model's ``get_rope_index`` g
 positions; the reduced sequence keeps K placeholders, each row with the position of the token it belongs to
 (``kept``; -1 rows: the last image token's position), the text keeping its original positions. The model gets
 these as explicit ``position_ids`` (4 rows: a 1-D text row, then t, h, w), so K = N reproduces the standard path.
+The full prompt's positions are worked out on the host once per (question, image grid) (``rope_positions``), and the
+reduced prompt is put together on the host too (no read-back from the device). The static CUDA-graph decoder takes
+the (t, h, w) rows with the embeddings (``_static_prompt``; :mod:`care_core.backbones.static_generation`).
 
 Probes. The Qwen vision tower has no CLS token and mostly windowed attention: ``cls_attention``,
 ``attention_logits``, ``keys``, ``hidden_with_cls`` and ``last_layer_qk`` (all defined with a CLS row) are not
@@ -33,11 +36,13 @@ Tower attention. On CUDA the tower's per-window and per-image sdpa calls run as 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from .._memo import remember
 from ..errors import ModelLoadError
 from ..norm_first import NormFirstMLP
 from ._chat import ChatAdapter
@@ -45,6 +50,11 @@ from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
 from .geometry import CropGeometry, grid_image_tokens
 from .packed_attention import tower_attention
+from .static_generation import StaticPrompt
+
+#: (question, image grid) pairs whose full-prompt rope positions an adapter keeps: each holds 3 x L positions (L up to
+#: ~16k at the largest images, ~400 KB), so fewer than the prompt ids' PROMPT_CACHE_SIZE (about 100 MB at most)
+ROPE_CACHE_SIZE = 256
 
 QWEN25VL_FALLBACK_PROMPT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -117,6 +127,8 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     #: Qwen families) raises for a long side over 200 times the short one; it has no constant to read, so the limit is
     #: written here once and :meth:`check_image` refuses such an image before the processor runs
     max_aspect_ratio: ClassVar[float | None] = 200.0
+    #: the static loop also takes the prompt's positions (``mm_token_type_ids`` only matters without them)
+    static_inputs: ClassVar[frozenset[str]] = ChatAdapter.static_inputs | {"position_ids", "mm_token_type_ids"}
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
@@ -130,6 +142,8 @@ class Qwen2_5_VLAdapter(ChatAdapter):
                 raise ModelLoadError(f"{name}: image processor {attr} {got} does not match the model's {want}")
         self._set_image_token(getattr(cfg, "image_token_id", None))
         self._projector = self._merger_projector()
+        #: (question, image grid thw) -> the full prompt's rope positions (CPU), :meth:`rope_positions`
+        self._rope_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def _merger_projector(self) -> nn.Module:
         """The merger as a per-token projector (:class:`QwenMergerProjector`)."""
@@ -230,17 +244,34 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     def full_positions(self, question: str, tokens: ImageTokens) -> dict[str, torch.Tensor]:
         """The prompt with all N image placeholders: ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
         (1 on image tokens, as the processor makes them) and ``positions`` (3, 1, L), the model's own
-        ``get_rope_index`` of that sequence."""
+        ``get_rope_index`` of that sequence (:meth:`rope_positions`)."""
+        positions, _ = self.rope_positions(question, tokens)
+        enc = self._encode_prompt(question, tokens.num_tokens)
+        ids = enc["input_ids"]
+        types = (ids == self.image_token_id).to(torch.long)
+        return {**enc, "mm_token_type_ids": types, "positions": positions[:, None].to(ids.device)}
+
+    def rope_positions(self, question: str, tokens: ImageTokens) -> tuple[torch.Tensor, int]:
+        """(3, L) multimodal-rope positions (CPU) of the prompt with all N image placeholders, the model's own
+        ``get_rope_index`` of it, and the first placeholder's place (the N placeholders are one run from there).
+
+        Worked out on the host and kept per (question, image grid): ``get_rope_index`` walks the whole prompt in
+        Python (and on a GPU reads it back), once per call otherwise."""
         thw = tokens.model_inputs.get("image_grid_thw")
         if thw is None:
             raise ValueError("tokens.model_inputs has no image_grid_thw; use ImageTokens from encode_image")
-        enc = self._encode_prompt(question, tokens.num_tokens)
-        ids = enc["input_ids"]
-        mm_token_type_ids = (ids == self.image_token_id).to(torch.long)
-        positions, _ = self._inner.get_rope_index(
-            ids, mm_token_type_ids, image_grid_thw=thw.to(ids.device), attention_mask=enc["attention_mask"]
-        )
-        return {**enc, "mm_token_type_ids": mm_token_type_ids, "positions": positions}
+        thw = thw.cpu()  # the processor's output: on the host already
+        key = (question, tuple(int(v) for v in thw.reshape(-1).tolist()))
+        _, at = self._prompt_ids(question)
+        cached = self._rope_cache.get(key)
+        if cached is None:
+            ids = self._prompt_ids_with(question, tokens.num_tokens)
+            types = (ids == self.image_token_id).to(torch.long)
+            positions, _ = self._inner.get_rope_index(
+                ids, types, image_grid_thw=thw, attention_mask=torch.ones_like(ids)
+            )
+            cached = remember(self._rope_cache, key, positions[:, 0], ROPE_CACHE_SIZE)
+        return cached, at
 
     @staticmethod
     def row_positions(image_positions: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -260,26 +291,25 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         *,
         probe: bool = False,
     ) -> dict[str, Any]:
-        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's)."""
+        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's). The
+        positions are put together on the host (no read-back from the device) and moved with the ids."""
         rows = self._check_projected(projected)
         k, n = int(rows.shape[0]), tokens.num_tokens
         kept = check_kept(kept, k, n)
-        full = self.full_positions(question, tokens)
-        ids, positions = full["input_ids"], full["positions"]
-        where = (ids[0] == self.image_token_id).nonzero().flatten()
-        start, end = int(where[0]), int(where[-1]) + 1
-        if end - start != n:
-            raise RuntimeError("the prompt's image placeholders are not one contiguous run")
-        image_positions = self.row_positions(positions[:, 0, start:end], torch.arange(k) if kept is None else kept)
-        positions = torch.cat([positions[:, :, :start], image_positions.unsqueeze(1), positions[:, :, end:]], dim=2)
-        image_ids = torch.full((1, k), self.image_token_id, dtype=ids.dtype, device=ids.device)
-        ids = torch.cat([ids[:, :start], image_ids, ids[:, end:]], dim=1)
-        length = ids.shape[1]
-        text_row = torch.arange(length, dtype=positions.dtype, device=positions.device).view(1, 1, -1)
+        full, start = self.rope_positions(question, tokens)
+        image = self.row_positions(full[:, start : start + n], torch.arange(k) if kept is None else kept)
+        positions = torch.cat([full[:, :start], image, full[:, start + n :]], dim=1)  # (3, L_K)
+        text_row = torch.arange(positions.shape[1], dtype=positions.dtype)
+        position_ids = torch.cat([text_row[None], positions])[:, None]  # (4, 1, L_K): text row, then t, h, w
+        enc = self._encode_prompt(question, k)
         return {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "mm_token_type_ids": (ids == self.image_token_id).to(torch.long),
-            "position_ids": torch.cat([text_row, positions], dim=0),  # (4, 1, L_K): text row, then t, h, w
+            **enc,
+            "mm_token_type_ids": (enc["input_ids"] == self.image_token_id).to(torch.long),
+            "position_ids": position_ids.to(self.device, non_blocking=True),  # a fresh host tensor: no wait
             "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept),
         }
+
+    def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
+        """The embeddings and the (t, h, w) rows of the prompt's ``position_ids`` (its text row is 0..L-1, the
+        static loop's cache index)."""
+        return replace(super()._static_prompt(inputs), positions=inputs["position_ids"][1:, 0])

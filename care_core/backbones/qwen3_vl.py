@@ -20,12 +20,15 @@ rows and deepstack rows of :meth:`Qwen3VLAdapter.batch_tokens`, one tower pass w
 Geometry and positions as Qwen2.5-VL (:mod:`care_core.backbones.qwen2_5_vl`): the processor resizes to multiples of
 32 px, each token is a 32x32 block mapped linearly back to the original image; the kept rows get the (t, h, w)
 multimodal-rope positions of their tokens from ``get_rope_index`` of the unreduced prompt, with
-``mm_token_type_ids`` passed (Qwen3-VL refuses to run without it when an image grid is given).
+``mm_token_type_ids`` passed (Qwen3-VL refuses to run without it when an image grid is given). The static CUDA-graph
+decoder takes those positions and, per level, the K deepstack rows at the image placeholders (``_static_prompt``),
+which it adds after the first decoder layers in the prefill, as the model does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -37,6 +40,7 @@ from ._hf import quiet_transformers
 from .base import ImageTokens
 from .packed_attention import tower_attention
 from .qwen2_5_vl import Qwen2_5_VLAdapter
+from .static_generation import StaticPrompt
 
 
 class Qwen3VLMergerProjector(nn.Module):
@@ -153,7 +157,7 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         token ``kept[..., r]``'s (zeros for a -1 row, tied to no token); tokens 0..K-1 when ``kept`` is None."""
         if kept is None:
             return deepstack[..., :k, :]
-        select = kept.to(deepstack.device)
+        select = kept.to(deepstack.device, non_blocking=True)  # a blocking copy would wait for the queued GPU work
         index = select.clamp(min=0).unsqueeze(-1).expand(*select.shape, deepstack.shape[-1])
         levels = torch.gather(deepstack, -2, index.expand(deepstack.shape[0], *index.shape))
         return levels * (select >= 0).to(deepstack.dtype).unsqueeze(-1)
@@ -178,3 +182,14 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
                              "encode_image")  # fmt: skip
         deepstack = deepstack.to(device=rows.device, dtype=rows.dtype)
         return self.deepstack_outputs(rows, self.fed_deepstack(deepstack, kept, int(rows.shape[0])))
+
+    def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
+        """As Qwen2.5-VL's, with every DeepStack level's rows at the prompt's image placeholders (zeros elsewhere:
+        the model adds nothing to the text rows), placed on the device (no read-back)."""
+        prompt = super()._static_prompt(inputs)
+        image = inputs["mm_encoder_outputs"]["image"]
+        levels = torch.stack([torch.cat(list(level)) for level in image.deepstack_features])  # (levels, K, d_t)
+        placeholders = (inputs["input_ids"][0] == self.image_token_id)[None, :, None]  # (1, L, 1)
+        deepstack = levels.new_zeros(levels.shape[0], placeholders.shape[1], levels.shape[-1])
+        deepstack.masked_scatter_(placeholders.expand_as(deepstack), levels)  # level by level, the K rows in order
+        return replace(prompt, deepstack=deepstack)

@@ -13,13 +13,20 @@ once and replayed:
 - **decode**: one token in, one token out; keys and values written at the current position, attention over the
   whole cache with every later position masked. One graph per cache capacity (and batch bucket).
 
+**Prompts** (:class:`StaticPrompt`): input embeddings, and where the decoder needs them (Qwen2.5-VL, Qwen3-VL)
+multimodal-rope (t, h, w) positions and Qwen3-VL's DeepStack rows. A prompt's cache index is its row 0..L-1
+(what the mask and the cache writes follow); its rotary positions are its own in the prefill, and a new token
+at cache index c sits at c + (last prompt position + 1 - L) on each of the three rows, as ``model.generate``
+continues explicit positions (1-D decoders: c). DeepStack rows are added to the hidden states after the first
+layers in the prefill (zeros on the rows that get none), never in decoding, as the model does.
+
 **Batches** (:meth:`StaticGreedy.generate_batch`): the batch size is padded up to one of :data:`BATCH_BUCKETS`
 with dummy rows, the prompts right-padded to a common multiple of :data:`BUCKET`; every sample sits at its own
-positions 0..L_i-1, takes its first token from its own last row and decodes at its own position (per-sample
+cache rows 0..L_i-1, takes its first token from its own last row and decodes at its own position (per-sample
 write index, mask and rotary position), so it sees exactly the keys and positions of its batch-1 run. Graphs
-are kept per (batch bucket, padded length) for prefill and per batch bucket for decode; a short batch replays a
-larger bucket already captured at its padded length or a longer one (:func:`reused_shape`) rather than capturing
-its own.
+are kept per (batch bucket, padded length) for prefill and per batch bucket for decode. A call replays a
+captured shape other than its own only where that shape's prompt rows are at most :data:`REUSE_ROWS_RATIO`
+times its own (:func:`reused_shape`); otherwise it captures its own.
 
 The maths is the eager forward's (same modules, same attention functions); only float rounding may differ from
 ``model.generate``'s kernels. :func:`unsupported_reason` says where this loop would not be the model's own
@@ -42,14 +49,19 @@ BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby l
 CAPACITY_STEP = 256  # the cache grows in steps of this many positions
 MAX_PREFILL_GRAPHS = 8  # (batch, padded length) pairs whose prefill graph is kept (least recently used dropped first)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes are padded up to one of these; larger batches go in chunks
-# a short batch (a data set's last) replays a larger captured (bucket, padded length) instead of capturing its own
-# where the dummy samples and the longer padding add at most this many prompt rows. On an H100 (2026-11-27) a
-# capture cost 0.2-1.1 s over the replay, and LLaVA-1.5-7B's last 4 reduced prompts (K = 64: 176 rows) replayed in
-# the batch-64 graphs (10,560 dummy rows) took 0.29 s more than in their own bucket's (about 27 us per row: 12,288
-# rows about 0.34 s); a decode step reads the weights once whatever the batch. 4 all-token prompts (688 rows: 41k
-# dummy rows) capture their own
-REUSE_DUMMY_ROWS = 12288
-DECODERS = frozenset({"llama", "mistral", "qwen2"})  # decoder layers whose forward this loop drives as they are
+# a call replays a captured prefill shape other than its own only where that shape's prompt rows (batch bucket x
+# padded length) are at most this many times its own. A replay costs what its rows cost (on an H100, about 27 us a
+# row of LLaVA-1.5-7B), so under a looser rule a reduced prompt of ~200 rows replayed the all-token graph of ~2,900
+# rows captured just before it and its prefill cost what all tokens cost (issue #47). Within 25% a data set's
+# shorter batches still replay their run's graphs instead of capturing their own (0.2-1.1 s a capture); batch buckets
+# double, so a short last batch (fewer samples) never replays a larger bucket's graphs
+REUSE_ROWS_RATIO = 1.25
+#: decoder layers whose forward this loop drives as they are
+DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen3_vl_text"})
+#: decoders whose rotary embedding takes (t, h, w) positions per row (multimodal rope; text rows: all three equal)
+MROPE_DECODERS = frozenset({"qwen2_5_vl_text", "qwen3_vl_text"})
+#: decoders that add DeepStack rows after their first layers (as many as the vision config's deepstack taps)
+DEEPSTACK_DECODERS = frozenset({"qwen3_vl_text"})
 ATTENTION = frozenset({"sdpa", "eager"})  # attention functions that take the decode step's additive mask
 
 # generation-config fields that change greedy tokens, with the value that leaves them alone
@@ -108,6 +120,12 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in DECODERS:
         return f"the {kind} decoder is not one the static loop drives ({', '.join(sorted(DECODERS))})"
+    layer = type(lm.layers[0])
+    params = inspect.signature(layer.forward).parameters
+    if not {"attention_mask", "position_embeddings"} <= set(params) or cache_keyword(params) is None:
+        return f"{layer.__name__}.forward does not take the mask, rotary embeddings and cache this loop passes"
+    if deepstack_levels(model) > len(lm.layers):
+        return f"{deepstack_levels(model)} DeepStack levels for {len(lm.layers)} decoder layers"
     attention = getattr(cfg, "_attn_implementation", None) or "eager"
     if attention not in ATTENTION:
         return f"attention implementation {attention!r} takes no additive mask (static decoding needs sdpa or eager)"
@@ -127,6 +145,20 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
     return None
 
 
+def cache_keyword(params: Any) -> str | None:
+    """The keyword under which a decoder layer's ``forward`` (its signature's ``params``) takes the cache:
+    ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier); None where it takes neither."""
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def deepstack_levels(model: Any) -> int:
+    """How many DeepStack levels the decoder adds after its first layers (0 for decoders without DeepStack)."""
+    if getattr(_text_config(model), "model_type", None) not in DEEPSTACK_DECODERS:
+        return 0
+    vision = getattr(model.config, "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+
+
 def eos_ids(model: Any) -> frozenset[int]:
     """The token ids that end greedy generation (the generation config's, as ``model.generate`` reads them)."""
     value = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -144,15 +176,33 @@ def batch_bucket(size: int) -> int:
 
 def reused_shape(own: int, rows: int, captured: Iterable[tuple[int, int]]) -> tuple[int, int]:
     """The (batch bucket, padded rows) a batch runs in, given its own bucket ``own`` and its prompts' padded
-    ``rows``: its own shape where captured; else the captured shape with the fewest rows (bucket x rows) that holds
-    it (bucket >= own, rows >= its rows) and adds at most :data:`REUSE_DUMMY_ROWS` prompt rows; else its own
+    ``rows``: its own shape where captured; else the captured shape with the fewest prompt rows (bucket x rows) that
+    holds it (bucket >= own, rows >= its rows) with at most :data:`REUSE_ROWS_RATIO` times its own rows; else its own
     (captured on first use). Extra padding rows are like the bucket's: causal attention keeps every real row blind
     to them."""
     shapes = set(captured)
     if (own, rows) in shapes:
         return own, rows
-    fits = [(b * r, b, r) for b, r in shapes if b >= own and r >= rows and b * r - own * rows <= REUSE_DUMMY_ROWS]
+    most = REUSE_ROWS_RATIO * own * rows
+    fits = [(b * r, b, r) for b, r in shapes if b >= own and r >= rows and b * r <= most]
     return min(fits)[1:] if fits else (own, rows)
+
+
+@dataclass(frozen=True, eq=False)
+class StaticPrompt:
+    """One prompt of :meth:`StaticGreedy.generate_batch`.
+
+    ``embeds``: (L, d) input embeddings (or (1, L, d)). ``positions``: (3, L) multimodal-rope (t, h, w) positions
+    (:data:`MROPE_DECODERS` only; None: 0..L-1 on every row, a text prompt's), which the rotary embedding takes in
+    the prefill; a new token at cache index c gets c + (last position + 1 - L) on each row, as ``model.generate``
+    continues explicit positions (a chat prompt ends in text, whose three positions are its largest: the model's own
+    rope delta). ``deepstack``: (levels, L, d) rows added to the hidden states after decoder layer l < levels in the
+    prefill (:data:`DEEPSTACK_DECODERS`; zeros where nothing is added), or None (nothing added).
+    """
+
+    embeds: torch.Tensor
+    positions: torch.Tensor | None = None
+    deepstack: torch.Tensor | None = None
 
 
 class StaticKV:
@@ -200,6 +250,8 @@ class _Prefill:
     embeds: torch.Tensor  # (batch, rows, d)
     last: torch.Tensor  # (batch,) index of each prompt's last real row
     mask: torch.Tensor | None  # (1, 1, rows, rows) causal additive mask; None with sdpa (is_causal)
+    positions: torch.Tensor | None = None  # (3, batch, rows) rotary (t, h, w) positions: multimodal-rope decoders
+    deepstack: torch.Tensor | None = None  # (levels, batch, rows, d) rows added after the first layers: a view
     graph: Any = None
 
 
@@ -208,8 +260,9 @@ class StaticGreedy:
 
     ``graphs``: capture and replay CUDA graphs (CUDA only); otherwise the same loop runs eagerly, which is
     what the CPU tests check against ``model.generate``. The first call at a new (batch bucket, padded length)
-    runs eagerly and captures on the way out; later calls replay. Holds the cache (``2 · layers · batch ·
-    kv_heads · head_dim · capacity`` values, for the largest batch bucket seen) until dropped.
+    runs eagerly and captures on the way out; later calls replay. The eager loop picks its shapes as the graph loop
+    does, among the shapes it has run (so the CPU tests see the reuse rule at work). Holds the cache
+    (``2 · layers · batch · kv_heads · head_dim · capacity`` values, for the largest batch bucket seen) until dropped.
     """
 
     def __init__(self, model: Any, *, graphs: bool) -> None:
@@ -224,10 +277,14 @@ class StaticGreedy:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.eager_attention = (getattr(cfg, "_attn_implementation", None) or "eager") == "eager"
-        params = inspect.signature(type(self.layers[0]).forward).parameters
-        self.cache_keyword = "cache" if "cache" in params else "past_key_values"
+        self.mrope = cfg.model_type in MROPE_DECODERS
+        self.deepstack_levels = deepstack_levels(model)
+        keyword = cache_keyword(inspect.signature(type(self.layers[0]).forward).parameters)
+        assert keyword is not None  # unsupported_reason checked the signature
+        self.cache_keyword = keyword
         weight = self.lm.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.hidden_size = int(weight.shape[1])
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the language model is on {self.device}")
         self.graphs = graphs
@@ -238,6 +295,7 @@ class StaticGreedy:
         self.prefills: OrderedDict[tuple[int, int], _Prefill] = OrderedDict()
         self.decodes: dict[tuple[int, int], Any] = {}  # (batch bucket, attended span) -> decode graph
         self.captures = 0  # graphs captured so far (for tests and reports)
+        self.last_shape: tuple[int, int] | None = None  # the (batch bucket, padded rows) the last prefill ran in
         self.pool: Any = None
         self.stream: Any = None
         self._new_pool()
@@ -266,8 +324,14 @@ class StaticGreedy:
         self.positions = torch.arange(capacity, device=device)
         self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # each sample's next token
         self.position = torch.zeros(batch, dtype=torch.long, device=device)  # where each sample's next token goes
+        # per sample and rotary row: a new token's rotary position minus its cache index (multimodal rope)
+        self.rope_delta = torch.zeros((3, batch), dtype=torch.long, device=device)
         heads = torch.arange(batch * self.kv_heads, device=device).view(batch, self.kv_heads)
         self.row_base = heads * capacity  # first flat cache row of each (sample, head)
+        # DeepStack rows: one buffer for every prefill shape (each reads its corner; a call fills it before its
+        # prefill), as (levels, batch, rows, d) per shape would be up to MAX_PREFILL_GRAPHS times its size
+        shape = (self.deepstack_levels, batch, capacity, self.hidden_size)
+        self.deepstack = torch.zeros(shape, dtype=self.dtype, device=device) if self.deepstack_levels else None
 
     def _ensure_capacity(self, batch: int, needed: int) -> None:
         """A cache of at least ``batch`` samples and ``needed`` positions (grown, never shrunk)."""
@@ -279,7 +343,7 @@ class StaticGreedy:
             batch, capacity = max(batch, kv.batch), max(capacity, kv.capacity)
         self.prefills.clear()  # the graphs write into the old buffers
         self.decodes.clear()
-        self.kv = None  # the old buffers go before the new ones are allocated
+        self.kv = self.deepstack = None  # the old buffers go before the new ones are allocated
         shape = (batch, self.kv_heads, capacity, self.head_dim)
         self.kv = StaticKV(len(self.layers), shape, self.dtype, self.device)
         self._static_state(batch, capacity)
@@ -289,26 +353,43 @@ class StaticGreedy:
         key = (batch, rows)
         entry = self.prefills.get(key)
         if entry is None:
-            hidden = int(self.lm.embed_tokens.weight.shape[1])
+            device, dtype = self.device, self.dtype
             mask = None
             if self.eager_attention:  # eager attention is causal only through its mask
-                mask = torch.full((rows, rows), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+                mask = torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype, device=device)
                 mask = mask.triu(1)[None, None]
-            embeds = torch.zeros((batch, rows, hidden), dtype=self.dtype, device=self.device)
-            entry = _Prefill(embeds, torch.zeros(batch, dtype=torch.long, device=self.device), mask)
+            embeds = torch.zeros((batch, rows, self.hidden_size), dtype=dtype, device=device)
+            entry = _Prefill(embeds, torch.zeros(batch, dtype=torch.long, device=device), mask)
+            if self.mrope:
+                entry.positions = torch.zeros((3, batch, rows), dtype=torch.long, device=device)
+            if self.deepstack is not None:
+                entry.deepstack = self.deepstack[:, :batch, :rows]
             self.prefills[key] = entry
             while len(self.prefills) > MAX_PREFILL_GRAPHS:
                 self.prefills.popitem(last=False)
         self.prefills.move_to_end(key)
         return entry
 
+    def _shape(self, own: int, rows: int) -> tuple[int, int]:
+        """The (batch bucket, padded rows) a call runs in (:func:`reused_shape` over the shapes ready to replay:
+        captured graphs, or every shape run where the loop runs eagerly)."""
+        ready = [key for key, entry in self.prefills.items() if entry.graph is not None or not self.graphs]
+        self.last_shape = reused_shape(own, rows, ready)
+        return self.last_shape
+
     # ------------------------------------------------------------------ the two steps
-    def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        embeddings = self.lm.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=embeddings,
+    def _layers(self, hidden: torch.Tensor, rotary: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None,
+                deepstack: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Every decoder layer: ``rotary`` positions ((batch, rows), or (3, batch, rows) for multimodal rope) for
+        the rotary embedding, ``text`` (batch, rows) cache indices as the layers' ``position_ids``; after layer l,
+        ``deepstack[l]`` added where given (levels, batch, rows, d)."""
+        embeddings = self.lm.rotary_emb(hidden, position_ids=rotary)
+        for index, layer in enumerate(self.layers):
+            out = layer(hidden, attention_mask=mask, position_ids=text, position_embeddings=embeddings,
                         use_cache=True, **{self.cache_keyword: self.kv})  # fmt: skip
             hidden = out[0] if isinstance(out, tuple) else out
+            if deepstack is not None and index < deepstack.shape[0]:
+                hidden = hidden + deepstack[index]  # zeros leave a row as it is: only the visual rows change
         return hidden
 
     def _next_token(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -318,7 +399,9 @@ class StaticGreedy:
         assert self.kv is not None
         batch, rows, hidden_size = entry.embeds.shape
         self.kv.active, self.kv.write, self.kv.prefill = batch, self.positions[:rows], True
-        hidden = self._layers(entry.embeds, self.positions[None, :rows].expand(batch, rows), entry.mask)
+        text = self.positions[None, :rows].expand(batch, rows)
+        rotary = text if entry.positions is None else entry.positions
+        hidden = self._layers(entry.embeds, rotary, text, entry.mask, entry.deepstack)
         last = hidden.gather(1, entry.last.view(batch, 1, 1).expand(batch, 1, hidden_size))  # each prompt's own
         self.token[:batch].copy_(self._next_token(last))
         self.position[:batch].copy_(entry.last + 1)
@@ -333,7 +416,9 @@ class StaticGreedy:
         mask = torch.zeros(ahead.shape, dtype=self.dtype, device=self.device).masked_fill_(
             ahead, torch.finfo(self.dtype).min
         )
-        hidden = self._layers(hidden, position[:, None], mask[:, None, None, :])
+        text = position[:, None]
+        rotary = (position[None, :] + self.rope_delta[:, :batch])[..., None] if self.mrope else text
+        hidden = self._layers(hidden, rotary, text, mask[:, None, None, :])
         token.copy_(self._next_token(hidden))
         position.add_(1)
 
@@ -364,41 +449,75 @@ class StaticGreedy:
             return graph
 
     # ------------------------------------------------------------------ public
-    def generate(self, embeds: torch.Tensor, max_new_tokens: int) -> list[int]:
-        """Greedy token ids after the prompt ``embeds`` ((L, d) or (1, L, d)); stops after an end token."""
-        return self.generate_batch([embeds], max_new_tokens)[0]
+    def generate(self, prompt: torch.Tensor | StaticPrompt, max_new_tokens: int) -> list[int]:
+        """Greedy token ids after one prompt (embeddings (L, d) or (1, L, d), or a :class:`StaticPrompt`); stops
+        after an end token."""
+        return self.generate_batch([prompt], max_new_tokens)[0]
 
-    def generate_batch(self, embeds: Sequence[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
-        """Greedy token ids after each prompt (``embeds[i]``: (L_i, d) or (1, L_i, d)), each as it gets alone.
+    def generate_batch(self, prompts: Sequence[torch.Tensor | StaticPrompt], max_new_tokens: int) -> list[list[int]]:
+        """Greedy token ids after each prompt (embeddings (L_i, d) or (1, L_i, d), or a :class:`StaticPrompt`), each
+        as it gets alone.
 
         A sample's tokens end after its first end token (its later steps run with the batch and are dropped);
         the loop stops when every sample has ended or after ``max_new_tokens``.
         """
-        prompts = [e.reshape(-1, e.shape[-1]) for e in embeds]
+        checked = [self._checked(p) for p in prompts]
         largest = BATCH_BUCKETS[-1]
-        if len(prompts) > largest:  # one chunk after another, each padded to its own bucket
-            return [ids for at in range(0, len(prompts), largest)
-                    for ids in self.generate_batch(prompts[at : at + largest], max_new_tokens)]  # fmt: skip
-        if not prompts or max_new_tokens < 1:
-            return [[] for _ in prompts]
-        lengths = [int(p.shape[0]) for p in prompts]
+        if len(checked) > largest:  # one chunk after another, each padded to its own bucket
+            return [ids for at in range(0, len(checked), largest)
+                    for ids in self.generate_batch(checked[at : at + largest], max_new_tokens)]  # fmt: skip
+        if not checked or max_new_tokens < 1:
+            return [[] for _ in checked]
+        lengths = [int(p.embeds.shape[0]) for p in checked]
         rows = BUCKET * math.ceil(max(lengths) / BUCKET)
         needed = max(rows, max(lengths) + max_new_tokens - 1)
-        batch = batch_bucket(len(prompts))
-        self._ensure_capacity(batch, needed)  # a growth drops every graph: then none is reused
-        if self.graphs:
-            batch, rows = reused_shape(batch, rows, [key for key, e in self.prefills.items() if e.graph is not None])
+        self._ensure_capacity(batch_bucket(len(checked)), needed)  # a growth drops every graph: then none is reused
+        batch, rows = self._shape(batch_bucket(len(checked)), rows)
         # decode steps attend over the positions this call can reach, not the whole cache (a long prompt's earlier
         # call may have grown it tenfold): one decode graph per (batch bucket, span)
         span = CAPACITY_STEP * math.ceil(needed / CAPACITY_STEP)
         entry = self._bucket(batch, rows)
-        entry.embeds.zero_()  # padding rows and dummy samples: zeros (no NaN can reach a real row anyway)
+        self._fill(entry, checked, lengths)
+        entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
+        return self._decode_loop(batch, span, len(checked), max_new_tokens)
+
+    def _checked(self, prompt: torch.Tensor | StaticPrompt) -> StaticPrompt:
+        """``prompt`` as a :class:`StaticPrompt` with (L, d) embeddings, after checking its extras fit this decoder."""
+        if not isinstance(prompt, StaticPrompt):
+            prompt = StaticPrompt(prompt)
+        embeds = prompt.embeds.reshape(-1, prompt.embeds.shape[-1])
+        length = int(embeds.shape[0])
+        if prompt.positions is not None and (not self.mrope or tuple(prompt.positions.shape) != (3, length)):
+            want = "(3, L) for a multimodal-rope decoder" if self.mrope else "none: the decoder's rope is 1-D"
+            raise ValueError(f"prompt positions {tuple(prompt.positions.shape)} for {length} rows; expected {want}")
+        if prompt.deepstack is not None:
+            want_shape = (self.deepstack_levels, length, self.hidden_size)
+            if not self.deepstack_levels or tuple(prompt.deepstack.shape) != want_shape:
+                raise ValueError(f"prompt deepstack rows {tuple(prompt.deepstack.shape)}; the decoder takes "
+                                 f"{want_shape if self.deepstack_levels else 'none'}")  # fmt: skip
+        return StaticPrompt(embeds, prompt.positions, prompt.deepstack)
+
+    def _fill(self, entry: _Prefill, prompts: Sequence[StaticPrompt], lengths: Sequence[int]) -> None:
+        """Write the prompts into the prefill's static inputs (and their rope offsets for decoding); padding rows
+        and dummy samples get zeros (no NaN can reach a real row anyway) and positions 0..rows-1."""
+        batch, rows = int(entry.embeds.shape[0]), int(entry.embeds.shape[1])
+        entry.embeds.zero_()
         for i, prompt in enumerate(prompts):
-            entry.embeds[i, : lengths[i]].copy_(prompt)
+            entry.embeds[i, : lengths[i]].copy_(prompt.embeds)
         last = [length - 1 for length in lengths] + [0] * (batch - len(prompts))
         entry.last.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)  # no wait for queued work
-        entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
-        return self._decode_loop(batch, span, len(prompts), max_new_tokens)
+        if entry.positions is not None:
+            entry.positions.copy_(self.positions[None, None, :rows].expand(3, batch, rows))
+            self.rope_delta.zero_()
+            for i, prompt in enumerate(prompts):
+                if prompt.positions is not None:  # device tensors stay on the device: no host sync
+                    entry.positions[:, i, : lengths[i]].copy_(prompt.positions, non_blocking=True)
+                    self.rope_delta[:, i].copy_(prompt.positions[:, -1] + (1 - lengths[i]), non_blocking=True)
+        if entry.deepstack is not None:
+            entry.deepstack.zero_()
+            for i, prompt in enumerate(prompts):
+                if prompt.deepstack is not None:
+                    entry.deepstack[:, i, : lengths[i]].copy_(prompt.deepstack)
 
     def _decode_loop(self, batch: int, span: int, samples: int, max_new_tokens: int) -> list[list[int]]:
         """Collect each sample's tokens step by step; decode until all ended or ``max_new_tokens`` are out."""

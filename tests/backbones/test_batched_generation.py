@@ -59,7 +59,7 @@ def test_each_sample_gets_its_own_answer(demos: dict[str, Any], samples: dict[st
     batch = adapter.generate_batch(*batch_samples, max_new_tokens=NEW_TOKENS)
     assert [list(g.token_ids) for g in batch] == [reference_ids(adapter, x, NEW_TOKENS) for x in prompts]
     assert batch == _alone(adapter, batch_samples)  # text, ids, decoding and reason as generate gives alone
-    assert all(g.decoding == "eager" and g.eager_reason for g in batch)  # CPU, or a prompt graphs do not take
+    assert all(g.decoding == "eager" and g.eager_reason for g in batch)  # CPU: no graphs
     reversed_samples = tuple(column[::-1] for column in batch_samples)
     assert adapter.generate_batch(*reversed_samples, max_new_tokens=NEW_TOKENS)[::-1] == batch
 
@@ -172,7 +172,9 @@ def test_out_of_memory_in_the_static_decoder_reaches_the_caller_and_keeps_graphs
 
 # ---------------------------------------------------------------------------------------------- CUDA
 @cuda_only
-@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-internvl3"])
+@pytest.mark.parametrize(
+    "name", ["tiny-llava", "tiny-llava-next", "tiny-internvl3", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+)
 def test_cuda_graph_batches_give_each_sample_its_eager_answer(demo_home: Path, images: list[Any], name: str) -> None:
     adapter = load_backbone(name, home=demo_home, device="cuda", dtype="float32")
     batch_samples = _samples(adapter, images)
@@ -190,29 +192,41 @@ def test_cuda_graph_batches_give_each_sample_its_eager_answer(demo_home: Path, i
 
 
 @cuda_only
-def test_a_short_batch_replays_the_larger_bucket_captured_at_its_length(demo_home: Path, images: list[Any]) -> None:
+def test_a_short_batch_captures_its_own_bucket(demo_home: Path, images: list[Any]) -> None:
     adapter = load_backbone("tiny-llava", home=demo_home, device="cuda", dtype="float32")
     three = _samples(adapter, images)
     eight: Samples = tuple([*part, *part, *part[:2]] for part in three)  # type: ignore[assignment]
     adapter.generate_batch(*eight, max_new_tokens=NEW_TOKENS)  # bucket 8, captured at the longest prompt's rows
     greedy = adapter._static_greedy()
     captured = greedy.captures
-    short = adapter.generate_batch(*three, max_new_tokens=NEW_TOKENS)  # bucket 4: replays bucket 8's graphs
-    assert greedy.captures == captured and {b for b, _ in greedy.prefills} == {8}
+    short = adapter.generate_batch(*three, max_new_tokens=NEW_TOKENS)  # bucket 4: bucket 8 is twice its rows
+    assert greedy.captures > captured and greedy.last_shape is not None and greedy.last_shape[0] == 4
+    assert {b for b, _ in greedy.prefills} == {4, 8}
     assert [g.token_ids for g in short] == [g.token_ids for g in _alone(adapter, three, cuda_graph=False)]
 
 
 @cuda_only
-def test_a_short_batch_of_shorter_prompts_replays_a_longer_captured_shape(demo_home: Path, images: list[Any]) -> None:
+def test_shorter_prompts_replay_a_captured_shape_within_a_quarter_more_rows(demo_home: Path, images: list[Any]) -> None:
     adapter = load_backbone("tiny-llava", home=demo_home, device="cuda", dtype="float32")
-    three = _samples(adapter, images)
-    eight: Samples = tuple([*part, *part, *part[:2]] for part in three)  # type: ignore[assignment]
-    adapter.generate_batch(*eight, max_new_tokens=NEW_TOKENS)  # bucket 8 at the all-rows prompt's padded length
+    tokens = adapter.encode_image(images[0])
+
+    def samples(ks: tuple[int, ...]) -> Samples:
+        with torch.no_grad():
+            rows = [adapter.projector(tokens.features[:k]) for k in ks]
+        return [QUESTIONS[0]] * len(ks), [tokens] * len(ks), rows, [torch.arange(k) for k in ks]
+
+    def padded(k: int) -> int:
+        width = adapter.model.config.text_config.hidden_size
+        inputs = adapter._lm_inputs(QUESTIONS[0], tokens, torch.zeros(k, width), None)
+        return static_generation.BUCKET * -(-int(inputs["input_ids"].shape[1]) // static_generation.BUCKET)
+
+    longest = padded(400)
+    near = next(k for k in range(400, 0, -1) if padded(k) < longest)  # one bucket shorter: within 1.25x
+    adapter.generate_batch(*samples((400, 300)), max_new_tokens=NEW_TOKENS)  # bucket 2 at the longest padding
     greedy = adapter._static_greedy()
     captured, shapes = greedy.captures, set(greedy.prefills)
-    short: Samples = tuple([part[0], part[2]] for part in three)  # type: ignore[assignment]  # 7 and 12 kept rows
-    answers = adapter.generate_batch(*short, max_new_tokens=NEW_TOKENS)  # their own rows: far fewer than bucket 8's
-    assert set(greedy.prefills) == shapes  # the prefill replayed bucket 8's graph at its longer padding
-    assert greedy.captures == captured + 1  # one decode graph: at the positions these prompts reach (a shorter span)
-    assert {batch for batch, _ in greedy.decodes} == {8} and len(greedy.decodes) == 2
+    short = samples((near, 300))
+    answers = adapter.generate_batch(*short, max_new_tokens=NEW_TOKENS)
+    assert greedy.last_shape == (2, longest) and set(greedy.prefills) == shapes  # the prefill replayed
+    assert greedy.captures == captured  # and so did the decode (the same span)
     assert [g.token_ids for g in answers] == [g.token_ids for g in _alone(adapter, short, cuda_graph=False)]

@@ -4,13 +4,14 @@ positions of kept tokens, mm_token_type_ids, the torchvision-free processor and 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from care_core import CaReConfig, care_reduce
-from care_core.backbones import ImageTokens, Qwen2_5_VLAdapter, QwenMergerProjector
+from care_core.backbones import ImageTokens, Qwen2_5_VLAdapter, QwenMergerProjector, load_backbone
 from care_core.backbones.probes import VISION_PROBES, LanguageModelRun
 from care_core.errors import MethodError
 from care_core.methods.base import PROBES
@@ -130,6 +131,59 @@ def test_full_k_logits_equal_standard_path(qwen_demo: Qwen2_5_VLAdapter, tokens:
     full = qwen_demo.full_positions(QUESTION, tokens)
     assert torch.equal(full["input_ids"], standard["inputs"]["input_ids"])
     assert torch.equal(full["mm_token_type_ids"], standard["inputs"]["mm_token_type_ids"].long())
+
+
+@pytest.mark.parametrize("name", ["qwen_demo", "qwen3_demo"])
+def test_full_prompt_positions_are_the_models_rope_index_kept_per_question_and_grid(
+    request: pytest.FixtureRequest, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = request.getfixturevalue(name)
+    images = [noise_image(300, 400, seed=1), noise_image(500, 260, seed=2)]
+    tokens = [adapter.encode_image(image) for image in images]
+    assert tokens[0].grid != tokens[1].grid
+    want = {}
+    for question in (QUESTION, "Describe the colours."):
+        for image, t in zip(images, tokens, strict=True):
+            inputs = adapter.processor(text=adapter.prompt(question), images=image, return_tensors="pt")
+            positions, _ = adapter.model.model.get_rope_index(
+                inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
+            )  # the model's own, on the processor's prompt
+            got, start = adapter.rope_positions(question, t)
+            assert torch.equal(got, positions[:, 0]) and got.device.type == "cpu"
+            assert int(inputs["input_ids"][0, start - 1]) != adapter.image_token_id
+            assert bool((inputs["input_ids"][0, start : start + t.num_tokens] == adapter.image_token_id).all())
+            want[question, t.grid] = got
+
+    def walked(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("get_rope_index ran again for a prompt it has seen")
+
+    monkeypatch.setattr(adapter.model.model, "get_rope_index", walked)
+    for (question, grid), positions in want.items():
+        t = tokens[0] if tokens[0].grid == grid else tokens[1]
+        assert adapter.rope_positions(question, t)[0] is positions  # kept, not worked out again
+        with torch.no_grad():
+            inputs = adapter._lm_inputs(question, t, adapter.projector(t.features[:5]), torch.arange(5))
+        assert int(inputs["position_ids"].shape[-1]) == positions.shape[1] - t.num_tokens + 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device syncs need a CUDA device")
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_prompt_assembly_never_waits_for_the_device(demo_home: Path, name: str) -> None:
+    adapter = load_backbone(name, home=demo_home, device="cuda", dtype="float32")
+    tokens = adapter.encode_image(noise_image(300, 400, seed=1))
+    with torch.no_grad():
+        rows = adapter.projector(tokens.features[:3])
+    kept = torch.tensor([3, 0, -1])
+    adapter._lm_inputs(QUESTION, tokens, rows, kept)  # the first call works the positions out (on the host)
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises
+    try:
+        inputs = adapter._lm_inputs(QUESTION, tokens, rows, kept)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (
+        inputs["position_ids"].device.type == "cuda"
+        and inputs["position_ids"].shape[-1] == inputs["input_ids"].shape[1]
+    )
 
 
 def test_mm_token_type_ids_matter(qwen_demo: Qwen2_5_VLAdapter, tokens: ImageTokens, standard: Any) -> None:

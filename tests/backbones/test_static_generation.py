@@ -1,9 +1,12 @@
 """Greedy decoding over a static KV cache (the CUDA-graph path of ``generate``): same tokens as
-``model.generate``, run eagerly here on CPU and captured/replayed on CUDA where one is present."""
+``model.generate`` (1-D rope, and Qwen's multimodal rope and DeepStack rows), run eagerly here on CPU and
+captured/replayed on CUDA where one is present; the shape a call runs in (its own, or a captured one at most
+``REUSE_ROWS_RATIO`` times its rows)."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,14 @@ import torch
 
 from care_core.backbones import load_backbone
 from care_core.backbones.probes import attention_implementation
-from care_core.backbones.static_generation import BUCKET, StaticGreedy, eos_ids, reused_shape, unsupported_reason
+from care_core.backbones.static_generation import (
+    BUCKET,
+    StaticGreedy,
+    StaticPrompt,
+    eos_ids,
+    reused_shape,
+    unsupported_reason,
+)
 from care_core.errors import GenerationError
 
 from ._helpers import noise_image, reference_ids
@@ -55,6 +65,78 @@ def test_static_loop_gives_model_generate_tokens(request: pytest.FixtureRequest,
     assert greedy.captures == 0  # CPU: nothing captured
 
 
+def _qwen_feeds(adapter: Any, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """All tokens, a kept subset in raster order, a shuffled one, and one with a row tied to no token (-1)."""
+    n = tokens.num_tokens
+    g = torch.Generator().manual_seed(1)
+    subset = torch.randperm(n, generator=g)[:30]
+    kepts = [subset.sort().values, subset, torch.tensor([*subset[:11].tolist(), -1])]
+    with torch.no_grad():
+        rows = [adapter.projector(tokens.features[kept.clamp(min=0).to(tokens.features.device)]) for kept in kepts]
+        return [(adapter.projector(tokens.features), None), *zip(rows, kepts, strict=True)]
+
+
+@pytest.mark.parametrize("name", ["qwen_demo", "qwen3_demo"])
+def test_static_loop_gives_model_generate_tokens_with_multimodal_rope(
+    request: pytest.FixtureRequest, image: Any, name: str
+) -> None:
+    adapter = request.getfixturevalue(name)
+    tokens = adapter.encode_image(image)
+    greedy = StaticGreedy(adapter.model, graphs=False)
+    with torch.no_grad():
+        inputs = [adapter._lm_inputs(QUESTION, tokens, p, k) for p, k in _qwen_feeds(adapter, tokens)]
+        assert all(adapter._graph_reason(x, 12) == adapter.graph_generation_reason() for x in inputs)  # no extras
+        prompts = [adapter._static_prompt(x) for x in inputs]
+        references = [reference_ids(adapter, x, 12) for x in inputs]
+        assert [greedy.generate(p, 12) for p in prompts] == references
+        # a batch of prompts of different lengths: per sample what batch 1 gives
+        assert len({int(p.embeds.shape[0]) for p in prompts}) == 3  # the raster and shuffled subsets: one length
+        assert greedy.generate_batch(prompts[::-1], 12)[::-1] == references
+        # the comparison sees the positions (and Qwen3-VL's DeepStack rows): without them the answer changes
+        assert greedy.generate(StaticPrompt(prompts[0].embeds, None, prompts[0].deepstack), 12) != references[0]
+        if prompts[0].deepstack is not None:
+            assert greedy.generate(StaticPrompt(prompts[0].embeds, prompts[0].positions), 12) != references[0]
+    assert greedy.captures == 0
+
+
+def test_qwen3_prompts_carry_positions_and_deepstack_rows_into_the_loop(qwen3_demo: Any, image: Any) -> None:
+    tokens = qwen3_demo.encode_image(image)
+    kept = torch.tensor([5, 0, -1])
+    with torch.no_grad():
+        inputs = qwen3_demo._lm_inputs(QUESTION, tokens, qwen3_demo.projector(tokens.features[[5, 0, 0]]), kept)
+    prompt = qwen3_demo._static_prompt(inputs)
+    ids = inputs["input_ids"][0]
+    visual = ids == qwen3_demo.image_token_id
+    assert int(visual.sum()) == 3
+    assert prompt.positions is not None and torch.equal(prompt.positions, inputs["position_ids"][1:, 0])  # t, h, w
+    assert torch.equal(inputs["position_ids"][0, 0], torch.arange(ids.numel()))  # the text row: the cache index
+    levels = inputs["mm_encoder_outputs"]["image"].deepstack_features
+    assert prompt.deepstack is not None and prompt.deepstack.shape == (2, ids.numel(), prompt.embeds.shape[1])
+    for level, rows in enumerate(levels):
+        assert torch.equal(prompt.deepstack[level, visual], rows[0])  # the K rows at the placeholders, in order
+        assert not prompt.deepstack[level, visual.nonzero()[-1]].any()  # the -1 row: nothing added
+        assert not prompt.deepstack[level, ~visual].any()  # text rows: nothing added
+    assert "carries pixel_values" in (qwen3_demo._graph_reason({**inputs, "pixel_values": None}, 8) or "")
+
+
+def test_the_loop_refuses_extras_its_decoder_does_not_take(demo: Any, qwen_demo: Any, image: Any) -> None:
+    tokens = qwen_demo.encode_image(image)
+    with torch.no_grad():
+        inputs = qwen_demo._lm_inputs(QUESTION, tokens, qwen_demo.projector(tokens.features[:4]), None)
+    prompt = qwen_demo._static_prompt(inputs)
+    assert prompt.positions is not None and prompt.deepstack is None  # Qwen2.5-VL has no DeepStack
+    length, width = prompt.embeds.shape
+    qwen = StaticGreedy(qwen_demo.model, graphs=False)
+    with pytest.raises(ValueError, match="deepstack"):
+        qwen.generate(replace(prompt, deepstack=torch.zeros(2, length, width)), 2)
+    with pytest.raises(ValueError, match=r"positions \(3, 7\) for 8 rows"):
+        qwen.generate(replace(prompt, embeds=prompt.embeds[:8], positions=prompt.positions[:, :7]), 2)
+    llama = StaticGreedy(demo.model, graphs=False)
+    embeds = torch.zeros(8, demo.model.config.text_config.hidden_size)
+    with pytest.raises(ValueError, match="1-D"):
+        llama.generate(StaticPrompt(embeds, torch.zeros(3, 8, dtype=torch.long)), 2)
+
+
 def test_stops_at_the_end_token_as_generate_does(demo: Any, image: Any) -> None:
     tokens = demo.encode_image(image)
     inputs = demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:20]), torch.arange(20))
@@ -90,27 +172,72 @@ def test_one_cache_serves_growing_prompts(demo: Any, image: Any) -> None:
     assert min(spans) < greedy.kv.capacity
 
 
-def test_a_short_batch_reuses_a_captured_shape_where_its_extra_rows_are_few() -> None:
+def test_a_call_replays_a_captured_shape_only_within_a_quarter_more_rows() -> None:
     captured = [(16, 96), (8, 112), (64, 96), (64, 624), (64, 176), (16, 272)]  # (batch bucket, rows) with a graph
-    assert reused_shape(4, 112, captured) == (8, 112)  # 4 dummy samples of 112 rows: the fewest rows that hold it
-    assert reused_shape(4, 96, captured) == (8, 112)  # 8 x 112 = 896 rows < 16 x 96 = 1,536
-    assert reused_shape(1, 80, captured) == (8, 112)  # longer padding: 896 - 80 = 816 extra rows
     assert reused_shape(16, 96, captured) == (16, 96)  # its own shape, captured, is never traded for a larger one
-    assert reused_shape(16, 112, captured) == (16, 272)  # 16 x (272 - 112) = 2,560 extra rows, fewer than 64 x 176
-    assert reused_shape(4, 624, captured) == (4, 624)  # 60 x 624 = 37,440 dummy rows: its own
-    assert reused_shape(32, 176, captured) == (64, 176)  # 32 x 176 = 5,632 dummy rows
-    assert reused_shape(32, 272, captured) == (32, 272)  # no captured shape holds 32 samples of 272 rows
-    assert reused_shape(4, 256, [(64, 272)]) == (4, 256)  # 64 x 272 - 4 x 256 = 16,384 > 12,288: its own
+    assert reused_shape(4, 112, captured) == (4, 112)  # (8, 112): 896 rows > 1.25 x 448: a bucket of its own
+    assert reused_shape(1, 80, captured) == (1, 80)  # 896 rows for 80
+    assert reused_shape(16, 240, captured) == (16, 272)  # 4,352 rows <= 1.25 x 3,840 = 4,800
+    assert reused_shape(16, 208, captured) == (16, 208)  # 4,352 > 1.25 x 3,328 = 4,160
+    assert reused_shape(64, 144, captured) == (64, 176)  # 11,264 <= 1.25 x 9,216 = 11,520
+    assert reused_shape(64, 128, captured) == (64, 128)  # 11,264 > 1.25 x 8,192 = 10,240
+    assert reused_shape(32, 176, captured) == (32, 176)  # (64, 176) is twice its rows
+    assert reused_shape(1, 64, [(1, 80)]) == (1, 80)  # exactly 1.25 x its rows: replayed
+    assert reused_shape(8, 160, [(8, 192), (8, 176)]) == (8, 176)  # both within 1,600 rows: the fewer
+    assert reused_shape(1, 208, [(1, 2912)]) == (1, 208)  # issue #47: a reduced prompt after the all-token one
 
 
-def test_llava_15s_last_batch_replays_the_graphs_of_its_full_batches() -> None:
+def test_a_data_sets_last_short_batch_captures_its_own_bucket() -> None:
     # care eval on LLaVA-1.5 at K = 64, batch 64 (H100, 2026-11-27): the warm-up's prompts pad to 112 rows, the
-    # task's to 176 (162-166 rows: 64 kept tokens and the byte tokenizer's question); the last 4 captured their
-    # own graphs under the earlier rule, which looked only at the same padded length and 8,192 dummy rows
+    # task's to 176 (162-166 rows: 64 kept tokens and the byte tokenizer's question), the last batch holds 4
     captured = [(64, 112), (64, 176)]
-    assert reused_shape(4, 176, captured) == (64, 176)  # 60 x 176 = 10,560 dummy rows
-    assert reused_shape(4, 160, captured) == (64, 176)  # 64 x 176 - 4 x 160 = 10,624 extra rows
+    assert reused_shape(4, 176, captured) == (4, 176)  # 64 x 176 = 16 x its 4 x 176 rows: captures its own
+    assert reused_shape(4, 160, captured) == (4, 160)
+    assert reused_shape(64, 160, captured) == (64, 176)  # a full batch of shorter prompts: 1.1 x its rows
     assert reused_shape(64, 192, captured) == (64, 192)  # longer prompts than any captured: a graph of their own
+
+
+def test_a_reduced_prompt_after_a_longer_one_runs_in_its_own_shape(demo: Any, image: Any) -> None:
+    tokens = demo.encode_image(image)
+    n = tokens.num_tokens
+
+    def inputs(k: int) -> dict[str, Any]:
+        return demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:k]), torch.arange(k))
+
+    def padded(k: int) -> int:
+        return BUCKET * -(-int(inputs(k)["input_ids"].shape[1]) // BUCKET)
+
+    greedy = StaticGreedy(demo.model, graphs=False)  # the eager loop picks shapes as the graph loop does
+    longest = padded(n)
+    near = next(k for k in range(n, 0, -1) if padded(k) < longest)  # one bucket shorter: within 1.25x
+    far = next(k for k in range(near, 0, -1) if 1.25 * padded(k) < longest)
+    with torch.no_grad():
+        assert greedy.generate(demo._prompt_embeddings(inputs(n)), 6) == reference_ids(demo, inputs(n), 6)
+        assert greedy.last_shape == (1, longest)
+        for k, shape in ((20, (1, padded(20))), (far, (1, padded(far))), (near, (1, longest))):
+            assert greedy.generate(demo._prompt_embeddings(inputs(k)), 6) == reference_ids(demo, inputs(k), 6)
+            assert greedy.last_shape == shape, k
+
+
+def test_a_short_batch_runs_in_its_own_bucket(demo: Any, image: Any) -> None:
+    tokens = demo.encode_image(image)
+    with torch.no_grad():
+        prompts = [demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:k]), torch.arange(k))
+                   for k in (9, 10, 11, 12, 13, 14, 15, 30)]  # fmt: skip
+        embeds = [demo._prompt_embeddings(x) for x in prompts]
+    lengths = [int(x["input_ids"].shape[1]) for x in prompts]
+    assert lengths[-1] - lengths[0] == 21 and lengths[-1] % BUCKET > 5  # the last pads one bucket further
+    eight = BUCKET * -(-lengths[-1] // BUCKET)
+    own = BUCKET * -(-lengths[4] // BUCKET)  # the first 3 and the first 5 pad to this
+    assert own == eight - BUCKET and eight <= 1.25 * own
+    greedy = StaticGreedy(demo.model, graphs=False)
+    with torch.no_grad():
+        greedy.generate_batch(embeds, 4)
+        assert greedy.last_shape == (8, eight)
+        assert greedy.generate_batch(embeds[:3], 4) == [reference_ids(demo, x, 4) for x in prompts[:3]]
+        assert greedy.last_shape == (4, own)  # not bucket 8: twice its rows
+        assert greedy.generate_batch(embeds[:5], 4) == [reference_ids(demo, x, 4) for x in prompts[:5]]
+        assert greedy.last_shape == (8, eight)  # its own bucket, padded one bucket further: 1.25x its rows
 
 
 def test_replaced_weights_make_the_loop_stale(demo: Any) -> None:
@@ -127,9 +254,16 @@ def test_replaced_weights_make_the_loop_stale(demo: Any) -> None:
 
 
 def test_where_the_loop_would_not_be_the_models_computation(
-    demo: Any, qwen_demo: Any, monkeypatch: pytest.MonkeyPatch
+    demo: Any, qwen_demo: Any, qwen3_demo: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert "qwen2_5_vl_text" in (unsupported_reason(qwen_demo.model) or "")
+    assert unsupported_reason(qwen_demo.model) is None and unsupported_reason(qwen3_demo.model) is None
+    monkeypatch.setattr(qwen3_demo.model.config.text_config, "model_type", "qwen3_vl_moe_text")
+    assert "qwen3_vl_moe_text" in (unsupported_reason(qwen3_demo.model) or "")
+    monkeypatch.setattr(
+        qwen3_demo.model.config.vision_config, "deepstack_visual_indexes", list(range(9)), raising=False
+    )
+    monkeypatch.setattr(qwen3_demo.model.config.text_config, "model_type", "qwen3_vl_text")
+    assert "9 DeepStack levels for 4 decoder layers" in (unsupported_reason(qwen3_demo.model) or "")
     assert "CUDA" in (demo.graph_generation_reason() or "")  # the demo runs on CPU here
     generation = demo.model.generation_config
     monkeypatch.setattr(generation, "repetition_penalty", 1.3)
@@ -163,20 +297,23 @@ def test_generate_options_on_cpu(demo: Any, image: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
+CUDA_DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl")
+
+
 @pytest.fixture(scope="module")
 def cuda_demos(demo_home: Path) -> dict[str, Any]:
-    return {name: load_backbone(name, home=demo_home, device="cuda", dtype="float32")
-            for name in ("tiny-llava", "tiny-llava-next")}  # fmt: skip
+    return {name: load_backbone(name, home=demo_home, device="cuda", dtype="float32") for name in CUDA_DEMOS}
 
 
 @cuda_only
-@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next"])
+@pytest.mark.parametrize("name", CUDA_DEMOS)
 def test_cuda_graphs_give_model_generate_answers(cuda_demos: dict[str, Any], image: Any, name: str) -> None:
     adapter = cuda_demos[name]
     assert adapter.graph_generation_reason() is None
     tokens = adapter.encode_image(image)
+    feeds = _qwen_feeds(adapter, tokens) if name.startswith("tiny-qwen") else _feeds(adapter, tokens)
     with torch.no_grad():
-        for projected, kept in _feeds(adapter, tokens):
+        for projected, kept in feeds:
             eager = adapter.generate(QUESTION, tokens, projected, max_new_tokens=10, kept=kept, cuda_graph=False)
             assert eager.decoding == "eager"
             for _ in range(2):  # the first call captures, the second replays
@@ -184,33 +321,35 @@ def test_cuda_graphs_give_model_generate_answers(cuda_demos: dict[str, Any], ima
                 assert graph.decoding == "cuda-graph" and graph.eager_reason is None
                 assert (graph.text, graph.token_ids) == (eager.text, eager.token_ids)
             inputs = adapter._lm_inputs(QUESTION, tokens, projected, kept)
-            ids = adapter._static_greedy().generate(adapter._prompt_embeddings(inputs), 10)
+            ids = adapter._static_greedy().generate(adapter._static_prompt(inputs), 10)
             assert ids == reference_ids(adapter, inputs, 10)
 
 
 @cuda_only
-def test_cuda_graphs_are_captured_once_per_padded_length(cuda_demos: dict[str, Any], image: Any) -> None:
-    adapter = cuda_demos["tiny-llava"]
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_cuda_graphs_are_captured_once_per_padded_length(cuda_demos: dict[str, Any], image: Any, name: str) -> None:
+    adapter = cuda_demos[name]
     tokens = adapter.encode_image(image)
     greedy = StaticGreedy(adapter.model, graphs=True)
     with torch.no_grad():
 
+        def inputs(k: int) -> dict[str, Any]:
+            return adapter._lm_inputs(QUESTION, tokens, adapter.projector(tokens.features[:k]), torch.arange(k))
+
         def ids(k: int) -> list[int]:
-            inputs = adapter._lm_inputs(QUESTION, tokens, adapter.projector(tokens.features[:k]), torch.arange(k))
-            return greedy.generate(adapter._prompt_embeddings(inputs), 8)
+            return greedy.generate(adapter._static_prompt(inputs(k)), 8)
 
         first = ids(32)
         captured = greedy.captures
-        assert captured >= 1
+        assert captured >= 1 and first == reference_ids(adapter, inputs(32), 8)
         assert ids(32) == first and greedy.captures == captured  # replayed
 
         def padded(k: int) -> int:
-            inputs = adapter._lm_inputs(QUESTION, tokens, adapter.projector(tokens.features[:k]), torch.arange(k))
-            return -(-int(inputs["input_ids"].shape[1]) // BUCKET)
+            return -(-int(inputs(k)["input_ids"].shape[1]) // BUCKET)
 
         same_bucket = [k for k in range(20, 60) if k != 32 and padded(k) == padded(32)]
         assert same_bucket
-        ids(same_bucket[0])
+        assert ids(same_bucket[0]) == reference_ids(adapter, inputs(same_bucket[0]), 8)
         assert greedy.captures == captured  # a prompt in the same padded length reuses the graph
 
 
