@@ -21,6 +21,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "check_distinct_outputs",
+    "check_output_folder",
     "check_output_path",
     "load_image",
     "save_safetensors_atomic",
@@ -51,7 +52,7 @@ def check_output_path(
     if not parent.is_dir():
         raise UserError(f"{option} {name}: {one_line(parent)} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{option} {name}: folder {one_line(parent)} is not writable")
+        raise UserError(f"{option} {name}: folder {one_line(parent)} {_unwritable(parent)}")
     for given in inputs:
         source = Path(given).expanduser().resolve()
         same = source == target
@@ -76,6 +77,48 @@ def check_output_path(
     if not force:
         raise UserError(f"{option} {name}: exists; pass --force to replace it")
     return target
+
+
+def check_output_folder(
+    folder: Path, *, option: str = "--output-dir", folders: Sequence[str] = (), files: Sequence[str] = ()
+) -> Path:
+    """Validate a folder a run writes into (created later with its missing parents, as ``mkdir -p``) and return it
+    resolved.
+
+    The folder, or else the nearest part of its path that exists, must be a folder this process may write in: a
+    path below a regular file, or on a read-only file system, is refused (``os.access`` reports a read-only mount
+    for root too). ``folders`` and ``files``: names inside it that the run writes; one that exists must be of that
+    kind and writable.
+    """
+    name = one_line(folder)
+    target = Path(folder).expanduser().resolve()
+    existing = next(p for p in (target, *target.parents) if os.path.lexists(p))
+    if existing == target and not target.is_dir():
+        raise UserError(f"{option} {name}: is a file, expected a folder")
+    if not existing.is_dir():
+        raise UserError(f"{option} {name}: cannot be created, {one_line(existing)} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == target else "cannot be created, "
+        raise UserError(f"{option} {name}: {where}folder {one_line(existing)} {_unwritable(existing)}")
+    for entry, want_folder in [*((f, True) for f in folders), *((f, False) for f in files)]:
+        path = target / entry
+        if not os.path.lexists(path):
+            continue
+        if path.is_dir() != want_folder:
+            kind = "a folder" if want_folder else "a file"
+            raise UserError(f"{option} {name}: {one_line(path)} is in the way (the run writes {kind} there)")
+        if not os.access(path, os.W_OK | (os.X_OK if want_folder else 0)):
+            raise UserError(f"{option} {name}: {one_line(path)} {_unwritable(path)}")
+    return target
+
+
+def _unwritable(path: Path) -> str:
+    """How to say that ``os.access`` refused writing at ``path``: naming a read-only file system where it is one."""
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        read_only = False
+    return "is not writable (read-only file system)" if read_only else "is not writable"
 
 
 def check_distinct_outputs(outputs: dict[str, Path | None]) -> None:

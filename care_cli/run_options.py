@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -50,6 +51,12 @@ def relaunch(argv: Sequence[str], num_processes: int, extra: Sequence[str] = ())
     from care_core.runs import launch
 
     return launch("care_cli", [*strip_option(argv, "--num-processes", "-n"), *extra], num_processes)
+
+
+def interrupted_before_start(argv: Sequence[str], output_dir: Path) -> str:
+    """The line a run interrupted before it set up its folder prints (nothing is there to resume)."""
+    again = rerun_line(argv)
+    return f"interrupted before the run started: nothing was saved in {output_dir}; start it again with: {again}"
 
 
 def rerun_line(argv: Sequence[str], add: str | None = None) -> str:

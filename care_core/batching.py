@@ -1,11 +1,14 @@
-"""Batch sizes for data-set runs: parsing ``batch_size``, the device's default, and out-of-memory splitting.
+"""Batch sizes for data-set runs: parsing ``batch_size``, the device's default, out-of-memory splitting and failing
+items isolated.
 
 One definition each, read by ``care eval``, ``care csr --data`` and the lmms-eval plugin:
 
 * :func:`parse_batch_size`: a whole number >= 1, ``"auto"`` or lmms-eval's ``"auto:N"``;
 * :func:`default_batch_size`: what ``auto`` resolves to on a loaded backbone (docs/design.md §Batch size);
 * :class:`Batches`: items answered in chunks; a chunk that runs out of GPU memory is split in halves and retried,
-  and the size that fits is kept for the chunks that follow.
+  and the size that fits is kept for the chunks that follow; a chunk that fails otherwise is split the same way
+  until the failing item is alone, which then gives its caller's stand-in result (:meth:`Batches.run`'s
+  ``on_failure``) while every other item keeps its own.
 
 No torch at import (``care --help`` reads the option's help from here).
 """
@@ -17,7 +20,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from care_core.errors import CareError
 
@@ -228,13 +231,19 @@ def free_memory() -> None:
 
 
 class Batches:
-    """Items run in chunks of :attr:`size`, with out-of-memory splitting; the caller owns it across calls.
+    """Items run in chunks of :attr:`size`, with out-of-memory splitting and failing items isolated; the caller owns
+    it across calls.
 
     :meth:`run` cuts the items into chunks; a chunk whose run raises a CUDA out-of-memory error is split in two
     halves, each retried (recursively, after freeing the cache), and from then on :attr:`size` is at most the half
     (the size that fits is kept for the following chunks; it never grows back, since the memory pressure of one
     model on similar inputs persists). ``on_notice`` is called once, the first time a chunk is split. A single item
     that runs out of memory raises a one-line CareError naming the batch size and the device.
+
+    A chunk that raises any other error is split in halves the same way where :meth:`run` has an ``on_failure``
+    (without changing :attr:`size`: one bad item says nothing about the memory), down to the item that fails
+    alone; ``on_failure(item, error)`` gives that item's result (or raises). Without ``on_failure`` the error is
+    raised as it is. KeyboardInterrupt is never caught.
     """
 
     def __init__(self, size: int, *, device: object = "cuda", on_notice: Callable[[str], None] | None = None) -> None:
@@ -249,47 +258,67 @@ class Batches:
         items: Sequence[T],
         work: Callable[[list[T]], list[R]],
         on_done: Callable[[list[T], list[R]], None] | None = None,
+        on_failure: Callable[[T, Exception], R] | None = None,
     ) -> list[R]:
         """``work`` on every item, in chunks; the results in input order. ``on_done(chunk, results)`` after every
-        chunk that finished whole (what a caller persists), each item exactly once."""
+        chunk that finished whole (what a caller persists), each item exactly once; an item that failed alone comes
+        to ``on_done`` as a chunk of one with ``on_failure``'s result."""
+        calls = _Calls(work, on_done, on_failure)
         out: list[R] = []
         start = 0
         while start < len(items):
             chunk = list(items[start : start + self.size])
-            out.extend(self._attempt(chunk, work, on_done))
+            out.extend(self._attempt(chunk, calls))
             start += len(chunk)
         return out
 
-    def _attempt(
-        self, chunk: list[T], work: Callable[[list[T]], list[R]], on_done: Callable[[list[T], list[R]], None] | None
-    ) -> list[R]:
+    def _attempt(self, chunk: list[T], calls: _Calls[T, R]) -> list[R]:
         results: list[R] | None = None
+        failure: Exception | None = None
+        out_of_memory = False
         try:
-            results = list(work(chunk))
+            results = list(calls.work(chunk))
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            out_of_memory = is_out_of_memory(exc)
+            if not out_of_memory and calls.on_failure is None:
                 raise
-            if len(chunk) == 1:
+            if out_of_memory and len(chunk) == 1:
                 split = f"{self.requested} split down to 1" if self.requested > 1 else "1"
                 raise CareError(f"out of memory on {self.device} even for one sample at a time ({{batch_size}} "
                                 f"{split}): {type(exc).__name__}") from exc  # fmt: skip
-        if results is None:  # outside the except block: the error's frames (and their tensors) are released
+            if len(chunk) == 1:
+                failure = exc  # handed on below, outside the except block (no traceback kept beyond on_failure)
+        if results is None and failure is None:  # outside the except block: the error's frames are released
             free_memory()
-            return self._split(chunk, work, on_done)
+            return self._split(chunk, calls, shrink=out_of_memory)
+        if results is None:
+            assert failure is not None and calls.on_failure is not None
+            results = [calls.on_failure(chunk[0], failure)]
+            del failure  # its frames (and their tensors) go with it
+            free_memory()
         if len(results) != len(chunk):
             raise RuntimeError(f"a batch of {len(chunk)} items gave {len(results)} results")
-        if on_done is not None:
-            on_done(chunk, results)
+        if calls.on_done is not None:
+            calls.on_done(chunk, results)
         return results
 
-    def _split(
-        self, chunk: list[T], work: Callable[[list[T]], list[R]], on_done: Callable[[list[T], list[R]], None] | None
-    ) -> list[R]:
-        """Both halves of ``chunk`` in order; :attr:`size` at most the first half's from now on."""
+    def _split(self, chunk: list[T], calls: _Calls[T, R], *, shrink: bool) -> list[R]:
+        """Both halves of ``chunk`` in order; with ``shrink`` (out of memory) :attr:`size` at most the first half's
+        from now on."""
         half = (len(chunk) + 1) // 2
-        self.size = min(self.size, half)
-        self.splits += 1
-        if self.splits == 1 and self.on_notice is not None:
-            self.on_notice(f"out of memory on {self.device} with a batch of {len(chunk)}: splitting batches in "
-                           f"halves, continuing with at most {half} per batch")  # fmt: skip
-        return self._attempt(chunk[:half], work, on_done) + self._attempt(chunk[half:], work, on_done)
+        if shrink:
+            self.size = min(self.size, half)
+            self.splits += 1
+            if self.splits == 1 and self.on_notice is not None:
+                self.on_notice(f"out of memory on {self.device} with a batch of {len(chunk)}: splitting batches in "
+                               f"halves, continuing with at most {half} per batch")  # fmt: skip
+        return self._attempt(chunk[:half], calls) + self._attempt(chunk[half:], calls)
+
+
+@dataclass(frozen=True)
+class _Calls(Generic[T, R]):
+    """What one :meth:`Batches.run` calls back."""
+
+    work: Callable[[list[T]], list[R]]
+    on_done: Callable[[list[T], list[R]], None] | None
+    on_failure: Callable[[T, Exception], R] | None

@@ -18,6 +18,11 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
+def failure_line(exc: BaseException) -> str:
+    """What went wrong, on one line: a CareError's own message; any other error's type and message."""
+    return one_line(exc if isinstance(exc, CareError) else f"{type(exc).__name__}: {exc}")
+
+
 class CareError(ValueError):
     """Base class: a problem with what the user asked for (not a bug).
 

@@ -5,8 +5,11 @@ work too): each reads RANK / WORLD_SIZE / LOCAL_RANK from the environment, takes
 (:meth:`DatasetRun.shard`, lmms-eval's convention) and appends each finished item's records to its own shard as
 whole, fsync'ed lines. :meth:`DatasetRun.merge` waits for every process and reads every shard on rank 0. A run
 killed at any moment loses at most the items in flight: a resumed run reads the shards (ignoring a torn last line,
-which it cuts before appending) and :meth:`DatasetRun.done_keys` says which results exist. A manifest records what
-makes results comparable; a folder written with another setup is refused.
+which it cuts before appending) and :meth:`DatasetRun.done_keys` says which results exist. An item that failed
+alone (a bad sample) can be recorded with :meth:`DatasetRun.append_failures`, so that a resumed run knows it
+(:meth:`DatasetRun.failures`) and need not compute it again. A manifest records what makes results comparable; a
+folder written with another setup is refused. The manifest and the shards are created with mode 0644 (less what
+the umask removes).
 
 This is the only module of care that touches ``torch.distributed``::
 
@@ -27,9 +30,9 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import statistics
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,11 @@ FORMAT = "care.csr-run/1"
 SHARD_GLOB = "shard-*.jsonl"
 #: the record fields that name one result of a CSR run
 CSR_KEY = ("pair_id", "method", "budget")
+#: the field of a failure record: the one-line error of an item that failed alone (a shard line with the item's
+#: first key field, the item's own fields and this one, and no result)
+FAILED = "failed"
+#: permission bits of the files a run writes (the process umask applies)
+FILE_MODE = 0o644
 
 T = TypeVar("T")
 Key = tuple[Any, ...]
@@ -167,9 +175,19 @@ def pair_id(line: int | None, image: Path | str, question: str) -> str:
 
 def read_shards(folder: Path, key: Sequence[str] = CSR_KEY) -> dict[Key, dict[str, Any]]:
     """Every complete result line of every shard (a torn last line, from a killed run, is ignored)."""
-    done: dict[Key, dict[str, Any]] = {}
+    return {tuple(record[k] for k in key): record for record in _shard_lines(folder)
+            if FAILED not in record and set(key) <= record.keys()}  # fmt: skip
+
+
+def read_failures(folder: Path, field: str = CSR_KEY[0]) -> dict[Any, dict[str, Any]]:
+    """Every failure record of every shard, by the item's ``field`` (the last one recorded for an item)."""
+    return {record[field]: record for record in _shard_lines(folder) if FAILED in record and field in record}
+
+
+def _shard_lines(folder: Path) -> Iterator[dict[str, Any]]:
+    """The complete JSON-object lines of every shard, in shard then line order."""
     if not folder.is_dir():
-        return done
+        return
     for shard in sorted(folder.glob(SHARD_GLOB)):
         for line in shard.read_bytes().split(b"\n"):
             if not line.strip():
@@ -178,9 +196,8 @@ def read_shards(folder: Path, key: Sequence[str] = CSR_KEY) -> dict[Key, dict[st
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # the line a killed process was writing
-            if isinstance(record, dict) and set(key) <= record.keys():
-                done[tuple(record[k] for k in key)] = record
-    return done
+            if isinstance(record, dict):
+                yield record
 
 
 class Shard:
@@ -189,7 +206,7 @@ class Shard:
     def __init__(self, folder: Path, rank: int) -> None:
         self.path = folder / f"shard-{rank:03d}.jsonl"
         self._repair()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
 
     def _repair(self) -> None:
         """Cut a torn last line left by a killed process, so new lines start on a line of their own."""
@@ -248,13 +265,20 @@ def _difference(key: str, old: Any, new: Any) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary sibling, fsync'ed and renamed into place."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False,
-                                     encoding="utf-8") as handle:  # fmt: skip
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
+    """Write ``text`` through a temporary sibling (created with :data:`FILE_MODE`, as the shards are: a
+    NamedTemporaryFile would be 0600), fsync'ed and renamed into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class DatasetRun:
@@ -283,6 +307,7 @@ class DatasetRun:
         self.processes = processes or Processes()
         self._shard: Shard | None = None
         self._fresh: dict[Key, dict[str, Any]] = {}
+        self._failed: dict[Any, dict[str, Any]] = {}
         if self.folder is not None:
             check_folder(self.folder, self.manifest, resume, run_format)
 
@@ -338,6 +363,22 @@ class DatasetRun:
                 raise RuntimeError("call start() before append()")
             self._shard.append(rows)
         self._fresh.update((tuple(r[k] for k in self.key), r) for r in rows)
+
+    def append_failures(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Save failure records (items that failed alone): each names its item by the first key field and says
+        what went wrong in :data:`FAILED`."""
+        rows = [dict(r) for r in records]
+        if any(FAILED not in r or self.key[0] not in r for r in rows):
+            raise ValueError(f"a failure record needs the fields {self.key[0]!r} and {FAILED!r}")
+        if self.folder is not None and rows:
+            if self._shard is None:
+                raise RuntimeError("call start() before append_failures()")
+            self._shard.append(rows)
+        self._failed.update((r[self.key[0]], r) for r in rows)
+
+    def failures(self) -> dict[Any, dict[str, Any]]:
+        """Every saved failure record, by item (the folder's shards, or this run's in memory)."""
+        return dict(self._failed) if self.folder is None else read_failures(self.folder, self.key[0])
 
     def merge(self) -> dict[Key, dict[str, Any]]:
         """Wait for every process; on rank 0 every saved result by key, elsewhere {}.

@@ -19,7 +19,8 @@ from care_cli import options as opt
 from care_cli import render, run_options
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
-from care_core.errors import ImageError, QuestionError
+from care_core.errors import CareError, failure_line, one_line
+from care_core.runs import FAILED
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -42,11 +43,23 @@ PlotOpt = Annotated[
 ]  # fmt: skip
 CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Per-pair results as a .csv file.")]
 SkipBadOpt = Annotated[
-    bool, typer.Option("--skip-bad", help="Skip bad JSONL lines and list them, instead of stopping.", metavar="")
-]
+    bool,
+    typer.Option("--skip-bad", metavar="", help="Skip bad JSONL lines and pairs that fail (an image the model "
+                                                "cannot take) and list them, instead of stopping; with --output-dir "
+                                                "the failed pairs are recorded, and --resume skips them again."),
+]  # fmt: skip
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 CSV_COLUMNS = ["line", "image", "question", "backbone", "demo", "method", "budget", "N", "K", "tokens_out", "csr",
                "uniform_weights"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BadPairs:
+    """What a run does with a pair that fails alone: stop with its error, or ``skip`` it (recorded as bad in the
+    run's folder); ``retry``: compute again the pairs an earlier run recorded as bad (else they stay skipped)."""
+
+    skip: bool = False
+    retry: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,13 @@ ResumeOpt = Annotated[
 ]  # fmt: skip
 
 
+RetryBadOpt = Annotated[
+    bool,
+    typer.Option("--retry-bad", metavar="", help="With --resume: compute again the pairs the run recorded as bad "
+                                                 "(see --skip-bad)."),
+]  # fmt: skip
+
+
 @opt.with_config
 def csr(
     ctx: typer.Context,
@@ -131,6 +151,7 @@ def csr(
     csv_path: CsvOpt = None,
     output_dir: OutputDirOpt = None,
     resume: ResumeOpt = False,
+    retry_bad: RetryBadOpt = False,
     num_processes: run_options.ProcessesOpt = 1,
     batch_size: opt.BatchSize = "auto",
     skip_bad: SkipBadOpt = False,
@@ -147,16 +168,12 @@ def csr(
     from care_core.runs import DatasetRun
 
     assert config is not None
-    _check_arguments(image, question, data, output_dir, resume, num_processes)
+    _check_arguments(image, question, data, output_dir, resume, num_processes, retry_bad)
     requested = parse_batch_size(batch_size)
     budgets = opt.budgets(opt.parse_ratio_specs(ratio), keep)
     names, every = opt.method_names(method)
-    outputs = _output_files(plot, csv_path, [p for p in (image, data) if p is not None], force)
-    if data is not None:
-        pairs, skipped = read_pairs(data, skip_bad)
-    else:
-        assert image is not None and question is not None
-        pairs, skipped = [Pair(None, image, question)], []
+    outputs = _output_files(plot, csv_path, output_dir, [p for p in (image, data) if p is not None], force)
+    pairs, skipped = _given_pairs(image, question, data, skip_bad)
     run = DatasetRun(output_dir, manifest=identity(model, dtype, config.to_dict()), resume=resume)
     argv = ctx.obj["argv"]
     if num_processes > 1 and run.world.size == 1:  # start the processes; they do the work and rank 0 reports
@@ -164,12 +181,13 @@ def csr(
     try:
         with run:
             report = run_pairs(run, pairs, names, budgets, config, model=model, device=device, dtype=dtype,
-                               skip_bad=skip_bad, every=every, quiet=json_output, batch_size=requested)  # fmt: skip
+                               bad=BadPairs(skip_bad, retry_bad), every=every, quiet=json_output,
+                               batch_size=requested)  # fmt: skip
     except KeyboardInterrupt:
         message = _interrupted(argv, output_dir, pairs) if run.world.size == 1 else None
         raise run_options.Interrupted(message) from None
     if run.world.is_main:
-        report["skipped"] = skipped + report["skipped"]
+        report["skipped"] = sorted(skipped + report["skipped"], key=lambda item: item["line"])
         _write_outputs(report, *outputs)
         if json_output:
             render.print_json(report)
@@ -177,9 +195,19 @@ def csr(
             show_report(report)
 
 
+def _given_pairs(
+    image: Path | None, question: str | None, data: Path | None, skip_bad: bool
+) -> tuple[list[Pair], list[dict[str, Any]]]:
+    """The pairs to run: the JSONL file's (bad lines skipped with ``skip_bad``, and listed), or IMAGE's one."""
+    if data is not None:
+        return read_pairs(data, skip_bad)
+    assert image is not None and question is not None
+    return [Pair(None, image, question)], []
+
+
 def _check_arguments(
     image: Path | None, question: str | None, data: Path | None, output_dir: Path | None, resume: bool,
-    num_processes: int,
+    num_processes: int, retry_bad: bool,
 ) -> None:  # fmt: skip
     if (image is None) == (data is None):
         raise UserError("give either IMAGE with --question, or --data pairs.jsonl")
@@ -191,14 +219,19 @@ def _check_arguments(
     run_options.check_processes(num_processes)
     if resume and output_dir is None:
         raise UserError("--resume needs --output-dir (the folder of the run to continue)")
+    if retry_bad and not resume:
+        raise UserError("--retry-bad goes with --resume (it retries the pairs a run in --output-dir recorded as bad)")
 
 
 def _output_files(
-    plot: Path | None, csv_path: Path | None, inputs: list[Path], force: bool
+    plot: Path | None, csv_path: Path | None, output_dir: Path | None, inputs: list[Path], force: bool
 ) -> tuple[Path | None, Path | None]:
-    """The --plot and --csv files, checked before any work (never an input, not overwritten without --force)."""
-    from care_cli.io import check_distinct_outputs, check_output_path
+    """The --plot and --csv files, checked before any work (never an input, not overwritten without --force), and
+    the --output-dir folder (one that can be created and written in)."""
+    from care_cli.io import check_distinct_outputs, check_output_folder, check_output_path
 
+    if output_dir is not None:
+        check_output_folder(output_dir)
     check_distinct_outputs({"--plot": plot, "--csv": csv_path})
     plot_path = csv_file = None
     if plot is not None:
@@ -241,11 +274,14 @@ def _launch(argv: list[str], num_processes: int, output_dir: Path | None, pairs:
 
 
 def _interrupted(argv: list[str], output_dir: Path | None, pairs: list[Pair]) -> str:
-    """The line an interrupted run prints: what is saved, and the command that resumes it."""
+    """The line an interrupted run prints: what is saved, and the command that resumes it (or starts it again, when
+    it was interrupted before its folder was set up: before the model was loaded)."""
     if output_dir is None:
         return "interrupted: nothing was saved (with --output-dir a run can be resumed)"
-    from care_core.runs import read_shards
+    from care_core.runs import MANIFEST, read_shards
 
+    if not (output_dir.expanduser() / MANIFEST).is_file():
+        return run_options.interrupted_before_start(argv, output_dir)
     ids = {_pair_id(p) for p in pairs}
     done = len({key[0] for key in read_shards(output_dir)} & ids)
     return (f"interrupted: {done} of {len(pairs)} pairs done and saved in {output_dir}; resume with: "
@@ -268,7 +304,7 @@ def run_pairs(
     model: str | None,
     device: str,
     dtype: str,
-    skip_bad: bool,
+    bad: BadPairs,
     every: bool,
     quiet: bool,
     batch_size: Any = "auto",
@@ -277,7 +313,7 @@ def run_pairs(
     of ``batch_size`` pairs (a number or "auto", resolved on the loaded backbone). ``run`` (a
     :class:`care_core.runs.DatasetRun`, entered) saves each finished batch and knows what earlier runs saved; rank 0
     merges every process's results into the report (others return {}). With 'all' (``every``), methods the
-    backbone cannot serve are left out and listed under ``methods_skipped``."""
+    backbone cannot serve are left out and listed under ``methods_skipped``; ``bad``: what a failing pair does."""
     from care_core.pipeline import ReductionPipeline
 
     main = run.world.is_main
@@ -290,15 +326,16 @@ def run_pairs(
     run.start(backbone={k: backbone.to_dict()[k] for k in ("name", "family", "demo")})
     ids = [_pair_id(p) for p in pairs]
     items = list(zip(ids, pairs, strict=True))
-    skipped, batch, cost = _timed_compute(run, pipe, items, budgets, batch_size, skip_bad=skip_bad, quiet=quiet)
+    skipped, batch, cost = _timed_compute(run, pipe, items, budgets, batch_size, bad=bad, quiet=quiet)
     done = run.merge()
     if not main:
         return {}
     labels = [b.label for b in budgets]
     results = [{k: v for k, v in done[(pid, name, label)].items() if k != "pair_id"}
                for pid in ids for name in pipe.methods for label in labels if (pid, name, label) in done]  # fmt: skip
-    if not results:
-        raise UserError("every pair was skipped; nothing to report")
+    if not results:  # the first reason says what went wrong where every pair went the same way
+        raise UserError("every pair was skipped; nothing to report" + "".join(
+            f" (line {s['line']}: {s['reason']})" for s in skipped[:1]))  # fmt: skip
     from care_core.runs import csr_summary
 
     return {
@@ -321,7 +358,7 @@ def run_pairs(
 
 def _timed_compute(
     run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], batch_size: Any, *,
-    skip_bad: bool, quiet: bool,
+    bad: BadPairs, quiet: bool,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:  # fmt: skip
     """:func:`_compute`, the skipped pairs of every process, and what the computing cost: ``compute_seconds`` (all
     processes, from after every model is loaded to the slowest one's end; resumed results cost nothing) and
@@ -331,7 +368,7 @@ def _timed_compute(
     reset_peak_gpu_memory(pipe.adapter.device)
     run.processes.barrier()  # every process has loaded its model: the clock measures the computing only
     start = time.perf_counter()
-    skipped, batch = _compute(run, pipe, items, budgets, batch_size, skip_bad=skip_bad, quiet=quiet)
+    skipped, batch = _compute(run, pipe, items, budgets, batch_size, bad=bad, quiet=quiet)
     skipped = [s for part in run.processes.gather(skipped) for s in part]  # also waits for the slowest process
     seconds = time.perf_counter() - start
     peaks = [p for p in run.processes.gather(peak_gpu_memory_gib(pipe.adapter.device)) if p is not None]
@@ -340,23 +377,19 @@ def _timed_compute(
 
 def _compute(
     run: DatasetRun, pipe: Any, items: list[tuple[str, Pair]], budgets: list[Any], batch_size: Any, *,
-    skip_bad: bool, quiet: bool,
+    bad: BadPairs, quiet: bool,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """This process's share of the pairs, each method x budget not saved yet, in batches (each finished batch saved
-    at once). Returns the pairs skipped as bad, and the batch size: used, requested, the device's default and the
-    final one (after any out-of-memory split)."""
+    at once). A pair that fails inside a batch is retried alone (care_core.batching.Batches); failing alone, it
+    stops the run, or with ``bad.skip`` it is skipped and recorded as bad in the run's folder, where a resumed run
+    skips it again unless ``bad.retry``. Returns the pairs skipped as bad, and the batch size: used, requested, the
+    device's default and the final one (after any out-of-memory split)."""
     from care_core.batching import Batches, choose_batch_size
     from care_core.prefetch import image_prefetcher
 
     choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None, attention_layers=pipe.attention_layers)
     batches = Batches(choice.size, device=pipe.adapter.device, on_notice=lambda line: render.print_notices([line]))
-    done = run.done_keys()
-    todo = []
-    for pid, pair in run.shard(items):
-        plan = {m: [b for b in budgets if (pid, m, b.label) not in done] for m in pipe.methods}
-        if any(plan.values()):
-            todo.append((pid, pair, plan))
-    skipped: list[dict[str, Any]] = []
+    todo, skipped = _todo(run, list(pipe.methods), items, budgets, bad.retry)
     label = "CSR" if run.world.size == 1 else f"CSR (rank 0 of {run.world.size})"
     with (
         render.progress(label, quiet=quiet or not run.world.is_main) as progress,
@@ -364,25 +397,62 @@ def _compute(
     ):
         task = progress.add_task("", total=len(todo))
 
+        def failing(item: tuple[str, Pair, Any], exc: Exception) -> Failed:
+            pair = item[1]
+            if not bad.skip or pair.line is None:
+                raise _pair_error(pair, exc) from exc
+            return Failed(failure_line(exc))
+
         def finished(chunk: list[Any], outputs: list[Any]) -> None:
             loader.release(chunk)
-            records: list[dict[str, Any]] = []
-            failure: UserError | None = None
-            for (_, pair, _), output in zip(chunk, outputs, strict=True):
-                if not isinstance(output, Exception):
-                    records += output
-                elif skip_bad and pair.line is not None:
-                    skipped.append({"line": pair.line, "reason": str(output)})
-                elif failure is None:
-                    where = f"{pair.image}" if pair.line is None else f"line {pair.line} ({pair.image})"
-                    failure = UserError(f"{where}: {output}")
-            run.append(records)  # every finished pair of the batch is saved, also when another one failed
-            if failure is not None:
-                raise failure
+            run.append(record for output in outputs if not isinstance(output, Failed) for record in output)
+            failed = [(pid, pair, output.reason) for (pid, pair, _), output in zip(chunk, outputs, strict=True)
+                      if isinstance(output, Failed)]  # fmt: skip
+            run.append_failures(_failure_record(pid, pair, reason) for pid, pair, reason in failed)
+            skipped.extend({"line": pair.line, "reason": reason} for _, pair, reason in failed)
             progress.update(task, advance=len(chunk), description=chunk[-1][1].image.name)
 
-        batches.run(todo, lambda chunk: _csr_batch(pipe, loader, chunk, budgets, ahead=batches.size), finished)
+        batches.run(todo, lambda chunk: _csr_batch(pipe, loader, chunk, budgets, ahead=batches.size), finished,
+                    failing)  # fmt: skip
     return skipped, choice.to_dict() | {"final": batches.size}
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What a pair that failed alone gives instead of its records: the error, on one line."""
+
+    reason: str
+
+
+def _todo(
+    run: DatasetRun, methods: list[str], items: list[tuple[str, Pair]], budgets: list[Any], retry_bad: bool
+) -> tuple[list[tuple[str, Pair, dict[str, list[Any]]]], list[dict[str, Any]]]:
+    """This process's (pair id, pair, plan: the budgets per method not saved yet) to compute, and the pairs an
+    earlier run recorded as bad, skipped (as they were then) unless ``retry_bad``."""
+    done = run.done_keys()
+    bad = {} if retry_bad else run.failures()
+    todo = []
+    skipped: list[dict[str, Any]] = []
+    for pid, pair in run.shard(items):
+        plan = {m: [b for b in budgets if (pid, m, b.label) not in done] for m in methods}
+        if not any(plan.values()):
+            continue
+        if pid in bad:
+            skipped.append({"line": pair.line, "reason": bad[pid][FAILED]})
+        else:
+            todo.append((pid, pair, plan))
+    return todo, skipped
+
+
+def _pair_error(pair: Pair, exc: Exception) -> UserError:
+    """The one-line error of a pair that failed alone (a CareError's parameters still rendered as flags)."""
+    where = f"{pair.image}" if pair.line is None else f"line {pair.line} ({pair.image})"
+    return UserError(f"{where}: {one_line(exc.template) if isinstance(exc, CareError) else failure_line(exc)}")
+
+
+def _failure_record(pid: str, pair: Pair, reason: str) -> dict[str, Any]:
+    """The shard line recording a bad pair (care_core.runs.FAILED)."""
+    return {"pair_id": pid, "line": pair.line, "image": str(pair.image), "question": pair.question, FAILED: reason}
 
 
 def _open_image(item: tuple[str, Pair, Any]) -> Image.Image:
@@ -399,23 +469,17 @@ def _item_key(item: tuple[str, Pair, Any]) -> str:
 def _csr_batch(
     pipe: Any, loader: Prefetcher[Any, Any], chunk: list[Any], budgets: list[Any], *, ahead: int
 ) -> list[Any]:
-    """The records of one batch of (pair id, pair, plan), with CSR; a pair whose image or question is bad gets its
-    error instead (the batch is then run pair by pair to find it). The images come prepared from ``loader``, which
+    """The records of one batch of (pair id, pair, plan), with CSR. The images come prepared from ``loader``, which
     then starts the ``ahead`` pairs after the batch. Records, not the pipeline's results: those hold the batch's
     tensors on the device, and a run keeps what its batches return until it ends."""
     from care_core.prefetch import encoded_inputs
 
-    try:
-        images = encoded_inputs(pipe.adapter, loader.inputs(chunk, ahead))
-        # untimed: the records hold no timings, and the stage clocks' CUDA syncs would leave the GPU idle
-        results = pipe.run_batch(images, [pair.question for _, pair, _ in chunk], budgets, csr=True,
-                                 plans=[plan for _, _, plan in chunk], timed=False)  # fmt: skip
-        backbone = pipe.backbone
-        return [_records(pid, pair, backbone, result) for (pid, pair, _), result in zip(chunk, results, strict=True)]
-    except (UserError, ImageError, QuestionError) as exc:
-        if len(chunk) == 1:
-            return [exc]
-        return [one for item in chunk for one in _csr_batch(pipe, loader, [item], budgets, ahead=0)]
+    images = encoded_inputs(pipe.adapter, loader.inputs(chunk, ahead))
+    # untimed: the records hold no timings, and the stage clocks' CUDA syncs would leave the GPU idle
+    results = pipe.run_batch(images, [pair.question for _, pair, _ in chunk], budgets, csr=True,
+                             plans=[plan for _, _, plan in chunk], timed=False)  # fmt: skip
+    backbone = pipe.backbone
+    return [_records(pid, pair, backbone, result) for (pid, pair, _), result in zip(chunk, results, strict=True)]
 
 
 def _records(pid: str, pair: Pair, backbone: Any, output: Any) -> list[dict[str, Any]]:

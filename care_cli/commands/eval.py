@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +30,9 @@ CACHE_RUN_ID = "care-eval"  # fixed: a rerun's ranks reopen the databases a kill
 SAMPLES = "samples"  # per-sample records (visual tokens, seconds): a resumed run reports those of cached answers
 SAMPLES_FORMAT = "care.eval-samples/1"
 SAMPLE_KEY = ("fingerprint", "task", "doc_id")
+CACHE = "cache"  # lmms-eval's response cache
+LMMS_FILES = "lmms_eval"  # lmms-eval's result files, a folder per setting
+OUTPUT_FOLDERS = (SAMPLES, CACHE, LMMS_FILES)  # what a run writes in --output-dir, beside SUMMARY
 
 TasksOpt = Annotated[
     list[str],
@@ -159,25 +161,25 @@ def _interrupted(argv: list[str], output_dir: Path | None, processes: int) -> st
         return None
     if output_dir is None:
         return "interrupted: nothing was saved (with --output-dir a rerun answers only what is missing)"
+    from care_core.runs import MANIFEST
+
+    if not (output_dir.expanduser() / SAMPLES / MANIFEST).is_file():  # the run had not set up its folder yet
+        return run_options.interrupted_before_start(argv, output_dir)
     return (f"interrupted: the answers so far are saved in {output_dir}; resume with: "
             f"{run_options.rerun_line(argv)}")  # fmt: skip
 
 
 def _check_output_dir(folder: Path, selection: Any) -> None:
     """A folder that is no task folder and holds no task file, never an input, and that can be created (with its
-    missing parents, as ``mkdir -p``; nothing is created until the run has its tasks and model)."""
-    target = folder.expanduser().resolve()
-    if target.exists() and not target.is_dir():
-        raise UserError(f"--output-dir {folder}: is a file, expected a folder")
+    missing parents, as ``mkdir -p``; nothing is created until the run has its tasks and model) and written in,
+    down to what the run writes inside it."""
+    from care_cli.io import check_output_folder
+
+    target = check_output_folder(folder, folders=OUTPUT_FOLDERS, files=(SUMMARY,))
     for path in selection.include_paths:
         source = Path(path).resolve()
         if target == source or source in target.parents or target in source.parents:
             raise UserError(f"--output-dir {folder}: overlaps the task folder {source}; use another folder")
-    existing = next(p for p in (target, *target.parents) if p.exists())
-    if not existing.is_dir():
-        raise UserError(f"--output-dir {folder}: cannot be created, {existing} is a file")
-    if existing != target and not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--output-dir {folder}: cannot be created, no permission to write in {existing}")
 
 
 def run_eval(
@@ -256,11 +258,12 @@ def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], l
 def _evaluate(
     specs: list[Any], selection: Any, manager: Any, adapter: Any, samples: Any, *, limit: float | None,
     folder: Path | None, quiet: bool, batch_size: int | str,
-) -> list[tuple[Any, dict[str, Any], dict[str, int], float, tuple[int, int], float | None]]:  # fmt: skip
+) -> list[tuple[Any, dict[str, Any], dict[str, tuple[int, int]], float, tuple[int, int], float | None]]:  # fmt: skip
     """simple_evaluate per setting; each answered sample's record saved as it comes. On rank 0, per setting:
-    (spec, lmms-eval's results, documents answered now per task, wall seconds, batch size (at its start, at its
-    end), peak GPU memory in GiB: the most any process held for tensors during the setting, warm-up included, after
-    the previous setting's decoding cache was released; None off CUDA)."""
+    (spec, lmms-eval's results, per task the documents answered now and how many of them failed (answered with an
+    empty string), wall seconds, batch size (at its start, at its end), peak GPU memory in GiB: the most any process
+    held for tensors during the setting, warm-up included, after the previous setting's decoding cache was released;
+    None off CUDA)."""
     from lmms_eval.evaluator import simple_evaluate
 
     from care_core.batching import AUTO, peak_gpu_memory_gib, reset_peak_gpu_memory
@@ -268,7 +271,7 @@ def _evaluate(
     from care_core.runs import scoped_environ
 
     processes = samples.processes
-    cache_root = folder / "cache" if folder is not None else None
+    cache_root = folder / CACHE if folder is not None else None
     if cache_root is not None and processes.world.is_main:
         cache_root.mkdir(exist_ok=True)
         plugin.merge_leftover_cache(cache_root)
@@ -297,9 +300,11 @@ def _evaluate(
             )  # fmt: skip
             wall = time.perf_counter() - start
             peaks = [p for p in processes.gather(peak_gpu_memory_gib(adapter.device)) if p is not None]
-            answered = processes.gather({(r.task, r.doc_id) for r in lm.records})
+            answered = set().union(*processes.gather({(r.task, r.doc_id) for r in lm.records}))
+            failed = set().union(*processes.gather({(f.task, f.doc_id) for f in lm.failures}))
             processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
-            computed = {task: sum(1 for t, _ in set().union(*answered) if t == task) for task in selection.names}
+            computed = {task: (sum(1 for t, _ in answered | failed if t == task),
+                               sum(1 for t, _ in failed if t == task)) for task in selection.names}  # fmt: skip
             if batch_size != AUTO:  # smaller after an out-of-memory split: the next setting starts there
                 batch_size = lm.batch_size
             sizes = (lm.batches.requested, lm.batch_size)
@@ -360,10 +365,12 @@ def _report(
 
 
 def _setting_report(
-    spec: Any, results: dict[str, Any], records: list[dict[str, Any]], computed: dict[str, int], wall: float,
-    tasks: list[str], folder: Path | None,
+    spec: Any, results: dict[str, Any], records: list[dict[str, Any]], computed: dict[str, tuple[int, int]],
+    wall: float, tasks: list[str], folder: Path | None,
 ) -> dict[str, Any]:  # fmt: skip
     """One setting: metrics, answers, visual tokens and timings per task; lmms-eval's files when ``folder``.
+    ``computed``: per task the documents answered now, and how many of those failed (answered with an empty
+    string; the response cache keeps no empty answer, so a rerun answers them again).
 
     Visual tokens and seconds are those of the samples answered now or, for answers from the response cache, when
     they were answered (the records saved in ``folder``)."""
@@ -379,7 +386,8 @@ def _setting_report(
             "metrics": plugin.task_metrics(results, task),
             "metric_order": plugin.primary_metrics(results, task),
             "samples": len(answers),
-            "computed": computed.get(task, 0),  # answered now; the rest came from the response cache
+            "computed": computed.get(task, (0, 0))[0],  # answered now; the rest came from the response cache
+            "failed_samples": computed.get(task, (0, 0))[1],  # answered with an empty string: the sample failed
             "visual_tokens": sum(fed) / len(fed) if fed else None,
             "num_tokens": (sum(r["num_tokens"] for r in mine) / len(mine)) if mine else None,
             "seconds_per_sample": sum(seconds) / len(seconds) if seconds else None,
@@ -388,7 +396,7 @@ def _setting_report(
         }
     files: list[str] = []
     if folder is not None:
-        files = _write_lmms_files(folder / "lmms_eval" / spec.slug, spec, results)
+        files = _write_lmms_files(folder / LMMS_FILES / spec.slug, spec, results)
     samples = sum(t["samples"] for t in per_task.values())
     return {
         "setting": spec.label,
@@ -464,6 +472,11 @@ def show_report(report: dict[str, Any]) -> None:
                             highlight=False)  # fmt: skip
     for item in report["methods_skipped"]:
         render.stderr.print(f"[yellow]left out {item['method']}:[/] {item['reason']}")
+    failed = sum(task["failed_samples"] for setting in report["settings"] for task in setting["tasks"].values())
+    if failed:
+        counted = "1 sample failed and was" if failed == 1 else f"{failed} samples failed and were"
+        render.stderr.print(f"[yellow]{counted}[/] answered with an empty string, scored as a wrong answer (named "
+                            "above)")  # fmt: skip
     if report.get("summary"):
         render.stdout.print(
             f"wrote {report['summary']} (lmms-eval's files under {report['output_dir']}/lmms_eval)", soft_wrap=True

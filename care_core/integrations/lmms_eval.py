@@ -21,7 +21,9 @@ Each sample is answered through the library's reduced-token path, the same code 
 the image is encoded once, :class:`care_core.pipeline.ReductionPipeline` reduces its N visual tokens to K and
 projects them, and the adapter's ``generate(question, tokens, projected, kept=...)`` decodes greedily with exactly
 those K rows as the image. Requests are answered in batches of ``batch_size`` (lmms-eval's ``--batch_size``; each
-sample still has its own reduction and gets the answer a batch of one gives, docs/design.md §Batches).
+sample still has its own reduction and gets the answer a batch of one gives, docs/design.md §Batches). A request
+that fails inside a batch is retried alone; failing alone (an image the backbone cannot take), it is answered with
+an empty string, which lmms-eval scores as a wrong answer, and named in a notice; the other requests keep theirs.
 This is the only module of care that imports ``lmms_eval``.
 """
 
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from care_core.backbones.families import served_families
 from care_core.batching import Batches, BatchSizeArg
-from care_core.errors import CareError, MethodError
+from care_core.errors import CareError, MethodError, failure_line
 from care_core.integrations import missing_task_path
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
 from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
     from care_core.backbones.base import VLMAdapter
 
 DEFAULT_MAX_NEW_TOKENS = 128
+_Answer = tuple[str, int, int, float]  # (answer, visual rows fed, N, seconds) of one request
 
 
 class EvalTaskError(CareError):
@@ -105,6 +108,15 @@ class SampleRecord:
     seconds: float
     answer: str
     batch_size: int = 1  # samples answered together with this one (itself included)
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    """One request that failed alone and was answered with an empty string: its document and the error."""
+
+    task: str
+    doc_id: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -168,7 +180,8 @@ class CareLMM(lmms):
 
         ``on_batch(done, total, records)`` is called after every answered batch with its requests' records (a
         progress bar's and a saver's hook: one save per batch); ``on_notice(line)`` once if a batch ran out of GPU
-        memory and batches were split (default: a warning in lmms-eval's log).
+        memory and batches were split, and for every request that failed alone (default: a warning in lmms-eval's
+        log).
         """
         self = cls.__new__(cls)
         lmms.__init__(self)
@@ -186,6 +199,7 @@ class CareLMM(lmms):
         self.on_batch: Callable[[int, int, list[SampleRecord]], None] | None = None
         self.on_notice: Callable[[str], None] = _log_notice
         self.records: list[SampleRecord] = []
+        self.failures: list[SampleFailure] = []  # requests answered with an empty string: they failed alone
         world = World.from_env()
         self._rank = world.rank
         self._world_size = world.size
@@ -323,7 +337,8 @@ class CareLMM(lmms):
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
         """Answers in request order. Requests are grouped by generation settings (max_new_tokens, until) and
-        answered in batches of :attr:`batch_size`; each keeps its own task, split and document."""
+        answered in batches of :attr:`batch_size`; each keeps its own task, split and document. A request that
+        fails alone is answered with an empty string (:attr:`failures`, :meth:`_failed`)."""
         items = [_Request.read(i, request) for i, request in enumerate(requests)]
         groups: dict[tuple[int, tuple[str, ...]], list[_Request]] = {}
         for item in items:
@@ -332,15 +347,19 @@ class CareLMM(lmms):
         answers: list[str] = [""] * len(items)
         done = 0
 
-        def finished(chunk: list[_Request], results: list[tuple[str, int, int, float]]) -> None:
+        def finished(chunk: list[_Request], results: list[_Answer | SampleFailure]) -> None:
             nonlocal done
             loader.release(chunk)
             records = []
-            for item, (text, fed, n, seconds) in zip(chunk, results, strict=True):
+            for item, result in zip(chunk, results, strict=True):
+                if isinstance(result, SampleFailure):
+                    self.failures.append(result)
+                    continue
+                text, fed, n, seconds = result
                 answers[item.index] = text = cut_at_stop(text, list(item.stops))
                 records.append(SampleRecord(item.task, int(item.doc_id), fed, n, seconds, text, batch_size=len(chunk)))
             self.records.extend(records)
-            done += len(records)
+            done += len(chunk)
             if self.on_batch is not None:
                 self.on_batch(done, len(items), records)
 
@@ -348,14 +367,25 @@ class CareLMM(lmms):
         with image_prefetcher(self.adapter, self._image, order, batches.size, key=_request_key) as loader:
             for members in groups.values():
                 batches.run(members, lambda chunk: self._answer_chunk(chunk, loader.inputs(chunk, batches.size)),
-                            finished)  # fmt: skip
+                            finished, self._failed)  # fmt: skip
         return answers
+
+    def _failed(self, item: _Request, exc: Exception) -> SampleFailure:
+        """A request that failed alone: answered with an empty string and named in a notice; a task care cannot
+        evaluate (EvalTaskError) still stops the run."""
+        if isinstance(exc, EvalTaskError):
+            raise exc
+        failure = SampleFailure(str(item.task), int(item.doc_id), failure_line(exc))
+        self.on_notice(f"task {failure.task}, document {failure.doc_id}: answered with an empty string, the sample "
+                       f"failed: {failure.reason}")  # fmt: skip
+        return failure
 
     def _answer_chunk(
         self, chunk: list[_Request], images: list[Image.Image | PreparedImage]
-    ) -> list[tuple[str, int, int, float]]:
+    ) -> list[_Answer | SampleFailure]:
         """(answer, visual rows fed, N, seconds) per request of one batch of equal generation settings; the seconds
-        are the batch's wall time shared out equally."""
+        are the batch's wall time shared out equally. (Typed with SampleFailure, what :meth:`_failed` gives a request
+        instead: the batch runner takes one result type.)"""
         start = time.perf_counter()
         out = self.answer_batch(images, [item.context for item in chunk], chunk[0].max_new_tokens)
         seconds = (time.perf_counter() - start) / len(chunk)

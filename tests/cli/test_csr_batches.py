@@ -30,9 +30,13 @@ def make_pairs(folder: Path) -> Path:
     return path
 
 
+def shard_rows(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for shard in folder.glob("shard-*.jsonl") for line in shard.read_text().splitlines()]
+
+
 def saved_keys(folder: Path) -> Counter[tuple[str, str, str]]:
-    rows = [json.loads(line) for shard in folder.glob("shard-*.jsonl") for line in shard.read_text().splitlines()]
-    return Counter((r["pair_id"], r["method"], r["budget"]) for r in rows)
+    """How often each result was saved (the records of pairs recorded as bad are no results)."""
+    return Counter((r["pair_id"], r["method"], r["budget"]) for r in shard_rows(folder) if "failed" not in r)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +189,116 @@ def test_batches_run_untimed(care, reference: Any, monkeypatch: pytest.MonkeyPat
     assert result.code == 0, result.err
     assert result.json()["results"] == expected["results"]
     assert len(timings) == 5 * (1 + 2 * 2) and all(t == {} for t in timings)  # pairs x (image + methods x budgets)
+
+
+BAD_QUESTION = "Is this the bad pair?"
+
+
+def with_bad_pair(folder: Path) -> Path:
+    """The reference pairs with one more at line 3, whose question makes any batch holding it fail."""
+    lines = [json.dumps({"image": str(EXAMPLES / PHOTOS[i % 3]), "question": q}) for i, q in enumerate(QUESTIONS)]
+    lines.insert(2, json.dumps({"image": str(EXAMPLES / PHOTOS[0]), "question": BAD_QUESTION}))
+    path = folder / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def by_content(results: list[dict[str, Any]]) -> dict[tuple[str, str, str, str], float]:
+    return {(r["image"], r["question"], r["method"], r["budget"]): r["csr"] for r in results}
+
+
+@pytest.fixture
+def failing_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """run_batch raises a plain ValueError (as an image processor does) for any batch holding BAD_QUESTION; every
+    call's questions are logged."""
+    run_batch = ReductionPipeline.run_batch
+    calls: list[list[str]] = []
+
+    def failing(self: Any, images: list[Any], questions: list[str], *args: Any, **kwargs: Any) -> Any:
+        calls.append(list(questions))
+        if BAD_QUESTION in questions:
+            raise ValueError("absolute aspect ratio must be smaller than 200 (simulated)")
+        return run_batch(self, images, questions, *args, **kwargs)
+
+    monkeypatch.setattr(ReductionPipeline, "run_batch", failing)
+    return calls
+
+
+def test_a_pair_failing_in_a_batch_is_skipped_alone_recorded_and_left_alone_on_resume(
+    care, reference: Any, tmp_path: Path, failing_batches: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, expected = reference
+    data = with_bad_pair(tmp_path)
+    folder = tmp_path / "run"
+    args = ["csr", "--data", data, *ARGS, "--batch-size", "4", "--output-dir", folder]
+    result = care(*args, "--skip-bad")
+    assert result.code == 0, result.err
+    report = result.json()
+    assert by_content(report["results"]) == by_content(expected["results"])  # every other pair's own results
+    assert report["skipped"] == [{"line": 3, "reason": "ValueError: absolute aspect ratio must be smaller than 200 "
+                                                       "(simulated)"}]  # fmt: skip
+    # lines 1-4 fail together -> 1, 2 -> 3, 4 -> 3 alone (fails), 4 alone; then 5, 6
+    assert [len(c) for c in failing_batches] == [4, 2, 2, 1, 1, 2]
+    assert report["batch_size"]["final"] == 4
+    assert len(saved_keys(folder)) == 5 * 2 * 2 and set(saved_keys(folder).values()) == {1}
+    assert [(r["line"], r["question"]) for r in shard_rows(folder) if "failed" in r] == [(3, BAD_QUESTION)]
+    failing_batches.clear()
+    resumed = care(*args, "--resume")  # without --skip-bad: the recorded pair is skipped, not retried
+    assert resumed.code == 0, resumed.err
+    assert failing_batches == []  # nothing computed
+    assert resumed.json()["results"] == report["results"] and resumed.json()["skipped"] == report["skipped"]
+    retried = care(*args, "--resume", "--retry-bad", "--skip-bad")
+    assert retried.code == 0, retried.err
+    assert failing_batches == [[BAD_QUESTION]]  # retried alone, once: still bad
+    assert retried.json()["skipped"] == report["skipped"]
+    monkeypatch.undo()  # the pair can be served now
+    fixed = care(*args, "--resume", "--retry-bad")
+    assert fixed.code == 0, fixed.err
+    assert len(fixed.json()["results"]) == 6 * 2 * 2 and fixed.json()["skipped"] == []
+
+
+def test_a_pair_failing_alone_stops_the_run_in_one_line_keeping_what_finished(
+    care, tmp_path: Path, failing_batches: list[list[str]]
+) -> None:
+    data = with_bad_pair(tmp_path)
+    folder = tmp_path / "run"
+    result = care("csr", "--data", data, *ARGS, "--batch-size", "4", "--output-dir", folder)
+    assert result.code == 2 and result.out == ""
+    assert result.err == (f"error: line 3 ({EXAMPLES / PHOTOS[0]}): ValueError: absolute aspect ratio must be smaller "
+                          "than 200 (simulated)\n")  # fmt: skip
+    saved = {json.loads(line)["line"] for line in (folder / "shard-000.jsonl").read_text().splitlines()}
+    assert saved == {1, 2}  # computed before the bad pair, and saved; nothing recorded as bad
+
+
+def test_an_image_the_backbone_may_refuse_costs_at_most_its_own_line(
+    care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 3000x10 image among small ones on tiny-qwen2.5-vl (its image processor refuses aspect ratios of 200 and
+    more, inside the image loader): either it is served, or only its line is skipped; a resumed run computes
+    nothing."""
+    from PIL import Image
+
+    lines = []
+    for i in range(6):
+        Image.new("RGB", (112 + 28 * i, 112), (40 * i, 120, 60)).save(tmp_path / f"shape{i}.png")  # N >= 16
+        lines.append(json.dumps({"image": f"shape{i}.png", "question": f"What colour is shape {i}?"}))
+    Image.new("RGB", (3000, 10), (200, 20, 20)).save(tmp_path / "wide.png")
+    lines.insert(2, json.dumps({"image": "wide.png", "question": "What is this?"}))
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    args = ["csr", "--data", data, "--model", "tiny-qwen2.5-vl", "--method", "care", "--keep", "8", "--skip-bad",
+            "--batch-size", "4", "--output-dir", tmp_path / "run", "--json"]  # fmt: skip
+    result = care(*args)
+    assert result.code == 0, result.err
+    report = result.json()
+    served = [r["line"] for r in report["results"]]
+    skipped = [s["line"] for s in report["skipped"]]
+    assert (served, skipped) in (([1, 2, 3, 4, 5, 6, 7], []), ([1, 2, 4, 5, 6, 7], [3]))
+
+    def computes(*_: object, **__: object) -> None:
+        raise AssertionError("a resumed run computed something")
+
+    monkeypatch.setattr(ReductionPipeline, "run_batch", computes)
+    resumed = care(*args, "--resume")
+    assert resumed.code == 0, resumed.err
+    assert resumed.json()["results"] == report["results"] and resumed.json()["skipped"] == report["skipped"]

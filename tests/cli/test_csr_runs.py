@@ -188,3 +188,20 @@ def test_ctrl_c_without_an_output_folder_says_nothing_was_saved(care, photo: Pat
     stopped = care("csr", photo, "-q", "What is in the image?", "--keep", "16")
     assert stopped.code == 130
     assert stopped.err.count("\n") == 1 and stopped.err.startswith("interrupted: nothing was saved")
+
+
+def test_ctrl_c_before_the_run_started_says_nothing_was_saved(care, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from care_core.pipeline import ReductionPipeline
+
+    def interrupt(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while the model loads
+
+    monkeypatch.setattr(ReductionPipeline, "from_pretrained", interrupt)
+    run = tmp_path / "run"
+    args = ["csr", "--data", str(make_pairs(tmp_path, 3)), "--keep", "16", "--output-dir", str(run)]
+    stopped = care(*args)
+    assert stopped.code == 130 and stopped.out == ""
+    assert stopped.err == (f"interrupted before the run started: nothing was saved in {run}; start it again with: "
+                           f"care {' '.join(args)}\n")  # fmt: skip
+    assert not run.exists()

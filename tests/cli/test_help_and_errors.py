@@ -6,6 +6,9 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,6 +180,69 @@ def test_unwritable_output_folder_is_refused_before_loading(care, tmp_path: Path
     monkeypatch.setattr(ReductionPipeline, "from_pretrained", no_loading)
     run = care(*[str(a).replace("{dir}", str(locked)) for a in args])
     assert run.code == 2 and "not writable" in run.err and run.err.count("\n") == 1, run.err
+
+
+PAIR = [EXAMPLES / "astronaut.jpg", "-q", "x", "--keep", "8"]
+#: one command per output location of every command that writes files ({dir}: where the output goes)
+OUTPUTS = [
+    ["reduce", EXAMPLES / "astronaut.jpg", "--keep", "8", "--out", "{dir}/x.safetensors"],
+    ["visualize", EXAMPLES / "astronaut.jpg", "--keep", "8", "--out", "{dir}/x.png"],
+    ["csr", *PAIR, "--csv", "{dir}/x.csv"],
+    ["csr", *PAIR, "--plot", "{dir}/x.png"],
+    ["csr", *PAIR, "--output-dir", "{dir}/run"],
+    ["csr", "--data", EXAMPLES / "csr_pairs.jsonl", "--keep", "8", "--output-dir", "{dir}/run"],
+    ["csr", "--data", EXAMPLES / "csr_pairs.jsonl", "--keep", "8", "--output-dir", "{dir}"],
+]
+
+
+@pytest.mark.parametrize("args", OUTPUTS)
+def test_an_output_below_a_regular_file_is_refused_before_loading(
+    care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[object]
+) -> None:
+    """A path whose folder is a regular file cannot be written, also by root (no permission bits involved)."""
+    from care_core.pipeline import ReductionPipeline
+
+    def no_loading(*_: object, **__: object) -> None:
+        raise AssertionError("a model was loaded before the output was checked")
+
+    monkeypatch.setattr(ReductionPipeline, "from_pretrained", no_loading)
+    regular = tmp_path / "notes.txt"
+    regular.write_text("a regular file")
+    run = care(*[str(a).replace("{dir}", str(regular)) for a in args])
+    assert run.code == 2 and run.err.count("\n") == 1 and run.err.startswith("error: "), run.err
+    assert str(regular) in run.err and ("is a file" in run.err or "is not a folder" in run.err), run.err
+    assert regular.read_text() == "a regular file"
+
+
+@pytest.fixture(scope="module")
+def read_only_mount(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder that commands run through :func:`on_read_only_mount` see as an empty read-only file system (a tmpfs
+    mounted read-only in a private mount namespace: nothing outside the command sees it). Skipped where this machine
+    allows no such mount (no unshare, no user namespaces, no mount permission)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no read-only mount here: the unshare command is missing")
+    folder = tmp_path_factory.mktemp("read_only")
+    probe = on_read_only_mount(folder, ["sh", "-c", 'touch "$0/probe" 2>/dev/null && exit 98 || exit 0', folder])
+    if probe.returncode != 0:
+        reason = " ".join(probe.stderr.split()) or f"exit code {probe.returncode}"
+        pytest.skip(f"no read-only mount here: unshare --mount --map-root-user, then mount -o ro, failed ({reason})")
+    return folder
+
+
+def on_read_only_mount(folder: Path, command: list[object]) -> subprocess.CompletedProcess[str]:
+    """``command`` run with a read-only tmpfs mounted over ``folder`` (in a mount namespace of its own)."""
+    script = 'mount -t tmpfs -o ro tmpfs "$0" && exec "$@"'
+    return subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", script, str(folder),
+                           *map(str, command)], capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("args", OUTPUTS)
+def test_an_output_on_a_read_only_file_system_is_refused_before_loading(read_only_mount: Path,
+                                                                        args: list[object]) -> None:  # fmt: skip
+    command = [sys.executable, "-m", "care_cli", *[str(a).replace("{dir}", str(read_only_mount)) for a in args]]
+    run = on_read_only_mount(read_only_mount, command)
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    assert run.stderr.count("\n") == 1 and "is not writable (read-only file system)" in run.stderr, run.stderr
 
 
 def test_the_app_replaces_no_attribute_of_typer() -> None:

@@ -145,3 +145,61 @@ def test_other_errors_are_not_retried() -> None:
     with pytest.raises(ValueError, match="a bad sample"):
         Batches(4, device="cpu").run([1, 2, 3], work)
     assert calls == [3]
+
+
+class FailsOn:
+    """``work`` that raises ValueError for any chunk holding ``bad``, else squares the items; logs every call."""
+
+    def __init__(self, bad: int, error: BaseException | None = None) -> None:
+        self.bad = bad
+        self.error = error or ValueError(f"item {bad} is bad")
+        self.calls: list[list[int]] = []
+
+    def __call__(self, chunk: list[int]) -> list[int]:
+        self.calls.append(list(chunk))
+        if self.bad in chunk:
+            raise self.error
+        return [x * x for x in chunk]
+
+
+def test_an_item_failing_inside_a_batch_is_retried_alone_and_every_other_item_keeps_its_result() -> None:
+    saved: list[tuple[list[int], list[object]]] = []
+    failed: list[tuple[int, str]] = []
+    work = FailsOn(5)
+    batches = Batches(4, device="cpu")
+
+    def stand_in(item: int, exc: Exception) -> object:
+        failed.append((item, str(exc)))
+        return "failed"
+
+    out = batches.run(list(range(11)), work, lambda chunk, results: saved.append((chunk, results)), stand_in)
+    assert out == [0, 1, 4, 9, 16, "failed", 36, 49, 64, 81, 100]
+    assert failed == [(5, "item 5 is bad")]
+    assert [x for chunk, _ in saved for x in chunk] == list(range(11))  # each item handed back once, in order
+    assert ([5], ["failed"]) in saved  # the failed item comes back alone
+    # [0..3]; [4..7] fails -> [4, 5] fails -> [4], [5] (fails alone) -> [6, 7]; then [8..10]
+    assert [len(c) for c in work.calls] == [4, 4, 2, 1, 1, 2, 3]
+    assert batches.size == 4 and batches.splits == 0  # a bad item says nothing about memory: the size stays
+
+
+def test_a_failure_handler_that_raises_stops_the_run_after_saving_what_finished() -> None:
+    saved: list[int] = []
+
+    def stop(item: int, exc: Exception) -> int:
+        raise RuntimeError(f"stop at {item}") from exc
+
+    with pytest.raises(RuntimeError, match="stop at 2"):
+        Batches(4, device="cpu").run([0, 1, 2, 3, 4], FailsOn(2), lambda chunk, _: saved.extend(chunk), stop)
+    assert saved == [0, 1]  # the half before the bad item was saved; nothing after it ran
+
+
+def test_an_interrupt_inside_a_batch_is_never_retried() -> None:
+    work = FailsOn(1, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        Batches(4, device="cpu").run([0, 1, 2], work, on_failure=lambda item, exc: -1)
+    assert work.calls == [[0, 1, 2]]
+
+
+def test_one_sample_out_of_memory_stays_an_error_with_a_failure_handler() -> None:
+    with pytest.raises(CareError, match="even for one sample at a time"):
+        Batches(2, device="cuda:0").run([1, 2], OutOfMemoryAbove(0), on_failure=lambda item, exc: -1)

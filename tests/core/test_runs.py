@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from care_core.runs import MANIFEST, DatasetRun, RunFolderError, World, csr_summary, scoped_environ
+from care_core.runs import FAILED, MANIFEST, DatasetRun, RunFolderError, World, csr_summary, scoped_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -122,3 +122,33 @@ def test_library_example_runs_on_two_processes_and_resumes(
     assert "rank 0: computed 0 pair(s) now" in again and "2 results in" in again
     table = [line for line in first.stdout.splitlines() if "CSR x100" in line]
     assert table == [line for line in again.splitlines() if "CSR x100" in line]
+
+
+def test_failure_records_are_kept_apart_from_results_and_read_back_on_resume(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    bad = {"pair_id": "2-b", "line": 2, FAILED: "ValueError: absolute aspect ratio"}
+    with DatasetRun(folder, manifest={"model": "m"}) as run:
+        run.start()
+        run.append([record("1-a")])
+        run.append_failures([bad])
+        assert run.failures() == {"2-b": bad}
+        with pytest.raises(ValueError, match="failed"):
+            run.append_failures([{"pair_id": "3-c"}])  # no error: not a failure record
+    with DatasetRun(folder, manifest={"model": "m"}, resume=True) as run:
+        run.start()
+        assert run.done_keys() == {("1-a", "care", "K=8")}  # a failure is no result
+        assert run.failures() == {"2-b": bad}
+    in_memory = DatasetRun(None)
+    in_memory.append_failures([bad])
+    assert in_memory.failures() == {"2-b": bad} and in_memory.done_keys() == set()
+
+
+def test_the_manifest_gets_the_permissions_of_the_shards(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        with DatasetRun(tmp_path / "run", manifest={"model": "m"}) as run:
+            run.start()
+    finally:
+        os.umask(old)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "run").iterdir()}
+    assert modes == {MANIFEST: 0o644, "shard-000.jsonl": 0o644}  # readable by others, as any file under umask 022

@@ -113,6 +113,60 @@ def test_a_batch_out_of_memory_is_split_and_every_request_answered_once(
     assert lm.batch_size == 2 and max(sizes) > 2
 
 
+def test_a_request_failing_in_a_batch_is_answered_empty_and_the_others_keep_their_answers(
+    llava: Any, one_at_a_time: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference, _ = one_at_a_time
+    notices: list[str] = []
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava, batch_size=8,
+                                  on_notice=notices.append)  # fmt: skip
+    run_batch = lm.pipeline.run_batch
+    sizes: list[int] = []
+
+    def failing(images: list[Any], questions: list[str], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(images))
+        if any(q.startswith("Q3: ") for q in questions):  # request 3: task pope_b, document 3
+            raise ValueError("absolute aspect ratio must be smaller than 200 (simulated)")
+        return run_batch(images, questions, *args, **kwargs)
+
+    monkeypatch.setattr(lm.pipeline, "run_batch", failing)
+    docs = documents()
+    lm.task_dict = {"pope_a": {"test": docs}, "pope_b": {"test": docs}}
+    answers = lm.generate_until(requests(7))
+    assert answers == [*reference[:3], "", *reference[4:]]  # only its own answer is lost
+    reason = "ValueError: absolute aspect ratio must be smaller than 200 (simulated)"
+    assert lm.failures == [plugin.SampleFailure("pope_b", 3, reason)]
+    assert notices == [f"task pope_b, document 3: answered with an empty string, the sample failed: {reason}"]
+    assert sorted((r.task, r.doc_id) for r in lm.records) == sorted(
+        (("pope_a", "pope_b")[i % 2], (i * 5) % 12) for i in range(7) if i != 3
+    )
+    # requests 0, 3, 6 (2 new tokens, the first group) fail together -> 0, 3 -> 0 alone, 3 alone (fails) -> 6; then
+    # 1, 2, 4, 5 (3 new tokens) in one batch
+    assert sizes == [3, 2, 1, 1, 1, 4] and lm.batch_size == 8
+
+
+def test_care_eval_counts_failed_samples_and_names_them(care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core.pipeline import ReductionPipeline
+
+    run_batch = ReductionPipeline.run_batch
+
+    def failing(self: Any, images: list[Any], questions: list[str], *args: Any, **kwargs: Any) -> Any:
+        if any("Is there a flag in the image?" in q for q in questions):  # document 1 of the POPE examples
+            raise ValueError("the image cannot be served (simulated)")
+        return run_batch(self, images, questions, *args, **kwargs)
+
+    monkeypatch.setattr(ReductionPipeline, "run_batch", failing)
+    result = care("eval", "--model", "tiny-llava", "--method", "care", "--keep", "16", "--tasks", POPE, "--limit", "2",
+                  "--device", "cpu", "--batch-size", "4", "--json")  # fmt: skip
+    assert result.code == 0, result.err
+    named = "task care_pope_examples, document 1: answered with an empty string, the sample failed: ValueError: the "
+    assert result.err.count(named) == 2  # once per setting (all tokens, care K=16)
+    for setting in result.json()["settings"]:
+        task = setting["tasks"]["care_pope_examples"]
+        assert task["failed_samples"] == 1 and task["computed"] == task["samples"] == 2
+        assert task["answers"]["1"] == "" and task["answers"]["0"] != ""
+
+
 @pytest.mark.parametrize(("given", "expected"), [(1, 1), ("4", 4), ("auto", CPU_BATCH_SIZE), ("auto:4", 2)])
 def test_batch_size_from_lmms_eval_cli_is_accepted(given: object, expected: int) -> None:
     lm = plugin.CareLMM(pretrained="tiny-llava", method="none", device="cpu", batch_size=given,

@@ -188,6 +188,45 @@ def test_an_output_folder_that_cannot_be_created_is_refused(care, tmp_path: Path
     assert "cannot be created" in result.err and "is a file" in result.err, result.err
 
 
+@pytest.mark.parametrize(("entry", "kind"), [("cache", "a folder"), ("care_eval_summary.json", "a file")])
+def test_what_a_run_writes_inside_its_output_folder_is_checked_before_loading(
+    care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str, kind: str
+) -> None:
+    from care_core.integrations import lmms_eval as plugin
+
+    def no_loading(*_: object, **__: object) -> None:
+        raise AssertionError("the model was loaded before the output folder was checked")
+
+    monkeypatch.setattr(plugin, "load_adapter", no_loading)
+    out = tmp_path / "run"
+    out.mkdir()
+    if kind == "a folder":
+        (out / entry).write_text("a file where the run keeps a folder")
+    else:
+        (out / entry).mkdir()
+    result = care("eval", "--tasks", str(POPE), "--keep", "8", "--output-dir", out)
+    assert result.code == 2 and result.err.count("\n") == 1, result.err
+    assert f"{out / entry} is in the way (the run writes {kind} there)" in result.err, result.err
+
+
+def test_ctrl_c_before_the_run_started_says_nothing_was_saved(
+    care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from care_core.integrations import lmms_eval as plugin
+
+    def interrupt(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while the model loads
+
+    monkeypatch.setattr(plugin, "load_adapter", interrupt)
+    out = tmp_path / "run"
+    args = ["eval", "--tasks", str(POPE), "--keep", "8", "--output-dir", str(out)]
+    stopped = care(*args)
+    assert stopped.code == 130 and stopped.out == ""
+    assert stopped.err == (f"interrupted before the run started: nothing was saved in {out}; start it again with: "
+                           f"care {' '.join(args)}\n")  # fmt: skip
+    assert not out.exists()
+
+
 def test_the_model_is_checked_before_the_tasks(care) -> None:
     result = care("eval", "--model", "tiny-lava", "--tasks", "pope", "--keep", "8")
     assert result.code == 2 and result.err.count("\n") == 1
