@@ -494,6 +494,11 @@ def joint_responses(
     second = _second_linear(projector)  # a fast path's passes hold (rows, d_h) intermediates: bound those too
     width = first.shape[1] if second is None else max(first.shape[1], second.in_features)
     limit = max_rows if max_rows is not None else two_pass_rows(width, _out_features(projector, first))
+    if engine == "jvp" and _as_norm_first(projector) is not None:
+        # each image alone: the norm-first path's cuBLAS products then see the rows of one image, as a call for that
+        # image alone does (joined rows changed the products' shapes, and with them tf32 rounding, on CUDA); its
+        # chunks of (N, c, d_h) tangents already fill the GPU at one image's N
+        limit = 1
     out: list[torch.Tensor] = []
     for group in row_groups([v.shape[0] for v in features], limit):
         joined = features[group[0]] if len(group) == 1 else torch.cat([features[i] for i in group])
@@ -673,14 +678,21 @@ class Scorer:
     def factor(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
         """The triangular (d_out >= d_h) or trapezoidal (d_out < d_h) factor of the prepared projector's second
         layer where ``second_layer`` uses one on `device` and the projector is Linear-act-Linear or norm-first,
-        else None; made once."""
+        else None; made once. "auto" takes a trapezoid for a norm-first projector only: a wide Linear-act-Linear
+        keeps its dense W2, whose path (cuBLAS, or the fused kernel in bf16) gives each image the same responses
+        alone and in a batch, where the trapezoid's column blocks did not on CUDA (one anchor in 64 swapped)."""
         key = (dtype, torch.device(device))
         if self.second_layer == "dense" or (self.second_layer == "auto" and key[1].type != "cuda"):
             return None
         self._check_weights()
         if key not in self._factors:
-            second = _second_linear(self.prepared(*key))
-            self._factors[key] = None if second is None else triangular_factor(second.weight)
+            prepared = self.prepared(*key)
+            second = _second_linear(prepared)
+            wide_mlp = second is not None and second.out_features < second.in_features and _as_mlp(prepared) is not None
+            if second is None or (wide_mlp and self.second_layer == "auto"):
+                self._factors[key] = None
+            else:
+                self._factors[key] = triangular_factor(second.weight)
         return self._factors[key]
 
     def directions(

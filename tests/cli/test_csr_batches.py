@@ -20,7 +20,8 @@ from .conftest import EXAMPLES
 PHOTOS = ["astronaut.jpg", "coffee.jpg", "chelsea.jpg"]  # 512x512, 600x400, 451x300: three sizes in a batch
 QUESTIONS = ["What is in the image?", "What colour is it?", "Is there a person?", "What is on the left?",
              "How many objects are there?"]  # fmt: skip
-ARGS = ["--method", "care", "--method", "random", "--keep", "16", "--ratio", "0.05", "--json"]
+# on the CPU whatever the machine: the records are compared with a CPU pipeline and carry no GPU-memory figure
+ARGS = ["--method", "care", "--method", "random", "--keep", "16", "--ratio", "0.05", "--json", "--device", "cpu"]
 
 
 def make_pairs(folder: Path) -> Path:
