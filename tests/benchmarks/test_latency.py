@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from types import SimpleNamespace
 from typing import Any
@@ -87,3 +88,13 @@ def test_source_state_reads_git_and_else_the_environment(tmp_path: Any, monkeypa
     monkeypatch.setenv("CARE_SOURCE_DIRTY", "0")
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert latency.source_state() == {"commit": "abc123", "dirty": False, "from": "environment (no git folder)"}
+
+
+def test_docs_hold_the_newest_gate_result_as_rendered() -> None:
+    """The README's and performance.md's speed figures are the newest committed gate result, rendered, never typed."""
+    newest = latency.newest_result()
+    assert newest is not None, "no committed latency-gate result in benchmarks/results"
+    block = latency.render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    for name in latency.DOC_BLOCKS:
+        text = (latency.ROOT / name).read_text(encoding="utf-8")
+        assert latency.BEGIN + "\n" + block + latency.END in text, f"{name}: run python -m benchmarks.latency --docs"

@@ -24,6 +24,19 @@ QUESTIONS = ["What is in the image?", "What colour is it?", "Is there a person?"
 ARGS = ["--method", "care", "--method", "random", "--keep", "16", "--ratio", "0.05", "--json", "--device", "cpu"]
 
 
+def same(got: Any, want: Any) -> bool:
+    """``got`` equals ``want`` field by field, floats to a relative 1e-6: float32 products of other shapes (a batch's
+    rows against one pair's) round differently on many-core CPUs (a 16-core host: CSR 6e-8 apart), while counts,
+    kept tokens and every other field stay exact."""
+    if isinstance(want, float) and isinstance(got, float):
+        return got == pytest.approx(want, rel=1e-6)
+    if isinstance(want, dict) and isinstance(got, dict):
+        return got.keys() == want.keys() and all(same(got[key], want[key]) for key in want)
+    if isinstance(want, list | tuple) and isinstance(got, list | tuple):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
+    return bool(got == want)
+
+
 def make_pairs(folder: Path) -> Path:
     lines = [json.dumps({"image": str(EXAMPLES / PHOTOS[i % 3]), "question": q}) for i, q in enumerate(QUESTIONS)]
     path = folder / "pairs.jsonl"
@@ -70,7 +83,7 @@ def test_records_of_prefetched_images_are_those_of_the_raw_images(reference: Any
                                                             100 * run.csr)  # fmt: skip
     got = {(r["line"], r["method"], r["budget"]): (r["N"], r["K"], r["tokens_out"], r["csr"])
            for r in report["results"]}  # fmt: skip
-    assert len(got) == len(QUESTIONS) * 2 * 2 and got == direct
+    assert len(got) == len(QUESTIONS) * 2 * 2 and same(got, direct)
 
 
 @pytest.mark.parametrize("size", ["3", "8"])
@@ -79,7 +92,7 @@ def test_any_batch_size_gives_the_results_of_batch_size_one(care, reference: Any
     result = care("csr", "--data", data, *ARGS, "--batch-size", size)
     assert result.code == 0, result.err
     report = result.json()
-    assert report["results"] == expected["results"] and report["summary"] == expected["summary"]
+    assert same(report["results"], expected["results"]) and same(report["summary"], expected["summary"])
     assert report["batch_size"]["batch_size"] == int(size) and expected["batch_size"]["batch_size"] == 1
     assert report["compute_seconds"] > 0 and report["peak_gpu_memory_gib"] is None  # no GPU memory on the CPU
 
@@ -102,7 +115,7 @@ def test_out_of_memory_splits_and_saves_each_result_once(
     assert result.code == 0, result.err
     assert result.err.count("splitting batches") == 1  # one notice
     report = result.json()
-    assert report["results"] == expected["results"]
+    assert same(report["results"], expected["results"])
     assert report["batch_size"]["final"] == 2 and max(sizes) == 5
     keys = saved_keys(tmp_path / "run")
     assert len(keys) == 5 * 2 * 2 and set(keys.values()) == {1}  # pairs x methods x budgets, each exactly once
@@ -135,7 +148,7 @@ def test_a_resumed_run_with_another_batch_size_computes_only_what_is_missing(
     resumed = care("csr", "--data", data, *ARGS, "--batch-size", "2", "--output-dir", folder, "--resume")
     assert resumed.code == 0, resumed.err
     assert asked == QUESTIONS[3:]  # nothing computed twice
-    assert resumed.json()["results"] == expected["results"]  # nothing lost
+    assert same(resumed.json()["results"], expected["results"])  # nothing lost
     assert set(saved_keys(folder).values()) == {1}
 
 
@@ -170,7 +183,7 @@ def test_a_finished_batch_leaves_nothing_alive_for_the_next(
     monkeypatch.setattr(ReductionPipeline, "run_batch", watched)
     result = care("csr", "--data", data, *ARGS, "--batch-size", "2")
     assert result.code == 0, result.err
-    assert result.json()["results"] == expected["results"]
+    assert same(result.json()["results"], expected["results"])
     assert len(alive_at_start) == 3 and alive_at_start == [0, 0, 0]  # batches of 2, 2, 1
 
 
@@ -188,7 +201,7 @@ def test_batches_run_untimed(care, reference: Any, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(ReductionPipeline, "run_batch", watched)
     result = care("csr", "--data", data, *ARGS, "--batch-size", "2")
     assert result.code == 0, result.err
-    assert result.json()["results"] == expected["results"]
+    assert same(result.json()["results"], expected["results"])
     assert len(timings) == 5 * (1 + 2 * 2) and all(t == {} for t in timings)  # pairs x (image + methods x budgets)
 
 
@@ -235,7 +248,7 @@ def test_a_pair_failing_in_a_batch_is_skipped_alone_recorded_and_left_alone_on_r
     result = care(*args, "--skip-bad")
     assert result.code == 0, result.err
     report = result.json()
-    assert by_content(report["results"]) == by_content(expected["results"])  # every other pair's own results
+    assert same(by_content(report["results"]), by_content(expected["results"]))  # every other pair's own results
     assert report["skipped"] == [{"line": 3, "reason": "ValueError: absolute aspect ratio must be smaller than 200 "
                                                        "(simulated)"}]  # fmt: skip
     # lines 1-4 fail together -> 1, 2 -> 3, 4 -> 3 alone (fails), 4 alone; then 5, 6
