@@ -26,8 +26,8 @@ and inside ``reduce_visual_tokens(method="care", keep=160)`` (LLaVA-NeXT at 672x
 Qwen3-VL at 1024x1024 with K = floor(N/9), reported with the tower's share of the reduced call.
 
 Each target of :data:`TARGETS` prints MET or NOT MET, and the JSON records the git commit and whether the tree had
-uncommitted changes (from ``git``; where the tree has no git folder, as on a device machine, from the environment
-variables ``CARE_SOURCE_COMMIT`` and ``CARE_SOURCE_DIRTY`` set by whoever copied it). Run from the repository root.
+uncommitted changes: the environment variables ``CARE_SOURCE_COMMIT`` and ``CARE_SOURCE_DIRTY`` where set (by whoever
+copied the tree to the machine it runs on), else ``git``. Run from the repository root.
 """
 
 from __future__ import annotations
@@ -124,16 +124,20 @@ def parse(argv: list[str] | None) -> Any:
 
 # ----------------------------------------------------------------------------------------- provenance
 def source_state() -> dict[str, Any]:
-    """The commit the code was measured at and whether the tree differed from it (git, else the environment)."""
+    """The commit the code was measured at and whether the tree differed from it: ``CARE_SOURCE_COMMIT`` and
+    ``CARE_SOURCE_DIRTY`` where whoever copied the tree set them (a copy's own git folder may name another commit
+    than the files hold, as on a device machine), else ``git``."""
+    if os.environ.get("CARE_SOURCE_COMMIT"):
+        dirty = os.environ.get("CARE_SOURCE_DIRTY")
+        return {"commit": os.environ["CARE_SOURCE_COMMIT"], "dirty": None if dirty is None else dirty == "1",
+                "from": "environment"}  # fmt: skip
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                 capture_output=True, text=True, check=True)  # fmt: skip
         return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()), "from": "git"}
     except (OSError, subprocess.CalledProcessError):
-        dirty = os.environ.get("CARE_SOURCE_DIRTY")
-        return {"commit": os.environ.get("CARE_SOURCE_COMMIT"), "dirty": None if dirty is None else dirty == "1",
-                "from": "environment (no git folder)"}  # fmt: skip
+        return {"commit": None, "dirty": None, "from": "unknown (no git folder, no CARE_SOURCE_COMMIT)"}
 
 
 # ----------------------------------------------------------------------------------------- floors
