@@ -446,8 +446,22 @@ def _table(results: dict[str, Any], rows: dict[tuple[str, str, str], dict[str, A
     return lines
 
 
-def render_markdown(results: dict[str, Any], name: str) -> str:
-    """The docs' block for an answers result named ``name``: the headline sentence, the table, its source."""
+def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
+    """One line per family of a drop-in result: the batch's generate with all tokens and through the drop-in."""
+    if dropin is None:
+        return []
+    rows = [r for r in dropin.get("dropin", []) if "error" not in r]
+    parts = [f"{r['family']} at K = {r['K']}: {r['all_ms']:.0f} → {r['care_ms']:.0f} ms (**{r['speedup']:.2f}×**; "
+             f"the tower {100 * r['tower_share_of_care']:.0f}% of the reduced call)" for r in rows]  # fmt: skip
+    batch = rows[0]["batch"] if rows else DROPIN_BATCH
+    return ["", f"Drop-in (transformers' `generate` on a batch of {batch}, {dropin['new_tokens']} new tokens, the "
+            f"vision tower included): {'; '.join(parts)}. Source: `benchmarks/results/{name}`."]  # fmt: skip
+
+
+def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] | None = None,
+                    dropin_name: str | None = None) -> str:  # fmt: skip
+    """The docs' block for an answers result named ``name`` (and a drop-in result): the headline sentence, the
+    table, its source."""
     rows = {(r["family"], r["decoding"], r["keep_label"]): r for f in results["families"] for r in f.get("answers", [])}
     used = sorted({u for (_, decoding, _), r in rows.items() if decoding == "default" for u in r["used"]})
     source = results["source"]
@@ -456,15 +470,23 @@ def render_markdown(results: dict[str, Any], name: str) -> str:
     footer = (f"Batch 1, {results['new_tokens']} new tokens; default decoding ran as {', '.join(used) or '—'}; "
               f"{met} of {len(results.get('targets', []))} targets met. Source: `benchmarks/results/{name}` "
               f"(`python -m benchmarks.latency`, commit {commit}).")  # fmt: skip
-    return "\n".join([*_headline(results, rows), *_table(results, rows), "", footer]) + "\n"
+    lines = [*_headline(results, rows), *_table(results, rows), "", footer, *_dropin_lines(dropin, dropin_name)]
+    return "\n".join(lines) + "\n"
+
+
+def newest_block(folder: Path = RESULTS) -> str:
+    """The docs' block rendered from the newest committed answers result and the newest drop-in result."""
+    newest, dropin = newest_result(folder), newest_result(folder, "dropin")
+    if newest is None:
+        raise fail("no committed latency result (benchmarks/results/*-latency-answers*.json) to render")
+    read = lambda path: json.loads(path.read_text(encoding="utf-8"))  # noqa: E731
+    return render_markdown(read(newest), newest.name, None if dropin is None else read(dropin),
+                           None if dropin is None else dropin.name)  # fmt: skip
 
 
 def write_docs(root: Path = ROOT) -> list[Path]:
     """Replace the block between :data:`BEGIN` and :data:`END` of each of :data:`DOC_BLOCKS` by the newest result's."""
-    newest = newest_result(root / "benchmarks" / "results")
-    if newest is None:
-        raise fail("no committed latency result (benchmarks/results/*-latency-answers*.json) to render")
-    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    block = newest_block(root / "benchmarks" / "results")
     changed = []
     for name in DOC_BLOCKS:
         path = root / name

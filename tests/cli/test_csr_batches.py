@@ -25,9 +25,9 @@ ARGS = ["--method", "care", "--method", "random", "--keep", "16", "--ratio", "0.
 
 
 def same(got: Any, want: Any) -> bool:
-    """``got`` equals ``want`` field by field, floats to 1e-5 (relative or absolute): float32 products of other shapes (a batch's
-    rows against one pair's) round differently on many-core CPUs (a 16-core host: CSR 6e-8 apart), while counts,
-    kept tokens and every other field stay exact."""
+    """``got`` equals ``want`` field by field, floats to 1e-5 (relative or absolute): float32 products of other
+    shapes (a batch's rows against one pair's) round differently on many-core CPUs (a 16-core host: CSR 6e-8 apart,
+    a summary's std 1.4e-6), while counts, kept tokens and every other field stay exact."""
     if isinstance(want, float) and isinstance(got, float):
         return got == pytest.approx(want, rel=1e-5, abs=1e-5)
     if isinstance(want, dict) and isinstance(got, dict):

@@ -245,4 +245,4 @@ def test_paper_comparison_is_two_parts_at_80_columns_the_comparison_first(
     starts = [i for i, line in enumerate(lines) if line.startswith("Paper Table S1")]
     assert len(starts) == 2, run.out
     first_part = "\n".join(lines[starts[0] : starts[1]])
-    assert "paper %" in first_part and "+200.61%" in first_part and "residual" not in first_part
+    assert "paper %" in first_part and "-0.42%" in first_part and "residual" not in first_part
