@@ -22,14 +22,9 @@ from care_core.backbones.demo import build_tiny_llava
 from care_core.backbones.internvl import InternVLAdapter
 
 
-@pytest.fixture(scope="package", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tiny demos gain nothing from intra-op threads; on a busy 2-core box the threads' spin-waits cost
-    4-5x the work itself (a 170x64 linear: 8 ms with 2 threads vs 0.1 ms with 1). Restored afterwards."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+@pytest.fixture(scope="module", autouse=True)
+def _tiny_models_on_one_thread(one_thread: None) -> None:
+    """Every backbone test module runs on one intra-op thread (tests/conftest.py's ``one_thread``)."""
 
 
 @pytest.fixture(scope="session")
