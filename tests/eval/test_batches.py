@@ -4,6 +4,7 @@ document, lmms-eval's batch_size values, out-of-memory splitting."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -86,25 +87,39 @@ def test_each_request_keeps_its_own_task_document_and_stop_strings(llava: Any, o
     assert all("\n" not in r.answer for r in records)
 
 
+def faulty_plugin(
+    llava: Any, monkeypatch: pytest.MonkeyPatch, fault: Callable[[list[Any], list[str]], Exception | None]
+) -> tuple[Any, list[int], list[str]]:
+    """The plugin at batch size 8 on both tasks' documents, its pipeline's ``run_batch`` raising what ``fault`` gives
+    for a batch (else running it); with the sizes of every call and the notices it gave."""
+    notices: list[str] = []
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava, batch_size=8,
+                                  on_notice=notices.append)  # fmt: skip
+    run_batch = lm.pipeline.run_batch
+    sizes: list[int] = []
+
+    def faulty(images: list[Any], questions: list[str], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(images))
+        error = fault(images, questions)
+        if error is not None:
+            raise error
+        return run_batch(images, questions, *args, **kwargs)
+
+    monkeypatch.setattr(lm.pipeline, "run_batch", faulty)
+    docs = documents()
+    lm.task_dict = {"pope_a": {"test": docs}, "pope_b": {"test": docs}}
+    return lm, sizes, notices
+
+
 def test_a_batch_out_of_memory_is_split_and_every_request_answered_once(
     llava: Any, one_at_a_time: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reference, _ = one_at_a_time
-    notices: list[str] = []
-    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava, batch_size=8,
-                                  on_notice=notices.append)  # fmt: skip
-    sizes: list[int] = []
-    run_batch = lm.pipeline.run_batch
 
-    def limited(images: list[Any], *args: Any, **kwargs: Any) -> Any:
-        sizes.append(len(images))
-        if len(images) > 2:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return run_batch(images, *args, **kwargs)
+    def out_of_memory(images: list[Any], questions: list[str]) -> Exception | None:
+        return torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)") if len(images) > 2 else None
 
-    monkeypatch.setattr(lm.pipeline, "run_batch", limited)
-    docs = documents()
-    lm.task_dict = {"pope_a": {"test": docs}, "pope_b": {"test": docs}}
+    lm, sizes, notices = faulty_plugin(llava, monkeypatch, out_of_memory)
     assert lm.generate_until(requests(7)) == reference
     assert sorted((r.task, r.doc_id) for r in lm.records) == sorted(
         (("pope_a", "pope_b")[i % 2], (i * 5) % 12) for i in range(7)
@@ -117,21 +132,13 @@ def test_a_request_failing_in_a_batch_is_answered_empty_and_the_others_keep_thei
     llava: Any, one_at_a_time: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reference, _ = one_at_a_time
-    notices: list[str] = []
-    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava, batch_size=8,
-                                  on_notice=notices.append)  # fmt: skip
-    run_batch = lm.pipeline.run_batch
-    sizes: list[int] = []
 
-    def failing(images: list[Any], questions: list[str], *args: Any, **kwargs: Any) -> Any:
-        sizes.append(len(images))
+    def bad_request(images: list[Any], questions: list[str]) -> Exception | None:
         if any(q.startswith("Q3: ") for q in questions):  # request 3: task pope_b, document 3
-            raise ValueError("absolute aspect ratio must be smaller than 200 (simulated)")
-        return run_batch(images, questions, *args, **kwargs)
+            return ValueError("absolute aspect ratio must be smaller than 200 (simulated)")
+        return None
 
-    monkeypatch.setattr(lm.pipeline, "run_batch", failing)
-    docs = documents()
-    lm.task_dict = {"pope_a": {"test": docs}, "pope_b": {"test": docs}}
+    lm, sizes, notices = faulty_plugin(llava, monkeypatch, bad_request)
     answers = lm.generate_until(requests(7))
     assert answers == [*reference[:3], "", *reference[4:]]  # only its own answer is lost
     reason = "ValueError: absolute aspect ratio must be smaller than 200 (simulated)"
