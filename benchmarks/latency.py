@@ -38,6 +38,7 @@ import os
 import subprocess
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,14 @@ from benchmarks.common import (
 from benchmarks.gpu.context import card_slug, environment
 from benchmarks.gpu.scoring import floor_ms, matmul_rates
 from benchmarks.models import FULL_SIZE, full_size_adapter
+from care_core.budget import keep_from_ratio
 
 QUESTION = "Is there a person in the image? Answer the question using a single word or phrase."
 NEW_TOKENS = 8
 PEAK_BF16_TFLOPS = 790.0  # an H200's measured dense bf16 matmul rate (8192^3), the prefill floor's compute side
 HBM_TBPS = 4.8  # an H200's memory bandwidth, TB/s: the prefill floor's weight-reading side
 MATMUL_SIZE = 8192
+KEPT = Fraction(1, 9)  # the gate's budget, K = max(1, floor(N/9)) by care_core.budget's rule ("N/9" in TARGETS)
 PAPER_KEEP = {"llava-next": 160}  # the paper's budget where the gate times one beside floor(N/9)
 DROPIN_BATCH = 8
 DURATION = (
@@ -189,7 +192,7 @@ def gate_image(family: str) -> Any:
 
 def keeps_for(family: str, n: int) -> dict[str, int]:
     """The budgets timed: label -> K (floor(N/9), and the paper's where the family has one)."""
-    keeps = {"N/9": max(1, n // 9)}
+    keeps = {"N/9": keep_from_ratio(KEPT, n)}
     if family in PAPER_KEEP:
         keeps[str(PAPER_KEEP[family])] = PAPER_KEEP[family]
     return keeps
@@ -326,7 +329,7 @@ def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device,
         image = gate_image(family)
         inputs = dropin_inputs(adapter, image, DROPIN_BATCH)
         n = adapter.encode_image(image).num_tokens
-        keep = keep or max(1, n // 9)
+        keep = keep or keep_from_ratio(KEPT, n)
         generate = partial(dropin_generate, adapter.model, inputs)
 
         row: dict[str, Any] = {"family": family, "N": n, "K": keep, "batch": DROPIN_BATCH, "new_tokens": NEW_TOKENS}
