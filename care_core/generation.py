@@ -16,7 +16,8 @@ class Generation:
     """One greedy answer.
 
     ``token_ids``: the new tokens, the end token included where decoding stopped at one. ``decoding``:
-    ``"cuda-graph"`` (replayed CUDA graphs over a static KV cache) or ``"eager"`` (``model.generate``).
+    ``"cuda-graph"`` (replayed CUDA graphs over a static KV cache) or ``"eager"`` (no graphs: the static loop step
+    by step where it would replay graphs but they were turned off, else ``model.generate``).
     ``eager_reason``: why graphs were not used (one line; None when they were). ``elapsed_ms``: wall-clock
     time of the call (the answer is on the host at its end); not part of equality, so two answers compare
     by what they say and how they were decoded.

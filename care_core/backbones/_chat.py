@@ -442,7 +442,8 @@ class ChatAdapter(VLMAdapter):
     ) -> Generation:
         """Greedy answer; ``cuda_graph``: None = replayed CUDA graphs over a static cache where
         :meth:`graph_generation_reason` finds nothing against them, else ``model.generate``; True = graphs or
-        GenerationError; False = ``model.generate``. The result says which ran and why not graphs.
+        GenerationError; False = no graphs: the same static loop step by step where graphs would apply, else
+        ``model.generate``. The result says which ran and why not graphs.
         A batch of one of :meth:`generate_batch`."""
         return self.generate_batch([question], [tokens], [projected], [kept], max_new_tokens, cuda_graph=cuda_graph)[0]
 
@@ -487,10 +488,7 @@ class ChatAdapter(VLMAdapter):
         )
         if reason is None:
             try:
-                with torch.no_grad():
-                    prompts = [self._static_prompt(sample) for sample in inputs]
-                    ids = self._static_greedy().generate_batch(prompts, max_new_tokens)
-                return [tuple(i) for i in ids], "cuda-graph", None
+                return self._static_ids(inputs, max_new_tokens, replay=True), "cuda-graph", None
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
                 from ..batching import is_out_of_memory
 
@@ -502,7 +500,17 @@ class ChatAdapter(VLMAdapter):
                     raise GenerationError(f"cannot generate from CUDA graphs: {reason}") from exc
         elif cuda_graph:
             raise GenerationError(f"cannot generate from CUDA graphs: {reason}")
+        elif cuda_graph is False and self._batch_graph_reason(inputs, max_new_tokens) is None:
+            return self._static_ids(inputs, max_new_tokens, replay=False), "eager", reason
         return self._greedy(collate_left_padded(inputs, self._pad_token_id), max_new_tokens), "eager", reason
+
+    def _static_ids(self, inputs: list[dict[str, Any]], max_new_tokens: int, *, replay: bool) -> list[tuple[int, ...]]:
+        """Every sample's new token ids from the static loop (``replay`` False: step by step, no graphs; its lean
+        layers launch about a third of transformers' kernels, which is what an eager forward waits on)."""
+        with torch.no_grad():
+            prompts = [self._static_prompt(sample) for sample in inputs]
+            ids = self._static_greedy().generate_batch(prompts, max_new_tokens, replay=replay)
+        return [tuple(i) for i in ids]
 
     def graph_generation_reason(self, length: int | None = None) -> str | None:
         """Why :meth:`generate` would not replay CUDA graphs on this backbone (one line), or None when it would.

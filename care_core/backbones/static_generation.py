@@ -3,8 +3,8 @@
 ``model.generate`` launches every kernel of every layer from Python, step after step. On a 7B language model
 with a few hundred prompt rows (what a reduction leaves) that launch time is most of the prefill, so the
 time saved by dropping visual tokens is lost to the host. :class:`StaticGreedy` runs the language model's own
-modules (embedding table, decoder layers, final norm, LM head) in a fixed-shape loop whose pieces are captured
-once and replayed:
+weights (embedding table, decoder layers through :mod:`~care_core.backbones.decoder_layers`' lean layer, final
+norm, LM head) in a fixed-shape loop whose pieces are captured once and replayed:
 
 - **prefill**: the prompt's input embeddings, right-padded to a multiple of :data:`BUCKET` rows, through every
   layer with causal attention; keys and values go to the static cache; the argmax at the last real row is the
@@ -28,22 +28,24 @@ are kept per (batch bucket, padded length) for prefill and per batch bucket for 
 captured shape other than its own only where that shape's prompt rows are at most :data:`REUSE_ROWS_RATIO`
 times its own (:func:`reused_shape`); otherwise it captures its own.
 
-The maths is the eager forward's (same modules, same attention functions); only float rounding may differ from
-``model.generate``'s kernels. :func:`unsupported_reason` says where this loop would not be the model's own
-computation (other decoders, sliding windows, logit processors in the generation config, ...); there the
-adapters keep ``model.generate``.
+The maths is the eager forward's (same weights; scaled dot-product attention, causal in the prefill and masked in
+decoding); only float rounding may differ from ``model.generate``'s kernels. :func:`unsupported_reason` says where
+this loop would not be the model's own computation (other decoders or layer forms, sliding windows, logit processors
+in the generation config, ...); there the adapters keep ``model.generate``.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+
+from .decoder_layers import LeanLayers, layer_forward, layer_reason, layer_shape, layer_tensors, rotation_tables
 
 BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby lengths share a graph
 CAPACITY_STEP = 256  # the cache grows in steps of this many positions
@@ -62,7 +64,6 @@ DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen3_vl_
 MROPE_DECODERS = frozenset({"qwen2_5_vl_text", "qwen3_vl_text"})
 #: decoders that add DeepStack rows after their first layers (as many as the vision config's deepstack taps)
 DEEPSTACK_DECODERS = frozenset({"qwen3_vl_text"})
-ATTENTION = frozenset({"sdpa", "eager"})  # attention functions that take the decode step's additive mask
 
 # generation-config fields that change greedy tokens, with the value that leaves them alone
 _NEUTRAL_PROCESSORS: dict[str, tuple[Any, ...]] = {
@@ -120,15 +121,11 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in DECODERS:
         return f"the {kind} decoder is not one the static loop drives ({', '.join(sorted(DECODERS))})"
-    layer = type(lm.layers[0])
-    params = inspect.signature(layer.forward).parameters
-    if not {"attention_mask", "position_embeddings"} <= set(params) or cache_keyword(params) is None:
-        return f"{layer.__name__}.forward does not take the mask, rotary embeddings and cache this loop passes"
+    odd = next((r for r in map(layer_reason, lm.layers) if r is not None), None)
+    if odd is not None:
+        return odd
     if deepstack_levels(model) > len(lm.layers):
         return f"{deepstack_levels(model)} DeepStack levels for {len(lm.layers)} decoder layers"
-    attention = getattr(cfg, "_attn_implementation", None) or "eager"
-    if attention not in ATTENTION:
-        return f"attention implementation {attention!r} takes no additive mask (static decoding needs sdpa or eager)"
     rope = _rope_type(cfg)
     if "dynamic" in rope or "longrope" in rope:
         return f"rope type {rope!r} rescales with the sequence length (a host-side decision no graph can replay)"
@@ -143,12 +140,6 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
         if value not in neutral:
             return f"the generation config sets {name}={value!r}, which model.generate applies and this loop does not"
     return None
-
-
-def cache_keyword(params: Any) -> str | None:
-    """The keyword under which a decoder layer's ``forward`` (its signature's ``params``) takes the cache:
-    ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier); None where it takes neither."""
-    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def deepstack_levels(model: Any) -> int:
@@ -227,8 +218,8 @@ class StaticKV:
         self.write: torch.Tensor | None = None
         self.prefill = True
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's new keys and values (batch, kv_heads, rows, head_dim); return those to attend over."""
         assert self.write is not None
         keys, values = self.keys[layer_idx][: self.active], self.values[layer_idx][: self.active]
         if key.shape[:2] != keys.shape[:2] or key.shape[-1] != keys.shape[-1]:
@@ -249,7 +240,6 @@ class _Prefill:
 
     embeds: torch.Tensor  # (batch, rows, d)
     last: torch.Tensor  # (batch,) index of each prompt's last real row
-    mask: torch.Tensor | None  # (1, 1, rows, rows) causal additive mask; None with sdpa (is_causal)
     positions: torch.Tensor | None = None  # (3, batch, rows) rotary (t, h, w) positions: multimodal-rope decoders
     deepstack: torch.Tensor | None = None  # (levels, batch, rows, d) rows added after the first layers: a view
     graph: Any = None
@@ -274,20 +264,18 @@ class StaticGreedy:
         self.head = model.lm_head
         self.layers = list(self.lm.layers)
         cfg = _text_config(model)
-        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.eager_attention = (getattr(cfg, "_attn_implementation", None) or "eager") == "eager"
+        self.shape = layer_shape(cfg, self.layers[0])
+        self.kv_heads, self.head_dim = self.shape.kv_heads, self.shape.head_dim
+        self.tensors = [layer_tensors(layer) for layer in self.layers]
         self.mrope = cfg.model_type in MROPE_DECODERS
         self.deepstack_levels = deepstack_levels(model)
-        keyword = cache_keyword(inspect.signature(type(self.layers[0]).forward).parameters)
-        assert keyword is not None  # unsupported_reason checked the signature
-        self.cache_keyword = keyword
         weight = self.lm.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.hidden_size = int(weight.shape[1])
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the language model is on {self.device}")
         self.graphs = graphs
+        self.pieces = LeanLayers(self.device)
         self.eos = eos_ids(model)
         self.weights = self._weights()
         self.kv: StaticKV | None = None
@@ -354,12 +342,8 @@ class StaticGreedy:
         entry = self.prefills.get(key)
         if entry is None:
             device, dtype = self.device, self.dtype
-            mask = None
-            if self.eager_attention:  # eager attention is causal only through its mask
-                mask = torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype, device=device)
-                mask = mask.triu(1)[None, None]
             embeds = torch.zeros((batch, rows, self.hidden_size), dtype=dtype, device=device)
-            entry = _Prefill(embeds, torch.zeros(batch, dtype=torch.long, device=device), mask)
+            entry = _Prefill(embeds, torch.zeros(batch, dtype=torch.long, device=device))
             if self.mrope:
                 entry.positions = torch.zeros((3, batch, rows), dtype=torch.long, device=device)
             if self.deepstack is not None:
@@ -370,26 +354,32 @@ class StaticGreedy:
         self.prefills.move_to_end(key)
         return entry
 
-    def _shape(self, own: int, rows: int) -> tuple[int, int]:
+    def _shape(self, own: int, rows: int, replay: bool) -> tuple[int, int]:
         """The (batch bucket, padded rows) a call runs in (:func:`reused_shape` over the shapes ready to replay:
-        captured graphs, or every shape run where the loop runs eagerly)."""
-        ready = [key for key, entry in self.prefills.items() if entry.graph is not None or not self.graphs]
+        captured graphs, or every shape run where the loop runs eagerly; an eager call of a graph loop: its own)."""
+        if self.graphs and not replay:
+            ready = []
+        else:
+            ready = [key for key, entry in self.prefills.items() if entry.graph is not None or not self.graphs]
         self.last_shape = reused_shape(own, rows, ready)
         return self.last_shape
 
     # ------------------------------------------------------------------ the two steps
-    def _layers(self, hidden: torch.Tensor, rotary: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None,
+    def _layers(self, hidden: torch.Tensor, rotary: torch.Tensor, mask: torch.Tensor | None,
                 deepstack: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """Every decoder layer: ``rotary`` positions ((batch, rows), or (3, batch, rows) for multimodal rope) for
-        the rotary embedding, ``text`` (batch, rows) cache indices as the layers' ``position_ids``; after layer l,
-        ``deepstack[l]`` added where given (levels, batch, rows, d)."""
-        embeddings = self.lm.rotary_emb(hidden, position_ids=rotary)
-        for index, layer in enumerate(self.layers):
-            out = layer(hidden, attention_mask=mask, position_ids=text, position_embeddings=embeddings,
-                        use_cache=True, **{self.cache_keyword: self.kv})  # fmt: skip
-            hidden = out[0] if isinstance(out, tuple) else out
-            if deepstack is not None and index < deepstack.shape[0]:
-                hidden = hidden + deepstack[index]  # zeros leave a row as it is: only the visual rows change
+        """Every decoder layer (:func:`~care_core.backbones.decoder_layers.layer_forward`): ``rotary`` positions
+        ((batch, rows), or (3, batch, rows) for multimodal rope) for the rotary embedding, ``mask`` None (causal
+        prefill) or the decode step's additive mask; after layer l, ``deepstack[l]`` added where given
+        (levels, batch, rows, d)."""
+        assert self.kv is not None
+        rotation = rotation_tables(*self.lm.rotary_emb(hidden, position_ids=rotary))
+        update = self.kv.update
+        with self.pieces.scope():
+            for index, tensors in enumerate(self.tensors):
+                cache = partial(update, layer_idx=index)
+                hidden = layer_forward(self.pieces, hidden, tensors, rotation, self.shape, cache, mask)
+                if deepstack is not None and index < deepstack.shape[0]:
+                    hidden = hidden + deepstack[index]  # zeros leave a row as it is: only the visual rows change
         return hidden
 
     def _next_token(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -401,7 +391,7 @@ class StaticGreedy:
         self.kv.active, self.kv.write, self.kv.prefill = batch, self.positions[:rows], True
         text = self.positions[None, :rows].expand(batch, rows)
         rotary = text if entry.positions is None else entry.positions
-        hidden = self._layers(entry.embeds, rotary, text, entry.mask, entry.deepstack)
+        hidden = self._layers(entry.embeds, rotary, None, entry.deepstack)
         last = hidden.gather(1, entry.last.view(batch, 1, 1).expand(batch, 1, hidden_size))  # each prompt's own
         self.token[:batch].copy_(self._next_token(last))
         self.position[:batch].copy_(entry.last + 1)
@@ -418,16 +408,17 @@ class StaticGreedy:
         )
         text = position[:, None]
         rotary = (position[None, :] + self.rope_delta[:, :batch])[..., None] if self.mrope else text
-        hidden = self._layers(hidden, rotary, text, mask[:, None, None, :])
+        hidden = self._layers(hidden, rotary, mask[:, None, None, :])
         token.copy_(self._next_token(hidden))
         position.add_(1)
 
-    def _run(self, step: Callable[[], None], graph: Any) -> Any:
-        """Replay ``graph``; without one, run ``step`` (and capture it when graphs are on). Returns the graph."""
+    def _run(self, step: Callable[[], None], graph: Any, replay: bool = True) -> Any:
+        """Replay ``graph``; without one, run ``step`` (and capture it when graphs are on). Returns the graph.
+        ``replay`` False: run ``step`` eagerly, ``graph`` kept as it is."""
         with torch.no_grad():
-            if not self.graphs:
+            if not (self.graphs and replay):
                 step()
-                return None
+                return graph
             if graph is not None:
                 graph.replay()
                 return graph
@@ -449,37 +440,40 @@ class StaticGreedy:
             return graph
 
     # ------------------------------------------------------------------ public
-    def generate(self, prompt: torch.Tensor | StaticPrompt, max_new_tokens: int) -> list[int]:
+    def generate(self, prompt: torch.Tensor | StaticPrompt, max_new_tokens: int, *, replay: bool = True) -> list[int]:
         """Greedy token ids after one prompt (embeddings (L, d) or (1, L, d), or a :class:`StaticPrompt`); stops
         after an end token."""
-        return self.generate_batch([prompt], max_new_tokens)[0]
+        return self.generate_batch([prompt], max_new_tokens, replay=replay)[0]
 
-    def generate_batch(self, prompts: Sequence[torch.Tensor | StaticPrompt], max_new_tokens: int) -> list[list[int]]:
+    def generate_batch(
+        self, prompts: Sequence[torch.Tensor | StaticPrompt], max_new_tokens: int, *, replay: bool = True
+    ) -> list[list[int]]:
         """Greedy token ids after each prompt (embeddings (L_i, d) or (1, L_i, d), or a :class:`StaticPrompt`), each
         as it gets alone.
 
         A sample's tokens end after its first end token (its later steps run with the batch and are dropped);
-        the loop stops when every sample has ended or after ``max_new_tokens``.
+        the loop stops when every sample has ended or after ``max_new_tokens``. ``replay`` False: every step runs
+        eagerly (no graph captured or replayed), in the call's own shape.
         """
         checked = [self._checked(p) for p in prompts]
         largest = BATCH_BUCKETS[-1]
         if len(checked) > largest:  # one chunk after another, each padded to its own bucket
-            return [ids for at in range(0, len(checked), largest)
-                    for ids in self.generate_batch(checked[at : at + largest], max_new_tokens)]  # fmt: skip
+            chunks = [checked[at : at + largest] for at in range(0, len(checked), largest)]
+            return [ids for chunk in chunks for ids in self.generate_batch(chunk, max_new_tokens, replay=replay)]
         if not checked or max_new_tokens < 1:
             return [[] for _ in checked]
         lengths = [int(p.embeds.shape[0]) for p in checked]
         rows = BUCKET * math.ceil(max(lengths) / BUCKET)
         needed = max(rows, max(lengths) + max_new_tokens - 1)
         self._ensure_capacity(batch_bucket(len(checked)), needed)  # a growth drops every graph: then none is reused
-        batch, rows = self._shape(batch_bucket(len(checked)), rows)
+        batch, rows = self._shape(batch_bucket(len(checked)), rows, replay)
         # decode steps attend over the positions this call can reach, not the whole cache (a long prompt's earlier
         # call may have grown it tenfold): one decode graph per (batch bucket, span)
         span = CAPACITY_STEP * math.ceil(needed / CAPACITY_STEP)
         entry = self._bucket(batch, rows)
         self._fill(entry, checked, lengths)
-        entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph)
-        return self._decode_loop(batch, span, len(checked), max_new_tokens)
+        entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph, replay)
+        return self._decode_loop(batch, span, len(checked), max_new_tokens, replay)
 
     def _checked(self, prompt: torch.Tensor | StaticPrompt) -> StaticPrompt:
         """``prompt`` as a :class:`StaticPrompt` with (L, d) embeddings, after checking its extras fit this decoder."""
@@ -519,7 +513,7 @@ class StaticGreedy:
                 if prompt.deepstack is not None:
                     entry.deepstack[:, i, : lengths[i]].copy_(prompt.deepstack)
 
-    def _decode_loop(self, batch: int, span: int, samples: int, max_new_tokens: int) -> list[list[int]]:
+    def _decode_loop(self, batch: int, span: int, samples: int, max_new_tokens: int, replay: bool) -> list[list[int]]:
         """Collect each sample's tokens step by step; decode until all ended or ``max_new_tokens`` are out."""
         out: list[list[int]] = [[] for _ in range(samples)]
         running = set(range(samples))
@@ -532,5 +526,5 @@ class StaticGreedy:
             if not running or step == max_new_tokens - 1:
                 break
             key = (batch, span)
-            self.decodes[key] = self._run(lambda: self._decode_step(batch, span), self.decodes.get(key))
+            self.decodes[key] = self._run(lambda: self._decode_step(batch, span), self.decodes.get(key), replay)
         return out

@@ -96,13 +96,12 @@ def test_static_batch_gives_every_sample_its_batch_one_tokens(
     assert greedy.captures == 0
 
 
-def test_static_batch_with_eager_attention_masks_each_sample(tiny_pair: Any, images: list[Any]) -> None:
+def test_static_batch_of_a_model_set_to_eager_attention_masks_each_sample(tiny_pair: Any, images: list[Any]) -> None:
     adapter, _ = tiny_pair
     batch_samples = _samples(adapter, images)
     prompts = [adapter._lm_inputs(q, t, p, k) for q, t, p, k in zip(*batch_samples, strict=True)]
     with attention_implementation(adapter.model, {"text_config": "eager"}), torch.no_grad():
         greedy = StaticGreedy(adapter.model, graphs=False)
-        assert greedy.eager_attention
         ids = greedy.generate_batch([adapter._prompt_embeddings(x) for x in prompts], 6)
         assert ids == [reference_ids(adapter, x, 6) for x in prompts]
 
@@ -160,7 +159,7 @@ def test_out_of_memory_in_the_static_decoder_reaches_the_caller_and_keeps_graphs
     demo: Any, samples: dict[str, Samples], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     class OutOfMemory:  # a static decoder whose batch does not fit
-        def generate_batch(self, embeds: Any, max_new_tokens: int) -> Any:
+        def generate_batch(self, embeds: Any, max_new_tokens: int, *, replay: bool = True) -> Any:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB")
 
     monkeypatch.setattr(type(demo), "_batch_graph_reason", lambda self, inputs, new: None)  # as on a GPU

@@ -1,0 +1,214 @@
+"""The static loop's decoder layer as a short run of tensor ops over the layer's own weights.
+
+transformers' decoder layers spend about 42 kernels a layer on a forward: each RMSNorm takes eight (upcast, square,
+mean, add, rsqrt, multiply, downcast, scale), the rotary embedding ten, the MLP six. At the ~100-250 rows a reduced
+prompt has, those small kernels, not the weights' bytes, set the prefill's time even when replayed from a CUDA
+graph, and without graphs their launches from Python do. :func:`layer_forward` computes the same layer:
+
+    h' = h + W_o attn(rope(W_q n1(h)), rope(W_k n1(h)), W_v n1(h))
+    out = h' + W_down(silu(W_gate n2(h')) ⊙ W_up n2(h'))
+
+with n1, n2 the layer's RMSNorms (and Qwen3's per-head q/k norms before the rotation), in two pure pieces around the
+attention: :func:`attention_inputs` (norm, projections, rotation) and :func:`mlp_block` (output projection,
+residuals, norm, MLP). Where Triton runs (:func:`care_core.kernels.why_not_fused`), each piece is compiled once per
+process with ``torch.compile`` (dynamic shapes: one compiled piece serves every batch and prompt length), which fuses
+the norms, the rotation and the gated activation into a few kernels; elsewhere (the CPU) the pieces run as written.
+The cache writes and the attention (``F.scaled_dot_product_attention``, causal over a fresh prompt or with the
+decode step's additive mask) run between them as plain ops.
+
+The maths is the module's; the order of float roundings is not (one fused RMSNorm instead of upcast, normalise,
+downcast, scale; ``x cos + roll(x) sin±`` for ``x cos + rotate_half(x) sin``), so in bfloat16 a hidden state may
+differ from transformers' in its last bits. :func:`layer_reason` says where a layer is not of this form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import why_not_fused
+
+#: transformers' RMSNorm classes whose forward is weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)
+RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm"})
+# compiled variants each piece may have in a process (dynamo's default is 8): per model, batch 1 or more times prefill
+# or decode, and a few models in one process (a benchmark, a test session) each add theirs; past the limit dynamo
+# would run the piece uncompiled without a word
+RECOMPILE_LIMIT = 64
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class LayerTensors(NamedTuple):
+    """One decoder layer's weights (views of the module's own tensors; biases None where the layer has none)."""
+
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    q_bias: torch.Tensor | None
+    k: torch.Tensor
+    k_bias: torch.Tensor | None
+    v: torch.Tensor
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head's dims before the rotation
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
+class Shape(NamedTuple):
+    """What every layer of a decoder shares: head counts and sizes, the norms' epsilon, the attention's scale."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scaling: float
+
+
+#: activation modules whose forward is F.silu (transformers' "silu" and "swish")
+SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
+
+
+def _is_silu(act: object) -> bool:
+    return type(act).__name__ in SILU_MODULES and isinstance(act, nn.Module)
+
+
+def layer_reason(layer: nn.Module) -> str | None:
+    """Why :func:`layer_forward` would not compute ``layer`` (one line), or None: it needs transformers' RMSNorm
+    (:data:`RMS_NORMS`) before the attention and the MLP, q/k/v/o linear maps, and a SiLU-gated MLP."""
+    name = type(layer).__name__
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attention is None or mlp is None:
+        return f"{name} has no self_attn and mlp"
+    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    norms += [getattr(attention, n) for n in ("q_norm", "k_norm") if getattr(attention, n, None) is not None]
+    odd = [type(n).__name__ for n in norms if type(n).__name__ not in RMS_NORMS]
+    if odd:
+        return f"{name} normalises with {', '.join(odd)} (the lean layer knows {', '.join(sorted(RMS_NORMS))})"
+    linears = [getattr(attention, p, None) for p in _PROJECTIONS] + [getattr(mlp, p, None) for p in _MLP]
+    if not all(isinstance(m, nn.Linear) for m in linears):
+        return f"{name}'s projections are not q/k/v/o and gate/up/down linear maps"
+    if not _is_silu(getattr(mlp, "act_fn", None)):
+        return f"{name}'s MLP activation is {type(getattr(mlp, 'act_fn', None)).__name__}, not SiLU"
+    return None
+
+
+def layer_tensors(layer: nn.Module) -> LayerTensors:
+    """The weights of a layer :func:`layer_reason` accepts."""
+    a, m = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    return LayerTensors(
+        layer.input_layernorm.weight,
+        a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+        layer.post_attention_layernorm.weight,
+        m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+        m.gate_proj.bias, m.up_proj.bias, m.down_proj.bias,
+    )  # fmt: skip
+
+
+def layer_shape(config: Any, layer: nn.Module) -> Shape:
+    """Head counts and sizes from the text config, epsilon from the layer's input norm, scale from its attention."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    eps = float(layer.input_layernorm.variance_epsilon)
+    scaling = float(getattr(layer.self_attn, "scaling", head_dim**-0.5))
+    return Shape(heads, kv_heads, head_dim, eps, scaling)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x²) + eps) over the last dimension, the statistics in at least float32."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin±), each (batch, rows, 1, head_dim), from the rotary embedding's (batch, rows, head_dim) tables:
+    rotate_half(x) sin = roll(x, head_dim / 2) sin± with sin± = (-sin first half, sin second half)."""
+    half = cos.shape[-1] // 2
+    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos[:, :, None], signed[:, :, None]
+
+
+def attention_inputs(
+    hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values, each (batch, heads, rows, head_dim), of the layer's input ``hidden``: the input
+    norm, the projections, Qwen3's per-head norms, the rotation by ``cos``/``sin`` (:func:`rotation_tables`)."""
+    batch, rows, _ = hidden.shape
+    x = rms_norm(hidden, w.input_norm, shape.eps)
+    q = F.linear(x, w.q, w.q_bias).view(batch, rows, shape.heads, shape.head_dim)
+    k = F.linear(x, w.k, w.k_bias).view(batch, rows, shape.kv_heads, shape.head_dim)
+    v = F.linear(x, w.v, w.v_bias).view(batch, rows, shape.kv_heads, shape.head_dim)
+    if w.q_norm is not None and w.k_norm is not None:
+        q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
+    half = shape.head_dim // 2
+    q = torch.addcmul(q * cos, q.roll(half, -1), sin)
+    k = torch.addcmul(k * cos, k.roll(half, -1), sin)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def mlp_block(hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
+    """The layer's output from its input ``hidden`` and the attention's output (batch, heads, rows, head_dim)."""
+    batch, rows, _ = hidden.shape
+    hidden = hidden + F.linear(attended.transpose(1, 2).reshape(batch, rows, -1), w.o, w.o_bias)
+    x = rms_norm(hidden, w.post_norm, shape.eps)
+    gated = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
+    return hidden + F.linear(gated, w.down, w.down_bias)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, shape: Shape) -> torch.Tensor:
+    """Scaled dot-product attention of the queries over the keys (grouped heads shared): causal where ``mask`` is
+    None (a fresh prompt: the cache held nothing before it), else with the additive ``mask``."""
+    causal = mask is None and q.shape[2] > 1
+    grouped = shape.heads != shape.kv_heads
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=shape.scaling,
+                                          enable_gqa=grouped)  # fmt: skip
+
+
+class LeanLayers:
+    """The two pure pieces of :func:`layer_forward`, compiled where Triton runs on ``device`` (dynamic shapes: a
+    compiled piece serves every prompt length), else as written. ``compiled`` says which. Run the layers inside
+    :meth:`scope`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.compiled = why_not_fused(device) is None
+        self.attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
+        self.mlp_block: Callable[..., torch.Tensor] = mlp_block
+        if self.compiled:
+            self.attention_inputs = torch.compile(attention_inputs, dynamic=True, fullgraph=True)
+            self.mlp_block = torch.compile(mlp_block, dynamic=True, fullgraph=True)
+
+    def scope(self) -> AbstractContextManager[Any]:
+        """Where the pieces run: dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (restored on exit)."""
+        if not self.compiled:
+            return nullcontext()
+        return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+
+
+def layer_forward(
+    pieces: LeanLayers,
+    hidden: torch.Tensor,
+    w: LayerTensors,
+    rotation: tuple[torch.Tensor, torch.Tensor],
+    shape: Shape,
+    cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One decoder layer on ``hidden`` (batch, rows, d): ``rotation`` from :func:`rotation_tables`; ``cache`` takes
+    the new keys and values and gives those to attend over (a static cache's update)."""
+    q, k, v = pieces.attention_inputs(hidden, w, rotation[0], rotation[1], shape)
+    k, v = cache(k, v)
+    return pieces.mlp_block(hidden, attend(q, k, v, mask, shape), w, shape)

@@ -1,0 +1,141 @@
+"""The lean decoder layer against transformers' own layer forward, per decoder the static loop drives."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer, MistralRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+from care_core.backbones.decoder_layers import (
+    LeanLayers,
+    layer_forward,
+    layer_reason,
+    layer_shape,
+    layer_tensors,
+    rotation_tables,
+)
+from care_core.backbones.static_generation import unsupported_reason
+
+SMALL = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "vocab_size": 16,
+         "num_hidden_layers": 1, "attn_implementation": "sdpa"}  # fmt: skip
+BUILT = {  # (config, layer class, rotary class): GQA, biases and head sizes the families use
+    "llama-gqa": (LlamaConfig(**SMALL, num_key_value_heads=2), LlamaDecoderLayer, LlamaRotaryEmbedding),
+    "llama-biases": (LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True), LlamaDecoderLayer, LlamaRotaryEmbedding),
+    "mistral": (
+        MistralConfig(**SMALL, num_key_value_heads=1, head_dim=16),
+        MistralDecoderLayer,
+        MistralRotaryEmbedding,
+    ),
+    "qwen2": (Qwen2Config(**SMALL, num_key_value_heads=2), Qwen2DecoderLayer, Qwen2RotaryEmbedding),
+}
+
+
+def _built(name: str) -> tuple[Any, nn.Module, nn.Module]:
+    config, layer_class, rotary_class = BUILT[name]
+    torch.manual_seed(0)
+    layer = layer_class(config, layer_idx=0)
+    for p in layer.parameters():  # norms' weights away from 1, biases away from 0: every tensor matters
+        nn.init.normal_(p, mean=float(p.ndim == 1 and "norm" in str(p.shape)), std=0.3)
+    return config, layer.double().eval(), rotary_class(config).double()
+
+
+def _demo_layer(adapter: Any) -> tuple[Any, nn.Module, nn.Module]:
+    lm = adapter.model.model.language_model
+    return lm.config, copy.deepcopy(lm.layers[0]).double().eval(), copy.deepcopy(lm.rotary_emb).double()
+
+
+def _positions(config: Any, batch: int, rows: int) -> torch.Tensor:
+    text = torch.arange(rows)[None].expand(batch, rows)
+    if config.model_type in ("qwen2_5_vl_text", "qwen3_vl_text"):  # (t, h, w) rows that differ, as an image's do
+        return torch.stack([text, text // 3, text % 5])
+    return text
+
+
+class _Float64Norm(nn.Module):
+    """weight * x / sqrt(mean(x²) + eps) in the input's dtype: transformers' RMSNorms compute in float32 even on
+    float64 input, which would hide every other difference below their rounding."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _norms_in_float64(layer: nn.Module) -> nn.Module:
+    reference = copy.deepcopy(layer)
+    for owner in (reference, reference.self_attn):
+        for name, child in list(owner.named_children()):
+            if name.endswith("norm") or name.endswith("layernorm"):
+                setattr(owner, name, _Float64Norm(child))
+    return reference
+
+
+def _fresh(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return keys, values  # a prompt into an empty cache attends over its own keys and values
+
+
+def _check_layer(config: Any, layer: nn.Module, rotary: nn.Module) -> None:
+    """float64 against the layer with its norms in float64 (1e-12), float32 against the layer as it is (1e-5)."""
+    assert layer_reason(layer) is None
+    torch.manual_seed(1)
+    for dtype, reference, tol in ((torch.float64, _norms_in_float64(layer), 1e-12),
+                                  (torch.float32, copy.deepcopy(layer).float(), 1e-5)):  # fmt: skip
+        hidden = torch.randn(2, 9, config.hidden_size, dtype=dtype)
+        cos, sin = rotary.to(dtype)(hidden, position_ids=_positions(config, 2, 9))
+        with torch.no_grad():
+            out = reference(hidden, attention_mask=None, position_embeddings=(cos, sin))
+            expected = out[0] if isinstance(out, tuple) else out
+            pieces, shape = LeanLayers(hidden.device), layer_shape(config, layer)
+            rotation = rotation_tables(cos, sin)
+            lean = layer_forward(pieces, hidden, layer_tensors(layer.to(dtype)), rotation, shape, _fresh, None)
+        torch.testing.assert_close(lean, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(BUILT))
+def test_the_lean_layer_computes_transformers_layer(name: str) -> None:
+    _check_layer(*_built(name))
+
+
+@pytest.mark.parametrize("fixture", ["qwen_demo", "qwen3_demo", "internvl_demo"])
+def test_the_lean_layer_computes_each_demo_decoder_layer(request: pytest.FixtureRequest, fixture: str) -> None:
+    _check_layer(*_demo_layer(request.getfixturevalue(fixture)))  # Qwen2.5-VL, Qwen3-VL (q/k norms), Qwen2
+
+
+def test_the_lean_layer_masks_what_the_decode_mask_hides() -> None:
+    config, layer, rotary = _built("llama-gqa")
+    torch.manual_seed(2)
+    hidden = torch.randn(1, 6, config.hidden_size, dtype=torch.float64)
+    cos, sin = rotary(hidden, position_ids=_positions(config, 1, 6))
+    mask = torch.zeros(1, 1, 6, 6, dtype=torch.float64).masked_fill_(torch.ones(6, 6).triu(1).bool(), -torch.inf)
+    with torch.no_grad():
+        args = (LeanLayers(hidden.device), hidden, layer_tensors(layer), rotation_tables(cos, sin),
+                layer_shape(config, layer), lambda k, v: (k, v))  # fmt: skip
+        torch.testing.assert_close(layer_forward(*args, mask), layer_forward(*args, None), rtol=1e-12, atol=1e-12)
+        # a mask that hides the first key from every later row changes those rows only
+        mask[..., 1:, 0] = -torch.inf
+        changed = (layer_forward(*args, mask) - layer_forward(*args, None)).abs().amax(-1)[0]
+    assert changed[0] == 0 and bool((changed[1:] > 0).all())
+
+
+def test_layers_of_another_form_are_left_to_generate() -> None:
+    _, layer, _ = _built("qwen2")
+    layer.mlp.act_fn = nn.GELU()
+    assert "not SiLU" in (layer_reason(layer) or "")
+    _, layer, _ = _built("llama-gqa")
+    layer.post_attention_layernorm = nn.LayerNorm(32)
+    assert "normalises with LayerNorm" in (layer_reason(layer) or "")
+
+
+def test_a_model_whose_layers_the_lean_layer_cannot_compute_gets_no_static_loop(demo: Any) -> None:
+    model = copy.deepcopy(demo.model)
+    model.model.language_model.layers[1].mlp.act_fn = nn.GELU()
+    assert "not SiLU" in (unsupported_reason(model) or "")
