@@ -8,6 +8,7 @@ import torch
 
 from care_core import kernels
 from care_core.kernels import Kernel, KernelGate, as_gate
+from care_core.kernels.shapes import GREEDY_MAX_TOKENS
 from care_core.precision import matmul_precision
 
 
@@ -24,11 +25,7 @@ def cosine_similarity_matrix(a: torch.Tensor, b: torch.Tensor, eps: float) -> to
 def fused_greedy_applies(weights: torch.Tensor, features: torch.Tensor) -> bool:
     """Whether the fused greedy kernel takes these inputs (float32, N <= GREEDY_MAX_TOKENS); the gate decides
     about the device and Triton."""
-    return (
-        weights.dtype == torch.float32
-        and features.dtype == torch.float32
-        and weights.shape[0] <= kernels.GREEDY_MAX_TOKENS
-    )
+    return weights.dtype == torch.float32 and features.dtype == torch.float32 and weights.shape[0] <= GREEDY_MAX_TOKENS
 
 
 def diversity_greedy(

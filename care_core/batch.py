@@ -4,7 +4,6 @@ what :func:`~care_core.care.care_reduce` gives for it alone (to a BLAS's roundin
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +20,9 @@ from care_core.care import (
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError
 from care_core.kernels import KernelGate
+from care_core.methods.base import MethodInputs, memo_orders
 from care_core.precision import compute_dtype, matmul_precision
 from care_core.scoring import Projector, Scorer, influence_scores, robust_zscores
-
-if TYPE_CHECKING:
-    from care_core.methods.base import MethodInputs
 
 
 def _check_batch(features: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> None:
@@ -166,7 +163,6 @@ def anchor_orders(
     (:func:`~care_core.methods.base.memo_orders`: the order for K is the first K of any longer one). The images
     lacking a long enough order: one alone by :func:`diversity_greedy`, as one image's call runs it; several by
     :func:`batch_anchors`."""
-    from care_core.methods.base import memo_orders
 
     def compute(todo: list[int], lengths: list[int]) -> list[torch.Tensor]:
         if len(todo) == 1:

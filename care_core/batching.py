@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from care_core.errors import CareError
+from care_core.vocabulary import BATCH_BUCKETS
 
 if TYPE_CHECKING:
     from care_core.backbones.base import VLMAdapter
@@ -133,8 +134,6 @@ def default_batch_size(
 def batch_size_for(free_bytes: int, per_sample_bytes: int) -> int:
     """floor((MEMORY_SHARE * free - RESERVED_BYTES) / per sample), clamped to [1, MAX_BATCH_SIZE], then down to a
     batch bucket of the static decoder (a batch of 20 would decode in a bucket of 32: 60% more cache than counted)."""
-    from care_core.backbones.static_generation import BATCH_BUCKETS
-
     room = MEMORY_SHARE * free_bytes - RESERVED_BYTES
     fits = max(1, min(MAX_BATCH_SIZE, math.floor(room / max(1, per_sample_bytes))))
     return max(bucket for bucket in BATCH_BUCKETS if bucket <= fits)

@@ -25,7 +25,6 @@ from care_core.scoring import (
 
 if TYPE_CHECKING:
     from care_core.kernels import KernelGate
-    from care_core.methods.base import MethodResult
 
 StageTimer = Callable[[str], AbstractContextManager[object]]
 STAGES = ("scoring", "anchors", "calibration")
@@ -47,25 +46,6 @@ class Reduction:
     @property
     def num_kept(self) -> int:
         return int(self.indices.shape[0])
-
-    def to_method_result(self) -> MethodResult:
-        """This reduction in the method contract: rows = anchors (ascending), scores = psi_bar, each signal
-        assigned to the anchor it mostly feeds (argmax_j q_rj, Eq. 7), residuals and c_r (Eq. 6) in `info`."""
-        from care_core.methods.base import MethodResult
-
-        anchors = self.indices
-        n = self.psi_bar.shape[0]
-        assignment = torch.full((n,), -1, dtype=torch.long, device=anchors.device)
-        assignment[anchors] = torch.arange(anchors.numel(), device=anchors.device)
-        assignment[self.signals] = torch.searchsorted(anchors, self.signal_targets)
-        return MethodResult(
-            tokens=self.tokens,
-            token_index=anchors,
-            scores=self.psi_bar,
-            assignment=assignment,
-            signals=self.signals,
-            info={"selection_order": self.anchor_order, "residuals": self.residuals, "confidence": self.confidence},
-        )
 
 
 def check_inputs(features: torch.Tensor, positions: torch.Tensor, *, finite: bool = True) -> None:

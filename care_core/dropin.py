@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from care_core.budget import Budget, Ratio, budgets_from
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, MethodError, ModelLoadError
+from care_core.vocabulary import DEFAULT_QUESTION
 
 if TYPE_CHECKING:
     import torch
@@ -160,8 +161,6 @@ class VisualTokenReduction:
         taken off (so a prompt from ``adapter.prompt(q)`` gives ``q``, as ReductionPipeline has it); for a prompt
         in another form, its whole text without image placeholders and special tokens."""
         import torch
-
-        from care_core.pipeline import DEFAULT_QUESTION
 
         tokenizer, marker = self.adapter.tokenizer, "CAREQUESTIONMARK"
         after = tokenizer.decode(real_ids[span[1] :].tolist(), skip_special_tokens=False)

@@ -25,6 +25,7 @@ from care_core.budget import Budget
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, MethodError, QuestionError
 from care_core.timing import StageClock, Timed, alternating_medians
+from care_core.vocabulary import DEFAULT_QUESTION
 
 if TYPE_CHECKING:
     import torch
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from care_core.generation import Generation
     from care_core.methods.base import Method, MethodInputs, MethodResult
     from care_core.scoring import Scorer
-
-#: The question used where one is needed (a question-reading method, ``generate``) and none is given.
-DEFAULT_QUESTION = "Describe the image."
 
 
 @dataclass(frozen=True)

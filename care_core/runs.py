@@ -11,7 +11,8 @@ alone (a bad sample) can be recorded with :meth:`DatasetRun.append_failures`, so
 folder written with another setup is refused. The manifest and the shards are created with mode 0644 (less what
 the umask removes).
 
-This is the only module of care that touches ``torch.distributed``::
+This is the only module of care that starts, joins or ends a process group (the demo builder only reads its
+rank, :func:`care_core.backbones.demo.group_rank`)::
 
     with DatasetRun("runs/csr", manifest={"model": "tiny-llava"}, resume=True) as run:
         pipe = ReductionPipeline.from_pretrained("tiny-llava", device=run.device("auto"))
@@ -56,16 +57,6 @@ T = TypeVar("T")
 Key = tuple[Any, ...]
 
 
-def group_rank() -> int | None:
-    """This process's rank in an initialised process group, or None where there is none (no import of
-    torch.distributed unless something else imported it: then no group can exist)."""
-    if "torch.distributed" not in sys.modules:
-        return None
-    import torch.distributed as dist
-
-    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
-
-
 class RunFolderError(CareError):
     """The output folder of a data-set run cannot be used (a file, another run, another setup)."""
 
@@ -98,9 +89,23 @@ class World:
 
     def device(self, device: str) -> str:
         """``device`` for this process: with several processes, ``auto``/``cuda`` become ``cuda:LOCAL_RANK``."""
-        from care_core.backbones.loading import process_device
-
         return process_device(device, world_size=self.size, local_rank=self.local_rank)
+
+
+def process_device(device: str = "auto", *, world_size: int | None = None, local_rank: int | None = None) -> str:
+    """This process's device -- the one answer to "which GPU is mine". With several processes (``world_size`` > 1;
+    by default WORLD_SIZE, as torchrun and accelerate set it) on a machine with CUDA, "auto" and "cuda" become
+    ``cuda:{local_rank}`` (by default LOCAL_RANK; modulo the number of GPUs, so more processes than GPUs share
+    them); anything else ("cpu", an explicit "cuda:N", one process) is ``device`` as given
+    (:func:`care_core.backbones.loading.resolve_device` then checks it)."""
+    import torch
+
+    launched = World.from_env()
+    size = launched.size if world_size is None else world_size
+    if size <= 1 or device not in ("auto", "cuda") or not torch.cuda.is_available():
+        return device
+    rank = launched.local_rank if local_rank is None else local_rank
+    return f"cuda:{rank % torch.cuda.device_count()}"  # more processes than GPUs: they share them in turn
 
 
 class Processes:

@@ -32,6 +32,7 @@ from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, ro
 from care_core._chunks import chunk_size as _chunk_size
 from care_core._memo import remember
 from care_core.kernels import Kernel, KernelGate, as_gate
+from care_core.kernels.shapes import jvp_shape_supported
 from care_core.norm_first import NormFirstMLP
 from care_core.precision import matmul_precision
 
@@ -335,7 +336,7 @@ def _fused_jvp_applies(
         return False
     if upper and w2.shape[0] != w2.shape[1]:
         return False  # the kernel skips a square triangle only; a trapezoid stays on the PyTorch path
-    return kernels.jvp_shape_supported(w2.shape[1], w2.shape[0])
+    return jvp_shape_supported(w2.shape[1], w2.shape[0])
 
 
 def _jvp_norm_mlp(

@@ -21,7 +21,8 @@ NameArg = Annotated[
 def method_rows() -> list[dict[str, Any]]:
     from care_core.backbones.families import family_names
     from care_core.config import CaReConfig
-    from care_core.methods import PROBES, method_class, method_names
+    from care_core.methods import method_class, method_names
+    from care_core.vocabulary import PROBES
 
     config_fields = CaReConfig.field_names()
     rows = []

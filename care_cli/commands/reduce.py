@@ -12,7 +12,7 @@ from care_cli import options as opt
 from care_cli import render
 from care_core.config import CaReConfig
 from care_core.errors import one_line
-from care_core.pipeline import DEFAULT_QUESTION
+from care_core.vocabulary import DEFAULT_QUESTION
 
 ImageArg = Annotated[Path, typer.Argument(help="Image file (any size, mode or EXIF orientation).", show_default=False)]
 Question = Annotated[

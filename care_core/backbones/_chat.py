@@ -15,9 +15,11 @@ from .._memo import remember
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
 from ..images import to_rgb
+from ..vocabulary import DEFAULT_QUESTION
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_on_host
-from .probes import DEFAULT_PROBE_QUESTION, VISION_PROBES, LanguageModelRun, attention_implementation
+from .preprocess_pool import ProcessorPool, process_image
+from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
 from .static_generation import StaticPrompt
 
 
@@ -107,12 +109,6 @@ def preprocess_workers(images: int) -> int:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(images, cores, MAX_PREPROCESS_WORKERS))
-
-
-def process_image(image_processor: Any, image: Image.Image) -> dict[str, Any]:
-    """``image_processor``'s outputs (CPU tensors) for one image, as for a list of one; touches no process-wide state,
-    so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them)."""
-    return dict(image_processor(images=to_rgb(image), return_tensors="pt"))
 
 
 def preprocess_images(
@@ -256,8 +252,6 @@ class ChatAdapter(VLMAdapter):
     def processor_pool(self) -> Any:
         """This adapter's :class:`~care_core.backbones.preprocess_pool.ProcessorPool` (started on first use, kept
         with the adapter): the image processor on worker processes, for data-set runs on a GPU."""
-        from .preprocess_pool import ProcessorPool
-
         if self._pool is None:
             self._pool = ProcessorPool(self.processor.image_processor)
         return self._pool
@@ -571,14 +565,14 @@ class ChatAdapter(VLMAdapter):
         raise NotImplementedError
 
     def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
-        """The requested probes (see ``care_core.methods.base.PROBES``) for the image of ``tokens``.
+        """The requested probes (see ``care_core.vocabulary.PROBES``) for the image of ``tokens``.
 
         Names outside :attr:`capabilities` raise MethodError (one line, naming the backbone and why).
         Vision probes come from one pass of the vision tower over ``tokens.model_inputs["pixel_values"]``,
         stopped as soon as the last hooked value is captured; the tower keeps its attention implementation
         (see :func:`~care_core.backbones.probes.clip_vision_probes` for shapes and dtypes). ``question`` is
         :meth:`question_embeddings`; ``language_model`` is a :class:`~care_core.backbones.probes.LanguageModelRun`
-        on the prompt with ``question`` (or :data:`~care_core.pipeline.DEFAULT_QUESTION`) and all N projected
+        on the prompt with ``question`` (or :data:`~care_core.vocabulary.DEFAULT_QUESTION`) and all N projected
         visual tokens, fed like :meth:`language_model_logits` (one placeholder per token: no LLaVA-NeXT newline rows).
         """
         wanted = list(dict.fromkeys(names))
@@ -600,7 +594,7 @@ class ChatAdapter(VLMAdapter):
     def language_model_probe(self, tokens: ImageTokens, question: str | None = None) -> LanguageModelRun:
         """A LanguageModelProbe on the prompt with ``question`` and all N projected visual tokens."""
         if question is None or not question.strip():
-            question = DEFAULT_PROBE_QUESTION
+            question = DEFAULT_QUESTION
         with torch.no_grad():
             projected = self.projector(tokens.features)
         inputs = self._lm_inputs(question, tokens, projected, None, probe=True)

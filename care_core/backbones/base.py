@@ -34,8 +34,9 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from ..errors import ImageError
+from ..errors import ImageError, MethodError
 from ..generation import Generation
+from ..vocabulary import PROBES
 from .families import backbone_family
 
 
@@ -141,9 +142,7 @@ class VLMAdapter(ABC):
 
     @property
     def capabilities(self) -> frozenset[str]:
-        """The probes (keys of ``care_core.methods.base.PROBES``) this backbone can provide."""
-        from ..methods.base import PROBES
-
+        """The probes (keys of ``care_core.vocabulary.PROBES``) this backbone can provide."""
         return frozenset(PROBES)
 
     def why_probe_missing(self, probe: str) -> str:
@@ -155,9 +154,6 @@ class VLMAdapter(ABC):
 
         Commands call it with a method's ``needs`` before any work, so the method refuses up front.
         """
-        from ..errors import MethodError
-        from ..methods.base import PROBES
-
         wanted = list(dict.fromkeys(names))
         unknown = [n for n in wanted if n not in PROBES]
         if unknown:
@@ -266,7 +262,7 @@ class VLMAdapter(ABC):
 
     @abstractmethod
     def probe_inputs(self, tokens: ImageTokens, names: Iterable[str], question: str | None = None) -> dict[str, Any]:
-        """Exactly the requested probes (keys of ``care_core.methods.base.PROBES``) for the image of ``tokens``.
+        """Exactly the requested probes (keys of ``care_core.vocabulary.PROBES``) for the image of ``tokens``.
 
         Vision probes requested together share one vision-tower pass; ``"question"`` needs ``question``
         (QuestionError otherwise); ``"language_model"`` is a ``LanguageModelProbe`` on the prompt with

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -688,11 +689,19 @@ def install_demo(name: str, home: Path) -> DemoInstall:
     return DemoInstall(target, tuple(notices))
 
 
+def group_rank() -> int | None:
+    """This process's rank in an initialised process group, or None where there is none (no import of
+    torch.distributed unless something else imported it: then no group can exist)."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
+
+
 def _other_rank_builds() -> bool:
     """True in a process group's rank > 0: there transformers' save_pretrained writes nothing (only rank 0
     saves), so rank 0 builds the demo and the other ranks wait for it."""
-    from care_core.runs import group_rank
-
     return group_rank() not in (None, 0)
 
 

@@ -18,18 +18,10 @@ import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 from care_core.errors import CareError
-
-#: What a family's visual tokens may offer a method beyond features, projector and positions.
-Trait = Literal["cls_token", "single_grid"]
-TRAITS: tuple[Trait, ...] = get_args(Trait)
-#: What a method that requires the trait needs, in words (for "cannot run" messages).
-TRAIT_NEEDS: dict[Trait, str] = {
-    "cls_token": "the vision tower's CLS token",
-    "single_grid": "the visual tokens to form one raster grid",
-}
+from care_core.vocabulary import TRAITS, Trait
 
 RANDOM_DEMO_NOTE = "demo backbone: random weights — its numbers say nothing about a real model"
 TRAINED_DEMO_NOTE = (

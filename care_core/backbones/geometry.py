@@ -21,12 +21,13 @@ Everything here is plain arithmetic on sizes; no pixels are touched.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from .._lazy import torch
 from .._memo import remember
+from ..errors import CareError
 
 if TYPE_CHECKING:
     from .base import ImageTokens
@@ -70,6 +71,29 @@ class CropGeometry:
         box = self.crop_to_original(full)
         x0, y0, x1, y1 = (float(v) for v in box.tolist())
         return (max(0.0, x0), max(0.0, y0), min(float(self.width), x1), min(float(self.height), y1))
+
+
+#: the ratio above which LLaVA-OneVision bilinearly pools its high-resolution grid (``pack_image_features``)
+ONEVISION_POOL_ABOVE = 1.1
+
+
+def anyres_max_crops(vision_aspect_ratio: str) -> int:
+    """The crop budget of a LLaVA-OneVision ``vision_aspect_ratio`` ("anyres_max_9" -> 9), parsed as the model does."""
+    try:
+        return int(vision_aspect_ratio.strip("anyres_max_"))  # noqa: B005  (the model strips this character set)
+    except ValueError:
+        raise CareError(f"vision_aspect_ratio {vision_aspect_ratio!r} is not of the form anyres_max_<crops>") from None
+
+
+def onevision_pooled_grid(rows: int, cols: int, side: int, max_crops: int) -> tuple[int, int]:
+    """The (rows, cols) LLaVA-OneVision's ``pack_image_features`` hands the language model for an unpadded
+    high-resolution grid of rows×cols (``side``: patches per crop side): bilinearly pooled to
+    ``int(rows // ratio) × int(cols // ratio)`` when ``ratio = sqrt(rows·cols / (max_crops·side²)) > 1.1``,
+    else unchanged (transformers' expressions, float floor division included)."""
+    ratio = math.sqrt(rows * cols / (max_crops * side**2))
+    if ratio > ONEVISION_POOL_ABOVE:
+        return int(rows // ratio), int(cols // ratio)
+    return rows, cols
 
 
 def _size_get(size: Any, key: str) -> Any:

@@ -34,10 +34,10 @@ import torch
 from transformers import LlavaOnevisionProcessor, ProcessorMixin
 
 from ..errors import ModelLoadError
-from ..flops.tokens import anyres_max_crops, onevision_pooled_grid
 from ._chat import ChatAdapter
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept, is_all_tokens
+from .geometry import anyres_max_crops, onevision_pooled_grid
 from .llava import _inner
 from .llava_next import LlavaNextAdapter
 

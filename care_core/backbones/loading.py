@@ -57,22 +57,6 @@ def hf_hub_cache() -> Path:
     return Path(os.path.expandvars(os.path.expanduser(hf_home))) / "hub"
 
 
-def process_device(device: str = "auto", *, world_size: int | None = None, local_rank: int | None = None) -> str:
-    """This process's device -- the one answer to "which GPU is mine". With several processes (``world_size`` > 1;
-    by default WORLD_SIZE, as torchrun and accelerate set it) on a machine with CUDA, "auto" and "cuda" become
-    ``cuda:{local_rank}`` (by default LOCAL_RANK; modulo the number of GPUs, so more processes than GPUs share
-    them); anything else ("cpu", an explicit "cuda:N", one process) is ``device`` as given (:func:`resolve_device`
-    then checks it)."""
-    from care_core.runs import World  # the one reader of the launcher's environment
-
-    launched = World.from_env()
-    size = launched.size if world_size is None else world_size
-    if size <= 1 or device not in ("auto", "cuda") or not torch.cuda.is_available():
-        return device
-    rank = launched.local_rank if local_rank is None else local_rank
-    return f"cuda:{rank % torch.cuda.device_count()}"  # more processes than GPUs: they share them in turn
-
-
 def resolve_device(device: str | torch.device) -> torch.device:
     """A torch.device that exists on this machine (ModelLoadError otherwise); "auto" picks CUDA if present."""
     if isinstance(device, str) and device.strip().lower() == "auto":

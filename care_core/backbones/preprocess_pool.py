@@ -2,7 +2,7 @@
 
 A Hugging Face image processor spends much of its time in Python (numpy padding and patching per crop): on threads
 it holds the GIL against the thread that drives the GPU, so a batched run on a GPU waits for its inputs. A
-:class:`ProcessorPool` runs :func:`~care_core.backbones._chat.process_image` on spawned worker processes instead;
+:class:`ProcessorPool` runs :func:`process_image` on spawned worker processes instead;
 per image the output is exactly what the processor gives in this process. The pool belongs to whoever made it
 (``ChatAdapter.processor_pool`` keeps one per adapter); each worker keeps its copy of the image processor.
 """
@@ -14,6 +14,9 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from PIL import Image
+
+from ..images import to_rgb
+from ._hf import quiet_transformers
 
 #: most worker processes a pool starts
 MAX_POOL_WORKERS = 8
@@ -36,10 +39,13 @@ def _start(image_processor: Any) -> None:
     _worker_processor = image_processor
 
 
-def _process(image: Image.Image) -> dict[str, Any]:
-    from care_core.backbones._chat import process_image
-    from care_core.backbones._hf import quiet_transformers
+def process_image(image_processor: Any, image: Image.Image) -> dict[str, Any]:
+    """``image_processor``'s outputs (CPU tensors) for one image, as for a list of one; touches no process-wide state,
+    so worker threads may call it (wrap the calls in ``quiet_transformers()`` once, outside them)."""
+    return dict(image_processor(images=to_rgb(image), return_tensors="pt"))
 
+
+def _process(image: Image.Image) -> dict[str, Any]:
     with quiet_transformers():
         return process_image(_worker_processor, image)
 

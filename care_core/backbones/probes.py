@@ -19,16 +19,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..pipeline import DEFAULT_QUESTION
 from ._hf import quiet_transformers
 
-# Probe names computed from one vision-tower forward (see care_core.methods.base.PROBES); the attention
+# Probe names computed from one vision-tower forward (see care_core.vocabulary.PROBES); the attention
 # probes are recomputed from the feature block's attention input.
 ATTENTION_PROBES = frozenset({"cls_attention", "attention_logits", "keys"})
 VISION_PROBES = ATTENTION_PROBES | {"hidden_with_cls", "last_layer_qk"}
 #: a model's ``vision_feature_layer``: one index into ``hidden_states``, or several (features concatenated)
 FeatureLayer = int | Sequence[int]
-DEFAULT_PROBE_QUESTION = DEFAULT_QUESTION  # the language-model probe's question where none is given
 
 
 class StopForward(Exception):

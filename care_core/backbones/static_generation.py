@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
+from ..vocabulary import BATCH_BUCKETS
 from .decoder_layers import LeanLayers, layer_forward, layer_reason, layer_shape, layer_tensors, rotation_tables
 
 BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby lengths share a graph
 CAPACITY_STEP = 256  # the cache grows in steps of this many positions
 MAX_PREFILL_GRAPHS = 8  # (batch, padded length) pairs whose prefill graph is kept (least recently used dropped first)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes are padded up to one of these; larger batches go in chunks
 # a call replays a captured prefill shape other than its own only where that shape's prompt rows (batch bucket x
 # padded length) are at most this many times its own. A replay costs what its rows cost (on an H100, about 27 us a
 # row of LLaVA-1.5-7B), so under a looser rule a reduced prompt of ~200 rows replayed the all-token graph of ~2,900

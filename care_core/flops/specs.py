@@ -51,7 +51,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from care_core.backbones.families import backbone_family, families, model_types
+from care_core.backbones.geometry import anyres_max_crops
 from care_core.errors import CareError, ModelLoadError, one_line
+from care_core.flops.tokens import visual_tokens
 
 
 class BackboneSpecError(ModelLoadError):
@@ -291,8 +294,6 @@ _ALIASES: dict[str, str] = {alias.lower(): spec.name for spec in KNOWN_BACKBONES
 def short_names() -> dict[str, str]:
     """Family name -> the spec it stands for (`llava-1.5` -> `llava-1.5-7b`, ...): each family record's
     ``flops_spec``."""
-    from care_core.backbones.families import families
-
     return {family.name: family.flops_spec for family in families()}
 
 
@@ -370,8 +371,6 @@ def from_config(path: str | Path) -> BackboneSpec:
         path = path / "config.json"
         if not path.is_file():
             raise BackboneSpecError(f"{folder} has no config.json (give a model folder or its config.json)")
-    from care_core.backbones.families import model_types
-
     raw = _load_json(path)
     model_type = raw.get("model_type")
     if model_type not in model_types():
@@ -445,8 +444,6 @@ def _lm_spec(text: Any, path: Path) -> LanguageModelSpec:
 
 
 def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
-    from care_core.backbones.families import backbone_family
-
     family = backbone_family(model_type)
     lm = _lm_spec(config.text_config, path)
     vc = config.vision_config
@@ -471,8 +468,6 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
         spec = BackboneSpec(name, f"{family.display} (config)", family.name, lm, projector, vision, 0, "", None,
                             _pinpoints(config, path), source=str(path))  # fmt: skip
         if siglip:
-            from care_core.flops.tokens import anyres_max_crops
-
             spec = replace(
                 spec, max_crops=anyres_max_crops(str(getattr(config, "vision_aspect_ratio", "anyres_max_9")))
             )
@@ -484,8 +479,6 @@ def _spec_from_hf(config: Any, model_type: str, path: Path) -> BackboneSpec:
 
 def _qwen_spec(config: Any, model_type: str, path: Path, name: str, lm: LanguageModelSpec) -> BackboneSpec:
     """The spec of a Qwen2.5-VL or Qwen3-VL config (merged 2x2 tokens, a merger as projector)."""
-    from care_core.backbones.families import backbone_family
-
     family = backbone_family(model_type)
     vc = config.vision_config
     merge = _positive(vc.spatial_merge_size, "spatial_merge_size", path)
@@ -531,8 +524,6 @@ def _internvl_spec(config: Any, lm: LanguageModelSpec, name: str, display: str, 
                         image_size=image, feature_tokens=per_tile)  # fmt: skip
     spec = BackboneSpec(name, f"{display} (config)", "internvl3", lm, _internvl_projector(lm.hidden, v_hidden, shuffle),
                         vision, 0, "", (672, 672), max_tiles=INTERNVL_MAX_TILES, source=str(path))  # fmt: skip
-    from care_core.flops.tokens import visual_tokens
-
     n = visual_tokens(spec, 672, 672).tokens
     return replace(spec, default_tokens=n, paper_budgets=(n // 5, n // 10, n // 20),
                    default_tokens_note=f"InternVL at 672×672: tiles + thumbnail, {per_tile} tokens each")  # fmt: skip
@@ -548,8 +539,6 @@ def _pinpoints(config: Any, path: Path) -> tuple[tuple[int, int], ...]:
 def _with_default_image(spec: BackboneSpec, display: str) -> BackboneSpec:
     """An anyres spec's default image (672×672, else 768×768 where a pinpoint, else the largest pinpoint), its N and
     budgets at LLaVA-NeXT's paper fractions (640, 320, 160 of 2880)."""
-    from care_core.flops.tokens import visual_tokens
-
     pinpoints = spec.grid_pinpoints
     default_image = next((p for p in ((672, 672), (768, 768)) if p in pinpoints), None)
     default_image = default_image or max(pinpoints, key=lambda p: p[0] * p[1])
@@ -580,8 +569,6 @@ def _with_internvl_tiles(spec: BackboneSpec, preprocessor: Path) -> BackboneSpec
     tiles = _positive(_load_json(preprocessor).get("max_patches", spec.max_tiles), "max_patches", preprocessor)
     if tiles == spec.max_tiles:
         return spec
-    from care_core.flops.tokens import visual_tokens
-
     spec = replace(spec, max_tiles=tiles)
     n = visual_tokens(spec, *(spec.default_image or (672, 672))).tokens
     return replace(spec, default_tokens=n, paper_budgets=(n // 5, n // 10, n // 20))

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from care_core.backbones.geometry import onevision_pooled_grid
 from care_core.errors import CareError
 
 if TYPE_CHECKING:
@@ -92,29 +93,6 @@ def llava_next_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount
         detail.update(pooled_grid=[pooled_rows, pooled_cols],
                       model_visual_rows=base + pooled_rows * (pooled_cols + 1))  # fmt: skip
     return TokenCount(base + rows * cols, crops=1 + tiles_h * tiles_w, grid=(rows, cols), detail=detail)
-
-
-#: the ratio above which LLaVA-OneVision bilinearly pools its high-resolution grid (``pack_image_features``)
-ONEVISION_POOL_ABOVE = 1.1
-
-
-def anyres_max_crops(vision_aspect_ratio: str) -> int:
-    """The crop budget of a LLaVA-OneVision ``vision_aspect_ratio`` ("anyres_max_9" -> 9), parsed as the model does."""
-    try:
-        return int(vision_aspect_ratio.strip("anyres_max_"))  # noqa: B005  (the model strips this character set)
-    except ValueError:
-        raise CareError(f"vision_aspect_ratio {vision_aspect_ratio!r} is not of the form anyres_max_<crops>") from None
-
-
-def onevision_pooled_grid(rows: int, cols: int, side: int, max_crops: int) -> tuple[int, int]:
-    """The (rows, cols) LLaVA-OneVision's ``pack_image_features`` hands the language model for an unpadded
-    high-resolution grid of rows×cols (``side``: patches per crop side): bilinearly pooled to
-    ``int(rows // ratio) × int(cols // ratio)`` when ``ratio = sqrt(rows·cols / (max_crops·side²)) > 1.1``,
-    else unchanged (transformers' expressions, float floor division included)."""
-    ratio = math.sqrt(rows * cols / (max_crops * side**2))
-    if ratio > ONEVISION_POOL_ABOVE:
-        return int(rows // ratio), int(cols // ratio)
-    return rows, cols
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from care_core.integrations import missing_task_path
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
 from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher
 from care_core.runs import World
+from care_core.vocabulary import DEFAULT_QUESTION
 
 #: model id -> (class in this module, aliases)
 MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -322,8 +323,6 @@ class CareLMM(lmms):
         """
         from PIL import Image
 
-        from care_core.pipeline import DEFAULT_QUESTION
-
         grey = Image.new("RGB", (336, 336), (128, 128, 128))
         adapter: Any = self.adapter
         if adapter.device.type == "cuda" and hasattr(adapter, "processor_pool"):  # start the workers now, untimed
@@ -332,7 +331,7 @@ class CareLMM(lmms):
                 future.result()
         self.batches.run([grey] * self.batch_size, lambda chunk: self.answer_batch(chunk, [DEFAULT_QUESTION] *
                                                                                    len(chunk), 2))  # fmt: skip
-        if self.batch_size > 1:  # and one image: the kernels tune once per size class (care_core.kernels.size_class),
+        if self.batch_size > 1:  # and one image: the kernels tune once per size class (kernels.shapes.size_class),
             self.answer_batch([grey], [DEFAULT_QUESTION], 2)  # and a run's last, smaller batch can fall in the other
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:

@@ -34,12 +34,6 @@ from care_core.errors import CareError
 
 Path = Literal["fused", "torch"]
 
-#: Shapes the fused jvp kernel tiles without masks (LLaVA: 4096 -> 4096).
-JVP_K_MULTIPLE = 64
-JVP_OUT_MULTIPLE = 256
-#: The largest N one program of the fused greedy holds in registers; larger inputs use the PyTorch loop.
-GREEDY_MAX_TOKENS = 16384
-
 T = TypeVar("T")
 
 
@@ -182,21 +176,3 @@ def divprune_orders(
 def triton_enabled(device: torch.device) -> bool:
     """True when the fused kernels may run on ``device`` (:func:`why_not_fused` is None)."""
     return why_not_fused(device) is None
-
-
-def jvp_shape_supported(hidden: int, out_dim: int) -> bool:
-    """Shapes the fused jvp kernel takes without masks."""
-    return hidden % JVP_K_MULTIPLE == 0 and out_dim % JVP_OUT_MULTIPLE == 0
-
-
-#: token rows from which the fused jvp kernel is tuned as for a batch of images (see :func:`size_class`)
-BATCH_ROWS = 4096
-
-
-def size_class(rows: int) -> int:
-    """The autotuner's key for ``rows`` token rows: 0 for one image's rows, 1 from :data:`BATCH_ROWS` on (a batch).
-    Tuning benchmarks every candidate tile for seconds, and data-set runs meet a new N at almost every call (image
-    sizes vary, and a batch's N is the sum of its images'): keyed on N itself, a run on a GPU re-tuned at almost
-    every batch. Two classes tune at most twice per process; within a class the tile that wins is the same or
-    close."""
-    return int(rows >= BATCH_ROWS)

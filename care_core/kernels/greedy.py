@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels import GREEDY_MAX_TOKENS
+from care_core.kernels.shapes import GREEDY_MAX_TOKENS
 
 #: The largest N one program holds (registers): larger inputs use the PyTorch loop.
 MAX_TOKENS = GREEDY_MAX_TOKENS

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported, size_class
+from care_core.kernels.shapes import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported, size_class
 
 
 def _cfg(bm: int, bn: int, bk: int, dirs: int, stages: int, warps: int) -> triton.Config:
@@ -89,7 +89,7 @@ def _sqnorm_kernel(
     s_ptr, a_ptr, w_ptr, p_ptr,
     n_pad, m, d_h, d_out,
     stride_s, stride_a, stride_w, stride_pblk,
-    size_class,  # the autotuner's key for N (care_core.kernels.size_class); not read here
+    size_class,  # the autotuner's key for N (care_core.kernels.shapes.size_class); not read here
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRS: tl.constexpr, GROUP: tl.constexpr,
     BF16: tl.constexpr, ROUND: tl.constexpr, UPPER: tl.constexpr,
 ):  # fmt: skip

@@ -1,7 +1,6 @@
 """Token-reduction methods behind one contract (base.py), one module each, and their registry."""
 
 from care_core.methods.base import (
-    PROBES,
     Method,
     MethodInputs,
     MethodResult,
@@ -19,7 +18,6 @@ from care_core.methods.registry import (
 )
 
 __all__ = [
-    "PROBES",
     "Method",
     "MethodInputs",
     "MethodResult",

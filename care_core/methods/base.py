@@ -3,7 +3,7 @@
 A method is a small frozen dataclass (its hyperparameters as fields) with class-level metadata and
 one ``reduce(inputs, keep) -> MethodResult``; ``__call__`` checks the budget once for every method
 and then calls ``reduce``. Inputs a method needs beyond the features are named in ``needs``;
-backbone adapters compute exactly those (see :data:`PROBES`).
+backbone adapters compute exactly those (see :data:`care_core.vocabulary.PROBES`).
 
 All metadata lives on the class, so that listing (``care methods``), the flops cost models
 (``care_core.flops``), the overlays' score labels and the per-backbone method lists read one source.
@@ -18,35 +18,24 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, final
 
 from care_core._lazy import torch
+from care_core.backbones import families
+from care_core.backbones.families import BackboneFamily
 from care_core.budget import check_keep
 from care_core.errors import BudgetError, CareError, MethodError
+from care_core.vocabulary import PROBES, TRAIT_NEEDS, Trait
 
 if TYPE_CHECKING:
-    from care_core.backbones.families import BackboneFamily, Trait
     from care_core.config import CaReConfig
     from care_core.scoring import Scorer
 
 Category = Literal["selection", "merging", "calibration"]
 StageTimer = Callable[[str], AbstractContextManager[object]]  # stage name -> context manager (as care.StageTimer)
 
-# Named inputs a method may need, beyond features, projector and positions.
-PROBES: dict[str, str] = {
-    "cls_attention": "(H, 1+N) softmax attention of the CLS query over [CLS, patches] at the feature layer",
-    "attention_logits": "(1+N, 1+N) head-mean pre-softmax attention logits at the feature layer",
-    "keys": "(1+N, d_head) head-mean attention keys at the feature layer (row 0 = CLS)",
-    "hidden_with_cls": "(1+N, d_v) feature-layer hidden states including the CLS row",
-    "last_layer_qk": "(2, 1+N, d_v) q_proj / k_proj outputs of the vision tower's last layer",
-    "question": "(T, d_t) input embeddings of the question's non-special tokens",
-    "language_model": "a handle that runs the language model's first layers on the full sequence",
-}
-
 
 def backbone_family(family: str) -> BackboneFamily:
     """The registry's record of backbone `family` (its name or a config.json model_type); MethodError if unknown."""
-    from care_core.backbones.families import backbone_family as lookup
-
     try:
-        return lookup(family)
+        return families.backbone_family(family)
     except CareError as exc:
         raise MethodError(str(exc)) from None
 
@@ -225,8 +214,6 @@ class Method:
     @classmethod
     def why_not_served(cls, family: str) -> str | None:
         """What the method needs that backbone `family` lacks (e.g. "the vision tower's CLS token"), or None."""
-        from care_core.backbones.families import TRAIT_NEEDS
-
         missing = backbone_family(family).missing(cls.requires)
         return " and ".join(TRAIT_NEEDS[trait] for trait in missing) or None
 

@@ -16,7 +16,7 @@ sigma_p, tau_g, tau_c, tau_s and eps; the ungated injection only alpha, tau_s an
 c_r = 1, w_r = psi_bar_r + eps). Where the anchors come from ZOO-Prune, its normalised sensitivity plays
 the role of psi_bar. `care` runs :func:`care_core.care.care_reduce` itself, so the library function and
 the registered method are one code path; every calibrated result converts to the method contract in
-:meth:`care_core.care.Reduction.to_method_result`.
+:func:`reduction_result`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,29 @@ if TYPE_CHECKING:
     from care_core.scoring import Scorer
 
 PAPER = "CaRe: Calibrate Before Reason, Sec. 3 (ablations: Table S5)"
+
+
+def reduction_result(reduction: Reduction) -> MethodResult:
+    """A CaRe reduction in the method contract: rows = anchors (ascending), scores = psi_bar, each signal assigned to
+    the anchor it mostly feeds (argmax_j q_rj, Eq. 7), residuals and c_r (Eq. 6) in `info`."""
+    anchors = reduction.indices
+    n = reduction.psi_bar.shape[0]
+    assignment = torch.full((n,), -1, dtype=torch.long, device=anchors.device)
+    assignment[anchors] = torch.arange(anchors.numel(), device=anchors.device)
+    assignment[reduction.signals] = torch.searchsorted(anchors, reduction.signal_targets)
+    return MethodResult(
+        tokens=reduction.tokens,
+        token_index=anchors,
+        scores=reduction.psi_bar,
+        assignment=assignment,
+        signals=reduction.signals,
+        info={
+            "selection_order": reduction.anchor_order,
+            "residuals": reduction.residuals,
+            "confidence": reduction.confidence,
+        },
+    )
+
 
 PRCA_FIELDS = frozenset({"h", "m", "lam", "eps", "seed", "engine", "matmul_precision"})  # Eq. 1–3
 ZOO_FIELDS = ZooPrune.hyperparameters  # h, m, seed
@@ -156,7 +179,7 @@ class _CaReFamily(Method):
             confidence=cal.confidence,
             signal_targets=cal.signal_targets,
         )
-        return reduction.to_method_result()
+        return reduction_result(reduction)
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
         """CaRe's variants on B images (docs/design.md §Batches): the anchor weights of every image not in its memo
@@ -206,9 +229,9 @@ class _CaReFamily(Method):
         positions = [one.positions.to(device=v.device, dtype=v.dtype) for one, v in zip(inputs, vs, strict=True)]
         calibrations = calibrate_batch_with(self.config, vs, positions, anchors, weights,
                                             gated=self.calibration == "gated")  # fmt: skip
-        return [Reduction(indices=a, anchor_order=order, tokens=cal.tokens.to(one.features.dtype), signals=cal.signals,
-                          psi_bar=w, residuals=cal.residuals, confidence=cal.confidence,
-                          signal_targets=cal.signal_targets).to_method_result()
+        return [reduction_result(Reduction(indices=a, anchor_order=order, tokens=cal.tokens.to(one.features.dtype),
+                                           signals=cal.signals, psi_bar=w, residuals=cal.residuals,
+                                           confidence=cal.confidence, signal_targets=cal.signal_targets))
                 for one, order, a, w, cal in zip(inputs, orders, anchors, weights, calibrations,
                                                  strict=True)]  # fmt: skip
 
@@ -262,7 +285,7 @@ class CaRe(_CaReFamily, name="care", rank=0, hyperparameters=PRCA_FIELDS | GATED
             inputs.features, inputs.projector, inputs.positions, keep=keep, config=self.config,
             stage_timer=inputs.stage_timer, psi_bar=psi_bar, scorer=inputs.scorer, anchor_order=order,
         )  # fmt: skip
-        return reduction.to_method_result()
+        return reduction_result(reduction)
 
 
 @register

@@ -144,14 +144,15 @@ def _fused_orders(dist: torch.Tensor, first: torch.Tensor, sizes: list[int], ste
     N above the kernel's limit, a NaN distance (the kernel's argmax and minimum do not order NaN as torch's do;
     one host read per call) or a kernel that cannot be built here ("auto")."""
     from care_core import kernels
+    from care_core.kernels.shapes import GREEDY_MAX_TOKENS
 
     gate = kernels.as_gate(kernel)
     if gate.choose("divprune", dist.device) == "torch":
         return None
-    applies = dist.shape[-1] <= kernels.GREEDY_MAX_TOKENS and not bool(torch.isnan(dist).any())
+    applies = dist.shape[-1] <= GREEDY_MAX_TOKENS and not bool(torch.isnan(dist).any())
     if not applies:
         if gate.kernel == "fused":
-            limit = kernels.GREEDY_MAX_TOKENS
+            limit = GREEDY_MAX_TOKENS
             raise MethodError(f"divprune: kernel='fused' takes distances without NaN of at most {limit} tokens")
         return None
     counts = torch.tensor(sizes, dtype=torch.int32).to(dist.device, non_blocking=True)

@@ -70,11 +70,11 @@ from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 from care_core._lazy import F, torch
-from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
+from care_core.vocabulary import Trait
 
 BETA = 0.35  # weight of the CLS similarity in the redundancy score
 QUANTILE = 0.998  # Correlate's per-row threshold for the adaptive top-k

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from care_core._lazy import torch
-from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
+from care_core.vocabulary import Trait
 
 RATIO_TOLERANCE = 1.5  # an exact h x w factorisation is used if its aspect is within this factor of the input's
 

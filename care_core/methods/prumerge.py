@@ -46,11 +46,11 @@ from typing import ClassVar
 import numpy as np
 
 from care_core._lazy import torch
-from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
+from care_core.vocabulary import Trait
 
 _EPS = 1e-12  # F.normalize's clamp
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from care_core._lazy import torch
-from care_core.backbones.families import Trait
 from care_core.errors import MethodError
 from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.registry import register
+from care_core.vocabulary import Trait
 
 _EPS = 1e-12  # clamps zero key norms only; any non-zero norm is used as the official code does
 

@@ -163,9 +163,3 @@ Writes DIR/<backbone>.safetensors (float16, the file that ships), DIR/model/ (a 
 DIR/<backbone>.json (command, time, device, held-out accuracy per question type, with all tokens and with random
 selection and care at K=64), DIR/checkpoint.pt while training and DIR/log.txt (written as the run goes).
 """
-
-from __future__ import annotations
-
-from .cli import main
-
-__all__ = ["main"]

@@ -336,7 +336,7 @@ def train_step(
     opt: torch.optim.Optimizer,
     params: list[torch.nn.Parameter],
 ) -> tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """One step of the recipe (what ``fit`` runs and ``benchmarks.bench_train_step`` times): the step's batch, its
+    """One step of the recipe (what ``fit`` runs and ``scripts.train_demo.bench_step`` times): the step's batch, its
     logits, answer and auxiliary losses, and whether the optimiser stepped (not on a non-finite gradient)."""
     b = draw_batch(args, step, gen, data, parts)
     logits, dense = forward(parts, data, b)

@@ -28,8 +28,8 @@ from care_core.backbones.demo import (
 from care_core.backbones.probes import VISION_PROBES
 from care_core.errors import CareError, MethodError, ModelLoadError
 from care_core.methods import MethodInputs
-from care_core.methods.base import PROBES
 from care_core.methods.registry import build_method, method_names
+from care_core.vocabulary import PROBES
 
 from ._helpers import hub_key, noise_image, same_weights
 

@@ -10,7 +10,7 @@ import torch
 
 from care_core.backbones import ImageTokens, LlavaNextAdapter
 from care_core.backbones.probes import VISION_PROBES, LanguageModelRun
-from care_core.methods.base import PROBES
+from care_core.vocabulary import PROBES
 
 from ._helpers import Unchanged, forward_with_image_rows, noise_image, position_image
 

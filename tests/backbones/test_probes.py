@@ -10,13 +10,12 @@ import torch
 
 from care_core.backbones import ImageTokens, LlavaAdapter
 from care_core.backbones.probes import (
-    DEFAULT_PROBE_QUESTION,
     VISION_PROBES,
     LanguageModelRun,
     hidden_state_index,
 )
 from care_core.errors import MethodError, QuestionError
-from care_core.methods.base import PROBES
+from care_core.vocabulary import DEFAULT_QUESTION, PROBES
 
 from ._helpers import Unchanged, attn_strings, noise_image
 
@@ -279,7 +278,7 @@ def test_spans_and_input_embeddings(demo: LlavaAdapter, tokens: ImageTokens, pro
 
 def test_language_model_default_question(demo: LlavaAdapter, tokens: ImageTokens) -> None:
     lm = demo.probe_inputs(tokens, ["language_model"])["language_model"]
-    ids = demo._encode_prompt(DEFAULT_PROBE_QUESTION, tokens.num_tokens)["input_ids"][0]
+    ids = demo._encode_prompt(DEFAULT_QUESTION, tokens.num_tokens)["input_ids"][0]
     assert torch.equal(lm.input_ids, ids)
 
 

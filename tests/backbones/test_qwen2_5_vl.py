@@ -14,8 +14,8 @@ from care_core import CaReConfig, care_reduce
 from care_core.backbones import ImageTokens, Qwen2_5_VLAdapter, QwenMergerProjector, load_backbone
 from care_core.backbones.probes import VISION_PROBES, LanguageModelRun
 from care_core.errors import MethodError
-from care_core.methods.base import PROBES
 from care_core.scoring import responses_fd, responses_jvp, unit_directions
+from care_core.vocabulary import PROBES
 
 from ._helpers import Unchanged, forward_with_image_rows, noise_image, position_image
 

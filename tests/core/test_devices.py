@@ -113,7 +113,7 @@ def test_cuda_bf16_inputs_are_scored_in_float32() -> None:
 
 
 def test_process_device_gives_each_process_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from care_core.backbones.loading import process_device
+    from care_core.runs import process_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

@@ -16,7 +16,8 @@ from care_core.errors import BudgetError, MethodError, QuestionError
 from care_core.generation import Generation
 from care_core.images import load_image
 from care_core.methods import MethodInputs, build_method
-from care_core.pipeline import DEFAULT_QUESTION, ImageResult, MethodRun, ReductionPipeline
+from care_core.pipeline import ImageResult, MethodRun, ReductionPipeline
+from care_core.vocabulary import DEFAULT_QUESTION
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QUESTION = "What is the person holding?"

@@ -621,7 +621,7 @@ def test_generic_jvp_path_matches_the_definition_with_or_without_vmap(vmap_fails
 
 
 def test_the_kernel_is_tuned_once_for_one_image_and_once_for_a_batch() -> None:
-    from care_core.kernels import size_class
+    from care_core.kernels.shapes import size_class
 
     # by hand: LLaVA-1.5 (576), NeXT (2880) and Qwen images up to 4095 rows are one class; batches another
     assert {size_class(n) for n in (1, 576, 2880, 4095)} == {0}

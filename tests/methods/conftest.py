@@ -57,7 +57,7 @@ class FakeLanguageModel:
 def make_inputs(
     n: int = 144, d_v: int = 16, seed: int = 0, *, duplicates: bool = False, zeros: bool = False
 ) -> MethodInputs:
-    """N = rows x cols tokens on a grid, with every probe of care_core.methods.PROBES."""
+    """N = rows x cols tokens on a grid, with every probe of care_core.vocabulary.PROBES."""
     g = torch.Generator().manual_seed(seed)
     side = round(n**0.5)
     grid = (side, n // side) if side * (n // side) == n else None

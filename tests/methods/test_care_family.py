@@ -13,6 +13,7 @@ import torch
 
 from care_core import CaReConfig, care_reduce
 from care_core.methods import MethodInputs, build_method
+from care_core.methods.care_family import reduction_result
 from tests.core._problems import make_problem, to_np
 from tests.reference import care_reference as ref
 
@@ -73,10 +74,10 @@ def test_registered_care_is_care_reduce(engine: str) -> None:
     assert result.signals.numel() > 0  # the comparison covers calibration
 
 
-def test_reduction_to_method_result_sends_signals_to_their_anchor() -> None:
+def test_reduction_result_sends_signals_to_their_anchor() -> None:
     inputs = make_inputs(n=64, seed=2)
     red = care_reduce(inputs.features, inputs.projector, inputs.positions, keep=9, config=CaReConfig(m=8))
-    result = red.to_method_result()
+    result = reduction_result(red)
     assignment = result.assignment
     assert torch.equal(assignment[red.indices], torch.arange(9))
     assert torch.equal(red.indices[assignment[red.signals]], red.signal_targets)

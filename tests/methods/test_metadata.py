@@ -14,7 +14,7 @@ import pytest
 from care_core.backbones.families import BackboneFamily, backbone_family, family_names, register_family
 from care_core.errors import MethodError
 from care_core.methods import build_method, method_class, method_names, methods_for_backbone, score_label
-from care_core.methods.base import PROBES
+from care_core.vocabulary import PROBES
 
 from .conftest import make_inputs
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from care_core.errors import MethodError
-from care_core.methods import PROBES, MethodResult, build_method, canonical_name, method_class, method_names
+from care_core.methods import MethodResult, build_method, canonical_name, method_class, method_names
+from care_core.vocabulary import PROBES
 
 from .conftest import make_inputs
 

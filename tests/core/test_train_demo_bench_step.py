@@ -1,4 +1,4 @@
-"""benchmarks/bench_train_step: which bucket its warm-up phase times, its option errors, and a quick run's rows."""
+"""scripts/train_demo/bench_step: which bucket its warm-up phase times, its option errors, and a quick run's rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import bench_train_step as bench
+from scripts.train_demo import bench_step as bench
 
 
 def test_the_warm_up_phase_times_the_bucket_of_fewest_tokens_at_step_0() -> None:

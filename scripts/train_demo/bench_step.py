@@ -1,8 +1,8 @@
 """Seconds per optimiser step of the demo trainer (``scripts.train_demo``), to plan its runs within a time limit.
 
-    python -m benchmarks.bench_train_step                                  # one GPU: InternVL3 and OneVision
-    python -m benchmarks.bench_train_step --backbones tiny-llava-next --batches 128 --pools device
-    python -m benchmarks.bench_train_step --quick --device cpu             # batch 2, a few steps, on the CPU
+    python -m scripts.train_demo.bench_step                                  # one GPU: InternVL3 and OneVision
+    python -m scripts.train_demo.bench_step --backbones tiny-llava-next --batches 128 --pools device
+    python -m scripts.train_demo.bench_step --quick --device cpu             # batch 2, a few steps, on the CPU
 
 For each backbone, batch size and place of the scene pool (``device``: on the GPU; ``cpu``: host memory, one batch
 copied per step), it times the trainer's own step (``scripts.train_demo.loop.train_step``, what ``fit`` runs) in two
