@@ -18,6 +18,7 @@ from ..images import to_rgb
 from ..vocabulary import DEFAULT_QUESTION
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_on_host
+from .module_attrs import submodule, typed_attr
 from .preprocess_pool import ProcessorPool, process_image
 from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
 from .static_generation import StaticPrompt
@@ -586,7 +587,7 @@ class ChatAdapter(VLMAdapter):
                 raise ValueError("tokens.model_inputs has no pixel_values; use ImageTokens from encode_image")
             out.update(self._vision_probes(tokens, vision))
         if "question" in wanted:
-            out["question"] = self.question_embeddings(question)  # type: ignore[arg-type]
+            out["question"] = self.question_embeddings(question)  # type: ignore[arg-type]  # None refused above
         if "language_model" in wanted:
             out["language_model"] = self.language_model_probe(tokens, question)
         return {n: out[n] for n in wanted}
@@ -601,6 +602,7 @@ class ChatAdapter(VLMAdapter):
         model = self.model
         image_token_id = self.image_token_id
         ids = inputs["input_ids"]
+        layers = typed_attr(self._language_model, "layers", torch.nn.ModuleList)
 
         def forward() -> Any:
             return model(**inputs, use_cache=False)
@@ -613,6 +615,6 @@ class ChatAdapter(VLMAdapter):
             input_ids=ids,
             image_token_id=image_token_id,
             embeddings=embeddings,
-            attention_modules=[layer.self_attn for layer in self._language_model.layers],
+            attention_modules=[submodule(layer, "self_attn") for layer in layers],
             eager=lambda: attention_implementation(model, {"text_config": "eager"}),
         )

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import why_not_fused
+from .module_attrs import float_attr, optional_tensor_attr, submodule, tensor_attr
 
 #: transformers' RMSNorm classes whose forward is weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)
 RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm"})
@@ -104,18 +105,27 @@ def layer_reason(layer: nn.Module) -> str | None:
     return None
 
 
+def _linear(owner: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    linear = submodule(owner, name)
+    return tensor_attr(linear, "weight"), optional_tensor_attr(linear, "bias")
+
+
+def _norm_weight(owner: nn.Module, name: str) -> torch.Tensor | None:
+    norm = getattr(owner, name, None)
+    return None if norm is None else tensor_attr(submodule(owner, name), "weight")
+
+
 def layer_tensors(layer: nn.Module) -> LayerTensors:
     """The weights of a layer :func:`layer_reason` accepts."""
-    a, m = layer.self_attn, layer.mlp
-    q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    attention, mlp = submodule(layer, "self_attn"), submodule(layer, "mlp")
+    q, k, v, o = (_linear(attention, name) for name in _PROJECTIONS)
+    gate, up, down = (_linear(mlp, name) for name in _MLP)
     return LayerTensors(
-        layer.input_layernorm.weight,
-        a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
-        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-        layer.post_attention_layernorm.weight,
-        m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-        m.gate_proj.bias, m.up_proj.bias, m.down_proj.bias,
+        tensor_attr(submodule(layer, "input_layernorm"), "weight"),
+        *q, *k, *v, *o,
+        _norm_weight(attention, "q_norm"), _norm_weight(attention, "k_norm"),
+        tensor_attr(submodule(layer, "post_attention_layernorm"), "weight"),
+        gate[0], up[0], down[0], gate[1], up[1], down[1],
     )  # fmt: skip
 
 
@@ -124,8 +134,8 @@ def layer_shape(config: Any, layer: nn.Module) -> Shape:
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    eps = float(layer.input_layernorm.variance_epsilon)
-    scaling = float(getattr(layer.self_attn, "scaling", head_dim**-0.5))
+    eps = float_attr(submodule(layer, "input_layernorm"), "variance_epsilon")
+    scaling = float(getattr(submodule(layer, "self_attn"), "scaling", head_dim**-0.5))
     return Shape(heads, kv_heads, head_dim, eps, scaling)
 
 

@@ -304,10 +304,12 @@ def build_tiny_llava_next(seed: int = 0, sizes: TinySizes = RANDOM_SIZES) -> tup
         projector_hidden_act="gelu",
     )
     model = _seeded(LlavaNextForConditionalGeneration, config, seed)
+    pinpoints = config.image_grid_pinpoints
+    assert pinpoints is not None  # typed optional, but the config fills in its default grid
     image_processor = LlavaNextImageProcessorPil(
         size={"shortest_edge": 336},
         crop_size={"height": 336, "width": 336},
-        image_grid_pinpoints=[list(p) for p in config.image_grid_pinpoints],
+        image_grid_pinpoints=[list(p) for p in pinpoints],
     )
     shared = _llava_processor_args(tok, LLAVA_NEXT_CHAT_TEMPLATE)
     return model, LlavaNextProcessor(image_processor=image_processor, **shared)
@@ -513,8 +515,10 @@ def build_tiny_llava_onevision(seed: int = 0, sizes: TinySizes | None = None) ->
         vision_aspect_ratio="anyres_max_9",
     )  # fmt: skip
     model = _seeded(LlavaOnevisionForConditionalGeneration, config, seed)
+    pinpoints = config.image_grid_pinpoints
+    assert pinpoints is not None  # typed optional, but the config fills in its default grid
     image_processor = LlavaOnevisionImageProcessorPil(
-        size={"height": 384, "width": 384}, image_grid_pinpoints=[list(p) for p in config.image_grid_pinpoints]
+        size={"height": 384, "width": 384}, image_grid_pinpoints=[list(p) for p in pinpoints]
     )
     processor = CareLlavaOnevisionProcessor(
         image_processor=image_processor, tokenizer=tok, num_image_tokens=729, vision_feature_select_strategy="full",

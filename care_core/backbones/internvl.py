@@ -42,6 +42,7 @@ from ._chat import ChatAdapter
 from ._hf import quiet_transformers
 from .base import ImageTokens
 from .geometry import clip_boxes, grid_crop_boxes
+from .module_attrs import model_config
 
 INTERNVL_FALLBACK_PROMPT = "<|im_start|>user\n{image}\n{question}<|im_end|>\n<|im_start|>assistant\n"
 NO_CLS_PROBES = (
@@ -86,7 +87,7 @@ class InternVLAdapter(ChatAdapter):
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
         self._check_processor(processor, name)
-        cfg = model.config
+        cfg = model_config(model)
         strategy = getattr(cfg, "vision_feature_select_strategy", "default")
         if strategy != "default":
             raise ModelLoadError(

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .module_attrs import model_config, pretrained_model
+
 #: the name the packed function is registered under in transformers' ``AttentionInterface``
 PACKED_ATTENTION = "care_flash_sdpa"
 #: vision configs (``model_type``) whose attention modules pass ``cu_seqlens`` to a "flash"-named function
@@ -172,8 +174,8 @@ def use_packed_vision_attention(model: torch.nn.Module) -> str:
     previous})`` restores it. Set on the built model: building with ``attn_implementation=`` this name fails, as
     transformers then looks for a flash-attention kernel of that name."""
     _check_packs(model)
-    previous = str(model.config.vision_config._attn_implementation)  # type: ignore[union-attr]
-    model.set_attn_implementation({"vision_config": register_packed_attention()})  # type: ignore[operator]
+    previous = str(model_config(model).vision_config._attn_implementation)
+    pretrained_model(model).set_attn_implementation({"vision_config": register_packed_attention()})
     return previous
 
 

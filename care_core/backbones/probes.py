@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._hf import quiet_transformers
+from .module_attrs import int_attr, optional_tensor_attr, pretrained_model, submodule, tensor_attr
 
 # Probe names computed from one vision-tower forward (see care_core.vocabulary.PROBES); the attention
 # probes are recomputed from the feature block's attention input.
@@ -81,7 +82,7 @@ def _all_configs(model: torch.nn.Module) -> list[Any]:
     from transformers import PretrainedConfig
 
     seen: dict[int, Any] = {}
-    stack = [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    stack = [cfg for m in model.modules() if isinstance(cfg := getattr(m, "config", None), PretrainedConfig)]
     while stack:
         cfg = stack.pop()
         if id(cfg) in seen:
@@ -112,7 +113,7 @@ def attention_implementation(model: torch.nn.Module, request: str | dict[str, An
     saved = [(cfg, cfg.__dict__.get("_attn_implementation_internal", _MISSING)) for cfg in configs]
     try:
         with quiet_transformers():
-            model.set_attn_implementation(request)
+            pretrained_model(model).set_attn_implementation(request)
         yield
     finally:
         for cfg, value in saved:
@@ -187,7 +188,7 @@ def _hook_plan(hooks: HookScope, layers: torch.nn.ModuleList, plan: _CapturePlan
     if plan.attention:
         captured.expected.add("attn_input")
         hooks.forward_pre_hook(
-            plan.feature_block(layers).self_attn,
+            submodule(plan.feature_block(layers), "self_attn"),
             lambda m, a, kw: store("attn_input", _hidden_input(a, kw)),
             with_kwargs=True,
         )
@@ -203,10 +204,10 @@ def _hook_plan(hooks: HookScope, layers: torch.nn.ModuleList, plan: _CapturePlan
             else:  # hidden_states[i] is the output of block i - 1
                 hooks.forward_hook(layers[index - 1], lambda m, a, o, key=("hidden", index): store(key, _first(o)))
     if plan.last_qk:
-        last = layers[len(layers) - 1].self_attn
+        last = submodule(layers[len(layers) - 1], "self_attn")
         captured.expected.update({"last_q", "last_k"})
-        hooks.forward_hook(last.q_proj, lambda m, a, o: store("last_q", o))
-        hooks.forward_hook(last.k_proj, lambda m, a, o: store("last_k", o))
+        hooks.forward_hook(submodule(last, "q_proj"), lambda m, a, o: store("last_q", o))
+        hooks.forward_hook(submodule(last, "k_proj"), lambda m, a, o: store("last_k", o))
 
 
 def _run_tower(tower: torch.nn.Module, pixel_values: torch.Tensor, captured: _Captured) -> None:
@@ -286,24 +287,24 @@ def clip_vision_probes(
 
 
 def _linear32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    bias = linear.bias.float() if getattr(linear, "bias", None) is not None else None
-    return F.linear(x, linear.weight.float(), bias)
+    bias = optional_tensor_attr(linear, "bias")
+    return F.linear(x, tensor_attr(linear, "weight").float(), bias.float() if bias is not None else None)
 
 
 def _attention_probes(attn: torch.nn.Module, x: torch.Tensor, names: AbstractSet[str]) -> dict[str, torch.Tensor]:
     """cls_attention / attention_logits / keys from one attention module's (T, d) input, in float32."""
-    heads = int(attn.num_heads)
-    head_dim = int(attn.head_dim)
+    heads = int_attr(attn, "num_heads")
+    head_dim = int_attr(attn, "head_dim")
     scale = float(getattr(attn, "scale", head_dim**-0.5))
     x = x.float()
     tokens = x.shape[0]
-    keys = _linear32(attn.k_proj, x).view(tokens, heads, head_dim).transpose(0, 1)  # (H, T, d_head)
+    keys = _linear32(submodule(attn, "k_proj"), x).view(tokens, heads, head_dim).transpose(0, 1)  # (H, T, d_head)
     out: dict[str, torch.Tensor] = {}
     if "keys" in names:
         out["keys"] = keys.mean(dim=0)
     if "attention_logits" in names or "cls_attention" in names:
         rows = x if "attention_logits" in names else x[:1]  # one query row suffices for the CLS attention
-        queries = _linear32(attn.q_proj, rows).view(rows.shape[0], heads, head_dim).transpose(0, 1)
+        queries = _linear32(submodule(attn, "q_proj"), rows).view(rows.shape[0], heads, head_dim).transpose(0, 1)
         logits = torch.matmul(queries, keys.transpose(1, 2)) * scale  # (H, rows, T)
         if "cls_attention" in names:
             out["cls_attention"] = torch.softmax(logits[:, 0], dim=-1)

@@ -49,6 +49,7 @@ from ._chat import ChatAdapter
 from ._hf import quiet_transformers
 from .base import ImageTokens, check_kept
 from .geometry import CropGeometry, grid_image_tokens
+from .module_attrs import float_attr, int_attr, model_config, submodule, tensor_attr, typed_attr
 from .packed_attention import tower_attention
 from .static_generation import StaticPrompt
 
@@ -74,40 +75,42 @@ class QwenMergerProjector(nn.Module):
     def __init__(self, merger: nn.Module) -> None:
         super().__init__()
         self.merger = merger
-        self.patch_dim = int(merger.ln_q.weight.shape[0])
-        self.in_features = int(merger.hidden_size)
+        self.patch_dim = int(tensor_attr(submodule(merger, "ln_q"), "weight").shape[0])
+        self.in_features = int_attr(merger, "hidden_size")
         self.unit = self.in_features // self.patch_dim
 
     @property
     def out_features(self) -> int:
-        return int(self.merger.mlp[-1].out_features)
+        return int_attr(typed_attr(self.merger, "mlp", nn.Sequential)[-1], "out_features")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected rows of {self.in_features} (= {self.unit} x {self.patch_dim}) features")
         lead = x.shape[:-1]
-        ln = self.merger.ln_q
+        ln = submodule(self.merger, "ln_q")
         dtype = x.dtype
         h = x.reshape(-1, self.patch_dim).to(torch.promote_types(dtype, torch.float32))
         variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + ln.variance_epsilon)
-        h = ln.weight * h.to(dtype)
-        out = self.merger.mlp(h.reshape(-1, self.in_features))
+        h = h * torch.rsqrt(variance + float_attr(ln, "variance_epsilon"))
+        h = tensor_attr(ln, "weight") * h.to(dtype)
+        out = submodule(self.merger, "mlp")(h.reshape(-1, self.in_features))
         return out.reshape(*lead, out.shape[-1])
 
     def norm_first_mlp(self) -> NormFirstMLP | None:
         """This forward for PRCA's fast jvp path (:mod:`care_core.norm_first`): RMSNorm per patch with ``ln_q``'s
         weight and epsilon, statistics in at least float32, then the merger's MLP; None for a subclass that
         computes something else or an MLP that is not Linear -> act -> Linear."""
-        mlp = self.merger.mlp
+        mlp = submodule(self.merger, "mlp")
         if type(self).forward is not QwenMergerProjector.forward or not (
             isinstance(mlp, nn.Sequential) and len(mlp) == 3
         ):
             return None
-        ln = self.merger.ln_q
+        ln = submodule(self.merger, "ln_q")
         first, act, second = mlp
-        return NormFirstMLP("rms", ln.weight, None, float(ln.variance_epsilon), self.unit, first, act, second,
-                            upcast=True)  # fmt: skip
+        if not (isinstance(first, nn.Linear) and isinstance(second, nn.Linear)):
+            return None
+        return NormFirstMLP("rms", tensor_attr(ln, "weight"), None, float_attr(ln, "variance_epsilon"), self.unit,
+                            first, act, second, upcast=True)  # fmt: skip
 
 
 class Qwen2_5_VLAdapter(ChatAdapter):
@@ -133,7 +136,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
         self._check_processor(processor, name)
-        cfg = model.config
+        cfg = model_config(model)
         vc = cfg.vision_config
         ip = processor.image_processor
         for attr, want in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size)):

@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from ..norm_first import NormFirstMLP
 from ._hf import quiet_transformers
 from .base import ImageTokens
+from .module_attrs import float_attr, int_attr, optional_tensor_attr, submodule, tensor_attr
 from .packed_attention import tower_attention
 from .qwen2_5_vl import Qwen2_5_VLAdapter
 from .static_generation import StaticPrompt
@@ -55,32 +56,37 @@ class Qwen3VLMergerProjector(nn.Module):
     def __init__(self, merger: nn.Module) -> None:
         super().__init__()
         self.merger = merger
-        self.patch_dim = int(merger.norm.weight.shape[0])
-        self.in_features = int(merger.hidden_size)
+        self.patch_dim = int(tensor_attr(submodule(merger, "norm"), "weight").shape[0])
+        self.in_features = int_attr(merger, "hidden_size")
         self.unit = self.in_features // self.patch_dim
 
     @property
     def out_features(self) -> int:
-        return int(self.merger.linear_fc2.out_features)
+        return int_attr(submodule(self.merger, "linear_fc2"), "out_features")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected rows of {self.in_features} (= {self.unit} x {self.patch_dim}) features")
         lead = x.shape[:-1]
-        m = self.merger
-        h = F.layer_norm(x.reshape(-1, self.patch_dim), (self.patch_dim,), m.norm.weight, m.norm.bias, m.norm.eps)
-        out = m.linear_fc2(m.act_fn(m.linear_fc1(h.reshape(-1, self.in_features))))
+        first, act, second = (submodule(self.merger, name) for name in ("linear_fc1", "act_fn", "linear_fc2"))
+        norm = submodule(self.merger, "norm")
+        gamma, beta = tensor_attr(norm, "weight"), optional_tensor_attr(norm, "bias")
+        h = F.layer_norm(x.reshape(-1, self.patch_dim), (self.patch_dim,), gamma, beta, float_attr(norm, "eps"))
+        out = second(act(first(h.reshape(-1, self.in_features))))
         return out.reshape(*lead, out.shape[-1])
 
     def norm_first_mlp(self) -> NormFirstMLP | None:
         """This forward for PRCA's fast jvp path (:mod:`care_core.norm_first`): LayerNorm per patch with the
         merger's ``norm`` (weight, bias, eps), in the input's dtype, then ``linear_fc1`` -> ``act_fn`` ->
-        ``linear_fc2``; None for a subclass that computes something else."""
-        if type(self).forward is not Qwen3VLMergerProjector.forward:
+        ``linear_fc2``; None for a subclass that computes something else or fc layers that are not Linear."""
+        first, act, second = (submodule(self.merger, name) for name in ("linear_fc1", "act_fn", "linear_fc2"))
+        if type(self).forward is not Qwen3VLMergerProjector.forward or not (
+            isinstance(first, nn.Linear) and isinstance(second, nn.Linear)
+        ):
             return None
-        m = self.merger
-        return NormFirstMLP("layer", m.norm.weight, m.norm.bias, float(m.norm.eps), self.unit, m.linear_fc1,
-                            m.act_fn, m.linear_fc2)  # fmt: skip
+        norm = submodule(self.merger, "norm")
+        return NormFirstMLP("layer", tensor_attr(norm, "weight"), optional_tensor_attr(norm, "bias"),
+                            float_attr(norm, "eps"), self.unit, first, act, second)  # fmt: skip
 
 
 class Qwen3VLAdapter(Qwen2_5_VLAdapter):

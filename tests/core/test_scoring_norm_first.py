@@ -16,10 +16,14 @@ import torch
 from PIL import Image, ImageDraw
 from torch import nn
 from torch.nn import functional as F
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMerger
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
 
-from care_core import CaReConfig, care_reduce, scoring
+from care_core import CaReConfig, care_reduce, norm_first, scoring
 from care_core.backbones import load_backbone
 from care_core.backbones.qwen2_5_vl import QwenMergerProjector
+from care_core.backbones.qwen3_vl import Qwen3VLMergerProjector
 from care_core.norm_first import NormFirstMLP, first_layer, first_layer_tangents, from_modules
 from care_core.scoring import (
     Scorer,
@@ -171,6 +175,29 @@ def test_a_qwen_merger_subclass_with_its_own_forward_takes_the_generic_path(demo
 
     assert _as_norm_first(projector) is not None
     assert _as_norm_first(Doubled(projector.merger)) is None
+
+
+class _ScaledLinear(nn.Module):
+    """Twice a Linear: the widths of one (what the shape check reads), not its maths."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.inner, self.in_features, self.out_features = linear, linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.inner(x)
+
+
+def test_a_qwen_merger_whose_layers_are_not_linear_takes_the_generic_path() -> None:
+    merger25 = Qwen2_5_VLPatchMerger(dim=8, context_dim=4, spatial_merge_size=2)
+    merger3 = Qwen3VLVisionPatchMerger(Qwen3VLVisionConfig(hidden_size=4, out_hidden_size=8, spatial_merge_size=2))
+    projectors = (QwenMergerProjector(merger25), Qwen3VLMergerProjector(merger3))
+    assert all(norm_first.describe(p) is not None for p in projectors)  # the model's own layers: the fast path
+    merger25.mlp[0] = _ScaledLinear(merger25.mlp[0])
+    merger3.linear_fc1 = _ScaledLinear(merger3.linear_fc1)
+    for projector in projectors:
+        assert norm_first.describe(projector) is None, type(projector).__name__
+        assert projector(torch.randn(3, 16)).shape == (3, 8)  # the forward runs the replaced layer
 
 
 def test_each_demo_projector_takes_its_path(home: Path, demo_tokens: dict[str, Any]) -> None:

@@ -1,0 +1,56 @@
+"""The typed readers of a model's parts: each returns the attribute itself in its one type, and a model holding
+something else at that name is a TypeError naming the attribute, not a failure somewhere later."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from care_core.backbones.module_attrs import (
+    float_attr,
+    int_attr,
+    optional_tensor_attr,
+    submodule,
+    tensor_attr,
+    typed_attr,
+)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 2)
+        self.register_buffer("scale", torch.ones(2))
+        self.num_heads = 4
+        self.eps = 1e-6
+
+
+def test_readers_return_the_attribute_itself() -> None:
+    block = _Block()
+    assert submodule(block, "proj") is block.proj
+    assert tensor_attr(block.proj, "weight") is block.proj.weight
+    assert tensor_attr(block, "scale") is block.scale  # a buffer reads like a parameter
+    assert typed_attr(block, "proj", nn.Linear) is block.proj
+    assert int_attr(block, "num_heads") == 4 and float_attr(block, "eps") == 1e-6
+
+
+def test_a_missing_or_none_bias_reads_as_none() -> None:
+    with_bias, without_bias = nn.Linear(3, 2), nn.Linear(3, 2, bias=False)
+    assert optional_tensor_attr(with_bias, "bias") is with_bias.bias
+    assert without_bias.bias is None and optional_tensor_attr(without_bias, "bias") is None
+    assert optional_tensor_attr(nn.GELU(), "bias") is None  # no such attribute at all
+
+
+def test_a_part_of_another_type_is_a_type_error_naming_it() -> None:
+    block = _Block()
+    with pytest.raises(TypeError, match=r"^_Block\.scale is a Tensor, not a Module$"):
+        submodule(block, "scale")
+    with pytest.raises(TypeError, match=r"^_Block\.proj is a Linear, not a Tensor$"):
+        tensor_attr(block, "proj")
+    with pytest.raises(TypeError, match=r"^_Block\.proj is a Linear, not a Sequential$"):
+        typed_attr(block, "proj", nn.Sequential)
+    with pytest.raises(TypeError, match=r"^_Block\.proj is a Linear, not a Tensor$"):
+        optional_tensor_attr(block, "proj")
+    with pytest.raises(AttributeError):
+        submodule(block, "missing")
