@@ -9,7 +9,7 @@ Answers come from ``adapter.generate`` (greedy; ``kept`` = the method's token in
 --generate`` gets them; the first word is compared case-insensitively. Each worker process loads the backbone
 on the CPU in float32 (one thread), so the numbers are the ones the CPU tests see. Every accuracy comes with its
 95% Wilson interval, every method x K cell with McNemar's exact p against ``random`` at the same K and against all
-tokens (same questions), and Spearman's rho with its 95% interval (``care_core.statistics``; docs/design.md
+tokens (same questions), and Spearman's rho with its 95% interval (``care_core.statistics``; docs/design/measures.md
 §Statistics). The JSON keeps each cell's per-question answers (``outcomes``, 0/1 in question order). Prints one
 table per K and writes its JSON into --results-dir (default: a new scratch folder; --out FILE writes a copy there
 too, never over a file); ``--markdown`` renders the docs' tables from such a file. Run from the repository root.

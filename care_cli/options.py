@@ -202,6 +202,6 @@ BatchSize = Annotated[
                  help=f"Samples run at once: a whole number >= 1, or auto: {CPU_BATCH_SIZE} on a CPU; on CUDA the free "
                       "memory over an estimate of one sample's memory from the model's config (KV cache, activations; "
                       "in care eval per setting, for the tokens its answers read), "
-                      f"between 1 and {MAX_BATCH_SIZE} (docs/design.md §Batch size). Per sample the result is the one "
-                      "of batch size 1. A batch that runs out of GPU memory is split in halves and retried."),
+                      f"between 1 and {MAX_BATCH_SIZE} (docs/design/batches.md §Batch size). Per sample the result is "
+                      "the one of batch size 1. A batch that runs out of GPU memory is split in halves and retried."),
 ]  # fmt: skip

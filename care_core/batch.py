@@ -1,5 +1,5 @@
 """care_reduce_batch(): CaRe (PRCA Eq. 1–3, CGTC Eq. 4–9) on several images at once, each image's result
-what :func:`~care_core.care.care_reduce` gives for it alone (to a BLAS's rounding, docs/design.md §Batches)."""
+what :func:`~care_core.care.care_reduce` gives for it alone (to a BLAS's rounding, docs/design/batches.md §Batches)."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def care_reduce_batch(
     the fused CUDA kernel per image where care_reduce uses it) and CGTC (Eq. 4–9). The joint scoring pass may
     round an image's responses differently from a pass over that image alone (a taller matrix product; one ulp
     seen in float64 on MKL), so psi_bar, c_r and the tokens agree to rounding and the anchors and signals are
-    the same unless a margin of Eq. 3 or of the gate (Eq. 6) is that small (docs/design.md §Batches).
+    the same unless a margin of Eq. 3 or of the gate (Eq. 6) is that small (docs/design/batches.md §Batches).
 
     >>> import torch
     >>> from care_core import CaReConfig

@@ -4,7 +4,7 @@ items isolated.
 One definition each, read by ``care eval``, ``care csr --data`` and the lmms-eval plugin:
 
 * :func:`parse_batch_size`: a whole number >= 1, ``"auto"`` or lmms-eval's ``"auto:N"``;
-* :func:`default_batch_size`: what ``auto`` resolves to on a loaded backbone (docs/design.md §Batch size);
+* :func:`default_batch_size`: what ``auto`` resolves to on a loaded backbone (docs/design/batches.md §Batch size);
 * :class:`Batches`: items answered in chunks; a chunk that runs out of GPU memory is split in halves and retried,
   and the size that fits is kept for the chunks that follow; a chunk that fails otherwise is split the same way
   until the failing item is alone, which then gives its caller's stand-in result (:meth:`Batches.run`'s
@@ -112,8 +112,8 @@ def default_batch_size(
     attention_layers: int = 0,
     budget: Budget | None = None,
 ) -> int:
-    """The batch size ``auto`` picks for ``adapter`` (docs/design.md §Batch size): :data:`CPU_BATCH_SIZE` off CUDA;
-    on CUDA the free memory over :func:`sample_bytes` for the visual tokens of a reference image, in [1, 64].
+    """The batch size ``auto`` picks for ``adapter`` (docs/design/batches.md §Batch size): :data:`CPU_BATCH_SIZE`
+    off CUDA; on CUDA the free memory over :func:`sample_bytes` for the visual tokens of a reference image, in [1, 64].
     ``max_new_tokens`` None: no answers (CSR), the language model does not run. ``budget``: the answers read only
     the tokens a method keeps (None: all of them)."""
     if adapter.device.type != "cuda":

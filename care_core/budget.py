@@ -1,4 +1,4 @@
-"""The token budget (docs/design.md §Budget): K from a retention ratio or given directly, defined here only.
+"""The token budget (docs/design/care.md §Budget): K from a retention ratio or given directly, defined here only.
 
 ``K = max(1, floor(ratio · N))`` with the ratio read as the decimal the user wrote: ``0.29`` is 29/100 exactly,
 so 0.29 of 100 tokens is 29 (binary floating point gives 28.999…, whose floor would be 28). Every command,

@@ -1,4 +1,4 @@
-"""Drop-in token reduction for code that calls transformers itself (docs/design.md §Drop-in).
+"""Drop-in token reduction for code that calls transformers itself (docs/design/generation.md §Drop-in).
 
 ``with reduce_visual_tokens(model, processor=processor, method="care", keep=160): model.generate(**inputs)``:
 inside the block the model's ``generate`` (the path of ``model.generate(**inputs)`` and of

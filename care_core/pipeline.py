@@ -292,7 +292,7 @@ class ReductionPipeline:
         timed: bool = True,
     ) -> list[ImageResult]:
         """:meth:`__call__` on several images at once (``questions[i]`` and ``plans[i]`` for image i): per image
-        the result it gets alone (docs/design.md §Batches). The vision tower runs once for the batch where the
+        the result it gets alone (docs/design/batches.md §Batches). The vision tower runs once for the batch where the
         backbone allows, each method once per budget for every image (:meth:`Method.batch`), and the answers in
         batches (:meth:`VLMAdapter.generate_batch`). Stage timings are the whole batch's (``batch_size`` says
         how many images shared them), measured with CUDA synchronised around every stage, which is what makes

@@ -4,7 +4,7 @@ A data-set run (``care csr --data``, ``care eval``) drives the device from one t
 preprocessing an image is host work that would otherwise sit between two batches while the device waits:
 
 * :class:`Prefetcher` prepares items on background threads; :meth:`Prefetcher.inputs` hands out a chunk's prepared
-  items and starts the next ``ahead`` ones (docs/design.md §Batch size, "Inputs");
+  items and starts the next ``ahead`` ones (docs/design/batches.md §Batch size, "Inputs");
 * :func:`image_preparer` prepares one image for an adapter: through the image processor where the adapter runs it
   one image at a time (on a GPU in the adapter's worker processes,
   :mod:`care_core.backbones.preprocess_pool`), into a :class:`PreparedImage`;

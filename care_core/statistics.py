@@ -1,7 +1,7 @@
 """Small-sample statistics for accuracy tables: Wilson intervals, McNemar's exact test, Spearman's rho.
 
 Pure functions on plain numbers (no numpy, no scipy): what a results table needs so that a reader can tell a
-real difference from noise. The choices are recorded in ``docs/design.md`` §Statistics.
+real difference from noise. The choices are recorded in ``docs/design/measures.md`` §Statistics.
 """
 
 from __future__ import annotations

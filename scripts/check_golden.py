@@ -7,7 +7,7 @@
 Run from the repository root (as a module: it imports care_core and scripts.golden_checks from there).
 
 The method is chosen by the file-name prefix (tests/data/golden/README.md describes every file; tolerances in
-docs/design.md §Golden tolerances). Prints one line per case, PASS or FAIL with the largest difference; exit
+docs/design/conventions.md §Golden tolerances). Prints one line per case, PASS or FAIL with the largest difference; exit
 status 1 if any case fails, or if no file is given and the default folder holds none.
 """
 

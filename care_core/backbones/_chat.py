@@ -455,7 +455,7 @@ class ChatAdapter(VLMAdapter):
         """:meth:`generate` for several samples in one decoding: graphs where every sample allows them (one
         :meth:`~care_core.backbones.static_generation.StaticGreedy.generate_batch`), else one batched
         ``model.generate`` over the left-padded prompts. Per sample the answer it gets alone (``elapsed_ms``:
-        the batch's time); see docs/design.md §Batched answers."""
+        the batch's time); see docs/design/batches.md §Batched answers."""
         start = time.perf_counter()
         check_batch(questions, tokens, projected, kept)
         kept = kept_on_host(kept)  # each sample's check reads its kept on the host: one copy (and wait) for all

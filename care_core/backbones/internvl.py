@@ -1,7 +1,7 @@
 """InternVL3 ``-hf`` checkpoints (`InternVLForConditionalGeneration`, transformers 5.21+) as a :class:`VLMAdapter`.
 
-Visual tokens (docs/design.md §InternVL3): the pixel-shuffled tokens of every 448 px tile, tiles in the processor's
-row-major order and the thumbnail last (present only when there is more than one tile), 256 per tile in the
+Visual tokens (docs/design/backbones.md §InternVL3): the pixel-shuffled tokens of every 448 px tile, tiles in the
+processor's row-major order and the thumbnail last (present only when there is more than one tile), 256 per tile in the
 row-major 16x16 order of each tile: exactly the rows the model hands its language model. ``features`` row i is the
 shuffled token itself, i.e. its four pre-shuffle InternViT patch vectors (layer ``vision_feature_layer``, CLS
 dropped) concatenated in the model's own ``pixel_shuffle`` order: patches (2r, 2c), (2r, 2c+1), (2r+1, 2c),

@@ -1,6 +1,6 @@
 """LLaVA-NeXT (`LlavaNextForConditionalGeneration`, transformers 5.24) seen through :class:`VLMAdapter`.
 
-Visual tokens (docs/design.md §LLaVA-NeXT): the base view's 576 CLIP patch tokens, then the unpadded
+Visual tokens (docs/design/backbones.md §LLaVA-NeXT): the base view's 576 CLIP patch tokens, then the unpadded
 high-resolution grid, in exactly the order of the model's own ``pack_image_features`` but **without** the
 ``image_newline`` rows: N = 576 + rows * cols (2880 for 672x672, 2016 for 500x800, 2304 for 900x300). The
 features are CLIP layer ``vision_feature_layer`` (-2), CLS dropped, per crop, then packed (the packing only

@@ -1,8 +1,8 @@
 """LLaVA-OneVision (`LlavaOnevisionForConditionalGeneration`, transformers 5.21-5.24) seen through :class:`VLMAdapter`.
 
-Visual tokens (docs/design.md §LLaVA-OneVision): the base view's 729 SigLIP patch tokens (384 px / 14 = 27x27, no
-CLS), then the unpadded high-resolution grid of the anyres crops **before** the model's bilinear pooling, in the
-order of the model's own ``pack_image_features``, **without** ``image_newline`` rows: N = 729 + rows * cols
+Visual tokens (docs/design/backbones.md §LLaVA-OneVision): the base view's 729 SigLIP patch tokens (384 px / 14 =
+27x27, no CLS), then the unpadded high-resolution grid of the anyres crops **before** the model's bilinear pooling,
+in the order of the model's own ``pack_image_features``, **without** ``image_newline`` rows: N = 729 + rows * cols
 (3645 for 768x768, 4779 for 500x800). The features are SigLIP ``hidden_states[vision_feature_layer]`` (-1: the last
 layer before ``post_layernorm``), strategy "full" (nothing dropped), per crop, then packed; the projector is the
 model's per-token MLP (linear_1 -> GELU -> linear_2).

@@ -14,7 +14,8 @@ runs one ``scaled_dot_product_attention`` per group and puts the rows back in pl
 call per block. It is registered in transformers' attention registry under :data:`PACKED_ATTENTION` (the name must
 contain "flash" for the towers to take the packed path; it runs no flash-attn code and needs no flash-attn install).
 Registering adds that one name to ``AttentionInterface``; no existing name changes. :func:`packed_vision_attention`
-sets it on a model's vision config for the length of a ``with`` block (docs/design.md §Packed vision attention).
+sets it on a model's vision config for the length of a ``with`` block
+(docs/design/backbones.md §Packed vision attention).
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ def tower_attention(
 ) -> contextlib.AbstractContextManager[None]:
     """The context a Qwen adapter runs its vision tower in: :func:`packed_vision_attention` where the tower runs on
     CUDA with ``sdpa`` (its per-segment loop is launch-bound there; the maths is the same), else nothing, so an
-    explicit ``eager`` or ``flash_attention_2`` and every CPU run stay as they are (docs/design.md §Packed vision
-    attention). ``pack=False`` keeps the loop."""
+    explicit ``eager`` or ``flash_attention_2`` and every CPU run stay as they are
+    (docs/design/backbones.md §Packed vision attention). ``pack=False`` keeps the loop."""
     vision = getattr(model.config, "vision_config", None)
     if pack and device.type == "cuda" and getattr(vision, "_attn_implementation", None) == "sdpa":
         return packed_vision_attention(model)

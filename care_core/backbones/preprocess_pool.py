@@ -1,4 +1,4 @@
-"""The image processor on worker processes, for data-set runs on a GPU (docs/design.md §Batch size, "Inputs").
+"""The image processor on worker processes, for data-set runs on a GPU (docs/design/batches.md §Batch size, "Inputs").
 
 A Hugging Face image processor spends much of its time in Python (numpy padding and patching per crop): on threads
 it holds the GIL against the thread that drives the GPU, so a batched run on a GPU waits for its inputs. A

@@ -1,6 +1,6 @@
 """Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, transformers 5.24) seen through :class:`VLMAdapter`.
 
-Visual tokens (docs/design.md §Qwen2.5-VL): one per merged 2x2 group of 14-pixel patches, in the raster
+Visual tokens (docs/design/backbones.md §Qwen2.5-VL): one per merged 2x2 group of 14-pixel patches, in the raster
 order of the merged grid
 (the order the language model receives them). ``features`` row i is the concatenation of the group's four
 raw pre-merger patch vectors (4 * d_v; patches (0,0), (0,1), (1,0), (1,1) of the 2x2 block), taken from the
@@ -30,7 +30,7 @@ offered; methods needing them refuse with a one-line MethodError. ``question`` a
 mrope positions above) are.
 
 Tower attention. On CUDA the tower's per-window and per-image sdpa calls run as one call per segment length
-(:mod:`care_core.backbones.packed_attention`, the same maths; docs/design.md §Packed vision attention).
+(:mod:`care_core.backbones.packed_attention`, the same maths; docs/design/backbones.md §Packed vision attention).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Qwen3-VL (`Qwen3VLForConditionalGeneration`, transformers 5.21-5.24) seen through :class:`VLMAdapter`.
 
-Visual tokens (docs/design.md §Qwen3-VL): one per merged 2x2 group of 16-pixel patches, in the raster order of
+Visual tokens (docs/design/backbones.md §Qwen3-VL): one per merged 2x2 group of 16-pixel patches, in the raster order of
 the merged grid (the order the language model receives them). ``features`` row i is the concatenation of the
 group's four pre-merger patch vectors (4 * d_v; patches (0,0), (0,1), (1,0), (1,1)) from the vision tower's last
 hidden state, which is already in that order (the tower has no window attention, nothing to undo). The projector

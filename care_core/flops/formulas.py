@@ -1,4 +1,4 @@
-"""The analytic cost terms (Supp. B of the paper as written; docs/design.md §FLOPs), in exact integer FLOPs.
+"""The analytic cost terms (Supp. B of the paper as written; docs/design/measures.md §FLOPs), in exact integer FLOPs.
 
 Conventions (every function returns FLOPs; `to_unit` turns them into TFLOPs or TMACs):
 - A multiply-add is 2 FLOPs (`FlopCounterMode`'s `2·m·n·k`); a matmul of (a×b)·(b×c) costs 2abc.

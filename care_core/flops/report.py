@@ -93,7 +93,7 @@ def resolve_tokens(spec: BackboneSpec, tokens: int | None, image: tuple[int, int
         note = f"N for a {image[0]}×{image[1]} image"
         if count.detail.get("pooled_grid", list(count.grid or ())) != list(count.grid or ()):
             note += (f" (the unpooled grid; the model's own sequence pools it to {count.detail['model_visual_rows']} "
-                     "visual rows, newlines included: docs/design.md §LLaVA-OneVision)")  # fmt: skip
+                     "visual rows, newlines included: docs/design/backbones.md §LLaVA-OneVision)")  # fmt: skip
         return TokenSource(count.tokens, "image_size", note, count, image)
     default = visual_tokens(spec, *spec.default_image) if spec.default_image else None
     return TokenSource(spec.default_tokens, "default", spec.default_tokens_note, default, spec.default_image)

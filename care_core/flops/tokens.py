@@ -88,7 +88,8 @@ def llava_next_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount
     base = spec.vision.feature_tokens
     detail = {"best_resolution": [best_h, best_w], "tiles": [tiles_h, tiles_w], "base_tokens": base,
               "high_res_grid": [rows, cols], "newline_tokens_excluded": rows}  # fmt: skip
-    if spec.max_crops:  # LLaVA-OneVision: N is the grid before the model's pooling (docs/design.md §LLaVA-OneVision)
+    # LLaVA-OneVision: N is the grid before the model's pooling (docs/design/backbones.md §LLaVA-OneVision)
+    if spec.max_crops:
         pooled_rows, pooled_cols = onevision_pooled_grid(rows, cols, per_side, spec.max_crops)
         detail.update(pooled_grid=[pooled_rows, pooled_cols],
                       model_visual_rows=base + pooled_rows * (pooled_cols + 1))  # fmt: skip

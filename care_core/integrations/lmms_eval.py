@@ -21,7 +21,7 @@ Each sample is answered through the library's reduced-token path, the same code 
 the image is encoded once, :class:`care_core.pipeline.ReductionPipeline` reduces its N visual tokens to K and
 projects them, and the adapter's ``generate(question, tokens, projected, kept=...)`` decodes greedily with exactly
 those K rows as the image. Requests are answered in batches of ``batch_size`` (lmms-eval's ``--batch_size``; each
-sample still has its own reduction and gets the answer a batch of one gives, docs/design.md §Batches). A request
+sample still has its own reduction and gets the answer a batch of one gives, docs/design/batches.md §Batches). A request
 that fails inside a batch is retried alone; failing alone (an image the backbone cannot take), it is answered with
 an empty string, which lmms-eval scores as a wrong answer, and named in a notice; the other requests keep theirs.
 This is the only module of care that imports ``lmms_eval``.

@@ -248,7 +248,7 @@ def memo_orders(
     keys: Sequence[Hashable],
     compute: Callable[[list[int], list[int]], list[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """Greedy selection orders of ``keeps[i]`` tokens per image, through the images' memos (docs/design.md
+    """Greedy selection orders of ``keeps[i]`` tokens per image, through the images' memos (docs/design/batches.md
     §Batches), for a greedy whose step t reads only the tokens chosen before it: its order for K is then the
     first K of its order for any larger K, the same numbers from the same operations.
 

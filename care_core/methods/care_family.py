@@ -182,8 +182,8 @@ class _CaReFamily(Method):
         return reduction_result(reduction)
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """CaRe's variants on B images (docs/design.md §Batches): the anchor weights of every image not in its memo
-        from one joint Eq. 1 pass (PRCA's psi_bar, or ZOO-Prune's sensitivity for ZOO-Prune anchors; each new one
+        """CaRe's variants on B images (docs/design/batches.md §Batches): the anchor weights of every image not in its
+        memo from one joint Eq. 1 pass (PRCA's psi_bar, or ZOO-Prune's sensitivity for ZOO-Prune anchors; each new one
         stored in its image's memo), Eq. 3 for the images lacking a long enough memoised order in one padded loop
         (:func:`~care_core.batch.anchor_orders`), then each image's calibration; each
         stage timed once for the batch on the shared stage timer. Per image, :meth:`reduce`'s result (to the joint

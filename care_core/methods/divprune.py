@@ -177,7 +177,7 @@ class DivPrune(Method):
     cost_model: ClassVar[str | None] = "divprune"
 
     mask_selected: bool = True  # False = the released rule verbatim (duplicate indices possible)
-    # the greedy's path on CUDA: "auto" = the fused kernel where it applies (design.md §Batches), else the loop
+    # the greedy's path on CUDA: "auto" = the fused kernel where it applies (design/batches.md §Batches), else the loop
     kernel: Kernel = "auto"
 
     def __post_init__(self) -> None:

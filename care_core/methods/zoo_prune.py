@@ -5,7 +5,7 @@ robust normalisation, no risk term); SADS weights w = min-max(S) (all ones if S 
 diversity 1 - cos on the **post-projector** embeddings; greedy argmax w_j min_{s in S} D(s, j),
 ties to the lowest index. No calibration. The official LLaVA-1.5 code casts the perturbed inputs
 to fp16 before the projector; here Eq. 1 runs in float32 at least, the second layer's product on the
-difference in TF32 on CUDA (docs/design.md §Response engines).
+difference in TF32 on CUDA (docs/design/care.md §Response engines).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class ZooPrune(Method):
         return self._select([inputs], [keep])[0]
 
     def reduce_batch(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
-        """Per image, :meth:`reduce`'s result (docs/design.md §Batches); images that cannot share one pass
+        """Per image, :meth:`reduce`'s result (docs/design/batches.md §Batches); images that cannot share one pass
         (:func:`~care_core.methods.base.share_one_pass`) go one at a time."""
         if not share_one_pass(inputs):
             return super().reduce_batch(inputs, keeps)

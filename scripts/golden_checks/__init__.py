@@ -45,7 +45,7 @@ def compare_relative(case: str, ours: object, expected: np.ndarray, rtol: float,
     """Pass when ``max |ours - expected| <= atol + rtol * max |expected|`` (one bound per array).
 
     For outputs of a deep float32 computation, whose rounding error scales with the array's magnitude rather than
-    with each element's: docs/design.md §Golden tolerances."""
+    with each element's: docs/design/conventions.md §Golden tolerances."""
     got = np.asarray(ours)
     if got.shape != expected.shape:
         return CaseResult(case, False, float("nan"), f"shape {got.shape} != {expected.shape}")

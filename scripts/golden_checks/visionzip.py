@@ -10,7 +10,7 @@ of layer 22's ``k_proj(layer_norm1(hidden_states[22]))``, checks them against th
 runs the tensor function. When the repository's probe adapter (``care_core.backbones.probes.clip_vision_probes``)
 is importable, the registered ``visionzip`` method is also run on the probes it computes. These float arrays come
 out of 22 float32 encoder layers, so they compare relative to each array's largest magnitude
-(:data:`E2E_RTOL`, docs/design.md §Golden tolerances); index arrays compare exactly.
+(:data:`E2E_RTOL`, docs/design/conventions.md §Golden tolerances); index arrays compare exactly.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def random_directions(seed: int, m: int, d_v: int) -> np.ndarray:
 
 
 def recipe_directions(m: int, d_v: int, seed: int) -> torch.Tensor:
-    """The default-direction recipe of docs/design.md §Directions, written out here for the comparison test."""
+    """The default-direction recipe of docs/design/care.md §Directions, written out here for the comparison test."""
     g = torch.randn(m, d_v, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return g / g.norm(dim=1, keepdim=True)
 

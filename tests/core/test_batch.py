@@ -1,4 +1,4 @@
-"""care_reduce_batch: per image, the Reduction care_reduce gives for that image alone (docs/design.md §Batches).
+"""care_reduce_batch: per image, the Reduction care_reduce gives for that image alone (docs/design/batches.md §Batches).
 
 The oracle is care_reduce on each image by itself; one test also checks a batch against the independent numpy
 reference (tests/reference). Images of different N share one projector.
@@ -89,7 +89,7 @@ class CountingScorer(Scorer):
 @pytest.mark.parametrize("engine", ["jvp", "fd"])
 def test_one_scoring_pass_gives_each_image_its_responses(engine):
     """Eq. 1 for all tokens in one engine call; each image's slice is its own responses (to rounding: a BLAS
-    may round a row of a taller matrix product differently, docs/design.md §Batches)."""
+    may round a row of a taller matrix product differently, docs/design/batches.md §Batches)."""
     features, positions = images(SIZES[8], seed=9)
     projector = mlp()
     scorer = CountingScorer(projector)

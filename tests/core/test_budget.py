@@ -1,4 +1,4 @@
-"""The one budget rule (docs/design.md §Budget): K = max(1, floor(ratio · N)) in exact decimal arithmetic."""
+"""The one budget rule (docs/design/care.md §Budget): K = max(1, floor(ratio · N)) in exact decimal arithmetic."""
 
 from __future__ import annotations
 

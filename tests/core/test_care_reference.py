@@ -425,7 +425,7 @@ def test_budget_errors(kwargs):
 # ----------------------------------------------------------------------------- non-default hyperparameters
 # Every case above runs at tau_g = tau_s (0.07) and with the gate threshold far from every c_r, so a core that
 # swapped the two temperatures or used a strict gate would still pass. These cases draw each hyperparameter from
-# a range where it changes the result (docs/design.md §Hyperparameters), with tau_g and tau_s at least a factor
+# a range where it changes the result (docs/design/care.md §Hyperparameters), with tau_g and tau_s at least a factor
 # 2 apart, and put theta_c between two of the reference's own c_r values so the gate accepts and rejects.
 RANDOM_HPARAM_SEEDS = list(range(8))
 

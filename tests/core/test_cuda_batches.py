@@ -1,6 +1,6 @@
 """On a CUDA device: the batched paths that CUDA changes give per image what batch 1 gives there.
 
-The Qwen towers pack their attention on CUDA only (docs/design.md §Packed vision attention), and the merge
+The Qwen towers pack their attention on CUDA only (docs/design/backbones.md §Packed vision attention), and the merge
 methods' batched loops run other kernel shapes than one image's; the CPU tests cannot see either.
 """
 
@@ -60,8 +60,8 @@ def test_batched_methods_on_cuda_keep_what_each_image_keeps_alone(name: str) -> 
 
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 def test_greedy_order_on_cuda_is_a_prefix_of_any_longer_one(kernel: str) -> None:
-    """The memo's premise on the device (docs/design.md §Batches): K only bounds the greedy's loop, so the order for
-    K is the first K of the order for any larger K, with the fused kernel as with the loop."""
+    """The memo's premise on the device (docs/design/batches.md §Batches): K only bounds the greedy's loop, so the
+    order for K is the first K of the order for any larger K, with the fused kernel as with the loop."""
     from care_core.anchors import diversity_greedy
 
     g = torch.Generator().manual_seed(11)

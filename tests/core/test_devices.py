@@ -97,7 +97,8 @@ def test_cuda_matches_cpu(engine: str, dtype: torch.dtype) -> None:
     score_tol = 1e-2 if (engine == "fd" and dtype == torch.float32) else tol  # float32 Eq. 1: ~0.5-1% cancellation
     assert torch.allclose(gpu.psi_bar.cpu(), cpu.psi_bar, atol=score_tol)
     if engine == "fd" and dtype == torch.float32:
-        # float32 Eq. 1 loses ~0.5% to cancellation (docs/design.md §Response engines): scores agree, near-ties may not
+        # float32 Eq. 1 loses ~0.5% to cancellation (docs/design/care.md §Response engines):
+        # scores agree, near-ties may not
         return
     assert torch.equal(gpu.indices.cpu(), cpu.indices)
     assert torch.equal(gpu.signals.cpu(), cpu.signals)

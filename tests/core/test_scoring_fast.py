@@ -514,7 +514,7 @@ def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.Mon
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="care: ")  # a fallback would warn
         # a plain call scores through the scorer kept on the projector: on CUDA its second layer goes through the
-        # triangular factor, where the fused kernel is the tf32 default (docs/design.md §Response engines)
+        # triangular factor, where the fused kernel is the tf32 default (docs/design/care.md §Response engines)
         default = reduce()
         assert calls == {"jvp_norms": 1, "greedy_order": 1}
         reduce(matmul_precision="bf16")

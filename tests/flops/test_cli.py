@@ -1,4 +1,4 @@
-"""`care flops` via the CLI entry point: the table, --json (docs/design.md §Conventions), --paper, errors (exit 2)."""
+"""`care flops` via the CLI: the table, --json (docs/design/conventions.md §Conventions), --paper, errors (exit 2)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def test_paper_baselines_within_half_a_percent(name: str, n: int, paper: float) 
 
 
 def test_spec_numbers_quoted() -> None:
-    # the exact figures of docs/design.md §Paper issues: 8.50 / 42.67 / 17.32
+    # the exact figures of docs/design/measures.md §Paper issues: 8.50 / 42.67 / 17.32
     got = [round(fx.to_unit(fx.prefill_flops(((s.lm.layers, s.default_tokens),), s.lm, 64)), 2)
            for s in (KNOWN_BACKBONES[n] for n in ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b"))]  # fmt: skip
     assert got == [8.50, 42.67, 17.32]
@@ -74,7 +74,7 @@ def test_care_jvp_terms_of_norm_first_projectors_by_hand(
 
 
 def test_spec_projector_gap_figure() -> None:
-    # docs/design.md §Paper issues: at 640 LLaVA-NeXT tokens the formula's 2 m F_M(N) alone is about 15.5 TFLOPs
+    # docs/design/measures.md §Paper issues: at 640 LLaVA-NeXT tokens the formula's 2 m F_M(N) alone is ~15.5 TFLOPs
     cost = method_cost("care", KNOWN_BACKBONES["llava-next-7b"], 2880, 640, engine="fd")
     assert round(fx.to_unit(cost.score["2mF_M(N)"]), 1) == 15.5
 

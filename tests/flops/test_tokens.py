@@ -51,7 +51,8 @@ def test_llava_next_matches_transformers_processor_and_model() -> None:
     for height, width in _sizes(600):
         ours = visual_tokens(NEXT, height, width)
         rows, cols = ours.grid
-        # the processor's count includes one newline token per high-res row; our N does not (docs/design.md §LLaVA-NeXT)
+        # the processor's count includes one newline token per high-res row; our N does not
+        # (docs/design/backbones.md §LLaVA-NeXT)
         assert processor._get_number_of_features(height, width, 336, 336) == ours.tokens + rows, (height, width)
         tiles_h, tiles_w = get_anyres_image_grid_shape((height, width), pinpoints, 336)
         unpadded = unpad_image(torch.empty(1, tiles_h * 24, tiles_w * 24), (height, width))
@@ -78,7 +79,7 @@ def test_llava_onevision_matches_transformers_processor() -> None:
     assert pooled_sizes > 50  # many of the sizes are pooled
 
 
-def test_llava_onevision_counts() -> None:  # the table of docs/design.md §LLaVA-OneVision
+def test_llava_onevision_counts() -> None:  # the table of docs/design/backbones.md §LLaVA-OneVision
     counts = {(384, 384): (1458, 1485), (768, 768): (3645, 3699), (500, 800): (4779, 4829),
               (2000, 1000): (729 + 162 * 81, 7341)}  # fmt: skip
     for size, (n, model_rows) in counts.items():

@@ -1,4 +1,5 @@
-"""Every registered method over a batch: per image, what the method gives that image alone (docs/design.md §Batches).
+"""Every registered method over a batch: per image, what the method gives that image alone
+(docs/design/batches.md §Batches).
 
 The oracle is the method called on each image by itself. Images differ in N and K; they share one projector, as a
 pipeline's do, so CaRe's variants and ZOO-Prune take their joint path (one Eq. 1 pass, one padded Eq. 3 loop).
@@ -30,7 +31,7 @@ CONFIG = CaReConfig(m=8, h=1e-3, seed=3, engine="fd")
 PRCA_ANCHORED = ("care", "prca-only", "prca+simple-calib")
 ZOO_ANCHORED = ("zoo-prune", "simple-calib", "confidence-calib")  # all read ZOO-Prune's sensitivity
 TOLERANCE = {torch.float64: {"rtol": 0, "atol": 1e-9}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
-BIT_FOR_BIT = frozenset({"sparsevlm", "ficoco-v"})  # bit-identical on the CPU: docs/design.md §Batches
+BIT_FOR_BIT = frozenset({"sparsevlm", "ficoco-v"})  # bit-identical on the CPU: docs/design/batches.md §Batches
 EXACT = {"rtol": 0, "atol": 0}
 
 

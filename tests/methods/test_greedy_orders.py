@@ -1,7 +1,7 @@
-"""Greedy selection orders kept in the images' memos (docs/design.md §Batches): DivPrune's max-min greedy, SADS of the
-ZOO-anchored methods and PRCA's Eq. 3. Step t of each greedy reads only the tokens chosen before it, so the order for
-K is the first K of the order for any larger K: one computation per image at the largest K asked or planned serves
-every budget (and every method with the same greedy inputs), and every result equals a fresh call without a memo.
+"""Greedy selection orders kept in the images' memos (docs/design/batches.md §Batches): DivPrune's max-min greedy,
+SADS of the ZOO-anchored methods and PRCA's Eq. 3. Step t of each greedy reads only the tokens chosen before it, so the
+order for K is the first K of the order for any larger K: one computation per image at the largest K asked or planned
+serves every budget (and every method with the same greedy inputs), and every result equals a fresh call without a memo.
 """
 
 from __future__ import annotations

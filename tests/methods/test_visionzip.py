@@ -85,8 +85,9 @@ def test_golden(name: str) -> None:
 
 
 # ----------------------------------------------------------------------------- end-to-end tolerance and hook-up
-# The end-to-end file compares relative to each array's magnitude (docs/design.md §Golden tolerances). These tests
-# show that this tolerance absorbs CPU-to-CPU float32 rounding and still rejects each plausible hook-up mistake.
+# The end-to-end file compares relative to each array's magnitude (docs/design/conventions.md §Golden tolerances).
+# These tests show that this tolerance absorbs CPU-to-CPU float32 rounding and still rejects each plausible hook-up
+# mistake.
 E2E = "visionzip_e2e_tinyclip.npz"
 
 

@@ -1,7 +1,7 @@
 """Plain, independent reference implementation of CaRe (paper Eq. 1-9) and CSR (Supp. A).
 
 This module shares no code with ``care_core``. It is written line by line from the paper
-and from ``docs/design.md`` (sections Budget, PRCA, CGTC, Hyperparameters, Numerics, CSR), in float64 numpy.
+and from ``docs/design/care.md`` and ``docs/design/measures.md`` (§Budget to §Numerics, §CSR), in float64 numpy.
 Loops are used where they keep the equations obvious; simple numpy vectorisation is used
 only where a pure Python loop would be far too slow (the projector, the cosine matrix).
 
@@ -9,7 +9,7 @@ The projector is the two-layer GELU MLP ``M(x) = W2 @ gelu(W1 @ x + b1) + b2`` w
 exact (erf) GELU, computed with ``math.erf`` element by element.
 
 torch is used for exactly one thing: the default direction draw, whose recipe is fixed by
-``docs/design.md §Directions`` (a CPU ``torch.Generator`` seeded with ``seed``).
+``docs/design/care.md §Directions`` (a CPU ``torch.Generator`` seeded with ``seed``).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def budget(N: int, ratio=None, keep=None) -> int:
 
 # --------------------------------------------------------------------------- helpers
 def default_directions(m: int, d_v: int, seed: int) -> np.ndarray:
-    """docs/design.md §Directions: torch.randn(m, d_v, generator=Generator().manual_seed(seed), float64), unit rows."""
+    """docs/design/care.md §Directions: torch.randn(m, d_v, generator=Generator().manual_seed(seed), float64), unit."""
     import torch  # the only use of torch in this module
 
     g = torch.randn(m, d_v, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
