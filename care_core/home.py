@@ -42,6 +42,8 @@ LIBRARY_CACHES: tuple[LibraryCache, ...] = (
                  "datasets, through lmms-eval: care eval's prepared task data"),
     LibraryCache("MPLCONFIGDIR", "matplotlib", (), "matplotlib's font list: care visualize, care csr --plot"),
     LibraryCache("TRITON_CACHE_DIR", "triton", ("TRITON_HOME",), "Triton: the fused kernels compiled on CUDA"),
+    LibraryCache("TORCHINDUCTOR_CACHE_DIR", "torchinductor", (),
+                 "torch.compile: the static loop's compiled decoder layers on CUDA"),
 )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ def test_every_library_cache_goes_under_care_home(unplaced: Path) -> None:
         "HF_DATASETS_CACHE": str(unplaced / "huggingface" / "datasets"),
         "MPLCONFIGDIR": str(unplaced / "matplotlib"),
         "TRITON_CACHE_DIR": str(unplaced / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(unplaced / "torchinductor"),
     }
 
 
@@ -38,6 +39,7 @@ def test_every_library_cache_goes_under_care_home(unplaced: Path) -> None:
         ("MPLCONFIGDIR", "MPLCONFIGDIR"),
         ("TRITON_CACHE_DIR", "TRITON_CACHE_DIR"),
         ("TRITON_HOME", "TRITON_CACHE_DIR"),
+        ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"),
     ],
 )
 def test_a_cache_the_user_placed_stays_theirs(
