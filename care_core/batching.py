@@ -3,8 +3,10 @@ items isolated.
 
 One definition each, read by ``care eval``, ``care csr --data`` and the lmms-eval plugin:
 
-* :func:`parse_batch_size`: a whole number >= 1, ``"auto"`` or lmms-eval's ``"auto:N"``;
-* :func:`default_batch_size`: what ``auto`` resolves to on a loaded backbone (docs/design/batches.md §Batch size);
+* :func:`parse_batch_size`: a whole number >= 1, ``"auto"`` or lmms-eval's ``"auto:N"``, read once where a run is
+  set up into a :class:`BatchSize` that is passed down as it is;
+* :func:`choose_batch_size`: a :class:`BatchSize` resolved for one setting on a loaded backbone (auto: the device
+  rule of :func:`default_batch_size`, docs/design/batches.md §Batch size);
 * :class:`Batches`: items answered in chunks; a chunk that runs out of GPU memory is split in halves and retried,
   and the size that fits is kept for the chunks that follow; a chunk that fails otherwise is split the same way
   until the failing item is alone, which then gives its caller's stand-in result (:meth:`Batches.run`'s
@@ -20,7 +22,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from care_core.errors import CareError
 from care_core.vocabulary import BATCH_BUCKETS
@@ -32,8 +34,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 R = TypeVar("R")
 
-AUTO: Literal["auto"] = "auto"
-BatchSizeArg = int | Literal["auto"]
+AUTO = "auto"
 #: the default on a CPU: decoding reads every weight once per step for the whole batch, so a few samples share
 #: that read; more adds padding (samples finish at different steps) and coarser progress and saves for little gain
 CPU_BATCH_SIZE = 4
@@ -49,59 +50,93 @@ MEMORY_SHARE = 0.8
 RESERVED_BYTES = 2 * (1 << 26) * 4
 
 
-def parse_batch_size(value: object) -> BatchSizeArg:
-    """``batch_size`` as given (an int, or text: ``"8"``, ``"auto"``, ``"auto:N"``): a whole number >= 1 or
-    ``"auto"``. lmms-eval's ``auto:N`` (re-pick N times in lm-eval-harness) is ``auto`` here: the size is picked
-    once and out-of-memory splitting adapts it. CareError (one line) for anything else."""
+@dataclass(frozen=True)
+class BatchSize:
+    """``batch_size`` as a run was asked for it (:func:`parse_batch_size` reads the text): a fixed number, or auto
+    (``fixed`` None: the device rule's pick for each setting, at most ``cap`` where given; a fixed size has no cap)."""
+
+    fixed: int | None = None
+    cap: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("batch_size", self.fixed), ("max_batch_size", self.cap)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CareError(f"must be a whole number >= 1, got {value!r}", parameter=name)
+
+    @property
+    def is_auto(self) -> bool:
+        return self.fixed is None
+
+    def resolve(self, default: int) -> int:
+        """The size used where the device rule picks ``default``: the fixed number, or ``default`` up to the cap."""
+        if self.fixed is not None:
+            return self.fixed
+        return default if self.cap is None else min(default, self.cap)
+
+    def at_most(self, size: int) -> BatchSize:
+        """What a setting whose batches were split down to ``size`` hands on to the next: a fixed number no larger
+        than ``size`` (the memory pressure of one model persists); auto is picked again for each setting."""
+        return self if self.fixed is None else BatchSize(min(self.fixed, size))
+
+    def to_json(self) -> int | str:
+        """The number, or ``"auto"`` (a report's ``requested``)."""
+        return AUTO if self.fixed is None else self.fixed
+
+
+def parse_batch_size(value: object, *, cap: object = None) -> BatchSize:
+    """The one reader of ``batch_size`` as given (an int, or text: ``"8"``, ``"auto"``, ``"auto:N"``) and of auto's
+    ``cap`` (lmms-eval's ``max_batch_size``: None or a whole number >= 1). lmms-eval's ``auto:N`` (re-pick N times
+    in lm-eval-harness) is auto here: the size is picked once and out-of-memory splitting adapts it. CareError (one
+    line) for anything else."""
+    return BatchSize(_whole_number_or_auto(value), None if cap is None else _cap(cap))
+
+
+def _whole_number_or_auto(value: object) -> int | None:
+    """``value`` as a whole number >= 1, or None for auto."""
     text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
     if text is not None:
         if text == AUTO or (text.startswith(AUTO + ":") and text[5:].isdigit() and int(text[5:]) >= 1):
-            return AUTO
+            return None
         if text.lstrip("+").isdigit() and int(text) >= 1:
             return int(text)
     raise CareError(f"must be a whole number >= 1, 'auto' or 'auto:N', got {value!r}", parameter="batch_size")
 
 
+def _cap(value: object) -> int:
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    if not (text.lstrip("+").isdigit() and int(text) >= 1):
+        raise CareError(f"must be a whole number >= 1, got {value!r}", parameter="max_batch_size")
+    return int(text)
+
+
 @dataclass(frozen=True)
 class BatchChoice:
-    """The batch size a run uses, and where it came from."""
+    """The batch size a run (or one setting of it) starts with, and where it came from."""
 
     size: int  # the batch size used (before any out-of-memory split)
-    requested: BatchSizeArg  # what was asked for
+    requested: BatchSize  # what was asked for
     default: int  # what the device rule (default_batch_size) picks
 
     def to_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.size, "requested": self.requested, "default": self.default}
+        return {"batch_size": self.size, "requested": self.requested.to_json(), "default": self.default}
 
 
 def choose_batch_size(
-    requested: object, adapter: VLMAdapter, *, max_new_tokens: int | None, attention_layers: int = 0
-) -> BatchChoice:
-    """``requested`` (as :func:`parse_batch_size` reads it) on ``adapter``, with the default the device rule picks
-    (computed either way, for the run's report). ``attention_layers``: how many language-model layers' attention
-    maps a method reads (FastV, SparseVLM: ``Method.attention_layers``), which every sample of a batch holds
-    (:func:`sample_bytes`)."""
-    wanted = parse_batch_size(requested)
-    default = default_batch_size(adapter, max_new_tokens=max_new_tokens, attention_layers=attention_layers)
-    return BatchChoice(default if wanted == AUTO else int(wanted), wanted, default)
-
-
-def resolve_batch_size(
-    requested: object,
+    requested: BatchSize,
     adapter: VLMAdapter,
     *,
     max_new_tokens: int | None,
-    max_batch_size: int | None = None,
     attention_layers: int = 0,
     budget: Budget | None = None,
-) -> int:
-    """``requested`` as a number: ``auto`` is :func:`default_batch_size`, at most ``max_batch_size`` where given."""
-    wanted = parse_batch_size(requested)
-    if wanted != AUTO:
-        return int(wanted)
-    size = default_batch_size(adapter, max_new_tokens=max_new_tokens, attention_layers=attention_layers,
-                              budget=budget)  # fmt: skip
-    return size if max_batch_size is None else max(1, min(size, int(max_batch_size)))
+) -> BatchChoice:
+    """The one place a batch size is resolved: ``requested`` on ``adapter`` for one setting, with the default the
+    device rule picks (:func:`default_batch_size`, computed either way, for the run's report). ``attention_layers``:
+    how many language-model layers' attention maps a method reads (FastV, SparseVLM: ``Method.attention_layers``),
+    which every sample of a batch holds (:func:`sample_bytes`); ``budget``: the setting's, whose answers read only
+    the kept tokens (None: all of them)."""
+    default = default_batch_size(adapter, max_new_tokens=max_new_tokens, attention_layers=attention_layers,
+                                 budget=budget)  # fmt: skip
+    return BatchChoice(requested.resolve(default), requested, default)
 
 
 def default_batch_size(
@@ -246,8 +281,10 @@ class Batches:
     """
 
     def __init__(self, size: int, *, device: object = "cuda", on_notice: Callable[[str], None] | None = None) -> None:
-        self.size = int(parse_batch_size(size))
-        self.requested = self.size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"a batch size is a whole number >= 1, got {size!r}")
+        self.size = size
+        self.requested = size
         self.device = str(device)
         self.on_notice = on_notice
         self.splits = 0

@@ -13,17 +13,29 @@ import datetime as dt
 import json
 import math
 import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from care_cli import options as opt
 from care_cli import render, run_options
 from care_cli.errors import UserError
+from care_core.batching import parse_batch_size
 from care_core.config import CaReConfig
 from care_core.integrations import missing_task_path
+
+if TYPE_CHECKING:
+    from lmms_eval.tasks import TaskManager
+    from rich.progress import Progress, TaskID
+
+    from care_core.backbones.base import VLMAdapter
+    from care_core.batching import BatchSize
+    from care_core.budget import Budget
+    from care_core.integrations.lmms_eval import SampleRecord, SettingRun, TaskSelection
+    from care_core.integrations.settings import EvalSpec
+    from care_core.runs import DatasetRun, Key, Processes
 
 SUMMARY = "care_eval_summary.json"
 CACHE_RUN_ID = "care-eval"  # fixed: a rerun's ranks reopen the databases a killed run left
@@ -94,7 +106,6 @@ def eval_command(
     Prints one table per task: the metric with all tokens, per method x budget, its retention (% of the unreduced
     metric), the visual tokens the language model saw and the seconds per sample.
     """
-    from care_core.batching import parse_batch_size
     from care_core.integrations import broken_torchvision, lmms_eval_missing
     from care_core.runs import Processes
 
@@ -103,7 +114,7 @@ def eval_command(
     if limit is not None and (not math.isfinite(limit) or limit <= 0 or (limit > 1 and limit != int(limit))):
         raise UserError(f"--limit must be a whole number of documents or a fraction in (0, 1), got {limit:g}")
     run_options.check_processes(num_processes)
-    requested = parse_batch_size(batch_size)
+    requested = parse_batch_size(batch_size)  # read once here; passed down as it is
     names, every = opt.method_names(method)
     specs = _specs(model, names, opt.budgets(opt.parse_ratio_specs(ratio), keep), device, dtype, config, cuda_graphs)
     for problem in (lmms_eval_missing(), broken_torchvision()):
@@ -134,9 +145,9 @@ def eval_command(
 
 
 def _specs(
-    model: str | None, names: list[str], budgets: list[Any], device: str, dtype: str, config: CaReConfig,
+    model: str | None, names: list[str], budgets: list[Budget], device: str, dtype: str, config: CaReConfig,
     cuda_graphs: bool | None,
-) -> list[Any]:  # fmt: skip
+) -> list[EvalSpec]:  # fmt: skip
     """The settings to evaluate: all visual tokens first, then every method at every budget."""
     import dataclasses
 
@@ -169,7 +180,7 @@ def _interrupted(argv: list[str], output_dir: Path | None, processes: int) -> st
             f"{run_options.rerun_line(argv)}")  # fmt: skip
 
 
-def _check_output_dir(folder: Path, selection: Any) -> None:
+def _check_output_dir(folder: Path, selection: TaskSelection) -> None:
     """A folder that is no task folder and holds no task file, never an input, and that can be created (with its
     missing parents, as ``mkdir -p``; nothing is created until the run has its tasks and model) and written in,
     down to what the run writes inside it."""
@@ -183,23 +194,21 @@ def _check_output_dir(folder: Path, selection: Any) -> None:
 
 
 def run_eval(
-    specs: list[Any],
-    selection: Any,
+    specs: list[EvalSpec],
+    selection: TaskSelection,
     *,
     limit: float | None,
     folder: Path | None,
     every: bool,
     quiet: bool,
-    processes: Any,
-    batch_size: Any = "auto",
+    processes: Processes,
+    batch_size: BatchSize,
 ) -> dict[str, Any]:
     """Evaluate every setting on this process's share of the documents; rank 0 returns the report (others {}).
 
     ``batch_size``: a number is used by every setting, and a setting whose batches had to be split for memory hands
-    its smaller size on to the next; "auto" is resolved per setting, for the tokens its answers read."""
-    from care_core.batching import choose_batch_size
+    its smaller size on to the next; auto is resolved per setting, for the tokens its answers read."""
     from care_core.integrations import lmms_eval as plugin
-    from care_core.methods import build_method
     from care_core.pipeline import backbone_info
     from care_core.runs import DatasetRun
 
@@ -216,27 +225,24 @@ def run_eval(
     if not main:
         plugin.load_tasks(selection.names, manager)
     specs, skipped = _servable(specs, adapter, every)
-    layers = max((build_method(spec.method, spec.config).attention_layers() for spec in specs if spec.method),
-                 default=0)  # fmt: skip
-    choice = choose_batch_size(batch_size, adapter, max_new_tokens=plugin.DEFAULT_MAX_NEW_TOKENS,
-                               attention_layers=layers)  # fmt: skip
     samples = DatasetRun(folder / SAMPLES if folder is not None else None, manifest={}, resume=True, key=SAMPLE_KEY,
                          run_format=SAMPLES_FORMAT, processes=processes)  # fmt: skip
     with samples:
         samples.start()  # creates the output folder: nothing is created before the tasks and model are known
         ran = _evaluate(specs, selection, manager, adapter, samples, limit=limit, folder=folder, quiet=quiet,
-                        batch_size=choice.requested)  # fmt: skip
+                        batch_size=batch_size)  # fmt: skip
         records = samples.merge()
     if not main:
         return {}
-    settings = [_setting_report(spec, results, _chosen(records, spec), computed, wall, selection.names, folder)
-                | {"batch_size_start": start, "batch_size": size, "peak_gpu_memory_gib": peak}
-                for spec, results, computed, wall, (start, size), peak in ran]  # fmt: skip
+    settings = [_setting_report(run, _chosen(records, run.spec), selection.names, folder)
+                | {"batch_size_start": run.batch.size, "batch_size": run.final_batch_size,
+                   "peak_gpu_memory_gib": run.peak_gpu_memory_gib} for run in ran]  # fmt: skip
+    # the run's batch size: the first setting's (all tokens), with the device rule's pick for it
     return _report(settings, selection, backbone_info(adapter).to_dict(), specs, skipped, limit, processes, folder,
-                   warm_up=adapter.device.type == "cuda", batch=choice.to_dict())  # fmt: skip
+                   warm_up=ran[0].warmed_up, batch=ran[0].batch.to_dict())  # fmt: skip
 
 
-def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], list[dict[str, str]]]:
+def _servable(specs: list[EvalSpec], adapter: VLMAdapter, every: bool) -> tuple[list[EvalSpec], list[dict[str, str]]]:
     """The settings the backbone can serve; with 'all', the others are left out and listed."""
     from care_core.integrations import lmms_eval as plugin
     from care_core.pipeline import method_unavailable
@@ -246,7 +252,7 @@ def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], l
         kept = []
         for spec in specs:
             reason = None if spec.method is None else method_unavailable(spec.method, spec.config, adapter)
-            if reason is None:
+            if spec.method is None or reason is None:
                 kept.append(spec)
             elif spec.method not in {s["method"] for s in skipped}:
                 skipped.append({"method": spec.method, "reason": reason})
@@ -256,17 +262,11 @@ def _servable(specs: list[Any], adapter: Any, every: bool) -> tuple[list[Any], l
 
 
 def _evaluate(
-    specs: list[Any], selection: Any, manager: Any, adapter: Any, samples: Any, *, limit: float | None,
-    folder: Path | None, quiet: bool, batch_size: int | str,
-) -> list[tuple[Any, dict[str, Any], dict[str, tuple[int, int]], float, tuple[int, int], float | None]]:  # fmt: skip
-    """simple_evaluate per setting; each answered sample's record saved as it comes. On rank 0, per setting:
-    (spec, lmms-eval's results, per task the documents answered now and how many of them failed (answered with an
-    empty string), wall seconds, batch size (at its start, at its end), peak GPU memory in GiB: the most any process
-    held for tensors during the setting, warm-up included, after the previous setting's decoding cache was released;
-    None off CUDA)."""
-    from lmms_eval.evaluator import simple_evaluate
-
-    from care_core.batching import AUTO, peak_gpu_memory_gib, reset_peak_gpu_memory
+    specs: list[EvalSpec], selection: TaskSelection, manager: TaskManager, adapter: VLMAdapter, samples: DatasetRun, *,
+    limit: float | None, folder: Path | None, quiet: bool, batch_size: BatchSize,
+) -> list[SettingRun]:  # fmt: skip
+    """Every setting in turn (care_core.integrations.lmms_eval.evaluate_setting), each answered sample's record
+    saved as it comes; a number of ``batch_size`` split for memory is handed on to the next setting."""
     from care_core.integrations import lmms_eval as plugin
     from care_core.runs import scoped_environ
 
@@ -275,7 +275,6 @@ def _evaluate(
     if cache_root is not None and processes.world.is_main:
         cache_root.mkdir(exist_ok=True)
         plugin.merge_leftover_cache(cache_root)
-    warm_up = adapter.device.type == "cuda"  # on a GPU a setting first answers once untimed: steady-state timings
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     ran = []
     with (
@@ -285,30 +284,11 @@ def _evaluate(
         bar = progress.add_task("", total=None)
         for number, spec in enumerate(specs, start=1):
             progress.update(bar, description=f"{spec.label} ({number}/{len(specs)})", completed=0, total=None)
-            adapter.release_decoding_cache()  # a cache sized for the previous setting's rows would count here
-            reset_peak_gpu_memory(adapter.device)
-            lm = plugin.CareLMM.from_spec(spec, adapter, on_batch=_saver(samples, spec, progress, bar),
-                                          batch_size=batch_size, on_notice=_notice)  # fmt: skip
-            if warm_up:
-                lm.warm_up()
-            start = time.perf_counter()
-            results = simple_evaluate(
-                model=lm, model_args=spec.model_args_string(), tasks=list(selection.names), task_manager=manager,
-                limit=limit, use_cache=str(cache_root) if cache_root is not None else None, log_samples=True,
-                bootstrap_iters=1000, verbosity="ERROR", distributed_executor_backend="torchrun",
-                process_docs_parallel=1, datetime_str=stamp,
-            )  # fmt: skip
-            wall = time.perf_counter() - start
-            peaks = [p for p in processes.gather(peak_gpu_memory_gib(adapter.device)) if p is not None]
-            answered = set().union(*processes.gather({(r.task, r.doc_id) for r in lm.records}))
-            failed = set().union(*processes.gather({(f.task, f.doc_id) for f in lm.failures}))
-            processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
-            computed = {task: (sum(1 for t, _ in answered | failed if t == task),
-                               sum(1 for t, _ in failed if t == task)) for task in selection.names}  # fmt: skip
-            if batch_size != AUTO:  # smaller after an out-of-memory split: the next setting starts there
-                batch_size = lm.batch_size
-            sizes = (lm.batches.requested, lm.batch_size)
-            ran.append((spec, results, computed, wall, sizes, max(peaks) if peaks else None))
+            run = plugin.evaluate_setting(spec, adapter, selection, manager, processes, batch_size=batch_size,
+                                          limit=limit, cache=cache_root, stamp=stamp,
+                                          on_batch=_saver(samples, spec, progress, bar), on_notice=_notice)  # fmt: skip
+            batch_size = batch_size.at_most(run.final_batch_size)
+            ran.append(run)
     return ran
 
 
@@ -316,27 +296,29 @@ def _notice(line: str) -> None:
     render.print_notices([line])
 
 
-def _saver(samples: Any, spec: Any, progress: Any, bar: Any) -> Any:
+def _saver(
+    samples: DatasetRun, spec: EvalSpec, progress: Progress, bar: TaskID
+) -> Callable[[int, int, list[SampleRecord]], None]:
     """The per-batch hook: save the answered samples' records (visual tokens, seconds; one write and fsync per
     batch) and move the bar."""
     fingerprint = spec.fingerprint()
 
-    def on_batch(done: int, total: int, records: list[Any]) -> None:
+    def on_batch(done: int, total: int, records: list[SampleRecord]) -> None:
         samples.append([{"fingerprint": fingerprint, "setting": spec.label, **vars(record)} for record in records])
         progress.update(bar, completed=done, total=total)
 
     return on_batch
 
 
-def _chosen(records: dict[Any, dict[str, Any]], spec: Any) -> list[dict[str, Any]]:
+def _chosen(records: dict[Key, dict[str, Any]], spec: EvalSpec) -> list[dict[str, Any]]:
     """The saved sample records of one setting (this run's and earlier runs' in the same folder)."""
     fingerprint = spec.fingerprint()
     return [r for r in records.values() if r["fingerprint"] == fingerprint]
 
 
 def _report(
-    settings: list[dict[str, Any]], selection: Any, backbone: dict[str, Any], specs: list[Any],
-    skipped: list[dict[str, str]], limit: float | None, processes: Any, folder: Path | None, *, warm_up: bool,
+    settings: list[dict[str, Any]], selection: TaskSelection, backbone: dict[str, Any], specs: list[EvalSpec],
+    skipped: list[dict[str, str]], limit: float | None, processes: Processes, folder: Path | None, *, warm_up: bool,
     batch: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
     report = {
@@ -365,17 +347,17 @@ def _report(
 
 
 def _setting_report(
-    spec: Any, results: dict[str, Any], records: list[dict[str, Any]], computed: dict[str, tuple[int, int]],
-    wall: float, tasks: list[str], folder: Path | None,
-) -> dict[str, Any]:  # fmt: skip
+    run: SettingRun, records: list[dict[str, Any]], tasks: list[str], folder: Path | None
+) -> dict[str, Any]:
     """One setting: metrics, answers, visual tokens and timings per task; lmms-eval's files when ``folder``.
-    ``computed``: per task the documents answered now, and how many of those failed (answered with an empty
+    ``run.computed``: per task the documents answered now, and how many of those failed (answered with an empty
     string; the response cache keeps no empty answer, so a rerun answers them again).
 
     Visual tokens and seconds are those of the samples answered now or, for answers from the response cache, when
     they were answered (the records saved in ``folder``)."""
     from care_core.integrations import lmms_eval as plugin
 
+    spec, results, computed = run.spec, run.results, run.computed
     per_task: dict[str, Any] = {}
     for task in tasks:
         answers = plugin.sample_answers(results, task)
@@ -404,14 +386,14 @@ def _setting_report(
         "keep": spec.keep,
         "ratio": spec.ratio,
         "model_args": spec.model_args_string(),
-        "wall_seconds": wall,
-        "samples_per_second": samples / wall if wall > 0 else None,
+        "wall_seconds": run.wall_seconds,
+        "samples_per_second": samples / run.wall_seconds if run.wall_seconds > 0 else None,
         "tasks": per_task,
         "result_files": files,
     }
 
 
-def _write_lmms_files(path: Path, spec: Any, results: dict[str, Any]) -> list[str]:
+def _write_lmms_files(path: Path, spec: EvalSpec, results: dict[str, Any]) -> list[str]:
     """lmms-eval's own ``<date>_results.json`` and ``<date>_samples_<task>.jsonl``, as its CLI writes them."""
     from lmms_eval.loggers import EvaluationTracker
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -14,6 +14,13 @@ from care_cli import render
 from care_cli.errors import UserError
 from care_core.config import CaReConfig
 from care_core.errors import one_line
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from care_core.budget import Budget
+    from care_core.overlays import OverlayFigure, TokenGeometry
+    from care_core.pipeline import ImageResult, ReductionPipeline
 
 FORMATS = (".png", ".pdf", ".svg")
 MAX_DPI = 1200
@@ -115,13 +122,13 @@ def _metadata(fmt: str) -> dict[str, Any]:
 
 
 def build_figure(
-    picture: Any,
+    picture: Image.Image,
     names: list[str],
     config: CaReConfig,
     *,
     image_name: str,
     every: bool,
-    budget: Any,
+    budget: Budget,
     model: str | None,
     device: str,
     dtype: str,
@@ -131,7 +138,7 @@ def build_figure(
     question: str | None,
     dpi: float,
     quiet: bool,
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], OverlayFigure]:
     """Run every method through the library pipeline and draw the figure (``image_name``: the file, as errors name
     it); the JSON report and the drawing."""
     import numpy as np
@@ -161,8 +168,10 @@ def build_figure(
     return _report(pipe, output, geometry, drawing.to_dict(), config=config, view=view, notes=notes), drawing
 
 
-def _report(pipe: Any, output: Any, geometry: Any, figure: dict[str, Any], *, config: CaReConfig, view: str | None,
-            notes: list[str]) -> dict[str, Any]:  # fmt: skip
+def _report(
+    pipe: ReductionPipeline, output: ImageResult, geometry: TokenGeometry, figure: dict[str, Any], *,
+    config: CaReConfig, view: str | None, notes: list[str],
+) -> dict[str, Any]:  # fmt: skip
     """The JSON report of a figure: backbone, methods, N and K, the view, each panel's geometry, notes."""
     return {
         "command": "visualize",

@@ -39,12 +39,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from care_core.backbones.families import served_families
-from care_core.batching import Batches, BatchSizeArg
+from care_core.batching import (
+    BatchChoice,
+    Batches,
+    BatchSize,
+    choose_batch_size,
+    peak_gpu_memory_gib,
+    reset_peak_gpu_memory,
+)
 from care_core.errors import CareError, MethodError, failure_line
 from care_core.integrations import missing_task_path
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
 from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher
-from care_core.runs import World
+from care_core.runs import Processes, World
 from care_core.vocabulary import DEFAULT_QUESTION
 
 #: model id -> (class in this module, aliases)
@@ -153,8 +160,11 @@ class CareLMM(lmms):
 
     Build it from ``model_args`` (what lmms-eval does), or with :meth:`from_spec` around an adapter that is
     already loaded (what ``care eval`` does, to evaluate many methods and budgets on one loaded model).
-    ``batch_size`` (lmms-eval's ``--batch_size``: a number, ``auto`` or ``auto:N``; ``max_batch_size`` caps
-    ``auto``) is how many requests are answered at once (care_core.batching; per sample the answer of a batch of one).
+    ``batch_size`` is how many requests are answered at once (care_core.batching; per sample the answer of a batch
+    of one): from ``model_args``, lmms-eval's ``--batch_size`` (a number, ``auto`` or ``auto:N``;
+    ``max_batch_size`` caps ``auto``), read once on construction; with :meth:`from_spec`, a parsed
+    :class:`care_core.batching.BatchSize`. It is resolved once, for this setting, on construction
+    (:attr:`batch_choice`).
     """
 
     is_simple = True
@@ -164,8 +174,8 @@ class CareLMM(lmms):
 
     def __init__(self, **model_args: Any) -> None:
         super().__init__()
-        size, cap = batch_arguments(model_args)
-        self._setup(parse_model_args(model_args), None, size, cap)
+        size = batch_arguments(model_args)
+        self._setup(parse_model_args(model_args), None, size)
 
     @classmethod
     def from_spec(
@@ -174,7 +184,7 @@ class CareLMM(lmms):
         adapter: VLMAdapter | None = None,
         *,
         on_batch: Callable[[int, int, list[SampleRecord]], None] | None = None,
-        batch_size: int | str = 1,
+        batch_size: BatchSize = BatchSize(1),
         on_notice: Callable[[str], None] | None = None,
     ) -> CareLMM:
         """The model for ``spec``; ``adapter`` (a loaded backbone) is reused instead of loading ``spec.pretrained``.
@@ -186,14 +196,13 @@ class CareLMM(lmms):
         """
         self = cls.__new__(cls)
         lmms.__init__(self)
-        size, _ = batch_arguments({"batch_size": batch_size})
-        self._setup(spec, adapter, size, None)
+        self._setup(spec, adapter, batch_size)
         self.on_batch = on_batch
         if on_notice is not None:
             self.on_notice = on_notice
         return self
 
-    def _setup(self, spec: EvalSpec, adapter: VLMAdapter | None, batch_size: BatchSizeArg, cap: int | None) -> None:
+    def _setup(self, spec: EvalSpec, adapter: VLMAdapter | None, batch_size: BatchSize) -> None:
         from care_core.pipeline import ReductionPipeline
 
         self.spec = spec
@@ -222,9 +231,14 @@ class CareLMM(lmms):
                 raise GenerationError(f"cuda_graph=true: {reason}")
         # "none" is a pipeline without methods: its full answer is the answer
         self.pipeline = ReductionPipeline(adapter, [spec.method] if spec.method else [], spec.config)
-        self._batch_request = batch_size
-        self._max_batch_size = cap
-        self._batches: Batches | None = None
+        # auto: for answers of up to DEFAULT_MAX_NEW_TOKENS read from this setting's kept tokens
+        self.batch_choice: BatchChoice = choose_batch_size(batch_size, adapter, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                                                           attention_layers=self.pipeline.attention_layers,
+                                                           budget=spec.budget)  # fmt: skip
+        #: the batch runner: smaller after an out-of-memory split
+        self.batches = Batches(
+            self.batch_choice.size, device=adapter.device, on_notice=lambda line: self.on_notice(line)
+        )
 
     def _check_family(self) -> None:
         family = self.adapter.family
@@ -250,22 +264,6 @@ class CareLMM(lmms):
     @property
     def tokenizer(self) -> Any:
         return getattr(self.adapter, "tokenizer", None)
-
-    @property
-    def batches(self) -> Batches:
-        """The batch runner: ``batch_size`` resolved on first use (``auto`` by the device rule of
-        care_core.batching, for answers of up to DEFAULT_MAX_NEW_TOKENS from this setting's kept tokens), smaller
-        after an out-of-memory split."""
-        if self._batches is None:
-            from care_core.batching import resolve_batch_size
-
-            layers = self.pipeline.attention_layers if self.pipeline is not None else 0
-            budget = self.spec.budget if self.spec.method is not None else None
-            size = resolve_batch_size(self._batch_request, self.adapter, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-                                      max_batch_size=self._max_batch_size, attention_layers=layers,
-                                      budget=budget)  # fmt: skip
-            self._batches = Batches(size, device=self.adapter.device, on_notice=lambda line: self.on_notice(line))
-        return self._batches
 
     @property
     def batch_size(self) -> int:
@@ -462,6 +460,57 @@ def model_id_for(family: str) -> str:
     from care_core.backbones.families import backbone_family
 
     return backbone_family(family).lmms_eval_model
+
+
+# ---------------------------------------------------------------------------------------------- one setting
+@dataclass(frozen=True)
+class SettingRun:
+    """What evaluating one setting gave (:func:`evaluate_setting`), on every process."""
+
+    spec: EvalSpec
+    results: dict[str, Any]  # lmms-eval's (on rank 0 with the metrics and the logged samples)
+    computed: dict[str, tuple[int, int]]  # per task: documents answered now (every process's), and of them failed
+    wall_seconds: float
+    warmed_up: bool  # one untimed batch answered first (on a GPU)
+    batch: BatchChoice  # the size the setting started at, what was asked for, the device rule's pick
+    final_batch_size: int  # at its end: smaller after an out-of-memory split
+    peak_gpu_memory_gib: float | None  # the most any process held for tensors (warm-up included); None off CUDA
+
+
+def evaluate_setting(
+    spec: EvalSpec, adapter: VLMAdapter, selection: TaskSelection, manager: Any, processes: Processes, *,
+    batch_size: BatchSize, limit: float | None, cache: Path | None, stamp: str,
+    on_batch: Callable[[int, int, list[SampleRecord]], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
+) -> SettingRun:  # fmt: skip
+    """lmms-eval's ``simple_evaluate`` once for ``spec`` on the loaded ``adapter``, this process's share of the
+    documents (``cache``: lmms-eval's response cache folder, None: none; ``on_batch``, ``on_notice``: as
+    :meth:`CareLMM.from_spec`). The previous setting's decoding cache is released first, the batch size chosen
+    and the peak GPU memory counted from there; on a GPU one untimed batch answers first
+    (:meth:`CareLMM.warm_up`), so that the timings are steady-state. Every process must call it."""
+    from lmms_eval.evaluator import simple_evaluate
+
+    adapter.release_decoding_cache()  # a cache sized for the previous setting's rows would count (and be in the way)
+    lm = CareLMM.from_spec(spec, adapter, on_batch=on_batch, batch_size=batch_size, on_notice=on_notice)
+    reset_peak_gpu_memory(adapter.device)
+    warm_up = adapter.device.type == "cuda"  # the one-time costs (CUDA context, kernels, graphs) land untimed
+    if warm_up:
+        lm.warm_up()
+    start = time.perf_counter()
+    results = simple_evaluate(
+        model=lm, model_args=spec.model_args_string(), tasks=list(selection.names), task_manager=manager,
+        limit=limit, use_cache=str(cache) if cache is not None else None, log_samples=True, bootstrap_iters=1000,
+        verbosity="ERROR", distributed_executor_backend="torchrun", process_docs_parallel=1, datetime_str=stamp,
+    )  # fmt: skip
+    wall = time.perf_counter() - start
+    peaks = [p for p in processes.gather(peak_gpu_memory_gib(adapter.device)) if p is not None]
+    answered = set().union(*processes.gather({(r.task, r.doc_id) for r in lm.records}))
+    failed = set().union(*processes.gather({(f.task, f.doc_id) for f in lm.failures}))
+    processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
+    computed = {task: (sum(1 for t, _ in answered | failed if t == task), sum(1 for t, _ in failed if t == task))
+                for task in selection.names}  # fmt: skip
+    return SettingRun(spec, results, computed, wall, warm_up, lm.batch_choice, lm.batches.size,
+                      max(peaks) if peaks else None)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- quiet

@@ -10,14 +10,12 @@ import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from care_core.backbones.families import DEFAULT_DEMO
+from care_core.batching import BatchSize, parse_batch_size
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, ConfigError, MethodError
-
-if TYPE_CHECKING:
-    from care_core.batching import BatchSizeArg
 
 #: Keys of ``model_args`` besides the CaReConfig fields.
 MODEL_KEYS = ("pretrained", "method", "keep", "ratio", "device", "dtype", "cuda_graph")
@@ -218,17 +216,12 @@ def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "c
     return spec
 
 
-def batch_arguments(args: Mapping[str, Any]) -> tuple[BatchSizeArg, int | None]:
-    """(``batch_size``, ``max_batch_size``) as lmms-eval passes them: its CLI always passes ``batch_size`` (the int 1,
-    or the text typed: ``"8"``, ``"auto"``, ``"auto:N"``) and ``max_batch_size`` (None or an int, the cap of
-    ``auto``). ModelArgsError (one line) for anything else, e.g. ``"0"`` or ``"x"``."""
-    from care_core.batching import AUTO, parse_batch_size
-
+def batch_arguments(args: Mapping[str, Any]) -> BatchSize:
+    """``batch_size`` and ``max_batch_size`` (auto's cap) as lmms-eval's own CLI passes them in ``model_args``: it
+    always passes ``batch_size`` (the int 1, or the text typed: ``"8"``, ``"auto"``, ``"auto:N"``) and
+    ``max_batch_size`` (None or an int), read once here by care_core.batching's reader. ModelArgsError (one line)
+    for anything else, e.g. ``"0"`` or ``"x"``."""
     try:
-        size = parse_batch_size(args.get("batch_size", 1))
-        cap = args.get("max_batch_size")
-        if cap is not None and (cap := parse_batch_size(cap)) == AUTO:
-            raise CareError(f"must be a whole number >= 1, got {args['max_batch_size']!r}", parameter="max_batch_size")
+        return parse_batch_size(args.get("batch_size", 1), cap=args.get("max_batch_size"))
     except CareError as exc:
         raise ModelArgsError(str(exc)) from None
-    return size, None if cap is None else int(cap)

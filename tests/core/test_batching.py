@@ -11,7 +11,9 @@ from care_core.batching import (
     CPU_BATCH_SIZE,
     MAX_BATCH_SIZE,
     Batches,
+    BatchSize,
     batch_size_for,
+    choose_batch_size,
     default_batch_size,
     is_out_of_memory,
     parse_batch_size,
@@ -20,9 +22,40 @@ from care_core.batching import (
 from care_core.errors import CareError
 
 
-@pytest.mark.parametrize(("given", "expected"), [(1, 1), ("4", 4), (" 8 ", 8), ("auto", "auto"), ("AUTO:4", "auto")])
-def test_batch_size_values_lmms_eval_and_the_cli_pass_are_read(given: object, expected: object) -> None:
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(1, BatchSize(1)), ("4", BatchSize(4)), (" 8 ", BatchSize(8)), ("auto", BatchSize()), ("AUTO:4", BatchSize())],
+)
+def test_batch_size_values_lmms_eval_and_the_cli_pass_are_read(given: object, expected: BatchSize) -> None:
     assert parse_batch_size(given) == expected
+
+
+def test_auto_reads_its_cap_and_a_bad_cap_is_a_one_line_error_naming_max_batch_size() -> None:
+    assert parse_batch_size("auto", cap="3") == BatchSize(None, 3)
+    for bad in (0, "auto", "x", True):
+        with pytest.raises(CareError) as caught:
+            parse_batch_size("auto", cap=bad)
+        assert caught.value.parameter == "max_batch_size" and "\n" not in str(caught.value)
+
+
+def test_a_batch_size_resolves_to_its_number_or_the_device_rule_up_to_the_cap() -> None:
+    assert BatchSize(6).resolve(default=32) == 6  # a number is used as it is, whatever the device picks
+    assert BatchSize().resolve(default=32) == 32
+    assert BatchSize(None, 8).resolve(default=32) == 8 and BatchSize(None, 8).resolve(default=2) == 2
+    assert BatchSize(6).to_json() == 6 and BatchSize().to_json() == "auto"
+
+
+def test_a_split_number_is_handed_on_and_auto_is_picked_again() -> None:
+    assert BatchSize(8).at_most(3) == BatchSize(3) and BatchSize(2).at_most(3) == BatchSize(2)
+    assert BatchSize(None, 5).at_most(1) == BatchSize(None, 5)
+
+
+def test_choose_batch_size_reports_the_size_used_what_was_asked_and_the_device_rule() -> None:
+    adapter = SimpleNamespace(device=torch.device("cpu"))
+    fixed = choose_batch_size(BatchSize(3), adapter, max_new_tokens=8)  # type: ignore[arg-type]
+    assert fixed.to_dict() == {"batch_size": 3, "requested": 3, "default": CPU_BATCH_SIZE}
+    capped = choose_batch_size(BatchSize(None, 2), adapter, max_new_tokens=8)  # type: ignore[arg-type]
+    assert capped.to_dict() == {"batch_size": 2, "requested": "auto", "default": CPU_BATCH_SIZE}
 
 
 @pytest.mark.parametrize("given", [0, -1, "0", "x", "auto:0", "auto:x", "1.5", True, None, 2.0])

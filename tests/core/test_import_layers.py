@@ -57,6 +57,7 @@ LAYERS: Mapping[int, tuple[str, ...]] = {
         "care_core.pipeline",
         "care_core.prefetch",
         "care_core.runs",
+        "care_core.dataset_csr",
         "care_core.dropin",
         "care_core.flops",
         "care_core.overlays",

@@ -118,7 +118,7 @@ def test_writer_makes_jsonl_that_care_csr_reads(tmp_path: Path) -> None:
         from make_synthetic import write_split
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    from care_cli.commands.csr import read_pairs
+    from care_core.dataset_csr import read_pairs
 
     path = write_split(tmp_path / "syn", 1, 6)
     records = [json.loads(line) for line in path.read_text().splitlines()]

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("lmms_eval")
 
 from care_core.backbones import load_backbone
-from care_core.batching import CPU_BATCH_SIZE
+from care_core.batching import CPU_BATCH_SIZE, BatchChoice, BatchSize, parse_batch_size
 from care_core.integrations import lmms_eval as plugin
 from care_core.integrations.settings import EvalSpec, ModelArgsError
 
@@ -53,7 +53,7 @@ def requests(count: int) -> list[Any]:
 
 def answered(llava: Any, batch_size: int | str, count: int = 7, **kwargs: Any) -> Any:
     lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava,
-                                  batch_size=batch_size, **kwargs)  # fmt: skip
+                                  batch_size=parse_batch_size(batch_size), **kwargs)  # fmt: skip
     docs = documents()
     lm.task_dict = {"pope_a": {"test": docs}, "pope_b": {"test": docs}}
     return lm, lm.generate_until(requests(count))
@@ -93,8 +93,8 @@ def faulty_plugin(
     """The plugin at batch size 8 on both tasks' documents, its pipeline's ``run_batch`` raising what ``fault`` gives
     for a batch (else running it); with the sizes of every call and the notices it gave."""
     notices: list[str] = []
-    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava, batch_size=8,
-                                  on_notice=notices.append)  # fmt: skip
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava,
+                                  batch_size=BatchSize(8), on_notice=notices.append)  # fmt: skip
     run_batch = lm.pipeline.run_batch
     sizes: list[int] = []
 
@@ -188,7 +188,7 @@ def test_a_bad_batch_size_is_refused_in_one_line_before_loading(given: object) -
 
 
 def test_warm_up_runs_the_batch_size_used_then_one_image_and_records_nothing(llava: Any) -> None:
-    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=3)
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=BatchSize(3))
     sizes: list[int] = []
     run_batch = lm.pipeline.run_batch
 
@@ -212,9 +212,9 @@ def test_auto_is_picked_per_setting_for_the_tokens_its_answers_read(llava: Any, 
         return 2 if budget is None else 5
 
     monkeypatch.setattr(batching, "default_batch_size", rule)
-    unreduced = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size="auto")
+    unreduced = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=BatchSize())
     reduced = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava,
-                                       batch_size="auto")  # fmt: skip
+                                       batch_size=BatchSize())  # fmt: skip
     assert (unreduced.batch_size, reduced.batch_size) == (2, 5)
     assert asked == [None, Budget.keep(24)]
 
@@ -260,3 +260,52 @@ def test_care_eval_refuses_a_bad_batch_size(care, value: str) -> None:
     result = care("eval", "--tasks", POPE, "--device", "cpu", "--batch-size", value)
     assert result.code == 2 and result.out == ""
     assert result.err == f"error: --batch-size must be a whole number >= 1, 'auto' or 'auto:N', got '{value}'\n"
+
+
+def test_the_plugin_takes_the_parsed_batch_size_and_reads_no_text(llava: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core import batching
+    from care_core.integrations import settings
+
+    def parsed_again(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("batch_size parsed again")
+
+    monkeypatch.setattr(batching, "parse_batch_size", parsed_again)
+    monkeypatch.setattr(settings, "parse_batch_size", parsed_again)
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=BatchSize(3))
+    assert lm.batch_choice == BatchChoice(3, BatchSize(3), CPU_BATCH_SIZE) and lm.batches.size == 3
+
+
+def test_care_eval_parses_batch_size_once_and_reports_the_size_each_setting_used(
+    care, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from care_cli.commands import eval as command
+    from care_core import batching
+    from care_core.integrations import settings
+    from care_core.pipeline import ReductionPipeline
+
+    parsed: list[object] = []
+    parse = batching.parse_batch_size
+
+    def counted(value: object, **kwargs: Any) -> Any:
+        parsed.append(value)
+        return parse(value, **kwargs)
+
+    run_batch = ReductionPipeline.run_batch
+
+    def out_of_memory_above_two(self: Any, images: list[Any], *args: Any, **kwargs: Any) -> Any:
+        if len(images) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return run_batch(self, images, *args, **kwargs)
+
+    monkeypatch.setattr(batching, "parse_batch_size", counted)
+    monkeypatch.setattr(settings, "parse_batch_size", counted, raising=False)  # lmms-eval's own entry
+    monkeypatch.setattr(command, "parse_batch_size", counted, raising=False)  # the command's own name for it
+    monkeypatch.setattr(ReductionPipeline, "run_batch", out_of_memory_above_two)
+    result = care("eval", "--model", "tiny-llava", "--method", "care", "--keep", "16", "--tasks", POPE, "--limit", "4",
+                  "--device", "cpu", "--batch-size", "4", "--json")  # fmt: skip
+    assert result.code == 0, result.err
+    assert parsed == ["4"]  # where the run is set up, once
+    report = result.json()
+    assert report["batch_size"] == {"batch_size": 4, "requested": 4, "default": CPU_BATCH_SIZE}
+    # all tokens starts at 4, is split down to 2 for memory and hands 2 on to care K=16
+    assert [(s["batch_size_start"], s["batch_size"]) for s in report["settings"]] == [(4, 2), (2, 2)]
