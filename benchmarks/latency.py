@@ -301,6 +301,9 @@ def bench_family(family: str, args: Any, device: torch.device, clock: Clock, tf3
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        # the next family starts as in a process of its own: without this, torch.compile's caches would hold every
+        # earlier family's variants of the lean layer, and each eager call would check their guards first
+        torch._dynamo.reset()
     return out
 
 

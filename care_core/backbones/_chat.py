@@ -21,7 +21,7 @@ from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_on_host
 from .module_attrs import submodule, typed_attr
 from .preprocess_pool import ProcessorPool, process_image
 from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
-from .static_generation import StaticPrompt
+from .static_generation import StaticGreedy, StaticPrompt, eos_ids, unsupported_reason, window_reason
 
 
 def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
@@ -149,6 +149,8 @@ class ChatAdapter(VLMAdapter):
     image_only_processor: ClassVar[str | None] = None
     _greedy_graphs: Any = None  # the StaticGreedy of generate's CUDA-graph path (made on first use)
     _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
+    # (model, unsupported_reason(model)): the walk over every decoder layer, once per model instead of per sample
+    _static_form: tuple[Any, str | None] | None = None
     _pool: Any = None  # the ProcessorPool of processor_pool (made on first use)
     image_token: str
     image_token_id: int
@@ -367,8 +369,6 @@ class ChatAdapter(VLMAdapter):
         """Greedy decoding of a batch of prompts (``input_ids``, ``attention_mask`` and model extras, left-padded
         as :func:`collate_left_padded` gives them) through ``model.generate``; per row the new token ids, up to
         and including the first end token (the padding ``model.generate`` puts after it dropped)."""
-        from .static_generation import eos_ids
-
         with torch.no_grad(), quiet_transformers():
             out = self.model.generate(
                 **inputs,
@@ -516,9 +516,10 @@ class ChatAdapter(VLMAdapter):
             return f"CUDA graphs need a CUDA device; {self.name} runs on {self.device.type}"
         if self._graph_failure is not None:
             return self._graph_failure
-        from .static_generation import unsupported_reason
-
-        return unsupported_reason(self.model, length)
+        form = self._static_form
+        if form is None or form[0] is not self.model:
+            form = self._static_form = (self.model, unsupported_reason(self.model))
+        return form[1] or window_reason(self.model, length)
 
     def _graph_reason(self, inputs: dict[str, Any], max_new_tokens: int) -> str | None:
         extra = sorted(set(inputs) - self.static_inputs)
@@ -540,8 +541,6 @@ class ChatAdapter(VLMAdapter):
 
     def _static_greedy(self) -> Any:
         """The adapter's :class:`~care_core.backbones.static_generation.StaticGreedy` (made on first use)."""
-        from .static_generation import StaticGreedy
-
         greedy = self._greedy_graphs
         if greedy is None or greedy.model is not self.model or greedy.stale:
             greedy = StaticGreedy(self.model, graphs=True)

@@ -131,14 +131,20 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
         return f"rope type {rope!r} rescales with the sequence length (a host-side decision no graph can replay)"
     if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
         return "the decoder mixes attention types per layer"
-    window = sliding_window(model)
-    if window is not None and length is not None and length > window:
-        return f"{length} positions exceed the decoder's sliding window of {window}"
     generation = getattr(model, "generation_config", None)
     for name, neutral in _NEUTRAL_PROCESSORS.items():
         value = getattr(generation, name, None)
         if value not in neutral:
             return f"the generation config sets {name}={value!r}, which model.generate applies and this loop does not"
+    return window_reason(model, length)
+
+
+def window_reason(model: Any, length: int | None) -> str | None:
+    """Why ``length`` positions (prompt plus new tokens) would not fit the decoder's sliding window, or None: the part
+    of :func:`unsupported_reason` that depends on the call (the rest depends on the model only)."""
+    window = sliding_window(model)
+    if window is not None and length is not None and length > window:
+        return f"{length} positions exceed the decoder's sliding window of {window}"
     return None
 
 

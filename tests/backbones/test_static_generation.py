@@ -5,6 +5,7 @@ captured/replayed on CUDA where one is present; the shape a call runs in (its ow
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import replace
 from pathlib import Path
@@ -376,3 +377,21 @@ def test_a_failed_capture_falls_back_to_generate(cuda_demos: dict[str, Any], ima
     assert fallback.decoding == "eager" and (fallback.text, fallback.token_ids) == (eager.text, eager.token_ids)
     assert "capturing the decoder failed" in (fallback.eager_reason or "")
     assert "capturing the decoder failed" in (adapter.graph_generation_reason() or "")
+
+
+def test_the_walk_over_the_decoder_layers_runs_once_per_model(demo: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core.backbones import _chat
+
+    walked: list[Any] = []
+    real = _chat.unsupported_reason
+    monkeypatch.setattr(_chat, "unsupported_reason", lambda model, length=None: walked.append(model) or real(model))
+    monkeypatch.setattr(type(demo), "device", property(lambda self: torch.device("cuda")))  # as on a GPU
+    monkeypatch.setattr(demo, "_static_form", None)
+    assert [demo.graph_generation_reason(length) for length in (40, 80, 120)] == [None] * 3
+    assert walked == [demo.model]  # one walk for three calls
+    monkeypatch.setattr(demo, "model", copy.deepcopy(demo.model))
+    monkeypatch.setattr(demo.model.config.text_config, "sliding_window", 64, raising=False)
+    monkeypatch.setattr(demo.model.config.text_config, "use_sliding_window", True, raising=False)
+    assert demo.graph_generation_reason(40) is None  # another model: walked again; the window is the call's
+    assert "exceed the decoder's sliding window of 64" in (demo.graph_generation_reason(80) or "")
+    assert len(walked) == 2
