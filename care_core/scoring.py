@@ -32,7 +32,7 @@ from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, ro
 from care_core._chunks import chunk_size as _chunk_size
 from care_core._memo import remember
 from care_core.kernels import Kernel, KernelGate, as_gate
-from care_core.kernels.shapes import jvp_shape_supported
+from care_core.kernels.shapes import jvp_shape_supported, norm_first_shape_supported
 from care_core.norm_first import NormFirstMLP
 from care_core.precision import matmul_precision
 
@@ -339,12 +339,44 @@ def _fused_jvp_applies(
     return jvp_shape_supported(w2.shape[1], w2.shape[0])
 
 
+def _fused_norm_first_applies(
+    features: torch.Tensor, desc: NormFirstMLP, second: torch.Tensor, low: torch.dtype | None, tf32: bool,
+    kernel: str, upper: bool,
+) -> bool:  # fmt: skip
+    """What the fused norm-first kernel computes: the MLP kernel's precisions (tf32 through a factor or with
+    kernel="fused", bf16), a factor no taller than d_h, its shapes."""
+    if features.dtype != torch.float32 or (low is not None and low != torch.bfloat16):
+        return False
+    if low is None and not (tf32 and (kernel == "fused" or upper)):
+        return False
+    if upper and second.shape[0] > second.shape[1]:
+        return False
+    return norm_first_shape_supported(desc.blocks, second.shape[1], second.shape[0])
+
+
+def _fused_norm_first(
+    prepared: norm_first.FirstLayer, slope: torch.Tensor, second: torch.Tensor, low: torch.dtype | None, upper: bool
+) -> torch.Tensor:
+    """:func:`care_core.kernels.norm_first_norms` on the first layer's products: the per-block corrections
+    W2 (slope_i ⊙ p_bi) made here (blocks / m of the kernel's work), at the kernel's precision."""
+    blocks, n, hidden = prepared.partial.shape
+    flat = (slope[None] * prepared.partial).reshape(-1, hidden)
+    weight = second if low is None else second.to(low)
+    flat = flat if low is None else flat.to(low)
+    corrections = (_upper_products(flat, weight) if upper else flat @ weight.T).float().view(blocks, n, -1)
+    return kernels.norm_first_norms(slope, prepared.lifted, prepared.inverse, prepared.coef, corrections, second,
+                                    bf16=low is not None, upper=upper)  # fmt: skip
+
+
 def _jvp_norm_mlp(
     features: torch.Tensor,
     desc: NormFirstMLP,
     directions: torch.Tensor,
     low: torch.dtype | None,
     factor: torch.Tensor | None = None,
+    *,
+    tf32: bool = False,
+    kernel: Kernel | KernelGate = "auto",
 ) -> torch.Tensor:
     """||J_M(v_i) u_x|| (Eq. 1, h -> 0) for a norm-first projector: the first layer's tangent through the norm's
     exact derivative (:func:`care_core.norm_first.first_layer_tangents`: W1 on the m directions once, shared by all
@@ -353,11 +385,18 @@ def _jvp_norm_mlp(
 
     Multiply-adds: N d_in d_h (the forward's per-block products) + m d_in d_h + N m d_in + 2 m N blocks d_h, then
     m N d_h d_out (through R: :func:`~care_core._chunks.upper_macs`), against the generic path's (m + 2 chunks)
-    F_M(N). ``low``: bf16 operands for the second-layer product (norms accumulated in float32).
+    F_M(N). ``low``: bf16 operands for the second-layer product (norms accumulated in float32). Where the gate
+    allows, the act', second-layer and norm steps run fused (:mod:`care_core.kernels.jvp_norm_first`).
     """
     prepared = norm_first.first_layer(desc, features, directions)
     slope = _activation_slope(desc.act, prepared.pre)  # act'(W1 norm(v) + b1), (N, d_h)
     second = desc.second.weight if factor is None else factor
+    gate, upper = as_gate(kernel), factor is not None
+    applies = _fused_norm_first_applies(features, desc, second, low, tf32, gate.kernel, upper)
+    if gate.choose("jvp_norm_first", features.device, applies=applies) == "fused":
+        fused = gate.attempt("jvp_norm_first", lambda: _fused_norm_first(prepared, slope, second, low, upper))
+        if fused is not None:
+            return fused.to(features.dtype)
     if low is not None:
         second = second.to(low)
     n, hidden = prepared.pre.shape
@@ -439,7 +478,7 @@ def responses_jvp(
             return _jvp_mlp(features, mlp, directions, low, tf32=allow_tf32, kernel=kernel, factor=factor)
         norm_mlp = _as_norm_first(projector)
         if norm_mlp is not None:
-            return _jvp_norm_mlp(features, norm_mlp, directions, low, factor)
+            return _jvp_norm_mlp(features, norm_mlp, directions, low, factor, tf32=allow_tf32, kernel=kernel)
         return _jvp_generic(features, projector, directions)
 
 

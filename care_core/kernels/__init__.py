@@ -157,6 +157,24 @@ def jvp_norms(
     return run(slope, lifted, w2, bf16=bf16, upper=upper)
 
 
+def norm_first_norms(
+    slope: torch.Tensor,
+    lifted: torch.Tensor,
+    inverse: torch.Tensor,
+    coef: torch.Tensor,
+    corrections: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    bf16: bool,
+    upper: bool,
+) -> torch.Tensor:
+    """The fused norm-first jvp kernel (:func:`care_core.kernels.jvp_norm_first.norm_first_norms`); imports Triton
+    when called."""
+    from care_core.kernels.jvp_norm_first import norm_first_norms as run
+
+    return run(slope, lifted, inverse, coef, corrections, w2, bf16=bf16, upper=upper)
+
+
 def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
     """The fused greedy kernel (:func:`care_core.kernels.greedy.greedy_order`); imports Triton when called."""
     from care_core.kernels.greedy import greedy_order as run

@@ -15,6 +15,17 @@ def jvp_shape_supported(hidden: int, out_dim: int) -> bool:
     return hidden % JVP_K_MULTIPLE == 0 and out_dim % JVP_OUT_MULTIPLE == 0
 
 
+#: what the fused norm-first jvp kernel tiles without masks: blocks per token row (InternVL3: 1; the Qwen mergers'
+#: 2 x 2 patches: 4), d_h a multiple of its K tile, d_out of its output tile
+NORM_FIRST_BLOCKS = (1, 4)
+NORM_FIRST_OUT_MULTIPLE = 128
+
+
+def norm_first_shape_supported(blocks: int, hidden: int, out_dim: int) -> bool:
+    """Shapes the fused norm-first jvp kernel takes without masks."""
+    return blocks in NORM_FIRST_BLOCKS and hidden % JVP_K_MULTIPLE == 0 and out_dim % NORM_FIRST_OUT_MULTIPLE == 0
+
+
 #: token rows from which the fused jvp kernel is tuned as for a batch of images (see :func:`size_class`)
 BATCH_ROWS = 4096
 

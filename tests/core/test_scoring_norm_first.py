@@ -20,16 +20,19 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMe
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
 
-from care_core import CaReConfig, care_reduce, norm_first, scoring
+from care_core import CaReConfig, care_reduce, kernels, norm_first, scoring
 from care_core.backbones import load_backbone
 from care_core.backbones.qwen2_5_vl import QwenMergerProjector
 from care_core.backbones.qwen3_vl import Qwen3VLMergerProjector
 from care_core.norm_first import NormFirstMLP, first_layer, first_layer_tangents, from_modules
+from care_core.precision import matmul_precision
 from care_core.scoring import (
     Scorer,
     _as_mlp,
     _as_norm_first,
     _fused_jvp_applies,
+    _fused_norm_first_applies,
+    _jvp_norm_mlp,
     _upper_products,
     responses_jvp,
     triangular_factor,
@@ -46,6 +49,7 @@ NORM_FIRST_DEMOS = {
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +300,72 @@ def test_the_fused_kernel_takes_square_factors_only() -> None:
     features = torch.zeros(4, 8)
     assert _fused_jvp_applies(features, torch.zeros(256, 256), None, True, "auto", upper=True)
     assert not _fused_jvp_applies(features, torch.zeros(256, 512), None, True, "auto", upper=True)  # a trapezoid
+
+
+# ------------------------------------------------------------------------------ the fused norm-first kernel
+def _projector(kind: str, blocks: int, p: int, d_h: int, d_out: int, seed: int) -> NormFirstMLP:
+    """A float32 norm-first projector of the kernel's shapes (gamma away from 1, a shift for LayerNorm)."""
+    g = torch.Generator().manual_seed(seed)
+    gamma = 1 + 0.3 * torch.randn(p, generator=g)
+    beta = 0.3 * torch.randn(p, generator=g) if kind == "layer" else None
+    torch.manual_seed(seed)
+    return NormFirstMLP(kind, gamma, beta, 1e-6, blocks, nn.Linear(blocks * p, d_h), nn.GELU(), nn.Linear(d_h, d_out))
+
+
+def _moved(desc: NormFirstMLP, dtype: torch.dtype, device: str) -> NormFirstMLP:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype=dtype, device=device)
+
+    first, second = (copy.deepcopy(layer).to(dtype=dtype, device=device) for layer in (desc.first, desc.second))
+    return dataclasses.replace(desc, gamma=move(desc.gamma), beta=move(desc.beta), first=first, second=second)
+
+
+def test_the_fused_norm_first_kernel_takes_its_blocks_precisions_and_factors() -> None:
+    features, qwen, internvl = (
+        torch.zeros(4, 8),
+        _projector("rms", 4, 8, 512, 256, 0),
+        _projector("layer", 1, 8, 256, 256, 0),
+    )
+    trapezoid, square = torch.zeros(256, 512), torch.zeros(256, 256)
+    assert _fused_norm_first_applies(features, qwen, trapezoid, None, True, "auto", upper=True)  # d_out < d_h
+    assert _fused_norm_first_applies(features, internvl, square, None, True, "auto", upper=True)
+    assert _fused_norm_first_applies(features, internvl, square, torch.bfloat16, False, "auto", upper=False)
+    assert not _fused_norm_first_applies(features, internvl, square, None, True, "auto", upper=False)  # dense tf32
+    assert _fused_norm_first_applies(features, internvl, square, None, True, "fused", upper=False)  # ... if asked
+    assert not _fused_norm_first_applies(features, internvl, square, None, False, "auto", upper=True)  # float32
+    assert not _fused_norm_first_applies(features.double(), internvl, square, None, True, "auto", upper=True)
+    three = _projector("rms", 3, 8, 256, 256, 0)
+    assert not _fused_norm_first_applies(features, three, square, None, True, "auto", upper=True)  # 3 blocks
+    assert not _fused_norm_first_applies(features, internvl, torch.zeros(200, 256), None, True, "auto", upper=False)
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    ("kind", "blocks", "p", "d_h", "d_out"),
+    [("rms", 4, 64, 512, 384), ("layer", 4, 32, 256, 512), ("layer", 1, 256, 384, 384)],
+)
+@pytest.mark.parametrize("matmul", ["tf32", "bf16"])
+@pytest.mark.parametrize("factored", [True, False])
+def test_the_fused_norm_first_kernel_against_float64(
+    kind: str, blocks: int, p: int, d_h: int, d_out: int, matmul: str, factored: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    if not kernels.triton_enabled(torch.device("cuda")):
+        pytest.skip("Triton is not available")
+    desc = _projector(kind, blocks, p, d_h, d_out, seed=d_h + blocks)
+    g = torch.Generator().manual_seed(blocks)
+    features = 3 * torch.randn(300, blocks * p, generator=g)
+    u = unit_directions(12, blocks * p, seed=5)
+    exact = _moved(desc, torch.float64, "cpu")
+    factor64 = triangular_factor(exact.second.weight) if factored else None
+    with torch.no_grad():
+        ref = _jvp_norm_mlp(features.double(), exact, u.double(), None, factor64)
+        cuda = _moved(desc, torch.float32, "cuda")
+        factor = None if factor64 is None else factor64.float().cuda()
+        calls: list[bool] = []
+        real = kernels.norm_first_norms
+        monkeypatch.setattr(kernels, "norm_first_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
+        low = torch.bfloat16 if matmul == "bf16" else None
+        with matmul_precision(allow_tf32=matmul == "tf32"):
+            got = _jvp_norm_mlp(features.cuda(), cuda, u.cuda(), low, factor, tf32=matmul == "tf32", kernel="fused")
+    assert calls == [True] and got.shape == ref.shape
+    assert _relative(got.double().cpu(), ref) < (2e-2 if matmul == "bf16" else 2e-3)
