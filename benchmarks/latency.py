@@ -6,10 +6,11 @@
     python -m benchmarks.latency --tiny --quick --device cpu   # smoke test of this benchmark (the demo widths)
 
 ``--part answers`` (the default), per family (built one at a time with random weights in bf16, ``FULL_SIZE`` in
-:mod:`benchmarks.models`; ``examples/astronaut.jpg`` resized to the family's square side): N; K = floor(N/9), and
-for LLaVA-NeXT also K = 160 (the paper's setting); then the pipeline's timed answers
-(``ReductionPipeline.time_answers``, batch 1, :data:`NEW_TOKENS` new tokens; medians of alternating rounds after a
-warm-up round that captures any CUDA graphs), once with the default decoding and once eagerly:
+:mod:`benchmarks.models`, each in a process of its own as a user's process holds one model;
+``examples/astronaut.jpg`` resized to the family's square side): N; K = floor(N/9), and for LLaVA-NeXT also K = 160
+(the paper's setting); then the pipeline's timed answers (``ReductionPipeline.time_answers``, batch 1,
+:data:`NEW_TOKENS` new tokens; medians of alternating rounds after a warm-up round that captures any CUDA graphs),
+once with the default decoding and once eagerly:
 
 - **first token**: ``first_token_from_features``, from the pre-projector features on the GPU to the first token on
   the host (the method re-run without memo, the projector, the prompt, the prefill, the token's selection), all
@@ -36,6 +37,8 @@ import gc
 import json
 import os
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -110,6 +113,10 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--families", default=",".join(FULL_SIZE), help="comma-separated: " + ", ".join(FULL_SIZE))
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per figure (default 5)")
     parser.add_argument("--tiny", action="store_true", help="the demo widths (smoke test of this benchmark)")
+    parser.add_argument("--family-out", type=Path, default=None,
+                        help="(internal) answers for the one --families entry, written to this file: the gate runs "
+                        "each family in a process of its own")  # fmt: skip
+    parser.add_argument("--tf32-tflops", type=float, default=None, help="(internal) the parent's tf32 matmul rate")
     parser.add_argument("--docs", action="store_true",
                         help="no run: rewrite the README's and docs/performance.md's latency block from the newest "
                         "committed answers result")  # fmt: skip
@@ -122,6 +129,8 @@ def parse(argv: list[str] | None) -> Any:
         raise fail(f"--reps must be at least 1, got {args.reps}")
     if args.quick:
         args.reps = min(args.reps, 2)
+    if args.family_out is not None and (len(args.families) != 1 or args.tf32_tflops is None):
+        raise fail("--family-out takes one --families entry and --tf32-tflops")
     return args
 
 
@@ -301,9 +310,6 @@ def bench_family(family: str, args: Any, device: torch.device, clock: Clock, tf3
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        # the next family starts as in a process of its own: without this, torch.compile's caches would hold every
-        # earlier family's variants of the lean layer, and each eager call would check their guards first
-        torch._dynamo.reset()
     return out
 
 
@@ -507,6 +513,19 @@ def write_docs(root: Path = ROOT) -> list[Path]:
     return changed
 
 
+def family_in_own_process(family: str, args: Any, tf32: float, folder: Path) -> dict[str, Any]:
+    """:func:`bench_family` in a child process, as a user's process holds one model: nothing another family left
+    in this one (torch.compile's variants, allocator pools, Python objects) can reach its timings."""
+    out = folder / f"{family}.json"
+    command = [sys.executable, "-m", "benchmarks.latency", "--part", "answers", "--families", family,
+               "--reps", str(args.reps), "--device", str(args.device), "--family-out", str(out),
+               "--tf32-tflops", repr(tf32), *(["--tiny"] if args.tiny else [])]  # fmt: skip
+    done = subprocess.run(command, check=False, cwd=ROOT)
+    if done.returncode != 0 or not out.exists():
+        return {"family": family, "error": f"its process exited with code {done.returncode}"}
+    return dict(json.loads(out.read_text(encoding="utf-8")))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.docs:
@@ -514,6 +533,10 @@ def main(argv: list[str] | None = None) -> None:
             say(f"rewrote the latency block of {path}")
         return
     device = pick_device(args.device)
+    if args.family_out is not None:  # one family, in the process the parent started for it
+        result = bench_family(args.families[0], args, device, Clock(device), args.tf32_tflops)
+        args.family_out.write_text(json.dumps(result, default=str) + "\n", encoding="utf-8")
+        return
     env = environment(device)
     writer = ResultsWriter(args, f"gpu-{card_slug(env['card'])}-latency-{args.part}")
     clock = Clock(device)
@@ -528,9 +551,11 @@ def main(argv: list[str] | None = None) -> None:
     say(f"{env['card']}, torch {env['torch']}, transformers {env['transformers']}; tf32 "
         f"{results['matmul_tflops']['tf32']:.0f} TFLOP/s; source {results['source']}")  # fmt: skip
     if args.part == "answers":
-        for family in args.families:
-            results["families"].append(bench_family(family, args, device, clock, results["matmul_tflops"]["tf32"]))
-            writer.save(results)
+        with tempfile.TemporaryDirectory(prefix="care-latency-") as folder:
+            for family in args.families:
+                tf32 = results["matmul_tflops"]["tf32"]
+                results["families"].append(family_in_own_process(family, args, tf32, Path(folder)))
+                writer.save(results)
         print_answers(results)
     else:
         for family in [f for f in ("llava-next", "qwen3-vl") if f in args.families]:

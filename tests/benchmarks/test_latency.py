@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from types import SimpleNamespace
 from typing import Any
@@ -101,3 +102,29 @@ def test_docs_hold_the_newest_gate_result_as_rendered() -> None:
     for name in latency.DOC_BLOCKS:
         text = (latency.ROOT / name).read_text(encoding="utf-8")
         assert latency.BEGIN + "\n" + block + latency.END in text, f"{name}: run python -m benchmarks.latency --docs"
+
+
+def test_each_family_runs_in_a_process_of_its_own_and_a_failed_one_is_recorded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    commands: list[list[str]] = []
+
+    def child(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        out = command[command.index("--family-out") + 1]
+        family = command[command.index("--families") + 1]
+        if family == "qwen3-vl":
+            return subprocess.CompletedProcess(command, 137)  # killed: no result file
+        (tmp_path / out).write_text(json.dumps({"family": family, "N": 576}))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(latency.subprocess, "run", child)
+    args = SimpleNamespace(reps=3, device="cuda", tiny=False)
+    done = latency.family_in_own_process("llava-1.5", args, 400.0, tmp_path)
+    failed = latency.family_in_own_process("qwen3-vl", args, 400.0, tmp_path)
+    assert done == {"family": "llava-1.5", "N": 576}
+    assert failed == {"family": "qwen3-vl", "error": "its process exited with code 137"}
+    assert [c[c.index("--families") + 1] for c in commands] == ["llava-1.5", "qwen3-vl"]
+    assert all(c[c.index("--tf32-tflops") + 1] == "400.0" and "--reps" in c for c in commands)
+    with pytest.raises(SystemExit):
+        latency.parse(["--families", "llava-1.5,qwen3-vl", "--family-out", str(tmp_path / "x.json")])
