@@ -14,6 +14,15 @@ import pytest
 from care_cli.app import main
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, each worker's torch (and every process it starts) gets its share of the cores, not all of them:
+    two workers of two threads each on 2 cores spin-wait on each other, and a test that takes 14 s so takes 66 s
+    (measured: two tiny Qwen3-VL training runs side by side). An OMP_NUM_THREADS already set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 0:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_care_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     home = tmp_path_factory.mktemp("care_home")
