@@ -27,8 +27,8 @@ from care_cli.commands import flops as flops_command
 from care_cli.commands import methods as methods_command
 from care_cli.commands import reduce as reduce_command
 from care_cli.commands import visualize as visualize_command
+from care_cli.dataset_runs import Interrupted
 from care_cli.errors import UserError
-from care_cli.run_options import Interrupted
 from care_core.errors import CareError, CareWarning, one_line
 from care_core.home import cache_environment
 from care_core.runs import scoped_environ

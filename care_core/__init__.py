@@ -1,6 +1,9 @@
-"""care_core: the CaRe algorithm as pure tensor code (no I/O).
+"""care_core: the library under the ``care`` command, in layers (docs/design.md §Layers).
 
-The public names are imported on first use, so that importing the package (and its metadata,
+The equations (budget, scoring, anchors, calibration, care, csr) are pure tensor functions: tensors in, dataclasses
+out, no I/O. Above them sit the methods, the backbone adapters (which load checkpoints), and what runs them: the
+pipeline, data-set runs (which start processes and append results to files), figures, the drop-in and the lmms-eval
+plugin. The public names are imported on first use, so that importing the package (and its metadata,
 the method registry, the flops model) does not import torch.
 """
 

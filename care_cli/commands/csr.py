@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from care_cli import dataset_runs, render
 from care_cli import options as opt
-from care_cli import render, run_options
 from care_cli.errors import UserError
 from care_core.batching import BatchSize, parse_batch_size
 from care_core.config import CaReConfig
@@ -84,7 +84,7 @@ def csr(
     output_dir: OutputDirOpt = None,
     resume: ResumeOpt = False,
     retry_bad: RetryBadOpt = False,
-    num_processes: run_options.ProcessesOpt = 1,
+    num_processes: dataset_runs.ProcessesOpt = 1,
     batch_size: opt.BatchSize = "auto",
     skip_bad: SkipBadOpt = False,
     force: opt.Force = False,
@@ -114,7 +114,7 @@ def csr(
                                batch_size=requested)  # fmt: skip
     except KeyboardInterrupt:
         message = _interrupted(argv, output_dir, pairs) if run.world.size == 1 else None
-        raise run_options.Interrupted(message) from None
+        raise dataset_runs.Interrupted(message) from None
     if run.world.is_main:
         report["skipped"] = sorted(skipped + report["skipped"], key=lambda item: item["line"])
         _write_outputs(report, *outputs)
@@ -145,7 +145,7 @@ def _check_arguments(
     opt.check_question(question)
     if data is not None and question is not None:
         raise UserError("--question goes with IMAGE; with --data each line carries its own question")
-    run_options.check_processes(num_processes)
+    dataset_runs.check_processes(num_processes)
     if resume and output_dir is None:
         raise UserError("--resume needs --output-dir (the folder of the run to continue)")
     if retry_bad and not resume:
@@ -186,9 +186,9 @@ def _launch(argv: list[str], num_processes: int, output_dir: Path | None, pairs:
         if output_dir is None:
             extra = ["--output-dir", stack.enter_context(tempfile.TemporaryDirectory(prefix="care-csr-"))]
         try:
-            return run_options.relaunch(argv, num_processes, extra)
+            return dataset_runs.relaunch(argv, num_processes, extra)
         except KeyboardInterrupt:
-            raise run_options.Interrupted(_interrupted(argv, output_dir, pairs)) from None
+            raise dataset_runs.Interrupted(_interrupted(argv, output_dir, pairs)) from None
 
 
 def _interrupted(argv: list[str], output_dir: Path | None, pairs: list[Pair]) -> str:
@@ -199,11 +199,11 @@ def _interrupted(argv: list[str], output_dir: Path | None, pairs: list[Pair]) ->
     from care_core.runs import MANIFEST, read_shards
 
     if not (output_dir.expanduser() / MANIFEST).is_file():
-        return run_options.interrupted_before_start(argv, output_dir)
+        return dataset_runs.interrupted_before_start(argv, output_dir)
     ids = {p.pair_id for p in pairs}
     done = len({key[0] for key in read_shards(output_dir)} & ids)
     return (f"interrupted: {done} of {len(pairs)} pairs done and saved in {output_dir}; resume with: "
-            f"{run_options.rerun_line(argv, '--resume')}")  # fmt: skip
+            f"{dataset_runs.rerun_line(argv, '--resume')}")  # fmt: skip
 
 
 def run_pairs(

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from care_cli import dataset_runs, render
 from care_cli import options as opt
-from care_cli import render, run_options
 from care_cli.errors import UserError
 from care_core.batching import parse_batch_size
 from care_core.config import CaReConfig
@@ -94,7 +94,7 @@ def eval_command(
     dtype: opt.Dtype = "auto",
     limit: LimitOpt = None,
     output_dir: OutputDirOpt = None,
-    num_processes: run_options.ProcessesOpt = 1,
+    num_processes: dataset_runs.ProcessesOpt = 1,
     cuda_graphs: opt.CudaGraphs = None,
     batch_size: opt.BatchSize = "auto",
     verbose: VerboseOpt = False,
@@ -113,7 +113,7 @@ def eval_command(
     task_specs = _split_tasks(tasks)
     if limit is not None and (not math.isfinite(limit) or limit <= 0 or (limit > 1 and limit != int(limit))):
         raise UserError(f"--limit must be a whole number of documents or a fraction in (0, 1), got {limit:g}")
-    run_options.check_processes(num_processes)
+    dataset_runs.check_processes(num_processes)
     requested = parse_batch_size(batch_size)  # read once here; passed down as it is
     names, every = opt.method_names(method)
     specs = _specs(model, names, opt.budgets(opt.parse_ratio_specs(ratio), keep), device, dtype, config, cuda_graphs)
@@ -131,12 +131,12 @@ def eval_command(
         try:
             if num_processes > 1 and processes.world.size == 1:
                 plugin.task_manager(selection)  # unknown tasks fail here, once, before the processes start
-                raise typer.Exit(run_options.relaunch(argv, num_processes))
+                raise typer.Exit(dataset_runs.relaunch(argv, num_processes))
             with processes:
                 report = run_eval(specs, selection, limit=limit, folder=output_dir, every=every, quiet=json_output,
                                   processes=processes, batch_size=requested)  # fmt: skip
         except KeyboardInterrupt:
-            raise run_options.Interrupted(_interrupted(argv, output_dir, processes.world.size)) from None
+            raise dataset_runs.Interrupted(_interrupted(argv, output_dir, processes.world.size)) from None
     if processes.world.is_main:
         if json_output:
             render.print_json(report)
@@ -175,9 +175,9 @@ def _interrupted(argv: list[str], output_dir: Path | None, processes: int) -> st
     from care_core.runs import MANIFEST
 
     if not (output_dir.expanduser() / SAMPLES / MANIFEST).is_file():  # the run had not set up its folder yet
-        return run_options.interrupted_before_start(argv, output_dir)
+        return dataset_runs.interrupted_before_start(argv, output_dir)
     return (f"interrupted: the answers so far are saved in {output_dir}; resume with: "
-            f"{run_options.rerun_line(argv)}")  # fmt: skip
+            f"{dataset_runs.rerun_line(argv)}")  # fmt: skip
 
 
 def _check_output_dir(folder: Path, selection: TaskSelection) -> None:
