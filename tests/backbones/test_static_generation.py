@@ -395,3 +395,29 @@ def test_the_walk_over_the_decoder_layers_runs_once_per_model(demo: Any, monkeyp
     assert demo.graph_generation_reason(40) is None  # another model: walked again; the window is the call's
     assert "exceed the decoder's sliding window of 64" in (demo.graph_generation_reason(80) or "")
     assert len(walked) == 2
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3_demo"])
+def test_graphs_turned_off_where_they_would_apply_run_the_loop_step_by_step(
+    request: pytest.FixtureRequest, image: Any, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = request.getfixturevalue(name)
+    tokens = adapter.encode_image(image)
+    kept = torch.arange(0, tokens.num_tokens, 3)
+    projected = adapter.projector(tokens.features[kept])
+    reference = reference_ids(adapter, adapter._lm_inputs(QUESTION, tokens, projected, kept), 8)
+    stepped: list[bool] = []
+    real = StaticGreedy.generate_batch
+
+    def spy(self: StaticGreedy, prompts: Any, max_new_tokens: int, *, replay: bool = True) -> Any:
+        stepped.append(replay)
+        return real(self, prompts, max_new_tokens, replay=replay)
+
+    monkeypatch.setattr(type(adapter), "_batch_graph_reason", lambda self, inputs, new: None)  # as on a GPU
+    monkeypatch.setattr(type(adapter), "_static_greedy", lambda self: StaticGreedy(self.model, graphs=False))
+    monkeypatch.setattr(StaticGreedy, "generate_batch", spy)
+    with torch.no_grad():
+        off = adapter.generate(QUESTION, tokens, projected, max_new_tokens=8, kept=kept, cuda_graph=False)
+    assert stepped == [False]  # the static loop, told not to replay
+    assert off.decoding == "eager" and off.eager_reason == "turned off (cuda_graph=False)"
+    assert list(off.token_ids) == reference  # model.generate's tokens
