@@ -1,5 +1,9 @@
 """Throughput of `care eval` at full scale (issue #22): LLaVA-NeXT-7B with CaRe K=160 and LLaVA-1.5-7B with CaRe
-K=64 (random weights, bf16), each next to the unreduced model at the same batch size.
+K=64 (random weights, bf16), each next to the unreduced model at the same batch size; and (issue #47, when named in
+``--backbones``) LLaVA-OneVision-7B, Qwen2.5-VL-7B, Qwen3-VL-8B and InternVL3-8B at the latency gate's image sides
+with K = floor(N/9), each with its stages per sample.
+
+    python -m benchmarks.bench_eval_gpu --backbones llava-onevision-7b,qwen2.5-vl-7b,qwen3-vl-8b,internvl3-8b
 
     python -m benchmarks.bench_eval_gpu                # per backbone one care eval at --batch-size auto, 516 samples
     python -m benchmarks.bench_eval_gpu --batch-sizes 1,auto --processes 1,2   # batch 1 too; 1 and 2 GPUs
@@ -29,8 +33,15 @@ What it does, per backbone (``--backbones``):
    batch, the median full batch between first and last (the steady state, and samples/s from it), its last, and the
    pass's seconds outside its batches.
 
+For the backbones of issue #47 (``Backbone.family``): the task's images resized to the gate's side (768, 1008, 1024,
+672), K = floor(N/9) with N their processor's tokens at that side, the byte tokenizer (the gate's), and after the
+commands each stage's time and share per sample at the batch size care eval used for CaRe, all tokens and CaRe
+(:func:`stage_times`: preprocessing, vision tower, CaRe, prefill, decoding), measured in this process: on these
+families the tower is a share no reduction after it can save.
+
 Then it reports CaRe / all tokens of the same command, the issue's targets MET or NOT MET (NeXT CaRe >= 35 samples/s;
-CaRe >= 3x all tokens on NeXT and >= 2x on LLaVA-1.5, judged where both settings ran at one batch size; 2 processes
+CaRe >= 3x all tokens on NeXT, >= 2x on LLaVA-1.5 and >= 1.5x on OneVision, judged where both settings ran at one
+batch size; Qwen2.5-VL, Qwen3-VL and InternVL3 reported; 2 processes
 >= 1.8x one and 4 processes >= 3.5x, where both ran) and the preprocessing's share of the CaRe setting's time per
 sample. Random weights: answers run to ``max_new_tokens`` (8) every time, so timings compare like with like, and
 accuracy means nothing. On a GPU, ``care eval`` answers once untimed before each setting. Writes its JSON into
@@ -77,18 +88,32 @@ PREPROCESS_REPS = 3
 
 @dataclass(frozen=True)
 class Backbone:
-    """One benchmarked backbone: its builder in benchmarks.models, CaRe's budget and the issue's targets."""
+    """One benchmarked backbone: how it is built, CaRe's budget and the issue's targets.
 
-    builder: str
-    keep: int
+    ``builder``: a LLaVA builder of benchmarks.models (it takes the stand-in tokenizer), or None for ``family``'s
+    full-size model (``benchmarks.models.FULL_SIZE``, the latency gate's; the byte tokenizer). ``side``: the task's
+    images resized to this square side (the gate's), None: as shipped. ``keep``: K, None for floor(N/9) at ``side``.
+    """
+
+    builder: str | None
+    keep: int | None
     min_samples_per_s: float | None  # CaRe's rate on one GPU
-    min_speedup: float  # CaRe / all tokens at the same batch size
+    min_speedup: float | None  # CaRe / all tokens at the same batch size; None: reported only
+    family: str | None = None
+    side: int | None = None
 
 
 BACKBONES = {
     "llava-next-7b": Backbone("build_llava_next", keep=160, min_samples_per_s=35.0, min_speedup=3.0),
     "llava-1.5-7b": Backbone("build_llava", keep=64, min_samples_per_s=None, min_speedup=2.0),
+    "llava-onevision-7b": Backbone(None, None, None, 1.5, family="llava-onevision", side=768),
+    "qwen2.5-vl-7b": Backbone(None, None, None, None, family="qwen2.5-vl", side=1008),
+    "qwen3-vl-8b": Backbone(None, None, None, None, family="qwen3-vl", side=1024),
+    "internvl3-8b": Backbone(None, None, None, None, family="internvl3", side=672),
 }
+DEFAULT_BACKBONES = ("llava-next-7b", "llava-1.5-7b")  # the families issue #47 adds run when named (--backbones)
+STAGE_NEW_TOKENS = 8  # the answers' length in care eval (random weights answer to max_new_tokens)
+STAGE_REPEATS = 3  # timed answer calls per stage figure (median)
 QUICK = (
     "one copy of the task (12 samples), one process; --tiny --quick --device cpu: about 1 minute on a 2-core CPU "
     "(both tiny backbones)"
@@ -102,10 +127,32 @@ DURATION = (
 
 
 def build_model(name: str, folder: Path, device: str, tiny: bool, tokenizer: str) -> dict[str, Any]:
-    """The backbone with random weights and the stand-in ``tokenizer``, saved to ``folder``; returns what it cost."""
-    from benchmarks.models import save_random_model
+    """The backbone with random weights (the LLaVA ones with the stand-in ``tokenizer``), saved to ``folder``;
+    returns what it cost."""
+    from benchmarks.models import save_full_size_model, save_random_model
 
-    return save_random_model(BACKBONES[name].builder, folder, device, tiny, tokenizer=tokenizer)
+    spec = BACKBONES[name]
+    if spec.builder is None:
+        assert spec.family is not None
+        return save_full_size_model(spec.family, folder, device, tiny)
+    return save_random_model(spec.builder, folder, device, tiny, tokenizer=tokenizer)
+
+
+def keep_of(name: str) -> int:
+    """CaRe's K for the backbone: its own, or floor(N/9) with N its full-size spec's tokens at ``side``."""
+    from fractions import Fraction
+
+    from benchmarks.models import FULL_SIZE
+    from care_core.budget import keep_from_ratio
+    from care_core.flops.specs import KNOWN_BACKBONES
+    from care_core.flops.tokens import visual_tokens
+
+    spec = BACKBONES[name]
+    if spec.keep is not None:
+        return spec.keep
+    assert spec.family is not None and spec.side is not None
+    n = visual_tokens(KNOWN_BACKBONES[FULL_SIZE[spec.family].spec], spec.side, spec.side).tokens
+    return keep_from_ratio(Fraction(1, 9), n)
 
 
 def task_rows() -> list[dict[str, Any]]:
@@ -114,29 +161,55 @@ def task_rows() -> list[dict[str, Any]]:
     return [dict(row, image=str((TASK.parent / row["image"]).resolve())) for row in rows]
 
 
-def write_task(folder: Path, copies: int) -> str:
-    """The shipped POPE-style task with its documents repeated ``copies`` times."""
+def write_task(folder: Path, copies: int, side: int | None = None) -> str:
+    """The shipped POPE-style task with its documents repeated ``copies`` times (images resized to ``side`` x ``side``
+    where given, written beside the task)."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(TASK.parent / "care_task_utils.py", folder.parent / "care_task_utils.py")  # the YAML's ../ functions
     config = (TASK / "care_pope_examples.yaml").read_text(encoding="utf-8")
     name = f"care_pope_examples_x{copies}"
     (folder / f"{name}.yaml").write_text(re.sub(r"(?m)^task: .*$", f"task: {name}", config), encoding="utf-8")
     rows = task_rows()
+    if side is not None:
+        rows = [dict(row, image=str(resized(Path(row["image"]), side, folder / "images"))) for row in rows]
     lines = [json.dumps(dict(row, question_id=copy * len(rows) + row["question_id"]))
              for copy in range(copies) for row in rows]  # fmt: skip
     (folder / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return name
 
 
-def time_preprocessing(folder: Path) -> dict[str, Any]:
-    """ms per image of the saved processor's image processor on PREPROCESS_IMAGES task images, as
-    ``ChatAdapter.preprocess`` runs it (its thread pool) and on one thread (median of PREPROCESS_REPS calls)."""
+def resized(image: Path, side: int, folder: Path) -> Path:
+    """``image`` resized to side x side (RGB PNG) in ``folder``; returns its path."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{image.stem}-{side}.png"
+    if not out.exists():
+        Image.open(image).convert("RGB").resize((side, side)).save(out)
+    return out
+
+
+def saved_processor(folder: Path, name: str) -> Any:
+    """The saved folder's processor, loaded as care loads it (the family's image-only processor where transformers'
+    needs torchvision)."""
     from transformers import AutoProcessor
 
+    from benchmarks.models import FULL_SIZE
+    from care_core import backbones
+
+    family = BACKBONES[name].family
+    if family is None:
+        return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+    return getattr(backbones, FULL_SIZE[family].adapter)._load_processor(folder)
+
+
+def time_preprocessing(folder: Path, name: str) -> dict[str, Any]:
+    """ms per image of the saved processor's image processor on PREPROCESS_IMAGES task images, as
+    ``ChatAdapter.preprocess`` runs it (its thread pool) and on one thread (median of PREPROCESS_REPS calls)."""
     from care_core.backbones._chat import preprocess_images, preprocess_workers
     from care_core.images import load_image
 
-    image_processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True).image_processor
+    image_processor = saved_processor(folder, name).image_processor
     paths = [row["image"] for row in task_rows()]
     images = [load_image(paths[i % len(paths)]) for i in range(PREPROCESS_IMAGES)]
     out: dict[str, Any] = {"images": len(images), "threads": preprocess_workers(len(images))}
@@ -168,7 +241,7 @@ class Run:
 def care_eval(model: Path, task: Path, run: Run, device: str, dtype: str, work: Path) -> dict[str, Any]:
     """``care eval`` as a user runs it; its summary per setting."""
     command = [sys.executable, "-m", "care_cli", "eval", "--model", str(model), "--method", "care",
-               "--keep", str(BACKBONES[run.backbone].keep), "--tasks", str(task), "--device", device, "--dtype", dtype,
+               "--keep", str(keep_of(run.backbone)), "--tasks", str(task), "--device", device, "--dtype", dtype,
                "--batch-size", run.batch_size, "--output-dir", str(work / f"out-{run.slug}"), "--json"]  # fmt: skip
     if run.processes > 1:
         command += ["--num-processes", str(run.processes)]
@@ -270,7 +343,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         spec, where = BACKBONES[row["backbone"]], f"{row['backbone']} batch {row['batch_size']}"
         if row["processes"] == 1 and spec.min_samples_per_s is not None:
             checks.append(check(where, "CaRe samples/s", row["samples_per_s"], spec.min_samples_per_s))
-        if row["same_batch_as_all_tokens"]:  # the issue compares at the same batch size
+        if row["same_batch_as_all_tokens"] and spec.min_speedup is not None:  # the issue compares at one batch size
             checks.append(check(where + f", {row['processes']} proc", "CaRe / all tokens", row["x_all_tokens"],
                                 spec.min_speedup))  # fmt: skip
         target = PROCESS_TARGETS.get(row["processes"])
@@ -325,7 +398,11 @@ def card_slug(env: dict[str, Any]) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser(__doc__, quick=QUICK, duration=DURATION, device="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths instead of 7B (smoke test of the script)")
-    parser.add_argument("--backbones", default=",".join(BACKBONES), help=f"comma list of {', '.join(BACKBONES)}")
+    parser.add_argument(
+        "--backbones",
+        default=",".join(DEFAULT_BACKBONES),
+        help=f"comma list of {', '.join(BACKBONES)} (default: {', '.join(DEFAULT_BACKBONES)})",
+    )
     parser.add_argument(
         "--batch-sizes", default="auto", help="comma list of care eval --batch-size values, e.g. 1,auto"
     )
@@ -388,6 +465,25 @@ def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], shares: list[
                   f"{100 * s['share_one_thread']:.0f}%") for s in shares])  # fmt: skip
 
 
+def show_stages(done: dict[str, dict[str, Any]]) -> None:
+    """The stage table of the backbones timed per stage (ms per sample, share of the sample's time)."""
+    names = ("preprocessing", "tower", "care", "prefill", "decoding")
+
+    def cell(side: dict[str, Any], key: str) -> str:
+        return f"{fmt(side['ms_per_sample'][key], 1)} ({100 * side['share'][key]:.0f}%)"
+
+    timed = [(name, one["stages"]) for name, one in done.items() if one.get("stages")]
+    settings = ("all tokens", "care")
+    table = [(name, label, str(stages["batch_size"]), *(cell(stages[label], k) for k in names),
+              fmt(stages[label]["total_ms"], 1)) for name, stages in timed for label in settings]  # fmt: skip
+    if table:
+        print_table(
+            "stages per sample, ms (share), at care eval's batch size, in this process",
+            ("backbone", "setting", "batch", *names, "total"),
+            table,
+        )
+
+
 def batch_label(row: dict[str, Any]) -> str:
     """The batch size used, "->" the size it ended at where out-of-memory splitting cut it, (what was asked)."""
     end = f"->{row['batch_size']}" if row["batch_size"] != row["batch_size_start"] else ""
@@ -395,21 +491,88 @@ def batch_label(row: dict[str, Any]) -> str:
 
 
 def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: Path, task: Path) -> dict[str, Any]:
-    """Build and save one backbone, time its preprocessing, run its care eval commands; its folder is removed."""
+    """Build and save one backbone, time its preprocessing, run its care eval commands and (a backbone of issue #47)
+    time its stages in this process; its folder is removed."""
     folder = work / f"{name}-{'tiny' if args.tiny else 'random'}"
+    side = BACKBONES[name].side
+    if side is not None:  # the gate's image side: the task's images resized, in a task of this backbone's own
+        task = work / f"task-{side}"
+        write_task(task, args.copies, side)
     cuda = args.device.startswith("cuda")
     say(f"building {'tiny' if args.tiny else 'full-size'} {name} with random weights into {folder} ...")
     built = build_model(name, folder, "cuda:0" if cuda else "cpu", args.tiny, args.tokenizer)
     say(
         f"  {built['parameters'] / 1e9:.2f} B parameters, built {built['build_s']:.1f} s, saved {built['save_s']:.1f} s"
     )
-    preprocessing = time_preprocessing(folder)
+    preprocessing = time_preprocessing(folder, name)
     say(f"  preprocessing: {preprocessing['ms_per_image_threads']:.1f} ms/image on {preprocessing['threads']} threads,"
         f" {preprocessing['ms_per_image_one_thread']:.1f} on one")  # fmt: skip
     dtype = "bfloat16" if cuda else "float32"
     done = [care_eval(folder, task, run, args.device, dtype, work) for run in runs]
+    stages = None
+    if side is not None:
+        care_rows = [r for cmd in done for r in cmd["rows"] if r["method"] is not None and r["processes"] == 1]
+        batch = int(care_rows[0]["batch_size_start"]) if care_rows else 1
+        stages = stage_times(folder, name, batch, preprocessing, args.device, dtype, task)
     shutil.rmtree(folder, ignore_errors=True)  # a 7B folder is 14 GB: one at a time on the disk
-    return {"model": built, "preprocessing": preprocessing, "commands": done}
+    return {"model": built, "preprocessing": preprocessing, "commands": done, "stages": stages}
+
+
+def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, Any], device: str, dtype: str,
+                task: Path) -> dict[str, Any]:  # fmt: skip
+    """Per sample, at the batch size care eval used for CaRe: the image preprocessing, the vision tower, CaRe (the
+    method and the projector), the prefill (the first token) and the decoding (the other tokens), for all tokens and
+    for CaRe, in this process (care eval's has ended) on the task's first ``batch`` documents: the tower and CaRe
+    from ``ReductionPipeline.run_batch``'s stage timings (the tower: its features stage less the preprocessing
+    measured apart; CaRe: its group's method and projection stages), the answers from ``generate_batch`` with 1 and
+    with :data:`STAGE_NEW_TOKENS` new tokens (medians of :data:`STAGE_REPEATS` calls); each after one untimed call."""
+    import torch
+
+    from care_core.backbones import load_backbone
+    from care_core.budget import Budget
+    from care_core.images import load_image
+    from care_core.pipeline import ReductionPipeline
+
+    rows = [json.loads(line) for line in (task / "data.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    docs = [rows[i % len(rows)] for i in range(batch)]
+    images, questions = [load_image(d["image"]) for d in docs], [d["question"] for d in docs]
+    adapter = load_backbone(str(folder), device=device, dtype=dtype)
+    pipe = ReductionPipeline(adapter, ["care"])
+    budgets = [Budget.keep(keep_of(name))]
+    pipe.run_batch(images, questions, budgets)  # warm-up: kernels, caches
+    results = pipe.run_batch(images, questions, budgets)
+    timings, pre_ms = results[0].timings_ms, preprocessing["ms_per_image_threads"]
+    tokens = [r.tokens for r in results]
+    with torch.no_grad():
+        feeds = {
+            "all tokens": ([adapter.projector(t.features) for t in tokens], [None] * batch),
+            "care": ([r.runs[0].projected for r in results], [r.runs[0].result.token_index for r in results]),
+        }
+
+    def answer_ms(label: str, new_tokens: int) -> float:
+        """The median of STAGE_REPEATS timed calls after one untimed (which captures any graphs)."""
+        projected, kept = feeds[label]
+        seconds = []
+        for _ in range(STAGE_REPEATS + 1):
+            if torch.cuda.is_available() and device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            adapter.generate_batch(questions, tokens, projected, kept, max_new_tokens=new_tokens)
+            seconds.append(time.perf_counter() - start)  # the answers are on the host: nothing left to wait for
+        return 1e3 * statistics.median(seconds[1:])
+
+    method_ms = results[0].runs[0].timings_ms  # the CaRe group's stages, for the whole batch
+    care_ms = (method_ms.get("method", 0.0) + method_ms.get("projection", 0.0)) / batch
+    out: dict[str, Any] = {"batch_size": batch, "new_tokens": STAGE_NEW_TOKENS, "timings_ms": timings,
+                           "care_timings_ms": method_ms}  # fmt: skip
+    tower_ms = timings.get("features", 0.0) / batch - pre_ms
+    for label, reduce_ms in (("all tokens", 0.0), ("care", care_ms)):
+        first, whole = answer_ms(label, 1), answer_ms(label, STAGE_NEW_TOKENS)
+        per = {"preprocessing": pre_ms, "tower": tower_ms, "care": reduce_ms, "prefill": first / batch,
+               "decoding": (whole - first) / batch}  # fmt: skip
+        total = sum(per.values())
+        out[label] = {"ms_per_sample": per, "share": {k: v / total for k, v in per.items()}, "total_ms": total}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -424,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
         args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="care-bench-eval-", dir=args.work) as scratch:
         work = Path(scratch)
-        results["task"] = write_task(work / "task", args.copies)
+        results["task"] = write_task(work / "task", args.copies)  # as shipped; a backbone with a side makes its own
         for name in dict.fromkeys(run.backbone for run in runs):
             mine = [run for run in runs if run.backbone == name]
             results["backbones"][name] = bench_backbone(name, mine, args, work, work / "task")
@@ -434,6 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     preprocessing = {name: done["preprocessing"] for name, done in results["backbones"].items()}
     results |= {"rows": rows, "targets": targets(rows), "preprocessing_share": preprocess_shares(rows, preprocessing)}
     size = "tiny" if args.tiny else "7B"
+    show_stages(results["backbones"])
     show(rows, results["targets"], results["preprocessing_share"],
          f"care eval on {results['task']} ({rows[0]['samples']} samples), {size} random weights, "
          f"{args.tokenizer} tokenizer, {env.get('gpus', ['cpu'])[0]}")  # fmt: skip

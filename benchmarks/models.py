@@ -240,6 +240,15 @@ def full_size_adapter(family: str, device: torch.device, tiny: bool = False) -> 
     return getattr(backbones, entry.adapter)(model, processor, name=f"{entry.spec} (random weights)")
 
 
+def save_full_size_model(family: str, folder: Path, device: str, tiny: bool) -> dict[str, Any]:
+    """:func:`save_random_model` for a family of :data:`FULL_SIZE` (its builder, its byte tokenizer)."""
+    return save_random_model("_full_size_build", folder, device, tiny, family=family)
+
+
+def _full_size_build(device: torch.device, dtype: torch.dtype, tiny: bool, *, family: str) -> tuple[Any, Any]:
+    return FULL_SIZE[family].build(device, dtype, tiny)
+
+
 def save_random_model(builder: str, folder: Path, device: str, tiny: bool, **options: Any) -> dict[str, Any]:
     """``builder``'s model (a function of this module; ``options`` are its own, e.g. ``tokenizer``) with seeded random
     weights, bf16 on CUDA, saved to ``folder`` and flushed to the disk; returns what it cost. For benchmarks that time

@@ -88,3 +88,36 @@ def test_a_pass_reads_apart_into_its_first_steady_and_last_batches() -> None:
     assert bench_eval_gpu.batch_profile([[1, 8, 1.0]], wall_s=1.0) is None  # nothing from rank 0
     two = bench_eval_gpu.batch_profile([[0, 64, 1.0], [0, 8, 0.3]], wall_s=1.5)
     assert two is not None and two["median_s"] is None and two["steady_samples_per_s"] is None  # no middle batch
+
+
+def test_the_issue_47_families_run_at_the_gates_sides_with_k_of_n_over_9() -> None:
+    # N at the gate's sides, by each processor's geometry: OneVision 729 + 2916 at 768² (four 384 px crops),
+    # Qwen2.5-VL (1008 / 28)² = 1296, Qwen3-VL (1024 / 32)² = 1024, InternVL3 5 x 256 = 1280 at 672²
+    assert {
+        name: bench_eval_gpu.keep_of(name)
+        for name in ("llava-onevision-7b", "qwen2.5-vl-7b", "qwen3-vl-8b", "internvl3-8b")
+    } == {
+        "llava-onevision-7b": 3645 // 9,
+        "qwen2.5-vl-7b": 1296 // 9,
+        "qwen3-vl-8b": 1024 // 9,
+        "internvl3-8b": 1280 // 9,
+    }
+    assert (bench_eval_gpu.keep_of("llava-next-7b"), bench_eval_gpu.keep_of("llava-1.5-7b")) == (160, 64)
+    rows = [_eval_row("llava-onevision-7b", None, 1, 10.0), _eval_row("llava-onevision-7b", "care", 1, 14.0),
+            _eval_row("qwen3-vl-8b", None, 1, 10.0), _eval_row("qwen3-vl-8b", "care", 1, 30.0)]  # fmt: skip
+    bench_eval_gpu.add_ratios(rows)
+    verdicts = {(c["where"], c["what"]): c["met"] for c in bench_eval_gpu.targets(rows)}
+    assert verdicts == {
+        ("llava-onevision-7b batch 32, 1 proc", "CaRe / all tokens"): False
+    }  # 1.4 < 1.5; Qwen: reported
+
+
+def test_a_task_at_a_side_holds_its_images_resized(tmp_path: Any) -> None:
+    import json
+
+    from PIL import Image
+
+    name = bench_eval_gpu.write_task(tmp_path / "task", copies=2, side=96)
+    rows = [json.loads(line) for line in (tmp_path / "task" / "data.jsonl").read_text().splitlines()]
+    assert name == "care_pope_examples_x2" and len(rows) == 2 * len(bench_eval_gpu.task_rows())
+    assert {Image.open(row["image"]).size for row in rows} == {(96, 96)}
