@@ -162,25 +162,13 @@ def test_a_bad_batch_size_is_refused_in_one_line(care, reference: Any, value: st
 
 
 def test_care_csr_parses_batch_size_once_and_reports_the_size_used(
-    care, reference: Any, monkeypatch: pytest.MonkeyPatch
+    care, reference: Any, batch_size_parses: list[object]
 ) -> None:
-    from care_cli.commands import csr as command
-    from care_core import batching
-
-    parsed: list[object] = []
-    parse = batching.parse_batch_size
-
-    def counted(value: object, **kwargs: Any) -> Any:
-        parsed.append(value)
-        return parse(value, **kwargs)
-
-    monkeypatch.setattr(batching, "parse_batch_size", counted)
-    monkeypatch.setattr(command, "parse_batch_size", counted, raising=False)  # the command's own name for it
     data, _ = reference
     result = care("csr", "--data", data, "--method", "care", "--keep", "16", "--device", "cpu", "--batch-size", "2",
                   "--json")  # fmt: skip
     assert result.code == 0, result.err
-    assert parsed == ["2"]
+    assert batch_size_parses == ["2"]
     assert result.json()["batch_size"] == {"batch_size": 2, "requested": 2, "default": CPU_BATCH_SIZE, "final": 2}
 
 

@@ -276,19 +276,9 @@ def test_the_plugin_takes_the_parsed_batch_size_and_reads_no_text(llava: Any, mo
 
 
 def test_care_eval_parses_batch_size_once_and_reports_the_size_each_setting_used(
-    care, monkeypatch: pytest.MonkeyPatch
+    care, monkeypatch: pytest.MonkeyPatch, batch_size_parses: list[object]
 ) -> None:
-    from care_cli.commands import eval as command
-    from care_core import batching
-    from care_core.integrations import settings
     from care_core.pipeline import ReductionPipeline
-
-    parsed: list[object] = []
-    parse = batching.parse_batch_size
-
-    def counted(value: object, **kwargs: Any) -> Any:
-        parsed.append(value)
-        return parse(value, **kwargs)
 
     run_batch = ReductionPipeline.run_batch
 
@@ -297,14 +287,11 @@ def test_care_eval_parses_batch_size_once_and_reports_the_size_each_setting_used
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return run_batch(self, images, *args, **kwargs)
 
-    monkeypatch.setattr(batching, "parse_batch_size", counted)
-    monkeypatch.setattr(settings, "parse_batch_size", counted, raising=False)  # lmms-eval's own entry
-    monkeypatch.setattr(command, "parse_batch_size", counted, raising=False)  # the command's own name for it
     monkeypatch.setattr(ReductionPipeline, "run_batch", out_of_memory_above_two)
     result = care("eval", "--model", "tiny-llava", "--method", "care", "--keep", "16", "--tasks", POPE, "--limit", "4",
                   "--device", "cpu", "--batch-size", "4", "--json")  # fmt: skip
     assert result.code == 0, result.err
-    assert parsed == ["4"]  # where the run is set up, once
+    assert batch_size_parses == ["4"]  # where the run is set up, once
     report = result.json()
     assert report["batch_size"] == {"batch_size": 4, "requested": 4, "default": CPU_BATCH_SIZE}
     # all tokens starts at 4, is split down to 2 for memory and hands 2 on to care K=16
