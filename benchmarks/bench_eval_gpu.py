@@ -20,7 +20,7 @@ What it does, per backbone (``--backbones``):
    ``benchmarks.models.LLAMA_POPE_PIECES``; other text stays bytes), or spells each byte as a row, 96-102
    (``bytes``, the tokenizer of every figure of this benchmark recorded before 2026-11-27 night);
 2. times the image preprocessing before the vision tower: the saved folder's image processor (loaded alone, no
-   model) on 16 task images through ``care_core.backbones._chat.preprocess_images``, the function
+   model) on 16 task images through ``care_core.backbones.chat_adapter.preprocess_images``, the function
    ``ChatAdapter.preprocess`` runs, with its thread pool and with one thread;
 3. runs ``care eval --model <folder> --method care --keep K --tasks <task> --batch-size B`` exactly as a user would
    (a separate process; ``--num-processes N`` for N GPUs; ``--cuda-graphs`` or ``--no-cuda-graphs``, see
@@ -206,7 +206,7 @@ def saved_processor(folder: Path, name: str) -> Any:
 def time_preprocessing(folder: Path, name: str) -> dict[str, Any]:
     """ms per image of the saved processor's image processor on PREPROCESS_IMAGES task images, as
     ``ChatAdapter.preprocess`` runs it (its thread pool) and on one thread (median of PREPROCESS_REPS calls)."""
-    from care_core.backbones._chat import preprocess_images, preprocess_workers
+    from care_core.backbones.chat_adapter import preprocess_images, preprocess_workers
     from care_core.images import load_image
 
     image_processor = saved_processor(folder, name).image_processor

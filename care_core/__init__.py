@@ -20,16 +20,16 @@ _EXPORTS = {
     "Budget": "care_core.budget",
     "Reduction": "care_core.care",
     "care_reduce": "care_core.care",
-    "care_reduce_batch": "care_core.batch",
+    "care_reduce_batch": "care_core.care_batch",
     "csr_score": "care_core.csr",
     "reduce_visual_tokens": "care_core.dropin",
     "VisualTokenReduction": "care_core.dropin",
 }
 
 if TYPE_CHECKING:
-    from care_core.batch import care_reduce_batch
     from care_core.budget import Budget, resolve_budget
     from care_core.care import Reduction, care_reduce
+    from care_core.care_batch import care_reduce_batch
     from care_core.config import CaReConfig
     from care_core.csr import csr_score
     from care_core.dropin import VisualTokenReduction, reduce_visual_tokens

@@ -3,7 +3,7 @@
 
 :func:`read_pairs` reads a JSONL file of ``{"image": ..., "question": ...}`` lines; :func:`dataset_csr` computes
 every method x budget on every pair through a loaded :class:`care_core.pipeline.ReductionPipeline`, this process's
-share of the pairs (:class:`care_core.runs.DatasetRun`), in batches (care_core.batching: out-of-memory splitting, a
+share of the pairs (:class:`care_core.runs.DatasetRun`), in batches (care_core.batch_sizes: out-of-memory splitting, a
 failing pair retried alone), each finished batch appended to the run's shard at once, so that a resumed run computes
 only what is missing. Rank 0 gets every result back.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from care_core.batching import BatchChoice, Batches, BatchSize, choose_batch_size
+from care_core.batch_sizes import BatchChoice, Batches, BatchSize, choose_batch_size
 from care_core.errors import CareError, failure_line, one_line
 from care_core.runs import FAILED, DatasetRun, csr_summary, pair_id
 
@@ -179,7 +179,7 @@ def dataset_csr(
     PairFailedError, or with ``bad.skip`` it is skipped and recorded as bad, and a resumed run skips it again
     unless ``bad.retry``. ``on_progress(done, total, image name)`` after every batch (and once before the first);
     ``on_notice(line)`` once if batches were split for memory. Every process must call it."""
-    from care_core.batching import peak_gpu_memory_gib, reset_peak_gpu_memory
+    from care_core.batch_sizes import peak_gpu_memory_gib, reset_peak_gpu_memory
 
     backbone = pipe.backbone.to_dict()
     run.start(backbone={k: backbone[k] for k in ("name", "family", "demo")})

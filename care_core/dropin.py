@@ -26,8 +26,8 @@ from care_core.vocabulary import DEFAULT_QUESTION
 if TYPE_CHECKING:
     import torch
 
-    from care_core.backbones._chat import ChatAdapter
     from care_core.backbones.base import ImageTokens
+    from care_core.backbones.chat_adapter import ChatAdapter
     from care_core.methods.base import Method, MethodResult
     from care_core.pipeline import ReductionPipeline
 
@@ -202,7 +202,7 @@ class VisualTokenReduction:
         left-padded by the adapters' own :func:`collate_left_padded`; the caller's other arguments as given."""
         import torch
 
-        from care_core.backbones._chat import collate_left_padded
+        from care_core.backbones.chat_adapter import collate_left_padded
 
         image_token_id = int(self.adapter.image_token_id)
         samples = []
@@ -248,7 +248,7 @@ def reduce_visual_tokens(
     registered name or a :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters. One image per
     sample. Bad arguments raise a one-line CareError here, before the block runs.
     """
-    from care_core.backbones._chat import ChatAdapter
+    from care_core.backbones.chat_adapter import ChatAdapter
     from care_core.backbones.loading import adapter_for_model
     from care_core.pipeline import build_methods
 

@@ -165,8 +165,8 @@ def image_prefetcher(
     open or prepare raises that error when it is asked for. Transformers' warnings are quiet meanwhile (process-wide
     settings: set once here, around the threads).
     """
-    from care_core.backbones._chat import preprocess_workers
     from care_core.backbones._hf import quiet_transformers
+    from care_core.backbones.chat_adapter import preprocess_workers
 
     prepare = image_preparer(adapter, pool=len(order) > batch_size)
 

@@ -74,7 +74,7 @@ def care(capsys: pytest.CaptureFixture[str]) -> Callable[..., Run]:
 
 @pytest.fixture
 def batch_size_parses(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Every value ``care_core.batching.parse_batch_size`` is called with during the test, under each name a module
+    """Every value ``care_core.batch_sizes.parse_batch_size`` is called with during the test, under each name a module
     holds it by (the batching module's own, the CLI commands', lmms-eval's entry)."""
     from care_cli.commands import csr, eval
     from care_core import batching

@@ -13,8 +13,8 @@ from benchmarks.common import say
 from benchmarks.gpu.context import M_DIRECTIONS
 from benchmarks.gpu.scoring import Micro, floor_ms
 from care_core import CaReConfig, care_reduce, care_reduce_batch
-from care_core.batch import batch_anchors, batch_scores
 from care_core.care import calibrate_batch_with
+from care_core.care_batch import batch_anchors, batch_scores
 from care_core.precision import matmul_precision
 from care_core.scoring import Scorer
 

@@ -13,14 +13,14 @@ from care_core._lazy import lazy_exports
 if TYPE_CHECKING:
     from .base import ImageTokens, VLMAdapter
     from .demo import DEMO_BACKBONES, ensure_demo
-    from .families import BackboneFamily, DemoBackbone, backbone_family, register_family
-    from .internvl import InternVLAdapter
-    from .llava import LlavaAdapter
-    from .llava_next import LlavaNextAdapter
-    from .llava_onevision import LlavaOnevisionAdapter
+    from .families import BackboneFamily, DemoBackbone, backbone_family, register_family, unregister_family
+    from .internvl3.adapter import InternVLAdapter
+    from .llava_1_5.adapter import LlavaAdapter
+    from .llava_next.adapter import LlavaNextAdapter
+    from .llava_onevision.adapter import LlavaOnevisionAdapter
     from .loading import care_home, hf_hub_cache, load_backbone
-    from .qwen2_5_vl import Qwen2_5_VLAdapter, QwenMergerProjector
-    from .qwen3_vl import Qwen3VLAdapter, Qwen3VLMergerProjector
+    from .qwen2_5_vl.adapter import Qwen2_5_VLAdapter, QwenMergerProjector
+    from .qwen3_vl.adapter import Qwen3VLAdapter, Qwen3VLMergerProjector
 
 _HOMES = {
     "ImageTokens": "base",
@@ -31,17 +31,18 @@ _HOMES = {
     "DemoBackbone": "families",
     "backbone_family": "families",
     "register_family": "families",
-    "InternVLAdapter": "internvl",
-    "LlavaAdapter": "llava",
-    "LlavaNextAdapter": "llava_next",
-    "LlavaOnevisionAdapter": "llava_onevision",
+    "unregister_family": "families",
+    "InternVLAdapter": "internvl3.adapter",
+    "LlavaAdapter": "llava_1_5.adapter",
+    "LlavaNextAdapter": "llava_next.adapter",
+    "LlavaOnevisionAdapter": "llava_onevision.adapter",
     "care_home": "loading",
     "hf_hub_cache": "loading",
     "load_backbone": "loading",
-    "Qwen2_5_VLAdapter": "qwen2_5_vl",
-    "QwenMergerProjector": "qwen2_5_vl",
-    "Qwen3VLAdapter": "qwen3_vl",
-    "Qwen3VLMergerProjector": "qwen3_vl",
+    "Qwen2_5_VLAdapter": "qwen2_5_vl.adapter",
+    "QwenMergerProjector": "qwen2_5_vl.adapter",
+    "Qwen3VLAdapter": "qwen3_vl.adapter",
+    "Qwen3VLMergerProjector": "qwen3_vl.adapter",
 }
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "hf_hub_cache",
     "load_backbone",
     "register_family",
+    "unregister_family",
 ]
 
 __getattr__ = lazy_exports(__name__, _HOMES)

@@ -457,7 +457,7 @@ def build_tiny_internvl3(seed: int = 0, sizes: TinySizes | None = None) -> tuple
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-    from .internvl_processor import CareInternVLProcessor
+    from .internvl3.processor import CareInternVLProcessor
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *INTERNVL_NAMED_TOKENS.values()]
     tok = build_byte_tokenizer(specials, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -492,7 +492,7 @@ def build_tiny_llava_onevision(seed: int = 0, sizes: TinySizes | None = None) ->
         LlavaOnevisionImageProcessorPil,
     )
 
-    from .llava_onevision import CareLlavaOnevisionProcessor
+    from .llava_onevision.adapter import CareLlavaOnevisionProcessor
 
     tok = build_byte_tokenizer(
         [*QWEN_CONTROL_TOKENS[:3], "<image>", "<video>"],

@@ -6,16 +6,20 @@ vision tokens offer the methods (a CLS token, one raster grid), its embedded dem
 its lmms-eval model id. The loader, the methods (:meth:`care_core.methods.Method.serves`), ``care flops``, the
 demos, the lmms-eval plugin and the CLI read these records; nothing else lists families.
 
-Adding a family: its adapter module, its flops spec (``care_core.flops.specs``), its demo builder
-(``care_core.backbones.demo``) and one :func:`register_family` call (here, beside the others).
+The families shipped with care are found, not listed: every sub-package of ``care_core.backbones`` with a
+``record`` module registers its family when that module is imported, on the registry's first read. A family
+defined elsewhere (a user's plug-in, a test) calls :func:`register_family` itself and is served the same way.
+How to add one: docs/design/backbones.md §Adding a family.
 
 This module imports neither torch nor transformers (``care --help`` reads the demo names from it).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
+import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +122,7 @@ class BackboneFamily:
     flops_spec: str  # the care flops spec (care_core.flops.specs.KNOWN_BACKBONES) the family name stands for
     lmms_eval_model: str  # the lmms-eval model id serving the family (care_core.integrations.lmms_eval)
     demos: tuple[DemoBackbone, ...] = field(default=(), compare=False)
+    rank: int = 100  # listing order (lower first); families of the same rank list by name
 
     @property
     def traits(self) -> frozenset[Trait]:
@@ -131,6 +136,33 @@ class BackboneFamily:
 
 _FAMILIES: dict[str, BackboneFamily] = {}
 _KEYS: dict[str, str] = {}  # lower-cased name or model_type -> family name
+#: the package whose sub-packages with a ``record`` module are the shipped families
+FAMILY_PACKAGE = "care_core.backbones"
+RECORD_MODULE = "record"
+
+
+@functools.cache
+def shipped_records() -> tuple[str, ...]:
+    """The record modules of the shipped families: ``care_core.backbones.<family>.record``, by package name."""
+    package = importlib.import_module(FAMILY_PACKAGE)
+    folder = Path(package.__path__[0])
+    found = (m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
+    return tuple(f"{FAMILY_PACKAGE}.{name}.{RECORD_MODULE}" for name in sorted(found)
+                 if (folder / name / f"{RECORD_MODULE}.py").is_file())  # fmt: skip
+
+
+def _discover_shipped() -> None:
+    """Register each shipped family's ``FAMILY`` record that is not registered yet."""
+    for module in shipped_records():
+        family: BackboneFamily = importlib.import_module(module).FAMILY
+        if family.name not in _FAMILIES:
+            register_family(family)
+
+
+def _registered() -> dict[str, BackboneFamily]:
+    """Every family: the shipped ones (found on first use) and those registered by a call, by rank then name."""
+    _discover_shipped()
+    return dict(sorted(_FAMILIES.items(), key=lambda item: (item[1].rank, item[0])))
 
 
 def register_family(family: BackboneFamily) -> BackboneFamily:
@@ -146,124 +178,49 @@ def register_family(family: BackboneFamily) -> BackboneFamily:
     return family
 
 
+def unregister_family(name: str) -> None:
+    """Remove the family registered as ``name`` (a plug-in's test cleans up with this); CareError if unknown."""
+    family = backbone_family(name)
+    del _FAMILIES[family.name]
+    for key in [key for key, owner in _KEYS.items() if owner == family.name]:
+        del _KEYS[key]
+
+
 def families() -> list[BackboneFamily]:
-    """Every registered family, in registration order."""
-    return list(_FAMILIES.values())
+    """Every registered family, in listing order (:attr:`BackboneFamily.rank`)."""
+    return list(_registered().values())
 
 
 def family_names() -> list[str]:
-    return list(_FAMILIES)
+    return list(_registered())
 
 
 def backbone_family(key: str) -> BackboneFamily:
     """The family named ``key``, or loading config.json model_type ``key`` (case-insensitive); CareError if none."""
+    known_families = _registered()
     found = _KEYS.get(key.strip().lower())
     if found is None:
-        known = ", ".join(_FAMILIES)
+        known = ", ".join(known_families)
         raise CareError(f"unknown backbone family {key!r} (known: {known})")
     return _FAMILIES[found]
 
 
 def model_types() -> list[str]:
     """Every config.json model_type some family loads."""
-    return [t for family in _FAMILIES.values() for t in family.model_types]
+    return [t for family in families() for t in family.model_types]
 
 
 def demo_backbones() -> dict[str, DemoBackbone]:
     """Demo name -> demo, over every family."""
-    return {demo.name: demo for family in _FAMILIES.values() for demo in family.demos}
+    return {demo.name: demo for family in families() for demo in family.demos}
 
 
 def served_families(lmms_eval_model: str) -> tuple[str, ...]:
     """The families whose records name ``lmms_eval_model`` as their lmms-eval model id."""
-    return tuple(family.name for family in _FAMILIES.values() if family.lmms_eval_model == lmms_eval_model)
+    return tuple(family.name for family in families() if family.lmms_eval_model == lmms_eval_model)
 
 
 #: the demo every tool uses when no model is given
 DEFAULT_DEMO = "tiny-llava"
-
-_DEMO = "care_core.backbones.demo"
-_LLAVA_GEOMETRY = "LLaVA-1.5 geometry (CLIP-336/14, 576 tokens)"
-_NEXT_GEOMETRY = "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672)"
-_QWEN25_GEOMETRY = "Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget)"
-_QWEN3_GEOMETRY = ("Qwen3-VL geometry (patch 16, 2x2 merge, resize factor 32, deepstack at 2 of 4 vision blocks, "
-                   "hub pixel budget)")  # fmt: skip
-_INTERNVL_GEOMETRY = (
-    "InternVL3 geometry (InternViT 448/14, pixel shuffle 0.5: 256 tokens per tile, 1-12 tiles + thumbnail)"
-)
-_ONEVISION_GEOMETRY = "LLaVA-OneVision geometry (SigLIP-384/14, no CLS, anyres_max_9 pinpoints, 3645 tokens at 768x768)"
 #: the demos whose weights file is optional: trained or random is the record's ``trained`` (its marker's "weights")
-_OPTIONAL_WEIGHTS = "tiny weights (trained on synthetic shapes where shipped, else random); demo only"
-
-register_family(BackboneFamily(
-    name="llava-1.5", display="LLaVA-1.5", model_types=("llava",),
-    adapter="care_core.backbones.llava:LlavaAdapter", has_cls_token=True, single_grid=True, crops=False,
-    flops_spec="llava-1.5-7b", lmms_eval_model="care_llava",
-    demos=(
-        DemoBackbone(DEFAULT_DEMO, 3, "llava-1.5", f"{_DEMO}:build_trained_tiny_llava",
-                     f"{_LLAVA_GEOMETRY}, tiny weights trained on synthetic shapes (scripts/train_demo); demo only",
-                     weights="tiny-llava.safetensors"),
-        DemoBackbone("tiny-llava-random", 2, "llava-1.5", f"{_DEMO}:build_tiny_llava",
-                     f"{_LLAVA_GEOMETRY}, tiny random weights; demo only"),
-    ),
-))  # fmt: skip
-register_family(BackboneFamily(
-    name="llava-next", display="LLaVA-NeXT", model_types=("llava_next",),
-    adapter="care_core.backbones.llava_next:LlavaNextAdapter", has_cls_token=True, single_grid=False, crops=True,
-    flops_spec="llava-next-7b", lmms_eval_model="care_llava",
-    demos=(
-        DemoBackbone("tiny-llava-next", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
-                     f"{_NEXT_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
-                     weights="tiny-llava-next.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_llava_next"),
-        DemoBackbone("tiny-llava-next-random", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
-                     f"{_NEXT_GEOMETRY}, tiny random weights; demo only"),
-    ),
-))  # fmt: skip
-register_family(BackboneFamily(
-    name="qwen2.5-vl", display="Qwen2.5-VL", model_types=("qwen2_5_vl",),
-    adapter="care_core.backbones.qwen2_5_vl:Qwen2_5_VLAdapter", has_cls_token=False, single_grid=True, crops=False,
-    flops_spec="qwen2.5-vl-7b", lmms_eval_model="care_qwen2_5_vl",
-    demos=(
-        DemoBackbone("tiny-qwen2.5-vl", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
-                     f"{_QWEN25_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
-                     weights="tiny-qwen2.5-vl.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_qwen2_5_vl"),
-        DemoBackbone("tiny-qwen2.5-vl-random", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
-                     f"{_QWEN25_GEOMETRY}, tiny random weights; demo only"),
-    ),
-))  # fmt: skip
-register_family(BackboneFamily(
-    name="qwen3-vl", display="Qwen3-VL", model_types=("qwen3_vl",),
-    adapter="care_core.backbones.qwen3_vl:Qwen3VLAdapter", has_cls_token=False, single_grid=True, crops=False,
-    flops_spec="qwen3-vl-8b", lmms_eval_model="care_qwen3_vl",
-    demos=(
-        DemoBackbone("tiny-qwen3-vl", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
-                     f"{_QWEN3_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
-                     weights="tiny-qwen3-vl.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_qwen3_vl"),
-        DemoBackbone("tiny-qwen3-vl-random", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
-                     f"{_QWEN3_GEOMETRY}, tiny random weights; demo only"),
-    ),
-))  # fmt: skip
-register_family(BackboneFamily(
-    name="internvl3", display="InternVL3", model_types=("internvl",),
-    adapter="care_core.backbones.internvl:InternVLAdapter", has_cls_token=False, single_grid=False, crops=True,
-    flops_spec="internvl3-8b", lmms_eval_model="care_internvl",
-    demos=(
-        DemoBackbone("tiny-internvl3", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
-                     f"{_INTERNVL_GEOMETRY}, " + _OPTIONAL_WEIGHTS,
-                     weights="tiny-internvl3.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_internvl3"),
-        DemoBackbone("tiny-internvl3-random", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
-                     f"{_INTERNVL_GEOMETRY}, tiny random weights; demo only"),
-    ),
-))  # fmt: skip
-register_family(BackboneFamily(
-    name="llava-onevision", display="LLaVA-OneVision", model_types=("llava_onevision",),
-    adapter="care_core.backbones.llava_onevision:LlavaOnevisionAdapter", has_cls_token=False, single_grid=False,
-    crops=True, flops_spec="llava-onevision-7b", lmms_eval_model="care_llava",
-    demos=(
-        DemoBackbone("tiny-llava-onevision", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
-                     f"{_ONEVISION_GEOMETRY}, " + _OPTIONAL_WEIGHTS, weights="tiny-llava-onevision.safetensors",
-                     trained_builder=f"{_DEMO}:build_trained_tiny_llava_onevision"),
-        DemoBackbone("tiny-llava-onevision-random", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
-                     f"{_ONEVISION_GEOMETRY}, tiny random weights; demo only"),
-    ),
-))  # fmt: skip
+OPTIONAL_WEIGHTS = "tiny weights (trained on synthetic shapes where shipped, else random); demo only"

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from care_core.backbones.families import served_families
-from care_core.batching import (
+from care_core.batch_sizes import (
     BatchChoice,
     Batches,
     BatchSize,
@@ -160,10 +160,10 @@ class CareLMM(lmms):
 
     Build it from ``model_args`` (what lmms-eval does), or with :meth:`from_spec` around an adapter that is
     already loaded (what ``care eval`` does, to evaluate many methods and budgets on one loaded model).
-    ``batch_size`` is how many requests are answered at once (care_core.batching; per sample the answer of a batch
+    ``batch_size`` is how many requests are answered at once (care_core.batch_sizes; per sample the answer of a batch
     of one): from ``model_args``, lmms-eval's ``--batch_size`` (a number, ``auto`` or ``auto:N``;
     ``max_batch_size`` caps ``auto``), read once on construction; with :meth:`from_spec`, a parsed
-    :class:`care_core.batching.BatchSize`. It is resolved once, for this setting, on construction
+    :class:`care_core.batch_sizes.BatchSize`. It is resolved once, for this setting, on construction
     (:attr:`batch_choice`).
     """
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from care_core.backbones.families import DEFAULT_DEMO
-from care_core.batching import BatchSize, parse_batch_size
+from care_core.batch_sizes import BatchSize, parse_batch_size
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError, ConfigError, MethodError
 
@@ -219,7 +219,7 @@ def parse_model_args(args: Mapping[str, Any], *, default_method: str | None = "c
 def batch_arguments(args: Mapping[str, Any]) -> BatchSize:
     """``batch_size`` and ``max_batch_size`` (auto's cap) as lmms-eval's own CLI passes them in ``model_args``: it
     always passes ``batch_size`` (the int 1, or the text typed: ``"8"``, ``"auto"``, ``"auto:N"``) and
-    ``max_batch_size`` (None or an int), read once here by care_core.batching's reader. ModelArgsError (one line)
+    ``max_batch_size`` (None or an int), read once here by care_core.batch_sizes's reader. ModelArgsError (one line)
     for anything else, e.g. ``"0"`` or ``"x"``."""
     try:
         return parse_batch_size(args.get("batch_size", 1), cap=args.get("max_batch_size"))

@@ -199,7 +199,7 @@ class Method:
 
     def attention_layers(self) -> int:
         """How many language-model layers' attention maps (layers 0..a-1 of the ``language_model`` probe) the method
-        reads: 0 for most; what the batch-size rule counts per sample (care_core.batching.sample_bytes)."""
+        reads: 0 for most; what the batch-size rule counts per sample (care_core.batch_sizes.sample_bytes)."""
         return 0
 
     def output_count(self, num_tokens: int, keep: int) -> int:

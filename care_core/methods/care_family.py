@@ -74,7 +74,7 @@ def prca_key(config: CaReConfig) -> tuple[object, ...]:
 
 
 def prca_order_key(config: CaReConfig) -> tuple[object, ...]:
-    """Memo key of PRCA's Eq. 3 order (:func:`~care_core.batch.anchor_orders`): psi_bar's key (its fields include
+    """Memo key of PRCA's Eq. 3 order (:func:`~care_core.care_batch.anchor_orders`): psi_bar's key (its fields include
     Eq. 3's eps) and the kernel setting; not the budget (the order for K is the first K of any longer one)."""
     return ("prca-order", prca_key(config), config.kernel)
 
@@ -114,7 +114,7 @@ class _CaReFamily(Method):
 
     def _anchors(self, inputs: MethodInputs, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(selection order, weights psi_bar, features in compute precision), timing "scoring" and "anchors"."""
-        from care_core.batch import anchor_orders
+        from care_core.care_batch import anchor_orders
         from care_core.kernels import as_gate
         from care_core.precision import compute_dtype, matmul_precision
 
@@ -185,13 +185,13 @@ class _CaReFamily(Method):
         """CaRe's variants on B images (docs/design/batches.md §Batches): the anchor weights of every image not in its
         memo from one joint Eq. 1 pass (PRCA's psi_bar, or ZOO-Prune's sensitivity for ZOO-Prune anchors; each new one
         stored in its image's memo), Eq. 3 for the images lacking a long enough memoised order in one padded loop
-        (:func:`~care_core.batch.anchor_orders`), then each image's calibration; each
+        (:func:`~care_core.care_batch.anchor_orders`), then each image's calibration; each
         stage timed once for the batch on the shared stage timer. Per image, :meth:`reduce`'s result (to the joint
         pass's rounding). Batches that cannot share one pass (:func:`_one_pass`) go one image at a time."""
         if not _one_pass(inputs):
             return super().reduce_batch(inputs, keeps)
-        from care_core.batch import anchor_orders
         from care_core.care import scorer_for
+        from care_core.care_batch import anchor_orders
         from care_core.precision import compute_dtype, matmul_precision
 
         first = inputs[0]
@@ -236,9 +236,10 @@ class _CaReFamily(Method):
                                                  strict=True)]  # fmt: skip
 
     def _batch_psi_bar(self, inputs: list[MethodInputs], vs: list[torch.Tensor], scorer: Scorer) -> list[torch.Tensor]:
-        """psi_bar per image: the memo's where it has one, the others from one :func:`~care_core.batch.batch_scores`
-        pass over their tokens together, each stored in its image's memo (as :meth:`_psi_bar` stores it)."""
-        from care_core.batch import batch_scores
+        """psi_bar per image: the memo's where it has one, the others from one
+        :func:`~care_core.care_batch.batch_scores` pass over their tokens together, each stored in its image's memo
+        (as :meth:`_psi_bar` stores it)."""
+        from care_core.care_batch import batch_scores
 
         key = prca_key(self.config)
         missing = [i for i, one in enumerate(inputs) if one.memo is None or key not in one.memo]

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, ClassVar
 from care_core._lazy import torch
 from care_core.config import Kernel
 from care_core.errors import MethodError
-from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, memo_orders, selection_result
+from care_core.methods.lazy_precision import compute_dtype, matmul_precision
 from care_core.methods.registry import register
 
 if TYPE_CHECKING:

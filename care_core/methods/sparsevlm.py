@@ -49,8 +49,8 @@ from typing import ClassVar, Literal
 
 from care_core._lazy import torch
 from care_core.errors import MethodError
-from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods.lazy_precision import compute_dtype, matmul_precision
 from care_core.methods.registry import register
 
 Version = Literal["1_0", "2_0"]

@@ -34,8 +34,8 @@ from typing import ClassVar
 
 from care_core._lazy import torch
 from care_core.errors import MethodError
-from care_core.methods._core import compute_dtype, matmul_precision
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
+from care_core.methods.lazy_precision import compute_dtype, matmul_precision
 from care_core.methods.registry import register
 from care_core.vocabulary import Trait
 

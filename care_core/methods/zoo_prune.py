@@ -95,7 +95,7 @@ class ZooPrune(Method):
         return ("zoo-prune", self.h, self.m, self.seed, self.engine, compute_dtype(features.dtype))
 
     def order_key(self, features: torch.Tensor, kernel: str = "auto") -> tuple[object, ...]:
-        """Memo key of an image's SADS order (:func:`~care_core.batch.anchor_orders`): what its weights and
+        """Memo key of an image's SADS order (:func:`~care_core.care_batch.anchor_orders`): what its weights and
         embeddings depend on (:meth:`memo_key`) and the greedy's kernel setting (SADS's eps is fixed), so
         ZOO-anchored ablations with these hyperparameters and kernel setting share one order per image."""
         return ("sads-order", self.memo_key(features), kernel)
@@ -145,8 +145,8 @@ class ZooPrune(Method):
     def _select(self, inputs: list[MethodInputs], keeps: list[int]) -> list[MethodResult]:
         """The sensitivity of every image not in its memo from one joint pass over their rows (each stored in its
         image's memo), SADS for all images lacking a long enough memoised order in one padded greedy loop
-        (:func:`~care_core.batch.anchor_orders`); each stage timed once, on the first image's timer."""
-        from care_core.batch import anchor_orders
+        (:func:`~care_core.care_batch.anchor_orders`); each stage timed once, on the first image's timer."""
+        from care_core.care_batch import anchor_orders
         from care_core.kernels import as_gate
         from care_core.precision import matmul_precision
 

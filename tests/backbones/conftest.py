@@ -19,7 +19,7 @@ from care_core.backbones import (
 )
 from care_core.backbones._hf import quiet_transformers
 from care_core.backbones.demo import build_tiny_llava
-from care_core.backbones.internvl import InternVLAdapter
+from care_core.backbones.internvl3.adapter import InternVLAdapter
 
 
 @pytest.fixture(scope="module", autouse=True)

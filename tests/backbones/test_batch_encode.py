@@ -64,7 +64,7 @@ def test_processed_inputs_that_do_not_match_the_sizes_are_refused(demos: dict[st
 def test_preprocess_images_gives_each_image_the_processors_output_for_it_alone(
     demos: dict[str, Any], images: list[Any], workers: int
 ) -> None:
-    from care_core.backbones._chat import preprocess_images
+    from care_core.backbones.chat_adapter import preprocess_images
 
     image_processor = demos["tiny-llava-next"].processor.image_processor
     parts = preprocess_images(image_processor, images, workers=workers)

@@ -12,7 +12,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from care_core.backbones import Qwen2_5_VLAdapter, load_backbone, static_generation
-from care_core.backbones._chat import collate_left_padded
+from care_core.backbones.chat_adapter import collate_left_padded
 from care_core.backbones.probes import attention_implementation
 from care_core.backbones.static_generation import StaticGreedy, eos_ids
 from care_core.errors import GenerationError
@@ -164,7 +164,7 @@ def test_out_of_memory_in_the_static_decoder_reaches_the_caller_and_keeps_graphs
 
     monkeypatch.setattr(type(demo), "_batch_graph_reason", lambda self, inputs, new: None)  # as on a GPU
     monkeypatch.setattr(type(demo), "_static_greedy", lambda self: OutOfMemory())
-    with pytest.raises(torch.cuda.OutOfMemoryError):  # care_core.batching splits the batch on it
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # care_core.batch_sizes splits the batch on it
         demo.generate_batch(*samples["tiny-llava"], max_new_tokens=NEW_TOKENS)
     assert demo._graph_failure is None  # graphs were not turned off for the rest of the run
 

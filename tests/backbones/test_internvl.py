@@ -11,7 +11,7 @@ import torch
 
 from care_core import CaReConfig, care_reduce
 from care_core.backbones import ImageTokens
-from care_core.backbones.internvl import InternVLAdapter
+from care_core.backbones.internvl3.adapter import InternVLAdapter
 from care_core.backbones.probes import VISION_PROBES
 from care_core.errors import MethodError
 from care_core.methods.registry import method_class

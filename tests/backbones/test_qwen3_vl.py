@@ -12,7 +12,7 @@ import torch
 
 from care_core import CaReConfig, care_reduce
 from care_core.backbones import ImageTokens, Qwen3VLAdapter, Qwen3VLMergerProjector
-from care_core.backbones._chat import collate_left_padded
+from care_core.backbones.chat_adapter import collate_left_padded
 from care_core.backbones.probes import VISION_PROBES
 from care_core.errors import MethodError
 from care_core.scoring import responses_fd, responses_jvp, unit_directions

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from care_core.batching import CPU_BATCH_SIZE
+from care_core.batch_sizes import CPU_BATCH_SIZE
 from care_core.pipeline import ReductionPipeline
 
 from .conftest import EXAMPLES

@@ -179,7 +179,7 @@ def test_view_picks_tokens_of_tiled_backbones(care, photo: Path, tmp_path: Path,
     """Backbones whose ImageTokens carry `views` (LLaVA-NeXT: 0 base, 1 high-res) draw only the chosen view."""
     import torch
 
-    from care_core.backbones.llava import LlavaAdapter
+    from care_core.backbones.llava_1_5.adapter import LlavaAdapter
 
     encode = LlavaAdapter.encode_images
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from care_core import CaReConfig, care_reduce
 from care_core.anchors import diversity_greedy
-from care_core.batch import batch_anchors, care_reduce_batch, padded_greedy
+from care_core.care_batch import batch_anchors, care_reduce_batch, padded_greedy
 from care_core.errors import BudgetError, CareError
 from care_core.kernels import KernelGate
 from care_core.kernels.shapes import GREEDY_MAX_TOKENS

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from care_core.batching import (
+from care_core.batch_sizes import (
     CPU_BATCH_SIZE,
     MAX_BATCH_SIZE,
     Batches,

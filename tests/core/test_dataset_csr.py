@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from care_core.batching import CPU_BATCH_SIZE, BatchChoice, BatchSize
+from care_core.batch_sizes import CPU_BATCH_SIZE, BatchChoice, BatchSize
 from care_core.budget import Budget
 from care_core.dataset_csr import Pair, dataset_csr, read_pairs
 from care_core.pipeline import ReductionPipeline

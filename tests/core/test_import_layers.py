@@ -46,12 +46,12 @@ LAYERS: Mapping[int, tuple[str, ...]] = {
     ),
     3: (  # methods; batched CaRe works on their inputs; a method checks its needs against the family records
         "care_core.methods",
-        "care_core.batch",
+        "care_core.care_batch",
         "care_core.backbones.families",
     ),
     4: (  # backbone adapters, loading, demos; the batch sizes and out-of-memory splitting their generation uses
         "care_core.backbones",
-        "care_core.batching",
+        "care_core.batch_sizes",
     ),
     5: (  # what runs backbones and methods
         "care_core.pipeline",

@@ -195,8 +195,8 @@ def test_greedy_orders_run_once_per_image_at_the_largest_planned_budget(
     """The pipeline hands each image its budgets' K (``MethodInputs.planned_keeps``), so with the budgets in
     ascending order DivPrune's greedy, SADS (shared by the ZOO-anchored methods) and PRCA's Eq. 3 (shared by the
     PRCA-anchored ones) each run once, at the largest K; every run's result is that of a pipeline without a memo."""
-    import care_core.batch
     import care_core.care
+    import care_core.care_batch
     import care_core.methods.divprune
 
     names = ["divprune", "zoo-prune", "simple-calib", "care", "prca-only"]
@@ -205,7 +205,7 @@ def test_greedy_orders_run_once_per_image_at_the_largest_planned_budget(
     alone = ReductionPipeline(shared.adapter, names, CaReConfig(m=16), memoize=False)
     tokens = shared.encode(image)
     lengths: list[tuple[str, int]] = []
-    for module, name in ((care_core.methods.divprune, "divprune_select"), (care_core.batch, "diversity_greedy"),
+    for module, name in ((care_core.methods.divprune, "divprune_select"), (care_core.care_batch, "diversity_greedy"),
                          (care_core.care, "diversity_greedy")):  # fmt: skip
         real, at = getattr(module, name), 1 if name == "divprune_select" else 2
 

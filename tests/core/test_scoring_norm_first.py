@@ -22,8 +22,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMer
 
 from care_core import CaReConfig, care_reduce, kernels, norm_first, scoring
 from care_core.backbones import load_backbone
-from care_core.backbones.qwen2_5_vl import QwenMergerProjector
-from care_core.backbones.qwen3_vl import Qwen3VLMergerProjector
+from care_core.backbones.qwen2_5_vl.adapter import QwenMergerProjector
+from care_core.backbones.qwen3_vl.adapter import Qwen3VLMergerProjector
 from care_core.norm_first import NormFirstMLP, first_layer, first_layer_tangents, from_modules
 from care_core.precision import matmul_precision
 from care_core.scoring import (

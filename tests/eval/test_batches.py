@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("lmms_eval")
 
 from care_core.backbones import load_backbone
-from care_core.batching import CPU_BATCH_SIZE, BatchChoice, BatchSize, parse_batch_size
+from care_core.batch_sizes import CPU_BATCH_SIZE, BatchChoice, BatchSize, parse_batch_size
 from care_core.integrations import lmms_eval as plugin
 from care_core.integrations.settings import EvalSpec, ModelArgsError
 
@@ -238,7 +238,7 @@ def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> No
 
 
 def test_care_eval_releases_the_decoding_cache_before_each_setting(care, monkeypatch: Any) -> None:
-    from care_core.backbones._chat import ChatAdapter
+    from care_core.backbones.chat_adapter import ChatAdapter
 
     released: list[bool] = []
     release = ChatAdapter.release_decoding_cache

@@ -224,7 +224,7 @@ def test_jvp_response_terms_of_the_qwen_merger_match_its_norm_first_path(n: int,
     torch.func.jvp path (forced by a plain function) still runs, per chunk, one primal pass and one product with the
     weights' zero tangent besides the chunk's tangents."""
     from care_core._chunks import two_pass_chunk
-    from care_core.backbones.qwen2_5_vl import QwenMergerProjector
+    from care_core.backbones.qwen2_5_vl.adapter import QwenMergerProjector
     from care_core.scoring import responses_jvp
 
     spec = KNOWN_BACKBONES["qwen2.5-vl-7b"]
@@ -318,7 +318,7 @@ def test_jvp_and_fd_response_terms_of_the_qwen3_merger_match_the_code_that_runs(
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
 
-    from care_core.backbones.qwen3_vl import Qwen3VLMergerProjector
+    from care_core.backbones.qwen3_vl.adapter import Qwen3VLMergerProjector
     from care_core.scoring import responses_fd, responses_jvp
 
     spec = KNOWN_BACKBONES["qwen3-vl-8b"]

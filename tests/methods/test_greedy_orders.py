@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-import care_core.batch
 import care_core.care
+import care_core.care_batch
 import care_core.methods.divprune
 from care_core import CaReConfig
 from care_core.methods import MethodInputs, MethodResult, build_method
@@ -100,8 +100,8 @@ def greedy_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
 
     spy(care_core.methods.divprune, "divprune_select", 1)
     spy(care_core.methods.divprune, "divprune_select_batch", 1)
-    spy(care_core.batch, "diversity_greedy", 2)
-    spy(care_core.batch, "batch_anchors", 2)
+    spy(care_core.care_batch, "diversity_greedy", 2)
+    spy(care_core.care_batch, "batch_anchors", 2)
     spy(care_core.care, "diversity_greedy", 2)
     return calls
 

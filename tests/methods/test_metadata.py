@@ -115,12 +115,12 @@ def test_a_served_backbone_gives_what_the_method_needs(name: str) -> None:
 
 
 def test_each_family_loads_through_its_own_adapter() -> None:
-    from care_core.backbones.internvl import InternVLAdapter
-    from care_core.backbones.llava import LlavaAdapter
-    from care_core.backbones.llava_next import LlavaNextAdapter
-    from care_core.backbones.llava_onevision import LlavaOnevisionAdapter
+    from care_core.backbones.internvl3.adapter import InternVLAdapter
+    from care_core.backbones.llava_1_5.adapter import LlavaAdapter
+    from care_core.backbones.llava_next.adapter import LlavaNextAdapter
+    from care_core.backbones.llava_onevision.adapter import LlavaOnevisionAdapter
     from care_core.backbones.loading import adapter_class
-    from care_core.backbones.qwen2_5_vl import Qwen2_5_VLAdapter
+    from care_core.backbones.qwen2_5_vl.adapter import Qwen2_5_VLAdapter
 
     expected = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter,
                 "internvl": InternVLAdapter, "llava_onevision": LlavaOnevisionAdapter}  # fmt: skip

@@ -16,12 +16,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import ModelLoadError
-from ._chat import ChatAdapter
-from ._hf import quiet_transformers
-from .base import ImageTokens
-from .geometry import crop_geometry, grid_image_tokens
-from .probes import clip_vision_probes
+from ...errors import ModelLoadError
+from .._hf import quiet_transformers
+from ..base import ImageTokens
+from ..chat_adapter import ChatAdapter
+from ..geometry import crop_geometry, grid_image_tokens
+from ..probes import clip_vision_probes
 
 LLAVA15_FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
 

@@ -37,12 +37,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import ModelLoadError
-from ._chat import ChatAdapter
-from ._hf import quiet_transformers
-from .base import ImageTokens
-from .geometry import clip_boxes, grid_crop_boxes
-from .module_attrs import model_config
+from ...errors import ModelLoadError
+from .._hf import quiet_transformers
+from ..base import ImageTokens
+from ..chat_adapter import ChatAdapter
+from ..geometry import clip_boxes, grid_crop_boxes
+from ..module_attrs import model_config
 
 INTERNVL_FALLBACK_PROMPT = "<|im_start|>user\n{image}\n{question}<|im_end|>\n<|im_start|>assistant\n"
 NO_CLS_PROBES = (
@@ -74,7 +74,7 @@ class InternVLAdapter(ChatAdapter):
 
     family = "internvl3"
     model_class = "InternVLForConditionalGeneration"
-    image_only_processor = "care_core.backbones.internvl_processor:CareInternVLProcessor"
+    image_only_processor = "care_core.backbones.internvl3.processor:CareInternVLProcessor"
     FALLBACK_PROMPT = INTERNVL_FALLBACK_PROMPT
     dropin_refusal = (
         "InternVLProcessor's outputs keep neither the image sizes nor the tiles per image, which the token "
@@ -140,7 +140,7 @@ class InternVLAdapter(ChatAdapter):
     # ------------------------------------------------------------------ vision
     def process_image(self, image: Any) -> dict[str, Any]:
         """The image processor's tiles for one image, ``crop_to_patches`` on as ``InternVLProcessor`` forces it."""
-        from ..images import to_rgb
+        from ...images import to_rgb
 
         out = self.processor.image_processor(images=to_rgb(image), crop_to_patches=True, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "num_patches": torch.as_tensor(out["num_patches"]).view(-1)}

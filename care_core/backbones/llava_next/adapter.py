@@ -48,13 +48,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .._memo import remember
-from ..errors import ModelLoadError
-from ._hf import quiet_transformers
-from .base import ImageTokens, check_kept, is_all_tokens
-from .geometry import GEOMETRY_CACHE_SIZE, clip_boxes, crop_geometry, grid_crop_boxes
-from .llava import LlavaAdapter, _inner
-from .probes import _linear32, clip_vision_capture
+from ..._memo import remember
+from ...errors import ModelLoadError
+from .._hf import quiet_transformers
+from ..base import ImageTokens, check_kept, is_all_tokens
+from ..geometry import GEOMETRY_CACHE_SIZE, clip_boxes, crop_geometry, grid_crop_boxes
+from ..llava_1_5.adapter import LlavaAdapter, _inner
+from ..probes import _linear32, clip_vision_capture
 
 LLAVA_NEXT_FALLBACK_PROMPT = "[INST] {image}\n{question} [/INST]"
 

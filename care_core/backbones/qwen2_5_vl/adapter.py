@@ -42,16 +42,16 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._memo import remember
-from ..errors import ModelLoadError
-from ..norm_first import NormFirstMLP
-from ._chat import ChatAdapter
-from ._hf import quiet_transformers
-from .base import ImageTokens, check_kept
-from .geometry import CropGeometry, grid_image_tokens
-from .module_attrs import float_attr, int_attr, model_config, submodule, tensor_attr, typed_attr
-from .packed_attention import tower_attention
-from .static_generation import StaticPrompt
+from ..._memo import remember
+from ...errors import ModelLoadError
+from ...norm_first import NormFirstMLP
+from .._hf import quiet_transformers
+from ..base import ImageTokens, check_kept
+from ..chat_adapter import ChatAdapter
+from ..geometry import CropGeometry, grid_image_tokens
+from ..module_attrs import float_attr, int_attr, model_config, submodule, tensor_attr, typed_attr
+from ..packed_attention import tower_attention
+from ..static_generation import StaticPrompt
 
 #: (question, image grid) pairs whose full-prompt rope positions an adapter keeps: each holds 3 x L positions (L up to
 #: ~16k at the largest images, ~400 KB), so fewer than the prompt ids' PROMPT_CACHE_SIZE (about 100 MB at most)
@@ -175,7 +175,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     @property
     def display(self) -> str:
         """The family's display name (e.g. "Qwen2.5-VL"), from its registry record."""
-        from .families import backbone_family
+        from ..families import backbone_family
 
         return backbone_family(self.family).display
 

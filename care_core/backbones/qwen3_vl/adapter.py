@@ -17,9 +17,9 @@ of the token whose index they carry (the anchor's own). That rule is :meth:`Qwen
 image or a batch; ``scripts/train_demo`` feeds a batch through it and :meth:`Qwen3VLAdapter.deepstack_outputs` (the
 rows and deepstack rows of :meth:`Qwen3VLAdapter.batch_tokens`, one tower pass with gradients).
 
-Geometry and positions as Qwen2.5-VL (:mod:`care_core.backbones.qwen2_5_vl`): the processor resizes to multiples of
-32 px, each token is a 32x32 block mapped linearly back to the original image; the kept rows get the (t, h, w)
-multimodal-rope positions of their tokens from ``get_rope_index`` of the unreduced prompt, with
+Geometry and positions as Qwen2.5-VL (:mod:`care_core.backbones.qwen2_5_vl.adapter`): the processor resizes to
+multiples of 32 px, each token is a 32x32 block mapped linearly back to the original image; the kept rows get the
+(t, h, w) multimodal-rope positions of their tokens from ``get_rope_index`` of the unreduced prompt, with
 ``mm_token_type_ids`` passed (Qwen3-VL refuses to run without it when an image grid is given). The static CUDA-graph
 decoder takes those positions and, per level, the K deepstack rows at the image placeholders (``_static_prompt``),
 which it adds after the first decoder layers in the prefill, as the model does.
@@ -35,13 +35,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..norm_first import NormFirstMLP
-from ._hf import quiet_transformers
-from .base import ImageTokens
-from .module_attrs import float_attr, int_attr, optional_tensor_attr, submodule, tensor_attr
-from .packed_attention import tower_attention
-from .qwen2_5_vl import Qwen2_5_VLAdapter
-from .static_generation import StaticPrompt
+from ...norm_first import NormFirstMLP
+from .._hf import quiet_transformers
+from ..base import ImageTokens
+from ..module_attrs import float_attr, int_attr, optional_tensor_attr, submodule, tensor_attr
+from ..packed_attention import tower_attention
+from ..qwen2_5_vl.adapter import Qwen2_5_VLAdapter
+from ..static_generation import StaticPrompt
 
 
 class Qwen3VLMergerProjector(nn.Module):

@@ -488,7 +488,7 @@ class ChatAdapter(VLMAdapter):
                 from ..batching import is_out_of_memory
 
                 self._greedy_graphs = None  # its cache and graphs go (with an out-of-memory error, to make room)
-                if is_out_of_memory(exc):  # not the modules' fault: the caller splits the batch (care_core.batching)
+                if is_out_of_memory(exc):  # not the modules' fault: the caller splits the batch (care_core.batch_sizes)
                     raise
                 reason = self._graph_failure = f"capturing the decoder failed ({type(exc).__name__}: {one_line(exc)})"
                 if cuda_graph:

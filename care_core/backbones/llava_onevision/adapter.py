@@ -33,13 +33,13 @@ from typing import Any, ClassVar
 import torch
 from transformers import LlavaOnevisionProcessor, ProcessorMixin
 
-from ..errors import ModelLoadError
-from ._chat import ChatAdapter
-from ._hf import quiet_transformers
-from .base import ImageTokens, check_kept, is_all_tokens
-from .geometry import anyres_max_crops, onevision_pooled_grid
-from .llava import _inner
-from .llava_next import LlavaNextAdapter
+from ...errors import ModelLoadError
+from .._hf import quiet_transformers
+from ..base import ImageTokens, check_kept, is_all_tokens
+from ..chat_adapter import ChatAdapter
+from ..geometry import anyres_max_crops, onevision_pooled_grid
+from ..llava_1_5.adapter import _inner
+from ..llava_next.adapter import LlavaNextAdapter
 
 LLAVA_ONEVISION_FALLBACK_PROMPT = "<|im_start|>user {image}\n{question}<|im_end|>\n<|im_start|>assistant\n"
 NO_CLS = "LLaVA-OneVision's SigLIP tower has no CLS token"
@@ -81,7 +81,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
 
     family = "llava-onevision"
     model_class = "LlavaOnevisionForConditionalGeneration"
-    image_only_processor = "care_core.backbones.llava_onevision:CareLlavaOnevisionProcessor"
+    image_only_processor = "care_core.backbones.llava_onevision.adapter:CareLlavaOnevisionProcessor"
     FALLBACK_PROMPT = LLAVA_ONEVISION_FALLBACK_PROMPT
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "the N unpooled tokens without image_newline rows",

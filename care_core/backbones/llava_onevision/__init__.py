@@ -1,0 +1,1 @@
+"""The LLaVA-OneVision family: ``record`` (torch-free facts), ``adapter`` (how care runs its checkpoints)."""
