@@ -190,16 +190,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 class LeanLayers:
     """The two pure pieces of :func:`layer_forward`, compiled where Triton runs on ``device`` (dynamic shapes: a
-    compiled piece serves every prompt length), else as written. ``compiled`` says which. Run the layers inside
+    compiled piece serves every prompt length), else as written. ``compiled`` says which. Where compiling fails
+    (dynamo or Inductor cannot build a piece here, e.g. no C compiler for Triton's launcher), the pieces run as
+    written from then on and ``compile_failure`` says why: the same maths, more kernels. Run the layers inside
     :meth:`scope`."""
 
     def __init__(self, device: torch.device) -> None:
         self.compiled = why_not_fused(device) is None
-        self.attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
-        self.mlp_block: Callable[..., torch.Tensor] = mlp_block
+        self.compile_failure: str | None = None
+        self._compiled_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._compiled_mlp_block: Callable[..., torch.Tensor] | None = None
         if self.compiled:
-            self.attention_inputs = torch.compile(attention_inputs, dynamic=True, fullgraph=True)
-            self.mlp_block = torch.compile(mlp_block, dynamic=True, fullgraph=True)
+            self._compiled_attention_inputs = torch.compile(attention_inputs, dynamic=True, fullgraph=True)
+            self._compiled_mlp_block = torch.compile(mlp_block, dynamic=True, fullgraph=True)
+
+    def _fall_back(self, exc: Exception) -> None:
+        self.compiled = False
+        self.compile_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+    def attention_inputs(
+        self, hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`attention_inputs`, compiled where it can be."""
+        if self.compiled and self._compiled_attention_inputs is not None:
+            try:
+                return self._compiled_attention_inputs(hidden, w, cos, sin, shape)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                self._fall_back(exc)
+        return attention_inputs(hidden, w, cos, sin, shape)
+
+    def mlp_block(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
+        """:func:`mlp_block`, compiled where it can be."""
+        if self.compiled and self._compiled_mlp_block is not None:
+            try:
+                return self._compiled_mlp_block(hidden, attended, w, shape)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                self._fall_back(exc)
+        return mlp_block(hidden, attended, w, shape)
 
     def scope(self) -> AbstractContextManager[Any]:
         """Where the pieces run: dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (restored on exit)."""

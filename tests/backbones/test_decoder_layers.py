@@ -139,3 +139,27 @@ def test_a_model_whose_layers_the_lean_layer_cannot_compute_gets_no_static_loop(
     model = copy.deepcopy(demo.model)
     model.model.language_model.layers[1].mlp.act_fn = nn.GELU()
     assert "not SiLU" in (unsupported_reason(model) or "")
+
+
+def test_a_piece_that_cannot_be_compiled_runs_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    config, layer, rotary = _built("llama-gqa")
+    hidden = torch.randn(1, 5, config.hidden_size, dtype=torch.float64)
+    cos, sin = rotary(hidden, position_ids=_positions(config, 1, 5))
+    args = (hidden, layer_tensors(layer), rotation_tables(cos, sin), layer_shape(config, layer), _fresh, None)
+    plain = LeanLayers(hidden.device)
+    assert not plain.compiled  # the CPU: as written
+    with torch.no_grad():
+        expected = layer_forward(plain, *args)
+
+    class CompileFailed(torch._dynamo.exc.TorchDynamoException):  # what dynamo raises when Inductor cannot build
+        pass
+
+    def broken(*_: Any) -> Any:
+        raise CompileFailed("no C compiler found")
+
+    pieces = LeanLayers(hidden.device)
+    pieces.compiled, pieces._compiled_attention_inputs, pieces._compiled_mlp_block = True, broken, broken  # as on CUDA
+    with torch.no_grad():
+        got = layer_forward(pieces, *args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert not pieces.compiled and pieces.compile_failure == "CompileFailed: no C compiler found"
