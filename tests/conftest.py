@@ -77,17 +77,17 @@ def batch_size_parses(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Every value ``care_core.batch_sizes.parse_batch_size`` is called with during the test, under each name a module
     holds it by (the batching module's own, the CLI commands', lmms-eval's entry)."""
     from care_cli.commands import csr, eval
-    from care_core import batching
+    from care_core import batch_sizes
     from care_core.integrations import settings
 
     parsed: list[object] = []
-    parse = batching.parse_batch_size
+    parse = batch_sizes.parse_batch_size
 
     def counted(value: object, **kwargs: Any) -> Any:
         parsed.append(value)
         return parse(value, **kwargs)
 
-    monkeypatch.setattr(batching, "parse_batch_size", counted)
+    monkeypatch.setattr(batch_sizes, "parse_batch_size", counted)
     for owner in (csr, eval, settings):
         monkeypatch.setattr(owner, "parse_batch_size", counted, raising=False)
     return parsed

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from .._memo import remember
+from ..batch_sizes import free_memory, is_out_of_memory
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
 from ..images import to_rgb
@@ -485,8 +486,6 @@ class ChatAdapter(VLMAdapter):
             try:
                 return self._static_ids(inputs, max_new_tokens, replay=True), "cuda-graph", None
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
-                from ..batching import is_out_of_memory
-
                 self._greedy_graphs = None  # its cache and graphs go (with an out-of-memory error, to make room)
                 if is_out_of_memory(exc):  # not the modules' fault: the caller splits the batch (care_core.batch_sizes)
                     raise
@@ -534,8 +533,6 @@ class ChatAdapter(VLMAdapter):
     def release_decoding_cache(self) -> None:
         """Drop the static KV cache and the captured graphs; the next graph call captures anew."""
         if self._greedy_graphs is not None:
-            from ..batching import free_memory
-
             self._greedy_graphs = None
             free_memory()
 

@@ -202,7 +202,7 @@ def test_warm_up_runs_the_batch_size_used_then_one_image_and_records_nothing(lla
 
 
 def test_auto_is_picked_per_setting_for_the_tokens_its_answers_read(llava: Any, monkeypatch: Any) -> None:
-    from care_core import batching
+    from care_core import batch_sizes
     from care_core.budget import Budget
 
     asked: list[Any] = []
@@ -211,7 +211,7 @@ def test_auto_is_picked_per_setting_for_the_tokens_its_answers_read(llava: Any, 
         asked.append(budget)
         return 2 if budget is None else 5
 
-    monkeypatch.setattr(batching, "default_batch_size", rule)
+    monkeypatch.setattr(batch_sizes, "default_batch_size", rule)
     unreduced = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=BatchSize())
     reduced = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=24), llava,
                                        batch_size=BatchSize())  # fmt: skip
@@ -263,13 +263,13 @@ def test_care_eval_refuses_a_bad_batch_size(care, value: str) -> None:
 
 
 def test_the_plugin_takes_the_parsed_batch_size_and_reads_no_text(llava: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from care_core import batching
+    from care_core import batch_sizes
     from care_core.integrations import settings
 
     def parsed_again(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("batch_size parsed again")
 
-    monkeypatch.setattr(batching, "parse_batch_size", parsed_again)
+    monkeypatch.setattr(batch_sizes, "parse_batch_size", parsed_again)
     monkeypatch.setattr(settings, "parse_batch_size", parsed_again)
     lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method=None), llava, batch_size=BatchSize(3))
     assert lm.batch_choice == BatchChoice(3, BatchSize(3), CPU_BATCH_SIZE) and lm.batches.size == 3
