@@ -380,11 +380,11 @@ def test_a_failed_capture_falls_back_to_generate(cuda_demos: dict[str, Any], ima
 
 
 def test_the_walk_over_the_decoder_layers_runs_once_per_model(demo: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from care_core.backbones import _chat
+    from care_core.backbones import chat_adapter
 
     walked: list[Any] = []
-    real = _chat.unsupported_reason
-    monkeypatch.setattr(_chat, "unsupported_reason", lambda model, length=None: walked.append(model) or real(model))
+    real = chat_adapter.unsupported_reason
+    monkeypatch.setattr(chat_adapter, "unsupported_reason", lambda model, length=None: walked.append(model) or real(model))
     monkeypatch.setattr(type(demo), "device", property(lambda self: torch.device("cuda")))  # as on a GPU
     monkeypatch.setattr(demo, "_static_form", None)
     assert [demo.graph_generation_reason(length) for length in (40, 80, 120)] == [None] * 3
