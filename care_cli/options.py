@@ -18,7 +18,7 @@ import typer
 
 from care_cli.errors import UserError
 from care_core.backbones.families import DEFAULT_DEMO, demo_backbones
-from care_core.batching import CPU_BATCH_SIZE, MAX_BATCH_SIZE
+from care_core.batch_sizes import CPU_BATCH_SIZE, MAX_BATCH_SIZE
 from care_core.config import CaReConfig
 
 _HYPER = "CaRe hyperparameters (paper defaults)"

@@ -15,7 +15,7 @@ import typer
 from care_cli import dataset_runs, render
 from care_cli import options as opt
 from care_cli.errors import UserError
-from care_core.batching import BatchSize, parse_batch_size
+from care_core.batch_sizes import BatchSize, parse_batch_size
 from care_core.config import CaReConfig
 from care_core.dataset_csr import BadPairs, Pair, read_pairs, run_manifest
 from care_core.runs import DatasetRun

@@ -22,7 +22,7 @@ import typer
 from care_cli import dataset_runs, render
 from care_cli import options as opt
 from care_cli.errors import UserError
-from care_core.batching import parse_batch_size
+from care_core.batch_sizes import parse_batch_size
 from care_core.config import CaReConfig
 from care_core.integrations import missing_task_path
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from care_core.backbones.base import VLMAdapter
-    from care_core.batching import BatchSize
+    from care_core.batch_sizes import BatchSize
     from care_core.budget import Budget
     from care_core.integrations.lmms_eval import SampleRecord, SettingRun, TaskSelection
     from care_core.integrations.settings import EvalSpec
