@@ -2,7 +2,7 @@
 
 A record says how the family is spelled (its one user-facing name, e.g. ``llava-1.5``), which ``config.json``
 ``model_type`` values it loads, which adapter class wraps it (a lazy ``module:attribute`` path), what its
-vision tokens offer the methods (a CLS token, one raster grid), its embedded demos, its ``care flops`` spec and
+vision tokens offer the methods (a CLS token, one raster grid), its embedded demos, its ``care flops`` specs and
 its lmms-eval model id. The loader, the methods (:meth:`care_core.methods.Method.serves`), ``care flops``, the
 demos, the lmms-eval plugin and the CLI read these records; nothing else lists families.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from care_core.architecture import BackboneSpec
 from care_core.errors import CareError
 from care_core.vocabulary import TRAITS, Trait
 
@@ -119,10 +120,22 @@ class BackboneFamily:
     has_cls_token: bool  # the vision tower has a CLS token (CLS-attention methods can run)
     single_grid: bool  # the visual tokens form one raster grid (LLaVA-NeXT: a base view + high-res tiles)
     crops: bool  # the image is cut into several crops (base view + tiles), each through the vision tower
-    flops_spec: str  # the care flops spec (care_core.flops.specs.KNOWN_BACKBONES) the family name stands for
+    flops_spec: str  # the name of the spec in flops_specs the family name stands for in care flops
     lmms_eval_model: str  # the lmms-eval model id serving the family (care_core.integrations.lmms_eval)
     demos: tuple[DemoBackbone, ...] = field(default=(), compare=False)
     rank: int = 100  # listing order (lower first); families of the same rank list by name
+    #: the family's model sizes as care flops counts them (``care flops --backbone <name or alias>``)
+    flops_specs: tuple[BackboneSpec, ...] = field(default=(), compare=False)
+    #: "module:function" turning a read config.json into a spec: function(raw, path, family) -> BackboneSpec, where
+    #: raw is the JSON object, path the config.json (its folder holds the processor's config); None: care flops
+    #: cannot read the family's configs
+    flops_config: str | None = None
+
+    def __post_init__(self) -> None:
+        names = [spec.name for spec in self.flops_specs]
+        if len(set(names)) < len(names) or (names and self.flops_spec not in names):
+            raise ValueError(f"backbone family {self.name!r}: flops_spec {self.flops_spec!r} must name one of its "
+                             f"flops_specs, each once (got {', '.join(names)})")  # fmt: skip
 
     @property
     def traits(self) -> frozenset[Trait]:
@@ -173,9 +186,25 @@ def register_family(family: BackboneFamily) -> BackboneFamily:
             raise RuntimeError(f"backbone family key {key!r} is claimed by {_KEYS[key]!r} and {family.name!r}")
     if family.name in _FAMILIES:
         raise RuntimeError(f"backbone family {family.name!r} is registered twice")
+    _check_flops_names_are_new(family)
     _FAMILIES[family.name] = family
     _KEYS.update(dict.fromkeys(keys, family.name))
     return family
+
+
+def _flops_keys(family: BackboneFamily) -> dict[str, BackboneSpec]:
+    """The lower-cased names and aliases ``care flops`` finds the family's specs by, each with its spec."""
+    return {key.lower(): spec for spec in family.flops_specs for key in (spec.name, *spec.aliases)}
+
+
+def _check_flops_names_are_new(family: BackboneFamily) -> None:
+    """RuntimeError when a name or alias of the family's care flops specs is another family's for another spec (a
+    family copied from a record may keep its specs: the same name stands for the same spec)."""
+    mine = _flops_keys(family)
+    for other in _FAMILIES.values():
+        for key, spec in _flops_keys(other).items():
+            if key in mine and mine[key] != spec:
+                raise RuntimeError(f"care flops spec name {key!r} is claimed by {other.name!r} and {family.name!r}")
 
 
 def unregister_family(name: str) -> None:

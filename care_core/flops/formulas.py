@@ -26,15 +26,14 @@ mergers, InternVL's) that plus the tangent through the norm (:func:`jvp_response
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 from care_core._chunks import TRIANGULAR_BLOCKS, SecondLayer, two_pass_chunk, upper_macs
-
-if TYPE_CHECKING:
-    from care_core.flops.specs import LanguageModelSpec, ProjectorSpec, VisionSpec
+from care_core.architecture import LanguageModelSpec, ProjectorSpec, VisionSpec
 
 #: how figures are counted: "flops" (1 multiply-add = 2 FLOPs) or "macs" (every figure halved)
 Convention = Literal["flops", "macs"]
@@ -275,14 +274,14 @@ def lm_head_flops(lm: LanguageModelSpec) -> int:
     return 2 * lm.hidden * lm.vocab
 
 
-def clip_tower_flops(vision: VisionSpec, crops: int = 1) -> dict[str, int]:
+def clip_tower_flops(vision: VisionSpec, crops: int = 1, cls_tokens: int = 1) -> dict[str, int]:
     """CLIP (or SigLIP) ViT, per crop: patch conv + every layer (HF runs all of them, the unused last one included).
 
-    Per layer on T = patches + 1 (CLS; SigLIP: patches only) tokens: 8 T d² (q, k, v, o) + 4 T d I (fc1, fc2)
-    + 4 T² d (QK^T, AV).
+    Per layer on T = patches + ``cls_tokens`` (CLIP: 1; SigLIP: patches only) tokens: 8 T d² (q, k, v, o)
+    + 4 T d I (fc1, fc2) + 4 T² d (QK^T, AV).
     """
     patches = (vision.image_size // vision.patch_size) ** 2
-    t, d = patches + (1 if vision.kind == "clip" else 0), vision.hidden
+    t, d = patches + cls_tokens, vision.hidden
     conv = 2 * patches * d * vision.in_channels * vision.patch_size**2
     layer = 8 * t * d * d + 4 * t * d * vision.intermediate + 4 * t * t * d
     return {"patch_embed": crops * conv, "layers": crops * vision.layers * layer}
@@ -326,8 +325,6 @@ def qwen_tower_flops(vision: VisionSpec, rows: int, cols: int) -> dict[str, int]
     Patch embed Conv3d (in·t·p² -> d), per block 8 P d² (qkv, proj) + 6 P d I (SwiGLU), attention 4 s² d per
     window of s patches in windowed blocks and 4 P² d in the full-attention blocks.
     """
-    if vision.kind == "qwen3-vit":
-        return qwen3_tower_flops(vision, rows, cols)
     merge = vision.spatial_merge_size
     patches = rows * cols * merge * merge
     d = vision.hidden
@@ -340,3 +337,32 @@ def qwen_tower_flops(vision: VisionSpec, rows: int, cols: int) -> dict[str, int]
         "linears": vision.layers * (8 * patches * d * d + 6 * patches * d * vision.intermediate),
         "attention": full_blocks * 4 * patches * patches * d + window_blocks * sum(4 * s * s * d for s in windows),
     }
+
+
+@dataclass(frozen=True)
+class CropTower:
+    """A tower that sees crops of one fixed side, each through every layer: its FLOPs for ``crops`` of them."""
+
+    label: str  # how the report names it
+    flops: Callable[[VisionSpec, int], dict[str, int]]
+
+
+@dataclass(frozen=True)
+class GridTower:
+    """A tower that sees one image at its own size: its FLOPs for a merged grid of rows×cols tokens."""
+
+    label: str  # how the report names it; {deepstack}: the number of its deepstack mergers
+    flops: Callable[[VisionSpec, int, int], dict[str, int]]
+
+
+#: how the optional vision-tower term counts each VisionSpec.kind (a new family with one of these kinds needs no edit)
+VISION_TOWERS: dict[str, CropTower | GridTower] = {
+    "clip": CropTower("CLIP ViT", clip_tower_flops),
+    "siglip": CropTower("SigLIP ViT (no CLS)", functools.partial(clip_tower_flops, cls_tokens=0)),
+    # counted on its patches alone, as first written (its CLS is 1 token of 1025 per tile)
+    "internvit": CropTower("InternViT (pixel shuffle and projector in F_M)",
+                           functools.partial(clip_tower_flops, cls_tokens=0)),
+    "qwen2.5-vit": GridTower("Qwen2.5-VL ViT, merger excluded (counted as F_M)", qwen_tower_flops),
+    "qwen3-vit": GridTower("Qwen3-VL ViT with its {deepstack} deepstack mergers on all N, main merger excluded "
+                           "(counted as F_M)", qwen3_tower_flops),
+}  # fmt: skip

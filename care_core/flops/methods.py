@@ -27,7 +27,7 @@ from care_core.errors import MethodError
 from care_core.flops import formulas as fx
 
 if TYPE_CHECKING:
-    from care_core.flops.specs import BackboneSpec
+    from care_core.architecture import BackboneSpec
 
 DEFAULT_ENGINE: Engine = CaReConfig.engine  # the response engine care_reduce runs by default
 DEFAULT_M: int = CaReConfig.m  # CaRe / ZOO-Prune perturbation directions (paper Supp. C; ZOO-Prune NOISERECOV_NUM)

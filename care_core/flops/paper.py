@@ -19,7 +19,7 @@ from care_core.config import ENGINES
 from care_core.flops import formulas as fx
 
 if TYPE_CHECKING:
-    from care_core.flops.specs import BackboneSpec
+    from care_core.architecture import BackboneSpec
 
 
 @dataclass(frozen=True)

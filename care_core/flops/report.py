@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from care_core._chunks import SECOND_LAYERS, SecondLayer
+from care_core.architecture import BackboneSpec
 from care_core.backbones.families import backbone_family
 from care_core.budget import check_keep, keep_from_ratio
 from care_core.config import ENGINES, Engine
@@ -22,7 +23,7 @@ from care_core.flops.methods import (
     follows_engine,
     method_cost,
 )
-from care_core.flops.specs import BackboneSpec
+from care_core.flops.specs import KNOWN_BACKBONES
 from care_core.flops.tokens import TokenCount, squarest_grid, visual_tokens
 
 
@@ -126,8 +127,14 @@ def resolve_methods(methods: Sequence[str], family: str | None = None) -> list[s
 
 
 def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int], str]:
+    """The optional vision-tower term and how it was counted, as :data:`formulas.VISION_TOWERS` counts the spec's
+    tower kind."""
     vision = spec.vision
-    if vision.kind in ("clip", "siglip", "internvit"):
+    tower = fx.VISION_TOWERS.get(vision.kind)
+    if tower is None:
+        raise CareError(f"cannot count a vision tower of kind {vision.kind!r} (known: {', '.join(fx.VISION_TOWERS)})",
+                        parameter="vision_tower")  # fmt: skip
+    if isinstance(tower, fx.CropTower):
         if backbone_family(spec.family).crops:
             if source.count is not None:
                 crops, how = source.count.crops, f"{source.count.crops} crops (tiles and base view) for this image"
@@ -138,24 +145,15 @@ def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int
                 )
         else:
             crops, how = 1, f"one {vision.image_size}×{vision.image_size} view"
-        towers = {
-            "clip": "CLIP ViT",
-            "siglip": "SigLIP ViT (no CLS)",
-            "internvit": "InternViT (pixel shuffle and projector in F_M)",
-        }
-        tower = towers[vision.kind]
-        return fx.clip_tower_flops(vision, crops), f"{tower}, all {vision.layers} layers, {how}"
+        return tower.flops(vision, crops), f"{tower.label}, all {vision.layers} layers, {how}"
     if source.count is not None and source.count.grid is not None:
         rows, cols = source.count.grid
         how = f"merged grid {rows}×{cols} of this image"
     else:
         rows, cols = squarest_grid(source.tokens)
         how = f"merged grid {rows}×{cols} assumed (the squarest factorisation of N = {source.tokens})"
-    if vision.kind == "qwen3-vit":
-        levels = len(vision.deepstack_layers)
-        what = f"Qwen3-VL ViT with its {levels} deepstack mergers on all N, main merger excluded (counted as F_M)"
-        return fx.qwen_tower_flops(vision, rows, cols), f"{what}, {how}"
-    return fx.qwen_tower_flops(vision, rows, cols), f"Qwen2.5-VL ViT, merger excluded (counted as F_M), {how}"
+    label = tower.label.format(deepstack=len(vision.deepstack_layers))
+    return tower.flops(vision, rows, cols), f"{label}, {how}"
 
 
 def _tera(values: dict[str, int], convention: fx.Convention = "flops") -> dict[str, float]:
@@ -212,8 +210,6 @@ def attach_paper(row: dict[str, Any], spec: BackboneSpec, n: int) -> None:
 
 def table_s1_vs_ours(options: FlopsOptions) -> list[dict[str, Any]]:
     """Every Table S1 row beside our figure for it (that backbone at the paper's N, these options)."""
-    from care_core.flops.specs import KNOWN_BACKBONES
-
     by_key = {spec.paper_key: spec for spec in KNOWN_BACKBONES.values() if spec.paper_key}
     out = []
     for entry in paper_data.TABLE_S1:

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from care_core.architecture import BackboneSpec, ImageLayout
 from care_core.backbones.geometry import onevision_pooled_grid
 from care_core.errors import CareError
-
-if TYPE_CHECKING:
-    from care_core.flops.specs import BackboneSpec
 
 
 class ImageSizeError(CareError):
@@ -145,20 +144,28 @@ def internvl_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount:
     return TokenCount(crops * spec.vision.feature_tokens, crops=crops, detail=detail)
 
 
+def one_view_tokens(height: int, width: int, spec: BackboneSpec) -> TokenCount:
+    """One fixed view (LLaVA-1.5): the tower's feature tokens, whatever the image size."""
+    side = spec.vision.image_size
+    per_side = side // spec.vision.patch_size
+    return TokenCount(spec.vision.feature_tokens, grid=(per_side, per_side),
+                      detail={"note": f"resized to {side} on the short side and centre-cropped"})  # fmt: skip
+
+
+#: how N is counted for each way a processor cuts an image (BackboneSpec.image_layout)
+TOKEN_COUNTERS: dict[ImageLayout, Callable[[int, int, BackboneSpec], TokenCount]] = {
+    "one_view": one_view_tokens,
+    "anyres": llava_next_tokens,  # a base view + anyres crops (LLaVA-NeXT, LLaVA-OneVision)
+    "tiles": internvl_tokens,  # dynamic square tiles + thumbnail (InternVL3)
+    "merged_grid": qwen_tokens,  # one merged grid within a pixel budget (Qwen2.5-VL, Qwen3-VL)
+}
+
+
 def visual_tokens(spec: BackboneSpec, height: int, width: int) -> TokenCount:
     """N for one image of height×width pixels on this backbone."""
     if height < 1 or width < 1:
         raise ImageSizeError(f"image size must be positive, got {height}x{width}")
-    if spec.vision.kind == "clip" and not spec.grid_pinpoints:  # one fixed view (LLaVA-1.5)
-        side = spec.vision.image_size
-        per_side = side // spec.vision.patch_size
-        return TokenCount(spec.vision.feature_tokens, grid=(per_side, per_side),
-                          detail={"note": f"resized to {side} on the short side and centre-cropped"})  # fmt: skip
-    if spec.vision.kind == "internvit":  # dynamic 448 px tiles + thumbnail (InternVL3)
-        return internvl_tokens(height, width, spec)
-    if spec.grid_pinpoints:  # anyres crops (LLaVA-NeXT, LLaVA-OneVision)
-        return llava_next_tokens(height, width, spec)
-    return qwen_tokens(height, width, spec)
+    return TOKEN_COUNTERS[spec.image_layout](height, width, spec)
 
 
 def squarest_grid(n: int) -> tuple[int, int]:

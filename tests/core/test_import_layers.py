@@ -31,6 +31,7 @@ LAYERS: Mapping[int, tuple[str, ...]] = {
         "care_core.timing",
         "care_core.generation",
         "care_core.images",
+        "care_core.architecture",
     ),
     2: (  # the equations
         "care_core.budget",
@@ -49,9 +50,11 @@ LAYERS: Mapping[int, tuple[str, ...]] = {
         "care_core.care_batch",
         "care_core.backbones.families",
     ),
-    4: (  # backbone adapters, loading, demos; the batch sizes and out-of-memory splitting their generation uses
+    4: (  # backbone adapters, loading, demos; the batch sizes and out-of-memory splitting their generation uses;
+        # the token counts of an image, which the families' care flops config readers use
         "care_core.backbones",
         "care_core.batch_sizes",
+        "care_core.flops.tokens",
     ),
     5: (  # what runs backbones and methods
         "care_core.pipeline",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,9 @@ from transformers.models.llava_next.modeling_llava_next import get_anyres_image_
 from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from care_core.architecture import IMAGE_LAYOUTS
 from care_core.flops.specs import KNOWN_BACKBONES
-from care_core.flops.tokens import ImageSizeError, parse_image_size, squarest_grid, visual_tokens
+from care_core.flops.tokens import TOKEN_COUNTERS, ImageSizeError, parse_image_size, squarest_grid, visual_tokens
 
 NEXT, QWEN, LLAVA = KNOWN_BACKBONES["llava-next-7b"], KNOWN_BACKBONES["qwen2.5-vl-7b"], KNOWN_BACKBONES["llava-1.5-7b"]
 INTERNVL = KNOWN_BACKBONES["internvl3-8b"]
@@ -31,6 +33,17 @@ def test_qwen_counts(size: tuple[int, int], n: int) -> None:
 
 def test_llava15_is_always_576() -> None:
     assert {visual_tokens(LLAVA, h, w).tokens for h, w in [(10, 10), (336, 336), (500, 800), (2000, 90)]} == {576}
+
+
+def test_one_fixed_view_counts_its_feature_tokens_whatever_the_tower_kind() -> None:
+    """A SigLIP tower on one 384 px view (no pinpoints): (384 / 14)² = 27² = 729 tokens for any image."""
+    one_view = replace(ONEVISION, grid_pinpoints=(), max_crops=0)
+    assert one_view.image_layout == "one_view"
+    assert {visual_tokens(one_view, h, w).tokens for h, w in [(10, 10), (384, 384), (500, 800)]} == {729}
+
+
+def test_every_image_layout_has_a_token_counter() -> None:
+    assert set(TOKEN_COUNTERS) == set(IMAGE_LAYOUTS)
 
 
 def _processor() -> LlavaNextProcessor:

@@ -1,11 +1,35 @@
-"""The LLaVA-1.5 family's record: its facts, demos, ``care flops`` spec and lmms-eval id (torch-free)."""
+"""The LLaVA-1.5 family's record: its facts, demos, ``care flops`` specs and lmms-eval id (torch-free).
+
+Sources of the ``care flops`` numbers (the CLIP tower, Vicuna and the projector: ``care_core.backbones.common_specs``):
+- LLaVA-1.5-7B ``llava-hf/llava-1.5-7b-hf/config.json``: Vicuna-7B-v1.5, CLIP-L/14-336, ``vision_feature_layer: -2``,
+  ``vision_feature_select_strategy: "default"``, ``projector_hidden_act: "gelu"``.
+- LLaVA-1.5-13B ``llava-hf/llava-1.5-13b-hf``: Vicuna-13B-v1.5, the same tower.
+"""
 
 from __future__ import annotations
 
+from care_core.architecture import BackboneSpec
+from care_core.backbones.common_specs import CLIP_L336, VICUNA_7B, VICUNA_13B, llava_projector
 from care_core.backbones.families import DEFAULT_DEMO, BackboneFamily, DemoBackbone
 
 _DEMO = "care_core.backbones.demo"
 _LLAVA_GEOMETRY = "LLaVA-1.5 geometry (CLIP-336/14, 576 tokens)"
+
+#: the paper's budgets (K) at N = 576
+PAPER_BUDGETS = (192, 128, 64)
+NOTE = "LLaVA-1.5: 576 patch tokens of one 336×336 view, whatever the image size"
+LLAVA_15_7B = BackboneSpec(
+    "llava-1.5-7b", "LLaVA-1.5-7B", "llava-1.5", VICUNA_7B, llava_projector(4096), CLIP_L336,
+    576, NOTE, (336, 336), paper_budgets=PAPER_BUDGETS, paper_key="LLaVA-1.5-7B",
+    source="llava-hf/llava-1.5-7b-hf config.json (Vicuna-7B-v1.5 = LlamaConfig defaults)",
+    aliases=("llava15", "llava-v1.5-7b", "llava-hf/llava-1.5-7b-hf", "liuhaotian/llava-v1.5-7b"),
+)  # fmt: skip
+LLAVA_15_13B = BackboneSpec(
+    "llava-1.5-13b", "LLaVA-1.5-13B", "llava-1.5", VICUNA_13B, llava_projector(5120), CLIP_L336,
+    576, NOTE, (336, 336), paper_budgets=PAPER_BUDGETS,
+    source="llava-hf/llava-1.5-13b-hf config.json (Vicuna-13B-v1.5)",
+    aliases=("llava-v1.5-13b", "llava-hf/llava-1.5-13b-hf", "liuhaotian/llava-v1.5-13b"),
+)  # fmt: skip
 
 FAMILY = BackboneFamily(
     name="llava-1.5", rank=10, display="LLaVA-1.5", model_types=("llava",),
@@ -18,4 +42,6 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-llava-random", 2, "llava-1.5", f"{_DEMO}:build_tiny_llava",
                      f"{_LLAVA_GEOMETRY}, tiny random weights; demo only"),
     ),
+    flops_specs=(LLAVA_15_7B, LLAVA_15_13B),
+    flops_config="care_core.backbones.llava_1_5.flops_config:spec_from_config",
 )  # fmt: skip

@@ -1,11 +1,37 @@
-"""The LLaVA-NeXT family's record: its facts, demos, ``care flops`` spec and lmms-eval id (torch-free)."""
+"""The LLaVA-NeXT family's record: its facts, demos, ``care flops`` specs and lmms-eval id (torch-free).
+
+Sources of the ``care flops`` numbers: LLaVA-NeXT-7B/13B ``llava-hf/llava-v1.6-vicuna-{7,13}b-hf``: the language
+models and CLIP tower of LLaVA-1.5 (``care_core.backbones.common_specs``), ``image_grid_pinpoints``
+[[336,672],[672,336],[672,672],[1008,336],[336,1008]] (height, width).
+"""
 
 from __future__ import annotations
 
+from care_core.architecture import BackboneSpec
+from care_core.backbones.common_specs import CLIP_L336, VICUNA_7B, VICUNA_13B, llava_projector
 from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
 
 _DEMO = "care_core.backbones.demo"
 _NEXT_GEOMETRY = "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672)"
+
+PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+#: the paper's N (a 672×672 image) and its budgets (K) there
+PAPER_TOKENS, PAPER_BUDGETS = 2880, (640, 320, 160)
+NOTE = "LLaVA-NeXT at 672×672: 576 base + 2304 unpadded high-res tokens, no newline rows (paper's N)"
+LLAVA_NEXT_7B = BackboneSpec(
+    "llava-next-7b", "LLaVA-NeXT-7B", "llava-next", VICUNA_7B, llava_projector(4096), CLIP_L336,
+    PAPER_TOKENS, NOTE, (672, 672), PINPOINTS, paper_budgets=PAPER_BUDGETS, paper_key="LLaVA-NeXT-7B",
+    source="llava-hf/llava-v1.6-vicuna-7b-hf config.json",
+    aliases=("llava-1.6", "llava-v1.6-vicuna-7b", "llava-1.6-7b",
+             "llava-hf/llava-v1.6-vicuna-7b-hf", "liuhaotian/llava-v1.6-vicuna-7b"),
+)  # fmt: skip
+LLAVA_NEXT_13B = BackboneSpec(
+    "llava-next-13b", "LLaVA-NeXT-13B", "llava-next", VICUNA_13B, llava_projector(5120), CLIP_L336,
+    PAPER_TOKENS, NOTE, (672, 672), PINPOINTS, paper_budgets=PAPER_BUDGETS,
+    source="llava-hf/llava-v1.6-vicuna-13b-hf config.json",
+    aliases=("llava-v1.6-vicuna-13b", "llava-1.6-13b", "llava-hf/llava-v1.6-vicuna-13b-hf",
+             "liuhaotian/llava-v1.6-vicuna-13b"),
+)  # fmt: skip
 
 FAMILY = BackboneFamily(
     name="llava-next", rank=20, display="LLaVA-NeXT", model_types=("llava_next",),
@@ -19,4 +45,6 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-llava-next-random", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
                      f"{_NEXT_GEOMETRY}, tiny random weights; demo only"),
     ),
+    flops_specs=(LLAVA_NEXT_7B, LLAVA_NEXT_13B),
+    flops_config="care_core.backbones.llava_next.flops_config:spec_from_config",
 )  # fmt: skip

@@ -1,13 +1,44 @@
-"""The Qwen3-VL family's record: its facts, demos, ``care flops`` spec and lmms-eval id (torch-free)."""
+"""The Qwen3-VL family's record: its facts, demos, ``care flops`` specs and lmms-eval id (torch-free).
+
+Sources of the ``care flops`` numbers: Qwen3-VL-8B ``Qwen/Qwen3-VL-8B-Instruct``: **not checked against a stored copy
+of the hub file** (none was found). From transformers' ``Qwen3VLVisionConfig`` class defaults (5.21-5.24): vision
+depth 27, hidden 1152, intermediate 4304, 16 heads, patch 16, spatial_merge_size 2, temporal_patch_size 2,
+deepstack_visual_indexes (8, 16, 24), full attention in every block (no windows), MLP Linear -> GELU -> Linear (not
+SwiGLU). Unverified hub values: text L=36, H=4096, I=12288, 32 heads, 8 KV heads, head_dim 128, vocab 151936, vision
+out_hidden_size 4096 (the class default is 3584), processor pixel budget 65536..16777216. A real config.json through
+``care flops --backbone <folder>`` gives exact dims. Merger ``Qwen3VLVisionPatchMerger``: LayerNorm(1152) ->
+view(-1, 4608) -> Linear(4608, 4608) -> GELU -> Linear(4608, out); each deepstack merger is the same MLP after a
+LayerNorm(4608).
+"""
 
 from __future__ import annotations
 
+from care_core.architecture import BackboneSpec, LanguageModelSpec, VisionSpec
+from care_core.backbones.common_specs import qwen_merger
 from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
 
 _DEMO = "care_core.backbones.demo"
 _QWEN3_GEOMETRY = (
     "Qwen3-VL geometry (patch 16, 2x2 merge, resize factor 32, deepstack at 2 of 4 vision blocks, hub pixel budget)"
 )
+
+QWEN3_VIT = VisionSpec(kind="qwen3-vit", layers=27, hidden=1152, intermediate=4304, heads=16, patch_size=16,
+                       temporal_patch_size=2, spatial_merge_size=2, full_attention_layers=tuple(range(27)),
+                       deepstack_layers=(8, 16, 24), out_hidden=4096)  # fmt: skip
+QWEN3_8B = LanguageModelSpec(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, vocab=151936,
+                             head_dim=128)  # fmt: skip
+MIN_PIXELS, MAX_PIXELS = 65536, 16777216  # unverified hub budget (see the module docstring)
+#: N of a 1024×1024 image and the budgets there (20 % and 10 %: there is no paper setting for Qwen3-VL)
+DEFAULT_IMAGE, DEFAULT_TOKENS, BUDGETS = (1024, 1024), 1024, (204, 102)
+NOTE = "Qwen3-VL at 1024×1024: a 32×32 merged grid (not a paper setting; budgets 20 % and 10 % of N)"
+QWEN3_VL_8B = BackboneSpec(
+    "qwen3-vl-8b", "Qwen3-VL-8B", "qwen3-vl", QWEN3_8B, qwen_merger(4096, 1152, kind="qwen3-vl merger"),
+    QWEN3_VIT, DEFAULT_TOKENS, f"{NOTE}; text sizes, out_hidden_size and pixel budget unverified", DEFAULT_IMAGE,
+    min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, paper_budgets=BUDGETS,
+    source="transformers Qwen3VLVisionConfig defaults; text sizes, out_hidden_size and pixel budget "
+           "unverified (no stored copy of Qwen/Qwen3-VL-8B-Instruct config.json)",
+    aliases=("qwen3-vl-8b-instruct", "qwen/qwen3-vl-8b-instruct", "qwen3vl-8b"),
+)  # fmt: skip
 
 FAMILY = BackboneFamily(
     name="qwen3-vl", rank=40, display="Qwen3-VL", model_types=("qwen3_vl",),
@@ -20,4 +51,6 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-qwen3-vl-random", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
                      f"{_QWEN3_GEOMETRY}, tiny random weights; demo only"),
     ),
+    flops_specs=(QWEN3_VL_8B,),
+    flops_config="care_core.backbones.qwen3_vl.flops_config:spec_from_config",
 )  # fmt: skip
