@@ -384,7 +384,8 @@ def test_the_walk_over_the_decoder_layers_runs_once_per_model(demo: Any, monkeyp
 
     walked: list[Any] = []
     real = chat_adapter.unsupported_reason
-    monkeypatch.setattr(chat_adapter, "unsupported_reason", lambda model, length=None: walked.append(model) or real(model))
+    monkeypatch.setattr(chat_adapter, "unsupported_reason",
+                        lambda model, length=None: walked.append(model) or real(model))  # fmt: skip
     monkeypatch.setattr(type(demo), "device", property(lambda self: torch.device("cuda")))  # as on a GPU
     monkeypatch.setattr(demo, "_static_form", None)
     assert [demo.graph_generation_reason(length) for length in (40, 80, 120)] == [None] * 3
