@@ -29,29 +29,27 @@ import triton.language as tl
 
 from care_core.kernels.shapes import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported, size_class
 
-
-def _cfg(bm: int, bn: int, bk: int, dirs: int, stages: int, warps: int) -> triton.Config:
-    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "DIRS": dirs, "GROUP": 8}, num_stages=stages, num_warps=warps)
-
-
 # (BM, BN, DIRS, stages, warps) of each autotune candidate; bf16 and tf32 differ only in the K tile BK
 # (64 vs 32 elements: the same 128 bytes per row of an operand tile). On a cold Triton cache every
 # candidate costs its compile (about 0.3 s on an H100) in a process's first call; the (128, 64, 4, ·, 8)
 # tiles were dropped after losing every search they were in by 15-30% (N = 576 and 2880, bf16 and tf32,
 # H100 and H200: benchmarks/results/2026-11-26-gpu-h100-micro*.json, 2026-11-26-gpu-h200*.json).
-_TILES = (
+Tile = tuple[int, int, int, int, int]  # (BM, BN, DIRS, stages, warps)
+_TILES: tuple[Tile, ...] = (
     (128, 256, 1, 3, 8),
     (128, 128, 2, 3, 8),
     (128, 128, 2, 4, 8),
 )
 
 
-def _configs(bk: int) -> list[triton.Config]:
-    return [_cfg(bm, bn, bk, dirs, stages, warps) for bm, bn, dirs, stages, warps in _TILES]
+def tile_configs(tiles: tuple[Tile, ...], bk: int) -> list[triton.Config]:
+    """One autotune candidate per tile, with K tile ``bk`` (the jvp kernels share the meta-parameter names)."""
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "DIRS": dirs, "GROUP": 8}, num_stages=stages,
+                          num_warps=warps) for bm, bn, dirs, stages, warps in tiles]  # fmt: skip
 
 
-_BF16_CONFIGS = _configs(bk=64)
-_TF32_CONFIGS = _configs(bk=32)
+_BF16_CONFIGS = tile_configs(_TILES, bk=64)
+_TF32_CONFIGS = tile_configs(_TILES, bk=32)
 #: Every config's tiles divide these (checked by :func:`supported`): rows are padded to ROW_PAD,
 #: directions to DIR_PAD.
 ROW_PAD = 128
@@ -146,22 +144,23 @@ def _sqnorm_kernel(
         tl.store(out + 3 * n_pad, tl.sum(acc3 * acc3, axis=1))
 
 
-def _autotuned(configs):  # type: ignore[no-untyped-def]
-    # p_ptr is zeroed before each config is tried and after the search: configs with wider output blocks
-    # leave the buffer's last blocks untouched, and those must read zero. The search takes seconds per size
-    # class, and every process of a run (and every run) would repeat it: where Triton can (3.2 on), its results
-    # are kept in Triton's on-disk cache beside the compiled kernels; BF16 and UPPER are in the key so that the
-    # four variants of the one kernel keep their own entries there.
+def autotuned(kernel, configs, key):  # type: ignore[no-untyped-def]
+    """``kernel`` autotuned over ``configs`` by ``key``, its squared-norm buffer ``p_ptr`` zeroed around the search.
+
+    p_ptr is zeroed before each config is tried and after the search: configs with wider output blocks leave the
+    buffer's last blocks untouched, and those must read zero. The search takes seconds per size class, and every
+    process of a run (and every run) would repeat it: where Triton can (3.2 on), its results are kept in Triton's
+    on-disk cache beside the compiled kernels; the variants' flags are in ``key`` so each keeps its own entries."""
     cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    return triton.autotune(configs=configs, key=["size_class", "m", "d_h", "d_out", "BF16", "UPPER"],
-                           reset_to_zero=["p_ptr"], **cache)(_sqnorm_kernel)  # fmt: skip
+    return triton.autotune(configs=configs, key=key, reset_to_zero=["p_ptr"], **cache)(kernel)
 
 
-_kernel_bf16 = _autotuned(_BF16_CONFIGS)
-_kernel_tf32 = _autotuned(_TF32_CONFIGS)
+_KEY = ["size_class", "m", "d_h", "d_out", "BF16", "UPPER"]
+_kernel_bf16 = autotuned(_sqnorm_kernel, _BF16_CONFIGS, _KEY)
+_kernel_tf32 = autotuned(_sqnorm_kernel, _TF32_CONFIGS, _KEY)
 # The triangular variant's best tiles differ (its programs' work varies with the output block): own searches.
-_kernel_bf16_upper = _autotuned(_BF16_CONFIGS)
-_kernel_tf32_upper = _autotuned(_TF32_CONFIGS)
+_kernel_bf16_upper = autotuned(_sqnorm_kernel, _BF16_CONFIGS, _KEY)
+_kernel_tf32_upper = autotuned(_sqnorm_kernel, _TF32_CONFIGS, _KEY)
 
 
 def supported(hidden: int, out_dim: int) -> bool:

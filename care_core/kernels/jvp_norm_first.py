@@ -20,29 +20,22 @@ it (R[r, c] = 0 for c < r, in a trapezoid as in a triangle).
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.jvp import _dot, _round_tf32, round_to_tf32
+from care_core.kernels.jvp import Tile, _dot, _round_tf32, autotuned, round_to_tf32, tile_configs
 from care_core.kernels.shapes import norm_first_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps): accumulators and the epilogue's correction tiles share the registers, so the tiles
 # are narrower than the MLP kernel's
-_TILES = (
+_TILES: tuple[Tile, ...] = (
     (128, 128, 2, 3, 8),
     (128, 128, 1, 3, 8),
     (64, 128, 2, 3, 4),
 )
 ROW_PAD = 128
 DIR_PAD = 2
-
-
-def _configs(bk: int) -> list[triton.Config]:
-    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "DIRS": dirs, "GROUP": 8}, num_stages=stages,
-                          num_warps=warps) for bm, bn, dirs, stages, warps in _TILES]  # fmt: skip
 
 
 @triton.jit
@@ -127,16 +120,9 @@ def _norm_first_kernel(
         tl.store(out + n_pad, tl.sum(acc1 * acc1, axis=1))
 
 
-def _autotuned(configs):  # type: ignore[no-untyped-def]
-    # as the MLP kernel's: p_ptr zeroed around the search (wider output blocks leave the last ones untouched); the
-    # search's results kept in Triton's on-disk cache where it can; the variants keyed apart
-    cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    key = ["size_class", "m", "d_h", "d_out", "BLOCKS", "BF16", "UPPER"]
-    return triton.autotune(configs=configs, key=key, reset_to_zero=["p_ptr"], **cache)(_norm_first_kernel)
-
-
-_kernel_bf16 = _autotuned(_configs(bk=64))
-_kernel_tf32 = _autotuned(_configs(bk=32))
+_KEY = ["size_class", "m", "d_h", "d_out", "BLOCKS", "BF16", "UPPER"]
+_kernel_bf16 = autotuned(_norm_first_kernel, tile_configs(_TILES, bk=64), _KEY)
+_kernel_tf32 = autotuned(_norm_first_kernel, tile_configs(_TILES, bk=32), _KEY)
 
 
 def norm_first_norms(
