@@ -123,6 +123,8 @@ class BackboneFamily:
     lmms_eval_model: str  # the lmms-eval model id serving the family (care_core.integrations.lmms_eval)
     demos: tuple[DemoBackbone, ...] = field(default=(), compare=False)
     rank: int = 100  # listing order (lower first); families of the same rank list by name
+    #: more names lmms-eval accepts for :attr:`lmms_eval_model` (e.g. ``care_llava_next`` for ``care_llava``)
+    lmms_eval_aliases: tuple[str, ...] = ()
 
     @property
     def traits(self) -> frozenset[Trait]:

@@ -20,4 +20,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-internvl3-random", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
                      f"{_INTERNVL_GEOMETRY}, tiny random weights; demo only"),
     ),
+    lmms_eval_aliases=("care_internvl3",),
 )  # fmt: skip

@@ -19,4 +19,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-llava-next-random", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
                      f"{_NEXT_GEOMETRY}, tiny random weights; demo only"),
     ),
+    lmms_eval_aliases=("care_llava_next",),
 )  # fmt: skip

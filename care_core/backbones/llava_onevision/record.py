@@ -18,4 +18,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-llava-onevision-random", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
                      f"{_ONEVISION_GEOMETRY}, tiny random weights; demo only"),
     ),
+    lmms_eval_aliases=("care_llava_onevision",),
 )  # fmt: skip
