@@ -243,7 +243,9 @@ def reduce_visual_tokens(
     """A context manager inside which ``model.generate`` (and a ``transformers.pipeline`` built on ``model``)
     reduces each sample's visual tokens with ``method`` to ``keep`` tokens or the fraction ``ratio`` of them.
 
-    ``model``: a loaded LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL (``*ForConditionalGeneration``);
+    ``model``: a loaded ``*ForConditionalGeneration`` of any registered family whose adapter serves the drop-in (its
+    ``config.model_type`` names the family; ``care methods NAME`` lists the families, docs/design/backbones.md which
+    adapters refuse the drop-in);
     ``processor``: its processor (the tokenizer and image processor the inputs were made with); ``method``: a
     registered name or a :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters. One image per
     sample. Bad arguments raise a one-line CareError here, before the block runs.

@@ -130,6 +130,8 @@ class BackboneFamily:
     #: raw is the JSON object, path the config.json (its folder holds the processor's config); None: care flops
     #: cannot read the family's configs
     flops_config: str | None = None
+    #: more names lmms-eval accepts for :attr:`lmms_eval_model` (e.g. ``care_llava_next`` for ``care_llava``)
+    lmms_eval_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.flops_specs]

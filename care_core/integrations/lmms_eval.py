@@ -1,14 +1,12 @@
 """lmms-eval models that answer with a reduced set of visual tokens, and the helpers ``care eval`` runs on.
 
-Registered through the entry point group ``lmms_eval.models`` (see :func:`manifests`):
+Registered through the entry point group ``lmms_eval.models`` (see :func:`manifests`), one model per id:
 
-* ``care``: any backbone care loads (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, InternVL3;
-  aliases ``care_vtr``);
-* ``care_llava``: LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision checkpoints only (aliases ``care_llava_next``,
-  ``care_llava_onevision``);
-* ``care_qwen2_5_vl``: Qwen2.5-VL checkpoints only;
-* ``care_qwen3_vl``: Qwen3-VL checkpoints only;
-* ``care_internvl``: InternVL3 ``-hf`` checkpoints only (alias ``care_internvl3``).
+* ``care`` (alias ``care_vtr``): any backbone care loads;
+* each ``lmms_eval_model`` id that a family record names (``care_llava``, ``care_qwen2_5_vl``, ...), with the
+  ``lmms_eval_aliases`` of its records: the checkpoints of those families only. These classes are made from
+  :class:`CareLMM` on first use (:func:`model_class`; lmms-eval reaches them as this module's attribute of the
+  id's name), so a family registered with ``register_family`` before lmms-eval reads the entry point gets its own.
 
 ``model_args``: ``pretrained`` (a local folder, a cached repo id or a demo name such as ``tiny-llava``),
 ``method`` (any registered method, or ``none`` for all visual tokens), ``keep=K`` or ``ratio=R``, ``device``,
@@ -30,6 +28,7 @@ This is the only module of care that imports ``lmms_eval``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from care_core.backbones.families import served_families
+from care_core.backbones.families import backbone_family, families, served_families
 from care_core.batch_sizes import (
     BatchChoice,
     Batches,
@@ -54,28 +53,39 @@ from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher
 from care_core.runs import Processes, World
 from care_core.vocabulary import DEFAULT_QUESTION
 
-#: model id -> (class in this module, aliases)
-MODEL_IDS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "care": ("CareLMM", ("care_vtr",)),
-    "care_llava": ("CareLlava", ("care_llava_next", "care_llava_onevision")),
-    "care_qwen2_5_vl": ("CareQwen2_5_VL", ()),
-    "care_qwen3_vl": ("CareQwen3_VL", ()),
-    "care_internvl": ("CareInternVL", ("care_internvl3",)),
-}
+#: the model id that serves every family, and its aliases (the family records name the others)
+GENERIC_MODEL = "care"
+GENERIC_ALIASES = ("care_vtr",)
+
+
+def model_ids() -> dict[str, tuple[str, ...]]:
+    """lmms-eval model id -> its aliases: :data:`GENERIC_MODEL`, then every ``lmms_eval_model`` of the registered
+    family records with the ``lmms_eval_aliases`` of the records naming it (in the records' listing order)."""
+    ids: dict[str, tuple[str, ...]] = {GENERIC_MODEL: GENERIC_ALIASES}
+    for family in families():
+        ids[family.lmms_eval_model] = (*ids.get(family.lmms_eval_model, ()), *family.lmms_eval_aliases)
+    return ids
 
 
 def manifests() -> list[Any]:
-    """The entry point of group ``lmms_eval.models``: one ``ModelManifest`` per model id.
+    """The entry point of group ``lmms_eval.models``: one ``ModelManifest`` per model id of :func:`model_ids`; a
+    family's class is this module's attribute named after its id (made on first use, see :func:`__getattr__`).
 
-    Defined before this module imports lmms_eval: importing ``lmms_eval.models`` builds its registry, which loads
-    this entry point, possibly while this very module is still being imported.
+    Defined before this module imports lmms_eval, and reads only the family registry: importing
+    ``lmms_eval.models`` builds its registry, which loads this entry point, possibly while this very module is
+    still being imported.
     """
     from lmms_eval.models.registry_v2 import ModelManifest
 
     return [
-        ModelManifest(model_id=model_id, simple_class_path=f"{__name__}.{name}", aliases=aliases)
-        for model_id, (name, aliases) in MODEL_IDS.items()
+        ModelManifest(model_id=model_id, simple_class_path=f"{__name__}.{_class_name(model_id)}", aliases=aliases)
+        for model_id, aliases in model_ids().items()
     ]
+
+
+def _class_name(model_id: str) -> str:
+    """The attribute of this module that holds model ``model_id``'s class: ``CareLMM`` or the id itself."""
+    return "CareLMM" if model_id == GENERIC_MODEL else model_id
 
 
 from lmms_eval.api.model import lmms  # noqa: E402
@@ -417,48 +427,35 @@ class CareLMM(lmms):
         raise EvalTaskError("multi-round generation is not supported by care models")
 
 
-class CareLlava(CareLMM):
-    """``care_llava``: LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision checkpoints (the LLaVA families)."""
-
-    model_id = "care_llava"
-    families = served_families(model_id)
-
-
-class CareQwen2_5_VL(CareLMM):
-    """``care_qwen2_5_vl``: Qwen2.5-VL checkpoints."""
-
-    model_id = "care_qwen2_5_vl"
-    families = served_families(model_id)
-
-
-class CareQwen3_VL(CareLMM):
-    """``care_qwen3_vl``: Qwen3-VL checkpoints."""
-
-    model_id = "care_qwen3_vl"
-    families = served_families(model_id)
-
-
-class CareInternVL(CareLMM):
-    """``care_internvl``: InternVL3 ``-hf`` checkpoints (alias ``care_internvl3``)."""
-
-    model_id = "care_internvl"
-    families = served_families(model_id)
-
-
-MODELS: tuple[type[CareLMM], ...] = (CareLMM, CareLlava, CareQwen2_5_VL, CareQwen3_VL, CareInternVL)
-
-
 def model_class(model_id: str) -> type[CareLMM]:
-    for cls in MODELS:
-        if model_id == cls.model_id or model_id in MODEL_IDS[cls.model_id][1]:
-            return cls
-    raise ModelArgsError(f"unknown care model {model_id!r} (known: {', '.join(c.model_id for c in MODELS)})")
+    """The class of lmms-eval model id or alias ``model_id``: :class:`CareLMM` for :data:`GENERIC_MODEL`, else the
+    :class:`CareLMM` that serves only the families whose records name the id; ModelArgsError for an unknown id."""
+    for canonical, aliases in model_ids().items():
+        if model_id == canonical or model_id in aliases:
+            return CareLMM if canonical == GENERIC_MODEL else _family_model(canonical, served_families(canonical))
+    raise ModelArgsError(f"unknown care model {model_id!r} (known: {', '.join(model_ids())})")
+
+
+@functools.cache
+def _family_model(model_id: str, served: tuple[str, ...]) -> type[CareLMM]:
+    """The model ``model_id`` serving the families ``served`` (one class per pair: lmms-eval's registry and a
+    pickle find the same class again by this module's attribute of the id's name)."""
+    if model_id in globals():  # the attribute lmms-eval resolves would be that name, not this class
+        raise RuntimeError(f"lmms-eval model id {model_id!r} (of {', '.join(served)}) is a name in {__name__}")
+    namespace = {"__module__": __name__, "__qualname__": model_id, "model_id": model_id, "families": served,
+                 "__doc__": f"``{model_id}``: {' and '.join(served)} checkpoints only."}  # fmt: skip
+    return type(model_id, (CareLMM,), namespace)
+
+
+def __getattr__(name: str) -> type[CareLMM]:
+    """A family model's class by its model id (what a manifest's class path names), made on first use."""
+    if not name.startswith("__") and name != GENERIC_MODEL and name in model_ids():
+        return model_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_id_for(family: str) -> str:
     """The lmms-eval model id serving backbone ``family`` (its record's ``lmms_eval_model``)."""
-    from care_core.backbones.families import backbone_family
-
     return backbone_family(family).lmms_eval_model
 
 

@@ -19,7 +19,8 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from benchmarks.common import missing_cuda
-from care_core.backbones.demo import DEMO_BACKBONES, MANIFEST, file_sha256, read_manifest, weights_dir
+from care_core.backbones.demo import MANIFEST, file_sha256, read_manifest, weights_dir
+from care_core.backbones.families import demo_backbones
 from care_core.backbones.loading import adapter_for_model
 from care_core.backbones.packed_attention import use_packed_vision_attention
 from care_core.synthetic import IMAGE_SIZES, POSITION
@@ -29,8 +30,10 @@ from .heldout import evaluate
 from .loop import CHECKPOINT, MIRROR, RESUMED_OPTIONS, Data, Diverged, Parts, fit
 from .pool import Drawn, Pool, UsageError, make_pool
 
-#: the families this script trains (each on the world's mix of image sizes unless --size says one)
-TRAINED_FAMILIES = ("llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl", "llava-onevision", "internvl3")
+#: the one family whose training images --flip mirrors: its processor gives whole images of one raster grid, so
+#: mirroring the pixels mirrors the token grid (the Qwen families' one grid comes as flattened patches, the others'
+#: images as several crops or tiles); a fact of this script's mirroring, not of the family
+FLIP_FAMILY = "llava-1.5"
 MIXED = "mixed"  # --size: the world's mix of image sizes, one bucket per token geometry
 PACKED = "packed"  # --vision-attention: care_core's packed sdpa (one call per segment length), any device
 
@@ -76,7 +79,7 @@ class Run:
 def build(args: argparse.Namespace, run: Run) -> tuple[Any, Any, list[Geometry], dict[tuple[int, int], np.ndarray]]:
     """The model to train (the demo's trained skeleton from the seed), the buckets of token geometry of the training
     sizes (``--size``: one, or the world's mix) with their feeds, and per size the token centres."""
-    spec = DEMO_BACKBONES[args.backbone]
+    spec = demo_backbones()[args.backbone]
     advance = run.phase("building the model", total=1)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -154,7 +157,7 @@ def prepare(args: argparse.Namespace, run: Run, drawn: Drawn | None = None) -> t
 
 def train(args: argparse.Namespace, run: Run, drawn: Drawn | None) -> dict[str, Any]:
     """Build, train and save the model: the float16 weights that ship and a loadable model folder."""
-    spec = DEMO_BACKBONES[args.backbone]
+    spec = demo_backbones()[args.backbone]
     parts, data = prepare(args, run, drawn)
     advance = run.phase("training", total=args.steps)
     train_s = fit(args, run.log, advance, parts, data)
@@ -177,7 +180,7 @@ def train(args: argparse.Namespace, run: Run, drawn: Drawn | None) -> dict[str, 
 
 def install(backbone: str, source: Path) -> None:
     """Copy ``source/<weights>`` into the package and record its sha256, size and training summary."""
-    spec = DEMO_BACKBONES[backbone]
+    spec = demo_backbones()[backbone]
     assert spec.weights is not None
     src = source / spec.weights
     if not src.is_file():
@@ -246,8 +249,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 
 def trainable() -> list[str]:
-    """The demos this script trains: those whose registry record names a weights file, of :data:`TRAINED_FAMILIES`."""
-    return sorted(n for n, s in DEMO_BACKBONES.items() if s.weights and s.family in TRAINED_FAMILIES)
+    """The demos this script trains: those whose registry record names a weights file (each trained on the world's
+    mix of image sizes unless --size says one)."""
+    return sorted(name for name, demo in demo_backbones().items() if demo.weights)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -290,7 +294,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.out = args.out or args.resume
     if sum(x is not None for x in (args.out, args.evaluate_only, args.install_from)) != 1:
         parser.error("give one of --out DIR (or --resume DIR), --evaluate-only DIR, --install-from DIR")
-    family = DEMO_BACKBONES[args.backbone].family
+    family = demo_backbones()[args.backbone].family
     args.size = None if args.size == MIXED else args.size
     args.eval_size = None if args.eval_size == MIXED else args.eval_size
     if args.warm_size == MIXED or (args.warm_size is None) != (args.warm_share == 0):
@@ -302,7 +306,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--warm-share must be in [0, 1), got {args.warm_share}")
     if args.position_share is not None and not 0 < args.position_share < 1:
         parser.error(f"--position-share must be in (0, 1), got {args.position_share}")
-    if args.flip and family != "llava-1.5":
+    if args.flip and family != FLIP_FAMILY:
         parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
     if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1 or args.replicas < 1:
         parser.error("--steps, --batch, --checkpoint-every and --replicas must be at least 1")

@@ -4,6 +4,9 @@ model is exactly as it was."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +18,14 @@ from PIL import Image
 import care_core
 from care_core.backbones import ensure_demo, load_backbone
 from care_core.backbones._hf import quiet_transformers
+from care_core.backbones.families import (
+    BackboneFamily,
+    backbone_family,
+    family_names,
+    register_family,
+    unregister_family,
+)
+from care_core.backbones.llava_1_5.adapter import LlavaAdapter
 from care_core.budget import Budget
 from care_core.errors import BudgetError, CareError, MethodError, ModelLoadError
 from care_core.pipeline import ReductionPipeline
@@ -203,6 +214,55 @@ def test_bad_arguments_fail_in_one_line_before_the_block(adapters: dict[str, Any
     with pytest.raises(ModelLoadError, match="model type 'bert'"):
         care_core.reduce_visual_tokens(other, processor=processor, keep=5)
     assert "generate" not in vars(model)
+
+
+class CopiedLlavaAdapter(LlavaAdapter):
+    """LLaVA-1.5's adapter for a family registered by a test (the record and its adapter name each other)."""
+
+    family = "test-llava-copy"
+
+
+@pytest.fixture
+def copied_family() -> Iterator[BackboneFamily]:
+    """LLaVA-1.5's record under new names, registered at run time with its own model type and adapter."""
+    family = register_family(dataclasses.replace(
+        backbone_family("llava-1.5"), name="test-llava-copy", display="Test LLaVA copy",
+        model_types=("test_llava_copy",), adapter=f"{__name__}:CopiedLlavaAdapter", lmms_eval_model="care_test_copy",
+        demos=(), rank=999,
+    ))  # fmt: skip
+    yield family
+    if family.name in family_names():
+        unregister_family(family.name)
+
+
+def with_model_type(model: Any, model_type: str) -> Any:
+    """A shallow copy of ``model`` (same modules and weights) whose config says ``model_type``."""
+    config = copy.copy(model.config)
+    config.model_type = model_type
+    other = copy.copy(model)
+    other.config = config
+    return other
+
+
+def test_a_registered_familys_model_type_is_served_and_others_refused_in_one_line(
+    adapters: dict[str, Any], copied_family: BackboneFamily
+) -> None:
+    llava = adapters["tiny-llava"]
+    inputs = batch(llava)
+    model = with_model_type(llava.model, "test_llava_copy")
+    with care_core.reduce_visual_tokens(model, processor=llava.processor, keep=KEEP) as reduction:
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert reduction.adapter.family == "test-llava-copy"
+    with care_core.reduce_visual_tokens(llava.model, processor=llava.processor, keep=KEEP):
+        expected = llava.model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(out, expected)  # the copied family's adapter reduces as LLaVA-1.5's does
+    unregister_family(copied_family.name)
+    with pytest.raises(ModelLoadError) as caught:
+        care_core.reduce_visual_tokens(model, processor=llava.processor, keep=KEEP)
+    message = str(caught.value)
+    assert message.startswith("care cannot reduce the tokens of model type 'test_llava_copy' (supported: ")
+    supported = message.removesuffix(")").split("(supported: ")[1].split(", ")
+    assert "\n" not in message and "llava" in supported and "test_llava_copy" not in supported
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dropin_generate.py"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from benchmarks.demo_world import TRAIN_SPLIT, load_photos
+from care_core.backbones.families import DemoBackbone, backbone_family, register_family, unregister_family
 from care_core.synthetic import IMAGE_SIZES, make_scene
 from scripts.train_demo import cli, loop
 from scripts.train_demo.buckets import IGNORED, pick_bucket, position_bins
@@ -224,6 +226,25 @@ def test_sequential_needs_replicas(capsys: pytest.CaptureFixture[str], tmp_path:
         cli.parse(["--out", str(tmp_path), "--sequential"])
     assert stop.value.code == 2
     assert "--sequential orders the runs of --replicas N" in capsys.readouterr().err
+
+
+def test_a_registered_familys_demo_with_a_weights_file_is_trainable(tmp_path: Path) -> None:
+    """The trainable demos are the records' demos with a weights file: a family registered at run time included."""
+    demo = DemoBackbone("tiny-test-copy", 1, "test-llava-copy", "care_core.backbones.demo:build_trained_tiny_llava",
+                        "a test's copy of tiny-llava", weights="tiny-test-copy.safetensors")  # fmt: skip
+    untrained = DemoBackbone("tiny-test-copy-random", 1, "test-llava-copy",
+                             "care_core.backbones.demo:build_tiny_llava", "random weights")  # fmt: skip
+    family = register_family(dataclasses.replace(
+        backbone_family("llava-1.5"), name="test-llava-copy", display="Test LLaVA copy",
+        model_types=("test_llava_copy",), lmms_eval_model="care_test_copy", demos=(demo, untrained), rank=999,
+    ))  # fmt: skip
+    try:
+        assert "tiny-test-copy" in cli.trainable() and "tiny-test-copy-random" not in cli.trainable()
+        assert cli.parse(["--backbone", "tiny-test-copy", "--out", str(tmp_path)]).backbone == "tiny-test-copy"
+    finally:
+        unregister_family(family.name)
+    assert "tiny-test-copy" not in cli.trainable()
+    assert set(TRAINED) <= set(cli.trainable())
 
 
 # ------------------------------------------------------------------------------ one backbone, a few scenes, CPU

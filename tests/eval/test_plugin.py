@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -17,6 +18,13 @@ import torch
 pytest.importorskip("lmms_eval")
 
 from care_core.backbones import load_backbone
+from care_core.backbones.families import (
+    BackboneFamily,
+    backbone_family,
+    family_names,
+    register_family,
+    unregister_family,
+)
 from care_core.errors import MethodError
 from care_core.integrations import lmms_eval as plugin
 from care_core.integrations.settings import EvalSpec, ModelArgsError
@@ -65,11 +73,15 @@ def test_entry_point_registers_every_model_id() -> None:
 
     assert models.get_model("care") is plugin.CareLMM
     assert models.get_model("care_vtr") is plugin.CareLMM
-    assert models.get_model("care_llava") is plugin.CareLlava
-    assert models.get_model("care_llava_next") is plugin.CareLlava
-    assert models.get_model("care_qwen2_5_vl") is plugin.CareQwen2_5_VL
-    assert models.get_model("care_internvl") is plugin.CareInternVL
-    assert models.get_model("care_internvl3") is plugin.CareInternVL
+    llava = models.get_model("care_llava")
+    assert llava is models.get_model("care_llava_next") is models.get_model("care_llava_onevision")
+    assert llava is plugin.model_class("care_llava")
+    assert llava.families == ("llava-1.5", "llava-next", "llava-onevision")
+    assert models.get_model("care_qwen2_5_vl").families == ("qwen2.5-vl",)
+    assert models.get_model("care_qwen3_vl").families == ("qwen3-vl",)
+    internvl = models.get_model("care_internvl")
+    assert internvl is models.get_model("care_internvl3") and internvl.families == ("internvl3",)
+    assert all(issubclass(models.get_model(m), plugin.CareLMM) for m in ("care_llava", "care_internvl"))
     assert {m.model_id for m in plugin.manifests()} == {
         "care",
         "care_llava",
@@ -77,6 +89,49 @@ def test_entry_point_registers_every_model_id() -> None:
         "care_qwen3_vl",
         "care_internvl",
     }
+
+
+@pytest.fixture
+def copied_family() -> Iterator[BackboneFamily]:
+    """A family registered at run time: LLaVA-1.5's record under new names, its own lmms-eval id and alias."""
+    family = register_family(dataclasses.replace(
+        backbone_family("llava-1.5"), name="test-llava-copy", display="Test LLaVA copy",
+        model_types=("test_llava_copy",), lmms_eval_model="care_test_copy",
+        lmms_eval_aliases=("care_test_copy_alias",), demos=(), rank=999,
+    ))  # fmt: skip
+    yield family
+    if family.name in family_names():
+        unregister_family(family.name)
+
+
+def test_a_family_registered_at_run_time_gets_its_own_lmms_eval_model(
+    copied_family: BackboneFamily, llava: Any
+) -> None:
+    from lmms_eval.models.registry_v2 import ModelRegistryV2
+
+    cls = plugin.model_class("care_test_copy")
+    assert issubclass(cls, plugin.CareLMM) and cls.model_id == "care_test_copy"
+    assert cls.families == ("test-llava-copy",) and plugin.model_class("care_test_copy_alias") is cls
+    manifest = next(m for m in plugin.manifests() if m.model_id == "care_test_copy")
+    assert manifest.aliases == ("care_test_copy_alias",)
+    registry = ModelRegistryV2()  # lmms-eval's own resolution of the manifests: "module.attribute", imported
+    for one in plugin.manifests():
+        registry.register_manifest(one)
+    assert registry.get_model_class("care_test_copy_alias") is cls
+    assert registry.get_model_class("care_llava") is plugin.model_class("care_llava_next")
+    spec = EvalSpec(pretrained="tiny-llava", method="care", keep=8)
+    with pytest.raises(ModelArgsError, match=r"'care_test_copy' serves test-llava-copy.*model id 'care_llava'"):
+        cls.from_spec(spec, llava)
+
+
+def test_an_unregistered_family_has_no_lmms_eval_model(copied_family: BackboneFamily) -> None:
+    plugin.model_class("care_test_copy")
+    unregister_family(copied_family.name)
+    with pytest.raises(ModelArgsError, match="unknown care model 'care_test_copy'"):
+        plugin.model_class("care_test_copy")
+    assert "care_test_copy" not in {m.model_id for m in plugin.manifests()}
+    with pytest.raises(AttributeError):
+        plugin.care_test_copy  # noqa: B018
 
 
 @pytest.mark.parametrize(("method", "keep"), [("care", 64), ("visionzip", 32)])
@@ -175,8 +230,8 @@ def test_model_args_are_checked_before_loading() -> None:
 def test_model_ids_check_the_backbone_family(llava: Any) -> None:
     spec = EvalSpec(pretrained="tiny-llava", method="care", keep=8)
     with pytest.raises(ModelArgsError, match=r"care_qwen2_5_vl.*llava-1\.5 model.*model id 'care_llava'"):
-        plugin.CareQwen2_5_VL.from_spec(spec, llava)
-    assert plugin.CareLlava.from_spec(spec, llava).adapter is llava
+        plugin.model_class("care_qwen2_5_vl").from_spec(spec, llava)
+    assert plugin.model_class("care_llava_next").from_spec(spec, llava).adapter is llava
 
 
 def test_loglikelihood_tasks_are_refused_in_one_line(llava: Any) -> None:

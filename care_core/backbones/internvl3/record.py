@@ -56,4 +56,5 @@ FAMILY = BackboneFamily(
     ),
     flops_specs=(INTERNVL3_8B,),
     flops_config="care_core.backbones.internvl3.flops_config:spec_from_config",
+    lmms_eval_aliases=("care_internvl3",),
 )  # fmt: skip

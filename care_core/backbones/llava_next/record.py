@@ -47,4 +47,5 @@ FAMILY = BackboneFamily(
     ),
     flops_specs=(LLAVA_NEXT_7B, LLAVA_NEXT_13B),
     flops_config="care_core.backbones.llava_next.flops_config:spec_from_config",
+    lmms_eval_aliases=("care_llava_next",),
 )  # fmt: skip

@@ -49,4 +49,5 @@ FAMILY = BackboneFamily(
     ),
     flops_specs=(LLAVA_ONEVISION_7B,),
     flops_config="care_core.backbones.llava_onevision.flops_config:spec_from_config",
+    lmms_eval_aliases=("care_llava_onevision",),
 )  # fmt: skip
