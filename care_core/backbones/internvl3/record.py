@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.internvl3.demo"
 _INTERNVL_GEOMETRY = (
     "InternVL3 geometry (InternViT 448/14, pixel shuffle 0.5: 256 tokens per tile, 1-12 tiles + thumbnail)"
 )
@@ -20,4 +20,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-internvl3-random", 1, "internvl3", f"{_DEMO}:build_tiny_internvl3",
                      f"{_INTERNVL_GEOMETRY}, tiny random weights; demo only"),
     ),
+    full_size=FullSizeModel(image_side_px=672, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

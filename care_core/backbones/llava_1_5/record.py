@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from care_core.backbones.families import DEFAULT_DEMO, BackboneFamily, DemoBackbone
+from care_core.backbones.families import DEFAULT_DEMO, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.llava_1_5.demo"
 _LLAVA_GEOMETRY = "LLaVA-1.5 geometry (CLIP-336/14, 576 tokens)"
 
 FAMILY = BackboneFamily(
@@ -18,4 +18,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-llava-random", 2, "llava-1.5", f"{_DEMO}:build_tiny_llava",
                      f"{_LLAVA_GEOMETRY}, tiny random weights; demo only"),
     ),
+    full_size=FullSizeModel(image_side_px=336, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

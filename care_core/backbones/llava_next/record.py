@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.llava_next.demo"
 _NEXT_GEOMETRY = "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672)"
 
 FAMILY = BackboneFamily(
@@ -19,4 +19,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-llava-next-random", 1, "llava-next", f"{_DEMO}:build_tiny_llava_next",
                      f"{_NEXT_GEOMETRY}, tiny random weights; demo only"),
     ),
+    full_size=FullSizeModel(image_side_px=672, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

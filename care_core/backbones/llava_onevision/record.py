@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.llava_onevision.demo"
 _ONEVISION_GEOMETRY = "LLaVA-OneVision geometry (SigLIP-384/14, no CLS, anyres_max_9 pinpoints, 3645 tokens at 768x768)"
 
 FAMILY = BackboneFamily(
@@ -18,4 +18,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-llava-onevision-random", 1, "llava-onevision", f"{_DEMO}:build_tiny_llava_onevision",
                      f"{_ONEVISION_GEOMETRY}, tiny random weights; demo only"),
     ),
+    full_size=FullSizeModel(image_side_px=768, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.qwen2_5_vl.demo"
 _QWEN25_GEOMETRY = "Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget)"
 
 FAMILY = BackboneFamily(
@@ -19,4 +19,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-qwen2.5-vl-random", 1, "qwen2.5-vl", f"{_DEMO}:build_tiny_qwen2_5_vl",
                      f"{_QWEN25_GEOMETRY}, tiny random weights; demo only"),
     ),
+    full_size=FullSizeModel(image_side_px=1008, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

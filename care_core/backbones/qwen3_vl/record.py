@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.qwen3_vl.demo"
 _QWEN3_GEOMETRY = (
     "Qwen3-VL geometry (patch 16, 2x2 merge, resize factor 32, deepstack at 2 of 4 vision blocks, hub pixel budget)"
 )
@@ -20,4 +20,5 @@ FAMILY = BackboneFamily(
         DemoBackbone("tiny-qwen3-vl-random", 1, "qwen3-vl", f"{_DEMO}:build_tiny_qwen3_vl",
                      f"{_QWEN3_GEOMETRY}, tiny random weights; demo only"),
     ),
+    full_size=FullSizeModel(image_side_px=1024, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip
