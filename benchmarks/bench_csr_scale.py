@@ -81,8 +81,9 @@ def make_pairs(folder: Path, count: int) -> Path:
 def build_model(folder: Path, device: str, tiny: bool) -> dict[str, Any]:
     """LLaVA-NeXT-7B (CLIP-L/336 + Vicuna-7B shapes), seeded random weights, bf16 on CUDA, saved to ``folder``."""
     from benchmarks.models import save_random_model
+    from care_core.backbones.llava_next.demo import build_llava_next_7b
 
-    return save_random_model("build_llava_next", folder, device, tiny)
+    return save_random_model(build_llava_next_7b, folder, device, tiny)
 
 
 def care_csr(

@@ -12,12 +12,13 @@ with K = floor(N/9), each with its stages per sample.
     python -m benchmarks.bench_eval_gpu --tiny --quick --device cpu   # smoke test of the benchmark (tiny widths)
 
 What it does, per backbone (``--backbones``):
-1. builds it (CLIP-L/336 24 layers, Vicuna-7B; NeXT with anyres pinpoints; ``benchmarks.models``) with seeded random
-   weights directly on the GPU, and saves it with ``save_pretrained`` (model + processor) to a local folder, so
-   that ``--model <folder>`` loads it like any checkpoint. Its stand-in tokenizer (``--tokenizer``) gives the task's
-   prompts the row counts of the real checkpoints' Llama 2 tokenizer, 29-30 text rows (default ``llama-pieces``:
-   the byte tokenizer of the demos knowing that tokenizer's pieces of these prompts,
-   ``benchmarks.models.LLAMA_POPE_PIECES``; other text stays bytes), or spells each byte as a row, 96-102
+1. builds it (CLIP-L/336 24 layers, Vicuna-7B; NeXT with anyres pinpoints; the family's builder in
+   ``care_core.backbones.<family>.demo``) with seeded random weights directly on the GPU, and saves it with
+   ``save_pretrained`` (model + processor) to a local folder, so that ``--model <folder>`` loads it like any
+   checkpoint. Its stand-in tokenizer (``--tokenizer``) gives the task's prompts the row counts of the real
+   checkpoints' Llama 2 tokenizer, 29-30 text rows (default ``llama-pieces``: the byte tokenizer of the demos knowing
+   that tokenizer's pieces of these prompts, ``care_core.backbones.full_size_parts.LLAMA_POPE_PIECES``; other text
+   stays bytes), or spells each byte as a row, 96-102
    (``bytes``, the tokenizer of every figure of this benchmark recorded before 2026-11-27 night);
 2. times the image preprocessing before the vision tower: the saved folder's image processor (loaded alone, no
    model) on 16 task images through ``care_core.backbones.chat_adapter.preprocess_images``, the function
@@ -79,7 +80,10 @@ from benchmarks.common import (
     print_table,
     say,
 )
-from benchmarks.models import TASK_TOKENIZER, TOKENIZER_PIECES
+from benchmarks.models import Builder
+from care_core.backbones.full_size_parts import TASK_TOKENIZER, TOKENIZER_PIECES
+from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b
+from care_core.backbones.llava_next.demo import build_llava_next_7b
 
 TASK = EXAMPLES / "tasks" / "care_pope_examples"
 PREPROCESS_IMAGES = 16  # images per timed preprocessing call (a batch of the size auto picks at the least)
@@ -90,12 +94,12 @@ PREPROCESS_REPS = 3
 class Backbone:
     """One benchmarked backbone: how it is built, CaRe's budget and the issue's targets.
 
-    ``builder``: a LLaVA builder of benchmarks.models (it takes the stand-in tokenizer), or None for ``family``'s
+    ``builder``: a LLaVA-7B builder (it takes the stand-in tokenizer), or None for ``family``'s
     full-size model (``benchmarks.models.FULL_SIZE``, the latency gate's; the byte tokenizer). ``side``: the task's
     images resized to this square side (the gate's), None: as shipped. ``keep``: K, None for floor(N/9) at ``side``.
     """
 
-    builder: str | None
+    builder: Builder | None
     keep: int | None
     min_samples_per_s: float | None  # CaRe's rate on one GPU
     min_speedup: float | None  # CaRe / all tokens at the same batch size; None: reported only
@@ -104,8 +108,8 @@ class Backbone:
 
 
 BACKBONES = {
-    "llava-next-7b": Backbone("build_llava_next", keep=160, min_samples_per_s=35.0, min_speedup=3.0),
-    "llava-1.5-7b": Backbone("build_llava", keep=64, min_samples_per_s=None, min_speedup=2.0),
+    "llava-next-7b": Backbone(build_llava_next_7b, keep=160, min_samples_per_s=35.0, min_speedup=3.0),
+    "llava-1.5-7b": Backbone(build_llava_1_5_7b, keep=64, min_samples_per_s=None, min_speedup=2.0),
     "llava-onevision-7b": Backbone(None, None, None, 1.5, family="llava-onevision", side=768),
     "qwen2.5-vl-7b": Backbone(None, None, None, None, family="qwen2.5-vl", side=1008),
     "qwen3-vl-8b": Backbone(None, None, None, None, family="qwen3-vl", side=1024),
@@ -195,12 +199,12 @@ def saved_processor(folder: Path, name: str) -> Any:
     from transformers import AutoProcessor
 
     from benchmarks.models import FULL_SIZE
-    from care_core import backbones
+    from care_core.backbones.families import import_path
 
     family = BACKBONES[name].family
     if family is None:
         return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
-    return getattr(backbones, FULL_SIZE[family].adapter)._load_processor(folder)
+    return import_path(FULL_SIZE[family].adapter)._load_processor(folder)
 
 
 def time_preprocessing(folder: Path, name: str) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import EXAMPLES, say
-from benchmarks.models import build_llava, build_llava_next
+from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b
+from care_core.backbones.llava_next.demo import build_llava_next_7b
 
 QUESTION = "What is in this image? Answer in a few words."
 BUDGETS = {"llava-1.5-7b": (192, 128, 64), "llava-next-7b": (640, 320, 160)}
@@ -78,13 +79,13 @@ def build_workloads(device: torch.device, tiny: bool, quick: bool) -> list[Workl
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     photo = Image.open(EXAMPLES / "astronaut.jpg").convert("RGB")
-    model, processor = build_llava(device, dtype, tiny)
+    model, processor = build_llava_1_5_7b(device, dtype, tiny)
     adapter = LlavaAdapter(model, processor, name="llava-1.5-7b (random weights)")
     say(f"LLaVA-1.5-7B built; attention {model.config.text_config._attn_implementation}")
     out = [Workload("llava-1.5-7b", adapter, photo, adapter.encode_image(photo), BUDGETS["llava-1.5-7b"], {})]
     if quick:
         return out
-    model, processor = build_llava_next(device, dtype, tiny)
+    model, processor = build_llava_next_7b(device, dtype, tiny)
     adapter = LlavaNextAdapter(model, processor, name="llava-next-7b (random weights)")
     big = photo.resize((672, 672))
     skip = {"pool": "pool needs one raster grid"}

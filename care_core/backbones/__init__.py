@@ -13,7 +13,14 @@ from care_core._lazy import lazy_exports
 if TYPE_CHECKING:
     from .base import ImageTokens, VLMAdapter
     from .demo import DEMO_BACKBONES, ensure_demo
-    from .families import BackboneFamily, DemoBackbone, backbone_family, register_family, unregister_family
+    from .families import (
+        BackboneFamily,
+        DemoBackbone,
+        FullSizeModel,
+        backbone_family,
+        register_family,
+        unregister_family,
+    )
     from .internvl3.adapter import InternVLAdapter
     from .llava_1_5.adapter import LlavaAdapter
     from .llava_next.adapter import LlavaNextAdapter
@@ -29,6 +36,7 @@ _HOMES = {
     "ensure_demo": "demo",
     "BackboneFamily": "families",
     "DemoBackbone": "families",
+    "FullSizeModel": "families",
     "backbone_family": "families",
     "register_family": "families",
     "unregister_family": "families",
@@ -49,6 +57,7 @@ __all__ = [
     "DEMO_BACKBONES",
     "BackboneFamily",
     "DemoBackbone",
+    "FullSizeModel",
     "ImageTokens",
     "InternVLAdapter",
     "LlavaAdapter",

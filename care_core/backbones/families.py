@@ -2,9 +2,10 @@
 
 A record says how the family is spelled (its one user-facing name, e.g. ``llava-1.5``), which ``config.json``
 ``model_type`` values it loads, which adapter class wraps it (a lazy ``module:attribute`` path), what its
-vision tokens offer the methods (a CLS token, one raster grid), its embedded demos, its ``care flops`` specs and
-its lmms-eval model id. The loader, the methods (:meth:`care_core.methods.Method.serves`), ``care flops``, the
-demos, the lmms-eval plugin and the CLI read these records; nothing else lists families.
+vision tokens offer the methods (a CLS token, one raster grid), its embedded demos, its ``care flops`` specs, its
+lmms-eval model id and how the GPU benchmarks build it at full size. The loader, the methods
+(:meth:`care_core.methods.Method.serves`), ``care flops``, the demos, the lmms-eval plugin, the CLI and the
+benchmarks read these records; nothing else lists families.
 
 The families shipped with care are found, not listed: every sub-package of ``care_core.backbones`` with a
 ``record`` module registers its family when that module is imported, on the registry's first read. A family
@@ -110,6 +111,17 @@ class DemoBackbone:
 
 
 @dataclass(frozen=True)
+class FullSizeModel:
+    """How the GPU benchmarks (``benchmarks/models.py``) build the family at full size: the widths of its
+    :attr:`BackboneFamily.flops_spec`, seeded random weights, built directly on the device."""
+
+    image_side_px: int  # the square image side the latency gate feeds it
+    #: "module:function", function(spec, device, dtype, tiny) -> (model, processor), with ``spec`` the flops spec
+    #: (care_core.architecture.BackboneSpec) and ``tiny`` the same geometry at small widths; imported only when built
+    builder: str
+
+
+@dataclass(frozen=True)
 class BackboneFamily:
     """Everything care knows about one backbone family, in one place."""
 
@@ -132,6 +144,8 @@ class BackboneFamily:
     flops_config: str | None = None
     #: more names lmms-eval accepts for :attr:`lmms_eval_model` (e.g. ``care_llava_next`` for ``care_llava``)
     lmms_eval_aliases: tuple[str, ...] = ()
+
+    full_size: FullSizeModel | None = None  # the GPU benchmarks' full-size model (None: the family has none)
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.flops_specs]

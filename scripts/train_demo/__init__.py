@@ -10,7 +10,7 @@ own generate path, and write the weights to ship.
 Run from the repository root (as a module: it imports care_core and ``benchmarks.demo_world`` from there). A progress
 bar shows every phase; Ctrl-C stops with one line saying what was saved, and exit code 130. Backbones: the demos whose
 registry record names a weights file; the model starts from the record's trained skeleton
-(``DemoBackbone.build_trained``, :data:`~care_core.backbones.demo.TRAINED_SIZES`).
+(``DemoBackbone.build_trained``, :data:`~care_core.backbones.tiny_parts.TRAINED_SIZES`).
 
 Recipe (seeded, one command). 24,000 scenes of split seed 0 (held-out questions: split seed 1) at the world's mix of
 image sizes (``--size mixed``; ``--size HxW`` for one size) are drawn by worker processes and kept as the processor's

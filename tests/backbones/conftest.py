@@ -18,8 +18,8 @@ from care_core.backbones import (
     load_backbone,
 )
 from care_core.backbones._hf import quiet_transformers
-from care_core.backbones.demo import build_tiny_llava
 from care_core.backbones.internvl3.adapter import InternVLAdapter
+from care_core.backbones.llava_1_5.demo import build_tiny_llava
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,13 +19,12 @@ from care_core.backbones.demo import (
     MARKER,
     RANDOM_DEMO_NOTE,
     TRAINED_DEMO_NOTE,
-    TRAINED_SIZES,
     WEIGHTS_DIR,
-    build_byte_tokenizer,
     file_sha256,
     read_manifest,
 )
 from care_core.backbones.probes import VISION_PROBES
+from care_core.backbones.tiny_parts import TRAINED_SIZES, build_byte_tokenizer
 from care_core.errors import CareError, MethodError, ModelLoadError
 from care_core.methods import MethodInputs
 from care_core.methods.registry import build_method, method_names

@@ -15,7 +15,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from care_core.backbones import packed_attention
-from care_core.backbones.demo import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl
 from care_core.backbones.packed_attention import (
     PACKED_ATTENTION,
     packed_sdpa_attention,
@@ -24,6 +23,8 @@ from care_core.backbones.packed_attention import (
     use_packed_vision_attention,
 )
 from care_core.backbones.probes import attention_settings
+from care_core.backbones.qwen2_5_vl.demo import build_tiny_qwen2_5_vl
+from care_core.backbones.qwen3_vl.demo import build_tiny_qwen3_vl
 
 from ._helpers import noise_image
 

@@ -1,5 +1,6 @@
-"""The benchmark models' stand-in tokenizers: the POPE-style task's prompts get the row counts the real checkpoints'
-tokenizer gives them (read with the Llama 2 tokenizer itself, not with this code), or one row per byte."""
+"""The benchmark models: the stand-in tokenizers (the POPE-style task's prompts get the row counts the real
+checkpoints' tokenizer gives them, read with the Llama 2 tokenizer itself, not with this code, or one row per byte),
+and the full-size table, derived from the family records, at the flops specs' widths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import torch
 import yaml
 
 from benchmarks.bench_eval_gpu import TASK, task_rows
-from benchmarks.models import build_llava, build_llava_next
+from benchmarks.models import FULL_SIZE, full_size_models
+from care_core.backbones.families import BackboneFamily, FullSizeModel, backbone_family, families, register_family
+from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b as build_llava
+from care_core.backbones.llava_next.demo import build_llava_next_7b as build_llava_next
+from care_core.flops.specs import KNOWN_BACKBONES
 
 # text rows (with <s>, without the image) of the 12 task prompts under the Llama 2 tokenizer (Vicuna v1.5's), counted
 # with llama-tokenizer-js 1.2.2 on 2026-11-27: the same under both chat templates; the spoon question takes 30
@@ -48,3 +53,48 @@ def test_the_task_prompts_get_the_real_tokenizers_row_counts_with_its_pieces(bui
     _, plain = builder(torch.device("cpu"), torch.float32, tiny=True)
     counts, texts = _text_rows(plain)
     assert counts == [1 + len(t.replace("<image>", "").encode()) for t in texts]  # <s> and one row per byte
+
+
+#: the square image side the latency gate feeds each family (issue #47's table)
+GATE_SIDES = {"llava-1.5": 336, "llava-next": 672, "llava-onevision": 768, "qwen2.5-vl": 1008, "qwen3-vl": 1024,
+              "internvl3": 672}  # fmt: skip
+
+
+def test_the_full_size_table_is_every_family_whose_record_has_one() -> None:
+    assert set(FULL_SIZE) == {family.name for family in families() if family.full_size is not None}
+    assert {name: entry.side for name, entry in FULL_SIZE.items()} == GATE_SIDES
+    assert all(FULL_SIZE[name].spec == backbone_family(name).flops_spec for name in GATE_SIDES)
+
+
+def _plug_in_builder(spec: Any, device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[Any, Any]:
+    return ("model", spec.name, device.type, dtype, tiny), "processor"
+
+
+def test_a_registered_family_gets_its_full_size_model_from_its_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core.backbones import families as registry
+
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))  # the registration ends with the test
+    monkeypatch.setattr(registry, "_KEYS", dict(registry._KEYS))
+    register_family(BackboneFamily(name="test-plug-in", display="T", model_types=("test_plug_in",), adapter="x:Y",
+                                   has_cls_token=False, single_grid=True, crops=False, flops_spec="qwen3-vl-8b",
+                                   lmms_eval_model="care", full_size=FullSizeModel(
+                                       image_side_px=512, builder=f"{__name__}:_plug_in_builder")))  # fmt: skip
+    entry = full_size_models()["test-plug-in"]
+    assert (entry.spec, entry.side, entry.adapter) == ("qwen3-vl-8b", 512, "x:Y")
+    built = entry.build(torch.device("cpu"), torch.float16, tiny=True)
+    assert built == (("model", "qwen3-vl-8b", "cpu", torch.float16, True), "processor")
+
+
+@pytest.mark.parametrize("family", sorted(GATE_SIDES))
+def test_each_full_size_model_has_its_flops_specs_widths(family: str) -> None:
+    """Built on the meta device (shapes only): the language model's and the vision tower's sizes are the spec's."""
+    entry = FULL_SIZE[family]
+    model, _ = entry.build(torch.device("meta"), torch.bfloat16)
+    spec = KNOWN_BACKBONES[entry.spec]
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.num_attention_heads,
+            text.num_key_value_heads, text.vocab_size) == (spec.lm.hidden, spec.lm.intermediate, spec.lm.layers,
+                                                           spec.lm.heads, spec.lm.kv_heads, spec.lm.vocab)  # fmt: skip
+    depth = getattr(vision, "depth", None) or vision.num_hidden_layers
+    assert (vision.hidden_size, vision.intermediate_size, depth) == (spec.vision.hidden, spec.vision.intermediate,
+                                                                     spec.vision.layers)  # fmt: skip

@@ -14,7 +14,7 @@ from care_cli.io import load_image
 from care_core import CaReConfig, care_reduce
 from care_core.backbones import LlavaAdapter
 from care_core.backbones._hf import quiet_transformers
-from care_core.backbones.demo import build_tiny_llava
+from care_core.backbones.llava_1_5.demo import build_tiny_llava
 from tests.backbones._helpers import hub_key
 
 

@@ -13,9 +13,9 @@ per tile), ``vision_feature_layer`` -1; LM Qwen2.5-7B: L=28, H=3584, I=18944, 28
 from __future__ import annotations
 
 from care_core.architecture import BackboneSpec, LanguageModelSpec, ProjectorSpec, VisionSpec
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.internvl3.demo"
 _INTERNVL_GEOMETRY = (
     "InternVL3 geometry (InternViT 448/14, pixel shuffle 0.5: 256 tokens per tile, 1-12 tiles + thumbnail)"
 )
@@ -57,4 +57,5 @@ FAMILY = BackboneFamily(
     flops_specs=(INTERNVL3_8B,),
     flops_config="care_core.backbones.internvl3.flops_config:spec_from_config",
     lmms_eval_aliases=("care_internvl3",),
+    full_size=FullSizeModel(image_side_px=672, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from care_core.architecture import BackboneSpec
 from care_core.backbones.common_specs import CLIP_L336, VICUNA_7B, VICUNA_13B, llava_projector
-from care_core.backbones.families import DEFAULT_DEMO, BackboneFamily, DemoBackbone
+from care_core.backbones.families import DEFAULT_DEMO, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.llava_1_5.demo"
 _LLAVA_GEOMETRY = "LLaVA-1.5 geometry (CLIP-336/14, 576 tokens)"
 
 #: the paper's budgets (K) at N = 576
@@ -44,4 +44,5 @@ FAMILY = BackboneFamily(
     ),
     flops_specs=(LLAVA_15_7B, LLAVA_15_13B),
     flops_config="care_core.backbones.llava_1_5.flops_config:spec_from_config",
+    full_size=FullSizeModel(image_side_px=336, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from care_core.architecture import BackboneSpec
 from care_core.backbones.common_specs import CLIP_L336, VICUNA_7B, VICUNA_13B, llava_projector
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.llava_next.demo"
 _NEXT_GEOMETRY = "LLaVA-NeXT geometry (CLIP-336/14, anyres pinpoints, 2880 tokens at 672x672)"
 
 PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
@@ -48,4 +48,5 @@ FAMILY = BackboneFamily(
     flops_specs=(LLAVA_NEXT_7B, LLAVA_NEXT_13B),
     flops_config="care_core.backbones.llava_next.flops_config:spec_from_config",
     lmms_eval_aliases=("care_llava_next",),
+    full_size=FullSizeModel(image_side_px=672, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

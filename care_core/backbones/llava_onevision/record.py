@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from care_core.architecture import BackboneSpec, LanguageModelSpec, VisionSpec
 from care_core.backbones.common_specs import llava_projector
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.llava_onevision.demo"
 _ONEVISION_GEOMETRY = "LLaVA-OneVision geometry (SigLIP-384/14, no CLS, anyres_max_9 pinpoints, 3645 tokens at 768x768)"
 
 QWEN2_7B = LanguageModelSpec(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064)
@@ -50,4 +50,5 @@ FAMILY = BackboneFamily(
     flops_specs=(LLAVA_ONEVISION_7B,),
     flops_config="care_core.backbones.llava_onevision.flops_config:spec_from_config",
     lmms_eval_aliases=("care_llava_onevision",),
+    full_size=FullSizeModel(image_side_px=768, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

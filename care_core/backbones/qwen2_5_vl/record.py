@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from care_core.architecture import BackboneSpec, LanguageModelSpec, VisionSpec
 from care_core.backbones.common_specs import qwen_merger
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.qwen2_5_vl.demo"
 _QWEN25_GEOMETRY = "Qwen2.5-VL geometry (patch 14, 2x2 merge, window 112, hub pixel budget)"
 
 QWEN_VIT = VisionSpec(kind="qwen2.5-vit", layers=32, hidden=1280, intermediate=3420, heads=16, patch_size=14,
@@ -56,4 +56,5 @@ FAMILY = BackboneFamily(
     ),
     flops_specs=(QWEN25_VL_3B, QWEN25_VL_7B),
     flops_config="care_core.backbones.qwen2_5_vl.flops_config:spec_from_config",
+    full_size=FullSizeModel(image_side_px=1008, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip

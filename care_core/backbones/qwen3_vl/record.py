@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from care_core.architecture import BackboneSpec, LanguageModelSpec, VisionSpec
 from care_core.backbones.common_specs import qwen_merger
-from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 
-_DEMO = "care_core.backbones.demo"
+_DEMO = "care_core.backbones.qwen3_vl.demo"
 _QWEN3_GEOMETRY = (
     "Qwen3-VL geometry (patch 16, 2x2 merge, resize factor 32, deepstack at 2 of 4 vision blocks, hub pixel budget)"
 )
@@ -53,4 +53,5 @@ FAMILY = BackboneFamily(
     ),
     flops_specs=(QWEN3_VL_8B,),
     flops_config="care_core.backbones.qwen3_vl.flops_config:spec_from_config",
+    full_size=FullSizeModel(image_side_px=1024, builder=f"{_DEMO}:build_full_size"),
 )  # fmt: skip
