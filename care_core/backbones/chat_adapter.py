@@ -19,6 +19,7 @@ from ..images import to_rgb
 from ..vocabulary import DEFAULT_QUESTION
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_on_host
+from .families import import_path
 from .module_attrs import submodule, typed_attr
 from .preprocess_pool import ProcessorPool, process_image
 from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
@@ -144,7 +145,9 @@ class ChatAdapter(VLMAdapter):
     """
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
-    model_class: str  # the transformers class that loads this family, e.g. "LlavaForConditionalGeneration"
+    #: the class that loads this family: a transformers name ("LlavaForConditionalGeneration") or, for a model class
+    #: defined outside transformers (a plug-in's), a "module:Class" path
+    model_class: str
     #: "module:Class" of an image-only processor to load instead of AutoProcessor's (which would need torchvision for
     #: the family's video part); None: AutoProcessor
     image_only_processor: ClassVar[str | None] = None
@@ -186,8 +189,6 @@ class ChatAdapter(VLMAdapter):
         """The folder's processor (tokenizer + image processor); offline. Families whose transformers processor needs
         a video processor (torchvision) name an image-only one in :attr:`image_only_processor`."""
         if cls.image_only_processor is not None:
-            from .families import import_path
-
             return import_path(cls.image_only_processor).from_pretrained(str(folder), local_files_only=True)
         from transformers import AutoProcessor
 
@@ -218,7 +219,8 @@ class ChatAdapter(VLMAdapter):
                     f"cannot load the processor (tokenizer, image processor config) from {folder}: "
                     f"{type(exc).__name__}: {detail}"
                 ) from exc
-            model = getattr(transformers, cls.model_class).from_pretrained(str(folder), **kwargs)
+            loader = import_path(cls.model_class) if ":" in cls.model_class else getattr(transformers, cls.model_class)
+            model = loader.from_pretrained(str(folder), **kwargs)
             model = model.to(device).eval()
             model.requires_grad_(False)
         return cls(model, processor, name=name, is_demo=is_demo)  # type: ignore[call-arg]  # the subclasses' constructor

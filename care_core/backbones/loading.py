@@ -256,9 +256,10 @@ def adapter_for_model(model: Any, processor: Any, *, name: str | None = None) ->
         raise ModelLoadError(f"care cannot reduce the tokens of model type {model_type!r} (supported: {supported})")
     adapter_cls: Any = adapter_class(model_type)
     classes = {klass.__name__ for klass in type(model).__mro__}
-    if adapter_cls.model_class not in classes:
+    wanted = adapter_cls.model_class.rpartition(":")[2]  # a transformers name, or a plug-in's "module:Class"
+    if wanted not in classes:
         raise ModelLoadError(
-            f"a {model_type} model must be a {adapter_cls.model_class} (the class with generate), "
+            f"a {model_type} model must be a {wanted} (the class with generate), "
             f"got {type(model).__name__}"
         )
     if processor is None or getattr(processor, "tokenizer", None) is None:
