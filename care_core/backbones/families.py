@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import json
 import pkgutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +170,9 @@ _KEYS: dict[str, str] = {}  # lower-cased name or model_type -> family name
 #: the package whose sub-packages with a ``record`` module are the shipped families
 FAMILY_PACKAGE = "care_core.backbones"
 RECORD_MODULE = "record"
+#: the entry-point group through which an installed package offers families: each entry names a BackboneFamily
+#: (``[project.entry-points."care.families"] mine = "my_package.record:FAMILY"``)
+PLUGIN_GROUP = "care.families"
 
 
 @functools.cache
@@ -180,10 +185,35 @@ def shipped_records() -> tuple[str, ...]:
                  if (folder / name / f"{RECORD_MODULE}.py").is_file())  # fmt: skip
 
 
+@functools.cache
+def installed_plugins() -> tuple[BackboneFamily, ...]:
+    """The families installed packages offer through :data:`PLUGIN_GROUP`, loaded once per process. An entry that
+    fails to load, or names no :class:`BackboneFamily`, is skipped with a one-line warning: one broken plug-in must
+    not take the shipped families with it."""
+    found = []
+    for entry in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        try:
+            family = entry.load()
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(f"care: backbone plug-in {entry.name!r} ({entry.value}) failed to load: {reason}",
+                          stacklevel=2)  # fmt: skip
+            continue
+        if not isinstance(family, BackboneFamily):
+            warnings.warn(f"care: backbone plug-in {entry.name!r} ({entry.value}) is not a BackboneFamily",
+                          stacklevel=2)  # fmt: skip
+            continue
+        found.append(family)
+    return tuple(found)
+
+
 def _discover_shipped() -> None:
-    """Register each shipped family's ``FAMILY`` record that is not registered yet."""
+    """Register each shipped family's ``FAMILY`` record, then each installed plug-in's, where not registered yet."""
     for module in shipped_records():
         family: BackboneFamily = importlib.import_module(module).FAMILY
+        if family.name not in _FAMILIES:
+            register_family(family)
+    for family in installed_plugins():
         if family.name not in _FAMILIES:
             register_family(family)
 

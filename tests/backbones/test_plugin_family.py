@@ -9,7 +9,9 @@ lmms-eval model id of its own.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from PIL import Image
 from transformers import LlavaConfig, LlavaForConditionalGeneration
 
 import care_core
+from care_core.backbones import families
 from care_core.backbones.families import (
     BackboneFamily,
     DemoBackbone,
@@ -136,3 +139,38 @@ def test_care_methods_lists_the_plugin_family(care: Any, toy_family: BackboneFam
         assert refused["not_served"]["toy-vl-no-cls"] == "the vision tower's CLS token"
     finally:
         unregister_family("toy-vl-no-cls")
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, *entries: importlib.metadata.EntryPoint) -> None:
+    """Installed packages offering ``entries`` in the plug-in group (and nothing else), read afresh."""
+    real = importlib.metadata.entry_points
+
+    def entry_points(**selection: Any) -> Any:
+        if selection.get("group") == families.PLUGIN_GROUP:
+            return importlib.metadata.EntryPoints(entries)
+        return real(**selection)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    families.installed_plugins.cache_clear()
+
+
+def test_an_installed_packages_family_is_found_through_its_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A package that names a BackboneFamily in the ``care.families`` entry-point group is served with no call at
+    all; a broken entry is skipped with one warning line, the shipped families kept."""
+    toy = BackboneFamily(name=NAME, display="Toy-VL", model_types=(MODEL_TYPE,), adapter=f"{__name__}:ToyVLAdapter",
+                         has_cls_token=True, single_grid=True, crops=False, flops_spec="", lmms_eval_model=LMMS_ID,
+                         rank=999)  # fmt: skip
+    monkeypatch.setattr(sys.modules[__name__], "INSTALLED_TOY", toy, raising=False)
+    group = families.PLUGIN_GROUP
+    good = importlib.metadata.EntryPoint("toy", f"{__name__}:INSTALLED_TOY", group)
+    broken = importlib.metadata.EntryPoint("broken", "no_such_module_here:FAMILY", group)
+    _installed(monkeypatch, good, broken)
+    try:
+        with pytest.warns(UserWarning, match=r"backbone plug-in 'broken' \(no_such_module_here:FAMILY\) failed"):
+            names = family_names()
+        assert names[-1] == NAME and "llava-1.5" in names
+        assert backbone_family(MODEL_TYPE) is toy
+    finally:
+        if NAME in family_names():
+            unregister_family(NAME)
+        _installed(monkeypatch)
