@@ -10,7 +10,7 @@ benchmarks read these records; nothing else lists families.
 The families shipped with care are found, not listed: every sub-package of ``care_core.backbones`` with a
 ``record`` module registers its family when that module is imported, on the registry's first read. A family
 defined elsewhere (a user's plug-in, a test) calls :func:`register_family` itself and is served the same way.
-How to add one: docs/design/backbones.md §Adding a family.
+How to add one: docs/design/families.md §Adding a family.
 
 This module imports neither torch nor transformers (``care --help`` reads the demo names from it).
 """
