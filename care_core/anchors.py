@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from care_core import kernels
-from care_core.kernels import Kernel, KernelGate, as_gate
+from care_core.kernels import dispatch
+from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
 from care_core.kernels.shapes import GREEDY_MAX_TOKENS
 from care_core.precision import matmul_precision
 
@@ -53,7 +53,7 @@ def diversity_greedy(
         unit = unit_rows(features, eps)
         with matmul_precision(allow_tf32=False):
             gram = unit @ unit.T
-        order = gate.attempt("greedy", lambda: kernels.greedy_order(weights, gram, k))
+        order = gate.attempt("greedy", lambda: dispatch.greedy_order(weights, gram, k))
         if order is not None:
             return order
     unit = unit_rows(features, eps)

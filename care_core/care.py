@@ -24,7 +24,7 @@ from care_core.scoring import (
 )
 
 if TYPE_CHECKING:
-    from care_core.kernels import KernelGate
+    from care_core.kernels.dispatch import KernelGate
 
 StageTimer = Callable[[str], AbstractContextManager[object]]
 STAGES = ("scoring", "anchors", "calibration")

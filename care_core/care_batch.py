@@ -19,7 +19,7 @@ from care_core.care import (
 )
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError
-from care_core.kernels import KernelGate
+from care_core.kernels.dispatch import KernelGate
 from care_core.methods.base import MethodInputs, memo_orders
 from care_core.precision import compute_dtype, matmul_precision
 from care_core.scoring import Projector, Scorer, influence_scores, robust_zscores

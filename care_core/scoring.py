@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from care_core import kernels, norm_first
+from care_core import norm_first
 from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, row_groups, two_pass_chunk, two_pass_rows
 from care_core._chunks import chunk_size as _chunk_size
 from care_core._memo import remember
-from care_core.kernels import Kernel, KernelGate, as_gate
+from care_core.kernels import dispatch
+from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
 from care_core.kernels.shapes import jvp_shape_supported, norm_first_shape_supported
 from care_core.norm_first import NormFirstMLP
 from care_core.precision import matmul_precision
@@ -278,7 +279,7 @@ def _jvp_mlp(
     applies = _fused_jvp_applies(features, w2, low, tf32, gate.kernel, upper=upper)
     if gate.choose("jvp", features.device, applies=applies) == "fused":
         triangle = {"upper": True} if upper else {}  # the dense call keeps the kernel's plain signature
-        fused = gate.attempt("jvp", lambda: kernels.jvp_norms(slope, lifted, w2, bf16=low is not None, **triangle))
+        fused = gate.attempt("jvp", lambda: dispatch.jvp_norms(slope, lifted, w2, bf16=low is not None, **triangle))
         if fused is not None:
             return fused.to(features.dtype)
     if low is not None:
@@ -367,14 +368,14 @@ def _fused_norm_first_applies(
 def _fused_norm_first(
     prepared: norm_first.FirstLayer, slope: torch.Tensor, second: torch.Tensor, low: torch.dtype | None, upper: bool
 ) -> torch.Tensor:
-    """:func:`care_core.kernels.norm_first_norms` on the first layer's products: the per-block corrections
+    """:func:`care_core.kernels.dispatch.norm_first_norms` on the first layer's products: the per-block corrections
     W2 (slope_i ⊙ p_bi) made here (blocks / m of the kernel's work), at the kernel's precision."""
     blocks, n, hidden = prepared.partial.shape
     flat = (slope[None] * prepared.partial).reshape(-1, hidden)
     weight = second if low is None else second.to(low)
     flat = flat if low is None else flat.to(low)
     corrections = (_upper_products(flat, weight) if upper else flat @ weight.T).float().view(blocks, n, -1)
-    return kernels.norm_first_norms(slope, prepared.lifted, prepared.inverse, prepared.coef, corrections, second,
+    return dispatch.norm_first_norms(slope, prepared.lifted, prepared.inverse, prepared.coef, corrections, second,
                                     bf16=low is not None, upper=upper)  # fmt: skip
 
 
@@ -622,7 +623,7 @@ class Scorer:
     own error against float64 (about 1e-4 and 1e-2 relative) and R's is no larger than W2's. psi_bar
     inherits that error (amplified by the robust z-scores' 1 / MAD), so anchors and signals are the
     dense path's wherever the greedy's margins exceed it -- always in float64 on well-separated tokens;
-    in tf32/bf16 near-ties may swap as they do between any two kernels.
+    in tf32/bf16 near-ties may swap as they do between any two dispatch.
 
     Staleness: the prepared copy and the factor are tied to the projector's weights. Every call
     compares a fingerprint of its parameters (data pointer, dtype, device and version counter, which

@@ -18,7 +18,7 @@ from benchmarks.gpu.context import M_DIRECTIONS
 from care_core import CaReConfig, care_reduce
 from care_core.anchors import diversity_greedy
 from care_core.care import resolve_directions
-from care_core.kernels import Kernel
+from care_core.kernels.dispatch import Kernel
 from care_core.precision import matmul_precision
 from care_core.scoring import Scorer, influence_scores, perturbation_responses, robust_zscores
 

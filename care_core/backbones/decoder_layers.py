@@ -10,9 +10,10 @@ graph, and without graphs their launches from Python do. :func:`layer_forward` c
 
 with n1, n2 the layer's RMSNorms (and Qwen3's per-head q/k norms before the rotation), in two pure pieces around the
 attention: :func:`attention_inputs` (norm, projections, rotation) and :func:`mlp_block` (output projection,
-residuals, norm, MLP). Where Triton runs (:func:`care_core.kernels.why_not_fused`), each piece is compiled once per
-process with ``torch.compile`` (dynamic shapes: one compiled piece serves every batch and prompt length), which fuses
-the norms, the rotation and the gated activation into a few kernels; elsewhere (the CPU) the pieces run as written.
+residuals, norm, MLP). Where Triton runs (:func:`care_core.kernels.dispatch.why_not_fused`), each piece is compiled
+once per process with ``torch.compile`` (batch and rows symbolic: one compiled piece serves every batch and prompt
+length), which fuses the norms, the rotation and the gated activation into a few kernels; elsewhere (the CPU) the
+pieces run as written.
 The cache writes and the attention (``F.scaled_dot_product_attention``, causal over a fresh prompt or with the
 decode step's additive mask) run between them as plain ops.
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import why_not_fused
+from ..kernels.dispatch import why_not_fused
 from .module_attrs import float_attr, optional_tensor_attr, submodule, tensor_attr
 
 #: transformers' RMSNorm classes whose forward is weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)

@@ -259,8 +259,7 @@ def adapter_for_model(model: Any, processor: Any, *, name: str | None = None) ->
     wanted = adapter_cls.model_class.rpartition(":")[2]  # a transformers name, or a plug-in's "module:Class"
     if wanted not in classes:
         raise ModelLoadError(
-            f"a {model_type} model must be a {wanted} (the class with generate), "
-            f"got {type(model).__name__}"
+            f"a {model_type} model must be a {wanted} (the class with generate), got {type(model).__name__}"
         )
     if processor is None or getattr(processor, "tokenizer", None) is None:
         raise ModelLoadError(

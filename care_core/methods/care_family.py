@@ -115,7 +115,7 @@ class _CaReFamily(Method):
     def _anchors(self, inputs: MethodInputs, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(selection order, weights psi_bar, features in compute precision), timing "scoring" and "anchors"."""
         from care_core.care_batch import anchor_orders
-        from care_core.kernels import as_gate
+        from care_core.kernels.dispatch import as_gate
         from care_core.precision import compute_dtype, matmul_precision
 
         v = inputs.features.to(compute_dtype(inputs.features.dtype))

@@ -34,7 +34,7 @@ from care_core.methods.lazy_precision import compute_dtype, matmul_precision
 from care_core.methods.registry import register
 
 if TYPE_CHECKING:
-    from care_core.kernels import KernelGate
+    from care_core.kernels.dispatch import KernelGate
 
 _TINY = 1e-30  # only guards zero rows; any non-zero norm is used exactly as the official code does
 # a batch whose padded (B, max N, max N) distances would hold more entries (1 GiB in float32) goes one image at a time
@@ -143,10 +143,10 @@ def _fused_orders(dist: torch.Tensor, first: torch.Tensor, sizes: list[int], ste
     """(B, steps) orders from the fused kernel, or None where the loop runs: the "torch" setting, no CUDA or Triton,
     N above the kernel's limit, a NaN distance (the kernel's argmax and minimum do not order NaN as torch's do;
     one host read per call) or a kernel that cannot be built here ("auto")."""
-    from care_core import kernels
+    from care_core.kernels import dispatch
     from care_core.kernels.shapes import GREEDY_MAX_TOKENS
 
-    gate = kernels.as_gate(kernel)
+    gate = dispatch.as_gate(kernel)
     if gate.choose("divprune", dist.device) == "torch":
         return None
     applies = dist.shape[-1] <= GREEDY_MAX_TOKENS and not bool(torch.isnan(dist).any())
@@ -156,7 +156,7 @@ def _fused_orders(dist: torch.Tensor, first: torch.Tensor, sizes: list[int], ste
             raise MethodError(f"divprune: kernel='fused' takes distances without NaN of at most {limit} tokens")
         return None
     counts = torch.tensor(sizes, dtype=torch.int32).to(dist.device, non_blocking=True)
-    return gate.attempt("divprune", lambda: kernels.divprune_orders(dist, first, counts, steps, mask_selected))
+    return gate.attempt("divprune", lambda: dispatch.divprune_orders(dist, first, counts, steps, mask_selected))
 
 
 @register
@@ -181,7 +181,7 @@ class DivPrune(Method):
     kernel: Kernel = "auto"
 
     def __post_init__(self) -> None:
-        from care_core.kernels import check_kernel
+        from care_core.kernels.dispatch import check_kernel
 
         check_kernel(self.kernel)
 
@@ -205,7 +205,7 @@ class DivPrune(Method):
         """Selection orders of ``keeps[i]`` steps: each image's embeddings and distances alone (its own projector
         call), then one greedy loop for all (:func:`divprune_select_batch`); one image at a time where the
         embeddings differ in device or dtype or the padded distances would exceed :data:`JOINT_MAX_ENTRIES`."""
-        from care_core.kernels import choose_kernel
+        from care_core.kernels.dispatch import choose_kernel
 
         with torch.no_grad():
             embeddings = [one.projector(one.features) for one in inputs]

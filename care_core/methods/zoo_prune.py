@@ -147,7 +147,7 @@ class ZooPrune(Method):
         image's memo), SADS for all images lacking a long enough memoised order in one padded greedy loop
         (:func:`~care_core.care_batch.anchor_orders`); each stage timed once, on the first image's timer."""
         from care_core.care_batch import anchor_orders
-        from care_core.kernels import as_gate
+        from care_core.kernels.dispatch import as_gate
         from care_core.precision import matmul_precision
 
         first = inputs[0]

@@ -17,7 +17,7 @@ from care_core import CaReConfig, care_reduce
 from care_core.anchors import diversity_greedy
 from care_core.care_batch import batch_anchors, care_reduce_batch, padded_greedy
 from care_core.errors import BudgetError, CareError
-from care_core.kernels import KernelGate
+from care_core.kernels.dispatch import KernelGate
 from care_core.kernels.shapes import GREEDY_MAX_TOKENS
 from care_core.scoring import Scorer, perturbation_responses, unit_directions
 from tests.core._problems import make_problem, random_directions, to_np

@@ -11,7 +11,7 @@ import torch
 
 from care_core import CaReConfig, care_reduce
 from care_core.errors import CareError
-from care_core.kernels import KernelGate, choose_kernel, why_not_fused
+from care_core.kernels.dispatch import KernelGate, choose_kernel, why_not_fused
 from care_core.scoring import unit_directions
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -22,10 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from care_core import CaReConfig, Reduction, care_reduce, kernels
+from care_core import CaReConfig, Reduction, care_reduce
 from care_core.anchors import diversity_greedy, diversity_greedy_gram, unit_rows
 from care_core.errors import CareError
-from care_core.kernels import triton_enabled
+from care_core.kernels import dispatch
+from care_core.kernels.dispatch import triton_enabled
 from care_core.scoring import (
     Scorer,
     perturbation_responses,
@@ -227,7 +228,7 @@ def _compile_error(monkeypatch: pytest.MonkeyPatch) -> Exception:
         def __str__(self) -> str:
             return "inline asm cannot be compiled"
 
-    assert issubclass(FakeCompilationError, kernels.kernel_errors())
+    assert issubclass(FakeCompilationError, dispatch.kernel_errors())
     return FakeCompilationError()
 
 
@@ -239,8 +240,8 @@ def _failing(monkeypatch: pytest.MonkeyPatch, name: str, error: BaseException) -
         calls.append(1)
         raise error
 
-    monkeypatch.setattr(kernels, "why_not_fused", lambda device: None)
-    monkeypatch.setattr(kernels, name, broken)
+    monkeypatch.setattr(dispatch, "why_not_fused", lambda device: None)
+    monkeypatch.setattr(dispatch, name, broken)
     return calls
 
 
@@ -258,8 +259,8 @@ def test_jvp_dispatch_uses_the_fused_kernel_where_the_setting_says(monkeypatch: 
         calls.append(bf16)
         return torch.zeros(lifted.shape[0], slope.shape[0])
 
-    monkeypatch.setattr(kernels, "why_not_fused", lambda device: None)
-    monkeypatch.setattr(kernels, "jvp_norms", fake)
+    monkeypatch.setattr(dispatch, "why_not_fused", lambda device: None)
+    monkeypatch.setattr(dispatch, "jvp_norms", fake)
     run = lambda matmul, kernel: perturbation_responses(features, mlp, u, h=5e-4, matmul=matmul, kernel=kernel)  # noqa: E731
     assert torch.equal(run("bf16", "auto"), torch.zeros(8, 90)) and calls == [True]
     assert run("tf32", "auto").abs().min() > 0 and calls == [True]  # tf32 stays on cuBLAS in auto mode
@@ -435,8 +436,8 @@ def test_fused_and_pytorch_jvp_paths_agree(matmul: str, monkeypatch: pytest.Monk
     u = unit_directions(64, 64, seed=12, device="cuda")
     ref = responses_jvp(features.double(), copy.deepcopy(mlp).double(), u.double())
     calls: list[bool] = []
-    real = kernels.jvp_norms
-    monkeypatch.setattr(kernels, "jvp_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
+    real = dispatch.jvp_norms
+    monkeypatch.setattr(dispatch, "jvp_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="care: ")  # a fallback would warn
         fused = responses_jvp(features, mlp, u, matmul, kernel="fused")
@@ -500,13 +501,13 @@ def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.Mon
     positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(52)).cuda()
     calls = {"jvp_norms": 0, "greedy_order": 0}
     for name in calls:
-        real = getattr(kernels, name)
+        real = getattr(dispatch, name)
 
         def counted(*args: object, name: str = name, real: object = real, **kwargs: object) -> torch.Tensor:
             calls[name] += 1
             return real(*args, **kwargs)  # type: ignore[operator]
 
-        monkeypatch.setattr(kernels, name, counted)
+        monkeypatch.setattr(dispatch, name, counted)
 
     def reduce(**settings: Any) -> Reduction:
         return care_reduce(features, mlp, positions, keep=64, config=CaReConfig(**settings))

@@ -20,10 +20,11 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMe
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
 
-from care_core import CaReConfig, care_reduce, kernels, norm_first, scoring
+from care_core import CaReConfig, care_reduce, norm_first, scoring
 from care_core.backbones import load_backbone
 from care_core.backbones.qwen2_5_vl.adapter import QwenMergerProjector
 from care_core.backbones.qwen3_vl.adapter import Qwen3VLMergerProjector
+from care_core.kernels import dispatch
 from care_core.norm_first import NormFirstMLP, first_layer, first_layer_tangents, from_modules
 from care_core.precision import matmul_precision
 from care_core.scoring import (
@@ -350,7 +351,7 @@ def test_the_fused_norm_first_kernel_takes_its_blocks_precisions_and_factors() -
 def test_the_fused_norm_first_kernel_against_float64(
     kind: str, blocks: int, p: int, d_h: int, d_out: int, matmul: str, factored: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # fmt: skip
-    if not kernels.triton_enabled(torch.device("cuda")):
+    if not dispatch.triton_enabled(torch.device("cuda")):
         pytest.skip("Triton is not available")
     desc = _projector(kind, blocks, p, d_h, d_out, seed=d_h + blocks)
     g = torch.Generator().manual_seed(blocks)
@@ -363,8 +364,8 @@ def test_the_fused_norm_first_kernel_against_float64(
         cuda = _moved(desc, torch.float32, "cuda")
         factor = None if factor64 is None else factor64.float().cuda()
         calls: list[bool] = []
-        real = kernels.norm_first_norms
-        monkeypatch.setattr(kernels, "norm_first_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
+        real = dispatch.norm_first_norms
+        monkeypatch.setattr(dispatch, "norm_first_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
         low = torch.bfloat16 if matmul == "bf16" else None
         with matmul_precision(allow_tf32=matmul == "tf32"):
             got = _jvp_norm_mlp(features.cuda(), cuda, u.cuda(), low, factor, tf32=matmul == "tf32", kernel="fused")

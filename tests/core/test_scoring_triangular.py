@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from care_core import CaReConfig, care_reduce, kernels
+from care_core import CaReConfig, care_reduce
 from care_core._chunks import block_bounds, upper_macs
 from care_core.calibration import residual_indices
+from care_core.kernels import dispatch
 from care_core.scoring import (
     Scorer,
     _activation_slope,
@@ -101,8 +102,8 @@ def test_fused_kernel_gets_the_factor_for_tf32_in_auto_mode(monkeypatch: pytest.
         calls.append({"shape": tuple(w2.shape), "triu": bool(torch.equal(w2, w2.triu())), **kw})
         return torch.zeros(lifted.shape[0], slope.shape[0])
 
-    monkeypatch.setattr(kernels, "why_not_fused", lambda device: None)
-    monkeypatch.setattr(kernels, "jvp_norms", fake)
+    monkeypatch.setattr(dispatch, "why_not_fused", lambda device: None)
+    monkeypatch.setattr(dispatch, "jvp_norms", fake)
     factor = triangular_factor(mlp[2].weight)
     assert factor is not None
     out = perturbation_responses(features, mlp, u, h=1e-3, matmul="tf32", factor=factor)

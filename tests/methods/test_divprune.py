@@ -75,9 +75,9 @@ def test_golden(name: str) -> None:
 # compiled kernel on a GPU.
 _INTERPRETED = """
 import torch
-import care_core.kernels as kernels
+from care_core.kernels import dispatch
 from care_core.methods.divprune import divprune_select_batch
-kernels.why_not_fused = lambda device: None  # let the gate choose the kernel on the CPU (interpreted)
+dispatch.why_not_fused = lambda device: None  # let the gate choose the kernel on the CPU (interpreted)
 g = torch.Generator().manual_seed(0)
 base = torch.randn(4, 8, generator=g)
 cases = []

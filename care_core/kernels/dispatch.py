@@ -1,0 +1,178 @@
+"""Which path runs, fused or PyTorch (the ``kernel`` setting, :class:`KernelGate`), and the fused kernels' entry
+points, each importing Triton only when called (:mod:`care_core.kernels` says what each kernel does)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import torch
+
+from care_core.config import KERNELS, Kernel
+from care_core.errors import CareError
+
+Path = Literal["fused", "torch"]
+
+T = TypeVar("T")
+
+
+def why_not_fused(device: torch.device) -> str | None:
+    """None when the fused kernels may run on ``device``, else why not (checked afresh on every call).
+
+    Needs an NVIDIA CUDA device (ROCm is skipped: the tf32 path's inline PTX cannot compile there),
+    an importable Triton, and ``CARE_DISABLE_TRITON`` unset or "0".
+    """
+    if device.type != "cuda":
+        return f"the fused kernels need a CUDA device, got {device.type!r}"
+    if torch.version.hip is not None:
+        return "the fused kernels are NVIDIA-only (this PyTorch is built for ROCm)"
+    if os.environ.get("CARE_DISABLE_TRITON", "").strip() not in ("", "0"):
+        return "the fused kernels are disabled by CARE_DISABLE_TRITON"
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError as exc:
+        return f"Triton cannot be imported ({exc})"
+    return None
+
+
+def kernel_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean "this fused kernel cannot be built or launched here"; nothing else.
+
+    ImportError (Triton or a kernel module missing) and Triton's compilation, PTX-assembler and
+    hardware-resource (shared memory, registers) errors. Never ``torch.OutOfMemoryError`` or other
+    runtime errors: those propagate.
+    """
+    errors: list[type[Exception]] = [ImportError]
+    try:
+        from triton.compiler import errors as compiler_errors
+    except ImportError:
+        return tuple(errors)
+    errors.append(compiler_errors.CompilationError)
+    try:
+        from triton.runtime import errors as runtime_errors
+    except ImportError:
+        return tuple(errors)
+    for name in ("OutOfResources", "PTXASError"):
+        found = getattr(runtime_errors, name, None)
+        if isinstance(found, type) and issubclass(found, Exception):
+            errors.append(found)
+    return tuple(errors)
+
+
+def check_kernel(kernel: str) -> None:
+    """Raise CareError unless ``kernel`` is one of :data:`care_core.config.KERNELS`."""
+    if kernel not in KERNELS:
+        raise CareError(f"must be one of {', '.join(KERNELS)}, got {kernel!r}", parameter="kernel")
+
+
+def choose_kernel(kernel: str, device: torch.device, *, applies: bool = True) -> Path:
+    """The code path for one call: "fused" or "torch"; a pure decision, made afresh on every call.
+
+    "torch" always gives "torch". Where the fused kernels cannot run on ``device`` (CPU, ROCm, no
+    Triton, disabled), "auto" gives "torch" and "fused" raises CareError. Otherwise the fused kernel
+    runs where it ``applies`` (dtype, shape and precision it handles), else the PyTorch path.
+    """
+    check_kernel(kernel)
+    if kernel == "torch":
+        return "torch"
+    reason = why_not_fused(device)
+    if reason is not None:
+        if kernel == "fused":
+            raise CareError(f"kernel='fused' cannot run here: {reason}; use kernel='auto' or 'torch'")
+        return "torch"
+    return "fused" if applies else "torch"
+
+
+@dataclass
+class KernelGate:
+    """The kernel setting of a call and the fused kernels that failed to build under it.
+
+    A gate made per call (``KernelGate(kernel)``) forgets everything afterwards: a kernel that failed
+    is tried again on the next call. A gate kept by its owner (:class:`care_core.scoring.Scorer`)
+    skips, in "auto" mode, the kernels in ``failed`` for the owner's lifetime.
+    """
+
+    kernel: Kernel = "auto"
+    failed: dict[str, str] = field(default_factory=dict)  # kernel name -> repr of its build error
+
+    def __post_init__(self) -> None:
+        check_kernel(self.kernel)
+
+    def choose(self, name: str, device: torch.device, *, applies: bool = True) -> Path:
+        """:func:`choose_kernel`, and "torch" in "auto" mode for a kernel that failed on this gate."""
+        path = choose_kernel(self.kernel, device, applies=applies)
+        if path == "fused" and self.kernel == "auto" and name in self.failed:
+            return "torch"
+        return path
+
+    def attempt(self, name: str, fused: Callable[[], T]) -> T | None:
+        """Run ``fused``; None (and a warning) if it cannot be built here, in "auto" mode.
+
+        Only :func:`kernel_errors` are caught: out-of-memory and other errors propagate. In "fused"
+        mode a build failure is a CareError.
+        """
+        try:
+            return fused()
+        except kernel_errors() as exc:
+            if self.kernel == "fused":
+                raise CareError(f"kernel='fused': the fused {name} kernel cannot be built here ({exc!r})") from exc
+            self.failed[name] = repr(exc)
+            warnings.warn(f"care: fused {name} kernel unavailable ({exc!r}); using the PyTorch path", stacklevel=3)
+            return None
+
+
+def as_gate(kernel: Kernel | KernelGate) -> KernelGate:
+    """A gate for one call: the given one, or a fresh one for a setting string."""
+    return kernel if isinstance(kernel, KernelGate) else KernelGate(kernel)
+
+
+def jvp_norms(
+    slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, upper: bool = False
+) -> torch.Tensor:
+    """The fused jvp kernel (:func:`care_core.kernels.jvp.jvp_norms`); imports Triton when called."""
+    from care_core.kernels.jvp import jvp_norms as run
+
+    return run(slope, lifted, w2, bf16=bf16, upper=upper)
+
+
+def norm_first_norms(
+    slope: torch.Tensor,
+    lifted: torch.Tensor,
+    inverse: torch.Tensor,
+    coef: torch.Tensor,
+    corrections: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    bf16: bool,
+    upper: bool,
+) -> torch.Tensor:
+    """The fused norm-first jvp kernel (:func:`care_core.kernels.jvp_norm_first.norm_first_norms`); imports Triton
+    when called."""
+    from care_core.kernels.jvp_norm_first import norm_first_norms as run
+
+    return run(slope, lifted, inverse, coef, corrections, w2, bf16=bf16, upper=upper)
+
+
+def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
+    """The fused greedy kernel (:func:`care_core.kernels.greedy.greedy_order`); imports Triton when called."""
+    from care_core.kernels.greedy import greedy_order as run
+
+    return run(weights, gram, k)
+
+
+def divprune_orders(
+    dist: torch.Tensor, first: torch.Tensor, sizes: torch.Tensor, steps: int, mask_selected: bool
+) -> torch.Tensor:
+    """The fused DivPrune greedy (:func:`care_core.kernels.divprune.divprune_orders`); imports Triton when called."""
+    from care_core.kernels.divprune import divprune_orders as run
+
+    return run(dist, first, sizes, steps, mask_selected)
+
+
+def triton_enabled(device: torch.device) -> bool:
+    """True when the fused kernels may run on ``device`` (:func:`why_not_fused` is None)."""
+    return why_not_fused(device) is None
