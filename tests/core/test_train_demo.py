@@ -230,10 +230,11 @@ def test_sequential_needs_replicas(capsys: pytest.CaptureFixture[str], tmp_path:
 
 def test_a_registered_familys_demo_with_a_weights_file_is_trainable(tmp_path: Path) -> None:
     """The trainable demos are the records' demos with a weights file: a family registered at run time included."""
-    demo = DemoBackbone("tiny-test-copy", 1, "test-llava-copy", "care_core.backbones.llava_1_5.demo:build_trained_tiny_llava",
+    builders = "care_core.backbones.llava_1_5.demo"
+    demo = DemoBackbone("tiny-test-copy", 1, "test-llava-copy", f"{builders}:build_trained_tiny_llava",
                         "a test's copy of tiny-llava", weights="tiny-test-copy.safetensors")  # fmt: skip
     untrained = DemoBackbone("tiny-test-copy-random", 1, "test-llava-copy",
-                             "care_core.backbones.llava_1_5.demo:build_tiny_llava", "random weights")  # fmt: skip
+                             f"{builders}:build_tiny_llava", "random weights")  # fmt: skip
     family = register_family(dataclasses.replace(
         backbone_family("llava-1.5"), name="test-llava-copy", display="Test LLaVA copy",
         model_types=("test_llava_copy",), lmms_eval_model="care_test_copy", demos=(demo, untrained), rank=999,
