@@ -133,6 +133,11 @@ class VLMAdapter(ABC):
         return self._notices
 
     @property
+    def display(self) -> str:
+        """The family's display name (e.g. "Qwen2.5-VL"), from its registry record."""
+        return backbone_family(self.family).display
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -178,10 +183,9 @@ class VLMAdapter(ABC):
         width, height = image.size
         ratio = max(width, height) / max(1, min(width, height))
         if limit is not None and ratio > limit:
-            display = backbone_family(self.family).display
-            raise ImageError(f"{name or 'image'} ({width}×{height} px): aspect ratio {ratio:.6g}:1 exceeds {display}'s "
-                             f"limit of {limit:g}:1 (its image processor refuses wider or taller images); crop or pad "
-                             "it")  # fmt: skip
+            raise ImageError(f"{name or 'image'} ({width}×{height} px): aspect ratio {ratio:.6g}:1 exceeds "
+                             f"{self.display}'s limit of {limit:g}:1 (its image processor refuses wider or taller "
+                             "images); crop or pad it")  # fmt: skip
 
     def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
         """How many visual rows the language model receives for ``rows`` projected rows (see module doc)."""

@@ -134,14 +134,17 @@ def preprocess_images(
 
 
 class ChatAdapter(VLMAdapter):
-    """Shared text side of the adapters.
+    """Shared text side of the adapters, and the one base class of every family's adapter.
 
-    Subclasses set ``image_token`` / ``image_token_id`` (:meth:`_set_image_token`) and ``FALLBACK_PROMPT``
-    (used when neither the processor nor the tokenizer has a chat template), and implement
-    :meth:`_lm_inputs` (the model's keyword arguments for a prompt with given visual rows),
-    :attr:`_language_model` (the decoder whose ``layers[i].self_attn`` the language-model probe hooks) and,
-    where they offer vision probes, :meth:`_vision_probes`; families whose language model takes more than input
-    embeddings (Qwen's positions and DeepStack rows) override :meth:`_static_prompt` and :attr:`static_inputs`.
+    A family's adapter derives from this class directly, never from another family's adapter; what it shares with
+    other families it takes from the part modules (:mod:`~care_core.backbones.llava_modules`,
+    :mod:`~care_core.backbones.anyres`, :mod:`~care_core.backbones.qwen_vl`, :mod:`~care_core.backbones.mrope`) by
+    calling or assigning their functions. It sets ``image_token`` / ``image_token_id`` (:meth:`_set_image_token`) and
+    ``FALLBACK_PROMPT`` (used when neither the processor nor the tokenizer has a chat template), and implements
+    :attr:`_language_model` (the decoder whose ``layers[i].self_attn`` the language-model probe hooks) and, where it
+    offers vision probes, :meth:`_vision_probes`. A family that adds visual rows of its own (LLaVA-NeXT's newline
+    rows) overrides :meth:`fed_rows`; one whose language model takes more than input embeddings (Qwen's positions and
+    DeepStack rows) overrides :meth:`_lm_inputs`, :meth:`_static_prompt` and :attr:`static_inputs`.
     """
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
@@ -397,11 +400,14 @@ class ChatAdapter(VLMAdapter):
 
         Always ``input_ids``, ``attention_mask`` and ``mm_encoder_outputs``; family extras as needed.
         ``probe=True``: the language-model probe's sequence (exactly one placeholder per row). This default: the
-        prompt with K placeholders, the K rows fed in the order given (``kept`` is only checked), for families whose
-        language model has 1-D positions that follow the mask (LLaVA-1.5, InternVL3).
+        prompt with one placeholder per row of :meth:`fed_rows` (the K rows in the order given, plus any rows the
+        family adds: LLaVA-NeXT's and OneVision's newline rows), for families whose language model has 1-D positions
+        that follow the mask (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL3).
         """
         rows = self._check_projected(projected)
-        check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
+        kept = check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
+        if not probe:
+            rows = self.fed_rows(tokens, rows, kept)
         enc = self._encode_prompt(question, int(rows.shape[0]))
         return {**enc, "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept)}
 

@@ -286,7 +286,9 @@ def clip_vision_probes(
     return out
 
 
-def _linear32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def linear32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear`` applied to ``x`` with its weight and bias in float32: the vision probes' queries and keys are float32
+    whatever the model's dtype (one grid here, LLaVA-NeXT's crops in its adapter)."""
     bias = optional_tensor_attr(linear, "bias")
     return F.linear(x, tensor_attr(linear, "weight").float(), bias.float() if bias is not None else None)
 
@@ -298,13 +300,13 @@ def _attention_probes(attn: torch.nn.Module, x: torch.Tensor, names: AbstractSet
     scale = float(getattr(attn, "scale", head_dim**-0.5))
     x = x.float()
     tokens = x.shape[0]
-    keys = _linear32(submodule(attn, "k_proj"), x).view(tokens, heads, head_dim).transpose(0, 1)  # (H, T, d_head)
+    keys = linear32(submodule(attn, "k_proj"), x).view(tokens, heads, head_dim).transpose(0, 1)  # (H, T, d_head)
     out: dict[str, torch.Tensor] = {}
     if "keys" in names:
         out["keys"] = keys.mean(dim=0)
     if "attention_logits" in names or "cls_attention" in names:
         rows = x if "attention_logits" in names else x[:1]  # one query row suffices for the CLS attention
-        queries = _linear32(submodule(attn, "q_proj"), rows).view(rows.shape[0], heads, head_dim).transpose(0, 1)
+        queries = linear32(submodule(attn, "q_proj"), rows).view(rows.shape[0], heads, head_dim).transpose(0, 1)
         logits = torch.matmul(queries, keys.transpose(1, 2)) * scale  # (H, rows, T)
         if "cls_attention" in names:
             out["cls_attention"] = torch.softmax(logits[:, 0], dim=-1)

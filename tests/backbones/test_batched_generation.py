@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from care_core.backbones import Qwen2_5_VLAdapter, load_backbone, static_generation
+from care_core.backbones import Qwen2_5_VLAdapter, Qwen3VLAdapter, load_backbone, static_generation
 from care_core.backbones.chat_adapter import collate_left_padded
 from care_core.backbones.probes import attention_implementation
 from care_core.backbones.static_generation import StaticGreedy, eos_ids
@@ -33,11 +33,11 @@ def images() -> list[Any]:
 
 def _samples(adapter: Any, images: list[Any]) -> Samples:
     """Three images of different sizes and three questions: the first 7 rows, all N rows, and 12 rows (on
-    Qwen2.5-VL the last one tied to no token, kept -1)."""
+    the Qwen families the last one tied to no token, kept -1)."""
     tokens = [adapter.encode_image(image) for image in images]
     with torch.no_grad():
         full = [adapter.projector(t.features) for t in tokens]
-    last = -1 if isinstance(adapter, Qwen2_5_VLAdapter) else 11
+    last = -1 if isinstance(adapter, (Qwen2_5_VLAdapter, Qwen3VLAdapter)) else 11
     kept: list[torch.Tensor | None] = [torch.arange(7), None, torch.tensor([*range(11), last])]
     return list(QUESTIONS), tokens, [full[0][:7], full[1], full[2][:12]], kept
 

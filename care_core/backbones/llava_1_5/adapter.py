@@ -12,26 +12,25 @@ pixels (see :mod:`care_core.backbones.geometry` for the exact rounding).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from ...errors import ModelLoadError
-from .._hf import quiet_transformers
 from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter
 from ..geometry import crop_geometry, grid_image_tokens
+from ..llava_modules import (
+    CLIP_PATCH_START,
+    align_clip_processor,
+    check_feature_strategy,
+    crop_tokens,
+    llava_image_token_id,
+    llava_inner,
+    patch_features,
+)
 from ..probes import clip_vision_probes
 
 LLAVA15_FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
-
-
-def _inner(model: Any) -> Any:
-    """The `LlavaModel` (5.x: ``model.model``); 4.x kept the parts on the top-level module."""
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "multi_modal_projector"):
-        return inner
-    return model
 
 
 class LlavaAdapter(ChatAdapter):
@@ -40,54 +39,26 @@ class LlavaAdapter(ChatAdapter):
     family = "llava-1.5"
     model_class = "LlavaForConditionalGeneration"
     FALLBACK_PROMPT = LLAVA15_FALLBACK_PROMPT
-    #: rows of the tower's output before its patch tokens (CLIP's CLS, dropped by strategy "default")
-    _patch_start: ClassVar[int] = 1
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
-        cfg = model.config
-        strategy = getattr(cfg, "vision_feature_select_strategy", "default")
-        if strategy != "default":
-            raise ModelLoadError(
-                f"{name}: vision_feature_select_strategy {strategy!r} is not supported (only 'default')"
-            )
+        check_feature_strategy(model.config, name, "default")
         self._check_processor(processor, name)
-        self._fix_processor()
-
-    def _fix_processor(self) -> None:
-        """Make the processor agree with the model (placeholder count, patch size, image token)."""
-        cfg = self.model.config
-        proc = self.processor
-        vt = self._vision_tower
-        if getattr(proc, "patch_size", None) is None:
-            proc.patch_size = cfg.vision_config.patch_size
-        if getattr(proc, "vision_feature_select_strategy", None) is None:
-            proc.vision_feature_select_strategy = cfg.vision_feature_select_strategy
-        # CLIP prepends a CLS token; with strategy "default" the processor must count it (and then
-        # drop it) or it emits 575 placeholders for 576 features. A hub checkpoint may say 0.
-        embeddings = getattr(vt, "embeddings", None)
-        if embeddings is None:  # 4.x layout: CLIPVisionModel.vision_model.embeddings
-            embeddings = getattr(getattr(vt, "vision_model", None), "embeddings", None)
-        has_cls = embeddings is not None and hasattr(embeddings, "class_embedding")
-        proc.num_additional_image_tokens = 1 if has_cls else 0
-        image_token_id = getattr(cfg, "image_token_id", None)
-        if image_token_id is None:
-            image_token_id = getattr(cfg, "image_token_index", None)
-        self._set_image_token(image_token_id)
+        align_clip_processor(processor, model)
+        self._set_image_token(llava_image_token_id(model.config))
 
     # ------------------------------------------------------------------ modules
     @property
     def _vision_tower(self) -> torch.nn.Module:
-        return _inner(self.model).vision_tower
+        return llava_inner(self.model).vision_tower
 
     @property
     def projector(self) -> torch.nn.Module:
-        return _inner(self.model).multi_modal_projector
+        return llava_inner(self.model).multi_modal_projector
 
     @property
     def num_image_tokens(self) -> int:
-        vc = self.model.config.vision_config
-        return (vc.image_size // vc.patch_size) ** 2
+        return crop_tokens(self.model.config.vision_config)
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -130,17 +101,8 @@ class LlavaAdapter(ChatAdapter):
         return tokens
 
     def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(crops, P, d_v): the tower's patch tokens of layer ``vision_feature_layer`` (several layers concatenated
-        along the feature axis), the CLS row dropped (strategy "default"): what the model hands its projector.
-        Gradients flow where enabled (training)."""
-        vt = self._vision_tower
-        vparam = next(vt.parameters())
-        layer = self.model.config.vision_feature_layer
-        with quiet_transformers():
-            out = vt(pixel_values=pixel_values.to(device=vparam.device, dtype=vparam.dtype),
-                     output_hidden_states=layer, return_dict=True)  # fmt: skip
-        layers = [layer] if isinstance(layer, int) else list(layer)
-        return torch.cat([out.hidden_states[i][:, self._patch_start :] for i in layers], dim=-1)
+        """(crops, 576, d_v): CLIP's patch tokens of ``vision_feature_layer``, its CLS dropped (strategy "default")."""
+        return patch_features(self.model, pixel_values, CLIP_PATCH_START)
 
     def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
         """(B, N, d_v) pre-projector features of B images sharing ``reference``'s geometry, ``pixel_values`` their
@@ -150,7 +112,7 @@ class LlavaAdapter(ChatAdapter):
     # ------------------------------------------------------------------ language model
     @property
     def _language_model(self) -> torch.nn.Module:
-        return _inner(self.model).language_model
+        return llava_inner(self.model).language_model
 
     # ------------------------------------------------------------------ probes
     def _vision_probes(self, tokens: ImageTokens, names: set[str]) -> dict[str, Any]:

@@ -45,32 +45,27 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
-from ..._memo import remember
-from ...errors import ModelLoadError
 from .._hf import quiet_transformers
+from ..anyres import AnyresCrops, anyres_fed_rows, check_anyres_model, collate_crops, real_crops
 from ..base import ImageTokens, check_kept, is_all_tokens
-from ..geometry import GEOMETRY_CACHE_SIZE, clip_boxes, crop_geometry, grid_crop_boxes
-from ..llava_1_5.adapter import LlavaAdapter, _inner
-from ..probes import _linear32, clip_vision_capture
+from ..chat_adapter import ChatAdapter
+from ..llava_modules import (
+    CLIP_PATCH_START,
+    align_clip_processor,
+    check_feature_strategy,
+    crop_tokens,
+    llava_image_token_id,
+    llava_inner,
+    patch_features,
+)
+from ..probes import clip_vision_capture, linear32
 
 LLAVA_NEXT_FALLBACK_PROMPT = "[INST] {image}\n{question} [/INST]"
 
 
-def _size_hw(size: Any, key_h: str = "height", key_w: str = "width") -> tuple[int, int] | None:
-    h = size.get(key_h) if isinstance(size, dict) else getattr(size, key_h, None)
-    w = size.get(key_w) if isinstance(size, dict) else getattr(size, key_w, None)
-    return (int(h), int(w)) if h and w else None
-
-
-def _shortest_edge(size: Any) -> int | None:
-    value = size.get("shortest_edge") if isinstance(size, dict) else getattr(size, "shortest_edge", None)
-    return int(value) if value else None
-
-
-class LlavaNextAdapter(LlavaAdapter):
+class LlavaNextAdapter(ChatAdapter):
     """Adapter for LLaVA-NeXT checkpoints (``model_type == "llava_next"``); see the module docstring."""
 
     family = "llava-next"
@@ -88,179 +83,67 @@ class LlavaNextAdapter(LlavaAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
-        if not isinstance(getattr(model.config, "image_grid_pinpoints", None), list):
-            raise ModelLoadError(f"{name}: the model config has no image_grid_pinpoints")
-        if not hasattr(_inner(model), "image_newline"):
-            raise ModelLoadError(f"{name}: the model has no image_newline parameter")
+        check_feature_strategy(model.config, name, "default")
+        self._check_processor(processor, name)
+        align_clip_processor(processor, model)
+        self._set_image_token(llava_image_token_id(model.config))
+        check_anyres_model(model, name)
+
+    # ------------------------------------------------------------------ modules
+    @property
+    def _vision_tower(self) -> torch.nn.Module:
+        return llava_inner(self.model).vision_tower
+
+    @property
+    def projector(self) -> torch.nn.Module:
+        return llava_inner(self.model).multi_modal_projector
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Patch tokens of one crop."""
+        return crop_tokens(self.model.config.vision_config)
+
+    @property
+    def _language_model(self) -> torch.nn.Module:
+        return llava_inner(self.model).language_model
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Crops zero-padded to the most any image has, as the processor pads a list of images; the pixels on the
-        model's device (padded and joined there: on the CPU that is copies of the batch while the GPU waits)."""
-        most = max(int(part["pixel_values"].shape[1]) for part in parts)
-        pad = [(0, 0, 0, 0, 0, 0, 0, most - int(part["pixel_values"].shape[1])) for part in parts]
-        pixel_values = [torch.nn.functional.pad(part["pixel_values"].to(self.device), by)
-                        for part, by in zip(parts, pad, strict=True)]  # fmt: skip
-        return {"pixel_values": torch.cat(pixel_values), "image_sizes": torch.cat([p["image_sizes"] for p in parts])}
+        """Crops zero-padded to the most any image has, on the model's device
+        (:func:`~care_core.backbones.anyres.collate_crops`)."""
+        return collate_crops(parts, self.device)
+
+    def _anyres(self) -> AnyresCrops:
+        """The anyres encoding with CLIP's patch features and the model's packing (its ``"default"`` strategy)."""
+        return AnyresCrops(self.model, self.processor, self.name, self._geometry_cache, self._patch_features,
+                           self._packed_ids)  # fmt: skip
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """Base-view + unpadded high-resolution pre-projector tokens per image; the real crops of all images
         in one tower pass."""
-        pixel_values, image_sizes = processed["pixel_values"], processed["image_sizes"]
-        if pixel_values.dim() != 5 or pixel_values.shape[0] != len(sizes) or image_sizes.shape[0] != len(sizes):
-            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} and image_sizes {tuple(image_sizes.shape)} "
-                             f"do not hold the crops of {len(sizes)} images")  # fmt: skip
-        crops = [self._crops(pixel_values[i : i + 1], image_sizes[i : i + 1]) for i in range(len(sizes))]
-        with torch.no_grad():
-            per_crop = self._patch_features(torch.cat(crops))  # (crops, P, d_v)
-        per_image = per_crop.split([int(c.shape[0]) for c in crops])
-        return [self._tokens(per_image[i], pixel_values[i : i + 1, : crops[i].shape[0]], image_sizes[i : i + 1],
-                             sizes[i]) for i in range(len(sizes))]  # fmt: skip
+        return self._anyres().encode(processed, sizes)
 
     def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
         """(B, N, d_v) packed pre-projector features of B images sharing ``reference``'s geometry (same size: same
         crops and packing), ``pixel_values`` (B, 1, crops, 3, 336, 336) their processor outputs; with gradients where
         enabled."""
-        pixel_values = pixel_values.flatten(0, 1)
-        batch, crops = int(pixel_values.shape[0]), int(pixel_values.shape[1])
-        per_crop = self._patch_features(pixel_values.flatten(0, 1))
-        per_crop = per_crop.view(batch, crops, *per_crop.shape[1:])
-        dev = per_crop.device
-        return per_crop[:, reference.model_inputs["crop_index"].to(dev), reference.model_inputs["patch_index"].to(dev)]
+        return self._anyres().batch_features(pixel_values, reference)
 
-    def _tokens(
-        self, per_crop: torch.Tensor, pixel_values: torch.Tensor, image_sizes: torch.Tensor, size: tuple[int, int]
-    ) -> ImageTokens:
-        """One image's packed tokens from its crops' features (crops, 576, d_v), and their geometry."""
-        height, width = size
-        crop_index, patch_index, hires_grid, boxes, positions = self._geometry(image_sizes, per_crop.shape[0], size)
-        dev = per_crop.device
-        features = per_crop[crop_index.to(dev), patch_index.to(dev)]
-        positions = positions.to(device=dev)
-        return ImageTokens(
-            features=features,
-            positions=positions,
-            boxes=boxes,
-            image_size=(height, width),
-            seen_box=(0.0, 0.0, float(width), float(height)),
-            grid=None,
-            model_inputs={
-                "pixel_values": pixel_values,
-                "image_sizes": image_sizes,
-                "image_size": (height, width),
-                "crop_index": crop_index,
-                "patch_index": patch_index,
-                "hires_grid": hires_grid,
-            },
-            views=(crop_index > 0).long(),
-        )
-
-    def _geometry(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int]) -> tuple[Any, ...]:
-        """(crop_index, patch_index, hires_grid, boxes, positions) of one image's packed tokens (CPU), which depend
-        on its size and crops only: kept per size (:data:`GEOMETRY_CACHE_SIZE`), since a data set repeats a few
-        sizes and working them out costs milliseconds of Python per image while the GPU waits."""
-        key = (size, tuple(int(v) for v in image_sizes.reshape(-1).tolist()), int(crops))
-        kept = self._geometry_cache
-        cached = kept.get(key)
-        if cached is None:
-            height, width = size
-            crop_index, patch_index, hires_grid = self._layout(image_sizes, crops)
-            boxes_per_crop = self._crop_boxes(height, width, crops)  # (crops, 576, 4), original pixels
-            boxes = clip_boxes(boxes_per_crop[crop_index, patch_index], height, width)
-            centre_x = (boxes[:, 0] + boxes[:, 2]) / 2 / width
-            centre_y = (boxes[:, 1] + boxes[:, 3]) / 2 / height
-            positions = torch.stack([centre_y, centre_x], dim=1).to(torch.float32)
-            boxes = boxes.to(torch.float32)
-            cached = remember(kept, key, (crop_index, patch_index, hires_grid, boxes, positions), GEOMETRY_CACHE_SIZE)
-        crop_index, patch_index, hires_grid, boxes, positions = cached
-        return crop_index.clone(), patch_index.clone(), hires_grid, boxes.clone(), positions.clone()
-
-    def _crops(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
-        """(crops, 3, 336, 336): the real crops of the processor output (base view first)."""
-        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
-
-        cfg = self.model.config
-        count = image_size_to_num_patches(image_sizes[0], cfg.image_grid_pinpoints, cfg.vision_config.image_size)
-        if pixel_values.dim() != 5 or pixel_values.shape[1] < count:
-            raise ModelLoadError(
-                f"{self.name}: the image processor gave pixel_values {tuple(pixel_values.shape)} but the model "
-                f"expects {count} crops; do the processor's and the model's image_grid_pinpoints agree?"
-            )
-        return pixel_values[0, :count]
-
-    def _layout(self, image_sizes: torch.Tensor, crops: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-        """(crop_index, patch_index) of every packed token, from the model's own ``pack_image_features``."""
-        vc = self.model.config.vision_config
-        per = (vc.image_size // vc.patch_size) ** 2
-        side = vc.image_size // vc.patch_size
-        ids = torch.arange(crops * per, dtype=torch.float64).view(crops, per, 1)
-        flat = self._packed_ids(ids, image_sizes)[:, 0].round().long().cpu()
-        crop_index, patch_index = flat // per, flat % per
-        hires = crop_index > 0
-        if not bool(hires.any()):
-            return crop_index, patch_index, (0, 0)
-        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
-
-        _, crops_w = get_anyres_image_grid_shape(image_sizes[0], self.model.config.image_grid_pinpoints, vc.image_size)
-        rows = (crop_index[hires] - 1) // crops_w * side + patch_index[hires] // side
-        cols = (crop_index[hires] - 1) % crops_w * side + patch_index[hires] % side
-        grid = (int(rows.unique().numel()), int(cols.unique().numel()))
-        if grid[0] * grid[1] != int(hires.sum()):
-            raise RuntimeError(f"the high-resolution tokens do not form a {grid[0]}x{grid[1]} grid")
-        return crop_index, patch_index, grid
+    def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(crops, 576, d_v): CLIP's patch tokens of ``vision_feature_layer``, its CLS dropped (strategy "default")."""
+        return patch_features(self.model, pixel_values, CLIP_PATCH_START)
 
     def _packed_ids(self, ids: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """The model's own ``pack_image_features`` run on per-crop ids (crops, P, 1), no newline rows: their order."""
         with quiet_transformers():
-            packed, _ = _inner(self.model).pack_image_features([ids], image_sizes, "default", image_newline=None)
+            packed, _ = llava_inner(self.model).pack_image_features([ids], image_sizes, "default", image_newline=None)
         return packed[0]
-
-    def _crop_boxes(self, height: int, width: int, crops: int) -> torch.Tensor:
-        """(crops, P, 4) every crop patch's [x0, y0, x1, y1] in original pixels (unclipped), crop 0 = base."""
-        from transformers.image_processing_utils import get_patch_output_size, select_best_resolution
-        from transformers.image_utils import ChannelDimension
-
-        ip = self.processor.image_processor
-        vc = self.model.config.vision_config
-        side, patch = vc.image_size // vc.patch_size, vc.patch_size
-        tower_hw = (int(vc.image_size), int(vc.image_size))
-        local = grid_crop_boxes(side, side, patch)  # (P, 4) in the tower's input pixels
-        # LlavaNextImageProcessor: the base view is resized to (size.height, size.width), or a square of
-        # size.shortest_edge; canvas tiles are crop_size.height wide (else the base side); every view then
-        # goes through the ordinary resize + centre crop to the tower's input (an identity at 336 px)
-        base_hw = _size_hw(ip.size)
-        if base_hw is None:
-            edge = _shortest_edge(ip.size)
-            if edge is None:
-                raise ModelLoadError(f"{self.name}: cannot interpret the image processor's size {ip.size!r}")
-            base_hw = (edge, edge)
-        crop_hw = _size_hw(getattr(ip, "crop_size", None) or {})
-        tile = crop_hw[0] if crop_hw else base_hw[0]
-        base = crop_geometry(base_hw[0], base_hw[1], ip, tower_hw).crop_to_original(local)
-        base[:, 0::2] *= width / base_hw[1]
-        base[:, 1::2] *= height / base_hw[0]
-        out = [base]
-        if crops > 1:
-            pinpoints = [list(p) for p in ip.image_grid_pinpoints]
-            canvas_h, canvas_w = select_best_resolution((height, width), pinpoints)
-            dummy = np.empty((1, height, width), dtype=np.uint8)
-            new_h, new_w = get_patch_output_size(dummy, (canvas_h, canvas_w), input_data_format=ChannelDimension.FIRST)
-            pad_top, pad_left = (canvas_h - new_h) // 2, (canvas_w - new_w) // 2  # _get_padding_size, both backends
-            per_tile = crop_geometry(tile, tile, ip, tower_hw).crop_to_original(local)
-            tiles_w = canvas_w // tile
-            for k in range(1, crops):
-                ty, tx = divmod(k - 1, tiles_w)  # divide_to_patches: row-major
-                b = per_tile.clone()
-                b[:, 0::2] = (b[:, 0::2] + tx * tile - pad_left) * (width / new_w)
-                b[:, 1::2] = (b[:, 1::2] + ty * tile - pad_top) * (height / new_h)
-                out.append(b)
-        return torch.stack(out)
 
     # ------------------------------------------------------------------ language model
     def _with_newlines(self, tokens: ImageTokens, rows: torch.Tensor) -> torch.Tensor:
         """All N projected tokens (..., N, d) -> the model's own sequence: an image_newline after every high-res
         row (leading dimensions: a batch of images sharing ``tokens``' geometry)."""
-        newline = _inner(self.model).image_newline.to(device=rows.device, dtype=rows.dtype)
+        newline = llava_inner(self.model).image_newline.to(device=rows.device, dtype=rows.dtype)
         grid = tokens.model_inputs.get("hires_grid")
         if grid is None:
             raise ValueError("tokens.model_inputs has no hires_grid; use ImageTokens from encode_image")
@@ -275,25 +158,7 @@ class LlavaNextAdapter(LlavaAdapter):
 
     def fed_rows(self, tokens: ImageTokens, rows: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
         """The newline rows added when the rows are all N tokens in packed order (see the module docstring)."""
-        if is_all_tokens(kept, int(rows.shape[-2]), tokens.num_tokens):
-            return self._with_newlines(tokens, rows)
-        return rows
-
-    def _lm_inputs(
-        self,
-        question: str,
-        tokens: ImageTokens,
-        projected: torch.Tensor,
-        kept: torch.Tensor | None,
-        *,
-        probe: bool = False,
-    ) -> dict[str, Any]:
-        rows = self._check_projected(projected)
-        kept = check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
-        if not probe:
-            rows = self.fed_rows(tokens, rows, kept)
-        enc = self._encode_prompt(question, int(rows.shape[0]))
-        return {**enc, "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept)}
+        return anyres_fed_rows(tokens, rows, kept, self._with_newlines)
 
     def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
         kept = check_kept(kept, int(rows), tokens.num_tokens)
@@ -308,7 +173,7 @@ class LlavaNextAdapter(LlavaAdapter):
         for key in ("crop_index", "patch_index", "image_sizes"):
             if key not in inputs:
                 raise ValueError(f"tokens.model_inputs has no {key}; use ImageTokens from encode_image")
-        crops = self._crops(inputs["pixel_values"], inputs["image_sizes"])
+        crops = real_crops(self.model, inputs["pixel_values"], inputs["image_sizes"], self.name)
         layer = self.model.config.vision_feature_layer
         captured = clip_vision_capture(self._vision_tower, crops, layer, names)
         dev = next(self._vision_tower.parameters()).device
@@ -337,8 +202,8 @@ class LlavaNextAdapter(LlavaAdapter):
         crops, length, _ = x.shape
         heads, head_dim = int(attn.num_heads), int(attn.head_dim)
         scale = float(getattr(attn, "scale", head_dim**-0.5))
-        queries = _linear32(attn.q_proj, x)  # (crops, 1 + P, d)
-        keys = _linear32(attn.k_proj, x)
+        queries = linear32(attn.q_proj, x)  # (crops, 1 + P, d)
+        keys = linear32(attn.k_proj, x)
         out: dict[str, torch.Tensor] = {}
         if "keys" in names:
             out["keys"] = keys.view(crops, length, heads, head_dim).mean(dim=2)[all_crop, all_slot]

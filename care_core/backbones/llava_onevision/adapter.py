@@ -18,7 +18,7 @@ order, the model's own sequence is rebuilt from them (pooling and newline rows i
 
 Geometry: the processor's anyres steps are LLaVA-NeXT's (aspect-preserving resize into the canvas
 ``select_best_resolution`` picks, centred zero padding, row-major 384 px crops; the base view squashed to 384x384),
-so the boxes come from :meth:`LlavaNextAdapter._crop_boxes`; ``views`` is 0 for base-view tokens and 1 for
+so the boxes come from :func:`care_core.backbones.anyres.crop_boxes`; ``views`` is 0 for base-view tokens and 1 for
 high-resolution ones; ``model_inputs`` holds NeXT's keys plus ``pooled_grid`` (the grid the model's own sequence
 has after pooling; equal to ``hires_grid`` at ratio <= 1.1).
 
@@ -28,18 +28,18 @@ one-line MethodError). ``question`` and ``language_model`` (all N tokens, no new
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from transformers import LlavaOnevisionProcessor, ProcessorMixin
 
-from ...errors import ModelLoadError
 from .._hf import quiet_transformers
+from ..anyres import AnyresCrops, anyres_fed_rows, check_anyres_model, collate_crops
 from ..base import ImageTokens, check_kept, is_all_tokens
 from ..chat_adapter import ChatAdapter
 from ..geometry import anyres_max_crops, onevision_pooled_grid
-from ..llava_1_5.adapter import _inner
-from ..llava_next.adapter import LlavaNextAdapter
+from ..llava_modules import SIGLIP_PATCH_START, check_feature_strategy, crop_tokens, llava_inner, patch_features
 
 LLAVA_ONEVISION_FALLBACK_PROMPT = "<|im_start|>user {image}\n{question}<|im_end|>\n<|im_start|>assistant\n"
 NO_CLS = "LLaVA-OneVision's SigLIP tower has no CLS token"
@@ -76,7 +76,7 @@ class CareLlavaOnevisionProcessor(LlavaOnevisionProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
-class LlavaOnevisionAdapter(LlavaNextAdapter):
+class LlavaOnevisionAdapter(ChatAdapter):
     """Adapter for LLaVA-OneVision checkpoints (``model_type == "llava_onevision"``); see the module docstring."""
 
     family = "llava-onevision"
@@ -86,26 +86,37 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "the N unpooled tokens without image_newline rows",
     }
-    _patch_start: ClassVar[int] = 0  # SigLIP: no CLS row, strategy "full"
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
-        # ChatAdapter's, not LLaVA-NeXT's: that one requires strategy "default", which would drop a SigLIP patch
-        ChatAdapter.__init__(self, model, processor, name=name, is_demo=is_demo)
+        super().__init__(model, processor, name=name, is_demo=is_demo)
         cfg = model.config
-        strategy = getattr(cfg, "vision_feature_select_strategy", "full")
-        if strategy != "full":  # "default" would drop a real patch: SigLIP has no CLS to drop
-            raise ModelLoadError(f"{name}: vision_feature_select_strategy {strategy!r} is not supported (only 'full')")
+        strategy = check_feature_strategy(cfg, name, "full")  # "default" would drop a real patch: SigLIP has no CLS
         self._check_processor(processor, name)
-        if not isinstance(getattr(cfg, "image_grid_pinpoints", None), list):
-            raise ModelLoadError(f"{name}: the model config has no image_grid_pinpoints")
-        if not hasattr(_inner(model), "image_newline"):
-            raise ModelLoadError(f"{name}: the model has no image_newline parameter")
+        check_anyres_model(model, name)
         self.max_crops = anyres_max_crops(str(getattr(cfg, "vision_aspect_ratio", "anyres_max_9")))
         if getattr(processor, "num_image_tokens", None) is None:
             processor.num_image_tokens = self.num_image_tokens
         if getattr(processor, "vision_feature_select_strategy", None) is None:
             processor.vision_feature_select_strategy = strategy
         self._set_image_token(getattr(cfg, "image_token_id", None))
+
+    # ------------------------------------------------------------------ modules
+    @property
+    def _vision_tower(self) -> torch.nn.Module:
+        return llava_inner(self.model).vision_tower
+
+    @property
+    def projector(self) -> torch.nn.Module:
+        return llava_inner(self.model).multi_modal_projector
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Patch tokens of one crop (729 at 384 px)."""
+        return crop_tokens(self.model.config.vision_config)
+
+    @property
+    def _language_model(self) -> torch.nn.Module:
+        return llava_inner(self.model).language_model
 
     @property
     def capabilities(self) -> frozenset[str]:
@@ -115,22 +126,42 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         return NO_CLS
 
     # ------------------------------------------------------------------ vision
-    def _tokens(
-        self, per_crop: torch.Tensor, pixel_values: torch.Tensor, image_sizes: torch.Tensor, size: tuple[int, int]
-    ) -> ImageTokens:
-        """LLaVA-NeXT's packed tokens and geometry, plus the grid the model's own sequence has after pooling."""
-        tokens = super()._tokens(per_crop, pixel_values, image_sizes, size)
-        rows, cols = tokens.model_inputs["hires_grid"]
-        side = self.model.config.vision_config.image_size // self.model.config.vision_config.patch_size
-        pooled = onevision_pooled_grid(rows, cols, side, self.max_crops) if rows else (0, 0)
-        tokens.model_inputs["pooled_grid"] = pooled
+    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Crops zero-padded to the most any image has, on the model's device
+        (:func:`~care_core.backbones.anyres.collate_crops`)."""
+        return collate_crops(parts, self.device)
+
+    def _anyres(self) -> AnyresCrops:
+        """The anyres encoding with SigLIP's patch features and the model's packing with pooling out of reach."""
+        return AnyresCrops(self.model, self.processor, self.name, self._geometry_cache, self._patch_features,
+                           self._packed_ids)  # fmt: skip
+
+    def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
+        """LLaVA-NeXT's packed tokens and geometry per image (the real crops of all images in one tower pass), plus
+        the grid the model's own sequence has after pooling (``pooled_grid``)."""
+        tokens = self._anyres().encode(processed, sizes)
+        for image in tokens:
+            rows, cols = image.model_inputs["hires_grid"]
+            side = self.model.config.vision_config.image_size // self.model.config.vision_config.patch_size
+            pooled = onevision_pooled_grid(rows, cols, side, self.max_crops) if rows else (0, 0)
+            image.model_inputs["pooled_grid"] = pooled
         return tokens
+
+    def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
+        """(B, N, d_v) packed pre-projector features of B images sharing ``reference``'s geometry (same size: same
+        crops and packing), ``pixel_values`` (B, 1, crops, 3, 384, 384) their processor outputs; with gradients where
+        enabled."""
+        return self._anyres().batch_features(pixel_values, reference)
+
+    def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(crops, 729, d_v): SigLIP's rows of ``vision_feature_layer``, all of them (strategy "full", no CLS)."""
+        return patch_features(self.model, pixel_values, SIGLIP_PATCH_START)
 
     def _packed_ids(self, ids: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """The model's own ``pack_image_features`` on per-crop ids with pooling out of reach (the unpooled grid, no
-        newline rows); NeXT's ``_layout`` reads the crop/patch order and the unpadded grid from it."""
+        newline rows): the crop/patch order and the unpadded grid (:func:`~care_core.backbones.anyres.crop_layout`)."""
         with quiet_transformers():
-            packed, _ = _inner(self.model).pack_image_features(
+            packed, _ = llava_inner(self.model).pack_image_features(
                 [ids], image_sizes, image_newline=None, vision_aspect_ratio=_NO_POOLING
             )
         return packed[0]
@@ -144,7 +175,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         for key in ("crop_index", "patch_index", "image_sizes", "pixel_values"):
             if key not in inputs:
                 raise ValueError(f"tokens.model_inputs has no {key}; use ImageTokens from encode_image")
-        inner = _inner(self.model)
+        inner = llava_inner(self.model)
         lead, width = rows.shape[:-2], rows.shape[-1]
         images = rows.reshape(-1, rows.shape[-2], width)
         crop, patch = inputs["crop_index"].to(rows.device), inputs["patch_index"].to(rows.device)
@@ -159,6 +190,10 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
                 list(crops), sizes, image_newline=inner.image_newline, vision_aspect_ratio=aspect
             )
         return torch.stack(packed).to(rows.dtype).reshape(*lead, -1, width)
+
+    def fed_rows(self, tokens: ImageTokens, rows: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """The model's own sequence when the rows are all N tokens in packed order, else the rows as given."""
+        return anyres_fed_rows(tokens, rows, kept, self._with_newlines)
 
     def visual_tokens_fed(self, tokens: ImageTokens, rows: int, kept: torch.Tensor | None = None) -> int:
         kept = check_kept(kept, int(rows), tokens.num_tokens)

@@ -36,31 +36,19 @@ Tower attention. On CUDA the tower's per-window and per-image sdpa calls run as 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from ..._memo import remember
-from ...errors import ModelLoadError
 from ...norm_first import NormFirstMLP
+from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
-from ..base import ImageTokens, check_kept
+from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter
-from ..geometry import CropGeometry, grid_image_tokens
 from ..module_attrs import float_attr, int_attr, model_config, submodule, tensor_attr, typed_attr
 from ..packed_attention import tower_attention
 from ..static_generation import StaticPrompt
-
-#: (question, image grid) pairs whose full-prompt rope positions an adapter keeps: each holds 3 x L positions (L up to
-#: ~16k at the largest images, ~400 KB), so fewer than the prompt ids' PROMPT_CACHE_SIZE (about 100 MB at most)
-ROPE_CACHE_SIZE = 256
-
-QWEN25VL_FALLBACK_PROMPT = (
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "<|im_start|>user\n<|vision_start|>{image}<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
-)
 
 
 class QwenMergerProjector(nn.Module):
@@ -117,7 +105,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     """Adapter for Qwen2.5-VL checkpoints (``model_type == "qwen2_5_vl"``); see the module docstring."""
 
     family = "qwen2.5-vl"
-    FALLBACK_PROMPT = QWEN25VL_FALLBACK_PROMPT
+    FALLBACK_PROMPT = qwen_vl.QWEN_FALLBACK_PROMPT
     model_class = "Qwen2_5_VLForConditionalGeneration"
     image_only_processor = "care_core.backbones.qwen_processor:CareQwen2_5_VLProcessor"
     probe_notes: ClassVar[dict[str, str]] = {
@@ -126,31 +114,18 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     #: on CUDA, run the tower's per-window / per-image sdpa calls as one call per segment length
     #: (:mod:`care_core.backbones.packed_attention`; the same maths); False keeps transformers' loop
     pack_vision_attention: bool = True
-    #: transformers' ``smart_resize`` (``models/qwen2_vl/image_processing*_qwen2_vl.py``, the image processor of both
-    #: Qwen families) raises for a long side over 200 times the short one; it has no constant to read, so the limit is
-    #: written here once and :meth:`check_image` refuses such an image before the processor runs
-    max_aspect_ratio: ClassVar[float | None] = 200.0
-    #: the static loop also takes the prompt's positions (``mm_token_type_ids`` only matters without them)
-    static_inputs: ClassVar[frozenset[str]] = ChatAdapter.static_inputs | {"position_ids", "mm_token_type_ids"}
+    max_aspect_ratio: ClassVar[float | None] = qwen_vl.QWEN_MAX_ASPECT_RATIO  # smart_resize refuses beyond it
+    static_inputs: ClassVar[frozenset[str]] = mrope.MROPE_STATIC_INPUTS  # the static loop takes the positions too
+    row_positions = staticmethod(mrope.row_positions)
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
         self._check_processor(processor, name)
-        cfg = model_config(model)
-        vc = cfg.vision_config
-        ip = processor.image_processor
-        for attr, want in (("patch_size", vc.patch_size), ("merge_size", vc.spatial_merge_size)):
-            got = getattr(ip, attr, want)
-            if int(got) != int(want):
-                raise ModelLoadError(f"{name}: image processor {attr} {got} does not match the model's {want}")
-        self._set_image_token(getattr(cfg, "image_token_id", None))
-        self._projector = self._merger_projector()
+        qwen_vl.check_merge_sizes(model, processor, name)
+        self._set_image_token(getattr(model_config(model), "image_token_id", None))
+        self._projector = QwenMergerProjector(self._inner.visual.merger)
         #: (question, image grid thw) -> the full prompt's rope positions (CPU), :meth:`rope_positions`
-        self._rope_cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-
-    def _merger_projector(self) -> nn.Module:
-        """The merger as a per-token projector (:class:`QwenMergerProjector`)."""
-        return QwenMergerProjector(self._inner.visual.merger)
+        self._rope_cache: mrope.RopeCache = {}
 
     # ------------------------------------------------------------------ modules
     @property
@@ -172,18 +147,10 @@ class Qwen2_5_VLAdapter(ChatAdapter):
     def why_probe_missing(self, probe: str) -> str:
         return f"{self.display} has no CLS token"
 
-    @property
-    def display(self) -> str:
-        """The family's display name (e.g. "Qwen2.5-VL"), from its registry record."""
-        from ..families import backbone_family
-
-        return backbone_family(self.family).display
-
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Patch rows packed image after image, as the processor packs a list of images (on the model's device)."""
-        return {"pixel_values": torch.cat([part["pixel_values"].to(self.device) for part in parts]),
-                "image_grid_thw": torch.cat([part["image_grid_thw"] for part in parts])}  # fmt: skip
+        return qwen_vl.collate_patches(parts, self.device)
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """Merged-token pre-projector features (N, 4 d_v) per image and their geometry: the packed patches of all
@@ -194,11 +161,14 @@ class Qwen2_5_VLAdapter(ChatAdapter):
                              f"hold the patches of {len(sizes)} images")  # fmt: skip
         with torch.no_grad():
             features = self._merged_features(pixel_values, thw)  # (sum N, unit * d_v)
-        unit = self.model.config.vision_config.spatial_merge_size**2
+        vc = self.model.config.vision_config
+        unit = vc.spatial_merge_size**2
         patches = [int(n) for n in thw.prod(-1).tolist()]
         per_image = features.split([n // unit for n in patches])
         pixels = pixel_values.split(patches)
-        return [self._tokens(per_image[i], pixels[i], thw[i : i + 1], sizes[i]) for i in range(len(sizes))]
+        cache = self._geometry_cache
+        return [qwen_vl.merged_grid_tokens(per_image[i], pixels[i], thw[i : i + 1], sizes[i], vc, cache)
+                for i in range(len(sizes))]  # fmt: skip
 
     def _merged_features(self, pixel_values: torch.Tensor, thw: torch.Tensor) -> torch.Tensor:
         """(sum N, unit * d_v): each merged token's four pre-merger patch vectors from the tower's last hidden state,
@@ -227,63 +197,16 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         features = self._merged_features(pixel_values.flatten(0, 1), thw)
         return features.view(batch, reference.num_tokens, -1)
 
-    def _tokens(
-        self, features: torch.Tensor, pixel_values: torch.Tensor, thw: torch.Tensor, size: tuple[int, int]
-    ) -> ImageTokens:
-        """One image's merged tokens and their geometry (see the module docstring)."""
-        vc = self.model.config.vision_config
-        height, width = size
-        t, gh, gw = (int(v) for v in thw[0].tolist())
-        merge = int(vc.spatial_merge_size)
-        rows, cols = gh // merge, gw // merge
-        if t != 1 or rows * cols != features.shape[0]:
-            raise RuntimeError(f"vision tower gave {features.shape[0]} merged tokens for grid_thw {thw[0].tolist()}")
-        block = int(vc.patch_size) * merge
-        geom = CropGeometry(height, width, rows * block, cols * block, 0, 0, rows * block, cols * block)
-        model_inputs = {"pixel_values": pixel_values, "image_grid_thw": thw, "image_size": (height, width)}
-        return grid_image_tokens(features, geom, rows, cols, block, model_inputs, cache=self._geometry_cache)
-
     # ------------------------------------------------------------------ language model
     def full_positions(self, question: str, tokens: ImageTokens) -> dict[str, torch.Tensor]:
-        """The prompt with all N image placeholders: ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
-        (1 on image tokens, as the processor makes them) and ``positions`` (3, 1, L), the model's own
-        ``get_rope_index`` of that sequence (:meth:`rope_positions`)."""
-        positions, _ = self.rope_positions(question, tokens)
-        enc = self._encode_prompt(question, tokens.num_tokens)
-        ids = enc["input_ids"]
-        types = (ids == self.image_token_id).to(torch.long)
-        return {**enc, "mm_token_type_ids": types, "positions": positions[:, None].to(ids.device)}
+        """The prompt with all N image placeholders and its rope ``positions``
+        (:func:`~care_core.backbones.mrope.full_positions`)."""
+        return mrope.full_positions(self, self._rope_cache, question, tokens)
 
     def rope_positions(self, question: str, tokens: ImageTokens) -> tuple[torch.Tensor, int]:
-        """(3, L) multimodal-rope positions (CPU) of the prompt with all N image placeholders, the model's own
-        ``get_rope_index`` of it, and the first placeholder's place (the N placeholders are one run from there).
-
-        Worked out on the host and kept per (question, image grid): ``get_rope_index`` walks the whole prompt in
-        Python (and on a GPU reads it back), once per call otherwise."""
-        thw = tokens.model_inputs.get("image_grid_thw")
-        if thw is None:
-            raise ValueError("tokens.model_inputs has no image_grid_thw; use ImageTokens from encode_image")
-        thw = thw.cpu()  # the processor's output: on the host already
-        key = (question, tuple(int(v) for v in thw.reshape(-1).tolist()))
-        _, at = self._prompt_ids(question)
-        cached = self._rope_cache.get(key)
-        if cached is None:
-            ids = self._prompt_ids_with(question, tokens.num_tokens)
-            types = (ids == self.image_token_id).to(torch.long)
-            positions, _ = self._inner.get_rope_index(
-                ids, types, image_grid_thw=thw, attention_mask=torch.ones_like(ids)
-            )
-            cached = remember(self._rope_cache, key, positions[:, 0], ROPE_CACHE_SIZE)
-        return cached, at
-
-    @staticmethod
-    def row_positions(image_positions: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """(3, ..., K) multimodal-rope positions of K rows from the full prompt's image positions (3, N): row r has
-        token ``kept[..., r]``'s; a row tied to no token (-1) the last image token's (the bottom-right merged patch)."""
-        n = int(image_positions.shape[1])
-        kept = kept.to(image_positions.device)
-        select = torch.where(kept < 0, torch.full_like(kept, n - 1), kept)
-        return image_positions[:, select]
+        """(3, L) rope positions of the prompt with all N placeholders, kept per (question, image grid), and the first
+        placeholder's place (:func:`~care_core.backbones.mrope.rope_positions`)."""
+        return mrope.rope_positions(self, self._rope_cache, question, tokens)
 
     def _lm_inputs(
         self,
@@ -294,25 +217,9 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         *,
         probe: bool = False,
     ) -> dict[str, Any]:
-        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's). The
-        positions are put together on the host (no read-back from the device) and moved with the ids."""
-        rows = self._check_projected(projected)
-        k, n = int(rows.shape[0]), tokens.num_tokens
-        kept = check_kept(kept, k, n)
-        full, start = self.rope_positions(question, tokens)
-        image = self.row_positions(full[:, start : start + n], torch.arange(k) if kept is None else kept)
-        positions = torch.cat([full[:, :start], image, full[:, start + n :]], dim=1)  # (3, L_K)
-        text_row = torch.arange(positions.shape[1], dtype=positions.dtype)
-        position_ids = torch.cat([text_row[None], positions])[:, None]  # (4, 1, L_K): text row, then t, h, w
-        enc = self._encode_prompt(question, k)
-        return {
-            **enc,
-            "mm_token_type_ids": (enc["input_ids"] == self.image_token_id).to(torch.long),
-            "position_ids": position_ids.to(self.device, non_blocking=True),  # a fresh host tensor: no wait
-            "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept),
-        }
+        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's)."""
+        return mrope.mrope_lm_inputs(self, self._rope_cache, question, tokens, projected, kept)
 
     def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
-        """The embeddings and the (t, h, w) rows of the prompt's ``position_ids`` (its text row is 0..L-1, the
-        static loop's cache index)."""
-        return replace(super()._static_prompt(inputs), positions=inputs["position_ids"][1:, 0])
+        """The embeddings and the (t, h, w) rows of the prompt's ``position_ids``."""
+        return mrope.with_rope_positions(super()._static_prompt(inputs), inputs)

@@ -17,7 +17,8 @@ of the token whose index they carry (the anchor's own). That rule is :meth:`Qwen
 image or a batch; ``scripts/train_demo`` feeds a batch through it and :meth:`Qwen3VLAdapter.deepstack_outputs` (the
 rows and deepstack rows of :meth:`Qwen3VLAdapter.batch_tokens`, one tower pass with gradients).
 
-Geometry and positions as Qwen2.5-VL (:mod:`care_core.backbones.qwen2_5_vl.adapter`): the processor resizes to
+Geometry and positions as Qwen2.5-VL, from the parts both families compose (:mod:`care_core.backbones.qwen_vl`, the
+merged grid; :mod:`care_core.backbones.mrope`, the positions): the processor resizes to
 multiples of 32 px, each token is a 32x32 block mapped linearly back to the original image; the kept rows get the
 (t, h, w) multimodal-rope positions of their tokens from ``get_rope_index`` of the unreduced prompt, with
 ``mm_token_type_ids`` passed (Qwen3-VL refuses to run without it when an image grid is given). The static CUDA-graph
@@ -36,11 +37,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...norm_first import NormFirstMLP
+from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
 from ..base import ImageTokens
-from ..module_attrs import float_attr, int_attr, optional_tensor_attr, submodule, tensor_attr
+from ..chat_adapter import ChatAdapter
+from ..module_attrs import float_attr, int_attr, model_config, optional_tensor_attr, submodule, tensor_attr
 from ..packed_attention import tower_attention
-from ..qwen2_5_vl.adapter import Qwen2_5_VLAdapter
 from ..static_generation import StaticPrompt
 
 
@@ -89,18 +91,51 @@ class Qwen3VLMergerProjector(nn.Module):
                             float_attr(norm, "eps"), self.unit, first, act, second)  # fmt: skip
 
 
-class Qwen3VLAdapter(Qwen2_5_VLAdapter):
+class Qwen3VLAdapter(ChatAdapter):
     """Adapter for Qwen3-VL checkpoints (``model_type == "qwen3_vl"``); see the module docstring."""
 
     family = "qwen3-vl"
+    FALLBACK_PROMPT = qwen_vl.QWEN_FALLBACK_PROMPT
     model_class = "Qwen3VLForConditionalGeneration"
     image_only_processor = "care_core.backbones.qwen_processor:CareQwen3VLProcessor"
     probe_notes: ClassVar[dict[str, str]] = {
         "language_model": "all N merged tokens with their multimodal-rope positions and every deepstack level",
     }
+    #: on CUDA, run the tower's per-image sdpa calls as one call per segment length
+    #: (:mod:`care_core.backbones.packed_attention`; the same maths); False keeps transformers' loop
+    pack_vision_attention: bool = True
+    max_aspect_ratio: ClassVar[float | None] = qwen_vl.QWEN_MAX_ASPECT_RATIO  # smart_resize refuses beyond it
+    static_inputs: ClassVar[frozenset[str]] = mrope.MROPE_STATIC_INPUTS  # the static loop takes the positions too
+    row_positions = staticmethod(mrope.row_positions)
 
-    def _merger_projector(self) -> nn.Module:
-        return Qwen3VLMergerProjector(self._inner.visual.merger)
+    def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
+        super().__init__(model, processor, name=name, is_demo=is_demo)
+        self._check_processor(processor, name)
+        qwen_vl.check_merge_sizes(model, processor, name)
+        self._set_image_token(getattr(model_config(model), "image_token_id", None))
+        self._projector = Qwen3VLMergerProjector(self._inner.visual.merger)
+        #: (question, image grid thw) -> the full prompt's rope positions (CPU), :meth:`rope_positions`
+        self._rope_cache: mrope.RopeCache = {}
+
+    # ------------------------------------------------------------------ modules
+    @property
+    def _inner(self) -> Any:
+        return self.model.model
+
+    @property
+    def _language_model(self) -> torch.nn.Module:
+        return self._inner.language_model
+
+    @property
+    def projector(self) -> torch.nn.Module:
+        return self._projector
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"question", "language_model"})
+
+    def why_probe_missing(self, probe: str) -> str:
+        return f"{self.display} has no CLS token"
 
     @property
     def deepstack_levels(self) -> int:
@@ -108,6 +143,10 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         return len(self.model.config.vision_config.deepstack_visual_indexes)
 
     # ------------------------------------------------------------------ vision
+    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Patch rows packed image after image, as the processor packs a list of images (on the model's device)."""
+        return qwen_vl.collate_patches(parts, self.device)
+
     def _tower(self, pixel_values: torch.Tensor, thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed patches through the tower once: (sum N, unit * d_v) merged-token features (the tower's last
         hidden state, already in raster order of each merged grid) and (levels, sum N, d_t) deepstack rows;
@@ -135,9 +174,10 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         counts = [int(n) // unit for n in thw.prod(-1).tolist()]
         per_image, per_deepstack = features.split(counts), deepstack.split(counts, dim=1)
         pixels = pixel_values.split([n * unit for n in counts])
-        result = []
+        vc, result = self.model.config.vision_config, []
         for i, size in enumerate(sizes):
-            tokens = self._tokens(per_image[i], pixels[i], thw[i : i + 1], size)
+            tokens = qwen_vl.merged_grid_tokens(per_image[i], pixels[i], thw[i : i + 1], size, vc,
+                                                self._geometry_cache)  # fmt: skip
             tokens.model_inputs["deepstack"] = per_deepstack[i]
             result.append(tokens)
         return result
@@ -157,6 +197,29 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         return self.batch_tokens(pixel_values, reference)[0]
 
     # ------------------------------------------------------------------ language model
+    def full_positions(self, question: str, tokens: ImageTokens) -> dict[str, torch.Tensor]:
+        """The prompt with all N image placeholders and its rope ``positions``
+        (:func:`~care_core.backbones.mrope.full_positions`)."""
+        return mrope.full_positions(self, self._rope_cache, question, tokens)
+
+    def rope_positions(self, question: str, tokens: ImageTokens) -> tuple[torch.Tensor, int]:
+        """(3, L) rope positions of the prompt with all N placeholders, kept per (question, image grid), and the first
+        placeholder's place (:func:`~care_core.backbones.mrope.rope_positions`)."""
+        return mrope.rope_positions(self, self._rope_cache, question, tokens)
+
+    def _lm_inputs(
+        self,
+        question: str,
+        tokens: ImageTokens,
+        projected: torch.Tensor,
+        kept: torch.Tensor | None,
+        *,
+        probe: bool = False,
+    ) -> dict[str, Any]:
+        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's), and the
+        K rows' deepstack rows (:meth:`_encoder_outputs`)."""
+        return mrope.mrope_lm_inputs(self, self._rope_cache, question, tokens, projected, kept)
+
     @staticmethod
     def fed_deepstack(deepstack: torch.Tensor, kept: torch.Tensor | None, k: int) -> torch.Tensor:
         """(levels, ..., K, d_t) deepstack rows of K fed rows from every token's (levels, ..., N, d_t): row r gets
@@ -190,9 +253,10 @@ class Qwen3VLAdapter(Qwen2_5_VLAdapter):
         return self.deepstack_outputs(rows, self.fed_deepstack(deepstack, kept, int(rows.shape[0])))
 
     def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
-        """As Qwen2.5-VL's, with every DeepStack level's rows at the prompt's image placeholders (zeros elsewhere:
-        the model adds nothing to the text rows), placed on the device (no read-back)."""
-        prompt = super()._static_prompt(inputs)
+        """The embeddings and the (t, h, w) rows of the prompt's ``position_ids``, with every DeepStack level's rows at
+        the prompt's image placeholders (zeros elsewhere: the model adds nothing to the text rows), placed on the
+        device (no read-back)."""
+        prompt = mrope.with_rope_positions(super()._static_prompt(inputs), inputs)
         image = inputs["mm_encoder_outputs"]["image"]
         levels = torch.stack([torch.cat(list(level)) for level in image.deepstack_features])  # (levels, K, d_t)
         placeholders = (inputs["input_ids"][0] == self.image_token_id)[None, :, None]  # (1, L, 1)
