@@ -24,8 +24,8 @@ differ from transformers' in its last bits. :func:`layer_reason` says where a la
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -189,6 +189,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                           enable_gqa=grouped)  # fmt: skip
 
 
+def _graph_attention_inputs(
+    hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_inputs` under a code object of its own, compiled for graph captures (see LeanLayers)."""
+    return attention_inputs(hidden, w, cos, sin, shape)
+
+
+def _graph_mlp_block(hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
+    """:func:`mlp_block` under a code object of its own, compiled for graph captures (see LeanLayers)."""
+    return mlp_block(hidden, attended, w, shape)
+
+
 def _varying(*dims: tuple[torch.Tensor, int, int]) -> None:
     """Mark each tensor's batch and rows dimensions (the two indices given) symbolic for the compiled pieces,
     where larger than 1: one compiled piece serves every prompt length and batch, while the widths and head
@@ -210,14 +222,18 @@ class LeanLayers:
     def __init__(self, device: torch.device) -> None:
         self.compiled = why_not_fused(device) is None
         self.compile_failure: str | None = None
-        self._compiled_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-        self._compiled_mlp_block: Callable[..., torch.Tensor] | None = None
+        self.for_graphs = False  # which compiled pieces run: set by scope()
+        self._compiled: dict[bool, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         if self.compiled:
-            # dynamic=None, not True: only the dims marked by _varying are symbolic. With every size symbolic
-            # (head_dim, widths too) Inductor's pointwise kernels were slower: a 96-row LLaVA-1.5-7B prefill
-            # graph took 6.2 ms against 5.7 with static widths, 9.0 against 8.4 for Qwen2.5-VL-7B's 288 rows (H200)
-            self._compiled_attention_inputs = torch.compile(attention_inputs, dynamic=None, fullgraph=True)
-            self._compiled_mlp_block = torch.compile(mlp_block, dynamic=None, fullgraph=True)
+            # Graph captures: only the dims _varying marks are symbolic (dynamic=None); with every size symbolic,
+            # head_dim and widths too, Inductor's kernels were slower: a 96-row LLaVA-1.5-7B prefill graph took
+            # 6.2 ms against 5.7, LLaVA-NeXT-7B's all-token first token 81.6 against 69.6 (H200). Eager steps: every
+            # size symbolic (dynamic=True); there the marked pieces' first token was slower (K rows: NeXT 23.4 ms
+            # against 18.6, Qwen2.5-VL-7B 29.4 against 17.7). Two code objects, so dynamo keeps their caches apart.
+            self._compiled[True] = (torch.compile(_graph_attention_inputs, dynamic=None, fullgraph=True),
+                                    torch.compile(_graph_mlp_block, dynamic=None, fullgraph=True))  # fmt: skip
+            self._compiled[False] = (torch.compile(attention_inputs, dynamic=True, fullgraph=True),
+                                     torch.compile(mlp_block, dynamic=True, fullgraph=True))  # fmt: skip
 
     def _fall_back(self, exc: Exception) -> None:
         self.compiled = False
@@ -227,29 +243,36 @@ class LeanLayers:
         self, hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`attention_inputs`, compiled where it can be."""
-        if self.compiled and self._compiled_attention_inputs is not None:
+        if self.compiled and self._compiled:
             try:
-                _varying((hidden, 0, 1), (cos, 0, 1), (sin, 0, 1))
-                return self._compiled_attention_inputs(hidden, w, cos, sin, shape)
+                if self.for_graphs:
+                    _varying((hidden, 0, 1), (cos, 0, 1), (sin, 0, 1))
+                return self._compiled[self.for_graphs][0](hidden, w, cos, sin, shape)  # type: ignore[no-any-return]
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self._fall_back(exc)
         return attention_inputs(hidden, w, cos, sin, shape)
 
     def mlp_block(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
         """:func:`mlp_block`, compiled where it can be."""
-        if self.compiled and self._compiled_mlp_block is not None:
+        if self.compiled and self._compiled:
             try:
-                _varying((hidden, 0, 1), (attended, 0, 2))
-                return self._compiled_mlp_block(hidden, attended, w, shape)
+                if self.for_graphs:
+                    _varying((hidden, 0, 1), (attended, 0, 2))
+                return self._compiled[self.for_graphs][1](hidden, attended, w, shape)  # type: ignore[no-any-return]
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self._fall_back(exc)
         return mlp_block(hidden, attended, w, shape)
 
-    def scope(self) -> AbstractContextManager[Any]:
-        """Where the pieces run: dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (restored on exit)."""
-        if not self.compiled:
-            return nullcontext()
-        return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+    @contextmanager
+    def scope(self, *, for_graphs: bool) -> Iterator[None]:
+        """Where the pieces run: ``for_graphs`` (a step a CUDA graph captures, or its warm-up) or eager steps;
+        dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (both restored on exit)."""
+        saved, self.for_graphs = self.for_graphs, for_graphs
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT) if self.compiled else nullcontext():
+                yield
+        finally:
+            self.for_graphs = saved
 
 
 def layer_forward(

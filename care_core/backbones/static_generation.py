@@ -282,6 +282,7 @@ class StaticGreedy:
             raise ValueError(f"CUDA graphs need a CUDA device; the language model is on {self.device}")
         self.graphs = graphs
         self.pieces = LeanLayers(self.device)
+        self.capturing = False  # True while a step runs for a graph capture (its warm-up included)
         self.eos = eos_ids(model)
         self.weights = self._weights()
         self.kv: StaticKV | None = None
@@ -380,7 +381,7 @@ class StaticGreedy:
         assert self.kv is not None
         rotation = rotation_tables(*self.lm.rotary_emb(hidden, position_ids=rotary))
         update = self.kv.update
-        with self.pieces.scope():
+        with self.pieces.scope(for_graphs=self.capturing):
             for index, tensors in enumerate(self.tensors):
                 cache = partial(update, layer_idx=index)
                 hidden = layer_forward(self.pieces, hidden, tensors, rotation, self.shape, cache, mask)
@@ -428,22 +429,30 @@ class StaticGreedy:
             if graph is not None:
                 graph.replay()
                 return graph
-            stream = self.stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                step()  # the real step, and the warm-up the capture needs on its stream
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # capture_begin/end rather than torch.cuda.graph(), whose entry empties the device and pinned-host
-            # caching allocators: every later batch would then allocate its buffers from the driver again
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self.pool)
-                try:
-                    step()  # recorded, not run: the state the eager step left stands
-                finally:
-                    graph.capture_end()
-            self.captures += 1
-            return graph
+            self.capturing = True  # the layers' pieces compiled for captures (LeanLayers.scope)
+            try:
+                return self._capture(step)
+            finally:
+                self.capturing = False
+
+    def _capture(self, step: Callable[[], None]) -> Any:
+        """Run ``step`` once on the capture stream (the warm-up a capture needs), then capture it into a graph."""
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            step()  # the real step, and the warm-up the capture needs on its stream
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end rather than torch.cuda.graph(), whose entry empties the device and pinned-host
+        # caching allocators: every later batch would then allocate its buffers from the driver again
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                step()  # recorded, not run: the state the eager step left stands
+            finally:
+                graph.capture_end()
+        self.captures += 1
+        return graph
 
     # ------------------------------------------------------------------ public
     def generate(self, prompt: torch.Tensor | StaticPrompt, max_new_tokens: int, *, replay: bool = True) -> list[int]:

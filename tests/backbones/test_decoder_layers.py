@@ -158,8 +158,8 @@ def test_a_piece_that_cannot_be_compiled_runs_as_written(monkeypatch: pytest.Mon
         raise CompileFailed("no C compiler found")
 
     pieces = LeanLayers(hidden.device)
-    pieces.compiled, pieces._compiled_attention_inputs, pieces._compiled_mlp_block = True, broken, broken  # as on CUDA
-    with torch.no_grad():
+    pieces.compiled, pieces._compiled = True, {True: (broken, broken), False: (broken, broken)}  # as on CUDA
+    with torch.no_grad(), pieces.scope(for_graphs=True):
         got = layer_forward(pieces, *args)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert not pieces.compiled and pieces.compile_failure == "CompileFailed: no C compiler found"
