@@ -1,7 +1,7 @@
 """A backbone's architecture as ``care flops`` counts it: frozen dims of its language model, projector and vision
 tower, and how its processor turns an image into visual tokens.
 
-Plain data, no torch: each family's record (``care_core/backbones/<family>/record.py``) states its specs with these
+Plain data, no torch: each family's record (``care_core/backbones/<family>/__init__.py``) states its specs with these
 classes, and ``care_core.flops`` reads them from the records.
 """
 

@@ -7,8 +7,8 @@ lmms-eval model id and how the GPU benchmarks build it at full size. The loader,
 (:meth:`care_core.methods.Method.serves`), ``care flops``, the demos, the lmms-eval plugin, the CLI and the
 benchmarks read these records; nothing else lists families.
 
-The families shipped with care are found, not listed: every sub-package of ``care_core.backbones`` with a
-``record`` module registers its family when that module is imported, on the registry's first read. A family
+The families shipped with care are found, not listed: every sub-package of ``care_core.backbones`` whose
+``__init__`` defines ``FAMILY`` (its record) is registered on the registry's first read. A family
 defined elsewhere (a user's plug-in, a test) calls :func:`register_family` itself and is served the same way.
 How to add one: docs/design/families.md §Adding a family.
 
@@ -167,22 +167,18 @@ class BackboneFamily:
 
 _FAMILIES: dict[str, BackboneFamily] = {}
 _KEYS: dict[str, str] = {}  # lower-cased name or model_type -> family name
-#: the package whose sub-packages with a ``record`` module are the shipped families
-FAMILY_PACKAGE = "care_core.backbones"
-RECORD_MODULE = "record"
+FAMILY_PACKAGE = "care_core.backbones"  # each of its sub-packages whose __init__ defines FAMILY is a family
 #: the entry-point group through which an installed package offers families: each entry names a BackboneFamily
-#: (``[project.entry-points."care.families"] mine = "my_package.record:FAMILY"``)
+#: (``[project.entry-points."care.families"] mine = "my_package:FAMILY"``)
 PLUGIN_GROUP = "care.families"
 
 
 @functools.cache
-def shipped_records() -> tuple[str, ...]:
-    """The record modules of the shipped families: ``care_core.backbones.<family>.record``, by package name."""
+def shipped_packages() -> tuple[str, ...]:
+    """The sub-packages of ``care_core.backbones`` (``care_core.backbones.<family>``), by name; each that defines
+    ``FAMILY`` in its ``__init__`` (torch-free) is a shipped family."""
     package = importlib.import_module(FAMILY_PACKAGE)
-    folder = Path(package.__path__[0])
-    found = (m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
-    return tuple(f"{FAMILY_PACKAGE}.{name}.{RECORD_MODULE}" for name in sorted(found)
-                 if (folder / name / f"{RECORD_MODULE}.py").is_file())  # fmt: skip
+    return tuple(sorted(f"{FAMILY_PACKAGE}.{m.name}" for m in pkgutil.iter_modules(package.__path__) if m.ispkg))
 
 
 @functools.cache
@@ -209,9 +205,9 @@ def installed_plugins() -> tuple[BackboneFamily, ...]:
 
 def _discover_shipped() -> None:
     """Register each shipped family's ``FAMILY`` record, then each installed plug-in's, where not registered yet."""
-    for module in shipped_records():
-        family: BackboneFamily = importlib.import_module(module).FAMILY
-        if family.name not in _FAMILIES:
+    for module in shipped_packages():
+        family = getattr(importlib.import_module(module), "FAMILY", None)
+        if isinstance(family, BackboneFamily) and family.name not in _FAMILIES:
             register_family(family)
     for family in installed_plugins():
         if family.name not in _FAMILIES:

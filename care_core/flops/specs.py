@@ -1,6 +1,6 @@
 """The ``care flops`` backbone specs: every registered family's, read from its record, and ``from_config(path)``.
 
-Each family's record (``care_core/backbones/<family>/record.py``, or a plug-in's ``register_family``) holds its
+Each family's record (``care_core/backbones/<family>/__init__.py``, or a plug-in's ``register_family``) holds its
 specs (``BackboneFamily.flops_specs``: the published numbers and their sources) and names the reader of its
 ``config.json`` (``BackboneFamily.flops_config``); nothing here names a family or a model size.
 """

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib
 
-from care_core.backbones.families import BackboneFamily, import_path, shipped_records
+from care_core.backbones.families import BackboneFamily, import_path, shipped_packages
 
 
 def _shipped() -> dict[str, BackboneFamily]:
     """Package folder name -> the family its record defines."""
-    return {module.split(".")[2]: importlib.import_module(module).FAMILY for module in shipped_records()}
+    return {module.split(".")[2]: importlib.import_module(module).FAMILY for module in shipped_packages()}
 
 
 def test_each_shipped_familys_builders_live_in_its_own_folder() -> None:
