@@ -33,7 +33,6 @@ from care_core.backbones.families import (
 )
 from care_core.backbones.llava_1_5.adapter import LlavaAdapter
 from care_core.backbones.llava_1_5.demo import build_tiny_llava
-from care_core.integrations.lmms_eval import model_class
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES = EXAMPLES / "tasks" / "care_shapes_examples"
@@ -103,6 +102,9 @@ def test_care_flops_counts_the_plugin_familys_spec(care: Any, toy_family: Backbo
 
 
 def test_care_eval_evaluates_the_plugin_familys_demo(care: Any, toy_family: BackboneFamily) -> None:
+    pytest.importorskip("lmms_eval", reason="care eval needs the eval extra (lmms-eval)")
+    from care_core.integrations.lmms_eval import model_class  # the plugin imports lmms-eval
+
     assert model_class(LMMS_ID).families == (NAME,)
     result = care("eval", "--model", DEMO, "--method", "care", "--keep", "16", "--tasks", SHAPES, "--limit", "2",
                   "--json", "--device", "cpu")  # fmt: skip
