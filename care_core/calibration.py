@@ -77,8 +77,9 @@ def calibrate(
     n = features.shape[0]
     k = anchors.shape[0]
     device = features.device
-    is_anchor = torch.zeros(n, dtype=torch.bool, device=device)
-    is_anchor[anchors] = True
+    # index_fill_ takes True as a kernel argument; ``is_anchor[anchors] = True`` would copy it from the host and wait
+    # for all queued work (the scoring) before the rest of the calibration could be queued
+    is_anchor = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, anchors, True)
     residuals = residual_indices(is_anchor, k, sync_free=device.type == "cuda")
     v_anc = features[anchors]
     if residuals.numel() == 0:
@@ -114,6 +115,11 @@ def _padded(rows: list[torch.Tensor], length: int, fill: float = 0.0) -> torch.T
     return out
 
 
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small tensor made on the host, on ``device`` without waiting for queued work (a blocking copy would)."""
+    return host.to(device, non_blocking=True)
+
+
 def _batch_confidence(
     affinity: torch.Tensor, anchor_ok: torch.Tensor, ks: list[int], *, tau_g: float, tau_c: float, theta_s: float
 ) -> torch.Tensor:
@@ -121,12 +127,12 @@ def _batch_confidence(
     k_fs = [min(k, max(2, math.ceil(0.1 * k))) for k in ks]
     minus_inf = torch.finfo(affinity.dtype).min
     top = affinity.masked_fill(~anchor_ok[:, None, :], minus_inf).topk(max(k_fs), dim=2).values  # (B, R, k_f max)
-    in_top = torch.arange(top.shape[2], device=top.device)[None, :] < torch.tensor(k_fs, device=top.device)[:, None]
+    in_top = _on(torch.arange(top.shape[2])[None, :] < torch.tensor(k_fs)[:, None], top.device)
     c_sim = torch.sigmoid((top[:, :, 0] - theta_s) / tau_c)
     pi = torch.softmax((top / tau_g).masked_fill(~in_top[:, None, :], float("-inf")), dim=2)
-    log_k = torch.tensor([math.log(k) if k > 1 else 1.0 for k in k_fs], dtype=top.dtype, device=top.device)
+    log_k = _on(torch.tensor([math.log(k) if k > 1 else 1.0 for k in k_fs], dtype=top.dtype), top.device)
     c_ent = 1 + torch.special.xlogy(pi, pi).sum(dim=2) / log_k[:, None]  # 0 log 0 = 0 on the masked slots
-    single = torch.tensor([k == 1 for k in k_fs], device=top.device)[:, None]
+    single = _on(torch.tensor([k == 1 for k in k_fs]), top.device)[:, None]
     c_ent = torch.where(single, torch.ones_like(c_ent), c_ent)
     return c_sim * (1 + c_ent) / 2
 
@@ -146,15 +152,13 @@ def _layout(anchors: list[torch.Tensor], sizes: list[int], device: torch.device)
     ks = [int(a.shape[0]) for a in anchors]
     counts = [n - k for n, k in zip(sizes, ks, strict=True)]
     n_max, k_max = max(sizes), max(ks)
-    anchor_ok = torch.arange(k_max)[None, :] < torch.tensor(ks)[:, None]
-    anchor_ok = anchor_ok.to(device, non_blocking=True)  # host masks: blocking copies would wait for the GPU
+    anchor_ok = _on(torch.arange(k_max)[None, :] < torch.tensor(ks)[:, None], device)
     anchor_index = _padded(anchors, k_max).long()
     # token n_max is a spare column: the pads mark it, so no pad can overwrite a real anchor's mark
-    taken = torch.arange(n_max + 1)[None, :] >= torch.tensor(sizes)[:, None]  # padding counts as taken
-    taken = taken.to(device, non_blocking=True)
+    taken = _on(torch.arange(n_max + 1)[None, :] >= torch.tensor(sizes)[:, None], device)  # padding counts as taken
     taken.scatter_(1, torch.where(anchor_ok, anchor_index, n_max), True)
     residual_index = torch.argsort(taken[:, :n_max].to(torch.int32), dim=1, stable=True)[:, : max(counts)]
-    residual_ok = (torch.arange(max(counts))[None, :] < torch.tensor(counts)[:, None]).to(device, non_blocking=True)
+    residual_ok = _on(torch.arange(max(counts))[None, :] < torch.tensor(counts)[:, None], device)
     rows = torch.arange(len(anchors), device=device)[:, None]
     return _Layout(rows, anchor_index, anchor_ok, residual_index, residual_ok)
 

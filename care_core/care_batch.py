@@ -114,12 +114,13 @@ def padded_greedy(
     rows = torch.arange(b, device=like.device)
     order = torch.empty(b, max(ks), dtype=torch.long, device=like.device)
     minus_inf = torch.full((), float("-inf"), dtype=like.dtype, device=like.device)
+    true = torch.ones((), dtype=torch.bool, device=like.device)  # a device value: `= True` would copy from the host
     min_distance = torch.ones_like(w_pad)  # before the first pick every score is psi_bar itself
     cosines = torch.zeros_like(w_pad)  # padded columns stay 0: distance 1, never read
     for step in range(max(ks)):
         chosen = torch.argmax(torch.where(selected, minus_inf, w_pad * min_distance), dim=1)
         order[:, step] = chosen
-        selected[rows, chosen] = True
+        selected[rows, chosen] = true
         picked = unit[rows, chosen]  # (B, d_v): the unit row each image just chose
         for i in (i for i in range(b) if ks[i] > step + 1):  # images that still need a next step
             torch.mv(unit[i, : sizes[i]], picked[i], out=cosines[i, : sizes[i]])

@@ -127,12 +127,13 @@ def divprune_select_batch(
         return [fused[i, :k].clone() for i, k in enumerate(ks)]
     rows = torch.arange(b, device=like.device)
     order = torch.zeros(b, steps, dtype=torch.long, device=like.device)
+    true = torch.ones((), dtype=torch.bool, device=like.device)  # a device value: `= True` would copy from the host
     for step in range(steps):
         chosen = torch.argmax(scores, dim=1)
         if mask_selected:  # argmax of a bool row: its first True, the lowest-index unselected token
             chosen = torch.where(selected[rows, chosen], torch.argmax((~selected).to(torch.uint8), dim=1), chosen)
         order[:, step] = chosen
-        selected[rows, chosen] = True
+        selected[rows, chosen] = true
         picked = dist[rows, chosen]  # (B, max N): row `chosen` of each image's matrix, -inf on padding
         scores = picked if step == 0 else torch.minimum(scores, picked)
     return [order[i, :k].clone() for i, k in enumerate(ks)]

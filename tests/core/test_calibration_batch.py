@@ -51,3 +51,35 @@ def test_residuals_are_the_tokens_that_are_not_anchors() -> None:
     (one,) = calibrate_batch([v], [p], [torch.tensor([0, 4, 8])], [w], **OPTIONS)
     assert one.residuals.tolist() == [1, 2, 3, 5, 6, 7]  # by hand: 0..8 without 0, 4, 8
     assert one.tokens.shape == (3, 12)
+
+
+def _host_waits(run: object) -> list[str]:
+    """The synchronising CUDA calls ``run()`` makes, as the messages of torch's sync-debug warnings."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()  # type: ignore[operator]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calibration_waits_for_the_gpu_once_after_queueing_its_work() -> None:
+    # the one wait is R+'s data-dependent size, after every product is queued; marking the anchors with
+    # `mask[anchors] = True` once copied True from the host and waited for the scoring before anything was queued
+    v, p, anchors, w = (t.cuda() for t in _image(2880, 160, 7, torch.float32))
+    waits = _host_waits(lambda: calibrate(v, p, anchors, w, gated=True, **OPTIONS))
+    assert len(waits) == 1, waits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_calibration_waits_only_where_its_signals_are_read() -> None:
+    images = [tuple(t.cuda() for t in _image(n, k, seed, torch.float32)) for seed, (n, k) in enumerate(SHAPES)]
+    columns = [list(column) for column in zip(*images, strict=True)]
+    waits = _host_waits(lambda: calibrate_batch(*columns, gated=True, **OPTIONS))
+    assert len(waits) <= 2, waits  # R+ per image: nonzero, then its per-image counts
