@@ -51,6 +51,7 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
         "tiny-qwen2.5-vl-random",
         "tiny-qwen3-vl",
         "tiny-qwen3-vl-random",
+        "tiny-qwen3.5-random",
         "tiny-internvl3",
         "tiny-internvl3-random",
         "tiny-llava-onevision",
@@ -59,6 +60,7 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
     family_of = {**FAMILIES, "tiny-llava-onevision": "llava-onevision"}
     family_of.update({f"{name}-random": family for name, family in family_of.items()})
+    family_of["tiny-qwen3.5-random"] = "qwen3.5"  # a random demo only (no trained one yet)
     for name in demos:
         assert DEMO_BACKBONES[name].family == family_of[name]
         assert DEMO_BACKBONES[name] in backbone_family(family_of[name]).demos

@@ -258,7 +258,7 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
     with pytest.raises(
         ModelLoadError,
         match=r"unsupported model type bert \(supported: internvl, llava, llava_next, llava_onevision, qwen2_5_vl, "
-        r"qwen3_vl\)",
+        r"qwen3_5, qwen3_vl\)",
     ):
         load_backbone(tmp_path)
 

@@ -79,6 +79,7 @@ def test_entry_point_registers_every_model_id() -> None:
     assert llava.families == ("llava-1.5", "llava-next", "llava-onevision")
     assert models.get_model("care_qwen2_5_vl").families == ("qwen2.5-vl",)
     assert models.get_model("care_qwen3_vl").families == ("qwen3-vl",)
+    assert models.get_model("care_qwen3_5").families == ("qwen3.5",)
     internvl = models.get_model("care_internvl")
     assert internvl is models.get_model("care_internvl3") and internvl.families == ("internvl3",)
     assert all(issubclass(models.get_model(m), plugin.CareLMM) for m in ("care_llava", "care_internvl"))
@@ -87,6 +88,7 @@ def test_entry_point_registers_every_model_id() -> None:
         "care_llava",
         "care_qwen2_5_vl",
         "care_qwen3_vl",
+        "care_qwen3_5",
         "care_internvl",
     }
 

@@ -1,0 +1,65 @@
+"""The Qwen3.5 family's model builders: its tiny random demo. Imported only when a model is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..qwen2_5_vl.demo import QWEN25VL_CHAT_TEMPLATE
+from ..tiny_parts import (
+    QWEN_CONTROL_TOKENS,
+    TinySizes,
+    build_byte_tokenizer,
+    qwen_vision_widths,
+    seeded_model,
+    vocab_size,
+)
+
+#: the real decoder's pattern (``full_attention_interval`` 4): three Gated DeltaNet layers, then full attention
+TINY_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+
+
+def tiny_text_config(tok: Any, sizes: TinySizes | None) -> dict[str, Any]:
+    """The tiny hybrid decoder: :data:`TINY_LAYER_TYPES`, GQA 4/2 heads of 32 with the output gate, a quarter of each
+    head rotated (the real ``partial_rotary_factor``) with interleaved M-RoPE sections 2:1:1 of its 4 frequencies,
+    and Gated DeltaNet layers of 2 key / 4 value heads of 16 (kernel 4)."""
+    hidden, intermediate = (64, 128) if sizes is None else (sizes.text_hidden, sizes.text_intermediate)
+    tid = tok.convert_tokens_to_ids
+    return {"vocab_size": vocab_size(tok), "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": len(TINY_LAYER_TYPES), "layer_types": list(TINY_LAYER_TYPES),
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 8192,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1]},
+            "bos_token_id": None, "eos_token_id": tid("<|im_end|>"), "pad_token_id": tid("<|endoftext|>")}  # fmt: skip
+
+
+def build_tiny_qwen3_5(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
+    """Qwen3.5 with the real geometry (patch 16, 2x2 merge, resize factor 32, learned 48x48 position grid, Qwen3-VL's
+    assumed hub pixel budget 65536..16777216, no deepstack) and the tiny hybrid decoder (:func:`tiny_text_config`);
+    the image-only Qwen3-VL processor (Qwen3.5's own processor class; no torchvision needed)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..qwen_processor import CareQwen3VLProcessor
+
+    tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tid = tok.convert_tokens_to_ids
+    config = Qwen3_5Config(
+        vision_config={**qwen_vision_widths(sizes), "patch_size": 16, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 2304},
+        text_config=tiny_text_config(tok, sizes),
+        image_token_id=tid("<|image_pad|>"),
+        video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"),
+    )  # fmt: skip
+    model = seeded_model(Qwen3_5ForConditionalGeneration, config, seed)
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2, merge_size=2,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    processor = CareQwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE
+    )
+    return model, processor
