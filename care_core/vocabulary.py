@@ -21,12 +21,13 @@ PROBES: dict[str, str] = {
 }
 
 #: What a family's visual tokens may offer a method beyond features, projector and positions.
-Trait = Literal["cls_token", "single_grid"]
+Trait = Literal["cls_token", "single_grid", "lm_attention_maps"]
 TRAITS: tuple[Trait, ...] = get_args(Trait)
 #: What a method that requires the trait needs, in words (for "cannot run" messages).
 TRAIT_NEEDS: dict[Trait, str] = {
     "cls_token": "the vision tower's CLS token",
     "single_grid": "the visual tokens to form one raster grid",
+    "lm_attention_maps": "softmax attention (an attention map) in every language-model decoder layer",
 }
 
 #: The question used where one is needed (a question-reading method, ``generate``, the language-model probe) and

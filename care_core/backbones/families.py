@@ -136,6 +136,9 @@ class BackboneFamily:
     crops: bool  # the image is cut into several crops (base view + tiles), each through the vision tower
     flops_spec: str  # the name of the spec in flops_specs the family name stands for in care flops
     lmms_eval_model: str  # the lmms-eval model id serving the family (care_core.integrations.lmms_eval)
+    #: every language-model decoder layer is softmax attention, so any layer has an attention map (FastV, SparseVLM
+    #: read one at an early layer); False for hybrid decoders such as Qwen3.5's (Gated DeltaNet linear layers)
+    lm_attention_maps: bool = True
     demos: tuple[DemoBackbone, ...] = field(default=(), compare=False)
     rank: int = 100  # listing order (lower first); families of the same rank list by name
     #: the family's model sizes as care flops counts them (``care flops --backbone <name or alias>``)
@@ -157,7 +160,8 @@ class BackboneFamily:
 
     @property
     def traits(self) -> frozenset[Trait]:
-        offered = {"cls_token": self.has_cls_token, "single_grid": self.single_grid}
+        offered = {"cls_token": self.has_cls_token, "single_grid": self.single_grid,
+                   "lm_attention_maps": self.lm_attention_maps}  # fmt: skip
         return frozenset(trait for trait in TRAITS if offered[trait])
 
     def missing(self, requires: frozenset[Trait]) -> list[Trait]:

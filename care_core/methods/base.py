@@ -161,8 +161,8 @@ class Method:
     score_label: ClassVar[str | None] = None
     #: key of the method's cost model in ``care_core.flops.methods`` (None = no cost model)
     cost_model: ClassVar[str | None] = None
-    #: what the backbone's visual tokens must offer (traits of ``care_core.backbones.families``: "cls_token",
-    #: "single_grid"); a family serves the method when its record offers them all
+    #: what the backbone must offer (traits of ``care_core.vocabulary.TRAITS``: "cls_token", "single_grid",
+    #: "lm_attention_maps"); a family serves the method when its record offers them all
     requires: ClassVar[frozenset[Trait]] = frozenset()
 
     @final

@@ -24,6 +24,7 @@ from care_core.errors import MethodError
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult, selection_result
 from care_core.methods.lazy_precision import compute_dtype
 from care_core.methods.registry import register
+from care_core.vocabulary import Trait
 
 
 def fastv_scores(attention: torch.Tensor, image_span: tuple[int, int]) -> torch.Tensor:
@@ -51,6 +52,7 @@ class FastV(Method):
     name: ClassVar[str] = "fastv"
     category: ClassVar[Category] = "selection"
     needs: ClassVar[frozenset[str]] = frozenset({"language_model"})
+    requires: ClassVar[frozenset[Trait]] = frozenset({"lm_attention_maps"})  # reads an early layer's attention
     paper: ClassVar[str] = "Chen et al., An Image is Worth 1/2 Tokens After Layer 2 (FastV), ECCV 2024"
     rank: ClassVar[int] = 12
     cost_model: ClassVar[str | None] = "fastv"

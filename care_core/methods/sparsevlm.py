@@ -52,6 +52,7 @@ from care_core.errors import MethodError
 from care_core.methods.base import Category, Method, MethodInputs, MethodResult
 from care_core.methods.lazy_precision import compute_dtype, matmul_precision
 from care_core.methods.registry import register
+from care_core.vocabulary import Trait
 
 Version = Literal["1_0", "2_0"]
 
@@ -171,6 +172,7 @@ class SparseVLM(Method):
     name: ClassVar[str] = "sparsevlm"
     category: ClassVar[Category] = "merging"
     needs: ClassVar[frozenset[str]] = frozenset({"language_model"})
+    requires: ClassVar[frozenset[Trait]] = frozenset({"lm_attention_maps"})  # reads an early layer's attention
     paper: ClassVar[str] = "Zhang et al., SparseVLM: Visual Token Sparsification for Efficient VLM Inference, ICML 2025"
     rank: ClassVar[int] = 13
     cost_model: ClassVar[str | None] = "sparsevlm"

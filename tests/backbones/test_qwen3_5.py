@@ -206,6 +206,23 @@ def test_probes_refuse_in_one_line(qwen35: Qwen3_5Adapter, tokens: ImageTokens) 
     assert "\n" not in str(info.value)
 
 
+def test_methods_list_qwen3_5_only_where_its_adapter_offers_their_probes() -> None:
+    from care_core.methods import method_class, method_names
+
+    offers = Qwen3_5Adapter.capabilities.fget(None)  # type: ignore[attr-defined]
+    for name in method_names():
+        assert method_class(name).serves("qwen3.5") == (method_class(name).needs <= offers), name
+    assert not method_class("fastv").serves("qwen3.5") and not method_class("sparsevlm").serves("qwen3.5")
+
+
+def test_care_methods_says_what_qwen3_5_lacks_for_fastv(care: Any) -> None:
+    result = care("methods", "fastv", "--json")
+    assert result.code == 0, result.err
+    (row,) = json.loads(result.out)["methods"]
+    assert "qwen3.5" not in row["backbones"] and "qwen2.5-vl" in row["backbones"]
+    assert "softmax attention" in row["not_served"]["qwen3.5"]
+
+
 def test_care_reduce_runs_the_demo(care: Any, qwen35: Qwen3_5Adapter) -> None:
     picture = EXAMPLES / "astronaut.jpg"
     result = care("reduce", picture, "--model", DEMO, "--method", "care", "--keep", "16", "--json",

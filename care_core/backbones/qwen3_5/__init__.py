@@ -24,6 +24,7 @@ FAMILY = BackboneFamily(
     adapter="care_core.backbones.qwen3_5.adapter:Qwen3_5Adapter", has_cls_token=False, single_grid=True, crops=False,
     flops_spec="qwen3.5-9b",  # names no spec yet (flops_specs is empty; see the module docstring)
     lmms_eval_model="care_qwen3_5",
+    lm_attention_maps=False,  # layers 0-2 of every 4 are Gated DeltaNet: no attention map for FastV / SparseVLM
     demos=(
         DemoBackbone("tiny-qwen3.5-random", 1, "qwen3.5", f"{_DEMO}:build_tiny_qwen3_5",
                      f"{_GEOMETRY}, tiny random weights; demo only"),
