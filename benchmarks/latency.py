@@ -98,6 +98,7 @@ TARGETS: tuple[Target, ...] = (
     Target("first_default", "qwen2.5-vl", "N/9", 2.0, True),
     Target("first_default", "qwen3-vl", "N/9", 2.0, True),
     Target("first_default", "internvl3", "N/9", 2.0, True),
+    Target("first_default", "qwen3.5", "N/9", 1.5, True),
     Target("first_default", "llava-1.5", "N/9", 1.2, True),  # K = 64 = floor(576 / 9)
     Target("first_eager", "*", "N/9", 1.0, True),  # families with N >= 1000 (LLaVA-1.5: reported, no target)
     Target("prefill_x_floor", "*", "N/9", 2.0, False),
@@ -161,15 +162,17 @@ def language_model_parts(model: Any) -> tuple[Any, Any]:
 def prefill_floor_ms(model: Any, rows: int) -> dict[str, float]:
     """The prefill of ``rows`` prompt rows at the card's pace: max(FLOPs / peak bf16 rate, weights read / HBM rate).
 
-    FLOPs: 2 per multiply-add of every decoder layer's linear maps per row, causal attention (QK^T and AV over the
-    rows before each row: 2 rows^2 q_dim per layer) and the head on the last row. Bytes: the decoder layers, the
+    FLOPs: 2 per multiply-add of every decoder layer's linear maps per row, causal attention in the attention layers
+    (QK^T and AV over the rows before each row: 2 rows^2 q_dim per layer, q_dim the input width of o_proj) and the
+    head on the last row. A hybrid decoder's Gated DeltaNet layers (Qwen3.5) add their linear maps only: their conv
+    and delta rule, linear in the rows, are left out, so the floor stays a lower bound. Bytes: the decoder layers, the
     final norm and the head (the embedding table is only gathered from)."""
     lm, head = language_model_parts(model)
     layers = list(lm.layers)
     linear_macs = sum(m.in_features * m.out_features for layer in layers for m in layer.modules()
                       if isinstance(m, torch.nn.Linear))  # fmt: skip
-    q_dim = int(layers[0].self_attn.q_proj.out_features)
-    flops = 2 * rows * linear_macs + 2 * rows * rows * q_dim * len(layers) + 2 * head.in_features * head.out_features
+    q_dims = [int(layer.self_attn.o_proj.in_features) for layer in layers if hasattr(layer, "self_attn")]
+    flops = 2 * rows * linear_macs + 2 * rows * rows * sum(q_dims) + 2 * head.in_features * head.out_features
     tensors = [*(p for layer in layers for p in layer.parameters()), *lm.norm.parameters(), *head.parameters()]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     compute_ms, memory_ms = flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3, weight_bytes / (HBM_TBPS * 1e12) * 1e3

@@ -25,8 +25,29 @@ class BackboneSpecError(ModelLoadError):
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The widths of a Gated DeltaNet linear-attention layer (Qwen3.5's ``linear_*`` config fields)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    chunk: int = 64  # the chunked delta rule's chunk: prefill pads the rows to whole chunks
+
+    @property
+    def key_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class LanguageModelSpec:
-    """The decoder-only language model: L layers of attention + SwiGLU FFN."""
+    """The decoder-only language model: L layers of attention + SwiGLU FFN; in a hybrid decoder (Qwen3.5) the layers
+    ``linear_layers`` mix tokens with Gated DeltaNet (``linear_attention``) instead of attention."""
 
     layers: int
     hidden: int
@@ -35,10 +56,19 @@ class LanguageModelSpec:
     kv_heads: int
     vocab: int
     head_dim: int = 0  # 0: hidden // heads
+    attention_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output (2x its width)
+    linear_layers: tuple[int, ...] = ()  # indices of the Gated DeltaNet layers (none: every layer is attention)
+    linear_attention: LinearAttentionSpec | None = None  # their widths, given exactly when linear_layers is
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if bool(self.linear_layers) != (self.linear_attention is not None):
+            raise ValueError("linear_layers and linear_attention go together: give both or neither")
+        if any(not 0 <= i < self.layers for i in self.linear_layers) or len(set(self.linear_layers)) != len(
+            self.linear_layers
+        ):
+            raise ValueError(f"linear_layers {self.linear_layers} must be distinct layer indices below {self.layers}")
 
     @property
     def q_dim(self) -> int:

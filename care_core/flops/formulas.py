@@ -16,6 +16,8 @@ token width, H/I the LLM hidden/FFN width, L layers):
     F_score   = 2 m F_M(N) + m N H + N² d_v + K N
     F_res     = N_d K d_v + N_d K
     F_layer   = 8 W H² + 6 W H I + 4 W² H         (`gqa`: 4 W H q + 4 W H kv + 6 W H I + 4 W² q)
+    (not in Supp. B: a hybrid decoder's Gated DeltaNet layers cost F_GDN(W), :func:`gated_deltanet_terms`, linear
+    in W; an attention output gate adds 2 W H q)
     F_prefill = Σ over the layer schedule of F_layer(T + tokens of that segment)
     F_M(N)    = 2 N Σ_linear (in · out)
 
@@ -196,9 +198,9 @@ def residual_terms(n: int, k: int, token_dim: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ prefill
 @dataclass(frozen=True)
 class LayerTerms:
-    projections: int  # q, k, v, o
+    projections: int  # q, k, v, o (a Gated DeltaNet layer: its in_proj_* and out_proj)
     ffn: int  # gate, up, down
-    attention: int  # QK^T and AV
+    attention: int  # QK^T and AV (a Gated DeltaNet layer: its causal conv and chunked delta rule)
 
     @property
     def total(self) -> int:
@@ -206,7 +208,8 @@ class LayerTerms:
 
 
 def layer_terms(w: int, lm: LanguageModelSpec, gqa: bool = False) -> LayerTerms:
-    """One decoder layer on a W-token sequence: 8WH² + 6WHI + 4W²H (GQA-aware when `gqa`)."""
+    """One attention decoder layer on a W-token sequence: 8WH² + 6WHI + 4W²H (GQA-aware when `gqa`); an output gate
+    (``attention_output_gate``: q_proj twice as wide) adds 2WHq (2WH² without `gqa`)."""
     h, i = lm.hidden, lm.intermediate
     if gqa:
         projections = 4 * w * h * lm.q_dim + 4 * w * h * lm.kv_dim  # q and o: H <-> q_dim; k and v: H -> kv_dim
@@ -214,11 +217,34 @@ def layer_terms(w: int, lm: LanguageModelSpec, gqa: bool = False) -> LayerTerms:
     else:
         projections = 8 * w * h * h
         attention = 4 * w * w * h
+    if lm.attention_output_gate:
+        projections += 2 * w * h * (lm.q_dim if gqa else h)
     return LayerTerms(projections, 6 * w * h * i, attention)
 
 
 def layer_flops(w: int, lm: LanguageModelSpec, gqa: bool = False) -> int:
     return layer_terms(w, lm, gqa).total
+
+
+def gated_deltanet_terms(w: int, lm: LanguageModelSpec, padded: bool = True) -> LayerTerms:
+    """One Gated DeltaNet layer (``linear_attention``) on W rows, as transformers' torch fallback runs its prefill.
+
+    Projections 2WH(2kd + vd) (in_proj_qkv) + 2WH vd (in_proj_z) + 4WH n_v (in_proj_b, in_proj_a) + 2W vd H
+    (out_proj); the depthwise causal conv 2(2kd + vd) k (W + k - 1) (it runs over W + k - 1 positions); the chunked
+    delta rule, per value head on W_p = W padded to whole chunks of C: 4 W_p C d_k (k_beta kᵀ, q kᵀ) + 6 W_p d_k d_v
+    (the state products) + 2 W_p C d_v (the intra-chunk product with v). kd = n_k d_k, vd = n_v d_v. The two
+    triangular solves and all elementwise work (decays, gates, norms) cost 0, as ``FlopCounterMode`` counts them.
+    ``padded=False``: W in place of W_p (a quadratic in W; :func:`equivalent_tokens`)."""
+    lin = lm.linear_attention
+    if lin is None:
+        raise ValueError("this language model has no Gated DeltaNet layers (linear_attention is None)")
+    h, kd, vd, k, c = lm.hidden, lin.key_dim, lin.value_dim, lin.conv_kernel, lin.chunk
+    projections = 2 * w * h * (2 * kd + vd) + 2 * w * h * vd + 4 * w * h * lin.value_heads + 2 * w * vd * h
+    conv = 2 * (2 * kd + vd) * k * (w + k - 1) if w else 0
+    rows = -(-w // c) * c if padded else w
+    d_k, d_v = lin.key_head_dim, lin.value_head_dim
+    rule = lin.value_heads * rows * (4 * c * d_k + 6 * d_k * d_v + 2 * c * d_v)
+    return LayerTerms(projections, 6 * w * h * lm.intermediate, conv + rule)
 
 
 Schedule = tuple[tuple[int, int], ...]  # (number of consecutive layers, visual tokens in them)
@@ -235,17 +261,41 @@ def check_schedule(schedule: Sequence[tuple[int, int]], lm: LanguageModelSpec) -
     return tuple((int(n), int(t)) for n, t in schedule if n > 0)
 
 
+def schedule_layers(schedule: Schedule, lm: LanguageModelSpec) -> list[tuple[int, int, int]]:
+    """Per segment of the schedule: (attention layers, Gated DeltaNet layers, visual tokens), the segments taking the
+    layers in order from layer 0."""
+    linear = set(lm.linear_layers)
+    out, start = [], 0
+    for n, t in schedule:
+        in_linear = sum(1 for i in range(start, start + n) if i in linear)
+        out.append((n - in_linear, in_linear, t))
+        start += n
+    return out
+
+
+def _schedule_terms(schedule: Schedule, lm: LanguageModelSpec, text_tokens: int, gqa: bool,
+                    padded: bool = True) -> list[tuple[int, LayerTerms]]:  # fmt: skip
+    """(layer count, one layer's terms) for every kind of layer in every segment of the schedule."""
+    parts = []
+    for full, linear, t in schedule_layers(schedule, lm):
+        if full:
+            parts.append((full, layer_terms(text_tokens + t, lm, gqa)))
+        if linear:
+            parts.append((linear, gated_deltanet_terms(text_tokens + t, lm, padded)))
+    return parts
+
+
 def prefill_flops(schedule: Schedule, lm: LanguageModelSpec, text_tokens: int, gqa: bool = False) -> int:
-    """F_prefill = Σ_segments n_layers · F_layer(T + tokens)."""
-    return sum(n * layer_flops(text_tokens + t, lm, gqa) for n, t in schedule)
+    """F_prefill = Σ_segments Σ_layers F_layer(T + tokens), each layer by its kind (attention or Gated DeltaNet)."""
+    return sum(n * p.total for n, p in _schedule_terms(schedule, lm, text_tokens, gqa))
 
 
 def prefill_breakdown(schedule: Schedule, lm: LanguageModelSpec, text_tokens: int, gqa: bool = False) -> dict:
-    parts = [layer_terms(text_tokens + t, lm, gqa) for _, t in schedule]
+    parts = _schedule_terms(schedule, lm, text_tokens, gqa)
     return {
-        "projections": sum(n * p.projections for (n, _), p in zip(schedule, parts, strict=True)),
-        "ffn": sum(n * p.ffn for (n, _), p in zip(schedule, parts, strict=True)),
-        "attention": sum(n * p.attention for (n, _), p in zip(schedule, parts, strict=True)),
+        "projections": sum(n * p.projections for n, p in parts),
+        "ffn": sum(n * p.ffn for n, p in parts),
+        "attention": sum(n * p.attention for n, p in parts),
     }
 
 
@@ -258,13 +308,21 @@ def layer_average_tokens(schedule: Schedule) -> float:
 def equivalent_tokens(schedule: Schedule, lm: LanguageModelSpec, text_tokens: int, gqa: bool = False) -> float:
     """The visual token count K' whose uniform prefill costs what the schedule costs.
 
-    Solves L·F_layer(T + K') = F_prefill(schedule): F_layer(W) = a W² + b W is a quadratic in W.
+    Solves F(T + K') = Σ_layers F_layer(T + tokens of the layer), where F(W) = Σ_layers F_layer(W) = a W² + b W + c
+    is a quadratic in W. Gated DeltaNet layers are taken without the padding to whole chunks on both sides (the
+    padding makes F a step function of W; without it, a uniform schedule of K tokens gives back K exactly).
     """
-    total = prefill_flops(schedule, lm, text_tokens, gqa) / lm.layers
-    one, two = layer_flops(1, lm, gqa), layer_flops(2, lm, gqa)
-    a = (two - 2 * one) / 2  # F(W) = aW² + bW  ->  F(2) - 2F(1) = 2a
-    b = one - a
-    w = (-b + math.sqrt(b * b + 4 * a * total)) / (2 * a)
+    total = sum(n * p.total for n, p in _schedule_terms(schedule, lm, text_tokens, gqa, padded=False))
+    whole = uniform_schedule(lm, 0)
+
+    def uniform(w: int) -> int:
+        return sum(n * p.total for n, p in _schedule_terms(whole, lm, w, gqa, padded=False))
+
+    one, two, three = uniform(1), uniform(2), uniform(3)
+    a = (three - 2 * two + one) / 2  # F(1) = a + b + c, F(2) = 4a + 2b + c, F(3) = 9a + 3b + c
+    b = two - one - 3 * a
+    c = one - a - b - total
+    w = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a) if a else -c / b
     return w - text_tokens
 
 

@@ -48,6 +48,27 @@ def test_prefill_floor_counts_linears_causal_attention_the_head_and_the_weights_
     assert floor["floor_ms"] == pytest.approx(expected)
 
 
+class _LinearAttentionLayer(nn.Module):  # a Gated DeltaNet layer: linear maps, no self_attn
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_attn = nn.Module()
+        self.linear_attn.in_proj = nn.Linear(8, 24, bias=False)
+        self.linear_attn.out_proj = nn.Linear(8, 8, bias=False)
+        self.mlp = nn.Linear(8, 16, bias=False)
+
+
+def test_prefill_floor_of_a_hybrid_decoder_counts_attention_in_its_attention_layers_only() -> None:
+    # Qwen3.5's form: a Gated DeltaNet layer first, then an attention layer whose q_proj also gives an output gate
+    # (8 -> 16), so its q_dim is o_proj's input width, 8
+    gated = _Layer()
+    gated.self_attn.q_proj = nn.Linear(8, 16, bias=False)
+    model = _model()
+    model.model.language_model.layers = nn.ModuleList([_LinearAttentionLayer(), gated])
+    floor = latency.prefill_floor_ms(model, rows=10)
+    per_row_macs = (8 * 24 + 8 * 8 + 8 * 16) + (8 * 16 + 8 * 8 + 8 * 16)  # 384 + 320
+    assert floor["flops"] == 2 * 10 * per_row_macs + 2 * 10 * 10 * 8 + 2 * 8 * 100  # one layer's causal attention
+
+
 def test_budgets_are_a_ninth_and_the_papers_where_it_has_one() -> None:
     assert latency.keeps_for("llava-next", 2880) == {"N/9": 320, "160": 160}
     assert latency.keeps_for("qwen3-vl", 1024) == {"N/9": 113}

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config, Qwen3_5TextConfig
 from transformers.models.clip.modeling_clip import CLIPVisionModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -16,8 +16,9 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
     Qwen2_5_VLPatchMerger,
 )
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
-from care_core.architecture import LanguageModelSpec, ProjectorSpec, VisionSpec
+from care_core.architecture import LanguageModelSpec, LinearAttentionSpec, ProjectorSpec, VisionSpec
 from care_core.flops import formulas as fx
 from care_core.flops.specs import KNOWN_BACKBONES
 
@@ -368,3 +369,23 @@ def test_tiny_qwen3_vit_with_deepstack_mergers_matches_formula(grid: tuple[int, 
     _close(per_module[name] - merger, sum(terms.values()))
     _close(merger, fx.projector_flops(ProjectorSpec("qwen3-vl merger", 128, ((128, 128), (128, 40))),
                                       rows * cols // 4))  # fmt: skip
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("w", [5, 70])
+def test_tiny_qwen3_5_hybrid_decoder_matches_prefill_flops(attn: str, w: int) -> None:
+    # a Gated DeltaNet layer, then a gated full-attention layer (Qwen3.5's pattern), transformers' torch fallback;
+    # W = 70 pads the delta rule's rows to two chunks of 64
+    config = Qwen3_5TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, vocab_size=32, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                               linear_conv_kernel_dim=4,
+                               layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    config._attn_implementation = attn
+    model = Qwen3_5TextModel(config).eval()
+    hidden = torch.randn(1, w, 64)
+    counted, _ = count_flops(lambda: model(inputs_embeds=hidden, use_cache=False))
+    gdn = LinearAttentionSpec(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=16, conv_kernel=4)
+    lm = LanguageModelSpec(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=32, head_dim=16,
+                           attention_output_gate=True, linear_layers=(0,), linear_attention=gdn)  # fmt: skip
+    assert counted == fx.prefill_flops(fx.uniform_schedule(lm, 0), lm, w, gqa=True)

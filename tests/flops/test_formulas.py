@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from care_core.architecture import LanguageModelSpec, LinearAttentionSpec
 from care_core.flops import formulas as fx
 from care_core.flops.methods import cost_model_names, method_cost, sparsevlm_counts
 from care_core.flops.report import FlopsOptions, flops_report
@@ -180,3 +181,46 @@ def test_optional_terms() -> None:
 def test_schedule_must_cover_the_model() -> None:
     with pytest.raises(ValueError):
         fx.check_schedule([(3, 10)], KNOWN_BACKBONES["llava-1.5-7b"].lm)
+
+
+# a hybrid decoder (Qwen3.5's form): layer 0 Gated DeltaNet, layer 1 attention with an output gate
+_GDN = LinearAttentionSpec(key_heads=1, value_heads=2, key_head_dim=4, value_head_dim=2, conv_kernel=3, chunk=4)
+_HYBRID = LanguageModelSpec(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, vocab=10, head_dim=4,
+                            attention_output_gate=True, linear_layers=(0,), linear_attention=_GDN)  # fmt: skip
+
+
+def test_hybrid_decoder_prefill_counted_by_hand() -> None:
+    # W = 5 rows; H 8, I 16; Gated DeltaNet kd = 1·4 = 4, vd = 2·2 = 4, n_v 2, kernel 3, chunk 4 (W_p = 8).
+    # linear layer: in_proj_qkv 2·5·8·(8+4) = 960, in_proj_z 2·5·8·4 = 320, in_proj_b+a 4·5·8·2 = 320,
+    #   out_proj 2·5·4·8 = 320 -> 1920; conv 2·12·3·(5+2) = 504; rule 2·8·(4·4·4 + 6·4·2 + 2·4·2) = 2·8·128 = 2048;
+    #   FFN 6·5·8·16 = 3840 -> 8312
+    # attention layer, gqa (q_dim 8, kv_dim 4): q,o 4·5·8·8 = 1280, k,v 4·5·8·4 = 640, gate 2·5·8·8 = 640 -> 2560;
+    #   QK^T, AV 4·25·8 = 800; FFN 3840 -> 7200.  Without gqa: 8·5·64 + gate 2·5·64 = 3200, 4·25·8 = 800 -> 7840
+    linear = fx.gated_deltanet_terms(5, _HYBRID)
+    assert (linear.projections, linear.attention, linear.ffn) == (1920, 504 + 2048, 3840)
+    schedule = fx.uniform_schedule(_HYBRID, 0)
+    assert fx.prefill_flops(schedule, _HYBRID, 5, gqa=True) == 8312 + 7200
+    assert fx.prefill_flops(schedule, _HYBRID, 5) == 8312 + 7840
+    assert fx.prefill_breakdown(schedule, _HYBRID, 5, gqa=True) == {"projections": 1920 + 2560, "ffn": 2 * 3840,
+                                                                    "attention": 2552 + 800}  # fmt: skip
+
+
+def test_a_schedule_segment_counts_each_layer_by_its_kind() -> None:
+    # one layer each: the first segment is the Gated DeltaNet layer at W = 5, the second the attention one at W = 3
+    split = ((1, 2), (1, 0))
+    assert fx.prefill_flops(split, _HYBRID, 3, gqa=True) == (fx.gated_deltanet_terms(5, _HYBRID).total
+                                                             + fx.layer_flops(3, _HYBRID, gqa=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [1, 37, 204, 1024])
+def test_equivalent_tokens_of_a_uniform_hybrid_schedule_is_its_tokens(k: int) -> None:
+    lm = KNOWN_BACKBONES["qwen3.5-9b"].lm
+    assert fx.equivalent_tokens(fx.uniform_schedule(lm, k), lm, 64) == pytest.approx(k, abs=1e-6)
+    # half the layers at 2K, half at none: the linear terms average to K, the W² terms (convex) a little above
+    assert k < fx.equivalent_tokens(((16, 2 * k), (16, 0)), lm, 64) < 2 * k
+
+
+def test_attention_only_models_are_counted_as_before() -> None:
+    # the hybrid fields' defaults leave a plain decoder as Supp. B writes it (8WH² + 6WHI + 4W²H per layer)
+    lm = LanguageModelSpec(layers=3, hidden=8, intermediate=16, heads=2, kv_heads=2, vocab=10)
+    assert fx.prefill_flops(fx.uniform_schedule(lm, 2), lm, 3) == 3 * (8 * 5 * 64 + 6 * 5 * 8 * 16 + 4 * 25 * 8)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from care_core.backbones.qwen3_5.demo import build_tiny_qwen3_5
 from care_core.errors import CareError
 from care_core.flops.specs import KNOWN_BACKBONES, BackboneSpecError, from_config, resolve_backbone
 
@@ -53,6 +54,7 @@ def test_published_numbers() -> None:
         "qwen3-vl-8b": (36, 4096, 12288, 32, 8),
         "internvl3-8b": (28, 3584, 18944, 28, 4),
         "llava-onevision-7b": (28, 3584, 18944, 28, 4),
+        "qwen3.5-9b": (32, 4096, 12288, 16, 4), "qwen3.5-27b": (64, 5120, 17408, 24, 4),
     }  # fmt: skip
     internvl = KNOWN_BACKBONES["internvl3-8b"]
     assert internvl.projector.linears == ((4096, 3584), (3584, 3584)) and internvl.projector.layer_norm == 4096
@@ -67,7 +69,8 @@ def test_published_numbers() -> None:
 @pytest.mark.parametrize(("name", "full"), [("llava-1.5", "llava-1.5-7b"), ("llava-next", "llava-next-7b"),
                                             ("qwen2.5-vl", "qwen2.5-vl-7b"), ("LLaVA-1.5-13B", "llava-1.5-13b"),
                                             ("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2.5-vl-3b"),
-                                            ("qwen3-vl", "qwen3-vl-8b"),
+                                            ("qwen3-vl", "qwen3-vl-8b"), ("qwen3.5", "qwen3.5-9b"),
+                                            ("Qwen/Qwen3.5-27B", "qwen3.5-27b"),
                                             ("Qwen/Qwen3-VL-8B-Instruct", "qwen3-vl-8b"),
                                             ("internvl3", "internvl3-8b"),
                                             ("OpenGVLab/InternVL3-8B-hf", "internvl3-8b")])  # fmt: skip
@@ -204,3 +207,65 @@ def test_suggestions_name_only_backbones_the_error_lists(typo: str) -> None:
     listed = re.search(r"known: (.*?);", message)
     assert suggested and listed, message
     assert set(suggested.group(1).split(", ")) <= set(listed.group(1).split(", ")), message
+
+
+def _qwen3_5_config(layers: int, hidden: int, intermediate: int, heads: int, value_heads: int) -> dict:
+    """A Qwen3.5 config.json as the released checkpoints write it (explicit layer_types, every 4th full)."""
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    text = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 248320,
+        "layer_types": types,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+    }
+    vision = {"model_type": "qwen3_5", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+              "out_hidden_size": hidden, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "deepstack_visual_indexes": []}  # fmt: skip
+    return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+            "vision_config": vision}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "dims"), [("qwen3.5-9b", (32, 4096, 12288, 16, 32)),
+                                            ("qwen3.5-27b", (64, 5120, 17408, 24, 48))])  # fmt: skip
+def test_a_released_qwen3_5_config_reads_as_its_registry_spec(tmp_path: Path, name: str, dims: tuple) -> None:
+    folder = tmp_path / name
+    _write(folder, _qwen3_5_config(*dims))
+    spec, ref = from_config(folder), KNOWN_BACKBONES[name]
+    assert (spec.lm, spec.projector, spec.vision, spec.family) == (ref.lm, ref.projector, ref.vision, "qwen3.5")
+    assert spec.display == ref.display
+    linear = spec.lm.linear_layers
+    assert len(linear) == 3 * dims[0] // 4 and 3 not in linear and linear[:3] == (0, 1, 2)
+    assert spec.lm.attention_output_gate and spec.lm.linear_attention.value_heads == dims[4]
+
+
+def test_the_tiny_qwen3_5_config_reads_its_hybrid_decoder(tmp_path: Path) -> None:
+    model, _ = build_tiny_qwen3_5()
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    model.config.to_json_file(folder / "config.json")
+    lm = from_config(folder).lm
+    # the demo (demo.tiny_text_config): 4 layers, linear, linear, linear, full; 2 key / 4 value heads of 16, kernel 4;
+    # GQA 4 / 2 heads of 32
+    assert lm.linear_layers == (0, 1, 2) and lm.layers == 4
+    assert (lm.heads, lm.kv_heads, lm.head_dim, lm.hidden) == (4, 2, 32, 64)
+    gdn = lm.linear_attention
+    assert (gdn.key_heads, gdn.value_heads, gdn.key_head_dim, gdn.value_head_dim, gdn.conv_kernel) == (2, 4, 16, 16, 4)
+
+
+def test_a_qwen3_5_config_with_a_layer_type_it_cannot_count_is_refused(tmp_path: Path) -> None:
+    config = _qwen3_5_config(4, 64, 128, 4, 4)
+    config["text_config"]["layer_types"] = ["linear_attention", "sliding_attention", "linear_attention",
+                                            "full_attention"]  # fmt: skip
+    _write(tmp_path, config)
+    with pytest.raises(BackboneSpecError, match="layer_types"):
+        from_config(tmp_path)

@@ -1,9 +1,13 @@
-"""The Qwen3.5 family's model builders: its tiny random demo. Imported only when a model is built."""
+"""The Qwen3.5 family's model builders: its tiny random demo and its full-size benchmark model (Qwen3.5-9B's shapes,
+random weights). Imported only when a model is built."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from ..full_size_parts import full_size_from_demo, text_widths, widened
 from ..qwen2_5_vl.demo import QWEN25VL_CHAT_TEMPLATE
 from ..tiny_parts import (
     QWEN_CONTROL_TOKENS,
@@ -13,6 +17,9 @@ from ..tiny_parts import (
     seeded_model,
     vocab_size,
 )
+
+if TYPE_CHECKING:
+    from care_core.architecture import BackboneSpec
 
 #: the real decoder's pattern (``full_attention_interval`` 4): three Gated DeltaNet layers, then full attention
 TINY_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
@@ -63,3 +70,28 @@ def build_tiny_qwen3_5(seed: int = 0, sizes: TinySizes | None = None) -> tuple[A
         image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE
     )
     return model, processor
+
+
+def qwen3_5_9b_config(tiny_config: Any, spec: BackboneSpec) -> Any:
+    """Qwen3.5-9B on the demo's ``tiny_config``: ``spec``'s dims (the 27-block ViT without deepstack; 32 decoder
+    layers, every 4th full attention with GQA 16/4 heads of 256, the others Gated DeltaNet of 16 key / 32 value heads
+    of 128) and the released rope (theta 1e7, a quarter of each head rotated, interleaved sections 11/11/10)."""
+    vit, lm, gdn = spec.vision, spec.lm, spec.lm.linear_attention
+    if gdn is None:
+        raise ValueError(f"{spec.name} states no Gated DeltaNet layers")
+    vision = dict(depth=vit.layers, hidden_size=vit.hidden, intermediate_size=vit.intermediate, num_heads=vit.heads,
+                  out_hidden_size=spec.projector.out_dim)  # fmt: skip
+    types = ["linear_attention" if i in lm.linear_layers else "full_attention" for i in range(lm.layers)]
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]}
+    text = {**text_widths(lm), "layer_types": types, "linear_num_key_heads": gdn.key_heads,
+            "linear_num_value_heads": gdn.value_heads, "linear_key_head_dim": gdn.key_head_dim,
+            "linear_value_head_dim": gdn.value_head_dim, "linear_conv_kernel_dim": gdn.conv_kernel,
+            "rope_parameters": rope}  # fmt: skip
+    return widened(tiny_config, vision, text)
+
+
+def build_full_size(
+    spec: BackboneSpec, device: torch.device, dtype: torch.dtype, tiny: bool = False
+) -> tuple[Any, Any]:
+    """The record's full-size model: the random demo at :func:`qwen3_5_9b_config`'s widths (``tiny``: the demo)."""
+    return full_size_from_demo(build_tiny_qwen3_5, qwen3_5_9b_config, spec, device, dtype, tiny)
