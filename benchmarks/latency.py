@@ -180,8 +180,10 @@ def prefill_floor_ms(model: Any, rows: int) -> dict[str, float]:
 
 
 def second_layer(projector: Any) -> tuple[int, int]:
-    """(d_h, d_out) of the projector's last linear map."""
-    last = [m for m in projector.modules() if isinstance(m, torch.nn.Linear)][-1]
+    """(d_h, d_out) of the projector's last linear map: its last ``nn.Linear``, or the projector's own
+    ``in_features`` / ``out_features`` where it is one bare map (Gemma 3's norm + linear)."""
+    linears = [m for m in projector.modules() if isinstance(m, torch.nn.Linear)]
+    last = linears[-1] if linears else projector
     return int(last.in_features), int(last.out_features)
 
 

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 #: processor outputs the drop-in does not reduce (one image per sample only)
 _VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
+#: ``_lm_inputs`` keys the drop-in builds itself for the caller's prompt; any other per-token input the adapter
+#: builds (Gemma 3's ``token_type_ids``) is carried over by :func:`_image_run_inputs`
+_BUILT_KEYS = frozenset({"input_ids", "attention_mask", "mm_encoder_outputs", "mm_token_type_ids", "position_ids"})
 
 
 @dataclass
@@ -115,9 +118,9 @@ class VisualTokenReduction:
             )
         spans = [_image_span(self.adapter, ids[b][mask[b].bool()], b) for b in range(ids.shape[0])]
         tokens = self.adapter.encode_processed(processed, sizes)
-        encoded, kept = self._reduce(tokens, ids, mask, spans)
+        encoded, kept, extras = self._reduce(tokens, ids, mask, spans)
         positions = self._rope_positions(kwargs, ids, mask) if self._multimodal_rope else None
-        return self._batch(kwargs, ids, mask, spans, tokens, encoded, kept, positions)
+        return self._batch(kwargs, ids, mask, spans, tokens, encoded, kept, extras, positions)
 
     @property
     def _multimodal_rope(self) -> bool:
@@ -129,9 +132,10 @@ class VisualTokenReduction:
         ids: torch.Tensor,
         mask: torch.Tensor,
         spans: list[tuple[int, int]],
-    ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    ) -> tuple[list[dict[str, Any]], list[torch.Tensor], list[dict[str, torch.Tensor]]]:
         """Per sample: the adapter's ``mm_encoder_outputs`` (the rows the language model gets, with any extra
-        per-row inputs such as Qwen3-VL's deepstack rows) and ``kept`` (token index per row, -1 for none)."""
+        per-row inputs such as Qwen3-VL's deepstack rows), ``kept`` (token index per row, -1 for none) and the
+        adapter's other per-token inputs on its image rows (:func:`_image_run_inputs`)."""
         adapter, pipe = self.adapter, self._pipeline
         for b, (one, (start, end)) in enumerate(zip(tokens, spans, strict=True)):
             fed = adapter.visual_tokens_fed(one, one.num_tokens)
@@ -147,14 +151,15 @@ class VisualTokenReduction:
         keeps = [self.budget.resolve(one.num_tokens) for one in tokens]
         results = self.results = self.method.batch(inputs, keeps)
 
-        rows, kept = [], []
+        rows, kept, extras = [], [], []
         for one, result in zip(tokens, results, strict=True):
             projected = adapter.projector(result.tokens.to(adapter.dtype))
             # the rows the language model receives (LLaVA-NeXT at K = N: its own sequence with newline rows)
             lm = adapter._lm_inputs("?", one, projected, result.token_index)
             rows.append(lm["mm_encoder_outputs"])
             kept.append(result.token_index.to("cpu"))
-        return rows, kept
+            extras.append(_image_run_inputs(lm, int(adapter.image_token_id)))
+        return rows, kept, extras
 
     def _question(self, real_ids: torch.Tensor, span: tuple[int, int]) -> str:
         """The question a method reads: the text after the image with the adapter's own prompt around the question
@@ -195,26 +200,34 @@ class VisualTokenReduction:
         tokens: list[ImageTokens],
         encoded: list[dict[str, Any]],
         kept: list[torch.Tensor],
+        extras: list[dict[str, torch.Tensor]],
         positions: torch.Tensor | None,
     ) -> dict[str, Any]:
         """The reduced batch: per sample its real tokens with K_i placeholders (and, for multimodal rope, its
-        ``mm_token_type_ids`` and ``position_ids`` (4, 1, L_i): a text row, then the kept rows' t, h, w), joined
-        left-padded by the adapters' own :func:`collate_left_padded`; the caller's other arguments as given."""
+        ``mm_token_type_ids`` and ``position_ids`` (4, 1, L_i): a text row, then the kept rows' t, h, w; the
+        adapter's other per-token inputs: its values on the K_i placeholders, 0 on text), joined left-padded by the
+        adapters' own :func:`collate_left_padded`; the caller's other arguments as given (those the samples carry
+        replaced: the caller's are as long as its unreduced prompt)."""
         import torch
 
-        from care_core.backbones.chat_adapter import collate_left_padded
+        from care_core.backbones.chat_adapter import collate_left_padded, visual_rows
 
         image_token_id = int(self.adapter.image_token_id)
         samples = []
         for b, ((start, end), one, outputs, k) in enumerate(zip(spans, tokens, encoded, kept, strict=True)):
             real = ids[b][mask[b].bool()]
-            rows = int(outputs["image"].pooler_output[0].shape[0])
+            rows = int(visual_rows(outputs["image"]).shape[0])
             image = torch.full((rows,), image_token_id, dtype=ids.dtype, device=ids.device)
             sample_ids = torch.cat([real[:start], image, real[end:]])[None]
             sample: dict[str, Any] = {
                 "input_ids": sample_ids,
                 "attention_mask": torch.ones_like(sample_ids, dtype=mask.dtype),
             }
+            for key, run in extras[b].items():  # text 0, the adapter's values on the K_i placeholders
+                run, lead = run.to(ids.device), run.shape[:-1]
+                sample[key] = torch.cat(
+                    [run.new_zeros((*lead, start)), run, run.new_zeros((*lead, len(real) - end))], -1
+                )
             sample["mm_encoder_outputs"] = outputs
             if positions is not None or kwargs.get("mm_token_type_ids") is not None:
                 sample["mm_token_type_ids"] = (sample_ids == image_token_id).long()
@@ -278,6 +291,24 @@ def _image_keys(adapter: ChatAdapter) -> list[str]:
 def _consumed_keys(adapter: ChatAdapter) -> set[str]:
     """Caller arguments the reduced batch replaces."""
     return {*_image_keys(adapter), "input_ids", "attention_mask", "mm_token_type_ids", "position_ids"}
+
+
+def _image_run_inputs(lm_inputs: Mapping[str, Any], image_token_id: int) -> dict[str, torch.Tensor]:
+    """The per-token inputs of an adapter's prompt (``_lm_inputs``, batch 1) other than those the drop-in builds,
+    each cut to its image placeholders, so they can go onto the caller's prompt around the same K rows. Such an
+    input must be 0 on text (as token types are): one that is not cannot be moved to another prompt's text."""
+    ids = lm_inputs["input_ids"]
+    image = ids[0] == image_token_id
+    runs: dict[str, torch.Tensor] = {}
+    for key, value in lm_inputs.items():
+        if key in _BUILT_KEYS or not hasattr(value, "shape") or value.shape[-1:] != ids.shape[-1:]:
+            continue
+        if bool(value[..., ~image].any()):
+            raise CareError(
+                f"the drop-in cannot carry the adapter's {key} (it is set on text tokens)", parameter="model"
+            )
+        runs[key] = value[..., image]
+    return runs
 
 
 def _image_sizes(adapter: ChatAdapter, processed: Mapping[str, Any]) -> list[tuple[int, int]]:

@@ -50,8 +50,10 @@ def run(name: str, keep: int) -> None:
     reduction = care_core.reduce_visual_tokens(model, processor=processor, method="care", keep=keep)
     asked = SHAPES if demo.is_demo else PHOTOS
     images = [load_image(EXAMPLES / image) for image, _ in asked]
-    prompts = [demo.prompt(question) for _, question in asked]  # the chat template, one image placeholder each
-    inputs = processor(images=images, text=prompts, return_tensors="pt", padding=True, padding_side="left")
+    # the chat template with the placeholder the processor expands, one image per prompt (a list per prompt)
+    prompts = [demo.processor_prompt(question) for _, question in asked]
+    inputs = processor(images=[[image] for image in images], text=prompts, return_tensors="pt", padding=True,
+                       padding_side="left")  # fmt: skip
     prompt_length = inputs["input_ids"].shape[1]
 
     full = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)

@@ -324,6 +324,12 @@ class ChatAdapter(VLMAdapter):
                 return text
         return self.FALLBACK_PROMPT.format(image=self.image_token, question=question)
 
+    def processor_prompt(self, question: str) -> str:
+        """:meth:`prompt` as the model's own processor takes it (with one image each): the same text with the image
+        placeholder the processor expands. The same string here; a family whose processor reads another token
+        (Gemma 3's ``<start_of_image>``) says so in its adapter."""
+        return self.prompt(question)
+
     def _image_text(self, k: int) -> str:
         """What stands for the image in the prompt's text: ``k`` placeholders (InternVL wraps them in ``<img>``)."""
         return self.image_token * k

@@ -56,9 +56,10 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
         "tiny-internvl3-random",
         "tiny-llava-onevision",
         "tiny-llava-onevision-random",
+        "tiny-gemma3-random",
     ]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
-    family_of = {**FAMILIES, "tiny-llava-onevision": "llava-onevision"}
+    family_of = {**FAMILIES, "tiny-llava-onevision": "llava-onevision", "tiny-gemma3-random": "gemma3"}
     family_of.update({f"{name}-random": family for name, family in family_of.items()})
     family_of["tiny-qwen3.5-random"] = "qwen3.5"  # a random demo only (no trained one yet)
     for name in demos:

@@ -15,11 +15,10 @@ def _shipped() -> dict[str, BackboneFamily]:
 def test_each_shipped_familys_builders_live_in_its_own_folder() -> None:
     shipped = _shipped()
     assert set(shipped) == {"llava_1_5", "llava_next", "llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
-                            "internvl3"}  # fmt: skip
+                            "internvl3", "gemma3"}  # fmt: skip
     for package, family in shipped.items():
-        # Qwen3.5 gets its full-size model with its flops spec (care flops cannot count Gated DeltaNet layers yet)
-        assert family.full_size is not None or package == "qwen3_5", family.name
-        paths = [] if family.full_size is None else [family.full_size.builder]
+        assert family.full_size is not None, family.name
+        paths = [family.full_size.builder]
         paths += [path for demo in family.demos for path in (demo.builder, demo.trained_builder) if path is not None]
         assert all(path.startswith(f"care_core.backbones.{package}.demo:") for path in paths), paths
         assert all(callable(import_path(path)) for path in paths)

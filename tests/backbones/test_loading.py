@@ -257,8 +257,8 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(
         ModelLoadError,
-        match=r"unsupported model type bert \(supported: internvl, llava, llava_next, llava_onevision, qwen2_5_vl, "
-        r"qwen3_5, qwen3_vl\)",
+        match=r"unsupported model type bert \(supported: gemma3, internvl, llava, llava_next, llava_onevision, "
+        r"qwen2_5_vl, qwen3_5, qwen3_vl\)",
     ):
         load_backbone(tmp_path)
 

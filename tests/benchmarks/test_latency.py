@@ -19,6 +19,23 @@ def test_factor_rows_cost_the_triangle_or_the_trapezoid() -> None:
     assert latency.factor_macs_per_row(4, 6) == 4 + 3 + 2 + 1  # tall W2: R is d_h x d_h
 
 
+def test_second_layer_is_the_last_linear_or_a_one_map_projectors_own_widths() -> None:
+    from transformers import Gemma3Config
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    from care_core.backbones.gemma3.adapter import Gemma3TokenProjector
+
+    mlp = nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 7))
+    assert latency.second_layer(mlp) == (5, 7)
+    config = Gemma3Config(
+        text_config={"hidden_size": 48},
+        vision_config={"hidden_size": 32, "image_size": 56, "patch_size": 14},
+        mm_tokens_per_image=4,
+    )
+    # Gemma 3: RMSNorm + one bare (d_v, d_t) matmul weight, no nn.Linear: the map is 32 -> 48
+    assert latency.second_layer(Gemma3TokenProjector(Gemma3MultiModalProjector(config))) == (32, 48)
+
+
 class _Layer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -57,7 +57,7 @@ def test_the_task_prompts_get_the_real_tokenizers_row_counts_with_its_pieces(bui
 
 #: the square image side the latency gate feeds each family (issue #47's table; Qwen3.5: issue #50's)
 GATE_SIDES = {"llava-1.5": 336, "llava-next": 672, "llava-onevision": 768, "qwen2.5-vl": 1008, "qwen3-vl": 1024,
-              "internvl3": 672, "qwen3.5": 1024}  # fmt: skip
+              "internvl3": 672, "qwen3.5": 1024, "gemma3": 896}  # fmt: skip
 
 
 def test_the_full_size_table_is_every_family_whose_record_has_one() -> None:

@@ -202,7 +202,7 @@ def test_eval_table_at_80_columns(narrow: None, capsys: pytest.CaptureFixture[st
 
 def test_methods_say_on_which_families_a_method_cannot_run_and_why(care) -> None:
     entry = care("methods", "visionzip", "--json").json()["methods"][0]
-    cls_less = ["qwen2.5-vl", "qwen3-vl", "qwen3.5", "internvl3", "llava-onevision"]  # no CLS token (the records)
+    cls_less = ["qwen2.5-vl", "qwen3-vl", "qwen3.5", "internvl3", "llava-onevision", "gemma3"]  # no CLS token (records)
     assert entry["not_served"] == dict.fromkeys(cls_less, "the vision tower's CLS token")
     assert sorted(entry["backbones"] + list(entry["not_served"])) == sorted(care("methods", "--json").json()
                                                                            ["backbone_families"])  # fmt: skip

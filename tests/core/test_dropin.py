@@ -285,6 +285,19 @@ def test_the_example_asks_the_shapes_demo_about_its_shapes() -> None:
     assert "shapes.png: What shape is red?" in lines and "  all tokens: ' triangle'" in lines
 
 
+def test_the_example_runs_unchanged_on_the_gemma3_demo() -> None:
+    """Gemma 3's processor reads another image token than the adapter's placeholder and one list of images per
+    prompt: the example takes both from the adapter (``processor_prompt``) and its per-prompt lists, no family test."""
+    run = _example("--model", "tiny-gemma3-random", "--keep", "28")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line for line in lines if line.startswith("shapes.png: ")] == [
+        "shapes.png: What colour is the cross?", "shapes.png: What shape is red?",
+        "shapes.png: Is the red triangle at the top or the bottom?",
+    ]  # fmt: skip
+    assert sum(line.startswith("  K = 28: ") for line in lines) == 3  # random weights: the words mean nothing
+
+
 def test_the_example_refuses_a_model_the_dropin_does_not_serve_in_one_line() -> None:
     run = _example("--model", "tiny-internvl3")
     assert run.returncode == 2 and run.stdout == "", run.stdout

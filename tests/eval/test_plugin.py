@@ -80,6 +80,7 @@ def test_entry_point_registers_every_model_id() -> None:
     assert models.get_model("care_qwen2_5_vl").families == ("qwen2.5-vl",)
     assert models.get_model("care_qwen3_vl").families == ("qwen3-vl",)
     assert models.get_model("care_qwen3_5").families == ("qwen3.5",)
+    assert models.get_model("care_gemma3").families == ("gemma3",)
     internvl = models.get_model("care_internvl")
     assert internvl is models.get_model("care_internvl3") and internvl.families == ("internvl3",)
     assert all(issubclass(models.get_model(m), plugin.CareLMM) for m in ("care_llava", "care_internvl"))
@@ -90,6 +91,7 @@ def test_entry_point_registers_every_model_id() -> None:
         "care_qwen3_vl",
         "care_qwen3_5",
         "care_internvl",
+        "care_gemma3",
     }
 
 

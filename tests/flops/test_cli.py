@@ -147,6 +147,31 @@ def test_config_folder_backbone(care, tmp_path: Path) -> None:
     assert run.json()["rows"][0]["paper_tflops"] == 8.54
 
 
+def test_gemma3_config_folder_counts_by_hand(care, tmp_path: Path) -> None:
+    """`care flops --gqa --vision-tower --lm-head` on a tiny saved Gemma 3 config (test_specs.TINY_GEMMA3_*),
+    T = 4 text tokens, N = 4 visual tokens, so W = 8 rows per layer. By hand:
+    - decoder layer (GQA: q = 2 heads x 32 = 64, kv = 1 x 32 = 32, H = 48, I = 96):
+      4 W H q + 4 W H kv + 6 W H I + 4 W^2 q = 98,304 + 49,152 + 221,184 + 16,384 = 385,024; 2 layers: 770,048;
+    - SigLIP tower (no CLS; 56 / 14 = 4x4 = 16 patches, d = 32, I_v = 64, 1 layer): patch conv
+      2 * 16 * 32 * 3 * 14^2 = 602,112; layer 8 * 16 * 32^2 + 4 * 16 * 32 * 64 + 4 * 16^2 * 32 = 294,912;
+    - head on the last row: 2 H V = 2 * 48 * 1000 = 96,000."""
+    from transformers import Gemma3Config
+
+    from .test_specs import TINY_GEMMA3_TEXT, TINY_GEMMA3_VISION
+
+    Gemma3Config(text_config=TINY_GEMMA3_TEXT, vision_config=TINY_GEMMA3_VISION,
+                 mm_tokens_per_image=4).save_pretrained(tmp_path)  # fmt: skip
+    run = care("flops", "--backbone", tmp_path, "--gqa", "--vision-tower", "--lm-head", "--text-tokens", "4",
+               "--keep", "2", "--json")  # fmt: skip
+    assert run.code == 0, run.err
+    baseline = run.json()["rows"][0]
+    assert (baseline["method"], baseline["tokens"]) == ("baseline", 4)
+    assert baseline["terms"]["prefill"] * 1e12 == pytest.approx(770_048)
+    assert baseline["terms"]["vision_tower"] * 1e12 == pytest.approx(602_112 + 294_912)
+    assert baseline["terms"]["lm_head"] * 1e12 == pytest.approx(96_000)
+    assert baseline["flops"] == 770_048 + 602_112 + 294_912 + 96_000
+
+
 def _bad(run, *needles: str) -> None:
     assert run.code == 2
     assert run.out == ""

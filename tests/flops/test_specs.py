@@ -55,6 +55,7 @@ def test_published_numbers() -> None:
         "internvl3-8b": (28, 3584, 18944, 28, 4),
         "llava-onevision-7b": (28, 3584, 18944, 28, 4),
         "qwen3.5-9b": (32, 4096, 12288, 16, 4), "qwen3.5-27b": (64, 5120, 17408, 24, 4),
+        "gemma3-4b": (34, 2560, 10240, 8, 4), "gemma3-12b": (48, 3840, 15360, 16, 8),  # GEMMA3_4B_HUB below
     }  # fmt: skip
     internvl = KNOWN_BACKBONES["internvl3-8b"]
     assert internvl.projector.linears == ((4096, 3584), (3584, 3584)) and internvl.projector.layer_norm == 4096
@@ -146,6 +147,58 @@ def test_llava_onevision_spec_and_config(tmp_path: Path) -> None:
     assert (spec.lm, spec.projector, spec.vision, spec.grid_pinpoints) == (ref.lm, ref.projector, ref.vision,
                                                                            ref.grid_pinpoints)  # fmt: skip
     assert spec.family == "llava-onevision" and spec.display == "LLaVA-OneVision-7B" and spec.default_tokens == 3645
+
+
+#: google/gemma-3-4b-it's config.json as transformers' conversion script writes it (convert_gemma3_weights.py,
+#: _VARIANTS["gemma3_4b"] and _VISION_CONFIG): text_config states only what differs from Gemma3TextConfig's
+#: defaults (8 heads, 4 KV heads, head_dim 256, vocab 262144 + 64 image rows = 262208 are those defaults)
+GEMMA3_4B_HUB = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+    "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                    "num_hidden_layers": 34, "sliding_window": 1024,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                      "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+                      "vision_use_head": False},
+}  # fmt: skip
+#: google/gemma-3-12b-it's: the same script's _VARIANTS["gemma3_12b"] (it states its heads, 16 and 8 KV)
+GEMMA3_12B_HUB = {**GEMMA3_4B_HUB, "text_config": {
+    "model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "sliding_window": 1024,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}}  # fmt: skip
+
+
+#: a tiny Gemma 3: head_dim 32 with 2 heads, so q_dim 64 differs from the hidden 48 (as in the real ones)
+TINY_GEMMA3_TEXT = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1000}  # fmt: skip
+TINY_GEMMA3_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "image_size": 56, "patch_size": 14}  # fmt: skip
+
+
+@pytest.mark.parametrize(("config", "name"), [(GEMMA3_4B_HUB, "gemma3-4b"), (GEMMA3_12B_HUB, "gemma3-12b")])
+def test_gemma3_hub_configs_read_as_the_published_specs(tmp_path: Path, config: dict, name: str) -> None:
+    spec, ref = from_config(_write(tmp_path, config)), KNOWN_BACKBONES[name]
+    assert (spec.lm, spec.projector, spec.vision) == (ref.lm, ref.projector, ref.vision)
+    assert (spec.lm.head_dim, spec.lm.vocab, spec.lm.q_dim) == (256, 262208, 256 * spec.lm.heads)  # not H / heads
+    assert spec.family == "gemma3" and spec.default_tokens == 256 and spec.display == ref.display
+    assert ref.projector.linears == ((1152, ref.lm.hidden),) and ref.vision.feature_tokens == 256
+
+
+def test_gemma3_config_saved_by_transformers_gives_its_sizes(tmp_path: Path) -> None:
+    """A tiny Gemma3Config written by save_pretrained: the reader takes every size from the file, the tokens from
+    mm_tokens_per_image (one 56 px view of 14 px patches, 4x4 patches pooled to 2x2 = 4)."""
+    from transformers import Gemma3Config
+
+    Gemma3Config(text_config=TINY_GEMMA3_TEXT, vision_config=TINY_GEMMA3_VISION,
+                 mm_tokens_per_image=4).save_pretrained(tmp_path)  # fmt: skip
+    spec = from_config(tmp_path)
+    lm = spec.lm
+    assert (lm.layers, lm.hidden, lm.intermediate, lm.heads, lm.kv_heads, lm.head_dim, lm.vocab) == (
+        2, 48, 96, 2, 1, 32, 1000)  # fmt: skip
+    assert (spec.vision.kind, spec.vision.layers, spec.vision.hidden, spec.vision.intermediate) == ("siglip", 1, 32, 64)
+    assert (spec.vision.image_size, spec.vision.patch_size, spec.default_tokens) == (56, 14, 4)
+    assert spec.projector.linears == ((32, 48),) and spec.family == "gemma3"
 
 
 def test_unmatched_config_has_no_paper_rows(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def test_score_labels() -> None:
 
 def test_one_spelling_per_family() -> None:
     assert family_names() == ["llava-1.5", "llava-next", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "internvl3",
-                              "llava-onevision"]  # fmt: skip
+                              "llava-onevision", "gemma3"]  # fmt: skip
     assert backbone_family("internvl").name == backbone_family("InternVL3").name == "internvl3"
     # a config.json model_type finds its family, case-insensitively; the family keeps its one name
     assert backbone_family("Qwen2_5_VL").name == backbone_family("qwen2.5-vl").name == "qwen2.5-vl"
