@@ -10,10 +10,11 @@ graph, and without graphs their launches from Python do. :func:`layer_forward` c
 
 with n1, n2 the layer's RMSNorms (and Qwen3's per-head q/k norms before the rotation), in two pure pieces around the
 attention: :func:`attention_inputs` (norm, projections, rotation) and :func:`mlp_block` (output projection,
-residuals, norm, MLP). Where Triton runs (:func:`care_core.kernels.dispatch.why_not_fused`), each piece is compiled
-once per process with ``torch.compile`` (batch and rows symbolic: one compiled piece serves every batch and prompt
-length), which fuses the norms, the rotation and the gated activation into a few kernels; elsewhere (the CPU) the
-pieces run as written.
+residuals, norm, MLP). In the steps a CUDA graph captures, where Triton runs
+(:func:`care_core.kernels.dispatch.why_not_fused`), each piece is compiled once per process with ``torch.compile``
+(batch and rows symbolic: one compiled piece serves every batch and prompt length), which fuses the norms, the
+rotation and the gated activation into a few kernels; eager steps and the CPU run the pieces as written
+(:class:`LeanLayers` says why).
 The cache writes and the attention (``F.scaled_dot_product_attention``, causal over a fresh prompt or with the
 decode step's additive mask) run between them as plain ops.
 
@@ -189,18 +190,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                           enable_gqa=grouped)  # fmt: skip
 
 
-def _graph_attention_inputs(
-    hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`attention_inputs` under a code object of its own, compiled for graph captures (see LeanLayers)."""
-    return attention_inputs(hidden, w, cos, sin, shape)
-
-
-def _graph_mlp_block(hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
-    """:func:`mlp_block` under a code object of its own, compiled for graph captures (see LeanLayers)."""
-    return mlp_block(hidden, attended, w, shape)
-
-
 def _varying(*dims: tuple[torch.Tensor, int, int]) -> None:
     """Mark each tensor's batch and rows dimensions (the two indices given) symbolic for the compiled pieces,
     where larger than 1: one compiled piece serves every prompt length and batch, while the widths and head
@@ -213,60 +202,65 @@ def _varying(*dims: tuple[torch.Tensor, int, int]) -> None:
 
 
 class LeanLayers:
-    """The two pure pieces of :func:`layer_forward`, compiled where Triton runs on ``device`` (dynamic shapes: a
-    compiled piece serves every prompt length), else as written. ``compiled`` says which. Where compiling fails
-    (dynamo or Inductor cannot build a piece here, e.g. no C compiler for Triton's launcher), the pieces run as
+    """The two pure pieces of :func:`layer_forward`: compiled for the steps a CUDA graph captures where Triton runs on
+    ``device``, as written everywhere else (``compiled`` says whether the compiled pieces exist). Where compiling
+    fails (dynamo or Inductor cannot build a piece here, e.g. no C compiler for Triton's launcher), the pieces run as
     written from then on and ``compile_failure`` says why: the same maths, more kernels. Run the layers inside
-    :meth:`scope`."""
+    :meth:`scope`.
+
+    Why only captures: a compiled piece pays dynamo's guards and its wrapper on every call from Python, about
+    0.3-0.5 ms a layer on an H200 host, which a replayed graph never pays and an eager step pays on every layer.
+    Eager K-row first tokens (no graphs) took 33.7 ms compiled against 21.5 as written on InternVL3-8B, 24.0 against
+    17.6 on Qwen3-VL-8B, 32.4 against 21.1 on LLaVA-1.5-7B (H200; benchmarks/results' latency gates record the
+    rest). In a capture the kernels, not their launches, are what a replay costs, and there the compiled pieces'
+    fused norms, rotation and activation win.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.compiled = why_not_fused(device) is None
         self.compile_failure: str | None = None
-        self.for_graphs = False  # which compiled pieces run: set by scope()
-        self._compiled: dict[bool, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self.for_graphs = False  # which pieces run: set by scope()
+        self._compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         if self.compiled:
-            # Graph captures: only the dims _varying marks are symbolic (dynamic=None); with every size symbolic,
-            # head_dim and widths too, Inductor's kernels were slower: a 96-row LLaVA-1.5-7B prefill graph took
-            # 6.2 ms against 5.7, LLaVA-NeXT-7B's all-token first token 81.6 against 69.6 (H200). Eager steps: every
-            # size symbolic (dynamic=True); there the marked pieces' first token was slower (K rows: NeXT 23.4 ms
-            # against 18.6, Qwen2.5-VL-7B 29.4 against 17.7). Two code objects, so dynamo keeps their caches apart.
-            self._compiled[True] = (torch.compile(_graph_attention_inputs, dynamic=None, fullgraph=True),
-                                    torch.compile(_graph_mlp_block, dynamic=None, fullgraph=True))  # fmt: skip
-            self._compiled[False] = (torch.compile(attention_inputs, dynamic=True, fullgraph=True),
-                                     torch.compile(mlp_block, dynamic=True, fullgraph=True))  # fmt: skip
+            # only the dims _varying marks are symbolic (dynamic=None); with every size symbolic, head_dim and widths
+            # too, Inductor's kernels were slower: a 96-row LLaVA-1.5-7B prefill graph took 6.2 ms against 5.7,
+            # LLaVA-NeXT-7B's all-token first token 81.6 against 69.6 (H200)
+            self._compiled = (torch.compile(attention_inputs, dynamic=None, fullgraph=True),
+                              torch.compile(mlp_block, dynamic=None, fullgraph=True))  # fmt: skip
 
     def _fall_back(self, exc: Exception) -> None:
         self.compiled = False
         self.compile_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
+    def _use_compiled(self) -> bool:
+        return self.for_graphs and self.compiled and self._compiled is not None
+
     def attention_inputs(
         self, hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:func:`attention_inputs`, compiled where it can be."""
-        if self.compiled and self._compiled:
+        """:func:`attention_inputs`, compiled in captures where it can be."""
+        if self._use_compiled() and self._compiled is not None:
             try:
-                if self.for_graphs:
-                    _varying((hidden, 0, 1), (cos, 0, 1), (sin, 0, 1))
-                return self._compiled[self.for_graphs][0](hidden, w, cos, sin, shape)  # type: ignore[no-any-return]
+                _varying((hidden, 0, 1), (cos, 0, 1), (sin, 0, 1))
+                return self._compiled[0](hidden, w, cos, sin, shape)  # type: ignore[no-any-return]
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self._fall_back(exc)
         return attention_inputs(hidden, w, cos, sin, shape)
 
     def mlp_block(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
-        """:func:`mlp_block`, compiled where it can be."""
-        if self.compiled and self._compiled:
+        """:func:`mlp_block`, compiled in captures where it can be."""
+        if self._use_compiled() and self._compiled is not None:
             try:
-                if self.for_graphs:
-                    _varying((hidden, 0, 1), (attended, 0, 2))
-                return self._compiled[self.for_graphs][1](hidden, attended, w, shape)  # type: ignore[no-any-return]
+                _varying((hidden, 0, 1), (attended, 0, 2))
+                return self._compiled[1](hidden, attended, w, shape)  # type: ignore[no-any-return]
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self._fall_back(exc)
         return mlp_block(hidden, attended, w, shape)
 
     @contextmanager
     def scope(self, *, for_graphs: bool) -> Iterator[None]:
-        """Where the pieces run: ``for_graphs`` (a step a CUDA graph captures, or its warm-up) or eager steps;
-        dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (both restored on exit)."""
+        """Where the pieces run: ``for_graphs`` (a step a CUDA graph captures, or its warm-up: compiled) or eager steps
+        (as written); dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (both restored on exit)."""
         saved, self.for_graphs = self.for_graphs, for_graphs
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT) if self.compiled else nullcontext():

@@ -141,7 +141,7 @@ def test_a_model_whose_layers_the_lean_layer_cannot_compute_gets_no_static_loop(
     assert "not SiLU" in (unsupported_reason(model) or "")
 
 
-def test_a_piece_that_cannot_be_compiled_runs_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eager_steps_and_a_piece_that_cannot_be_compiled_run_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
     config, layer, rotary = _built("llama-gqa")
     hidden = torch.randn(1, 5, config.hidden_size, dtype=torch.float64)
     cos, sin = rotary(hidden, position_ids=_positions(config, 1, 5))
@@ -158,7 +158,11 @@ def test_a_piece_that_cannot_be_compiled_runs_as_written(monkeypatch: pytest.Mon
         raise CompileFailed("no C compiler found")
 
     pieces = LeanLayers(hidden.device)
-    pieces.compiled, pieces._compiled = True, {True: (broken, broken), False: (broken, broken)}  # as on CUDA
+    pieces.compiled, pieces._compiled = True, (broken, broken)  # as on CUDA
+    with torch.no_grad(), pieces.scope(for_graphs=False):  # an eager step never calls the compiled pieces
+        eager = layer_forward(pieces, *args)
+    torch.testing.assert_close(eager, expected, rtol=0, atol=0)
+    assert pieces.compiled and pieces.compile_failure is None
     with torch.no_grad(), pieces.scope(for_graphs=True):
         got = layer_forward(pieces, *args)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
