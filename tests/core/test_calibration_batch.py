@@ -78,8 +78,19 @@ def test_calibration_waits_for_the_gpu_once_after_queueing_its_work() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_batched_calibration_waits_only_where_its_signals_are_read() -> None:
+def test_batched_calibration_queues_every_product_before_it_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the waits belong to reading R+ per image (nonzero, its per-image counts), after everything is queued: up to
+    # there, any wait for the device raises
+    from care_core import calibration
+
+    reached: list[torch.Tensor] = []
+    monkeypatch.setattr(calibration, "_split", lambda tokens, *_: reached.append(tokens) or [])
     images = [tuple(t.cuda() for t in _image(n, k, seed, torch.float32)) for seed, (n, k) in enumerate(SHAPES)]
     columns = [list(column) for column in zip(*images, strict=True)]
-    waits = _host_waits(lambda: calibrate_batch(*columns, gated=True, **OPTIONS))
-    assert len(waits) <= 2, waits  # R+ per image: nonzero, then its per-image counts
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calibrate_batch(*columns, gated=True, **OPTIONS)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(reached) == 1 and reached[0].shape[0] == len(SHAPES)
