@@ -65,7 +65,7 @@ def _host_waits(run: object) -> list[str]:
             run()  # type: ignore[operator]
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    return [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
