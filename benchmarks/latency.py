@@ -475,16 +475,34 @@ def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
             f"vision tower included): {'; '.join(parts)}. Source: `benchmarks/results/{name}`."]  # fmt: skip
 
 
+def _default_decoding(rows: dict[tuple[str, str, str], dict[str, Any]]) -> str:
+    """How the default decoding ran: CUDA graphs, and each family that decoded eagerly instead with its reason."""
+    eager: dict[str, str] = {}
+    used = set()
+    for (family, decoding, _), row in rows.items():
+        if decoding != "default":
+            continue
+        used.update(row["used"])
+        pairs = zip(row["used"], row["eager_reason"], strict=True)
+        reason = next((r for kind, r in pairs if kind == "eager" and r), None)
+        if reason is not None:
+            eager[family] = reason
+    graphs = "CUDA graphs" if "cuda-graph" in used else "no CUDA graphs"
+    if not eager:
+        return f"default decoding: {graphs}"
+    said = "; ".join(f"{family}: {reason.rstrip('.')}" for family, reason in eager.items())
+    return f"default decoding: {graphs}, except eagerly where the static loop cannot run ({said})"
+
+
 def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] | None = None,
                     dropin_name: str | None = None) -> str:  # fmt: skip
     """The docs' block for an answers result named ``name`` (and a drop-in result): the headline sentence, the
     table, its source."""
     rows = {(r["family"], r["decoding"], r["keep_label"]): r for f in results["families"] for r in f.get("answers", [])}
-    used = sorted({u for (_, decoding, _), r in rows.items() if decoding == "default" for u in r["used"]})
     source = results["source"]
     commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
     met = sum(bool(v["met"]) for v in results.get("targets", []))
-    footer = (f"Batch 1, {results['new_tokens']} new tokens; default decoding ran as {', '.join(used) or '—'}; "
+    footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}; "
               f"{met} of {len(results.get('targets', []))} targets met. Source: `benchmarks/results/{name}` "
               f"(`python -m benchmarks.latency`, commit {commit}).")  # fmt: skip
     lines = [*_headline(results, rows), *_table(results, rows), "", footer, *_dropin_lines(dropin, dropin_name)]

@@ -166,3 +166,16 @@ def test_each_family_runs_in_a_process_of_its_own_and_a_failed_one_is_recorded(
     assert all(c[c.index("--tf32-tflops") + 1] == "400.0" and "--reps" in c for c in commands)
     with pytest.raises(SystemExit):
         latency.parse(["--families", "llava-1.5,qwen3-vl", "--family-out", str(tmp_path / "x.json")])
+
+
+def test_the_footer_names_each_family_that_decoded_eagerly_by_default_and_why() -> None:
+    def row(used: list[str], reasons: list[str | None]) -> dict[str, Any]:
+        return {"used": used, "eager_reason": reasons}
+
+    graphs = {("llava-next", "default", "160"): row(["cuda-graph", "cuda-graph"], [None, None]),
+              ("llava-next", "eager", "160"): row(["eager", "eager"], ["turned off", "turned off"])}  # fmt: skip
+    assert latency._default_decoding(graphs) == "default decoding: CUDA graphs"
+    mixed = {**graphs, ("gemma3", "default", "N/9"): row(["eager", "eager"], ["sliding windows.", "sliding windows."])}
+    assert latency._default_decoding(mixed) == (
+        "default decoding: CUDA graphs, except eagerly where the static loop cannot run (gemma3: sliding windows)"
+    )
