@@ -548,7 +548,7 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
     timings, pre_ms = results[0].timings_ms, preprocessing["ms_per_image_threads"]
     tokens = [r.tokens for r in results]
     with torch.no_grad():
-        feeds = {
+        feeds: dict[str, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {
             "all tokens": ([adapter.projector(t.features) for t in tokens], [None] * batch),
             "care": ([r.runs[0].projected for r in results], [r.runs[0].result.token_index for r in results]),
         }

@@ -86,9 +86,10 @@ def build_workloads(device: torch.device, tiny: bool, quick: bool) -> list[Workl
     if quick:
         return out
     model, processor = build_llava_next_7b(device, dtype, tiny)
-    adapter = LlavaNextAdapter(model, processor, name="llava-next-7b (random weights)")
+    next_adapter = LlavaNextAdapter(model, processor, name="llava-next-7b (random weights)")
     big = photo.resize((672, 672))
     skip = {"pool": "pool needs one raster grid"}
-    out.append(Workload("llava-next-7b", adapter, big, adapter.encode_image(big), BUDGETS["llava-next-7b"], skip))
+    tokens = next_adapter.encode_image(big)
+    out.append(Workload("llava-next-7b", next_adapter, big, tokens, BUDGETS["llava-next-7b"], skip))
     say("LLaVA-NeXT-7B built")
     return out
