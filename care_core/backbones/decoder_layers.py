@@ -211,9 +211,9 @@ class LeanLayers:
     Why only captures: a compiled piece pays dynamo's guards and its wrapper on every call from Python, about
     0.3-0.5 ms a layer on an H200 host, which a replayed graph never pays and an eager step pays on every layer.
     Eager K-row first tokens (no graphs) took 33.7 ms compiled against 21.5 as written on InternVL3-8B, 24.0 against
-    17.6 on Qwen3-VL-8B, 32.4 against 21.1 on LLaVA-1.5-7B (H200; benchmarks/results' latency gates record the
-    rest). In a capture the kernels, not their launches, are what a replay costs, and there the compiled pieces'
-    fused norms, rotation and activation win.
+    17.6 on Qwen3-VL-8B, 32.4 against 21.1 on LLaVA-1.5-7B (H200,
+    benchmarks/results/2026-11-29-130800-gpu-h200-eager-pieces-ab.json). In a capture the kernels, not their
+    launches, are what a replay costs, and there the compiled pieces' fused norms, rotation and activation win.
     """
 
     def __init__(self, device: torch.device) -> None:
