@@ -1,6 +1,6 @@
 """The latency gate: how much sooner one request is answered with CaRe, on every family at full size, one GPU.
 
-    python -m benchmarks.latency                          # the six families one after another (one H200)
+    python -m benchmarks.latency                          # every family one after another (one H200)
     python -m benchmarks.latency --families qwen3-vl      # one family
     python -m benchmarks.latency --part dropin            # transformers' generate through the drop-in, batch 8
     python -m benchmarks.latency --tiny --quick --device cpu   # smoke test of this benchmark (the demo widths)
@@ -76,7 +76,7 @@ KEPT = Fraction(1, 9)  # the gate's budget, K = max(1, floor(N/9)) by care_core.
 PAPER_KEEP = {"llava-next": 160}  # the paper's budget where the gate times one beside floor(N/9)
 DROPIN_BATCH = 8
 DURATION = (
-    "answers: about 7 minutes for the six families on one H200 (builds included); dropin: about 2 minutes; "
+    "answers: about 6-7 minutes for the eight families on one H200 (builds included); dropin: about 2 minutes; "
     "--tiny --quick --device cpu: about a minute on a 2-core CPU."
 )
 
