@@ -272,6 +272,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="train N runs of the recipe at once from one drawn pool: one process per run, run k "
                              "in OUT/run-k on GPU k modulo the GPUs there (two trainings from a clean state for "
                              "the reproduction check, with one pool's drawing and host memory)")  # fmt: skip
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads of each run's torch ops (default: torch's own alone; with --replicas, the "
+                             "cores shared among the runs). Float sums depend on it: give the same N to compare a "
+                             "replica with a run alone bit for bit")  # fmt: skip
     parser.add_argument("--sequential", action="store_true",
                         help="with --replicas: the runs one after another instead of at once (a GPU with memory "
                              "for one run), still from the one drawn pool")  # fmt: skip
@@ -310,6 +314,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--flip mirrors one raster grid of 336x336 crops: tiny-llava only")
     if args.checkpoint_every < 1 or args.steps < 1 or args.batch < 1 or args.replicas < 1:
         parser.error("--steps, --batch, --checkpoint-every and --replicas must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     if args.replicas > 1 and args.out is None:
         parser.error("--replicas trains: give --out DIR (or --resume DIR)")
     if args.sequential and args.replicas < 2:
@@ -405,7 +411,7 @@ def _replica(args: argparse.Namespace, argv: list[str] | None, k: int, drawn: Dr
         torch.cuda.set_device(k % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
     child.device = device
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.replicas))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // args.replicas))
     with open(child.out / "console.txt", "a", encoding="utf-8") as sink:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
@@ -495,4 +501,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas > 1:
         return replicas(args, argv)
     args.device = args.device or default_device()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     return session(args, argv)
