@@ -45,6 +45,7 @@ MLP_DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision")
 NORM_FIRST_DEMOS = {
     "tiny-qwen2.5-vl": ("rms", 4, True, (224, 168)),
     "tiny-qwen3-vl": ("layer", 4, False, (256, 192)),
+    "tiny-qwen3.5-random": ("layer", 4, False, (256, 192)),  # Qwen3-VL's merger (no DeepStack)
     "tiny-internvl3": ("layer", 1, False, (448, 448)),
 }
 
