@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..full_size_parts import full_size_from_demo, text_widths, widened
-from ..qwen2_5_vl.demo import QWEN25VL_CHAT_TEMPLATE
+from ..qwen3_vl.demo import tiny_processor, tiny_vision_config
 from ..tiny_parts import (
     QWEN_CONTROL_TOKENS,
     TinySizes,
     build_byte_tokenizer,
-    qwen_vision_widths,
     seeded_model,
     vocab_size,
 )
@@ -46,30 +45,18 @@ def build_tiny_qwen3_5(seed: int = 0, sizes: TinySizes | None = None) -> tuple[A
     assumed hub pixel budget 65536..16777216, no deepstack) and the tiny hybrid decoder (:func:`tiny_text_config`);
     the image-only Qwen3-VL processor (Qwen3.5's own processor class; no torchvision needed)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from ..qwen_processor import CareQwen3VLProcessor
 
     tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tid = tok.convert_tokens_to_ids
     config = Qwen3_5Config(
-        vision_config={**qwen_vision_widths(sizes), "patch_size": 16, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "num_position_embeddings": 2304},
+        vision_config=tiny_vision_config(sizes),
         text_config=tiny_text_config(tok, sizes),
         image_token_id=tid("<|image_pad|>"),
         video_token_id=tid("<|video_pad|>"),
         vision_start_token_id=tid("<|vision_start|>"),
         vision_end_token_id=tid("<|vision_end|>"),
     )  # fmt: skip
-    model = seeded_model(Qwen3_5ForConditionalGeneration, config, seed)
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2, merge_size=2,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    )  # fmt: skip
-    processor = CareQwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE
-    )
-    return model, processor
+    return seeded_model(Qwen3_5ForConditionalGeneration, config, seed), tiny_processor(tok)
 
 
 def qwen3_5_9b_config(tiny_config: Any, spec: BackboneSpec) -> Any:

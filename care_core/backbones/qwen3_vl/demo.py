@@ -30,17 +30,13 @@ def build_tiny_qwen3_vl(seed: int = 0, sizes: TinySizes | None = None) -> tuple[
     M-RoPE) and tiny widths (``sizes``; None: the random demo's own); the image-only processor (no torchvision
     needed)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from ..qwen_processor import CareQwen3VLProcessor
 
     tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tid = tok.convert_tokens_to_ids
     # the random demo's text widths are Qwen2.5-VL's random ones (head 16, M-RoPE sections 2:3:3)
     text = qwen_text_widths(sizes)
     config = Qwen3VLConfig(
-        vision_config={**qwen_vision_widths(sizes), "patch_size": 16, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "num_position_embeddings": 2304, "deepstack_visual_indexes": [1, 2]},
+        vision_config={**tiny_vision_config(sizes), "deepstack_visual_indexes": [1, 2]},
         text_config={"vocab_size": vocab_size(tok), **text, "max_position_embeddings": 8192,
                      "head_dim": text["hidden_size"] // text["num_attention_heads"],
                      "rope_parameters": {**text["rope_parameters"], "rope_theta": 5e5, "mrope_interleaved": True},
@@ -50,15 +46,28 @@ def build_tiny_qwen3_vl(seed: int = 0, sizes: TinySizes | None = None) -> tuple[
         vision_start_token_id=tid("<|vision_start|>"),
         vision_end_token_id=tid("<|vision_end|>"),
     )  # fmt: skip
-    model = seeded_model(Qwen3VLForConditionalGeneration, config, seed)
+    return seeded_model(Qwen3VLForConditionalGeneration, config, seed), tiny_processor(tok)
+
+
+def tiny_vision_config(sizes: TinySizes | None) -> dict[str, Any]:
+    """The tower's config for a tiny demo: ``sizes``' widths with the real geometry (patch 16, 2x2 merge, temporal
+    patch 2, learned 48x48 position grid); Qwen3.5's tower shares it (without deepstack levels)."""
+    return {**qwen_vision_widths(sizes), "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "num_position_embeddings": 2304}  # fmt: skip
+
+
+def tiny_processor(tok: Any) -> Any:
+    """The image-only processor of a tiny demo (no torchvision needed): resize factor 32, the assumed hub pixel budget
+    65536..16777216, mean and std 0.5; Qwen3.5's demos share it."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..qwen_processor import CareQwen3VLProcessor
+
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2, merge_size=2,
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
     )  # fmt: skip
-    processor = CareQwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE
-    )
-    return model, processor
+    return CareQwen3VLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=QWEN25VL_CHAT_TEMPLATE)
 
 
 def build_trained_tiny_qwen3_vl(seed: int = 0) -> tuple[Any, Any]:
