@@ -12,7 +12,8 @@ Two engines compute the response matrix C (m, N):
   row, then Linear-act-Linear: the Qwen mergers, InternVL3's; :mod:`care_core.norm_first`) shares W1 u the
   same way through the norm's exact derivative; any other projector goes through ``torch.func.jvp``.
   On CUDA with bf16 matmuls that MLP path is one fused Triton kernel (``care_core.kernels``; also
-  for tf32 with ``kernel="fused"``); the CPU path and the norm-first path are plain PyTorch.
+  for tf32 with ``kernel="fused"``); the norm-first path has a fused kernel of its own and a one-pass writer of its
+  second layer's input (``care_core.kernels``); the CPU path is plain PyTorch.
 
 The functions are pure: every call computes what it needs (directions, a converted projector) and
 decides its kernel afresh. :class:`Scorer` is the user-owned object that keeps those between calls.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -33,7 +35,7 @@ from care_core._chunks import chunk_size as _chunk_size
 from care_core._memo import remember
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
-from care_core.kernels.shapes import jvp_shape_supported, norm_first_shape_supported
+from care_core.kernels.shapes import jvp_shape_supported, norm_first_operand_supported, norm_first_shape_supported
 from care_core.norm_first import NormFirstMLP
 from care_core.precision import matmul_precision
 
@@ -379,6 +381,44 @@ def _fused_norm_first(
                                     bf16=low is not None, upper=upper)  # fmt: skip
 
 
+def _norm_first_operand_applies(features: torch.Tensor, desc: NormFirstMLP) -> bool:
+    """What the norm-first operand kernel writes: float32 operands (from float32 features; the GEMM after it runs at
+    any precision), for the blocks per row it unrolls. Device and Triton are checked by the gate.
+
+    "auto" runs it wherever the fused norm-first kernel does not: on an H200 (Qwen2.5-VL-7B's merger, N = 1296,
+    m = 64, tf32 through R) the PyTorch path's ~12.5 ms spent ~4 ms writing the GEMM's input in several passes over
+    (N, c, d_h) float32 tensors (first_layer_tangents, then the slope), which this kernel writes in one.
+    """
+    return features.dtype == torch.float32 and norm_first_operand_supported(desc.blocks)
+
+
+def _second_layer_input(prepared: norm_first.FirstLayer, slope: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """act'(pre_i) ⊙ W1 J(v_i) u_x for directions start..stop-1, (N, c, d_h): the PyTorch path (three passes)."""
+    tangent = norm_first.first_layer_tangents(prepared, start, stop)
+    tangent *= slope[:, None]
+    return tangent
+
+
+def _norm_first_rows(
+    operand: Callable[[int, int], torch.Tensor], second: torch.Tensor, low: torch.dtype | None, upper: bool,
+    n: int, m: int, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """||second t_ix||, (m, N) in ``dtype``, from the second layer's inputs t (N, c, d_h) that ``operand(start, stop)``
+    writes per chunk of directions: one product per chunk (bf16 operands where ``low``, norms accumulated in float32;
+    through the upper factor where ``upper``), then the norms."""
+    hidden = second.shape[1]
+    step = _chunk_size(m, n * max(hidden, second.shape[0]))  # a chunk holds (N, c, d_h) inputs, (N c, d_out) out
+    rows = []
+    for start in range(0, m, step):
+        flat = operand(start, min(m, start + step)).reshape(-1, hidden)
+        flat = flat if low is None else flat.to(low)
+        out = _upper_products(flat, second) if upper else flat @ second.T
+        if low is not None:
+            out = out.float()
+        rows.append(out.view(n, -1, out.shape[-1]).norm(dim=-1).T.to(dtype))
+    return torch.cat(rows)
+
+
 def _jvp_norm_mlp(
     features: torch.Tensor,
     desc: NormFirstMLP,
@@ -397,7 +437,8 @@ def _jvp_norm_mlp(
     Multiply-adds: N d_in d_h (the forward's per-block products) + m d_in d_h + N m d_in + 2 m N blocks d_h, then
     m N d_h d_out (through R: :func:`~care_core._chunks.upper_macs`), against the generic path's (m + 2 chunks)
     F_M(N). ``low``: bf16 operands for the second-layer product (norms accumulated in float32). Where the gate
-    allows, the act', second-layer and norm steps run fused (:mod:`care_core.kernels.jvp_norm_first`).
+    allows, the act', second-layer and norm steps run fused (:mod:`care_core.kernels.jvp_norm_first`); else the
+    second layer's input is written in one pass (:mod:`care_core.kernels.norm_first_operand`) or by PyTorch.
     """
     prepared = norm_first.first_layer(desc, features, directions)
     slope = _activation_slope(desc.act, prepared.pre)  # act'(W1 norm(v) + b1), (N, d_h)
@@ -408,21 +449,17 @@ def _jvp_norm_mlp(
         fused = gate.attempt("jvp_norm_first", lambda: _fused_norm_first(prepared, slope, second, low, upper))
         if fused is not None:
             return fused.to(features.dtype)
-    if low is not None:
-        second = second.to(low)
-    n, hidden = prepared.pre.shape
-    m = directions.shape[0]
-    step = _chunk_size(m, n * max(hidden, second.shape[0]))  # a chunk holds (N, c, d_h) tangents, (N c, d_out) out
-    rows = []
-    for start in range(0, m, step):
-        tangent = norm_first.first_layer_tangents(prepared, start, start + step)  # (N, c, d_h)
-        tangent *= slope[:, None]
-        flat = tangent.reshape(-1, hidden) if low is None else tangent.reshape(-1, hidden).to(low)
-        out = flat @ second.T if factor is None else _upper_products(flat, second)
-        if low is not None:
-            out = out.float()  # norms of bf16 products are accumulated in float32
-        rows.append(out.view(n, -1, out.shape[-1]).norm(dim=-1).T.to(features.dtype))
-    return torch.cat(rows)
+    second = second if low is None else second.to(low)
+    n, m = features.shape[0], directions.shape[0]
+    norms = partial(_norm_first_rows, second=second, low=low, upper=upper, n=n, m=m, dtype=features.dtype)
+    one_pass_applies = _norm_first_operand_applies(features, desc)
+    if gate.choose("norm_first_operand", features.device, applies=one_pass_applies) == "fused":
+        p = prepared
+        operand = partial(dispatch.norm_first_operand, slope, p.lifted, p.inverse, p.coef, p.partial)
+        one_pass = gate.attempt("norm_first_operand", lambda: norms(operand))
+        if one_pass is not None:
+            return one_pass
+    return norms(partial(_second_layer_input, prepared, slope))
 
 
 def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,10 @@ Nothing here imports Triton until a fused kernel runs: ``import care_core`` neve
   for every token i and direction x, with the elementwise product fused into the matmul's operand load
   and the squared norm into its epilogue: the (m, N, d_out) products never reach device memory. Used
   for bf16 matmuls; for tf32 only with ``kernel="fused"`` (cuBLAS was faster on an H200).
+- :mod:`care_core.kernels.jvp_norm_first`: the same for a norm-first projector (the Qwen mergers, InternVL3's),
+  its operand built in registers from the lifted directions and the norm's per-block terms.
+- :mod:`care_core.kernels.norm_first_operand`: the norm-first path's second-layer input, written in one pass
+  (where the fused kernel above does not run); cuBLAS's product and the norm follow.
 - :mod:`care_core.kernels.greedy`: Eq. 3's K sequential greedy steps in one single-block kernel over a
   precomputed cosine Gram matrix: one launch, no host synchronisation, no per-step launches.
 - :mod:`care_core.kernels.divprune`: DivPrune's max-min greedy for B images in one launch (one program per

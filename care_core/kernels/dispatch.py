@@ -157,6 +157,22 @@ def norm_first_norms(
     return run(slope, lifted, inverse, coef, corrections, w2, bf16=bf16, upper=upper)
 
 
+def norm_first_operand(
+    slope: torch.Tensor,
+    lifted: torch.Tensor,
+    inverse: torch.Tensor,
+    coef: torch.Tensor,
+    partial: torch.Tensor,
+    start: int,
+    stop: int,
+) -> torch.Tensor:
+    """The norm-first operand kernel (:func:`care_core.kernels.norm_first_operand.norm_first_operand`); imports
+    Triton when called."""
+    from care_core.kernels.norm_first_operand import norm_first_operand as run
+
+    return run(slope, lifted, inverse, coef, partial, start, stop)
+
+
 def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
     """The fused greedy kernel (:func:`care_core.kernels.greedy.greedy_order`); imports Triton when called."""
     from care_core.kernels.greedy import greedy_order as run

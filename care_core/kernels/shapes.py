@@ -26,6 +26,15 @@ def norm_first_shape_supported(blocks: int, hidden: int, out_dim: int) -> bool:
     return blocks in NORM_FIRST_BLOCKS and hidden % JVP_K_MULTIPLE == 0 and out_dim % NORM_FIRST_OUT_MULTIPLE == 0
 
 
+#: the most blocks per token row the norm-first operand kernel unrolls (the Qwen mergers: 4)
+NORM_FIRST_OPERAND_MAX_BLOCKS = 4
+
+
+def norm_first_operand_supported(blocks: int) -> bool:
+    """Blocks per row the norm-first operand kernel takes (any widths: it masks its edges)."""
+    return 1 <= blocks <= NORM_FIRST_OPERAND_MAX_BLOCKS
+
+
 #: token rows from which the fused jvp kernel is tuned as for a batch of images (see :func:`size_class`)
 BATCH_ROWS = 4096
 
