@@ -19,8 +19,9 @@ once with the default decoding and once eagerly:
   with K, against its floor max(FLOPs / :data:`PEAK_BF16_TFLOPS`, weight bytes / :data:`HBM_TBPS`) for the rows the
   language model reads (the decoder layers' linear maps, causal attention, the head on the last row);
 - **scoring**: PRCA's responses (Eq. 1, m = 64, jvp engine, tf32) through a ``Scorer`` against
-  2 m N r FLOPs at the tf32 rate of an 8192^3 matmul measured in the same run, r the second layer's multiply-adds per
-  row through its triangular (d_out >= d_h) or trapezoidal (d_out < d_h) factor; the whole ``care_reduce`` beside it.
+  2 F FLOPs at the tf32 rate of an 8192^3 matmul measured in the same run, F = m N r multiply-adds with r the second
+  layer's per row through its triangular (d_out >= d_h) or trapezoidal (d_out < d_h) factor, or for a norm-then-linear
+  projector (Gemma 3's) its fast path's own (:func:`scoring_floor_macs`); the whole ``care_reduce`` beside it.
 
 ``--part dropin``: ``model.generate(**inputs)`` on a batch of 8 copies of the image, 8 new tokens, with all tokens
 and inside ``reduce_visual_tokens(method="care", keep=160)`` (LLaVA-NeXT at 672x672; the vision tower included);
@@ -66,6 +67,7 @@ from benchmarks.gpu.context import card_slug, environment
 from benchmarks.gpu.scoring import floor_ms, matmul_rates
 from benchmarks.models import FULL_SIZE, full_size_adapter
 from care_core.budget import keep_from_ratio
+from care_core.norm_first import describe_linear
 
 QUESTION = "Is there a person in the image? Answer the question using a single word or phrase."
 NEW_TOKENS = 8
@@ -195,6 +197,27 @@ def factor_macs_per_row(d_h: int, d_out: int) -> int:
     return r * d_h - r * (r - 1) // 2
 
 
+def norm_linear_macs(m: int, n: int, d_in: int, d_out: int) -> int:
+    """Multiply-adds of the jvp engine's norm-then-linear path (``care_core.scoring._jvp_norm_linear``): the shared
+    products W (g ⊙ x̂_i) on the N tokens and W (g ⊙ u_x) on the m directions (N + m) d_in d_out, the inner products
+    <x̂_i, u_x> m N d_in, and per (direction, token) the combination a_x - c_ix p_i and its squared norm, 2 d_out."""
+    return (n + m) * d_in * d_out + m * n * d_in + 2 * m * n * d_out
+
+
+def scoring_floor_macs(projector: Any, m: int, n: int) -> int:
+    """The multiply-adds PRCA's responses cannot go below on the jvp engine's fast path for ``projector``.
+
+    With a second layer (Linear-act-Linear, norm-first): m N tangents through its factor R (:func:`factor_macs_per_row`;
+    the first layer's shared products are left out, a small share). A norm-then-linear projector has no second layer,
+    and :func:`factor_macs_per_row` of its one map would count a factor product that path never runs (d_in (d_in + 1)
+    / 2 per tangent against its 2 d_out): its floor is the path's whole work, :func:`norm_linear_macs`. That work is
+    mostly elementwise and memory-bound, so counting it at the matmul rate keeps the floor a lower bound."""
+    d_h, d_out = second_layer(projector)
+    if describe_linear(projector) is not None:
+        return norm_linear_macs(m, n, d_h, d_out)
+    return m * n * factor_macs_per_row(d_h, d_out)
+
+
 # ----------------------------------------------------------------------------------------- measurements
 def gate_image(family: str) -> Any:
     """The example photo resized to the family's square side."""
@@ -223,7 +246,7 @@ def scoring_stage(adapter: Any, tokens: Any, keep: int, clock: Clock, reps: int,
     directions = scorer.directions(cfg.m, features.shape[1], cfg.seed, device=features.device)
     responses = partial(scorer.responses, features, directions, h=cfg.h, engine="jvp", matmul="tf32")
     d_h, d_out = second_layer(projector)
-    macs = cfg.m * tokens.num_tokens * factor_macs_per_row(d_h, d_out)
+    macs = scoring_floor_macs(projector, cfg.m, tokens.num_tokens)
     row: dict[str, Any] = {"d_h": d_h, "d_out": d_out, "floor_macs": macs, "floor_ms": floor_ms(macs, tf32)}
     row["scoring_ms"] = clock.median(responses, reps=max(reps, 3), warmup=2)
     row["scoring_x_floor"] = row["scoring_ms"] / row["floor_ms"]

@@ -16,6 +16,10 @@ then applies act' and the second layer (``care_core.scoring``).
 ``norm_first_mlp()`` (the Qwen mergers in ``care_core.backbones`` do: the core never imports the backbones);
 :func:`describe` also reads transformers' InternVL projector and ``nn.Sequential(norm, Linear, act, Linear)`` with
 ``nn.LayerNorm`` or ``nn.RMSNorm`` by structure. A description must reproduce the module's forward exactly.
+
+A norm-then-linear projector, M(v) = W norm(v) + b (Gemma 3's: RMSNorm, then one map), is the same first layer with
+nothing after it: its exact tangent W J(v_i) u_j is :func:`first_layer_tangents` itself, whose norm is PRCA's
+response. :class:`NormLinear` describes one (a module's own ``norm_linear()``, or ``nn.Sequential(norm, Linear)``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from torch import nn
 NormKind = Literal["layer", "rms"]
 #: the method a projector module may implement to describe itself (returns a NormFirstMLP or None)
 DESCRIBE_METHOD = "norm_first_mlp"
+#: the method a norm-then-linear projector module may implement to describe itself (returns a NormLinear or None)
+DESCRIBE_LINEAR_METHOD = "norm_linear"
 # transformers' LayerNorm + MLP projector classes whose forward is layer_norm -> linear_1 -> act -> linear_2
 _LAYER_NORM_PROJECTORS = ("InternVLMultiModalProjector",)
 
@@ -67,6 +73,60 @@ class NormFirstMLP:
         return fits and all(t is None or tuple(t.shape) == (p,) for t in (self.gamma, self.beta))
 
 
+@dataclass(frozen=True)
+class NormLinear:
+    """M(v) = W (gamma ⊙ x̂ + beta) + b over the whole row (one block): a norm then one linear map, nothing after it.
+
+    ``weight`` (d_out, d_in), in ``nn.Linear``'s layout (a transposed view of a (d_in, d_out) matmul weight will do);
+    ``bias`` (d_out,) or None; ``kind``, ``gamma``, ``beta``, ``eps``, ``upcast``: as for :class:`NormFirstMLP`.
+    """
+
+    kind: NormKind
+    gamma: torch.Tensor | None
+    beta: torch.Tensor | None
+    eps: float | None
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    upcast: bool = False
+
+    @property
+    def blocks(self) -> int:
+        """1: the norm runs over the whole row (what the first-layer helpers read)."""
+        return 1
+
+    @property
+    def width(self) -> int:
+        """p: the norm's width, d_in."""
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        """d_out: the map's output width."""
+        return int(self.weight.shape[0])
+
+    def consistent(self) -> bool:
+        """Whether the shapes fit: a 2-D weight, gamma, beta of d_in entries and a bias of d_out."""
+        if self.weight.dim() != 2:
+            return False
+        widths = [(self.gamma, self.width), (self.beta, self.width), (self.bias, self.out_features)]
+        return all(t is None or tuple(t.shape) == (size,) for t, size in widths)
+
+
+def _norm_fields(
+    norm: nn.Module, width: int
+) -> tuple[NormKind, torch.Tensor | None, torch.Tensor | None, float | None]:
+    """(kind, gamma, beta, eps) of exactly ``nn.LayerNorm`` or ``nn.RMSNorm`` over the last dimension of ``width``
+    (a subclass may compute something else); raises LookupError for any other norm."""
+    shape: tuple[int, ...] = tuple(getattr(norm, "normalized_shape", ()))
+    if shape != (width,):
+        raise LookupError("not a norm over the last dimension of this width")
+    if type(norm) is nn.LayerNorm:
+        return "layer", norm.weight, norm.bias, norm.eps
+    if type(norm) is nn.RMSNorm:
+        return "rms", norm.weight, None, norm.eps
+    raise LookupError("neither nn.LayerNorm nor nn.RMSNorm")
+
+
 def from_modules(
     norm: nn.Module, first: nn.Module, act: Callable[[torch.Tensor], torch.Tensor], second: nn.Module
 ) -> NormFirstMLP | None:
@@ -74,14 +134,23 @@ def from_modules(
     dimension (a subclass may compute something else) and two ``nn.Linear``; else None."""
     if not (isinstance(first, nn.Linear) and isinstance(second, nn.Linear)):
         return None
-    shape: tuple[int, ...] = tuple(getattr(norm, "normalized_shape", ()))
-    if len(shape) != 1 or shape[0] != first.in_features:
+    try:
+        kind, gamma, beta, eps = _norm_fields(norm, first.in_features)
+    except LookupError:
         return None
-    if type(norm) is nn.LayerNorm:
-        return NormFirstMLP("layer", norm.weight, norm.bias, norm.eps, 1, first, act, second)
-    if type(norm) is nn.RMSNorm:
-        return NormFirstMLP("rms", norm.weight, None, norm.eps, 1, first, act, second)
-    return None
+    return NormFirstMLP(kind, gamma, beta, eps, 1, first, act, second)
+
+
+def linear_from_modules(norm: nn.Module, linear: nn.Module) -> NormLinear | None:
+    """norm -> linear, for a norm of exactly ``nn.LayerNorm`` or ``nn.RMSNorm`` over the last dimension and one
+    ``nn.Linear``; else None."""
+    if not isinstance(linear, nn.Linear):
+        return None
+    try:
+        kind, gamma, beta, eps = _norm_fields(norm, linear.in_features)
+    except LookupError:
+        return None
+    return NormLinear(kind, gamma, beta, eps, linear.weight, linear.bias)
 
 
 def describe(projector: object) -> NormFirstMLP | None:
@@ -102,7 +171,22 @@ def describe(projector: object) -> NormFirstMLP | None:
     return found if isinstance(found, NormFirstMLP) and found.consistent() else None
 
 
-def normalized_blocks(desc: NormFirstMLP, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def describe_linear(projector: object) -> NormLinear | None:
+    """The projector as a :class:`NormLinear` (its own ``norm_linear()``, or a 2-module ``nn.Sequential`` of a norm
+    and an ``nn.Linear``), or None; shapes checked."""
+    if not isinstance(projector, nn.Module):
+        return None
+    own = getattr(projector, DESCRIBE_LINEAR_METHOD, None)
+    if callable(own):
+        found = own()
+    elif isinstance(projector, nn.Sequential) and len(projector) == 2:
+        found = linear_from_modules(*projector)
+    else:
+        return None
+    return found if isinstance(found, NormLinear) and found.consistent() else None
+
+
+def normalized_blocks(desc: NormFirstMLP | NormLinear, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x̂ (N, blocks, p) and 1 / s (N, blocks) of every token's blocks, in the features' dtype, computed as the
     module computes them (``upcast``: statistics in at least float32)."""
     n = features.shape[0]
@@ -114,7 +198,7 @@ def normalized_blocks(desc: NormFirstMLP, features: torch.Tensor) -> tuple[torch
     return (centred * inverse).to(x.dtype), inverse.squeeze(-1).to(x.dtype)
 
 
-def centred_blocks(desc: NormFirstMLP, directions: torch.Tensor) -> torch.Tensor:
+def centred_blocks(desc: NormFirstMLP | NormLinear, directions: torch.Tensor) -> torch.Tensor:
     """t̃ (m, blocks, p): each direction's blocks less their mean (LayerNorm), or as they are (RMSNorm)."""
     t = directions.reshape(directions.shape[0], desc.blocks, desc.width)
     return t - t.mean(-1, keepdim=True) if desc.kind == "layer" else t
@@ -136,12 +220,21 @@ class FirstLayer:
     inverse: torch.Tensor
 
 
-def first_layer(desc: NormFirstMLP, features: torch.Tensor, directions: torch.Tensor) -> FirstLayer:
+def _linear_of(desc: NormFirstMLP | NormLinear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (d_h, d_in), bias or None) of the map after the norm: the MLP's first layer, or the one map."""
+    if isinstance(desc, NormFirstMLP):
+        return desc.first.weight, desc.first.bias
+    return desc.weight, desc.bias
+
+
+def first_layer(desc: NormFirstMLP | NormLinear, features: torch.Tensor, directions: torch.Tensor) -> FirstLayer:
     """The per-token and per-direction products of the first layer (N d_in d_h + m d_in d_h + N m d_in
-    multiply-adds; plus d_in d_h for W1 beta where the norm shifts); nothing of size (m, N, d_in)."""
+    multiply-adds; plus d_in d_h for W1 beta where the norm shifts); nothing of size (m, N, d_in). For a
+    :class:`NormLinear` the first layer is its one map (d_h = d_out)."""
     xhat, inverse = normalized_blocks(desc, features)
-    d_h, blocks, p = desc.first.out_features, desc.blocks, desc.width
-    scaled = desc.first.weight.reshape(d_h, blocks, p)
+    weight, bias = _linear_of(desc)
+    d_h, blocks, p = weight.shape[0], desc.blocks, desc.width
+    scaled = weight.reshape(d_h, blocks, p)
     if desc.gamma is not None:
         scaled = scaled * desc.gamma  # W1_b diag(g): the scale folded into the weight once
     right = scaled.permute(1, 2, 0)  # (blocks, p, d_h)
@@ -152,9 +245,9 @@ def first_layer(desc: NormFirstMLP, features: torch.Tensor, directions: torch.Te
     coef *= inverse.T[:, :, None] / p
     pre = partial.sum(0)
     if desc.beta is not None:  # W1 (beta per block) + b1: a constant row
-        pre += desc.first(desc.beta.repeat(blocks)[None])
-    elif desc.first.bias is not None:
-        pre += desc.first.bias
+        pre += nn.functional.linear(desc.beta.repeat(blocks)[None], weight, bias)
+    elif bias is not None:
+        pre += bias
     return FirstLayer(pre, partial, lifted, coef, inverse)
 
 

@@ -10,7 +10,9 @@ Two engines compute the response matrix C (m, N):
   the first layer is applied once to the m directions and shared by all tokens, so the cost is
   about m N d_hidden d_out multiply-adds; a norm-first projector (LayerNorm or RMSNorm, per patch or per
   row, then Linear-act-Linear: the Qwen mergers, InternVL3's; :mod:`care_core.norm_first`) shares W1 u the
-  same way through the norm's exact derivative; any other projector goes through ``torch.func.jvp``.
+  same way through the norm's exact derivative; a norm-then-linear projector (Gemma 3's) is that first layer alone,
+  its tangents formed from one product per token and one per direction; any other projector goes through
+  ``torch.func.jvp``.
   On CUDA with bf16 matmuls that MLP path is one fused Triton kernel (``care_core.kernels``; also
   for tf32 with ``kernel="fused"``); the norm-first path has a fused kernel of its own and a one-pass writer of its
   second layer's input (``care_core.kernels``); the CPU path is plain PyTorch.
@@ -22,6 +24,7 @@ decides its kernel afresh. :class:`Scorer` is the user-owned object that keeps t
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +39,7 @@ from care_core._memo import remember
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
 from care_core.kernels.shapes import jvp_shape_supported, norm_first_operand_supported, norm_first_shape_supported
-from care_core.norm_first import NormFirstMLP
+from care_core.norm_first import NormFirstMLP, NormLinear
 from care_core.precision import matmul_precision
 
 Projector = Callable[[torch.Tensor], torch.Tensor]
@@ -105,6 +108,11 @@ def _as_norm_first(projector: Projector) -> NormFirstMLP | None:
     if found is None or type(found.act).__name__ not in _ELEMENTWISE_ACTIVATIONS:
         return None
     return found
+
+
+def _as_norm_linear(projector: Projector) -> NormLinear | None:
+    """Recognise a norm-then-linear projector (:func:`care_core.norm_first.describe_linear`), else None."""
+    return norm_first.describe_linear(projector)
 
 
 def _second_linear(projector: Projector) -> nn.Linear | None:
@@ -462,6 +470,37 @@ def _jvp_norm_mlp(
     return norms(partial(_second_layer_input, prepared, slope))
 
 
+def _jvp_norm_linear(
+    features: torch.Tensor, desc: NormLinear, directions: torch.Tensor, low: torch.dtype | None
+) -> torch.Tensor:
+    """||W J_norm(v_i) u_x|| (Eq. 1, h -> 0) for a norm-then-linear projector, M(v) = W norm(v) + b:
+    W J(v_i) u_x = (1 / s_i) [a_x - c_ix p_i] with a_x = W (g ⊙ ũ_x) once per direction (shared by all tokens),
+    p_i = W (g ⊙ x̂_i) once per token and c_ix = <x̂_i, ũ_x> / d (:func:`care_core.norm_first.first_layer`), the
+    tangents formed in chunks of directions (:func:`care_core.norm_first.first_layer_tangents`) and normed.
+
+    Multiply-adds: N d_in d_out + m d_in d_out + m N d_in for the shared products, 2 m N d_out for the combination and
+    its norm, against the generic path's about (m + 2 chunks) N d_in d_out. ``low``: the tangents formed and held in
+    bf16 (the combination, memory-bound, moves half the bytes), norms accumulated in float32.
+    """
+    prepared = norm_first.first_layer(desc, features, directions)
+    if low is not None:
+        parts = ("partial", "lifted", "coef", "inverse")
+        prepared = dataclasses.replace(prepared, **{name: getattr(prepared, name).to(low) for name in parts})
+    n, d_out = prepared.pre.shape
+    m = directions.shape[0]
+    step = _chunk_size(m, n * d_out)  # a chunk holds (N, c, d_out) tangents
+    rows = []
+    for start in range(0, m, step):
+        # The tangent is formed before its norm is taken. The Gram expansion ||a||² - 2c<a, p> + c²||p||² would skip
+        # that tensor, but its terms can far exceed the result: J x̂ ∝ eps, so along x̂_i they nearly cancel and the
+        # expansion's rounding, eps times its largest term, swamps the response (float32: 0.16 of a typical response
+        # along x_i, against 1.5e-7 formed; tests/core/test_scoring_norm_linear.py)
+        tangent = norm_first.first_layer_tangents(prepared, start, start + step)  # (N, c, d_out)
+        norms = torch.linalg.vector_norm(tangent, dim=-1, dtype=torch.promote_types(tangent.dtype, torch.float32))
+        rows.append(norms.T.to(features.dtype))
+    return torch.cat(rows)
+
+
 def _jvp_generic(features: torch.Tensor, projector: Projector, directions: torch.Tensor) -> torch.Tensor:
     """||J_M(v) u|| for any projector: ``torch.func.jvp`` at the N tokens, vmapped over chunks of directions.
 
@@ -510,10 +549,11 @@ def responses_jvp(
 ) -> torch.Tensor:
     """C[x, i] = ||J_M(v_i) u_x||_2, the exact h -> 0 limit of Eq. 1; (m, N).
 
-    Three paths: Linear-act-Linear (:func:`_jvp_mlp`), norm-first (:func:`_jvp_norm_mlp`), any other projector
-    ``torch.func.jvp`` (:func:`_jvp_generic`); all exact, only rounding differs.
-    `matmul`: "auto" (float32 on CPU, tf32 on CUDA), "float32", "tf32" or "bf16" (the second layer of the
-    MLP and norm-first paths; the generic path runs float32 there).
+    Four paths: Linear-act-Linear (:func:`_jvp_mlp`), norm-first (:func:`_jvp_norm_mlp`), norm-then-linear
+    (:func:`_jvp_norm_linear`), any other projector ``torch.func.jvp`` (:func:`_jvp_generic`); all exact, only
+    rounding differs. `matmul`: "auto" (float32 on CPU, tf32 on CUDA), "float32", "tf32" or "bf16" (the second
+    layer of the MLP and norm-first paths, the tangents of the norm-then-linear path; the generic path runs float32
+    there).
     `kernel`: "auto", "fused" or "torch" (see :mod:`care_core.kernels`; MLP path), or a caller-owned gate.
     `factor`: the triangular (or trapezoidal) factor of the projector's second layer (:func:`triangular_factor`),
     for a Linear-act-Linear or norm-first projector; ignored by any other.
@@ -527,6 +567,9 @@ def responses_jvp(
         norm_mlp = _as_norm_first(projector)
         if norm_mlp is not None:
             return _jvp_norm_mlp(features, norm_mlp, directions, low, factor, tf32=allow_tf32, kernel=kernel)
+        norm_linear = _as_norm_linear(projector)
+        if norm_linear is not None:
+            return _jvp_norm_linear(features, norm_linear, directions, low)
         return _jvp_generic(features, projector, directions)
 
 
@@ -582,8 +625,8 @@ def joint_responses(
     second = _second_linear(projector)  # a fast path's passes hold (rows, d_h) intermediates: bound those too
     width = first.shape[1] if second is None else max(first.shape[1], second.in_features)
     limit = max_rows if max_rows is not None else two_pass_rows(width, _out_features(projector, first))
-    if engine == "jvp" and _as_norm_first(projector) is not None:
-        # each image alone: the norm-first path's cuBLAS products then see the rows of one image, as a call for that
+    if engine == "jvp" and (_as_norm_first(projector) is not None or _as_norm_linear(projector) is not None):
+        # each image alone: the norm paths' cuBLAS products then see the rows of one image, as a call for that
         # image alone does (joined rows changed the products' shapes, and with them tf32 rounding, on CUDA); its
         # chunks of (N, c, d_h) tangents already fill the GPU at one image's N
         limit = 1

@@ -94,8 +94,9 @@ def test_projected_rows_are_the_models_own_bit_for_bit(gemma: Gemma3Adapter, tok
 
 
 def test_jvp_through_the_rmsnorm_projector_agrees_with_fd_in_float64(gemma: Gemma3Adapter, tokens: ImageTokens) -> None:
-    """Eq. 1's central difference at h = 1e-5 in float64 against the exact J u (the generic torch.func.jvp path: the
-    projector is neither Linear-act-Linear nor norm-first MLP); a norm rounding to float32 would miss by ~1e-2."""
+    """Eq. 1's central difference at h = 1e-5 in float64 against the exact J u (the norm-then-linear fast path,
+    held to the generic torch.func.jvp path in tests/core/test_scoring_norm_linear.py); a norm rounding to float32
+    would miss by ~1e-2."""
     projector = copy.deepcopy(gemma.projector).double()
     assert _as_mlp(projector) is None
     features = tokens.features[::13].double()

@@ -36,6 +36,27 @@ def test_second_layer_is_the_last_linear_or_a_one_map_projectors_own_widths() ->
     assert latency.second_layer(Gemma3TokenProjector(Gemma3MultiModalProjector(config))) == (32, 48)
 
 
+def test_norm_linear_floor_is_its_fast_paths_work_not_a_second_layer() -> None:
+    from transformers import Gemma3Config
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    from care_core.backbones.gemma3.adapter import Gemma3TokenProjector
+
+    # m = 2, N = 5, d_in = 3, d_out = 4: shared products (N + m) d_in d_out = 84, inner products m N d_in = 30,
+    # combination and norm 2 m N d_out = 80
+    assert latency.norm_linear_macs(2, 5, 3, 4) == 84 + 30 + 80
+    assert latency.scoring_floor_macs(nn.Sequential(nn.RMSNorm(3), nn.Linear(3, 4)), 2, 5) == 194
+    mlp = nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 7))
+    assert latency.scoring_floor_macs(mlp, 2, 5) == 2 * 5 * (5 + 4 + 3 + 2 + 1)  # m N tangents through R (5 x 5)
+    config = Gemma3Config(
+        text_config={"hidden_size": 48},
+        vision_config={"hidden_size": 32, "image_size": 56, "patch_size": 14},
+        mm_tokens_per_image=4,
+    )
+    gemma = Gemma3TokenProjector(Gemma3MultiModalProjector(config))  # 32 -> 48, not a 32 x 32 triangle per tangent
+    assert latency.scoring_floor_macs(gemma, 2, 5) == 7 * 32 * 48 + 2 * 5 * 32 + 2 * 2 * 5 * 48
+
+
 class _Layer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

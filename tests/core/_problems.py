@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 from torch import nn
 
 
@@ -98,3 +99,16 @@ def recipe_directions(m: int, d_v: int, seed: int) -> torch.Tensor:
 
 def to_np(t) -> np.ndarray:
     return t.detach().cpu().numpy()
+
+
+def scene_image(size: tuple[int, int]) -> Image.Image:
+    """A colour gradient with a red disc and a blue box (CaRe accepts calibration signals on it; on noise it may
+    accept none)."""
+    w, h = size
+    ramp_x, ramp_y = torch.linspace(0, 255, w).expand(h, w), torch.linspace(0, 255, h)[:, None].expand(h, w)
+    pixels = torch.stack([ramp_x, ramp_y, torch.full((h, w), 128.0)], dim=-1).to(torch.uint8)
+    image = Image.fromarray(pixels.numpy())
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((w // 5, h // 5, w // 2, h // 2), fill=(230, 20, 20))
+    draw.rectangle((w // 2, h // 2, 4 * w // 5, 9 * h // 10), fill=(20, 20, 230))
+    return image

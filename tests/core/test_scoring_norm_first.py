@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMerger
@@ -39,6 +38,7 @@ from care_core.scoring import (
     triangular_factor,
     unit_directions,
 )
+from tests.core._problems import scene_image
 
 MLP_DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision")
 # demo -> (norm kind, blocks normalised apart, statistics upcast, an image size that gives a small N)
@@ -59,26 +59,13 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("norm_first_home")
 
 
-def _scene(size: tuple[int, int]) -> Image.Image:
-    """A colour gradient with a red disc and a blue box (CaRe accepts calibration signals on it; on noise it may
-    accept none)."""
-    w, h = size
-    ramp_x, ramp_y = torch.linspace(0, 255, w).expand(h, w), torch.linspace(0, 255, h)[:, None].expand(h, w)
-    pixels = torch.stack([ramp_x, ramp_y, torch.full((h, w), 128.0)], dim=-1).to(torch.uint8)
-    image = Image.fromarray(pixels.numpy())
-    draw = ImageDraw.Draw(image)
-    draw.ellipse((w // 5, h // 5, w // 2, h // 2), fill=(230, 20, 20))
-    draw.rectangle((w // 2, h // 2, 4 * w // 5, 9 * h // 10), fill=(20, 20, 230))
-    return image
-
-
 @pytest.fixture(scope="module")
 def demo_tokens(home: Path) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
     """Per norm-first demo: its projector, and one image's features and positions (the demo's real geometry)."""
     out = {}
     for name, (*_, size) in NORM_FIRST_DEMOS.items():
         adapter: Any = load_backbone(name, home=home)
-        tokens = adapter.encode_image(_scene(size))
+        tokens = adapter.encode_image(scene_image(size))
         out[name] = (adapter.projector, tokens.features.cpu(), tokens.positions.cpu())
     return out
 

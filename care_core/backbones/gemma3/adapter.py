@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...errors import ModelLoadError
+from ...norm_first import NormLinear
 from .._hf import quiet_transformers
 from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter, visual_rows
@@ -65,6 +66,15 @@ class Gemma3TokenProjector(torch.nn.Module):
         gain = typed_attr(self.norm, "weight", torch.nn.Parameter).to(wide.dtype)
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return torch.matmul((normed * (1.0 + gain)).type_as(features), self.weight).type_as(features)
+
+    def norm_linear(self) -> NormLinear | None:
+        """This forward for PRCA's fast jvp path (:mod:`care_core.norm_first`): RMSNorm with gamma = 1 + w and the
+        norm's epsilon, statistics in at least float32, then the weight as a (d_t, d_v) view, no bias; None for a
+        subclass that computes something else."""
+        if type(self).forward is not Gemma3TokenProjector.forward:
+            return None
+        gain = typed_attr(self.norm, "weight", torch.nn.Parameter)
+        return NormLinear("rms", 1.0 + gain, None, self.eps, self.weight.T, upcast=True)
 
 
 class Gemma3Adapter(ChatAdapter):
