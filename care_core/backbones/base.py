@@ -59,20 +59,47 @@ class ImageTokens:
 
 
 def check_kept(kept: torch.Tensor | None, rows: int, num_tokens: int) -> torch.Tensor | None:
-    """``kept`` as a CPU long tensor after checking it against K rows and N tokens (None stays None)."""
+    """``kept`` as a long tensor after checking it against K rows and N tokens (None stays None).
+
+    A host tensor is checked whole. A device tensor stays where it is and only its shape and dtype are checked here:
+    reading its values would wait for all the work queued before it (on a GPU, the reduction that made it), so its
+    range is the caller's to read after it has queued its own work (:func:`kept_range_problem`)."""
     if kept is None:
         if rows > num_tokens:
             raise ValueError(f"{rows} projected rows but only {num_tokens} visual tokens; pass kept")
         return None
-    kept = torch.as_tensor(kept).detach().to("cpu")
+    kept = torch.as_tensor(kept).detach()
     if kept.dim() != 1 or kept.shape[0] != rows:
         raise ValueError(f"kept must be ({rows},) (one entry per projected row); got {tuple(kept.shape)}")
     if kept.is_floating_point() or kept.dtype == torch.bool:
         raise ValueError(f"kept must hold integer token indices, got {kept.dtype}")
     kept = kept.long()
-    if kept.numel() and (int(kept.min()) < -1 or int(kept.max()) >= num_tokens):
-        raise ValueError(f"kept holds indices outside -1..{num_tokens - 1}")
+    if kept.device.type == "cpu" and kept.numel() and not _in_range(int(kept.min()), int(kept.max()), num_tokens):
+        raise ValueError(_range_message(num_tokens))
     return kept
+
+
+def _in_range(low: int, high: int, num_tokens: int) -> bool:
+    return low >= -1 and high < num_tokens  # -1: a row tied to no token
+
+
+def _range_message(num_tokens: int) -> str:
+    return f"kept holds indices outside -1..{num_tokens - 1}"
+
+
+def kept_range_problem(kept: Sequence[torch.Tensor | None], num_tokens: Sequence[int]) -> str | None:
+    """The first sample's out-of-range ``kept`` (one line), or None: the range :func:`check_kept` leaves to its caller
+    for device tensors, every sample's bounds read in one copy (host tensors were checked whole already)."""
+    on_device = [(k, n) for k, n in zip(kept, num_tokens, strict=True)
+                 if k is not None and k.device.type != "cpu" and k.numel()]  # fmt: skip
+    if not on_device:
+        return None
+    device = on_device[0][0].device
+    bounds = torch.stack([torch.stack([k.min(), k.max()]).to(device) for k, _ in on_device]).tolist()
+    for (_, n), (low, high) in zip(on_device, bounds, strict=True):
+        if not _in_range(low, high, n):
+            return _range_message(n)
+    return None
 
 
 def kept_on_host(kept: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -98,7 +125,7 @@ def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool
     """True when the rows are exactly tokens 0..N-1 in order."""
     if rows != num_tokens:
         return False
-    return kept is None or bool(torch.equal(kept, torch.arange(num_tokens)))
+    return kept is None or bool(torch.equal(kept, torch.arange(num_tokens, device=kept.device)))
 
 
 def check_batch(*columns: Sequence[Any]) -> None:

@@ -18,7 +18,7 @@ from ..generation import Decoding, Generation
 from ..images import to_rgb
 from ..vocabulary import DEFAULT_QUESTION
 from ._hf import quiet_transformers
-from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_on_host
+from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_range_problem
 from .families import import_path
 from .module_attrs import submodule, typed_attr
 from .preprocess_pool import ProcessorPool, process_image
@@ -436,6 +436,7 @@ class ChatAdapter(VLMAdapter):
         self, question: str, tokens: ImageTokens, projected: torch.Tensor, kept: torch.Tensor | None = None
     ) -> torch.Tensor:
         inputs = self._lm_inputs(question, tokens, projected, kept)
+        self._raise_kept_problem([kept], [tokens])
         with torch.no_grad(), quiet_transformers():
             out = self.model(**inputs)
         return out.logits[0]
@@ -473,13 +474,16 @@ class ChatAdapter(VLMAdapter):
         the batch's time); see docs/design/batches.md §Batched answers."""
         start = time.perf_counter()
         check_batch(questions, tokens, projected, kept)
-        kept = kept_on_host(kept)  # each sample's check reads its kept on the host: one copy (and wait) for all
+        # device kept stays there: the prompts and the prefill are queued behind the reduction that made it, and its
+        # range is read once they are (check_kept), so the host never idles the device in between
         inputs = [self._lm_inputs(q, t, p, k) for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)]
         if max_new_tokens < 1:
+            self._raise_kept_problem(kept, tokens)
             return [Generation("", (), "eager", "no new tokens were asked for") for _ in inputs]
         if not inputs:
             return []
         answers, decoding, reason = self._decode(inputs, max_new_tokens, cuda_graph)
+        self._raise_kept_problem(kept, tokens)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         decode = self.tokenizer.decode
         return [
@@ -488,6 +492,15 @@ class ChatAdapter(VLMAdapter):
             )
             for ids in answers
         ]
+
+    @staticmethod
+    def _raise_kept_problem(kept: Sequence[torch.Tensor | None], tokens: Sequence[ImageTokens]) -> None:
+        """ValueError (one line) when a device ``kept`` holds indices out of range (:func:`kept_range_problem`); the
+        device work that used them clamped them (no device-side error), and its answers are dropped."""
+        problem = kept_range_problem([k if isinstance(k, torch.Tensor) else None for k in kept],
+                                     [t.num_tokens for t in tokens])  # fmt: skip
+        if problem is not None:
+            raise ValueError(problem)
 
     def _decode(
         self, inputs: list[dict[str, Any]], max_new_tokens: int, cuda_graph: bool | None

@@ -24,8 +24,9 @@ ROPE_CACHE_SIZE = 256
 #: (``mm_token_type_ids`` only matters without them)
 MROPE_STATIC_INPUTS: frozenset[str] = ChatAdapter.static_inputs | {"position_ids", "mm_token_type_ids"}
 
-#: (question, image grid thw) -> the full prompt's rope positions (3, L) on the CPU
-RopeCache = dict[tuple[str, tuple[int, ...]], torch.Tensor]
+#: (question, image grid thw, device) -> the full prompt's rope positions (3, L) there (the CPU's worked out, the
+#: others copied from it)
+RopeCache = dict[tuple[str, tuple[int, ...], str], torch.Tensor]
 
 
 def rope_positions(
@@ -40,7 +41,7 @@ def rope_positions(
     if thw is None:
         raise ValueError("tokens.model_inputs has no image_grid_thw; use ImageTokens from encode_image")
     thw = thw.cpu()  # the processor's output: on the host already
-    key = (question, tuple(int(v) for v in thw.reshape(-1).tolist()))
+    key = (question, tuple(int(v) for v in thw.reshape(-1).tolist()), "cpu")
     _, at = adapter._prompt_ids(question)
     cached = cache.get(key)
     if cached is None:
@@ -51,6 +52,19 @@ def rope_positions(
         )
         cached = remember(cache, key, positions[:, 0], ROPE_CACHE_SIZE)
     return cached, at
+
+
+def device_positions(
+    cache: RopeCache, question: str, tokens: ImageTokens, positions: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """:func:`rope_positions`' ``positions`` (3, L) on ``device``, kept beside them in ``cache``: copied once (without
+    waiting for the queued work: the host tensor is kept, never written), not once per call."""
+    thw = tokens.model_inputs["image_grid_thw"].cpu()
+    key = (question, tuple(int(v) for v in thw.reshape(-1).tolist()), str(device))
+    cached = cache.get(key)
+    if cached is None:
+        cached = remember(cache, key, positions.to(device, non_blocking=True), ROPE_CACHE_SIZE)
+    return cached
 
 
 def full_positions(
@@ -71,7 +85,8 @@ def row_positions(image_positions: torch.Tensor, kept: torch.Tensor) -> torch.Te
     token ``kept[..., r]``'s; a row tied to no token (-1) the last image token's (the bottom-right merged patch)."""
     n = int(image_positions.shape[1])
     kept = kept.to(image_positions.device)
-    select = torch.where(kept < 0, torch.full_like(kept, n - 1), kept)
+    # clamped: a device kept's range is read after its prompt is queued (check_kept); in range, a no-op
+    select = torch.where(kept < 0, torch.full_like(kept, n - 1), kept).clamp(0, n - 1)
     return image_positions[:, select]
 
 
@@ -90,9 +105,11 @@ def mrope_lm_inputs(
     k, n = int(rows.shape[0]), tokens.num_tokens
     kept = check_kept(kept, k, n)
     full, start = rope_positions(adapter, cache, question, tokens)
+    if kept is not None and kept.device.type != "cpu":  # put together on kept's device: reading kept would wait
+        full = device_positions(cache, question, tokens, full, kept.device)
     image = row_positions(full[:, start : start + n], torch.arange(k) if kept is None else kept)
     positions = torch.cat([full[:, :start], image, full[:, start + n :]], dim=1)  # (3, L_K)
-    text_row = torch.arange(positions.shape[1], dtype=positions.dtype)
+    text_row = torch.arange(positions.shape[1], dtype=positions.dtype, device=positions.device)
     position_ids = torch.cat([text_row[None], positions])[:, None]  # (4, 1, L_K): text row, then t, h, w
     enc = adapter._encode_prompt(question, k)
     return {

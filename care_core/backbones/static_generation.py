@@ -139,6 +139,12 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
     return window_reason(model, length)
 
 
+def _first_parameter(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The submodule that holds ``module``'s first parameter, and its name there."""
+    path, _, name = next(module.named_parameters())[0].rpartition(".")
+    return module.get_submodule(path), name
+
+
 def window_reason(model: Any, length: int | None) -> str | None:
     """Why ``length`` positions (prompt plus new tokens) would not fit the decoder's sliding window, or None: the part
     of :func:`unsupported_reason` that depends on the call (the rest depends on the model only)."""
@@ -284,6 +290,7 @@ class StaticGreedy:
         self.pieces = LeanLayers(self.device)
         self.capturing = False  # True while a step runs for a graph capture (its warm-up included)
         self.eos = eos_ids(model)
+        self.watched = tuple(_first_parameter(m) for m in (self.lm.embed_tokens, self.lm.norm, self.head, *self.layers))
         self.weights = self._weights()
         self.kv: StaticKV | None = None
         self._static_state(1, 0)
@@ -297,10 +304,11 @@ class StaticGreedy:
 
     # ------------------------------------------------------------------ state
     def _weights(self) -> tuple[tuple[int, torch.dtype], ...]:
-        # one tensor per module (the first): every call pays this, and a walk over all ~300 tensors of a 7B model
-        # costs half a millisecond of host time; moves and casts (.to, .half, .cuda) replace them all
-        owners = (self.lm.embed_tokens, self.lm.norm, self.head, *self.layers)
-        return tuple((t.data_ptr(), t.dtype) for t in (next(m.parameters()) for m in owners))
+        # one tensor per module (the first), read from the module that holds it: every call pays this, and a walk
+        # over all ~300 tensors of a 7B model (or even a parameters() generator per layer) costs a good part of a
+        # millisecond of host time; moves and casts (.to, .half, .cuda) replace them all
+        tensors = (holder._parameters[name] for holder, name in self.watched)
+        return tuple((0, torch.float32) if t is None else (t.data_ptr(), t.dtype) for t in tensors)
 
     @property
     def stale(self) -> bool:

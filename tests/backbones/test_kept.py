@@ -1,11 +1,21 @@
-"""Kept indices read on the host (care_core/backbones/base.py): one copy for a batch, values unchanged."""
+"""Kept indices (care_core/backbones/base.py): host tensors checked whole; device tensors left on the device, their
+range read after the prompt is queued (no wait for the reduction that made them); one copy for a batch."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from care_core.backbones.base import check_kept, kept_on_host
+from care_core.backbones import load_backbone
+from care_core.backbones.base import check_kept, kept_on_host, kept_range_problem
+
+from ._helpers import noise_image
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+QUESTION = "What is in the image?"
 
 
 def test_host_tensors_and_none_pass_through_untouched() -> None:
@@ -30,3 +40,68 @@ def test_device_indices_come_back_with_their_values_and_dtypes() -> None:
         ([1], torch.long, "cpu"),
         ([2], torch.int32, "cpu"),
     ]
+
+
+@pytest.mark.parametrize("bad", [[0, 5], [-2, 1]])
+def test_host_indices_outside_the_tokens_are_refused_at_once(bad: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"^kept holds indices outside -1\.\.4$"):
+        check_kept(torch.tensor(bad), 2, 5)
+    assert check_kept(torch.tensor([4, -1]), 2, 5).tolist() == [4, -1]  # type: ignore[union-attr]
+
+
+def test_generate_refuses_indices_outside_the_tokens(demo: Any) -> None:
+    tokens = demo.encode_image(noise_image(64, 64))
+    rows = demo.projector(tokens.features[:3])
+    n = tokens.num_tokens
+    with pytest.raises(ValueError, match=f"outside -1..{n - 1}"):
+        demo.generate(QUESTION, tokens, rows, max_new_tokens=2, kept=torch.tensor([0, 1, n]))
+
+
+@cuda_only
+def test_device_ranges_are_read_in_one_copy_and_name_the_first_bad_sample() -> None:
+    good, high, low = (torch.tensor(v, device="cuda") for v in ([4, -1, 0], [0, 5], [-2]))
+    assert kept_range_problem([good, None, torch.tensor([9])], [5, 3, 2]) is None  # a host tensor: checked already
+    assert kept_range_problem([good, high, low], [5, 5, 5]) == "kept holds indices outside -1..4"
+    assert kept_range_problem([low], [3]) == "kept holds indices outside -1..2"
+    assert check_kept(high, 2, 5) is not None  # a device tensor's range is left to its caller: no wait here
+
+
+def _reduced(adapter: Any, k: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    tokens = adapter.encode_image(noise_image(96, 128, seed=3))
+    kept = torch.randperm(tokens.num_tokens, generator=torch.Generator().manual_seed(1))[:k].sort().values
+    return tokens, adapter.projector(tokens.features[kept.to(tokens.features.device)]), kept
+
+
+@cuda_only
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-qwen3-vl", "tiny-internvl3"])
+def test_a_reduced_prompt_is_queued_without_waiting_for_the_device(demo_home: Path, name: str) -> None:
+    adapter: Any = load_backbone(name, home=demo_home, device="cuda", dtype="float32")
+    tokens, rows, kept = _reduced(adapter, 9)
+    want = adapter.generate(QUESTION, tokens, rows, max_new_tokens=4, kept=kept)  # host kept: checked whole
+    on_device = kept.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises from here on
+    try:
+        inputs = adapter._lm_inputs(QUESTION, tokens, rows, on_device)
+        adapter._static_prompt(inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = adapter.generate(QUESTION, tokens, rows, max_new_tokens=4, kept=on_device)
+    assert got.token_ids == want.token_ids
+
+
+@cuda_only
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen3-vl"])
+def test_device_indices_out_of_range_fail_in_one_line_and_leave_the_device_usable(demo_home: Path, name: str) -> None:
+    adapter: Any = load_backbone(name, home=demo_home, device="cuda", dtype="float32")
+    tokens, rows, kept = _reduced(adapter, 5)
+    want = adapter.generate(QUESTION, tokens, rows, max_new_tokens=3, kept=kept)
+    for bad in (tokens.num_tokens, -2):
+        wrong = kept.clone()
+        wrong[2] = bad
+        with pytest.raises(ValueError, match=f"^kept holds indices outside -1..{tokens.num_tokens - 1}$"):
+            adapter.generate(QUESTION, tokens, rows, max_new_tokens=3, kept=wrong.cuda())
+        with pytest.raises(ValueError, match="outside"):
+            adapter.language_model_logits(QUESTION, tokens, rows, kept=wrong.cuda())
+    again = adapter.generate(QUESTION, tokens, rows, max_new_tokens=3, kept=kept.cuda())  # no device-side error left
+    assert again.token_ids == want.token_ids

@@ -227,7 +227,8 @@ class Qwen3VLAdapter(ChatAdapter):
         if kept is None:
             return deepstack[..., :k, :]
         select = kept.to(deepstack.device, non_blocking=True)  # a blocking copy would wait for the queued GPU work
-        index = select.clamp(min=0).unsqueeze(-1).expand(*select.shape, deepstack.shape[-1])
+        # clamped above too: a device kept's range is read after its prompt is queued (check_kept)
+        index = select.clamp(0, deepstack.shape[-2] - 1).unsqueeze(-1).expand(*select.shape, deepstack.shape[-1])
         levels = torch.gather(deepstack, -2, index.expand(deepstack.shape[0], *index.shape))
         return levels * (select >= 0).to(deepstack.dtype).unsqueeze(-1)
 
