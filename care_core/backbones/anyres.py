@@ -18,7 +18,7 @@ import torch
 
 from .._memo import remember
 from ..errors import ModelLoadError
-from .base import ImageTokens, is_all_tokens
+from .base import ImageTokens, VLMAdapter, is_all_tokens
 from .geometry import GEOMETRY_CACHE_SIZE, clip_boxes, crop_geometry, grid_crop_boxes
 from .llava_modules import crop_tokens, llava_inner
 
@@ -39,9 +39,11 @@ def check_anyres_model(model: Any, name: str) -> None:
         raise ModelLoadError(f"{name}: the model has no image_newline parameter")
 
 
-def collate_crops(parts: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    """Crops zero-padded to the most any image has, as the processor pads a list of images; the pixels on the
-    model's ``device`` (padded and joined there: on the CPU that is copies of the batch while the GPU waits)."""
+def collate_crops(adapter: VLMAdapter, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """An anyres adapter's ``collate``: crops zero-padded to the most any image has, as the processor pads a list of
+    images; the pixels on the model's device (padded and joined there: on the CPU that is copies of the batch while
+    the GPU waits)."""
+    device = adapter.device
     most = max(int(part["pixel_values"].shape[1]) for part in parts)
     pad = [(0, 0, 0, 0, 0, 0, 0, most - int(part["pixel_values"].shape[1])) for part in parts]
     pixel_values = [torch.nn.functional.pad(part["pixel_values"].to(device), by)

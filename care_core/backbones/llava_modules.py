@@ -1,6 +1,7 @@
 """The parts of a transformers LLaVA-family model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision) that their adapters read:
 where the model keeps its tower, projector and language model, what the tower hands the projector, and the processor
-settings the model implies. Plain functions each of those adapters calls (composition, not a shared parent class)."""
+settings the model implies. Plain functions each of those adapters calls or assigns (composition,
+not a shared parent class)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ._hf import quiet_transformers
+from .chat_adapter import ChatAdapter
 
 #: rows of a CLIP tower's output before its patch tokens: the CLS, which strategy "default" drops
 CLIP_PATCH_START = 1
@@ -28,6 +30,26 @@ def llava_inner(model: Any) -> Any:
 def crop_tokens(vision_config: Any) -> int:
     """Patch tokens of one crop at the tower's input size: ``(image_size // patch_size) ** 2``."""
     return int((vision_config.image_size // vision_config.patch_size) ** 2)
+
+
+def llava_vision_tower(adapter: ChatAdapter) -> torch.nn.Module:
+    """The adapter's vision tower (``vision_tower`` of :func:`llava_inner`)."""
+    return llava_inner(adapter.model).vision_tower
+
+
+def llava_projector(adapter: ChatAdapter) -> torch.nn.Module:
+    """The adapter's per-token projector (``multi_modal_projector`` of :func:`llava_inner`)."""
+    return llava_inner(adapter.model).multi_modal_projector
+
+
+def llava_language_model(adapter: ChatAdapter) -> torch.nn.Module:
+    """The decoder the language-model probe hooks (``language_model`` of :func:`llava_inner`)."""
+    return llava_inner(adapter.model).language_model
+
+
+def adapter_crop_tokens(adapter: ChatAdapter) -> int:
+    """Patch tokens of one crop of the adapter's model (:func:`crop_tokens` of its vision config)."""
+    return crop_tokens(adapter.model.config.vision_config)
 
 
 def check_feature_strategy(config: Any, name: str, supported: str) -> str:
@@ -56,6 +78,15 @@ def align_clip_processor(processor: Any, model: Any) -> None:
         embeddings = getattr(getattr(tower, "vision_model", None), "embeddings", None)
     has_cls = embeddings is not None and hasattr(embeddings, "class_embedding")
     processor.num_additional_image_tokens = 1 if has_cls else 0
+
+
+def check_clip_llava(adapter: ChatAdapter, model: Any, processor: Any, name: str) -> None:
+    """What a CLIP-tower LLaVA adapter's constructor checks first (LLaVA-1.5, LLaVA-NeXT): the "default" feature
+    strategy, the processor's parts and their settings made to agree with the model, and the image token."""
+    check_feature_strategy(model.config, name, "default")
+    adapter._check_processor(processor, name)
+    align_clip_processor(processor, model)
+    adapter._set_image_token(llava_image_token_id(model.config))
 
 
 def llava_image_token_id(config: Any) -> int | None:

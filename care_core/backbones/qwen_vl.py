@@ -1,6 +1,7 @@
-"""The image side and chat format that Qwen2.5-VL and Qwen3-VL share: one image processor (``Qwen2VLImageProcessor``:
-``smart_resize`` to multiples of patch x merge pixels, no crop or pad) whose merged 2x2 patch groups are the visual
-tokens, in the raster order of the merged grid (docs/design/backbones.md §Qwen2.5-VL, §Qwen3-VL).
+"""The image side, chat format and model wiring that the Qwen families share: one image processor
+(``Qwen2VLImageProcessor``: ``smart_resize`` to multiples of patch x merge pixels, no crop or pad) whose merged 2x2
+patch groups are the visual tokens, in the raster order of the merged grid (docs/design/backbones.md §Qwen2.5-VL,
+§Qwen3-VL); the checks and ``model.model`` accessors their adapters share.
 
 Plain functions and constants a family's adapter calls or assigns (composition, not a shared parent class).
 """
@@ -13,6 +14,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .base import ImageTokens
+from .chat_adapter import ChatAdapter
 from .geometry import CropGeometry, grid_image_tokens
 from .module_attrs import model_config
 
@@ -27,6 +29,24 @@ QWEN_FALLBACK_PROMPT = (
 QWEN_MAX_ASPECT_RATIO = 200.0
 
 
+def check_qwen_parts(adapter: ChatAdapter, model: Any, processor: Any, name: str) -> None:
+    """What every Qwen adapter's constructor checks first: the processor's parts, its patch and merge sizes, and the
+    image token (ModelLoadError naming ``name``)."""
+    adapter._check_processor(processor, name)
+    check_merge_sizes(model, processor, name)
+    adapter._set_image_token(getattr(model_config(model), "image_token_id", None))
+
+
+def inner_model(adapter: ChatAdapter) -> Any:
+    """The multimodal model (``model.model``, transformers 5.x): its ``visual`` tower and ``language_model``."""
+    return adapter.model.model
+
+
+def inner_language_model(adapter: ChatAdapter) -> torch.nn.Module:
+    """The decoder the language-model probe hooks (``model.model.language_model``)."""
+    return inner_model(adapter).language_model
+
+
 def check_merge_sizes(model: Any, processor: Any, name: str) -> None:
     """ModelLoadError when the image processor's patch or merge size is not the model's (its placeholder count and the
     tower's merged grid would disagree)."""
@@ -38,8 +58,22 @@ def check_merge_sizes(model: Any, processor: Any, name: str) -> None:
             raise ModelLoadError(f"{name}: image processor {attr} {got} does not match the model's {want}")
 
 
-def collate_patches(parts: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    """Patch rows packed image after image, as the processor packs a list of images (on the model's ``device``)."""
+def merge_unit(model: torch.nn.Module) -> int:
+    """Patches per merged token: the vision config's ``spatial_merge_size`` squared."""
+    return int(model_config(model).vision_config.spatial_merge_size) ** 2
+
+
+def check_packed_patches(pixel_values: torch.Tensor, thw: torch.Tensor, images: int) -> None:
+    """ValueError unless ``thw`` has one (t, h, w) row per image and they count every row of ``pixel_values``."""
+    if thw.dim() != 2 or thw.shape[0] != images or int(thw.prod(-1).sum()) != pixel_values.shape[0]:
+        raise ValueError(f"image_grid_thw {tuple(thw.shape)} and pixel_values {tuple(pixel_values.shape)} do not "
+                         f"hold the patches of {images} images")  # fmt: skip
+
+
+def collate_patches(adapter: ChatAdapter, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Qwen adapter's ``collate``: patch rows packed image after image, as the processor packs a list of images (on
+    the model's device)."""
+    device = adapter.device
     return {"pixel_values": torch.cat([part["pixel_values"].to(device) for part in parts]),
             "image_grid_thw": torch.cat([part["image_grid_thw"] for part in parts])}  # fmt: skip
 

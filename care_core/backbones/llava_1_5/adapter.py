@@ -21,11 +21,11 @@ from ..chat_adapter import ChatAdapter
 from ..geometry import crop_geometry, grid_image_tokens
 from ..llava_modules import (
     CLIP_PATCH_START,
-    align_clip_processor,
-    check_feature_strategy,
-    crop_tokens,
-    llava_image_token_id,
-    llava_inner,
+    adapter_crop_tokens,
+    check_clip_llava,
+    llava_language_model,
+    llava_projector,
+    llava_vision_tower,
     patch_features,
 )
 from ..probes import clip_vision_probes
@@ -42,23 +42,12 @@ class LlavaAdapter(ChatAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
-        check_feature_strategy(model.config, name, "default")
-        self._check_processor(processor, name)
-        align_clip_processor(processor, model)
-        self._set_image_token(llava_image_token_id(model.config))
+        check_clip_llava(self, model, processor, name)
 
     # ------------------------------------------------------------------ modules
-    @property
-    def _vision_tower(self) -> torch.nn.Module:
-        return llava_inner(self.model).vision_tower
-
-    @property
-    def projector(self) -> torch.nn.Module:
-        return llava_inner(self.model).multi_modal_projector
-
-    @property
-    def num_image_tokens(self) -> int:
-        return crop_tokens(self.model.config.vision_config)
+    _vision_tower = property(llava_vision_tower)
+    projector = property(llava_projector)
+    num_image_tokens = property(adapter_crop_tokens)
 
     # ------------------------------------------------------------------ vision
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,9 +99,7 @@ class LlavaAdapter(ChatAdapter):
         return self._patch_features(pixel_values.flatten(0, 1))
 
     # ------------------------------------------------------------------ language model
-    @property
-    def _language_model(self) -> torch.nn.Module:
-        return llava_inner(self.model).language_model
+    _language_model = property(llava_language_model)
 
     # ------------------------------------------------------------------ probes
     def _vision_probes(self, tokens: ImageTokens, names: set[str]) -> dict[str, Any]:

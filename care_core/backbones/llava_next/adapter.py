@@ -53,11 +53,12 @@ from ..base import ImageTokens, check_kept, is_all_tokens
 from ..chat_adapter import ChatAdapter
 from ..llava_modules import (
     CLIP_PATCH_START,
-    align_clip_processor,
-    check_feature_strategy,
-    crop_tokens,
-    llava_image_token_id,
+    adapter_crop_tokens,
+    check_clip_llava,
     llava_inner,
+    llava_language_model,
+    llava_projector,
+    llava_vision_tower,
     patch_features,
 )
 from ..probes import clip_vision_capture, linear32
@@ -83,35 +84,17 @@ class LlavaNextAdapter(ChatAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
-        check_feature_strategy(model.config, name, "default")
-        self._check_processor(processor, name)
-        align_clip_processor(processor, model)
-        self._set_image_token(llava_image_token_id(model.config))
+        check_clip_llava(self, model, processor, name)
         check_anyres_model(model, name)
 
     # ------------------------------------------------------------------ modules
-    @property
-    def _vision_tower(self) -> torch.nn.Module:
-        return llava_inner(self.model).vision_tower
-
-    @property
-    def projector(self) -> torch.nn.Module:
-        return llava_inner(self.model).multi_modal_projector
-
-    @property
-    def num_image_tokens(self) -> int:
-        """Patch tokens of one crop."""
-        return crop_tokens(self.model.config.vision_config)
-
-    @property
-    def _language_model(self) -> torch.nn.Module:
-        return llava_inner(self.model).language_model
+    _vision_tower = property(llava_vision_tower)
+    projector = property(llava_projector)
+    num_image_tokens = property(adapter_crop_tokens)
+    _language_model = property(llava_language_model)
 
     # ------------------------------------------------------------------ vision
-    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Crops zero-padded to the most any image has, on the model's device
-        (:func:`~care_core.backbones.anyres.collate_crops`)."""
-        return collate_crops(parts, self.device)
+    collate = collate_crops
 
     def _anyres(self) -> AnyresCrops:
         """The anyres encoding with CLIP's patch features and the model's packing (its ``"default"`` strategy)."""

@@ -39,7 +39,16 @@ from ..anyres import AnyresCrops, anyres_fed_rows, check_anyres_model, collate_c
 from ..base import ImageTokens, check_kept, is_all_tokens
 from ..chat_adapter import ChatAdapter
 from ..geometry import anyres_max_crops, onevision_pooled_grid
-from ..llava_modules import SIGLIP_PATCH_START, check_feature_strategy, crop_tokens, llava_inner, patch_features
+from ..llava_modules import (
+    SIGLIP_PATCH_START,
+    adapter_crop_tokens,
+    check_feature_strategy,
+    llava_inner,
+    llava_language_model,
+    llava_projector,
+    llava_vision_tower,
+    patch_features,
+)
 
 LLAVA_ONEVISION_FALLBACK_PROMPT = "<|im_start|>user {image}\n{question}<|im_end|>\n<|im_start|>assistant\n"
 NO_CLS = "LLaVA-OneVision's SigLIP tower has no CLS token"
@@ -101,22 +110,10 @@ class LlavaOnevisionAdapter(ChatAdapter):
         self._set_image_token(getattr(cfg, "image_token_id", None))
 
     # ------------------------------------------------------------------ modules
-    @property
-    def _vision_tower(self) -> torch.nn.Module:
-        return llava_inner(self.model).vision_tower
-
-    @property
-    def projector(self) -> torch.nn.Module:
-        return llava_inner(self.model).multi_modal_projector
-
-    @property
-    def num_image_tokens(self) -> int:
-        """Patch tokens of one crop (729 at 384 px)."""
-        return crop_tokens(self.model.config.vision_config)
-
-    @property
-    def _language_model(self) -> torch.nn.Module:
-        return llava_inner(self.model).language_model
+    _vision_tower = property(llava_vision_tower)
+    projector = property(llava_projector)
+    num_image_tokens = property(adapter_crop_tokens)
+    _language_model = property(llava_language_model)
 
     @property
     def capabilities(self) -> frozenset[str]:
@@ -126,10 +123,7 @@ class LlavaOnevisionAdapter(ChatAdapter):
         return NO_CLS
 
     # ------------------------------------------------------------------ vision
-    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Crops zero-padded to the most any image has, on the model's device
-        (:func:`~care_core.backbones.anyres.collate_crops`)."""
-        return collate_crops(parts, self.device)
+    collate = collate_crops
 
     def _anyres(self) -> AnyresCrops:
         """The anyres encoding with SigLIP's patch features and the model's packing with pooling out of reach."""

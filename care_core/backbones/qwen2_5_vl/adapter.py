@@ -46,7 +46,7 @@ from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
 from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter
-from ..module_attrs import float_attr, int_attr, model_config, submodule, tensor_attr, typed_attr
+from ..module_attrs import float_attr, int_attr, submodule, tensor_attr, typed_attr
 from ..packed_attention import tower_attention
 from ..static_generation import StaticPrompt
 
@@ -120,21 +120,14 @@ class Qwen2_5_VLAdapter(ChatAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
-        self._check_processor(processor, name)
-        qwen_vl.check_merge_sizes(model, processor, name)
-        self._set_image_token(getattr(model_config(model), "image_token_id", None))
+        qwen_vl.check_qwen_parts(self, model, processor, name)
         self._projector = QwenMergerProjector(self._inner.visual.merger)
         #: (question, image grid thw) -> the full prompt's rope positions (CPU), :meth:`rope_positions`
         self._rope_cache: mrope.RopeCache = {}
 
     # ------------------------------------------------------------------ modules
-    @property
-    def _inner(self) -> Any:
-        return self.model.model
-
-    @property
-    def _language_model(self) -> torch.nn.Module:
-        return self._inner.language_model
+    _inner = property(qwen_vl.inner_model)
+    _language_model = property(qwen_vl.inner_language_model)
 
     @property
     def projector(self) -> torch.nn.Module:
@@ -148,21 +141,17 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         return f"{self.display} has no CLS token"
 
     # ------------------------------------------------------------------ vision
-    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Patch rows packed image after image, as the processor packs a list of images (on the model's device)."""
-        return qwen_vl.collate_patches(parts, self.device)
+    collate = qwen_vl.collate_patches
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
         """Merged-token pre-projector features (N, 4 d_v) per image and their geometry: the packed patches of all
         images through the tower once, as the model packs them (attention stays within each image)."""
         pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
-        if thw.dim() != 2 or thw.shape[0] != len(sizes) or int(thw.prod(-1).sum()) != pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw {tuple(thw.shape)} and pixel_values {tuple(pixel_values.shape)} do not "
-                             f"hold the patches of {len(sizes)} images")  # fmt: skip
+        qwen_vl.check_packed_patches(pixel_values, thw, len(sizes))
         with torch.no_grad():
             features = self._merged_features(pixel_values, thw)  # (sum N, unit * d_v)
         vc = self.model.config.vision_config
-        unit = vc.spatial_merge_size**2
+        unit = qwen_vl.merge_unit(self.model)
         patches = [int(n) for n in thw.prod(-1).tolist()]
         per_image = features.split([n // unit for n in patches])
         pixels = pixel_values.split(patches)
@@ -184,7 +173,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
             window, _ = get_vision_window_index(
                 grid_thw, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size
             )
-        unit = vc.spatial_merge_size**2
+        unit = qwen_vl.merge_unit(self.model)
         hidden = out.last_hidden_state
         groups = hidden.view(-1, unit, hidden.shape[-1])[torch.argsort(window.to(hidden.device))]
         return groups.reshape(groups.shape[0], -1)

@@ -29,7 +29,6 @@ from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
 from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter
-from ..module_attrs import model_config
 from ..probes import VISION_PROBES
 from ..qwen3_vl.adapter import Qwen3VLMergerProjector
 
@@ -48,21 +47,14 @@ class Qwen3_5Adapter(ChatAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
-        self._check_processor(processor, name)
-        qwen_vl.check_merge_sizes(model, processor, name)
-        self._set_image_token(getattr(model_config(model), "image_token_id", None))
+        qwen_vl.check_qwen_parts(self, model, processor, name)
         self._projector = Qwen3VLMergerProjector(self._inner.visual.merger)
         #: (question, image grid thw) -> the full prompt's rope positions (CPU), :meth:`rope_positions`
         self._rope_cache: mrope.RopeCache = {}
 
     # ------------------------------------------------------------------ modules
-    @property
-    def _inner(self) -> Any:
-        return self.model.model
-
-    @property
-    def _language_model(self) -> torch.nn.Module:
-        return self._inner.language_model
+    _inner = property(qwen_vl.inner_model)
+    _language_model = property(qwen_vl.inner_language_model)
 
     @property
     def projector(self) -> torch.nn.Module:
@@ -78,9 +70,7 @@ class Qwen3_5Adapter(ChatAdapter):
         return f"{self.display}'s first decoder layers are Gated DeltaNet linear attention, with no attention map"
 
     # ------------------------------------------------------------------ vision
-    def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Patch rows packed image after image, as the processor packs a list of images (on the model's device)."""
-        return qwen_vl.collate_patches(parts, self.device)
+    collate = qwen_vl.collate_patches
 
     def _tower(self, pixel_values: torch.Tensor, thw: torch.Tensor) -> torch.Tensor:
         """(sum N, unit * d_v) merged-token features of the packed patches (the tower's last hidden state, already in
@@ -90,7 +80,7 @@ class Qwen3_5Adapter(ChatAdapter):
         vparam = next(visual.parameters())
         with quiet_transformers():
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=thw.to(vparam.device))
-        unit = int(self.model.config.vision_config.spatial_merge_size) ** 2
+        unit = qwen_vl.merge_unit(self.model)
         hidden = out.last_hidden_state  # processor order: each 2x2 group is 4 consecutive rows
         return hidden.reshape(-1, unit * hidden.shape[-1])
 
@@ -98,12 +88,10 @@ class Qwen3_5Adapter(ChatAdapter):
         """Merged-token pre-projector features (N, 4 d_v) per image with their geometry: the packed patches of all
         images through the tower once (attention stays within each image)."""
         pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
-        if thw.dim() != 2 or thw.shape[0] != len(sizes) or int(thw.prod(-1).sum()) != pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw {tuple(thw.shape)} and pixel_values {tuple(pixel_values.shape)} do not "
-                             f"hold the patches of {len(sizes)} images")  # fmt: skip
+        qwen_vl.check_packed_patches(pixel_values, thw, len(sizes))
         with torch.no_grad():
             features = self._tower(pixel_values, thw)
-        unit = int(self.model.config.vision_config.spatial_merge_size) ** 2
+        unit = qwen_vl.merge_unit(self.model)
         counts = [int(n) // unit for n in thw.prod(-1).tolist()]
         per_image, pixels = features.split(counts), pixel_values.split([n * unit for n in counts])
         vc = self.model.config.vision_config
