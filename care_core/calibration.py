@@ -12,13 +12,24 @@ from care_core.anchors import cosine_similarity_matrix, unit_rows
 
 @dataclass(frozen=True)
 class Calibration:
-    """Calibrated anchors and what fed them."""
+    """Calibrated anchors and what fed them. R+ is kept as a mask over R: its size depends on the data, so listing it
+    waits for the device, which :attr:`signals` does only when asked (never before the tokens are used)."""
 
     tokens: torch.Tensor  # (K, d_v) v_hat, row k belongs to anchors[k]
     residuals: torch.Tensor  # (|R|,) long, residual tokens R, ascending
     confidence: torch.Tensor  # (|R|,) c_r of Eq. 6 (1 for every r when ungated)
-    signals: torch.Tensor  # (|R+|,) long, accepted signals R+, ascending
-    signal_targets: torch.Tensor  # (|R+|,) long, the anchor each signal feeds most (argmax_j q_rj)
+    accepted: torch.Tensor  # (|R|,) bool, r in R+ (Eq. 6)
+    nearest: torch.Tensor  # (|R|,) long, the anchor each residual feeds most (argmax_j q_rj, Eq. 7)
+
+    @property
+    def signals(self) -> torch.Tensor:
+        """(|R+|,) long, the accepted signals R+, ascending (a wait for the device)."""
+        return self.residuals[self.accepted]
+
+    @property
+    def signal_targets(self) -> torch.Tensor:
+        """(|R+|,) long, the anchor each signal feeds most (a wait for the device)."""
+        return self.nearest[self.accepted]
 
 
 def spatial_affinity(p_res: torch.Tensor, p_anc: torch.Tensor, sigma_p: float) -> torch.Tensor:
@@ -84,7 +95,7 @@ def calibrate(
     v_anc = features[anchors]
     if residuals.numel() == 0:
         empty = torch.empty(0, dtype=torch.long, device=device)
-        return Calibration(v_anc.clone(), empty, features.new_empty(0), empty, empty)
+        return Calibration(v_anc.clone(), empty, features.new_empty(0), empty.bool(), empty)
 
     v_res = features[residuals]
     cos_ra = cosine_similarity_matrix(v_res, v_anc, eps)  # (|R|, K)
@@ -101,10 +112,8 @@ def calibrate(
     signal = (mass.T @ v_res) / (mass.sum(dim=0)[:, None] + eps)  # g_j (Eq. 8)
     shifted = v_anc + alpha * signal
     tokens = v_anc.norm(dim=1, keepdim=True) / (shifted.norm(dim=1, keepdim=True) + eps) * shifted  # Eq. 9
-    accepted_at = torch.nonzero(accepted).flatten()  # the one host synchronisation (R+ has a data-dependent size)
-    signals = residuals[accepted_at]
-    targets = anchors[assignment.argmax(dim=1)[accepted_at]]
-    return Calibration(tokens, residuals, confidence, signals, targets)
+    # R+ stays a mask: listing it (a data-dependent size) would wait for the device before the tokens could be used
+    return Calibration(tokens, residuals, confidence, accepted, anchors[assignment.argmax(dim=1)])
 
 
 def _padded(rows: list[torch.Tensor], length: int, fill: float = 0.0) -> torch.Tensor:
@@ -215,12 +224,6 @@ def calibrate_batch(
 
 def _split(tokens: torch.Tensor, residual_index: torch.Tensor, confidence: torch.Tensor, accepted: torch.Tensor,
            targets: torch.Tensor, sizes: list[int], ks: list[int]) -> list[Calibration]:  # fmt: skip
-    """Each image's Calibration from the padded batch; R+ of all images from one host synchronisation."""
-    where = torch.nonzero(accepted)  # (accepted in all images, 2): (image, slot), row-major, so slots ascend
-    per_image = where[:, 1].split(torch.bincount(where[:, 0], minlength=len(sizes)).tolist())
-    out = []
-    for i, (n, k) in enumerate(zip(sizes, ks, strict=True)):
-        r, chosen = n - k, per_image[i]
-        residuals = residual_index[i, :r]
-        out.append(Calibration(tokens[i, :k], residuals, confidence[i, :r], residuals[chosen], targets[i, :r][chosen]))
-    return out
+    """Each image's Calibration from the padded batch (no wait for the device: R+ stays a mask)."""
+    return [Calibration(tokens[i, :k], residual_index[i, : n - k], confidence[i, : n - k], accepted[i, : n - k],
+                        targets[i, : n - k]) for i, (n, k) in enumerate(zip(sizes, ks, strict=True))]  # fmt: skip

@@ -37,15 +37,32 @@ class Reduction:
     indices: torch.Tensor  # (K,) long, anchors S in ascending original index (raster order)
     anchor_order: torch.Tensor  # (K,) long, anchors in the order Eq. 3 selected them
     tokens: torch.Tensor  # (K, d_v) calibrated tokens v_hat (Eq. 9); row k belongs to indices[k]
-    signals: torch.Tensor  # (|R+|,) long, accepted calibration signals R+ (Eq. 6), ascending
     psi_bar: torch.Tensor  # (N,) normalised robust influence scores
-    residuals: torch.Tensor  # (N - K,) long, residual tokens R, ascending
-    confidence: torch.Tensor  # (N - K,) gate confidence c_r of each residual token
-    signal_targets: torch.Tensor  # (|R+|,) long, the anchor each signal mostly feeds
+    calibration: Calibration  # R, c_r, R+ (a mask over R) and the anchor each residual feeds most (Eq. 4–9)
 
     @property
     def num_kept(self) -> int:
         return int(self.indices.shape[0])
+
+    @property
+    def residuals(self) -> torch.Tensor:
+        """(N - K,) long, residual tokens R, ascending."""
+        return self.calibration.residuals
+
+    @property
+    def confidence(self) -> torch.Tensor:
+        """(N - K,) gate confidence c_r of each residual token."""
+        return self.calibration.confidence
+
+    @property
+    def signals(self) -> torch.Tensor:
+        """(|R+|,) long, accepted calibration signals R+ (Eq. 6), ascending (a wait for the device)."""
+        return self.calibration.signals
+
+    @property
+    def signal_targets(self) -> torch.Tensor:
+        """(|R+|,) long, the anchor each signal mostly feeds (a wait for the device)."""
+        return self.calibration.signal_targets
 
 
 def check_inputs(features: torch.Tensor, positions: torch.Tensor, *, finite: bool = True) -> None:
@@ -239,6 +256,5 @@ def care_reduce(
             indices = order.sort().values
         with timer("calibration"):
             cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)
-    return Reduction(indices=indices, anchor_order=order, tokens=cal.tokens.to(features.dtype), signals=cal.signals,
-                     psi_bar=psi_bar, residuals=cal.residuals, confidence=cal.confidence,
-                     signal_targets=cal.signal_targets)  # fmt: skip
+    return Reduction(indices=indices, anchor_order=order, tokens=cal.tokens.to(features.dtype), psi_bar=psi_bar,
+                     calibration=cal)  # fmt: skip

@@ -218,6 +218,5 @@ def care_reduce_batch(
         out = []
         for psi_bar, order, indices, cal, given in zip(psi_bars, orders, anchors, calibrations, features, strict=True):
             out.append(Reduction(indices=indices, anchor_order=order, tokens=cal.tokens.to(given.dtype),
-                                 signals=cal.signals, psi_bar=psi_bar, residuals=cal.residuals,
-                                 confidence=cal.confidence, signal_targets=cal.signal_targets))  # fmt: skip
+                                 psi_bar=psi_bar, calibration=cal))  # fmt: skip
     return out

@@ -125,8 +125,14 @@ class MethodResult:
     token_index: torch.Tensor  # (K_out,) long: patch index of each output row; -1 for rows tied to no patch
     scores: torch.Tensor | None = None  # (N,) the method's per-token scores, where it has them
     assignment: torch.Tensor | None = None  # (N,) long: output row each input token went to, -1 = dropped
-    signals: torch.Tensor | None = None  # (|R+|,) calibration methods: accepted signals, ascending
+    signal_mask: torch.Tensor | None = None  # (N,) bool, calibration methods: the accepted signals R+
     info: dict[str, Any] = field(default_factory=dict)  # method-specific extras (selection order, …)
+
+    @property
+    def signals(self) -> torch.Tensor | None:
+        """(|R+|,) long, calibration methods: the accepted signals, ascending (a wait for the device: R+ is kept as a
+        mask so that the method's tokens are used before anyone lists it)."""
+        return None if self.signal_mask is None else torch.nonzero(self.signal_mask).flatten()
 
     @property
     def indices(self) -> torch.Tensor:

@@ -43,17 +43,21 @@ PAPER = "CaRe: Calibrate Before Reason, Sec. 3 (ablations: Table S5)"
 def reduction_result(reduction: Reduction) -> MethodResult:
     """A CaRe reduction in the method contract: rows = anchors (ascending), scores = psi_bar, each signal assigned to
     the anchor it mostly feeds (argmax_j q_rj, Eq. 7), residuals and c_r (Eq. 6) in `info`."""
-    anchors = reduction.indices
+    anchors, cal = reduction.indices, reduction.calibration
     n = reduction.psi_bar.shape[0]
     assignment = torch.full((n,), -1, dtype=torch.long, device=anchors.device)
     assignment[anchors] = torch.arange(anchors.numel(), device=anchors.device)
-    assignment[reduction.signals] = torch.searchsorted(anchors, reduction.signal_targets)
+    # R+ as masks (no wait for the device): a residual outside R+ stays -1
+    fed_row = torch.where(cal.accepted, torch.searchsorted(anchors, cal.nearest), -1)
+    assignment[cal.residuals] = fed_row
+    signal_mask = torch.zeros(n, dtype=torch.bool, device=anchors.device)
+    signal_mask[cal.residuals] = cal.accepted
     return MethodResult(
         tokens=reduction.tokens,
         token_index=anchors,
         scores=reduction.psi_bar,
         assignment=assignment,
-        signals=reduction.signals,
+        signal_mask=signal_mask,
         info={
             "selection_order": reduction.anchor_order,
             "residuals": reduction.residuals,
@@ -173,11 +177,8 @@ class _CaReFamily(Method):
             indices=anchors,
             anchor_order=order,
             tokens=cal.tokens.to(inputs.features.dtype),
-            signals=cal.signals,
             psi_bar=weights,
-            residuals=cal.residuals,
-            confidence=cal.confidence,
-            signal_targets=cal.signal_targets,
+            calibration=cal,
         )
         return reduction_result(reduction)
 
@@ -230,8 +231,7 @@ class _CaReFamily(Method):
         calibrations = calibrate_batch_with(self.config, vs, positions, anchors, weights,
                                             gated=self.calibration == "gated")  # fmt: skip
         return [reduction_result(Reduction(indices=a, anchor_order=order, tokens=cal.tokens.to(one.features.dtype),
-                                           signals=cal.signals, psi_bar=w, residuals=cal.residuals,
-                                           confidence=cal.confidence, signal_targets=cal.signal_targets))
+                                           psi_bar=w, calibration=cal))
                 for one, order, a, w, cal in zip(inputs, orders, anchors, weights, calibrations,
                                                  strict=True)]  # fmt: skip
 
