@@ -61,7 +61,9 @@ def images() -> list[Image.Image]:
 def batch(adapter: Any) -> dict[str, Any]:
     prompts = [adapter.prompt(q) for q in QUESTIONS]
     with quiet_transformers():
-        inputs = adapter.processor(images=images(), text=prompts, return_tensors="pt", padding=True, padding_side="left")
+        inputs = adapter.processor(
+            images=images(), text=prompts, return_tensors="pt", padding=True, padding_side="left"
+        )
     return inputs.to(adapter.device)  # where the model is (a GPU machine's default device)
 
 
