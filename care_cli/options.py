@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from care_cli.errors import UserError
-from care_core.backbones.families import DEFAULT_DEMO, demo_backbones
+from care_core.backbones.families import DEFAULT_DEMO, shipped_demos
 from care_core.batch_sizes import CPU_BATCH_SIZE, MAX_BATCH_SIZE
 from care_core.config import CaReConfig
 
@@ -42,7 +42,7 @@ Model = Annotated[
     str | None,
     typer.Option(
         "--model",
-        help=f"A demo name ({', '.join(demo_backbones())}), a local model folder, or a Hugging Face repo id in the "
+        help=f"A demo name ({', '.join(shipped_demos())}), a local model folder, or a Hugging Face repo id in the "
         f"local cache (offline). Default: the embedded {DEFAULT_DEMO} demo (a tiny model, not a real VLM; its "
         "caption says how it was made).",
         rich_help_panel=_BACKBONE,

@@ -11,8 +11,9 @@ without a download.
 ``demo_weights/manifest.json``; trained by ``scripts/train_demo`` on the synthetic shapes world of
 :mod:`care_core.synthetic`): it answers one-word questions about coloured shapes; so does ``tiny-llava-next``, whose
 file is installed too. ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``, ``tiny-internvl3`` and ``tiny-llava-onevision`` load
-their trained weights (wider skeletons, :data:`~care_core.backbones.tiny_parts.TRAINED_SIZES`) once the files are
-installed in the manifest, and are random until then. The ``-random`` demos have seeded random weights and
+their trained weights (wider skeletons, :data:`~care_core.backbones.tiny_parts.TRAINED_SIZES`) from the files the
+manifest lists; ``tiny-qwen3.5`` and ``tiny-gemma3`` are not trained yet, so they are left out of the lists and
+refused on load until their files are installed. The ``-random`` demos have seeded random weights and
 meaningless answers. Every demo folder holds a marker (``care_demo.json``) with the weight file's sha256, checked on
 each load: a damaged cached copy is restored.
 """
@@ -33,7 +34,7 @@ from typing import Any
 from ..errors import ModelLoadError
 from ._hf import quiet_transformers
 from .families import MANIFEST as MANIFEST  # re-exported: the registry defines where the weights ship
-from .families import RANDOM_DEMO_NOTE, TRAINED_DEMO_NOTE, DemoBackbone, demo_backbones
+from .families import RANDOM_DEMO_NOTE, TRAINED_DEMO_NOTE, DemoBackbone, demo_backbones, unshipped_reason
 from .families import WEIGHTS_DIR as WEIGHTS_DIR
 from .families import read_manifest as read_manifest
 from .families import weights_dir as weights_dir
@@ -151,9 +152,12 @@ def install_demo(name: str, home: Path) -> DemoInstall:
     a random one is built from its seed. The marker records the weight file's sha256, checked on every call:
     a truncated, edited or missing weight file is rebuilt (restored) and reported in ``notices``. The build
     goes to a temporary sibling folder renamed into place with ``os.replace``, so a concurrent process sees
-    no folder, or a complete one.
+    no folder, or a complete one. A demo whose optional trained weights are not shipped yet is refused
+    (ModelLoadError, one line).
     """
     spec = demo_backbones()[name]
+    if not spec.shipped:
+        raise ModelLoadError(unshipped_reason(spec))
     root = Path(home) / "demo"
     target = root / spec.folder_name
     notices: list[str] = []

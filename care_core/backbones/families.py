@@ -69,7 +69,8 @@ class DemoBackbone:
 
     A demo with ``weights`` loads that file of ``demo_weights/`` into its builder's skeleton. With a
     ``trained_builder`` too, the weights are optional: until the file is in the manifest (installed by
-    ``python -m scripts.train_demo --install-from``) the demo is ``builder``'s random one, and once it is, the trained
+    ``python -m scripts.train_demo --install-from``) the demo is not :attr:`shipped` (left out of the user's lists,
+    refused on load with one line; :meth:`build` gives ``builder``'s random model), and once it is, the trained
     skeleton with the shipped weights (another cache folder, see :attr:`folder_name`)."""
 
     name: str
@@ -105,6 +106,12 @@ class DemoBackbone:
         if self.weights is None:
             return False
         return self.trained_builder is None or self.weights in read_manifest()
+
+    @property
+    def shipped(self) -> bool:
+        """False for a demo with optional weights that this care does not list in its manifest (not trained yet):
+        it is left out of the lists a user sees and refused on load (:func:`unshipped_reason`)."""
+        return self.trained_builder is None or self.trained
 
     @property
     def note(self) -> str:
@@ -288,6 +295,22 @@ def model_types() -> list[str]:
 def demo_backbones() -> dict[str, DemoBackbone]:
     """Demo name -> demo, over every family."""
     return {demo.name: demo for family in families() for demo in family.demos}
+
+
+def shipped_demos() -> list[str]:
+    """The demo names a user is offered (``--model`` help, error messages): every demo but those whose optional
+    trained weights this care does not ship yet (:attr:`DemoBackbone.shipped`)."""
+    return [name for name, demo in demo_backbones().items() if demo.shipped]
+
+
+def unshipped_reason(demo: DemoBackbone) -> str:
+    """One line on a demo that is not :attr:`DemoBackbone.shipped`: what is missing and what to load instead (the
+    family's random demo)."""
+    family = backbone_family(demo.family)
+    instead = [d.name for d in family.demos if d.weights is None]
+    hint = f"; load {instead[0]} (random weights) instead" if instead else ""
+    return (f"{demo.name}: its trained weights ({demo.weights}) are not shipped with this care yet (not in "
+            f"{weights_dir() / MANIFEST}){hint}")  # fmt: skip
 
 
 def served_families(lmms_eval_model: str) -> tuple[str, ...]:

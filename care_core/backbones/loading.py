@@ -19,7 +19,7 @@ from ..errors import ModelLoadError, one_line
 from ..home import care_home
 from .base import VLMAdapter
 from .demo import install_demo, marker_note, read_marker, weights_problem
-from .families import DEFAULT_DEMO, backbone_family, demo_backbones, import_path, model_types
+from .families import DEFAULT_DEMO, backbone_family, demo_backbones, import_path, model_types, shipped_demos
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DTYPES = {
@@ -94,7 +94,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def _accepted_forms() -> str:
-    demos = ", ".join(sorted(demo_backbones()))
+    demos = ", ".join(sorted(shipped_demos()))
     return (
         f"expected a demo name ({demos}), a local model folder, "
         "or a Hugging Face repo id like org/name that is in the local cache"
@@ -237,7 +237,7 @@ def load_backbone(
         message = f"{model} does not exist; {_accepted_forms()}"
     else:
         message = f"cannot find model {model!r}: no demo, folder or repo id by that name; {_accepted_forms()}"
-    close = difflib.get_close_matches(model.lower(), list(demos), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(model.lower(), shipped_demos(), n=1, cutoff=0.6)
     if close:
         message += f' (did you mean "{close[0]}"?)'
     raise ModelLoadError(message)

@@ -36,7 +36,8 @@ and runs on one thread: a process forked after OpenMP ran on several threads han
 after another from the same drawing. Runs of one seed differ on a GPU and not on the CPU.
 
 Memory and cost: the pool takes about 8 GB for ``tiny-llava``, 28-34 GB for NeXT, OneVision and the Qwen families and
-about 82 GB for InternVL3 (which needs ``--pool-device cpu``); ``python -m scripts.train_demo.bench_step`` measures
+about 82 GB for InternVL3 (which needs ``--pool-device cpu``) and about 58 GB for Gemma 3's 896 px views;
+``python -m scripts.train_demo.bench_step`` measures
 seconds per step. ``--vision-attention packed`` runs Qwen2.5-VL's windowed attention as one call per segment length.
 
 The shipped runs, their commands, times and second runs, and why the recipe is what it is (the measured variants

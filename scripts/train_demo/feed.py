@@ -4,11 +4,13 @@ visual rows the language model receives (``adapter.fed_rows``: LLaVA-NeXT's and 
 multimodal rope the rows' positions (``adapter.row_positions``) and, for Qwen3-VL, each row's deepstack rows
 (``adapter.fed_deepstack``, handed to the model as its inference does, ``adapter.deepstack_outputs``); the prompt's
 ids and positions are the adapter's own inference inputs (``_lm_inputs``) for a reference image of one token geometry
-(one feed per bucket of the pool, :mod:`.buckets`).
+(one feed per bucket of the pool, :mod:`.buckets`). Gemma 3 also marks the visual rows with ``token_type_ids``, from
+which its model makes them one bidirectional attention block (:meth:`Feed.token_types`).
 
 A batch is a right-padded sequence ``prompt head | R visual rows | question tail + answer`` per sample; every sample
 of a step shares the head, the image geometry (its bucket's) and K, so the rows sit at the same place in every row of
-the batch.
+the batch. Right padding is safe for every family, Qwen3.5's Gated DeltaNet layers included: each layer is causal,
+so no answer position reads a pad (the model zeroes padded rows before its linear layers, all after the answers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Layout:
     head_positions: torch.Tensor | None = None  # (3, h)
     image_positions: torch.Tensor | None = None  # (3, N)
     tail_positions: torch.Tensor | None = None  # (3, t)
+    marks_image: bool = False  # the adapter's inputs carry token_type_ids (1 on the visual rows)
 
 
 class Feed:
@@ -62,16 +65,31 @@ class Feed:
         first = next(iter(self._layouts.values()), None)
         if first is not None and first.head != ids[:start]:  # a batch shares the head: the rows sit at one place
             raise RuntimeError(f"the prompt before the image differs between questions ({question!r})")
-        layout = Layout(ids[:start], ids[end:])
+        marks = "token_type_ids" in inputs
+        layout = Layout(ids[:start], ids[end:], marks_image=marks)
         if "position_ids" in inputs:
             mrope = inputs["position_ids"][1:, 0].cpu()  # (3, L): row 0 is the text row
-            layout = Layout(ids[:start], ids[end:], mrope[:, :start], mrope[:, start:end], mrope[:, end:])
+            layout = Layout(ids[:start], ids[end:], mrope[:, :start], mrope[:, start:end], mrope[:, end:], marks)
         self._layouts[question] = layout
         return layout
 
     def answer(self, answer: str) -> list[int]:
         """The answer's ids as the model says it after the prompt: `` answer`` and the end token."""
         return [*self.adapter.tokenizer(" " + answer, add_special_tokens=False)["input_ids"], self.eos]
+
+    @property
+    def marks_image(self) -> bool:
+        """True when the adapter marks its image rows with ``token_type_ids`` (Gemma 3: the model makes them one
+        bidirectional attention block)."""
+        layout = self.layout("What is this?")
+        return layout.marks_image
+
+    def token_types(self, batch: int, head: int, count: int, length: int, device: torch.device) -> torch.Tensor:
+        """(B, L) ``token_type_ids`` as the adapter gives them: 1 on the ``count`` visual rows after the ``head``
+        ids, 0 on the text and padding (the rows sit at the same place in every row of the batch)."""
+        types = torch.zeros(batch, length, dtype=torch.long, device=device)
+        types[:, head : head + count] = 1
+        return types
 
     @property
     def deepstack(self) -> bool:

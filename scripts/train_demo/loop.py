@@ -200,6 +200,8 @@ def model_inputs(parts: Parts, data: Data, b: Batch) -> tuple[dict[str, Any], in
     length = prefix + b.text.shape[1]
     attn = (torch.arange(length, device=device)[None, :] < (prefix + b.lengths)[:, None]).long()
     inputs: dict[str, Any] = {"attention_mask": attn}
+    if feed.marks_image:  # Gemma 3: the rows are one bidirectional block, as the adapter marks them at inference
+        inputs["token_type_ids"] = feed.token_types(batch, head.shape[1], rows.shape[1], length, device)
     if deepstack is None:  # the rows as input embeddings between the head's and the text's
         inputs["inputs_embeds"] = torch.cat([embed(head), rows.to(embed.weight.dtype), embed(b.text)], dim=1)
     else:  # placeholders and encoder outputs, as inference feeds them: the model adds the deepstack rows

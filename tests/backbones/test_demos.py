@@ -51,22 +51,27 @@ def test_every_demo_is_registered_once_and_named_in_the_model_help() -> None:
         "tiny-qwen2.5-vl-random",
         "tiny-qwen3-vl",
         "tiny-qwen3-vl-random",
+        "tiny-qwen3.5",
         "tiny-qwen3.5-random",
         "tiny-internvl3",
         "tiny-internvl3-random",
         "tiny-llava-onevision",
         "tiny-llava-onevision-random",
+        "tiny-gemma3",
         "tiny-gemma3-random",
     ]
     assert list(DEMO_BACKBONES) == demos and DEFAULT_DEMO == "tiny-llava"
-    family_of = {**FAMILIES, "tiny-llava-onevision": "llava-onevision", "tiny-gemma3-random": "gemma3"}
+    family_of = {**FAMILIES, "tiny-llava-onevision": "llava-onevision", "tiny-qwen3.5": "qwen3.5",
+                 "tiny-gemma3": "gemma3"}  # fmt: skip
     family_of.update({f"{name}-random": family for name, family in family_of.items()})
-    family_of["tiny-qwen3.5-random"] = "qwen3.5"  # a random demo only (no trained one yet)
     for name in demos:
         assert DEMO_BACKBONES[name].family == family_of[name]
         assert DEMO_BACKBONES[name] in backbone_family(family_of[name]).demos
     help_text = Model.__metadata__[0].help
-    assert all(name in help_text for name in demos)
+    listed = help_text[help_text.index("(") + 1 : help_text.index(")")]  # "A demo name (a, b, ...)"
+    untrained = {name for name in demos if not DEMO_BACKBONES[name].shipped}
+    assert untrained <= {"tiny-qwen3.5", "tiny-gemma3"}  # the trained demos whose weights are not shipped yet
+    assert all((name in listed.replace(",", " ").split()) == (name not in untrained) for name in demos)
 
 
 @pytest.fixture
@@ -352,7 +357,7 @@ def test_shipped_tiny_llava_has_the_llava_geometry(demo: Any) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in TRAINED_DEMOS if DEMO_BACKBONES[n].trained_builder])
-def test_a_demo_stays_random_until_its_weights_are_installed(
+def test_a_demo_is_refused_until_its_weights_are_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights_folder: Path, name: str
 ) -> None:
     spec = DEMO_BACKBONES[name]
@@ -360,8 +365,16 @@ def test_a_demo_stays_random_until_its_weights_are_installed(
     assert not spec.trained and spec.note == RANDOM_DEMO_NOTE and spec.folder_name == f"{name}-v{spec.version}"
     model, _ = spec.build(0)
     assert model.config.text_config.hidden_size == 64  # the random demo's sizes
+    # not offered and refused on load (one line naming the file and the random demo to use), nothing built
+    assert not spec.shipped and name not in families.shipped_demos() and f"{name}-random" in families.shipped_demos()
+    with pytest.raises(ModelLoadError) as refused:
+        load_backbone(name, home=tmp_path / "home")
+    message = str(refused.value)
+    assert "\n" not in message and spec.weights in message and "not shipped" in message and f"{name}-random" in message
+    assert not (tmp_path / "home" / "demo").exists()
     monkeypatch.setattr(families, "WEIGHTS_DIR", weights_folder)
     assert spec.trained and spec.note == TRAINED_DEMO_NOTE and spec.folder_name == f"{name}-v{spec.version}-trained"
+    assert spec.shipped and name in families.shipped_demos()
     random = DEMO_BACKBONES[f"{name}-random"]
     assert not random.trained and random.family == spec.family
 

@@ -49,24 +49,31 @@ TRAINED = [
     "tiny-qwen3-vl",
     "tiny-llava-onevision",
     "tiny-internvl3",
+    "tiny-qwen3.5",
+    "tiny-gemma3",
 ]
 #: per demo, its token count N at each of the world's image sizes, by the processors' rules: tiny-llava crops every
 #: size to one 336 px view (24 x 24 patches); Qwen2.5-VL rounds each side to a multiple of 28 px (14 px patches
-#: merged 2 x 2), Qwen3-VL to 32 px (16 px patches; 336 / 32 = 10.5 rounds to 10); InternVL3 cuts the 448 px tiles
-#: of the closest aspect ratio, plus a thumbnail when there are several, 256 tokens each
+#: merged 2 x 2), Qwen3-VL and Qwen3.5 to 32 px (16 px patches; 336 / 32 = 10.5 rounds to 10); InternVL3 cuts the
+#: 448 px tiles of the closest aspect ratio, plus a thumbnail when there are several, 256 tokens each; Gemma 3 squashes
+#: every size to one 896 px view pooled to 16 x 16
 TOKENS_AT = {
     "tiny-llava": dict.fromkeys(IMAGE_SIZES, 576),
     "tiny-qwen2.5-vl": {(336, 336): 12 * 12, (448, 448): 16 * 16, (672, 672): 24 * 24, (336, 504): 12 * 18,
                         (504, 336): 18 * 12, (384, 512): 14 * 18, (480, 360): 17 * 13, (336, 672): 12 * 24},
     "tiny-qwen3-vl": {(336, 336): 10 * 10, (448, 448): 14 * 14, (672, 672): 21 * 21, (336, 504): 10 * 16,
                       (504, 336): 16 * 10, (384, 512): 12 * 16, (480, 360): 15 * 11, (336, 672): 10 * 21},
+    "tiny-qwen3.5": {(336, 336): 10 * 10, (448, 448): 14 * 14, (672, 672): 21 * 21, (336, 504): 10 * 16,
+                     (504, 336): 16 * 10, (384, 512): 12 * 16, (480, 360): 15 * 11, (336, 672): 10 * 21},
+    "tiny-gemma3": dict.fromkeys(IMAGE_SIZES, 256),
     "tiny-internvl3": {(336, 336): 256, (448, 448): 256, (672, 672): (4 + 1) * 256, (336, 504): (6 + 1) * 256,
                        (504, 336): (6 + 1) * 256, (384, 512): (12 + 1) * 256, (480, 360): (12 + 1) * 256,
                        (336, 672): (2 + 1) * 256},
 }  # fmt: skip
 #: per demo, the sizes that share a bucket (one geometry: same token layout, same processor output); the others have
 #: one bucket per size
-SHARED = {"tiny-llava": [list(dict.fromkeys(IMAGE_SIZES))], "tiny-internvl3": [[(336, 336), (448, 448)]]}
+SHARED = {"tiny-llava": [list(dict.fromkeys(IMAGE_SIZES))], "tiny-internvl3": [[(336, 336), (448, 448)]],
+          "tiny-gemma3": [list(dict.fromkeys(IMAGE_SIZES))]}  # fmt: skip
 #: the sizes of the training split's scenes 0 and 1 (the tests' pool)
 SCENE_SIZES = ((336, 672), (448, 448))
 
@@ -340,6 +347,78 @@ def test_training_feeds_what_the_adapter_feeds_at_inference(prepared: Any, scene
         assert torch.equal(ours["position_ids"][:, 0, :length], theirs["position_ids"][:, 0])
     else:
         assert "position_ids" not in ours
+    if "token_type_ids" in theirs:  # Gemma 3: the rows marked as one bidirectional block, the text and answer not
+        assert torch.equal(ours["token_type_ids"][0, :length], theirs["token_type_ids"][0])
+        assert not ours["token_type_ids"][0, length:].any()
+    else:
+        assert "token_type_ids" not in ours
+
+
+def _batch(parts: Any, data: Any, questions: list[int]) -> Batch:
+    """A batch of ``questions`` (of one bucket) with all tokens, right-padded as :func:`draw_batch` pads it."""
+    bucket = data.bucket_of[questions[0]]
+    feed = parts.buckets[bucket].feed
+    seqs = [feed.layout(data.qas[q][1]).tail + data.answers[data.qas[q][2]] for q in questions]
+    width = max(len(ids) for ids in seqs)
+    text = torch.full((len(questions), width), parts.pad, dtype=torch.long)
+    target = torch.zeros(len(questions), width, dtype=torch.bool)
+    for row, (q, ids) in enumerate(zip(questions, seqs, strict=True)):
+        text[row, : len(ids)] = torch.tensor(ids)
+        target[row, len(ids) - len(data.answers[data.qas[q][2]]) : len(ids)] = True
+    no = torch.zeros(len(questions), dtype=torch.bool)
+    return Batch(torch.tensor(questions), no, no, feed.n, None, False, [data.qas[q][1] for q in questions], text,
+                 target, torch.tensor([len(ids) for ids in seqs]), bucket)  # fmt: skip
+
+
+def _own_answer_logits(adapter: Any, tokens: Any, question: str, answer: list[int]) -> torch.Tensor:
+    """(A, V) logits that predict ``answer``'s A ids from the model's own forward on the adapter's inference prompt
+    (all tokens) followed by the answer, alone: no padding; positions after the prompt one more per token."""
+    with torch.no_grad():
+        inputs = adapter._lm_inputs(question, tokens, adapter.projector(tokens.features), None)
+        length, count = int(inputs["input_ids"].shape[1]), len(answer)
+        for key, value in list(inputs.items()):
+            if torch.is_tensor(value) and value.shape[-1] == length and key != "position_ids":
+                fill = (
+                    torch.tensor([answer])
+                    if key == "input_ids"
+                    else torch.full((1, count), int(key == "attention_mask"))
+                )
+                inputs[key] = torch.cat([value, fill.to(value)], dim=-1)
+        if "position_ids" in inputs:  # (4, 1, L): the text and (t, h, w) rows, each one more per answer token
+            positions = inputs["position_ids"]
+            inputs["position_ids"] = torch.cat([positions, positions[..., -1:] + torch.arange(1, count + 1)], dim=-1)
+        logits = adapter.model(**inputs, use_cache=False).logits[0]
+    return logits[length - 1 : length - 1 + count]
+
+
+#: the families whose padded training batch is checked against the model's own forward of each question alone: the
+#: hybrid Gated DeltaNet decoder (right padding, causal in every layer) and Gemma 3's bidirectional image block
+OWN_FORWARD = ("tiny-qwen3.5", "tiny-gemma3")
+
+
+def test_a_padded_training_batch_gives_each_questions_own_answer_logits_and_loss(prepared: Any) -> None:
+    args, parts, data = prepared
+    if args.backbone not in OWN_FORWARD:
+        pytest.skip("checked through its inference inputs (test_training_feeds_what_the_adapter_feeds_at_inference)")
+    adapter = parts.adapter
+    lengths: dict[int, int] = {}  # tail + answer length -> a question of scene 1 with it
+    for i, (scene_of, question, answer) in enumerate(data.qas):
+        if scene_of == 1:
+            lengths.setdefault(
+                len(parts.buckets[data.bucket_of[i]].feed.layout(question).tail) + len(data.answers[answer]), i
+            )
+    assert len(lengths) >= 2  # two questions of different lengths: the shorter one is padded
+    questions = [lengths[min(lengths)], lengths[max(lengths)]]
+    b = _batch(parts, data, questions)
+    with torch.no_grad():
+        logits, _ = forward(parts, data, b)
+        loss = torch.nn.functional.cross_entropy(logits[b.target], b.text[b.target])
+    tokens = adapter.encode_image(make_scene(TRAIN_SPLIT, 1, size=args.size, photos=load_photos()).image)
+    own = [_own_answer_logits(adapter, tokens, data.qas[q][1], data.answers[data.qas[q][2]]) for q in questions]
+    for row, expected in enumerate(own):
+        torch.testing.assert_close(logits[row][b.target[row]], expected, atol=2e-4, rtol=1e-3)
+    expected_loss = torch.nn.functional.cross_entropy(torch.cat(own), b.text[b.target])
+    torch.testing.assert_close(loss, expected_loss, atol=1e-4, rtol=1e-4)
 
 
 def test_warm_up_steps_draw_only_the_warm_sizes_bucket(prepared: Any) -> None:
@@ -383,8 +462,13 @@ def test_a_step_reaches_every_part_and_lowers_the_loss(prepared: Any) -> None:
     adapter = parts.adapter
     inner = adapter.model.model
     tower = inner.visual if hasattr(inner, "visual") else inner.vision_tower
+    layers = adapter._language_model.layers
+    attention = next(layer for layer in layers if hasattr(layer, "self_attn"))  # Qwen3.5: layer 3 (0-2 linear)
     watched = {"tower": next(tower.parameters()), "projector": next(adapter.projector.parameters()),
-               "language model": adapter._language_model.layers[0].self_attn.q_proj.weight}  # fmt: skip
+               "language model": attention.self_attn.q_proj.weight}  # fmt: skip
+    for layer in layers[:1]:  # Qwen3.5: a Gated DeltaNet layer, the first the rows go through
+        if hasattr(layer, "linear_attn"):
+            watched["gated deltanet"] = layer.linear_attn.in_proj_qkv.weight
     for level, merger in enumerate(getattr(tower, "deepstack_merger_list", [])):  # Qwen3-VL: rows added in the LM
         watched[f"deepstack merger {level}"] = merger.linear_fc2.weight
     seen: list[float] = []

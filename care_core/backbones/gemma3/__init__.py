@@ -1,4 +1,4 @@
-"""The Gemma 3 family's record: its facts, demo, ``care flops`` specs and lmms-eval id (torch-free).
+"""The Gemma 3 family's record: its facts, demos, ``care flops`` specs and lmms-eval id (torch-free).
 
 Sources of the ``care flops`` numbers. The hub files (``google/gemma-3-4b-it``, ``google/gemma-3-12b-it``
 ``config.json``) could not be read here; every number is checked against the script that wrote them,
@@ -24,7 +24,7 @@ from typing import Any
 
 from care_core.architecture import BackboneSpec, LanguageModelSpec, ProjectorSpec, VisionSpec
 from care_core.backbones.config_reading import positive
-from care_core.backbones.families import BackboneFamily, DemoBackbone, FullSizeModel
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 from care_core.backbones.llava_1_5 import llava_config
 
 _DEMO = "care_core.backbones.gemma3.demo"
@@ -66,6 +66,9 @@ FAMILY = BackboneFamily(
     adapter="care_core.backbones.gemma3.adapter:Gemma3Adapter", has_cls_token=False, single_grid=True, crops=False,
     flops_spec="gemma3-12b", lmms_eval_model="care_gemma3",
     demos=(
+        DemoBackbone("tiny-gemma3", 1, "gemma3", f"{_DEMO}:build_tiny_gemma3",
+                     f"{_GEMMA3_GEOMETRY}, " + OPTIONAL_WEIGHTS, weights="tiny-gemma3.safetensors",
+                     trained_builder=f"{_DEMO}:build_trained_tiny_gemma3"),
         DemoBackbone("tiny-gemma3-random", 1, "gemma3", f"{_DEMO}:build_tiny_gemma3",
                      f"{_GEMMA3_GEOMETRY}, tiny random weights; demo only"),
     ),

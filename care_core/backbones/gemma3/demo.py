@@ -1,5 +1,5 @@
-"""The Gemma 3 family's model builders: its tiny random demo and its full-size benchmark model (Gemma-3-4B's or
--12B's shapes, random weights). Imported only when a model is built. No trained demo yet (issue 50)."""
+"""The Gemma 3 family's model builders: its tiny demos (random, trained skeleton) and its full-size benchmark model
+(Gemma-3-4B's or -12B's shapes, random weights). Imported only when a model is built."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..full_size_parts import full_size_from_demo, spec_widths
-from ..tiny_parts import build_byte_tokenizer, seeded_model, vocab_size
+from ..tiny_parts import RANDOM_SIZES, TRAINED_SIZES, TinySizes, build_byte_tokenizer, seeded_model, vocab_size
 
 if TYPE_CHECKING:
     from care_core.architecture import BackboneSpec
@@ -43,24 +43,29 @@ TINY_LAYER_TYPES = ["sliding_attention", "sliding_attention", "sliding_attention
 FULL_SIZE_SLIDING_WINDOW = 1024
 
 
-def build_tiny_gemma3(seed: int = 0) -> tuple[Any, Any]:
+def build_tiny_gemma3(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
     """Gemma 3 with the real geometry (SigLIP 896 px / 14 = 64x64 patches, no CLS, average-pooled 4x4 to 16x16 =
-    256 tokens; RMSNorm + linear projector; pan-and-scan off) and tiny widths: a 3-layer SigLIP tower and a 4-layer
-    Gemma 3 decoder (3 sliding-window layers, then one full-attention layer). Weights from ``seed``; the projector's
-    weight and its norm's ``w`` (zeros in transformers' init, which would make every image row 0) drawn too."""
+    256 tokens; RMSNorm + linear projector; pan-and-scan off) and tiny widths (``sizes``; None: the random demo's, a
+    3-layer SigLIP tower 64 wide): a 4-layer Gemma 3 decoder (3 sliding-window layers, then one full-attention layer;
+    GQA 4/2 heads of hidden / 4). Weights from ``seed``; the projector's weight and its norm's ``w`` (zeros in
+    transformers' init, which would make every image row 0) drawn too."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     tok = build_byte_tokenizer([*GEMMA3_TURN_TOKENS, *GEMMA3_NAMED_TOKENS.values()], eos_token="<end_of_turn>",
                                named_tokens=GEMMA3_NAMED_TOKENS)  # fmt: skip
     tid = tok.convert_tokens_to_ids
+    size = sizes or RANDOM_SIZES
+    head_dim = size.text_hidden // size.heads
     config = Gemma3Config(
-        vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
-                       "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 896, "patch_size": 14,
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": size.vision_hidden,
+                       "intermediate_size": size.vision_intermediate, "num_hidden_layers": size.vision_layers,
+                       "num_attention_heads": size.heads, "image_size": 896, "patch_size": 14,
                        "vision_use_head": False, "layer_norm_eps": 1e-6},
-        text_config={"model_type": "gemma3_text", "vocab_size": vocab_size(tok), "hidden_size": 64,
-                     "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+        text_config={"model_type": "gemma3_text", "vocab_size": vocab_size(tok), "hidden_size": size.text_hidden,
+                     "intermediate_size": size.text_intermediate, "num_hidden_layers": len(TINY_LAYER_TYPES),
+                     "num_attention_heads": size.heads, "num_key_value_heads": size.heads // 2,
+                     "head_dim": head_dim, "query_pre_attn_scalar": head_dim,
                      "sliding_window": TINY_SLIDING_WINDOW, "layer_types": TINY_LAYER_TYPES,
                      "max_position_embeddings": 8192, "bos_token_id": tok.bos_token_id,
                      "eos_token_id": tid("<end_of_turn>"), "pad_token_id": tok.pad_token_id},
@@ -73,6 +78,12 @@ def build_tiny_gemma3(seed: int = 0) -> tuple[Any, Any]:
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=256,
                                 chat_template=GEMMA3_CHAT_TEMPLATE)  # fmt: skip
     return model, processor
+
+
+def build_trained_tiny_gemma3(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-gemma3's architecture (:data:`TRAINED_SIZES`: SigLIP 128 wide, 4 layers; decoder 128 wide,
+    heads of 32), weights from ``seed``."""
+    return build_tiny_gemma3(seed, TRAINED_SIZES)
 
 
 def _draw_projector(model: Any, seed: int) -> None:

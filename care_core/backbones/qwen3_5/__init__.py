@@ -1,5 +1,5 @@
 """The Qwen3.5 family's record (dense ``qwen3_5``, ``Qwen3_5ForConditionalGeneration``, transformers 5.24): its facts,
-demo, ``care flops`` specs and lmms-eval id (torch-free).
+demos, ``care flops`` specs and lmms-eval id (torch-free).
 
 Qwen3-VL's vision tower and per-patch LayerNorm merger without DeepStack, Qwen2-VL's multimodal glue (M-RoPE from
 ``get_rope_index``, pre-encoded rows through ``mm_encoder_outputs``), and a hybrid decoder: three Gated DeltaNet
@@ -36,7 +36,7 @@ from typing import Any
 from care_core.architecture import BackboneSpec, BackboneSpecError, LanguageModelSpec, LinearAttentionSpec
 from care_core.backbones.common_specs import qwen_merger
 from care_core.backbones.config_reading import positive
-from care_core.backbones.families import BackboneFamily, DemoBackbone, FullSizeModel
+from care_core.backbones.families import OPTIONAL_WEIGHTS, BackboneFamily, DemoBackbone, FullSizeModel
 from care_core.backbones.qwen2_5_vl import qwen_config, qwen_vit, with_pixel_budget
 from care_core.backbones.qwen3_vl import QWEN3_VIT
 
@@ -89,6 +89,8 @@ FAMILY = BackboneFamily(
     flops_spec="qwen3.5-9b", lmms_eval_model="care_qwen3_5",
     lm_attention_maps=False,  # layers 0-2 of every 4 are Gated DeltaNet: no attention map for FastV / SparseVLM
     demos=(
+        DemoBackbone("tiny-qwen3.5", 1, "qwen3.5", f"{_DEMO}:build_tiny_qwen3_5", f"{_GEOMETRY}, " + OPTIONAL_WEIGHTS,
+                     weights="tiny-qwen3.5.safetensors", trained_builder=f"{_DEMO}:build_trained_tiny_qwen3_5"),
         DemoBackbone("tiny-qwen3.5-random", 1, "qwen3.5", f"{_DEMO}:build_tiny_qwen3_5",
                      f"{_GEOMETRY}, tiny random weights; demo only"),
     ),

@@ -1,5 +1,5 @@
-"""The Qwen3.5 family's model builders: its tiny random demo and its full-size benchmark model (Qwen3.5-9B's shapes,
-random weights). Imported only when a model is built."""
+"""The Qwen3.5 family's model builders: its tiny demos (random, trained skeleton) and its full-size benchmark model
+(Qwen3.5-9B's shapes, random weights). Imported only when a model is built."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ..full_size_parts import full_size_from_demo, text_widths, widened
 from ..qwen3_vl.demo import tiny_processor, tiny_vision_config
 from ..tiny_parts import (
     QWEN_CONTROL_TOKENS,
+    TRAINED_SIZES,
     TinySizes,
     build_byte_tokenizer,
     seeded_model,
@@ -27,13 +28,14 @@ TINY_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", 
 def tiny_text_config(tok: Any, sizes: TinySizes | None) -> dict[str, Any]:
     """The tiny hybrid decoder: :data:`TINY_LAYER_TYPES`, GQA 4/2 heads of 32 with the output gate, a quarter of each
     head rotated (the real ``partial_rotary_factor``) with interleaved M-RoPE sections 2:1:1 of its 4 frequencies,
-    and Gated DeltaNet layers of 2 key / 4 value heads of 16 (kernel 4)."""
+    and Gated DeltaNet layers of heads 16 wide (kernel 4) whose value width is the hidden width and key width half of
+    it, as in the released sizes (the random demo, 64 wide: 2 key / 4 value heads; the trained one, 128: 4 / 8)."""
     hidden, intermediate = (64, 128) if sizes is None else (sizes.text_hidden, sizes.text_intermediate)
     tid = tok.convert_tokens_to_ids
     return {"vocab_size": vocab_size(tok), "hidden_size": hidden, "intermediate_size": intermediate,
             "num_hidden_layers": len(TINY_LAYER_TYPES), "layer_types": list(TINY_LAYER_TYPES),
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 8192,
-            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_num_key_heads": hidden // 32, "linear_num_value_heads": hidden // 16, "linear_key_head_dim": 16,
             "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                 "mrope_section": [2, 1, 1]},
@@ -57,6 +59,12 @@ def build_tiny_qwen3_5(seed: int = 0, sizes: TinySizes | None = None) -> tuple[A
         vision_end_token_id=tid("<|vision_end|>"),
     )  # fmt: skip
     return seeded_model(Qwen3_5ForConditionalGeneration, config, seed), tiny_processor(tok)
+
+
+def build_trained_tiny_qwen3_5(seed: int = 0) -> tuple[Any, Any]:
+    """The trained tiny-qwen3.5's architecture (:data:`TRAINED_SIZES`: tower 128 wide, 4 blocks; hybrid decoder 128
+    wide, Gated DeltaNet layers of 4 key / 8 value heads), weights from ``seed``."""
+    return build_tiny_qwen3_5(seed, TRAINED_SIZES)
 
 
 def qwen3_5_9b_config(tiny_config: Any, spec: BackboneSpec) -> Any:
