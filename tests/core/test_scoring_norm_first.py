@@ -39,6 +39,9 @@ from care_core.scoring import (
     unit_directions,
 )
 from tests.core._problems import scene_image
+from tests.core._scoring_paths import fast_only as _fast_only
+from tests.core._scoring_paths import generic as _generic
+from tests.core._scoring_paths import relative as _relative
 
 MLP_DEMOS = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision")
 # demo -> (norm kind, blocks normalised apart, statistics upcast, an image size that gives a small N)
@@ -68,24 +71,6 @@ def demo_tokens(home: Path) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Te
         tokens = adapter.encode_image(scene_image(size))
         out[name] = (adapter.projector, tokens.features.cpu(), tokens.positions.cpu())
     return out
-
-
-def _fast_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the generic path fail, so that a result shows the fast path ran."""
-
-    def refuse(*args: object) -> torch.Tensor:
-        raise AssertionError("the generic torch.func.jvp path ran")
-
-    monkeypatch.setattr(scoring, "_jvp_generic", refuse)
-
-
-def _generic(projector: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The projector as a plain function: no recogniser reads it, so the jvp engine takes torch.func.jvp."""
-    return lambda v: projector(v)
-
-
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 # ------------------------------------------------------------------------------ the norm's exact derivative

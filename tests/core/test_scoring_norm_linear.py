@@ -5,7 +5,6 @@ near zero, and the responses and care_reduce's result against the generic torch.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,9 @@ from care_core.backbones.gemma3.adapter import Gemma3TokenProjector
 from care_core.norm_first import NormLinear, first_layer, first_layer_tangents
 from care_core.scoring import _as_mlp, _as_norm_first, _as_norm_linear, joint_responses, responses_jvp, unit_directions
 from tests.core._problems import scene_image
+from tests.core._scoring_paths import fast_only as _fast_only
+from tests.core._scoring_paths import generic as _generic
+from tests.core._scoring_paths import relative as _relative
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -35,24 +37,6 @@ def gemma(home: Path) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     adapter: Any = load_backbone("tiny-gemma3-random", home=home)
     tokens = adapter.encode_image(scene_image((320, 240)))
     return adapter.projector, tokens.features.cpu(), tokens.positions.cpu()
-
-
-def _fast_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the generic path fail, so that a result shows the fast path ran."""
-
-    def refuse(*args: object) -> torch.Tensor:
-        raise AssertionError("the generic torch.func.jvp path ran")
-
-    monkeypatch.setattr(scoring, "_jvp_generic", refuse)
-
-
-def _generic(projector: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The projector as a plain function: no recogniser reads it, so the jvp engine takes torch.func.jvp."""
-    return lambda v: projector(v)
-
-
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 # ------------------------------------------------------------------------------ the exact tangent
