@@ -504,10 +504,8 @@ class ReductionPipeline:
         max_new_tokens: int = 32,
         cuda_graph: bool | None = None,
     ) -> list[Answer]:
-        """:meth:`answer` for several samples in one :meth:`~care_core.backbones.base.VLMAdapter.generate_batch`."""
-        from care_core.backbones.base import kept_on_host
-
-        kept = kept_on_host(kept)  # read per sample on the host (checks, rows fed): one copy (and wait) for the batch
+        """:meth:`answer` for several samples in one :meth:`~care_core.backbones.base.VLMAdapter.generate_batch`
+        (device ``kept`` stays there: the batch's prompts and prefill are queued before anything is read back)."""
         outs = self.adapter.generate_batch(list(questions), list(tokens), list(projected), list(kept),
                                            max_new_tokens=max_new_tokens, cuda_graph=cuda_graph)  # fmt: skip
         return [Answer(out.text, self.adapter.visual_tokens_fed(t, int(rows.shape[0]), k), out.decoding,

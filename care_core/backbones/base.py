@@ -102,25 +102,6 @@ def kept_range_problem(kept: Sequence[torch.Tensor | None], num_tokens: Sequence
     return None
 
 
-def kept_on_host(kept: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """The samples' ``kept`` with every 1-D device tensor on the CPU, through one copy for all of them.
-
-    :func:`check_kept` reads each sample's indices on the host; on a GPU each of its copies waits for all queued
-    work, so a batch of B samples would wait B times. One joined copy waits once. Values are unchanged; tensors
-    already on the CPU, None and anything :func:`check_kept` will refuse are left as they are.
-    """
-    out = list(kept)
-    moved = {i: k for i, k in enumerate(out) if isinstance(k, torch.Tensor) and k.device.type != "cpu" and k.dim() == 1}
-    if not moved:
-        return out
-    if len({(k.dtype, k.device) for k in moved.values()}) > 1:  # a join would promote (or cannot be made): one each
-        return [k.cpu() if i in moved and k is not None else k for i, k in enumerate(out)]
-    joined = torch.cat(list(moved.values())).cpu()
-    for i, part in zip(moved, joined.split([int(k.shape[0]) for k in moved.values()]), strict=True):
-        out[i] = part
-    return out
-
-
 def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool:
     """True when the rows are exactly tokens 0..N-1 in order."""
     if rows != num_tokens:
