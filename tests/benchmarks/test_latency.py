@@ -125,6 +125,8 @@ def test_verdicts_judge_each_figure_against_its_own_target() -> None:
         {"family": "llava-1.5", "N": 576, "scoring": {"scoring_x_floor": 1.4},
          "answers": [_answer("default", "N/9", 1.3, 2.5), _answer("eager", "N/9", 0.8, 9.0)]},
         {"family": "gemma3", "N": 256, "scoring": {"scoring_x_floor": 90.0, "form": "norm-linear"}, "answers": []},
+        {"family": "qwen3.5", "N": 1024, "scoring": {"scoring_x_floor": 1.2},
+         "answers": [_answer("default", "N/9", 1.6, 16.0)]},
     ], "dropin": [{"family": "llava-next", "K": 160, "N": 2880, "speedup": 2.4}]}  # fmt: skip
     verdicts = {(v["figure"], v["family"], v["K"]): v["met"] for v in latency.verdicts(results)}
     assert verdicts == {
@@ -135,6 +137,8 @@ def test_verdicts_judge_each_figure_against_its_own_target() -> None:
         ("prefill_x_floor", "llava-1.5", "N/9"): False,  # 2.5 > 2
         ("scoring_x_floor", "llava-next", "N/9"): True,  # 1.2 <= 1.3
         ("scoring_x_floor", "llava-1.5", "N/9"): False,  # 1.4 > 1.3 (gemma3's norm-then-linear: reported only)
+        ("first_default", "qwen3.5", "N/9"): True,  # 1.6 >= 1.5 (issue #50's target)
+        ("scoring_x_floor", "qwen3.5", "N/9"): True,  # 1.2 <= 1.3; its prefill, 16x its floor: reported only
         ("dropin_speedup", "llava-next", "160"): False,  # 2.4 < 2.5
     }
 
