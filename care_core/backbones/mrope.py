@@ -29,6 +29,11 @@ MROPE_STATIC_INPUTS: frozenset[str] = ChatAdapter.static_inputs | {"position_ids
 RopeCache = dict[tuple[str, tuple[int, ...], str], torch.Tensor]
 
 
+def _cache_key(question: str, thw: torch.Tensor, device: str) -> tuple[str, tuple[int, ...], str]:
+    """A :data:`RopeCache` key: the question, the image grid (host ``thw``) and where the positions are kept."""
+    return (question, tuple(int(v) for v in thw.reshape(-1).tolist()), device)
+
+
 def rope_positions(
     adapter: ChatAdapter, cache: RopeCache, question: str, tokens: ImageTokens
 ) -> tuple[torch.Tensor, int]:
@@ -41,7 +46,7 @@ def rope_positions(
     if thw is None:
         raise ValueError("tokens.model_inputs has no image_grid_thw; use ImageTokens from encode_image")
     thw = thw.cpu()  # the processor's output: on the host already
-    key = (question, tuple(int(v) for v in thw.reshape(-1).tolist()), "cpu")
+    key = _cache_key(question, thw, "cpu")
     _, at = adapter._prompt_ids(question)
     cached = cache.get(key)
     if cached is None:
@@ -59,8 +64,7 @@ def device_positions(
 ) -> torch.Tensor:
     """:func:`rope_positions`' ``positions`` (3, L) on ``device``, kept beside them in ``cache``: copied once (without
     waiting for the queued work: the host tensor is kept, never written), not once per call."""
-    thw = tokens.model_inputs["image_grid_thw"].cpu()
-    key = (question, tuple(int(v) for v in thw.reshape(-1).tolist()), str(device))
+    key = _cache_key(question, tokens.model_inputs["image_grid_thw"].cpu(), str(device))
     cached = cache.get(key)
     if cached is None:
         cached = remember(cache, key, positions.to(device, non_blocking=True), ROPE_CACHE_SIZE)
