@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import platform
 import re
+import statistics
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,7 @@ from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b
 from care_core.backbones.llava_next.demo import build_llava_next_7b
 
 QUESTION = "What is in this image? Answer in a few words."
+LAUNCHES = 500  # tiny kernels per round of :func:`launch_us` (5 rounds, the median)
 BUDGETS = {"llava-1.5-7b": (192, 128, 64), "llava-next-7b": (640, 320, 160)}
 M_DIRECTIONS = 64
 NOT_ON_CPU = "CUDA graphs: not on CPU"
@@ -37,6 +40,36 @@ class Workload:
         return self.adapter.encode_image(self.image)
 
 
+def cpu_model(cpuinfo: str) -> str | None:
+    """The first ``model name`` of a ``/proc/cpuinfo`` text (Linux), None where it has none."""
+    found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, flags=re.MULTILINE)
+    return found.group(1).strip() if found else None
+
+
+def launch_us(device: torch.device) -> float:
+    """Host microseconds per launch of a one-element kernel, queued back to back (median of 5 rounds): how fast this
+    host feeds the GPU. Eager decoding and any step not replayed from a CUDA graph pay it on every kernel, so results
+    from hosts of different speed differ there (the same card, the same code)."""
+    x = torch.zeros(1, device=device)
+    rounds = []
+    for _ in range(6):  # the first round warms up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(LAUNCHES):
+            x.add_(1.0)
+        rounds.append((time.perf_counter() - start) / LAUNCHES * 1e6)
+    torch.cuda.synchronize(device)
+    return statistics.median(rounds[1:])
+
+
+def _host_cpu() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return cpu_model(info.read())
+    except OSError:
+        return platform.processor() or None
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
@@ -53,7 +86,13 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["card"] = f"cpu ({platform.processor() or platform.machine()})"
         return env
     props = torch.cuda.get_device_properties(device)
-    env.update(card=props.name, sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+    env.update(
+        card=props.name,
+        sm_count=props.multi_processor_count,
+        memory_gib=round(props.total_memory / 2**30, 1),
+        host_cpu=_host_cpu(),
+        launch_us=round(launch_us(device), 2),
+    )
     query = ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm", "--format=csv,noheader"]
     try:
         env["nvidia_smi"] = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()

@@ -8,6 +8,7 @@ from typing import Any
 from pytest import approx
 
 from benchmarks import bench_csr_scale, bench_eval_gpu
+from benchmarks.gpu import context
 
 
 def _eval_row(backbone: str, method: str | None, processes: int, rate: float, size: int = 32) -> dict[str, Any]:
@@ -121,3 +122,9 @@ def test_a_task_at_a_side_holds_its_images_resized(tmp_path: Any) -> None:
     rows = [json.loads(line) for line in (tmp_path / "task" / "data.jsonl").read_text().splitlines()]
     assert name == "care_pope_examples_x2" and len(rows) == 2 * len(bench_eval_gpu.task_rows())
     assert {Image.open(row["image"]).size for row in rows} == {(96, 96)}
+
+
+def test_cpu_model_is_the_first_model_name_of_cpuinfo() -> None:
+    text = "processor\t: 0\nvendor_id\t: x\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\nprocessor\t: 1\n"
+    assert context.cpu_model(text + "model name\t: other\n") == "Intel(R) Xeon(R) Platinum 8480+"
+    assert context.cpu_model("processor\t: 0\n") is None
