@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +104,36 @@ def host() -> dict[str, Any]:
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "versions": versions()}  # fmt: skip
+
+
+def source_state() -> dict[str, Any]:
+    """The commit the code was measured at and whether the tree differed from it: ``CARE_SOURCE_COMMIT`` and
+    ``CARE_SOURCE_DIRTY`` where whoever copied the tree set them (a copy's own git folder may name another commit
+    than the files hold, as on a device machine), else ``git``."""
+    if os.environ.get("CARE_SOURCE_COMMIT"):
+        dirty = os.environ.get("CARE_SOURCE_DIRTY")
+        return {"commit": os.environ["CARE_SOURCE_COMMIT"], "dirty": None if dirty is None else dirty == "1",
+                "from": "environment"}  # fmt: skip
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, check=True)  # fmt: skip
+        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()), "from": "git"}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None, "from": "unknown (no git folder, no CARE_SOURCE_COMMIT)"}
+
+
+def replace_block(path: Path, begin: str, end: str, block: str) -> bool:
+    """Replace what lies between the ``begin`` and ``end`` markers of ``path`` by ``block`` (a rendered result);
+    returns whether the file changed. A file without both markers fails in one line."""
+    text = path.read_text(encoding="utf-8")
+    if begin not in text or end not in text:
+        raise fail(f"{path.name} has no rendered block ({begin} ... {end})")
+    head, rest = text.split(begin, 1)
+    new = head + begin + "\n" + block + end + rest.split(end, 1)[1]
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
 
 
 class ResultsWriter:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,9 @@ from benchmarks.common import (
     make_parser,
     pick_device,
     print_table,
+    replace_block,
     say,
+    source_state,
 )
 from benchmarks.gpu.context import card_slug, environment
 from benchmarks.gpu.scoring import floor_ms, matmul_rates
@@ -146,24 +147,6 @@ def parse(argv: list[str] | None) -> Any:
     if args.family_out is not None and (len(args.families) != 1 or args.tf32_tflops is None):
         raise fail("--family-out takes one --families entry and --tf32-tflops")
     return args
-
-
-# ----------------------------------------------------------------------------------------- provenance
-def source_state() -> dict[str, Any]:
-    """The commit the code was measured at and whether the tree differed from it: ``CARE_SOURCE_COMMIT`` and
-    ``CARE_SOURCE_DIRTY`` where whoever copied the tree set them (a copy's own git folder may name another commit
-    than the files hold, as on a device machine), else ``git``."""
-    if os.environ.get("CARE_SOURCE_COMMIT"):
-        dirty = os.environ.get("CARE_SOURCE_DIRTY")
-        return {"commit": os.environ["CARE_SOURCE_COMMIT"], "dirty": None if dirty is None else dirty == "1",
-                "from": "environment"}  # fmt: skip
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True, check=True)  # fmt: skip
-        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()), "from": "git"}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "dirty": None, "from": "unknown (no git folder, no CARE_SOURCE_COMMIT)"}
 
 
 # ----------------------------------------------------------------------------------------- floors
@@ -577,18 +560,7 @@ def newest_block(folder: Path = RESULTS) -> str:
 def write_docs(root: Path = ROOT) -> list[Path]:
     """Replace the block between :data:`BEGIN` and :data:`END` of each of :data:`DOC_BLOCKS` by the newest result's."""
     block = newest_block(root / "benchmarks" / "results")
-    changed = []
-    for name in DOC_BLOCKS:
-        path = root / name
-        text = path.read_text(encoding="utf-8")
-        if BEGIN not in text or END not in text:
-            raise fail(f"{name} has no latency block ({BEGIN} ... {END})")
-        head, rest = text.split(BEGIN, 1)
-        new = head + BEGIN + "\n" + block + END + rest.split(END, 1)[1]
-        if new != text:
-            path.write_text(new, encoding="utf-8")
-            changed.append(path)
-    return changed
+    return [root / name for name in DOC_BLOCKS if replace_block(root / name, BEGIN, END, block)]
 
 
 def family_in_own_process(family: str, args: Any, tf32: float, folder: Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-from benchmarks import latency
+from benchmarks import common, latency
 
 
 def test_factor_rows_cost_the_triangle_or_the_trapezoid() -> None:
@@ -147,16 +147,16 @@ def test_source_state_takes_the_environment_where_set_and_else_git(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("CARE_SOURCE_COMMIT", raising=False)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=latency.ROOT, capture_output=True, text=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=common.ROOT, capture_output=True, text=True)
     if head.returncode == 0:  # a clone: the commit git names
-        assert latency.source_state()["commit"] == head.stdout.strip()
+        assert common.source_state()["commit"] == head.stdout.strip()
     monkeypatch.setenv("CARE_SOURCE_COMMIT", "abc123")  # set by whoever copied the tree: it wins over any git folder
     monkeypatch.setenv("CARE_SOURCE_DIRTY", "0")
-    assert latency.source_state() == {"commit": "abc123", "dirty": False, "from": "environment"}
+    assert common.source_state() == {"commit": "abc123", "dirty": False, "from": "environment"}
     monkeypatch.delenv("CARE_SOURCE_COMMIT")
-    monkeypatch.setattr(latency, "ROOT", tmp_path)  # neither: said so
+    monkeypatch.setattr(common, "ROOT", tmp_path)  # neither: said so
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    assert latency.source_state()["commit"] is None
+    assert common.source_state()["commit"] is None
 
 
 def test_docs_hold_the_newest_gate_result_as_rendered() -> None:
