@@ -71,6 +71,7 @@ from typing import Any
 from benchmarks.common import (
     EXAMPLES,
     PROCESS_TARGETS,
+    RESULTS,
     ROOT,
     ResultsWriter,
     comma_list,
@@ -78,7 +79,9 @@ from benchmarks.common import (
     fmt,
     make_parser,
     print_table,
+    replace_block,
     say,
+    source_state,
 )
 from benchmarks.models import Builder
 from care_core.backbones.full_size_parts import TASK_TOKENIZER, TOKENIZER_PIECES
@@ -421,6 +424,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="the models' stand-in tokenizer: knowing the Llama 2 tokenizer's pieces of the task's "
                              "prompts (29-30 text rows, as the real checkpoints' tokenizer gives; the default), or "
                              "every text byte by byte (96-102)")  # fmt: skip
+    parser.add_argument("--docs", action="store_true", help="no run: rewrite docs/performance.md's care eval block "
+                        "from the newest committed result")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.copies, args.processes = 1, "1"
@@ -523,14 +528,22 @@ def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: P
     return {"model": built, "preprocessing": preprocessing, "commands": done, "stages": stages}
 
 
+def care_ms_per_sample(method_ms: dict[str, float], batch: int) -> float:
+    """CaRe's time per sample from its group's stage timings for a batch: every stage, since the pipeline's "method"
+    keeps only the time outside the stages the method times itself (CaRe's scoring, anchors and calibration), and
+    "projection" follows them."""
+    return sum(method_ms.values()) / batch
+
+
 def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, Any], device: str, dtype: str,
                 task: Path) -> dict[str, Any]:  # fmt: skip
     """Per sample, at the batch size care eval used for CaRe: the image preprocessing, the vision tower, CaRe (the
     method and the projector), the prefill (the first token) and the decoding (the other tokens), for all tokens and
     for CaRe, in this process (care eval's has ended) on the task's first ``batch`` documents: the tower and CaRe
     from ``ReductionPipeline.run_batch``'s stage timings (the tower: its features stage less the preprocessing
-    measured apart; CaRe: its group's method and projection stages), the answers from ``generate_batch`` with 1 and
-    with :data:`STAGE_NEW_TOKENS` new tokens (medians of :data:`STAGE_REPEATS` calls); each after one untimed call."""
+    measured apart; CaRe: every stage of its group, :func:`care_ms_per_sample`), the answers from ``generate_batch``
+    with 1 and with :data:`STAGE_NEW_TOKENS` new tokens (medians of :data:`STAGE_REPEATS` calls); each after one
+    untimed call."""
     import torch
 
     from care_core.backbones import load_backbone
@@ -567,7 +580,7 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
         return 1e3 * statistics.median(seconds[1:])
 
     method_ms = results[0].runs[0].timings_ms  # the CaRe group's stages, for the whole batch
-    care_ms = (method_ms.get("method", 0.0) + method_ms.get("projection", 0.0)) / batch
+    care_ms = care_ms_per_sample(method_ms, batch)
     out: dict[str, Any] = {"batch_size": batch, "new_tokens": STAGE_NEW_TOKENS, "timings_ms": timings,
                            "care_timings_ms": method_ms}  # fmt: skip
     tower_ms = timings.get("features", 0.0) / batch - pre_ms
@@ -580,14 +593,86 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
     return out
 
 
+#: the block of docs/performance.md rendered from the newest committed result (``--docs``)
+DOC_FILE = "docs/performance.md"
+BEGIN, END = (
+    "<!-- eval-throughput:begin (python -m benchmarks.bench_eval_gpu --docs) -->",
+    "<!-- eval-throughput:end -->",
+)
+
+
+def newest_result(folder: Path = RESULTS) -> Path | None:
+    """The newest committed result of this benchmark that names its commit (file names start with the date)."""
+    found = [p for p in sorted(folder.glob("*-eval-gpu-*.json")) if "source" in json.loads(p.read_text("utf-8"))]
+    return found[-1] if found else None
+
+
+def _rate_cell(row: dict[str, Any] | None) -> str:
+    return "—" if row is None else f"{row['samples_per_s']:.2f} ({row['batch_size']}, {row['peak_gpu_memory_gib']:.1f})"
+
+
+def _stage_line(name: str, stages: dict[str, Any]) -> str:
+    """Per sample with CaRe and with all tokens; CaRe's from its raw stage timings (:func:`care_ms_per_sample`)."""
+    care = dict(stages["care"]["ms_per_sample"], care=care_ms_per_sample(stages["care_timings_ms"],
+                                                                          stages["batch_size"]))  # fmt: skip
+    parts = ", ".join(f"{key} {value:.1f}" for key, value in care.items())
+    whole = stages["all tokens"]["ms_per_sample"]
+    return (
+        f"{name} per sample at batch {stages['batch_size']}, timed stage by stage: {parts} ms with CaRe "
+        f"({sum(care.values()):.1f}); prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all tokens."
+    )
+
+
+def render_markdown(results: dict[str, Any], name: str) -> str:
+    """The docs' block for a result named ``name``: per backbone and setting its rate, the targets, the stages."""
+    source = results["source"]
+    commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
+    lines = ["| backbone (image), CaRe K | procs | all tokens: samples/s (batch, peak GiB) | CaRe: samples/s (batch, "
+             "peak GiB) | CaRe ÷ all tokens |", "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for row in (r for r in results["rows"] if r["method"] is not None):
+        alone = next((r for r in results["rows"] if r["method"] is None and r["backbone"] == row["backbone"]
+                      and r["processes"] == row["processes"]), None)  # fmt: skip
+        side = BACKBONES[row["backbone"]].side if row["backbone"] in BACKBONES else None
+        ratio = "—" if row["x_all_tokens"] is None else f"{row['x_all_tokens']:.2f}"
+        same = "" if row["same_batch_as_all_tokens"] else " (batches differ)"
+        lines.append(f"| {row['backbone']} ({f'{side}²' if side else 'task images'}), {row['keep']} | "
+                     f"{row['processes']} | {_rate_cell(alone)} | {_rate_cell(row)} | {ratio}{same} |")  # fmt: skip
+    verdicts = [f"{t['where']}, {t['what']} {t['value']:.2f} (target {t['target']}): "
+                f"{'MET' if t['met'] else 'NOT MET'}" for t in results["targets"]]  # fmt: skip
+    lines += ["", "Targets: " + ("; ".join(verdicts) if verdicts else "none judged") + "."]
+    lines += [_stage_line(b, done["stages"]) for b, done in results["backbones"].items() if done.get("stages")]
+    lines += [f"{s['backbone']} preprocessing: {s['ms_per_image_threads']:.1f} ms an image on the pool "
+              f"({s['ms_per_image_one_thread']:.1f} on one thread), {100 * s['share_threads']:.0f}% of CaRe's "
+              f"{s['per_sample_ms']:.1f} ms a sample." for s in results["preprocessing_share"]]  # fmt: skip
+    card = results["environment"].get("gpus", ["?"])[0]
+    first = results["rows"][0]
+    lines += ["", f"{first['samples']} samples, `--batch-size {first['batch_size_requested']}`, {first['decoding']} "
+              f"decoding, one {card} per process. Source: `benchmarks/results/{name}` "
+              f"(`python -m benchmarks.bench_eval_gpu`, commit {commit})."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(root: Path = ROOT) -> bool:
+    """Rewrite :data:`DOC_FILE`'s block from the newest committed result; returns whether it changed."""
+    newest = newest_result(root / "benchmarks" / "results")
+    if newest is None:
+        raise fail("no committed care eval result that names its commit (benchmarks/results/*-eval-gpu-*.json)")
+    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    return replace_block(root / DOC_FILE, BEGIN, END, block)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.docs:
+        print(f"{'rewrote' if write_docs() else 'unchanged:'} the care eval block of {ROOT / DOC_FILE}")
+        return
     env = environment(args.device)
     writer = ResultsWriter(args, f"eval-gpu-{card_slug(env)}")
     runs = plan(args)
-    results: dict[str, Any] = {"benchmark": "care eval throughput (issue #22)",
+    results: dict[str, Any] = {"benchmark": "care eval throughput (issues #22, #47)",
                                "date": dt.datetime.now(dt.timezone.utc).isoformat(), "environment": env,
-                               "tiny": args.tiny, "tokenizer": args.tokenizer, "backbones": {}}  # fmt: skip
+                               "source": source_state(), "tiny": args.tiny, "tokenizer": args.tokenizer,
+                               "backbones": {}}  # fmt: skip
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="care-bench-eval-", dir=args.work) as scratch:

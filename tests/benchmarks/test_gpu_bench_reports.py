@@ -3,6 +3,7 @@ at the same batch size, 2 processes over one, and each issue target MET or NOT M
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pytest import approx
@@ -128,3 +129,42 @@ def test_cpu_model_is_the_first_model_name_of_cpuinfo() -> None:
     text = "processor\t: 0\nvendor_id\t: x\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\nprocessor\t: 1\n"
     assert context.cpu_model(text + "model name\t: other\n") == "Intel(R) Xeon(R) Platinum 8480+"
     assert context.cpu_model("processor\t: 0\n") is None
+
+
+def test_care_stage_per_sample_counts_the_stages_care_times_itself() -> None:
+    # the pipeline's "method" is the time outside CaRe's own stages (scoring, anchors, calibration)
+    stages = {"scoring": 640.0, "anchors": 96.0, "calibration": 32.0, "method": 6.4, "projection": 3.2}
+    assert bench_eval_gpu.care_ms_per_sample(stages, 64) == approx(777.6 / 64)
+
+
+def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_timings() -> None:
+    rows = [_eval_row("llava-onevision-7b", None, 1, 8.0, size=32), _eval_row("llava-onevision-7b", "care", 1, 24.0)]
+    for row in rows:
+        row |= {"peak_gpu_memory_gib": 30.0, "keep": None if row["method"] is None else 405, "samples": 516}
+    bench_eval_gpu.add_ratios(rows)
+    side = {"preprocessing": 7.0, "tower": 12.0, "care": 0.1, "prefill": 10.0, "decoding": 1.0}
+    stages = {
+        "batch_size": 32,
+        "care_timings_ms": {"scoring": 300.0, "anchors": 60.0, "method": 4.0},
+        "care": {"ms_per_sample": side},
+        "all tokens": {"ms_per_sample": dict(side, care=0.0, prefill=80.0)},
+    }
+    results = {"source": {"commit": "0123456789abcdef", "dirty": False}, "environment": {"gpus": ["H200"]},
+               "rows": rows, "targets": bench_eval_gpu.targets(rows), "preprocessing_share": [],
+               "backbones": {"llava-onevision-7b": {"stages": stages}}}  # fmt: skip
+    block = bench_eval_gpu.render_markdown(results, "x.json")
+    assert "| llava-onevision-7b (768²), 405 | 1 | 8.00 (32, 30.0) | 24.00 (32, 30.0) | 3.00 |" in block
+    assert "Targets: llava-onevision-7b batch 32, 1 proc, CaRe / all tokens 3.00 (target 1.5): MET." in block
+    # CaRe: (300 + 60 + 4) / 32 = 11.375 ms a sample, never the JSON's own 0.1; with it 41.4 ms a sample
+    assert "care 11.4, prefill 10.0, decoding 1.0 ms with CaRe (41.4); prefill 80.0 of 100.0 with all tokens" in block
+    assert block.rstrip().endswith("commit 0123456789).")
+
+
+def test_docs_hold_the_newest_eval_result_as_rendered() -> None:
+    newest = bench_eval_gpu.newest_result()
+    assert newest is not None, "no committed care eval result naming its commit in benchmarks/results"
+    block = bench_eval_gpu.render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    text = (bench_eval_gpu.ROOT / bench_eval_gpu.DOC_FILE).read_text(encoding="utf-8")
+    assert bench_eval_gpu.BEGIN + "\n" + block + bench_eval_gpu.END in text, (
+        "run python -m benchmarks.bench_eval_gpu --docs"
+    )
