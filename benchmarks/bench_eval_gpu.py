@@ -35,7 +35,8 @@ What it does, per backbone (``--backbones``):
    pass's seconds outside its batches.
 
 For the backbones of issue #47 (``Backbone.family``): the task's images resized to the gate's side (768, 1008, 1024,
-672), K = floor(N/9) with N their processor's tokens at that side, the byte tokenizer (the gate's), and after the
+672), K = floor(N/9) with N their processor's tokens at that side, the gate's stand-in tokenizer (the Qwen2 tokenizer's
+pieces, ``QWEN_POPE_PIECES``: the real 27-39 text rows; ``--tokenizer`` is the LLaVA ones'), and after the
 commands each stage's time and share per sample at the batch size care eval used for CaRe, all tokens and CaRe
 (:func:`stage_times`: preprocessing, vision tower, CaRe, prefill, decoding), measured in this process: on these
 families the tower is a share no reduction after it can save.
@@ -84,7 +85,7 @@ from benchmarks.common import (
     source_state,
 )
 from benchmarks.models import Builder
-from care_core.backbones.full_size_parts import TASK_TOKENIZER, TOKENIZER_PIECES
+from care_core.backbones.full_size_parts import DEFAULT_TOKENIZER, TASK_TOKENIZER
 from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b
 from care_core.backbones.llava_next.demo import build_llava_next_7b
 
@@ -97,9 +98,9 @@ PREPROCESS_REPS = 3
 class Backbone:
     """One benchmarked backbone: how it is built, CaRe's budget and the issue's targets.
 
-    ``builder``: a LLaVA-7B builder (it takes the stand-in tokenizer), or None for ``family``'s
-    full-size model (``benchmarks.models.FULL_SIZE``, the latency gate's; the byte tokenizer). ``side``: the task's
-    images resized to this square side (the gate's), None: as shipped. ``keep``: K, None for floor(N/9) at ``side``.
+    ``builder``: a LLaVA-7B builder (it takes the stand-in tokenizer), or None for ``family``'s full-size model
+    (``benchmarks.models.FULL_SIZE``, the latency gate's, with its own stand-in tokenizer). ``side``: the task's images
+    resized to this square side (the gate's), None: as shipped. ``keep``: K, None for floor(N/9) at ``side``.
     """
 
     builder: Builder | None
@@ -420,10 +421,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--decoding", default="graphs", help="comma list: graphs (--cuda-graphs), eager, auto (neither)"
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    parser.add_argument("--tokenizer", default=TASK_TOKENIZER, choices=tuple(TOKENIZER_PIECES),
-                        help="the models' stand-in tokenizer: knowing the Llama 2 tokenizer's pieces of the task's "
-                             "prompts (29-30 text rows, as the real checkpoints' tokenizer gives; the default), or "
-                             "every text byte by byte (96-102)")  # fmt: skip
+    parser.add_argument("--tokenizer", default=TASK_TOKENIZER, choices=(TASK_TOKENIZER, DEFAULT_TOKENIZER),
+                        help="the LLaVA models' stand-in tokenizer: knowing the Llama 2 tokenizer's pieces of the "
+                             "task's prompts (29-30 text rows, as the real checkpoints' tokenizer gives; the "
+                             "default), or every text byte by byte (96-102)")  # fmt: skip
     parser.add_argument("--docs", action="store_true", help="no run: rewrite docs/performance.md's care eval block "
                         "from the newest committed result")  # fmt: skip
     args = parser.parse_args(argv)

@@ -279,11 +279,11 @@ def answer_rows(family: str, result: Any, keeps: dict[str, int], decoding: str, 
     return rows
 
 
-def text_rows_of(adapter: Any, tokens: Any) -> int:
+def text_rows_of(adapter: Any, tokens: Any, question: str = QUESTION) -> int:
     """The prompt's rows that are not visual: the all-token prompt's length less its visual rows."""
     with torch.no_grad():
         projected = adapter.projector(tokens.features)
-        length = int(adapter.language_model_logits(QUESTION, tokens, projected).shape[0])
+        length = int(adapter.language_model_logits(question, tokens, projected).shape[0])
     return length - adapter.visual_tokens_fed(tokens, tokens.num_tokens)
 
 

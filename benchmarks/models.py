@@ -59,7 +59,7 @@ def full_size_adapter(family: str, device: torch.device, tiny: bool = False) -> 
 
 
 def save_full_size_model(family: str, folder: Path, device: str, tiny: bool) -> dict[str, Any]:
-    """:func:`save_random_model` for a family of :data:`FULL_SIZE` (its builder, its byte tokenizer)."""
+    """:func:`save_random_model` for a family of :data:`FULL_SIZE` (its builder, its stand-in tokenizer)."""
     return save_random_model(FULL_SIZE[family].build, folder, device, tiny)
 
 

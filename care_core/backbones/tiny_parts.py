@@ -34,6 +34,7 @@ def build_byte_tokenizer(
     pad_token: str = "<pad>",
     named_tokens: dict[str, str] | None = None,
     pieces: Sequence[str] = (),
+    split_pattern: str | None = None,
 ) -> Any:
     """An offline byte-level tokenizer that encodes any text without ``<unk>``.
 
@@ -43,7 +44,9 @@ def build_byte_tokenizer(
     the bytes. ``eos_token`` / ``pad_token`` may name one of ``special_tokens``. ``named_tokens``: tokenizer
     attributes naming some of ``special_tokens`` (e.g. InternVL's ``context_image_token``), saved with it.
     ``pieces``: strings encoded as one token each wherever a word is made of them (merges built byte by byte,
-    in the order given), e.g. the pieces a real tokenizer splits a benchmark's prompts into.
+    in the order given), e.g. the pieces a real tokenizer splits a benchmark's prompts into. ``split_pattern``: the
+    regex that real tokenizer cuts text into words with before merging (None: byte-level BPE's own, GPT-2's); it
+    decides which pieces can be one token (Qwen2's ``"?\\n"``), and with no pieces changes no id.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -52,9 +55,10 @@ def build_byte_tokenizer(
     vocab = {t: i for i, t in enumerate(base)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
-    merges = _piece_merges(pieces, vocab)
+    words = _word_splitter(split_pattern)
+    merges = _piece_merges(pieces, vocab, words)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.pre_tokenizer = words
     tk.decoder = decoders.ByteLevel()
     if add_bos:
         tk.post_processor = processors.TemplateProcessing(
@@ -75,11 +79,19 @@ def build_byte_tokenizer(
     return tok
 
 
-def _piece_merges(pieces: Sequence[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """Byte-level BPE merges that build each piece left to right from its bytes (new symbols added to ``vocab``)."""
-    from tokenizers import pre_tokenizers
+def _word_splitter(split_pattern: str | None) -> Any:
+    """The byte-level pre-tokenizer: GPT-2's word regex (None) or ``split_pattern``'s, then bytes as symbols."""
+    from tokenizers import Regex, pre_tokenizers
 
-    split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_pattern is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # fmt: skip
+
+
+def _piece_merges(pieces: Sequence[str], vocab: dict[str, int], split: Any) -> list[tuple[str, str]]:
+    """Byte-level BPE merges that build each piece left to right from its bytes (new symbols added to ``vocab``);
+    ``split``: the pre-tokenizer, to which each piece must be one word."""
     merges: list[tuple[str, str]] = []
     for piece in pieces:
         words = split.pre_tokenize_str(piece)

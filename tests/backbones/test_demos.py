@@ -23,6 +23,7 @@ from care_core.backbones.demo import (
     file_sha256,
     read_manifest,
 )
+from care_core.backbones.full_size_parts import QWEN2_SPLIT_PATTERN
 from care_core.backbones.probes import VISION_PROBES
 from care_core.backbones.tiny_parts import TRAINED_SIZES, build_byte_tokenizer
 from care_core.errors import CareError, MethodError, ModelLoadError
@@ -527,3 +528,19 @@ def test_the_byte_tokenizer_encodes_given_pieces_as_one_token_where_a_word_is_ma
     assert pieced.unk_token_id not in ids
     with pytest.raises(ValueError, match="not one word"):
         build_byte_tokenizer([], pieces=("two words",))
+
+
+def test_the_byte_tokenizer_cuts_words_with_a_given_regex_so_a_piece_may_span_punctuation_and_a_line_break() -> None:
+    text = "Is it?\nAnswer"
+    with pytest.raises(ValueError, match="not one word"):  # GPT-2's regex: "?" and "\n" are two words
+        build_byte_tokenizer([], pieces=("?\n",))
+    qwen = build_byte_tokenizer([], add_bos=False, pieces=("?\n", "Answer"), split_pattern=QWEN2_SPLIT_PATTERN)
+    ids = qwen(text)["input_ids"]
+    # by hand, as the Qwen2 tokenizer cuts it: "Is" " it" "?\n" "Answer" (Ċ is the byte-level line break)
+    assert qwen.convert_ids_to_tokens(ids) == ["I", "s", "Ġ", "i", "t", "?Ċ", "Answer"]
+    assert qwen.decode(ids) == text
+    plain = build_byte_tokenizer([], add_bos=False)
+    assert (
+        build_byte_tokenizer([], add_bos=False, split_pattern=QWEN2_SPLIT_PATTERN)(text)["input_ids"]
+        == plain(text)["input_ids"]
+    )  # no pieces: the same byte ids whatever the regex

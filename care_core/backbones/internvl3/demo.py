@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..full_size_parts import full_size_from_demo, spec_widths
+from ..full_size_parts import DEFAULT_TOKENIZER, QWEN_TASK_TOKENIZER, TOKENIZER_PIECES, full_size_from_demo, spec_widths
 from ..tiny_parts import (
     TRAINED_SIZES,
     TinySizes,
-    build_byte_tokenizer,
     seeded_model,
     tower_and_qwen2_widths,
     vocab_size,
@@ -39,18 +39,21 @@ INTERNVL_NAMED_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img
                          "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}  # fmt: skip
 
 
-def build_tiny_internvl3(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
+def build_tiny_internvl3(
+    seed: int = 0, sizes: TinySizes | None = None, tokenizer: str = DEFAULT_TOKENIZER
+) -> tuple[Any, Any]:
     """InternVL3 with the real geometry (InternViT 448 px tiles, patch 14, CLS, pixel shuffle 0.5: 256 tokens per
     tile; 1..12 tiles + a thumbnail, the GotOcr2 processor's defaults) and tiny InternViT / Qwen2 widths (``sizes``;
-    None: the random demo's own); the image-only processor (no torchvision needed)."""
+    None: the random demo's own); the image-only processor (no torchvision needed) with the stand-in byte ``tokenizer``
+    (a key of :data:`~care_core.backbones.full_size_parts.TOKENIZER_PIECES`)."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     from .processor import CareInternVLProcessor
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *INTERNVL_NAMED_TOKENS.values()]
-    tok = build_byte_tokenizer(specials, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                               named_tokens=INTERNVL_NAMED_TOKENS)  # fmt: skip
+    tok = TOKENIZER_PIECES[tokenizer].build(specials, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                            named_tokens=INTERNVL_NAMED_TOKENS)  # fmt: skip
     tid = tok.convert_tokens_to_ids
     tower, text = tower_and_qwen2_widths(sizes, (32, 64, 2, 2), (64, 128))
     config = InternVLConfig(
@@ -81,5 +84,7 @@ def build_full_size(
     spec: BackboneSpec, device: torch.device, dtype: torch.dtype, tiny: bool = False
 ) -> tuple[Any, Any]:
     """The record's full-size model, InternVL3-8B: the random demo at ``spec``'s widths (InternViT-300M, 24 layers,
-    1024 wide, and the Qwen2.5-7B-sized text model); ``tiny``: the demo."""
-    return full_size_from_demo(build_tiny_internvl3, spec_widths, spec, device, dtype, tiny)
+    1024 wide, and the Qwen2.5-7B-sized text model) with the Qwen2 tokenizer's pieces
+    (:data:`~care_core.backbones.full_size_parts.QWEN_TASK_TOKENIZER`); ``tiny``: the demo."""
+    demo = partial(build_tiny_internvl3, tokenizer=QWEN_TASK_TOKENIZER)
+    return full_size_from_demo(demo, spec_widths, spec, device, dtype, tiny)

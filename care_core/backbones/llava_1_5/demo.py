@@ -86,7 +86,7 @@ def build_llava_1_5_7b(
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    tok = build_byte_tokenizer(["<image>"], pieces=TOKENIZER_PIECES[tokenizer])
+    tok = TOKENIZER_PIECES[tokenizer].build(["<image>"])
     config = LlavaConfig(**clip_vicuna_configs(tok, tiny, max_positions=4096), image_seq_length=576)
     model = random_model_on(LlavaForConditionalGeneration, config, device, dtype, seed=0)
     images = CLIPImageProcessorPil(**CLIP_VIEW, do_center_crop=True)

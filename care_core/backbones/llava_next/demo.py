@@ -79,7 +79,7 @@ def build_llava_next_7b(
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    tok = build_byte_tokenizer(["<image>"], pieces=TOKENIZER_PIECES[tokenizer])
+    tok = TOKENIZER_PIECES[tokenizer].build(["<image>"])
     config = LlavaNextConfig(**clip_vicuna_configs(tok, tiny, max_positions=8192))
     model = random_model_on(LlavaNextForConditionalGeneration, config, device, dtype, seed=1)
     pinpoints = [list(p) for p in config.image_grid_pinpoints or ()]

@@ -3,16 +3,16 @@ model (LLaVA-OneVision-7B's shapes, random weights). Imported only when a model 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..full_size_parts import full_size_from_demo, spec_widths
+from ..full_size_parts import DEFAULT_TOKENIZER, QWEN_TASK_TOKENIZER, TOKENIZER_PIECES, full_size_from_demo, spec_widths
 from ..tiny_parts import (
     QWEN_CONTROL_TOKENS,
     TRAINED_SIZES,
     TinySizes,
-    build_byte_tokenizer,
     seeded_model,
     tower_and_qwen2_widths,
     vocab_size,
@@ -39,11 +39,14 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llava_onevision(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
+def build_tiny_llava_onevision(
+    seed: int = 0, sizes: TinySizes | None = None, tokenizer: str = DEFAULT_TOKENIZER
+) -> tuple[Any, Any]:
     """LLaVA-OneVision with the real geometry (SigLIP 384 px / 14 = 27x27 = 729 patches, no CLS, layer -1, strategy
     "full", the anyres_max_9 pinpoints: 36 canvases 384..2304 in steps of 384) and tiny widths (``sizes``; None: the
     random demo's own): a SigLIP tower and a Qwen2 language model (GQA, qkv biases); the image-only processor (no
-    torchvision needed)."""
+    torchvision needed) with the stand-in byte ``tokenizer`` (a key of
+    :data:`~care_core.backbones.full_size_parts.TOKENIZER_PIECES`)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
@@ -51,7 +54,7 @@ def build_tiny_llava_onevision(seed: int = 0, sizes: TinySizes | None = None) ->
 
     from .adapter import CareLlavaOnevisionProcessor
 
-    tok = build_byte_tokenizer(
+    tok = TOKENIZER_PIECES[tokenizer].build(
         [*QWEN_CONTROL_TOKENS[:3], "<image>", "<video>"],
         add_bos=False,
         eos_token="<|im_end|>",
@@ -94,5 +97,7 @@ def build_full_size(
     spec: BackboneSpec, device: torch.device, dtype: torch.dtype, tiny: bool = False
 ) -> tuple[Any, Any]:
     """The record's full-size model, LLaVA-OneVision-7B: the random demo at ``spec``'s widths (SigLIP-so400m/384, 26
-    layers used, and Qwen2-7B); ``tiny``: the demo."""
-    return full_size_from_demo(build_tiny_llava_onevision, spec_widths, spec, device, dtype, tiny)
+    layers used, and Qwen2-7B) with the Qwen2 tokenizer's pieces
+    (:data:`~care_core.backbones.full_size_parts.QWEN_TASK_TOKENIZER`); ``tiny``: the demo."""
+    demo = partial(build_tiny_llava_onevision, tokenizer=QWEN_TASK_TOKENIZER)
+    return full_size_from_demo(demo, spec_widths, spec, device, dtype, tiny)

@@ -3,16 +3,23 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..full_size_parts import full_size_from_demo, text_widths, widened
+from ..full_size_parts import (
+    DEFAULT_TOKENIZER,
+    QWEN_TASK_TOKENIZER,
+    TOKENIZER_PIECES,
+    full_size_from_demo,
+    text_widths,
+    widened,
+)
 from ..tiny_parts import (
     QWEN_CONTROL_TOKENS,
     TRAINED_SIZES,
     TinySizes,
-    build_byte_tokenizer,
     qwen_text_widths,
     qwen_vision_widths,
     seeded_model,
@@ -40,16 +47,21 @@ QWEN25VL_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_qwen2_5_vl(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
+def build_tiny_qwen2_5_vl(
+    seed: int = 0, sizes: TinySizes | None = None, tokenizer: str = DEFAULT_TOKENIZER
+) -> tuple[Any, Any]:
     """Qwen2.5-VL with the real geometry (patch 14, 2x2 merge, window 112, full-attention blocks, the hub's
     pixel budget 3136..12845056) and tiny widths (``sizes``; None: the random demo's own); the image-only processor
-    (no torchvision needed)."""
+    (no torchvision needed) with the stand-in byte ``tokenizer`` (a key of
+    :data:`~care_core.backbones.full_size_parts.TOKENIZER_PIECES`)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ..qwen_processor import CareQwen2_5_VLProcessor
 
-    tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = TOKENIZER_PIECES[tokenizer].build(
+        QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tid = tok.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config={
@@ -105,5 +117,7 @@ def qwen2_5_vl_7b_config(tiny_config: Any, spec: BackboneSpec) -> Any:
 def build_full_size(
     spec: BackboneSpec, device: torch.device, dtype: torch.dtype, tiny: bool = False
 ) -> tuple[Any, Any]:
-    """The record's full-size model: the random demo at :func:`qwen2_5_vl_7b_config`'s widths (``tiny``: the demo)."""
-    return full_size_from_demo(build_tiny_qwen2_5_vl, qwen2_5_vl_7b_config, spec, device, dtype, tiny)
+    """The record's full-size model: the random demo at :func:`qwen2_5_vl_7b_config`'s widths (``tiny``: the demo)
+    with the Qwen2 tokenizer's pieces (:data:`~care_core.backbones.full_size_parts.QWEN_TASK_TOKENIZER`)."""
+    demo = partial(build_tiny_qwen2_5_vl, tokenizer=QWEN_TASK_TOKENIZER)
+    return full_size_from_demo(demo, qwen2_5_vl_7b_config, spec, device, dtype, tiny)

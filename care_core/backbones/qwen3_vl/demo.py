@@ -3,17 +3,24 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..full_size_parts import full_size_from_demo, text_widths, widened
+from ..full_size_parts import (
+    DEFAULT_TOKENIZER,
+    QWEN_TASK_TOKENIZER,
+    TOKENIZER_PIECES,
+    full_size_from_demo,
+    text_widths,
+    widened,
+)
 from ..qwen2_5_vl.demo import QWEN25VL_CHAT_TEMPLATE
 from ..tiny_parts import (
     QWEN_CONTROL_TOKENS,
     TRAINED_SIZES,
     TinySizes,
-    build_byte_tokenizer,
     qwen_text_widths,
     qwen_vision_widths,
     seeded_model,
@@ -24,14 +31,19 @@ if TYPE_CHECKING:
     from care_core.architecture import BackboneSpec
 
 
-def build_tiny_qwen3_vl(seed: int = 0, sizes: TinySizes | None = None) -> tuple[Any, Any]:
+def build_tiny_qwen3_vl(
+    seed: int = 0, sizes: TinySizes | None = None, tokenizer: str = DEFAULT_TOKENIZER
+) -> tuple[Any, Any]:
     """Qwen3-VL with the real geometry (patch 16, 2x2 merge, resize factor 32, learned 48x48 position grid, the
     assumed hub pixel budget 65536..16777216, deepstack taps after vision blocks 1 and 2 of 4, interleaved
     M-RoPE) and tiny widths (``sizes``; None: the random demo's own); the image-only processor (no torchvision
-    needed)."""
+    needed) with the stand-in byte ``tokenizer`` (a key of
+    :data:`~care_core.backbones.full_size_parts.TOKENIZER_PIECES`)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    tok = build_byte_tokenizer(QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = TOKENIZER_PIECES[tokenizer].build(
+        QWEN_CONTROL_TOKENS, add_bos=False, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tid = tok.convert_tokens_to_ids
     # the random demo's text widths are Qwen2.5-VL's random ones (head 16, M-RoPE sections 2:3:3)
     text = qwen_text_widths(sizes)
@@ -91,5 +103,8 @@ def qwen3_vl_8b_config(tiny_config: Any, spec: BackboneSpec) -> Any:
 def build_full_size(
     spec: BackboneSpec, device: torch.device, dtype: torch.dtype, tiny: bool = False
 ) -> tuple[Any, Any]:
-    """The record's full-size model: the random demo at :func:`qwen3_vl_8b_config`'s widths (``tiny``: the demo)."""
-    return full_size_from_demo(build_tiny_qwen3_vl, qwen3_vl_8b_config, spec, device, dtype, tiny)
+    """The record's full-size model: the random demo at :func:`qwen3_vl_8b_config`'s widths (``tiny``: the demo)
+    with the Qwen2 tokenizer's pieces (:data:`~care_core.backbones.full_size_parts.QWEN_TASK_TOKENIZER`; Qwen3's is
+    the same)."""
+    demo = partial(build_tiny_qwen3_vl, tokenizer=QWEN_TASK_TOKENIZER)
+    return full_size_from_demo(demo, qwen3_vl_8b_config, spec, device, dtype, tiny)
