@@ -468,17 +468,21 @@ def _headline(results: dict[str, Any], rows: dict[tuple[str, str, str], dict[str
 
 def _table(results: dict[str, Any], rows: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
     """One line per family and budget: first token (default decoding, then eager's speed-up) and the floors."""
-    lines = ["| family (image) | N | K | first token, all → CaRe (ms) | speed-up | eager | prefill K × floor | "
-             "scoring × floor |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| family (image) | N | K | text rows | first token, all → CaRe (ms) | speed-up | eager | "
+        "prefill K × floor | scoring × floor |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for fam in results["families"]:
         for label in fam.get("keeps", {}):
             row, eager = rows.get((fam["family"], "default", label)), rows.get((fam["family"], "eager", label))
             if row is None:
                 continue
             eager_cell = "—" if eager is None else f"{eager['speedup']:.2f}×"
-            lines.append(f"| {fam['family']} ({fam['image']}) | {fam['N']} | {row['K']} | {row['first_all_ms']:.1f}"
-                         f" → {row['first_care_ms']:.1f} | {row['speedup']:.2f}× | {eager_cell} | "
-                         f"{_prefill_cell(fam['family'], row)} | {_scoring_cell(fam['scoring'])} |")  # fmt: skip
+            first = f"{row['first_all_ms']:.1f} → {row['first_care_ms']:.1f}"
+            lines.append(f"| {fam['family']} ({fam['image']}) | {fam['N']} | {row['K']} | {row.get('text_rows', '—')} "
+                         f"| {first} | {row['speedup']:.2f}× | {eager_cell} | {_prefill_cell(fam['family'], row)} | "
+                         f"{_scoring_cell(fam['scoring'])} |")  # fmt: skip
     return lines
 
 

@@ -205,3 +205,12 @@ def test_the_footer_names_each_family_that_decoded_eagerly_by_default_and_why() 
     assert latency._default_decoding(mixed) == (
         "default decoding: CUDA graphs, except eagerly where the static loop cannot run (gemma3: sliding windows)"
     )
+
+
+def test_the_table_gives_each_budget_its_prompts_text_rows_and_marks_targetless_cells() -> None:
+    answer = {"K": 113, "text_rows": 39, "first_all_ms": 30.0, "first_care_ms": 15.0, "speedup": 2.0,
+              "prefill_care_x_floor": 16.0}  # fmt: skip
+    fam = {"family": "qwen3.5", "image": "1024x1024", "N": 1024, "keeps": {"N/9": 113},
+           "scoring": {"scoring_x_floor": 1.25}}  # fmt: skip
+    lines = latency._table({"families": [fam]}, {("qwen3.5", "default", "N/9"): answer})
+    assert lines[2] == "| qwen3.5 (1024x1024) | 1024 | 113 | 39 | 30.0 → 15.0 | 2.00× | — | 16.00 (reported) | 1.25 |"
