@@ -38,6 +38,7 @@ from care_core.scoring import (
     triangular_factor,
     unit_directions,
 )
+from tests._triton_interpreter import run_interpreted
 from tests.core._problems import scene_image
 from tests.core._scoring_paths import fast_only as _fast_only
 from tests.core._scoring_paths import generic as _generic
@@ -410,19 +411,7 @@ print("equal")
 
 
 def test_the_operand_kernel_writes_the_second_layers_input_interpreted() -> None:
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CARE_DISABLE_TRITON": ""}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0 and "only 0-dimensional arrays can be converted" in done.stderr:
-        # as in tests/methods/test_divprune.py: Triton 3.6's interpreter hands a loop bound to range() as a 1-element
-        # array, which NumPy 2.5 refuses; the compiled kernel's CUDA test covers it there
-        pytest.skip("this Triton's interpreter cannot run its loops under this NumPy")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "equal"
+    assert run_interpreted(_INTERPRETED) == "equal"
 
 
 @cuda_only

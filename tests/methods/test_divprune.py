@@ -8,6 +8,7 @@ import torch
 from care_core.errors import MethodError
 from care_core.methods import MethodInputs, build_method
 from care_core.methods.divprune import cosine_distance_matrix, divprune_select
+from tests._triton_interpreter import run_interpreted
 
 from .conftest import GOLDEN_FILES, assert_golden_passes, make_inputs
 
@@ -96,19 +97,7 @@ print("equal", len(cases))
 
 
 def test_fused_kernel_selects_what_the_loop_selects_interpreted() -> None:
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CARE_DISABLE_TRITON": ""}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0 and "only 0-dimensional arrays can be converted" in done.stderr:
-        # Triton 3.6's interpreter hands a loop bound to range() as a 1-element array, which NumPy 2.5 refuses
-        # (seen on the GPU host: triton 3.6.0, numpy 2.5.2); the compiled kernel's CUDA test covers it there
-        pytest.skip("this Triton's interpreter cannot run its loops under this NumPy")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "equal 6"
+    assert run_interpreted(_INTERPRETED) == "equal 6"
 
 
 def test_kernel_setting_is_checked_and_fused_refuses_the_cpu() -> None:
