@@ -84,6 +84,7 @@ from benchmarks.common import (
     say,
     source_state,
 )
+from benchmarks.gpu.context import host_cpu, launch_us
 from benchmarks.models import Builder
 from care_core.backbones.full_size_parts import DEFAULT_TOKENIZER, TASK_TOKENIZER
 from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b
@@ -393,8 +394,11 @@ def environment(device: str) -> dict[str, Any]:
         env["lmms_eval"] = version("lmms_eval")
     except Exception:
         env["lmms_eval"] = None
+    env["host_cpu"] = host_cpu()
     if torch.cuda.is_available():
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["launch_us"] = round(launch_us(torch.device(device)), 2)  # how fast this host feeds the GPU
     return env
 
 

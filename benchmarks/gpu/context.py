@@ -62,7 +62,8 @@ def launch_us(device: torch.device) -> float:
     return statistics.median(rounds[1:])
 
 
-def _host_cpu() -> str | None:
+def host_cpu() -> str | None:
+    """This host's CPU model (Linux: /proc/cpuinfo), else what platform says, None where neither says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             return cpu_model(info.read())
@@ -90,7 +91,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         card=props.name,
         sm_count=props.multi_processor_count,
         memory_gib=round(props.total_memory / 2**30, 1),
-        host_cpu=_host_cpu(),
+        host_cpu=host_cpu(),
         launch_us=round(launch_us(device), 2),
     )
     query = ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm", "--format=csv,noheader"]
