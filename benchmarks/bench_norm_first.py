@@ -1,5 +1,5 @@
 """GPU probe of the jvp engine's norm-first path on the Qwen mergers: the PyTorch path, the fused norm-first kernel
-and the one-pass operand kernel (then cuBLAS), each against the floor.
+and the one-pass operand kernel (then the gemm-norm kernel, or cuBLAS), each against the floor.
 
     python -m benchmarks.bench_norm_first --out benchmarks/results/<date>-gpu-h200-norm-first-paths.json
     python -m benchmarks.bench_norm_first --tiny --device cpu     # smoke test: small widths, the PyTorch path only
@@ -7,12 +7,14 @@ and the one-pass operand kernel (then cuBLAS), each against the floor.
 Per merger (Qwen2.5-VL-7B's: RMSNorm per 2 x 2 patch, 5120 -> 5120 -> 3584; Qwen3-VL-8B's: LayerNorm per patch,
 4608 -> 4608 -> 4096; random weights, random features) at the latency gate's N (its image side at the family's patch
 and merge sizes: 1296 and 1024), m = 64 (CaReConfig's), jvp responses in tf32 through the trapezoidal factor R (what
-a Scorer runs on CUDA), three paths of ``responses_jvp``: kernel "torch" (the PyTorch path), "fused" (the fused
-norm-first kernel) and "auto" (four blocks: the one-pass operand kernel, then cuBLAS's product through R). For each:
+a Scorer runs on CUDA), four paths of ``responses_jvp``: kernel "torch" (the PyTorch path), "fused" (the fused
+norm-first kernel), "auto" (four blocks: the one-pass operand kernel, then the gemm-norm kernel through R) and "auto"
+with the gemm-norm kernel held back (the operand kernel, then cuBLAS's product through R and the norm). For each:
 the median ms, which kernels the call ran, the largest error against the float64 PyTorch path (relative to the
 largest response) and the time over the floor, 2 m N r FLOPs at the tf32 rate of an 8192^3 matmul measured in the
-same run (r: multiply-adds per row through R). Beside them the one-pass path's parts: the operand written by the
-kernel and by PyTorch, and the products through R alone, for all m directions.
+same run (r: multiply-adds per row through R). Beside them the one-pass path's parts, for all m directions: the
+operand written by the kernel and by PyTorch, the products through R alone, the products and their norms, and the
+gemm-norm kernel (the products' norms without the products), with the tile its autotuner chose.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from care_core.backbones.qwen2_5_vl.adapter import QwenMergerProjector
 from care_core.backbones.qwen3_vl.adapter import Qwen3VLMergerProjector
 from care_core.flops.specs import KNOWN_BACKBONES
 from care_core.kernels import dispatch
-from care_core.kernels.dispatch import Kernel
+from care_core.kernels.dispatch import Kernel, KernelGate
 from care_core.precision import matmul_precision
 from care_core.scoring import (
     _activation_slope,
@@ -50,12 +52,15 @@ from care_core.scoring import (
 )
 
 FAMILIES = ("qwen2.5-vl", "qwen3-vl")
-#: (label, kernel setting): what each timed call asks the gate for
-PATHS: tuple[tuple[str, Kernel], ...] = (
-    ("PyTorch path", "torch"),
-    ("fused norm-first kernel", "fused"),
-    ("one-pass operand + cuBLAS", "auto"),
+#: (label, kernel setting, fused kernels held back): what each timed call asks the gate for
+PATHS: tuple[tuple[str, Kernel, tuple[str, ...]], ...] = (
+    ("PyTorch path", "torch", ()),
+    ("fused norm-first kernel", "fused", ()),
+    ("one-pass operand + cuBLAS", "auto", ("gemm_norm",)),
+    ("one-pass operand + gemm-norm kernel", "auto", ()),
 )
+#: the fused entry points a call may reach (:func:`ran_kernels` lists those it did)
+ENTRY_POINTS = ("norm_first_norms", "norm_first_operand", "gemm_norms")
 TINY = {"vision_hidden": 32, "out": 48, "n": 64}  # --tiny: 128 -> 128 -> 48, N = 64
 DURATION = "about a minute on one H200 (both mergers, float64 references included); --tiny on a CPU: seconds"
 
@@ -78,7 +83,7 @@ def merger(family: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Modu
 def ran_kernels(call: Any) -> tuple[Any, list[str]]:
     """``call()`` and the fused entry points it reached (none: the PyTorch path)."""
     ran: list[str] = []
-    saved = {name: getattr(dispatch, name) for name in ("norm_first_norms", "norm_first_operand")}
+    saved = {name: getattr(dispatch, name) for name in ENTRY_POINTS}
 
     def counted(name: str, real: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -97,9 +102,10 @@ def ran_kernels(call: Any) -> tuple[Any, list[str]]:
 
 
 def parts(projector: torch.nn.Module, features: torch.Tensor, u: torch.Tensor, r: torch.Tensor, clock: Clock,
-          reps: int) -> dict[str, float]:  # fmt: skip
+          reps: int) -> dict[str, Any]:  # fmt: skip
     """Median ms of the one-pass path's parts over all m directions: the operand by the kernel (CUDA) and by
-    PyTorch, and the chunks' products through R."""
+    PyTorch, the chunks' products through R, those products and their norms (the cuBLAS step), and the gemm-norm
+    kernel's norms (CUDA), with the tile its autotuner chose."""
     desc = _as_norm_first(projector)
     assert desc is not None
     with torch.no_grad(), matmul_precision(allow_tf32=True):
@@ -117,10 +123,27 @@ def parts(projector: torch.nn.Module, features: torch.Tensor, u: torch.Tensor, r
         def every_chunk(write: Any) -> Any:
             return lambda: [write(a, b) for a, b in chunks]
 
-        out = {key: clock.median(every_chunk(w), reps=reps, warmup=2) for key, w in writers.items()}
-        out["products_through_r_ms"] = clock.median(lambda: [_upper_products(flat, r) for _ in chunks], reps=reps,
-                                                    warmup=2)  # fmt: skip
+        out: dict[str, Any] = {key: clock.median(every_chunk(w), reps=reps, warmup=2) for key, w in writers.items()}
+        steps: dict[str, Any] = {
+            "products_through_r_ms": partial(_upper_products, flat, r),
+            "products_through_r_and_norms_ms": lambda: _upper_products(flat, r).norm(dim=-1),
+        }
+        if features.is_cuda:
+            weight = dispatch.gemm_norm_operand(r, bf16=False)
+            steps["gemm_norms_through_r_ms"] = partial(dispatch.gemm_norms, flat, weight, bf16=False, upper=True,
+                                                       rounded=True)  # fmt: skip
+        for key, run in steps.items():
+            out[key] = clock.median(partial(_repeated, run, len(chunks)), reps=reps, warmup=2)
+        if features.is_cuda:
+            from care_core.kernels.gemm_norm import chosen_config  # Triton: CUDA runs only
+
+            out["gemm_norm_config"] = chosen_config(False, r.shape[0])
     return out
+
+
+def _repeated(run: Any, times: int) -> list[Any]:
+    """``run()`` ``times`` times (a step once per chunk)."""
+    return [run() for _ in range(times)]
 
 
 def bench_family(family: str, args: Any, device: torch.device, clock: Clock, tf32_tflops: float) -> dict[str, Any]:
@@ -141,9 +164,10 @@ def bench_family(family: str, args: Any, device: torch.device, clock: Clock, tf3
     out: dict[str, Any] = {"family": family, "spec": FULL_SIZE[family].spec, "N": n, "m": cfg.m, "d_in": d_in,
                            "d_h": d_h, "d_out": d_out, "blocks": desc.blocks, "floor_macs": macs,
                            "floor_ms": floor_ms(macs, tf32_tflops), "paths": []}  # fmt: skip
-    for label, kernel in PATHS:
-        row: dict[str, Any] = {"path": label, "kernel": kernel}
-        call = partial(responses_jvp, features, projector, u, "tf32", kernel=kernel, factor=r)
+    for label, kernel, held in PATHS:
+        row: dict[str, Any] = {"path": label, "kernel": kernel, "held_back": list(held)}
+        gate = KernelGate(kernel, failed=dict.fromkeys(held, "held back by the benchmark"))  # "auto" skips these
+        call = partial(responses_jvp, features, projector, u, "tf32", kernel=gate, factor=r)
         try:
             got, row["ran"] = ran_kernels(call)
             row["ms"] = clock.median(call, reps=args.reps, warmup=2)

@@ -15,7 +15,8 @@ Two engines compute the response matrix C (m, N):
   ``torch.func.jvp``.
   On CUDA with bf16 matmuls that MLP path is one fused Triton kernel (``care_core.kernels``; also
   for tf32 with ``kernel="fused"``); the norm-first path has a fused kernel of its own and a one-pass writer of its
-  second layer's input (``care_core.kernels``); the CPU path is plain PyTorch.
+  second layer's input, followed where it runs by a kernel for the norms through R (``care_core.kernels``); the CPU
+  path is plain PyTorch.
 
 The functions are pure: every call computes what it needs (directions, a converted projector) and
 decides its kernel afresh. :class:`Scorer` is the user-owned object that keeps those between calls.
@@ -38,7 +39,12 @@ from care_core._chunks import chunk_size as _chunk_size
 from care_core._memo import remember
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
-from care_core.kernels.shapes import jvp_shape_supported, norm_first_operand_supported, norm_first_shape_supported
+from care_core.kernels.shapes import (
+    gemm_norm_shape_supported,
+    jvp_shape_supported,
+    norm_first_operand_supported,
+    norm_first_shape_supported,
+)
 from care_core.norm_first import NormFirstMLP, NormLinear
 from care_core.precision import matmul_precision
 
@@ -407,23 +413,58 @@ def _second_layer_input(prepared: norm_first.FirstLayer, slope: torch.Tensor, st
     return tangent
 
 
+def _gemm_norm_applies(
+    features: torch.Tensor, second: torch.Tensor, low: torch.dtype | None, tf32: bool, upper: bool
+) -> bool:
+    """What the gemm-norm kernel computes after the operand kernel: ||R t|| per row through the upper factor
+    (triangle or trapezoid; a dense W2 stays on cuBLAS), float32 rows, tf32 or bf16 products (float32 products and
+    float64 stay on the PyTorch path), its shapes. Device and Triton are checked by the gate.
+
+    "auto" runs it wherever the operand kernel runs and this applies (the Qwen mergers through R on CUDA): the
+    operand kernel's rows, then this kernel, instead of cuBLAS's products through R's column blocks (1.2x the
+    trapezoid's multiply-adds, the (N·c, d_out) product written and read back for the norm; 1.8x the floor on an
+    H200). Its own speed is unmeasured until a GPU run of ``benchmarks.bench_norm_first``.
+    """
+    if features.dtype != torch.float32 or not upper:
+        return False
+    if low is None and not tf32:
+        return False  # float32 products: cuBLAS
+    if low is not None and low != torch.bfloat16:
+        return False
+    return gemm_norm_shape_supported(second.shape[1], second.shape[0], upper=True)
+
+
+def _product_norms(flat: torch.Tensor, second: torch.Tensor, low: torch.dtype | None, upper: bool) -> torch.Tensor:
+    """||second t|| for every row t of ``flat`` (M, d_h): cuBLAS's product (bf16 operands where ``low``, norms
+    accumulated in float32; through the upper factor's column blocks where ``upper``), then the norm."""
+    flat = flat if low is None else flat.to(low)
+    out = _upper_products(flat, second) if upper else flat @ second.T
+    if low is not None:
+        out = out.float()
+    return out.norm(dim=-1)
+
+
+def _gemm_row_norms(second: torch.Tensor, low: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`care_core.kernels.dispatch.gemm_norms` through the upper factor ``second``, converted to the kernel's
+    operand (bf16, or float32 rounded to tf32) once for all chunks rather than once per chunk."""
+    bf16 = low is not None
+    weight = dispatch.gemm_norm_operand(second, bf16=bf16)
+    return partial(dispatch.gemm_norms, r=weight, bf16=bf16, upper=True, rounded=True)
+
+
 def _norm_first_rows(
-    operand: Callable[[int, int], torch.Tensor], second: torch.Tensor, low: torch.dtype | None, upper: bool,
-    n: int, m: int, dtype: torch.dtype,
+    operand: Callable[[int, int], torch.Tensor], row_norms: Callable[[torch.Tensor], torch.Tensor],
+    second: torch.Tensor, n: int, m: int, dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     """||second t_ix||, (m, N) in ``dtype``, from the second layer's inputs t (N, c, d_h) that ``operand(start, stop)``
-    writes per chunk of directions: one product per chunk (bf16 operands where ``low``, norms accumulated in float32;
-    through the upper factor where ``upper``), then the norms."""
+    writes per chunk of directions; ``row_norms`` takes a chunk's (N·c, d_h) rows to their (N·c,) norms
+    (:func:`_product_norms`, or the gemm-norm kernel)."""
     hidden = second.shape[1]
     step = _chunk_size(m, n * max(hidden, second.shape[0]))  # a chunk holds (N, c, d_h) inputs, (N c, d_out) out
     rows = []
     for start in range(0, m, step):
         flat = operand(start, min(m, start + step)).reshape(-1, hidden)
-        flat = flat if low is None else flat.to(low)
-        out = _upper_products(flat, second) if upper else flat @ second.T
-        if low is not None:
-            out = out.float()
-        rows.append(out.view(n, -1, out.shape[-1]).norm(dim=-1).T.to(dtype))
+        rows.append(row_norms(flat).view(n, -1).T.to(dtype))
     return torch.cat(rows)
 
 
@@ -446,7 +487,9 @@ def _jvp_norm_mlp(
     m N d_h d_out (through R: :func:`~care_core._chunks.upper_macs`), against the generic path's (m + 2 chunks)
     F_M(N). ``low``: bf16 operands for the second-layer product (norms accumulated in float32). Where the gate
     allows, the act', second-layer and norm steps run fused (:mod:`care_core.kernels.jvp_norm_first`); else the
-    second layer's input is written in one pass (:mod:`care_core.kernels.norm_first_operand`) or by PyTorch.
+    second layer's input is written in one pass (:mod:`care_core.kernels.norm_first_operand`) or by PyTorch, and
+    the product through R and the norms run in one kernel where :func:`_gemm_norm_applies`
+    (:mod:`care_core.kernels.gemm_norm`; after the one-pass writer only), else by cuBLAS then a norm.
     """
     prepared = norm_first.first_layer(desc, features, directions)
     slope = _activation_slope(desc.act, prepared.pre)  # act'(W1 norm(v) + b1), (N, d_h)
@@ -458,16 +501,38 @@ def _jvp_norm_mlp(
         if fused is not None:
             return fused.to(features.dtype)
     second = second if low is None else second.to(low)
-    n, m = features.shape[0], directions.shape[0]
-    norms = partial(_norm_first_rows, second=second, low=low, upper=upper, n=n, m=m, dtype=features.dtype)
-    one_pass_applies = _norm_first_operand_applies(features, desc)
-    if gate.choose("norm_first_operand", features.device, applies=one_pass_applies) == "fused":
-        p = prepared
-        operand = partial(dispatch.norm_first_operand, slope, p.lifted, p.inverse, p.coef, p.partial)
-        one_pass = gate.attempt("norm_first_operand", lambda: norms(operand))
+    rows = partial(_norm_first_rows, second=second, n=features.shape[0], m=directions.shape[0], dtype=features.dtype)
+    by_product = partial(_product_norms, second=second, low=low, upper=upper)
+    device = features.device
+    if gate.choose("norm_first_operand", device, applies=_norm_first_operand_applies(features, desc)) == "fused":
+        gemm_applies = _gemm_norm_applies(features, second, low, tf32, upper)
+        gemm = gate.choose("gemm_norm", device, applies=gemm_applies) == "fused"
+        one_pass = _one_pass_rows(
+            prepared, slope, gate, rows, by_product, partial(_gemm_row_norms, second, low) if gemm else None
+        )
         if one_pass is not None:
             return one_pass
-    return norms(partial(_second_layer_input, prepared, slope))
+    return rows(partial(_second_layer_input, prepared, slope), by_product)
+
+
+def _one_pass_rows(
+    prepared: norm_first.FirstLayer, slope: torch.Tensor, gate: KernelGate,
+    rows: Callable[..., torch.Tensor], by_product: Callable[[torch.Tensor], torch.Tensor],
+    gemm: Callable[[], Callable[[torch.Tensor], torch.Tensor]] | None,
+) -> torch.Tensor | None:  # fmt: skip
+    """The responses from the operand kernel's rows (:func:`_norm_first_rows`), through the gemm-norm kernel where
+    ``gemm`` (its row norms' maker) is given, else ``by_product``; None where the kernels cannot be built ("auto").
+
+    The operand kernel's first build runs inside the gemm-norm attempt: its failure there is booked to "gemm_norm"
+    as well as (on the retry by product) to "norm_first_operand". In "auto" that costs nothing (the gemm-norm kernel
+    runs only after the operand kernel); in "fused" the error names the gemm-norm kernel and quotes the operand's."""
+    p = prepared
+    operand = partial(dispatch.norm_first_operand, slope, p.lifted, p.inverse, p.coef, p.partial)
+    if gemm is not None:
+        through = gate.attempt("gemm_norm", lambda: rows(operand, gemm()))
+        if through is not None:
+            return through
+    return gate.attempt("norm_first_operand", lambda: rows(operand, by_product))
 
 
 def _jvp_norm_linear(

@@ -10,7 +10,10 @@ Nothing here imports Triton until a fused kernel runs: ``import care_core`` neve
 - :mod:`care_core.kernels.jvp_norm_first`: the same for a norm-first projector (the Qwen mergers, InternVL3's),
   its operand built in registers from the lifted directions and the norm's per-block terms.
 - :mod:`care_core.kernels.norm_first_operand`: the norm-first path's second-layer input, written in one pass
-  (where the fused kernel above does not run); cuBLAS's product and the norm follow.
+  (where the fused kernel above does not run); then the next kernel, or cuBLAS's product and the norm.
+- :mod:`care_core.kernels.gemm_norm`: those inputs' norms through the second layer's upper factor R, ``||R t||``
+  per row, the product's tiles reduced in the epilogue (never written), each output block's K loop starting at its
+  first column (R's zeros skipped).
 - :mod:`care_core.kernels.greedy`: Eq. 3's K sequential greedy steps in one single-block kernel over a
   precomputed cosine Gram matrix: one launch, no host synchronisation, no per-step launches.
 - :mod:`care_core.kernels.divprune`: DivPrune's max-min greedy for B images in one launch (one program per

@@ -173,6 +173,22 @@ def norm_first_operand(
     return run(slope, lifted, inverse, coef, partial, start, stop)
 
 
+def gemm_norms(rows: torch.Tensor, r: torch.Tensor, *, bf16: bool, upper: bool, rounded: bool = False) -> torch.Tensor:
+    """The gemm-norm kernel, ||R t|| per row (:func:`care_core.kernels.gemm_norm.gemm_norms`); imports Triton when
+    called."""
+    from care_core.kernels.gemm_norm import gemm_norms as run
+
+    return run(rows, r, bf16=bf16, upper=upper, rounded=rounded)
+
+
+def gemm_norm_operand(r: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+    """R as the gemm-norm kernel reads it (:func:`care_core.kernels.gemm_norm.r_operand`), for ``rounded=True``;
+    imports Triton when called."""
+    from care_core.kernels.gemm_norm import r_operand
+
+    return r_operand(r, bf16=bf16)
+
+
 def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
     """The fused greedy kernel (:func:`care_core.kernels.greedy.greedy_order`); imports Triton when called."""
     from care_core.kernels.greedy import greedy_order as run

@@ -35,6 +35,19 @@ def norm_first_operand_supported(blocks: int) -> bool:
     return 1 <= blocks <= NORM_FIRST_OPERAND_MAX_BLOCKS
 
 
+#: what the gemm-norm kernel (rows through the second layer's factor, then their norms) tiles without masks: d_h a
+#: multiple of its K tile, d_out of its narrowest output tile (whose first column starts an upper factor's K loop)
+GEMM_NORM_K_MULTIPLE = JVP_K_MULTIPLE
+GEMM_NORM_OUT_MULTIPLE = 128
+
+
+def gemm_norm_shape_supported(hidden: int, out_dim: int, *, upper: bool) -> bool:
+    """Shapes the gemm-norm kernel takes without masks: R (out_dim, hidden), no taller than wide where ``upper``
+    (an upper triangle or trapezoid: each output block's K loop starts at its first column, inside R)."""
+    fits = hidden % GEMM_NORM_K_MULTIPLE == 0 and out_dim % GEMM_NORM_OUT_MULTIPLE == 0
+    return fits and (out_dim <= hidden or not upper)
+
+
 #: token rows from which the fused jvp kernel is tuned as for a batch of images (see :func:`size_class`)
 BATCH_ROWS = 4096
 
