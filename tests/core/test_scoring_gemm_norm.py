@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import subprocess
-import sys
 import warnings
 from typing import Any
 
@@ -27,6 +24,7 @@ from care_core.kernels.dispatch import KernelGate
 from care_core.kernels.shapes import gemm_norm_shape_supported
 from care_core.norm_first import NormFirstMLP
 from care_core.scoring import _gemm_norm_applies, _jvp_norm_mlp, responses_jvp, triangular_factor, unit_directions
+from tests._triton_interpreter import run_interpreted
 from tests.core._scoring_paths import relative as _relative
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -220,15 +218,7 @@ print("equal")
 
 
 def test_the_gemm_norm_kernel_interpreted() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CARE_DISABLE_TRITON": ""}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0 and "only 0-dimensional arrays can be converted" in done.stderr:
-        # as in tests/methods/test_divprune.py: Triton 3.6's interpreter hands a loop bound to range() as a 1-element
-        # array, which NumPy 2.5 refuses; the compiled kernel's CUDA test covers it there
-        pytest.skip("this Triton's interpreter cannot run its loops under this NumPy")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "equal"
+    assert run_interpreted(_INTERPRETED) == "equal"
 
 
 # --------------------------------------------------------------------------------------------------- CUDA
