@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -608,8 +609,24 @@ BEGIN, END = (
 
 def newest_result(folder: Path = RESULTS) -> Path | None:
     """The newest committed result of this benchmark that names its commit (file names start with the date)."""
-    found = [p for p in sorted(folder.glob("*-eval-gpu-*.json")) if "source" in json.loads(p.read_text("utf-8"))]
+    found = _committed(folder)
     return found[-1] if found else None
+
+
+def _committed(folder: Path) -> list[Path]:
+    """The committed results that name their commit, oldest first (file names start with the date)."""
+    return [p for p in sorted(folder.glob("*-eval-gpu-*.json")) if "source" in json.loads(p.read_text("utf-8"))]
+
+
+def newest_per_backbone(folder: Path = RESULTS) -> list[tuple[Path, list[str]]]:
+    """Each committed result that is the newest for some backbone, oldest first, with those backbones: a run of a
+    few families never hides another family's newest figures, and a superseded family's rows are never shown."""
+    owner: dict[str, Path] = {}
+    for path in _committed(folder):
+        for name in json.loads(path.read_text("utf-8")).get("backbones", {}):
+            owner[name] = path
+    files = sorted(set(owner.values()))
+    return [(path, [name for name, where in owner.items() if where == path]) for path in files]
 
 
 def _rate_cell(row: dict[str, Any] | None) -> str:
@@ -628,8 +645,10 @@ def _stage_line(name: str, stages: dict[str, Any]) -> str:
     )
 
 
-def render_markdown(results: dict[str, Any], name: str) -> str:
-    """The docs' block for a result named ``name``: per backbone and setting its rate, the targets, the stages."""
+def render_markdown(results: dict[str, Any], name: str, backbones: Sequence[str] | None = None) -> str:
+    """The docs' block for a result named ``name``: per backbone and setting its rate, the targets, the stages;
+    ``backbones``: only these (default: all the result ran)."""
+    results = results if backbones is None else _only(results, set(backbones))
     source = results["source"]
     commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
     lines = ["| backbone (image), CaRe K | procs | all tokens: samples/s (batch, peak GiB) | CaRe: samples/s (batch, "
@@ -659,11 +678,26 @@ def render_markdown(results: dict[str, Any], name: str) -> str:
 
 def write_docs(root: Path = ROOT) -> bool:
     """Rewrite :data:`DOC_FILE`'s block from the newest committed result; returns whether it changed."""
-    newest = newest_result(root / "benchmarks" / "results")
-    if newest is None:
+    return replace_block(root / DOC_FILE, BEGIN, END, docs_block(root / "benchmarks" / "results"))
+
+
+def docs_block(folder: Path = RESULTS) -> str:
+    """The docs' block: each backbone's figures from its newest committed result (:func:`newest_per_backbone`)."""
+    newest = newest_per_backbone(folder)
+    if not newest:
         raise fail("no committed care eval result that names its commit (benchmarks/results/*-eval-gpu-*.json)")
-    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
-    return replace_block(root / DOC_FILE, BEGIN, END, block)
+    return "\n".join(render_markdown(json.loads(path.read_text(encoding="utf-8")), path.name, names)
+                     for path, names in newest)  # fmt: skip
+
+
+def _only(results: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """``results`` with only the rows, targets, stages and preprocessing shares of the backbones ``names``."""
+    return results | {
+        "rows": [row for row in results["rows"] if row["backbone"] in names],
+        "targets": [t for t in results["targets"] if t["where"].split()[0] in names],
+        "backbones": {name: done for name, done in results["backbones"].items() if name in names},
+        "preprocessing_share": [s for s in results["preprocessing_share"] if s["backbone"] in names],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ at the same batch size, 2 processes over one, and each issue target MET or NOT M
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from pytest import approx
@@ -160,11 +161,38 @@ def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_tim
     assert block.rstrip().endswith("commit 0123456789).")
 
 
-def test_docs_hold_the_newest_eval_result_as_rendered() -> None:
-    newest = bench_eval_gpu.newest_result()
-    assert newest is not None, "no committed care eval result naming its commit in benchmarks/results"
-    block = bench_eval_gpu.render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+def test_docs_hold_each_backbones_newest_eval_result_as_rendered() -> None:
+    assert bench_eval_gpu.newest_result() is not None, "no committed care eval result naming its commit"
     text = (bench_eval_gpu.ROOT / bench_eval_gpu.DOC_FILE).read_text(encoding="utf-8")
+    block = bench_eval_gpu.docs_block()
     assert bench_eval_gpu.BEGIN + "\n" + block + bench_eval_gpu.END in text, (
         "run python -m benchmarks.bench_eval_gpu --docs"
+    )
+
+
+def _eval_result(path: Path, backbones: list[str]) -> None:
+    rows = [_eval_row(name, method, 1, rate) for name in backbones for method, rate in ((None, 10.0), ("care", 30.0))]
+    for row in rows:
+        row |= {"peak_gpu_memory_gib": 20.0, "keep": None if row["method"] is None else 100, "samples": 12}
+    bench_eval_gpu.add_ratios(rows)
+    results = {"source": {"commit": path.stem[:10], "dirty": False}, "environment": {"gpus": ["H200"]}, "rows": rows,
+               "targets": bench_eval_gpu.targets(rows), "preprocessing_share": [],
+               "backbones": {name: {"stages": None} for name in backbones}}  # fmt: skip
+    path.write_text(json.dumps(results), encoding="utf-8")
+
+
+def test_docs_show_each_backbone_from_its_newest_result_only(tmp_path: Path) -> None:
+    _eval_result(tmp_path / "2026-01-01-000000-eval-gpu-h200.json", ["llava-next-7b", "qwen2.5-vl-7b"])
+    _eval_result(tmp_path / "2026-01-02-000000-eval-gpu-h200.json", ["qwen2.5-vl-7b", "internvl3-8b"])
+    (tmp_path / "2026-01-03-000000-eval-gpu-h200.json").write_text(json.dumps({"rows": []}), encoding="utf-8")
+    newest = bench_eval_gpu.newest_per_backbone(tmp_path)
+    assert [(path.name[:10], names) for path, names in newest] == [
+        ("2026-01-01", ["llava-next-7b"]), ("2026-01-02", ["qwen2.5-vl-7b", "internvl3-8b"])]  # fmt: skip
+    block = bench_eval_gpu.docs_block(tmp_path)
+    assert block.count("| qwen2.5-vl-7b (1008²)") == 1  # the older file's Qwen2.5-VL row is superseded
+    assert block.count("| llava-next-7b (task images)") == 1 and block.count("| internvl3-8b (672²)") == 1
+    assert (
+        block.index("llava-next-7b")
+        < block.index("Source: `benchmarks/results/2026-01-01")
+        < block.index("| qwen2.5-vl-7b")
     )
