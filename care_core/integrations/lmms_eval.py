@@ -97,6 +97,8 @@ if TYPE_CHECKING:
     from care_core.backbones.base import VLMAdapter
 
 DEFAULT_MAX_NEW_TOKENS = 128
+WARM_UP_SIDE = 336  # px: the warm-up's grey picture (CareLMM.warm_up), doubled while a keep budget exceeds its N
+WARM_UP_MAX_SIDE = 2688  # px: the largest it grows to
 _Answer = tuple[str, int, int, float]  # (answer, visual rows fed, N, seconds) of one request
 
 
@@ -329,9 +331,7 @@ class CareLMM(lmms):
         CUDA graphs captured for this batch size) that would otherwise land on the first timed samples of the first
         setting. A batch that runs out of memory here is split as in a run, so the run starts at a size that fits.
         """
-        from PIL import Image
-
-        grey = Image.new("RGB", (336, 336), (128, 128, 128))
+        grey = self._warm_up_picture()
         adapter: Any = self.adapter
         if adapter.device.type == "cuda" and hasattr(adapter, "processor_pool"):  # start the workers now, untimed
             pool = adapter.processor_pool()
@@ -341,6 +341,23 @@ class CareLMM(lmms):
                                                                                    len(chunk), 2))  # fmt: skip
         if self.batch_size > 1:  # and one image: the kernels tune once per size class (kernels.shapes.size_class),
             self.answer_batch([grey], [DEFAULT_QUESTION], 2)  # and a run's last, smaller batch can fall in the other
+
+    def _warm_up_picture(self) -> Image.Image:
+        """A grey picture of :data:`WARM_UP_SIDE` px, its side doubled (up to :data:`WARM_UP_MAX_SIDE`) while a keep
+        budget's K exceeds its N: where N grows with the image (Qwen, InternVL's tiles), 336 px give Qwen3-VL 100
+        tokens, fewer than the K = 113 of a 1024 px task, and the warm-up would fail a run its images allow. A
+        backbone whose N is fixed keeps its N, and a K above it fails here as it would on every sample."""
+        from PIL import Image
+
+        budget = self.spec.budget if self.spec.method is not None else None
+        side = WARM_UP_SIDE
+        while True:
+            grey = Image.new("RGB", (side, side), (128, 128, 128))
+            if budget is None or budget.kind != "keep" or side >= WARM_UP_MAX_SIDE:
+                return grey
+            if self.adapter.encode_image(grey).num_tokens >= int(budget.value):
+                return grey
+            side *= 2
 
     def generate_until(self, requests: Sequence[Any]) -> list[str]:
         """Answers in request order. Requests are grouped by generation settings (max_new_tokens, until) and

@@ -224,6 +224,16 @@ def test_warm_up_answers_through_the_reduced_path_and_records_nothing(llava: Any
     assert spy.counts == [40] and lm.records == []
 
 
+def test_warm_up_picture_grows_until_a_keep_budget_fits_where_n_grows_with_the_image() -> None:
+    qwen = load_backbone("tiny-qwen3-vl", device="cpu")  # 32 px a token: a 336 px picture has 10 x 10 = 100 tokens
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-qwen3-vl", method="care", keep=113), qwen)
+    assert lm._warm_up_picture().size == (672, 672)  # 21 x 21 = 441 tokens >= 113; 336 px would fail the run
+    lm.warm_up()
+    assert lm.records == []
+    fits = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-qwen3-vl", method="care", keep=100), qwen)
+    assert fits._warm_up_picture().size == (336, 336)
+
+
 def test_model_args_are_checked_before_loading() -> None:
     with pytest.raises(ModelArgsError, match="unknown key 'kep'"):
         plugin.CareLMM(pretrained="tiny-llava", method="care", kep=64)
