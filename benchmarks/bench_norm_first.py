@@ -1,15 +1,17 @@
-"""GPU probe of the jvp engine's norm-first path on the Qwen mergers: the PyTorch path, the fused norm-first kernel
-and the one-pass operand kernel (then the gemm-norm kernel, or cuBLAS), each against the floor.
+"""GPU probe of the jvp engine's norm-first path on the Qwen mergers and InternVL3's projector: the PyTorch path, the
+fused norm-first kernel and the one-pass operand kernel (then the gemm-norm kernel, or cuBLAS), each against the
+floor.
 
     python -m benchmarks.bench_norm_first --out benchmarks/results/<date>-gpu-h200-norm-first-paths.json
     python -m benchmarks.bench_norm_first --tiny --device cpu     # smoke test: small widths, the PyTorch path only
 
-Per merger (Qwen2.5-VL-7B's: RMSNorm per 2 x 2 patch, 5120 -> 5120 -> 3584; Qwen3-VL-8B's: LayerNorm per patch,
-4608 -> 4608 -> 4096; random weights, random features) at the latency gate's N (its image side at the family's patch
-and merge sizes: 1296 and 1024), m = 64 (CaReConfig's), jvp responses in tf32 through the trapezoidal factor R (what
-a Scorer runs on CUDA), four paths of ``responses_jvp``: kernel "torch" (the PyTorch path), "fused" (the fused
-norm-first kernel), "auto" (four blocks: the one-pass operand kernel, then the gemm-norm kernel through R) and "auto"
-with the gemm-norm kernel held back (the operand kernel, then cuBLAS's product through R and the norm). For each:
+Per projector (Qwen2.5-VL-7B's merger: RMSNorm per 2 x 2 patch, 5120 -> 5120 -> 3584; Qwen3-VL-8B's: LayerNorm per
+patch, 4608 -> 4608 -> 4096; InternVL3-8B's: one LayerNorm, 4096 -> 3584 -> 3584; random weights, random features)
+at the latency gate's N (1296, 1024 and 1280), m = 64 (CaReConfig's), jvp responses in tf32 through the triangular or
+trapezoidal factor R (what a Scorer runs on CUDA), the paths of ``responses_jvp``: kernel "torch" (the PyTorch path),
+"fused" (the fused norm-first kernel), "auto" (what a Scorer runs: the fused kernel for one block, else the one-pass
+operand kernel then the gemm-norm kernel through R), and "auto" with kernels held back: the fused kernel (the operand
+and gemm-norm kernels), and it and the gemm-norm kernel (the operand kernel, then cuBLAS's product and norm). For each:
 the median ms, which kernels the call ran, the largest error against the float64 PyTorch path (relative to the
 largest response) and the time over the floor, 2 m N r FLOPs at the tf32 rate of an 8192^3 matmul measured in the
 same run (r: multiply-adds per row through R). Beside them the one-pass path's parts, for all m directions: the
@@ -24,6 +26,8 @@ from functools import partial
 from typing import Any
 
 import torch
+from transformers import InternVLConfig
+from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMerger
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
@@ -37,6 +41,7 @@ from care_core import CaReConfig, norm_first
 from care_core.backbones.qwen2_5_vl.adapter import QwenMergerProjector
 from care_core.backbones.qwen3_vl.adapter import Qwen3VLMergerProjector
 from care_core.flops.specs import KNOWN_BACKBONES
+from care_core.flops.tokens import visual_tokens
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate
 from care_core.precision import matmul_precision
@@ -51,18 +56,19 @@ from care_core.scoring import (
     unit_directions,
 )
 
-FAMILIES = ("qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen2.5-vl", "qwen3-vl", "internvl3")
 #: (label, kernel setting, fused kernels held back): what each timed call asks the gate for
 PATHS: tuple[tuple[str, Kernel, tuple[str, ...]], ...] = (
     ("PyTorch path", "torch", ()),
     ("fused norm-first kernel", "fused", ()),
-    ("one-pass operand + cuBLAS", "auto", ("gemm_norm",)),
-    ("one-pass operand + gemm-norm kernel", "auto", ()),
+    ("auto (a Scorer's path)", "auto", ()),
+    ("one-pass operand + cuBLAS", "auto", ("jvp_norm_first", "gemm_norm")),
+    ("one-pass operand + gemm-norm kernel", "auto", ("jvp_norm_first",)),
 )
 #: the fused entry points a call may reach (:func:`ran_kernels` lists those it did)
 ENTRY_POINTS = ("norm_first_norms", "norm_first_operand", "gemm_norms")
 TINY = {"vision_hidden": 32, "out": 48, "n": 64}  # --tiny: 128 -> 128 -> 48, N = 64
-DURATION = "about a minute on one H200 (both mergers, float64 references included); --tiny on a CPU: seconds"
+DURATION = "about a minute on one H200 (three projectors, float64 references included); --tiny on a CPU: seconds"
 
 
 def merger(family: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Module, int]:
@@ -73,10 +79,14 @@ def merger(family: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Modu
     torch.manual_seed(0)
     if family == "qwen2.5-vl":
         module: torch.nn.Module = QwenMergerProjector(Qwen2_5_VLPatchMerger(out, hidden, spatial_merge_size=merge))
-    else:
+    elif family == "qwen3-vl":
         config = Qwen3VLVisionConfig(hidden_size=hidden, out_hidden_size=out, spatial_merge_size=merge)
         module = Qwen3VLMergerProjector(Qwen3VLVisionPatchMerger(config))
-    n = TINY["n"] if tiny else (FULL_SIZE[family].side // (vit.patch_size * merge)) ** 2
+    else:  # InternVL3: the model's own projector, LayerNorm(4 d_v) -> Linear -> GELU -> Linear (pixel shuffle 0.5)
+        shape = InternVLConfig(vision_config={"hidden_size": hidden}, text_config={"hidden_size": out})
+        module = InternVLMultiModalProjector(shape)
+    side = FULL_SIZE[family].side
+    n = TINY["n"] if tiny else visual_tokens(spec, side, side).tokens
     return module.to(device=device, dtype=torch.float32).eval(), n
 
 

@@ -422,8 +422,9 @@ def _gemm_norm_applies(
 
     "auto" runs it wherever the operand kernel runs and this applies (the Qwen mergers through R on CUDA): the
     operand kernel's rows, then this kernel, instead of cuBLAS's products through R's column blocks (1.2x the
-    trapezoid's multiply-adds, the (N·c, d_out) product written and read back for the norm; 1.8x the floor on an
-    H200). Its own speed is unmeasured until a GPU run of ``benchmarks.bench_norm_first``.
+    trapezoid's multiply-adds, the (N·c, d_out) product written and read back for the norm): on an H200 the path
+    went from 1.81x to 1.59x its floor on Qwen2.5-VL-7B's merger, from 1.90x to 1.75x on Qwen3-VL-8B's
+    (benchmarks/results/2026-11-29-182208-gpu-h200-norm-first.json).
     """
     if features.dtype != torch.float32 or not upper:
         return False
