@@ -1,7 +1,7 @@
 """Throughput of `care eval` at full scale (issue #22): LLaVA-NeXT-7B with CaRe K=160 and LLaVA-1.5-7B with CaRe
 K=64 (random weights, bf16), each next to the unreduced model at the same batch size; and (issue #47, when named in
 ``--backbones``) LLaVA-OneVision-7B, Qwen2.5-VL-7B, Qwen3-VL-8B and InternVL3-8B at the latency gate's image sides
-with K = floor(N/9), each with its stages per sample.
+with K = floor(N/9); each backbone with its stages per sample.
 
     python -m benchmarks.bench_eval_gpu --backbones llava-onevision-7b,qwen2.5-vl-7b,qwen3-vl-8b,internvl3-8b
 
@@ -507,8 +507,8 @@ def batch_label(row: dict[str, Any]) -> str:
 
 
 def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: Path, task: Path) -> dict[str, Any]:
-    """Build and save one backbone, time its preprocessing, run its care eval commands and (a backbone of issue #47)
-    time its stages in this process; its folder is removed."""
+    """Build and save one backbone, time its preprocessing, run its care eval commands and time its stages in this
+    process; its folder is removed."""
     folder = work / f"{name}-{'tiny' if args.tiny else 'random'}"
     side = BACKBONES[name].side
     if side is not None:  # the gate's image side: the task's images resized, in a task of this backbone's own
@@ -525,11 +525,9 @@ def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: P
         f" {preprocessing['ms_per_image_one_thread']:.1f} on one")  # fmt: skip
     dtype = "bfloat16" if cuda else "float32"
     done = [care_eval(folder, task, run, args.device, dtype, work) for run in runs]
-    stages = None
-    if side is not None:
-        care_rows = [r for cmd in done for r in cmd["rows"] if r["method"] is not None and r["processes"] == 1]
-        batch = int(care_rows[0]["batch_size_start"]) if care_rows else 1
-        stages = stage_times(folder, name, batch, preprocessing, args.device, dtype, task)
+    care_rows = [r for cmd in done for r in cmd["rows"] if r["method"] is not None and r["processes"] == 1]
+    batch = int(care_rows[0]["batch_size_start"]) if care_rows else 1
+    stages = stage_times(folder, name, batch, preprocessing, args.device, dtype, task)
     shutil.rmtree(folder, ignore_errors=True)  # a 7B folder is 14 GB: one at a time on the disk
     return {"model": built, "preprocessing": preprocessing, "commands": done, "stages": stages}
 
