@@ -635,11 +635,12 @@ def _stage_line(name: str, stages: dict[str, Any]) -> str:
     """Per sample with CaRe and with all tokens; CaRe's from its raw stage timings (:func:`care_ms_per_sample`)."""
     care = dict(stages["care"]["ms_per_sample"], care=care_ms_per_sample(stages["care_timings_ms"],
                                                                           stages["batch_size"]))  # fmt: skip
-    parts = ", ".join(f"{key} {value:.1f}" for key, value in care.items())
+    total = sum(care.values())
+    parts = ", ".join(f"{key} {value:.1f} ({100 * value / total:.0f}%)" for key, value in care.items())
     whole = stages["all tokens"]["ms_per_sample"]
     return (
         f"{name} per sample at batch {stages['batch_size']}, timed stage by stage: {parts} ms with CaRe "
-        f"({sum(care.values()):.1f}); prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all tokens."
+        f"({total:.1f}); prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all tokens."
     )
 
 

@@ -156,8 +156,12 @@ def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_tim
     block = bench_eval_gpu.render_markdown(results, "x.json")
     assert "| llava-onevision-7b (768²), 405 | 1 | 8.00 (32, 30.0) | 24.00 (32, 30.0) | 3.00 |" in block
     assert "Targets: llava-onevision-7b batch 32, 1 proc, CaRe / all tokens 3.00 (target 1.5): MET." in block
-    # CaRe: (300 + 60 + 4) / 32 = 11.375 ms a sample, never the JSON's own 0.1; with it 41.4 ms a sample
-    assert "care 11.4, prefill 10.0, decoding 1.0 ms with CaRe (41.4); prefill 80.0 of 100.0 with all tokens" in block
+    # CaRe: (300 + 60 + 4) / 32 = 11.375 ms a sample, never the JSON's own 0.1; with it 41.375 ms a sample, of which
+    # the tower's 12 are 29% and CaRe's 11.375 are 27%
+    assert (
+        "tower 12.0 (29%), care 11.4 (27%), prefill 10.0 (24%), decoding 1.0 (2%) ms with CaRe (41.4); prefill "
+        "80.0 of 100.0 with all tokens" in block
+    )
     assert block.rstrip().endswith("commit 0123456789).")
 
 
