@@ -164,6 +164,8 @@ class ReductionPipeline:
     ``skip_unavailable``: leave out (and list in :attr:`skipped`) methods this backbone cannot serve,
     instead of raising MethodError -- what ``--method all`` wants. ``memoize``: share budget-independent
     work between budgets and methods of one image (same results; off only to measure what it saves).
+    :attr:`reduction_graphs`: the CUDA graphs of CaRe's single-image reductions this pipeline keeps
+    (docs/design/generation.md §Reduction graphs); :meth:`release_graphs` frees them with the decoding cache.
     """
 
     def __init__(
@@ -175,6 +177,8 @@ class ReductionPipeline:
         skip_unavailable: bool = False,
         memoize: bool = True,
     ) -> None:
+        from care_core.reduction_graphs import ReductionGraphs  # torch: not at start-up
+
         self.adapter = adapter
         self.memoize = memoize
         self.config = config or CaReConfig()
@@ -191,6 +195,14 @@ class ReductionPipeline:
         if not self.methods and methods:
             raise MethodError(f"none of the methods can run on {adapter.name}")
         self.load_timings_ms: dict[str, float] = {}
+        self.reduction_graphs = ReductionGraphs()
+
+    def release_graphs(self) -> None:
+        """Free what this pipeline's CUDA graphs keep: the reduction graphs and their memory pool, and the adapter's
+        decoding cache and graphs (:meth:`~care_core.backbones.base.VLMAdapter.release_decoding_cache`); the next
+        calls capture anew."""
+        self.reduction_graphs.release()
+        self.adapter.release_decoding_cache()
 
     @property
     def scorer(self) -> Scorer:
@@ -316,7 +328,7 @@ class ReductionPipeline:
         with torch.no_grad():
             tokens = self._encode_all(images, clock)
             pairs = [list(self._pairs(t, budgets, plan)) for t, plan in zip(tokens, plans, strict=True)]
-            inputs = [self.method_inputs(t, q, clock=clock, question_embeddings=csr,
+            inputs = [self.method_inputs(t, q, clock=clock, question_embeddings=csr, cuda_graph=cuda_graph,
                                          planned_keeps=sorted({k for _, _, k in image_pairs}))
                       for t, (q, _), image_pairs in zip(tokens, asked, pairs, strict=True)]  # fmt: skip
             full: list[torch.Tensor] = []
@@ -421,9 +433,11 @@ class ReductionPipeline:
         question_embeddings: bool = False,
         memo: bool = True,
         planned_keeps: Sequence[int] = (),
+        cuda_graph: bool | None = None,
     ) -> MethodInputs:
         """The methods' inputs for one image: the probes the methods need (timed as "probes" on ``clock``), the
-        question's embeddings where a method reads them (or ``question_embeddings``), the pipeline's scorer and,
+        question's embeddings where a method reads them (or ``question_embeddings``), the pipeline's scorer, its
+        :attr:`reduction_graphs` (not with ``cuda_graph=False``: then every reduction runs eagerly) and,
         with ``memo`` (and :attr:`memoize`), a memo that shares budget-independent work (PRCA's psi_bar,
         ZOO-Prune's sensitivity, the greedy orders, computed at the largest of ``planned_keeps``, the budgets' K
         the caller will ask for) between every budget and method of the image."""
@@ -438,7 +452,8 @@ class ReductionPipeline:
             probes["question"] = self.adapter.question_embeddings(question)
         return MethodInputs(tokens.features, self.adapter.projector, tokens.positions, grid=tokens.grid,
                             probes=probes, seed=self.config.seed, memo={} if self.memoize and memo else None,
-                            scorer=self.scorer, planned_keeps=tuple(planned_keeps))  # fmt: skip
+                            scorer=self.scorer, planned_keeps=tuple(planned_keeps),
+                            graphs=None if cuda_graph is False else self.reduction_graphs)  # fmt: skip
 
     def _run(
         self,
@@ -519,6 +534,8 @@ class ReductionPipeline:
         prefill, its first token (from the rows, and from the vision features: the method re-run without memo,
         then the projector) and its whole answer, by :func:`~care_core.timing.alternating_medians` (one untimed
         warm-up round, which also captures any CUDA graphs, then ``repeats`` alternating rounds; medians).
+        ``cuda_graph``: the answers' decoding (see :meth:`answer`); and, unless False, CaRe's re-run on CUDA replays
+        its reduction from :attr:`reduction_graphs` (captured in the warm-up round; bitwise the eager result).
 
         The question is the result's, or :data:`DEFAULT_QUESTION` where it had none. What ``care reduce
         --generate`` reports; the answers' texts are those of :meth:`answer`.
@@ -530,7 +547,7 @@ class ReductionPipeline:
         question = result.question if result.question is not None else DEFAULT_QUESTION
         adapter = self.adapter
         with torch.no_grad():
-            inputs = self.method_inputs(tokens, question, memo=False)
+            inputs = self.method_inputs(tokens, question, memo=False, cuda_graph=cuda_graph)
             full = adapter.projector(tokens.features)
             sides: list[tuple[torch.Tensor, torch.Tensor | None, Callable[[], tuple[torch.Tensor, Any]]]] = [
                 (full, None, lambda: (adapter.projector(tokens.features), None))
@@ -577,7 +594,8 @@ class ReductionPipeline:
         return run
 
     def _rerun(self, item: MethodRun, inputs: MethodInputs) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """``item``'s method again from the features (nothing memoised, nothing timed inside), then the projector."""
+        """``item``'s method again from the features (nothing memoised, nothing timed inside: a fresh reduction, which
+        CaRe replays from the inputs' graphs where they are given), then the projector."""
         method, adapter, k = self.methods[item.method], self.adapter, item.keep
         fresh = dataclasses.replace(inputs, memo=None, stage_timer=None)
 

@@ -274,8 +274,8 @@ class CaRe(_CaReFamily, name="care", rank=0, hyperparameters=PRCA_FIELDS | GATED
     """CaRe: perturbation-robust calibration anchors (Eq. 1–3) + confidence-gated calibration (Eq. 4–9)."""
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        """:func:`care_core.care.care_reduce` with this config, the inputs' stage timer and scorer (and, where
-        the inputs keep a memo, the psi_bar and the prefix of the Eq. 3 order another budget or PRCA-anchored
+        """:func:`care_core.care.care_reduce` with this config, the inputs' stage timer, scorer and graphs (and,
+        where the inputs keep a memo, the psi_bar and the prefix of the Eq. 3 order another budget or PRCA-anchored
         method already computed)."""
         from care_core.care import care_reduce
 
@@ -285,6 +285,7 @@ class CaRe(_CaReFamily, name="care", rank=0, hyperparameters=PRCA_FIELDS | GATED
         reduction = care_reduce(
             inputs.features, inputs.projector, inputs.positions, keep=keep, config=self.config,
             stage_timer=inputs.stage_timer, psi_bar=psi_bar, scorer=inputs.scorer, anchor_order=order,
+            graphs=inputs.graphs,
         )  # fmt: skip
         return reduction_result(reduction)
 
