@@ -283,7 +283,8 @@ class ReductionPipeline:
         answer with all tokens and one with each reduction (:meth:`answer`; untimed -- :meth:`time_answers`
         times them). ``plan`` (method -> budgets) runs only those pairs, e.g. what a resumed run still lacks;
         by default every method runs at every budget. ``cuda_graph`` goes to the adapter's ``generate`` (None:
-        graphs where the adapter finds them safe). ``timed``: see :meth:`run_batch`. The batch of one of
+        graphs where the adapter finds them safe); False also keeps every reduction eager. ``timed``: see
+        :meth:`run_batch` (untimed, CaRe's reduction may replay from a CUDA graph). The batch of one of
         :meth:`run_batch`.
         """
         return self.run_batch([image], [question], budgets, csr=csr, generate=generate,
@@ -308,8 +309,10 @@ class ReductionPipeline:
         backbone allows, each method once per budget for every image (:meth:`Method.batch`), and the answers in
         batches (:meth:`VLMAdapter.generate_batch`). Stage timings are the whole batch's (``batch_size`` says
         how many images shared them), measured with CUDA synchronised around every stage, which is what makes
-        them meaningful and what costs: ``timed=False`` synchronises nowhere for timing and leaves every
-        ``timings_ms`` empty (same results; what callers that ignore timings want, e.g. ``care csr``)."""
+        them meaningful and what costs: ``timed=False`` synchronises nowhere for timing, leaves every
+        ``timings_ms`` empty and hands the methods no stage timer, so that on CUDA CaRe's fresh reduction of a
+        batch of one replays from :attr:`reduction_graphs` (docs/design/generation.md §Reduction graphs; same
+        results; what callers that ignore timings want, e.g. ``care csr``)."""
         import torch
 
         from care_core.csr import csr_reference
@@ -473,8 +476,11 @@ class ReductionPipeline:
 
         adapter = self.adapter
         clock = StageClock(adapter.device, timed=timed)
-        with clock("method"):  # copies of the inputs carry this call's timer; the shared memo stays shared
-            results = self.methods[name].batch([dataclasses.replace(one, stage_timer=clock) for one in inputs], keeps)
+        # copies of the inputs carry this call's timer (none when untimed: CaRe's single-image reduction may then
+        # replay from a CUDA graph, which has no stages to time); the shared memo stays shared
+        timer = clock if clock.timed else None
+        with clock("method"):
+            results = self.methods[name].batch([dataclasses.replace(one, stage_timer=timer) for one in inputs], keeps)
         inner = sum(ms for stage, ms in clock.ms.items() if stage != "method")
         if inner:  # the method timed its own stages: "method" keeps only the time outside them
             clock.ms["method"] -= inner

@@ -89,7 +89,8 @@ class MethodInputs:
     # required (without it, an order is computed at the K asked, and again at a larger K asked later).
     planned_keeps: tuple[int, ...] = ()
     # Optional CUDA graphs of single-image reductions, owned by the caller (a pipeline keeps one): CaRe replays its
-    # fresh, untimed reduction from them on CUDA (care_core.care.graph_reason); None: every method runs eagerly.
+    # fresh, untimed reduction of one image from them on CUDA, filling the memo as the eager path does
+    # (care_core.methods.care_family.method_graph_reason); None: every method runs eagerly.
     graphs: ReductionGraphs | None = None
 
     @property

@@ -14,10 +14,14 @@ import pytest
 import torch
 
 import care_core.calibration
-from care_core import CaReConfig, care_reduce
+import care_core.care
+from care_core import CaReConfig, care_reduce, reduce_visual_tokens
 from care_core.backbones import DEMO_BACKBONES, load_backbone
+from care_core.backbones._hf import quiet_transformers
 from care_core.budget import Budget
 from care_core.care import Reduction, _replayed, graph_key, graph_reason
+from care_core.methods import MethodInputs, MethodResult, build_method
+from care_core.methods.care_family import method_graph_reason, prca_key, prca_order_key
 from care_core.pipeline import ReductionPipeline
 from care_core.reduction_graphs import MAX_GRAPHS, ReductionGraphs
 from care_core.scoring import Scorer
@@ -30,7 +34,7 @@ TRAINED_DEMOS = [name for name, spec in DEMO_BACKBONES.items() if spec.weights a
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU unless cuda_only
 
 
-def _problem(n: int = 60, d_v: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.nn.Module, torch.Tensor]:
+def _problem(n: int = 60, d_v: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.nn.Sequential, torch.Tensor]:
     """Features, a Linear-GELU-Linear projector and grid-free positions."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -84,7 +88,9 @@ def test_graph_key_changes_with_every_shape_and_setting_the_capture_depends_on()
     for what, other in changed.items():
         assert other != key, what
     with torch.no_grad():
-        projector[0].weight.add_(0.0)  # an in-place edit: the version counter moves, the weights may not have
+        first = projector[0]
+        assert isinstance(first, torch.nn.Linear)
+        first.weight.add_(0.0)  # an in-place edit: the version counter moves, the weights may not have
     assert graph_key(v, 5, cfg, u, scorer) != key
     edited = graph_key(v, 5, cfg, u, scorer)
     scorer.gate("auto").failed["jvp"] = "a build error"  # a kernel that failed changes the path the capture takes
@@ -225,8 +231,8 @@ def test_graphs_keep_the_most_recently_used_keys(stand_in: list[BaseException | 
     def call(key: object) -> None:
         graphs.run(key, [torch.ones(2)], lambda s: s[0] * 3)
 
-    for key in range(MAX_GRAPHS + 2):  # keys 0 and 1 are dropped
-        call(key)
+    for number in range(MAX_GRAPHS + 2):  # keys 0 and 1 are dropped
+        call(number)
     call(2)  # a replay: key 2 becomes the most recent, key 3 the least
     call("new")  # drops key 3
     assert (len(graphs), graphs.captures, graphs.replays) == (MAX_GRAPHS, MAX_GRAPHS + 3, 1)
@@ -235,6 +241,124 @@ def test_graphs_keep_the_most_recently_used_keys(stand_in: list[BaseException | 
     assert (graphs.captures, graphs.replays) == (MAX_GRAPHS + 3, 5)
     call(3)  # dropped: captured anew
     assert graphs.captures == MAX_GRAPHS + 4
+
+
+# ------------------------------------------------------------------------------ the paths users answer through
+@pytest.fixture
+def cpu_graphs(monkeypatch: pytest.MonkeyPatch, stand_in: list[BaseException | None]) -> None:
+    """The graph path forced on the CPU: care_core.care.graph_reason judges the features as if on CUDA (every other
+    condition as it is), and captures are stand-in graphs (:func:`stand_in`)."""
+    real = care_core.care.graph_reason
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(care_core.care, "graph_reason", lambda _device, **kwargs: real(CUDA, **kwargs))
+
+
+CARE = build_method("care", CaReConfig(m=6))
+PROJECTOR = _problem()[1]  # one for every image, so that two images can share one scoring pass
+
+
+def _inputs(seed: int, graphs: ReductionGraphs | None, **changes: Any) -> MethodInputs:
+    """One image's method inputs (the features and positions of :func:`_problem`), with a fresh memo."""
+    v, _, p = _problem(seed=seed)
+    return dataclasses.replace(MethodInputs(v, PROJECTOR, p, memo={}, graphs=graphs), **changes)
+
+
+def _through_graphs(graphs: ReductionGraphs) -> int:
+    return graphs.captures + graphs.replays
+
+
+def _assert_same_result(got: MethodResult, want: MethodResult) -> None:
+    for name in ("tokens", "token_index", "scores", "assignment", "signal_mask"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("selection_order", "residuals", "confidence"):
+        assert torch.equal(got.info[name], want.info[name]), name
+
+
+def test_cares_method_replays_only_a_single_untimed_image_with_nothing_memoised(cpu_graphs: None) -> None:
+    graphs = ReductionGraphs()
+    cfg = CARE.config  # type: ignore[attr-defined]
+    eager_calls = {
+        "timed": _inputs(1, graphs, stage_timer=StageClock()),
+        "no graphs": _inputs(1, None),
+        "larger budget planned": _inputs(1, graphs, planned_keeps=(7, 9)),
+    }
+    for what, one in eager_calls.items():
+        assert method_graph_reason(cfg, one, 7) is not None, what
+        CARE.batch([one], [7])
+        assert _through_graphs(graphs) == 0, what
+    hit = _inputs(1, graphs)
+    build_method("prca-only", cfg).batch([hit], [7])  # PRCA's psi_bar and order now in the memo
+    assert "memo" in str(method_graph_reason(cfg, hit, 7))
+    CARE.batch([hit], [7])
+    CARE.batch([_inputs(1, graphs), _inputs(2, graphs)], [7, 7])  # B = 2: one joint pass
+    assert _through_graphs(graphs) == 0
+    replayed = {"fresh memo": _inputs(1, graphs), "smaller budget planned": _inputs(2, graphs, planned_keeps=(3, 7)),
+                "no memo": _inputs(3, graphs, memo=None)}  # fmt: skip
+    for count, (what, one) in enumerate(replayed.items(), start=1):
+        assert method_graph_reason(cfg, one, 7) is None, what
+        CARE.batch([one], [7])
+        assert _through_graphs(graphs) == count, what
+    assert (graphs.captures, graphs.replays) == (1, 2)
+
+
+def test_a_replayed_reduction_leaves_the_memo_the_eager_one_leaves_for_the_next_budget(cpu_graphs: None) -> None:
+    graphs = ReductionGraphs()
+    cfg = CARE.config  # type: ignore[attr-defined]
+    keys = {prca_key(cfg), prca_order_key(cfg)}
+    for seed in (1, 2):  # the first image is captured, the second replayed
+        replayed, eager = _inputs(seed, graphs, planned_keeps=(3, 7)), _inputs(seed, None, planned_keeps=(3, 7))
+        _assert_same_result(CARE(replayed, 7), CARE(eager, 7))
+        assert replayed.memo is not None and eager.memo is not None
+        assert set(replayed.memo) == set(eager.memo) == keys
+        for key in keys:
+            assert replayed.memo[key].dtype == eager.memo[key].dtype, key
+            assert torch.equal(replayed.memo[key], eager.memo[key]), key
+        stored = dict(replayed.memo)
+        through = _through_graphs(graphs)
+        _assert_same_result(CARE(replayed, 3), CARE(eager, 3))  # the next budget: from the memo, eagerly
+        assert _through_graphs(graphs) == through
+        assert all(replayed.memo[key] is stored[key] for key in keys)  # read, not recomputed
+    assert (graphs.captures, graphs.replays) == (1, 1)
+
+
+def test_an_untimed_pipeline_run_replays_cares_reduction_and_a_timed_one_does_not(cpu_graphs: None) -> None:
+    pipe = ReductionPipeline.from_pretrained("tiny-llava", methods=["care"], device="cpu")
+    graphs = pipe.reduction_graphs
+    tokens = pipe.encode(scene_image((224, 224)))
+    timed = pipe(tokens, None, [Budget.keep(16)]).runs[0]
+    pipe(tokens, None, [Budget.keep(16)], timed=False, cuda_graph=False)
+    pipe(tokens, None, [Budget.keep(16), Budget.keep(32)], timed=False)  # K = 16 first: its order is computed at 32
+    assert _through_graphs(graphs) == 0
+    for calls in (1, 2):  # captured, then replayed
+        untimed = pipe(tokens, None, [Budget.keep(16)], timed=False)
+        assert untimed.timings_ms == {} and untimed.runs[0].timings_ms == {}
+        _assert_same_result(untimed.runs[0].result, timed.result)
+        assert torch.equal(untimed.runs[0].projected, timed.projected)
+        assert _through_graphs(graphs) == calls
+    both = pipe(tokens, None, [Budget.keep(32), Budget.keep(16)], timed=False)  # 32 replayed (new K: captured)
+    _assert_same_result(both.runs[1].result, timed.result)  # 16 from the memo the graph path filled
+    assert (graphs.captures, graphs.replays) == (2, 1)
+
+
+def test_the_dropin_replays_a_single_images_reduction_and_frees_the_graphs_on_leaving(
+    cpu_graphs: None, home: Path
+) -> None:
+    adapter: Any = load_backbone("tiny-llava", device="cpu", home=home)
+    with quiet_transformers():
+        inputs = adapter.processor(images=[scene_image((300, 200))], text=[adapter.prompt("What is this?")],
+                                   return_tensors="pt")  # fmt: skip
+    eager = ReductionPipeline(adapter, ["care"]).run_batch([scene_image((300, 200))], ["What is this?"],
+                                                          [Budget.keep(9)])[0].runs[0]  # fmt: skip
+    with reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=9) as reduction:
+        graphs = reduction._pipeline.reduction_graphs
+        answers = []
+        for calls in (1, 2):  # captured, then replayed
+            answers.append(adapter.model.generate(**inputs, max_new_tokens=3, do_sample=False))
+            (result,) = reduction.results
+            _assert_same_result(result, eager.result)
+            assert (_through_graphs(graphs), len(graphs)) == (calls, 1)
+        assert torch.equal(answers[0], answers[1])
+    assert len(graphs) == 0  # freed with the block
 
 
 # ------------------------------------------------------------------------------ CUDA
@@ -333,3 +457,42 @@ def test_timed_answers_on_cuda_replay_cares_reduction_unless_graphs_are_off(home
         graphs = pipe.reduction_graphs
         assert (graphs.captures, graphs.replays) == ((1, 2) if replayed else (0, 0)), cuda_graph
         pipe.release_graphs()
+
+
+@cuda_only
+def test_an_untimed_pipeline_run_on_cuda_replays_and_equals_the_timed_one_bitwise(home: Path) -> None:
+    pipe = ReductionPipeline(load_backbone("tiny-llava", device="cuda", home=home), ["care", "prca-only"])
+    tokens = pipe.encode(scene_image((320, 240)))
+    budgets = [Budget.keep(40), Budget.keep(20)]  # 40 replayed, then 20 (and prca-only) from the memo it filled
+    timed = pipe(tokens, None, budgets)
+    for calls in (1, 2):  # captured, then replayed
+        untimed = pipe(tokens, None, budgets, timed=False)
+        for got, want in zip(untimed.runs, timed.runs, strict=True):
+            assert torch.equal(got.result.tokens, want.result.tokens), (got.method, got.keep)
+            assert torch.equal(got.result.token_index, want.result.token_index), (got.method, got.keep)
+            assert torch.equal(got.projected, want.projected), (got.method, got.keep)
+        graphs = pipe.reduction_graphs
+        assert (graphs.captures, graphs.replays, graphs.failures) == (1, calls - 1, {})
+    pipe.release_graphs()
+
+
+@cuda_only
+def test_the_dropin_on_cuda_replays_one_image_and_answers_as_the_eager_path(home: Path) -> None:
+    adapter: Any = load_backbone("tiny-llava", device="cuda", home=home)
+    image, question = scene_image((300, 200)), "What is this?"
+    with quiet_transformers():
+        inputs = adapter.processor(images=[image], text=[adapter.prompt(question)], return_tensors="pt")
+    inputs = inputs.to(adapter.device)
+    eager = ReductionPipeline(adapter, ["care"]).run_batch([image], [question], [Budget.keep(9)])[0]  # timed: eager
+    run = eager.runs[0]
+    eager_ids = adapter.generate(question, eager.tokens, run.projected, 5, run.result.token_index).token_ids
+    prompt_length = inputs["input_ids"].shape[1]
+    with reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=9) as reduction:
+        graphs = reduction._pipeline.reduction_graphs
+        for calls in (1, 2):  # captured, then replayed
+            out = adapter.model.generate(**inputs, max_new_tokens=5, do_sample=False)
+            (result,) = reduction.results
+            _assert_same_result(result, run.result)
+            assert tuple(out[0, prompt_length:].tolist()[: len(eager_ids)]) == eager_ids
+            assert (graphs.captures, graphs.replays, graphs.failures) == (1, calls - 1, {})
+    assert len(graphs) == 0
