@@ -194,7 +194,8 @@ CudaGraphs = Annotated[
     typer.Option("--cuda-graphs/--no-cuda-graphs", show_default=False,
                  help="Answers: prefill and decode from captured CUDA graphs over a static KV cache. Default: on "
                       "where the backbone allows it (CUDA; LLaVA-family decoders with sdpa or eager attention and "
-                      "no logit processors), else transformers' generate. --no-cuda-graphs: always the latter."),
+                      "no logit processors), else transformers' generate; on CUDA, CaRe's timed re-run from the "
+                      "features also replays its reduction from a graph. --no-cuda-graphs: no CUDA graphs at all."),
 ]  # fmt: skip
 BatchSize = Annotated[
     str,

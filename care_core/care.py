@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from care_core.budget import resolve_budget
 from care_core.calibration import Calibration, calibrate
 from care_core.config import CaReConfig
 from care_core.errors import CareError
+from care_core.kernels.dispatch import why_not_fused
 from care_core.precision import compute_dtype, matmul_precision
 from care_core.scoring import (
     Projector,
@@ -25,6 +27,7 @@ from care_core.scoring import (
 
 if TYPE_CHECKING:
     from care_core.kernels.dispatch import KernelGate
+    from care_core.reduction_graphs import ReductionGraphs
 
 StageTimer = Callable[[str], AbstractContextManager[object]]
 STAGES = ("scoring", "anchors", "calibration")
@@ -214,6 +217,7 @@ def care_reduce(
     scorer: Scorer | None = None,
     psi_bar: torch.Tensor | None = None,
     anchor_order: torch.Tensor | None = None,
+    graphs: ReductionGraphs | None = None,
 ) -> Reduction:
     """Reduce N visual tokens to K calibrated tokens with CaRe.
 
@@ -223,15 +227,17 @@ def care_reduce(
     and `keep` (K). directions: optional (m, d_v) unit directions; by default m are drawn from
     `config.seed`. stage_timer: optional callable returning a context manager per stage name
     ("scoring", "anchors", "calibration"), for timing. scorer: optional :class:`~care_core.scoring.Scorer`
-    made for `projector` (keeps the prepared projector, directions, kernel decisions and, on CUDA, the
-    second layer's triangular factor). Without one, the scorer kept on the projector itself
-    (:meth:`Scorer.for_projector <care_core.scoring.Scorer.for_projector>`: dies with the module, rebuilt
-    when its weights change), so a plain call on CUDA gets the fast path and pays the factor's QR (~0.2 s
-    at d_h = 4096) once per projector. CPU results are bit-identical either way; ``Scorer`` says what the
-    factor promises on CUDA.
+    made for `projector` (prepared projector, directions, kernel decisions, on CUDA the second layer's
+    triangular factor); without one, the scorer kept on the projector itself
+    (:meth:`Scorer.for_projector <care_core.scoring.Scorer.for_projector>`), so a plain call on CUDA gets the
+    fast path and pays the factor's QR (~0.2 s at d_h = 4096) once per projector. CPU results are
+    bit-identical either way; ``Scorer`` says what the factor promises on CUDA.
     psi_bar: optional (N,) PRCA scores already computed by :func:`prca_scores` with this config for these
     features (e.g. shared between budgets); scoring is then skipped. anchor_order: optional (K,) Eq. 3 order
     computed with this config from this psi_bar (e.g. the first K of a longer one); Eq. 3 is then skipped.
+    graphs: optional :class:`~care_core.reduction_graphs.ReductionGraphs` (owned by the caller): where
+    :func:`graph_reason` allows, the reduction is captured once per :func:`graph_key` and replayed after
+    (bitwise the eager result on the same card); elsewhere, and without, it runs eagerly.
 
     >>> import torch
     >>> from care_core import CaReConfig, care_reduce
@@ -242,13 +248,35 @@ def care_reduce(
     (torch.Size([5, 8]), torch.float64)
     """
     cfg = config or CaReConfig()
-    check_inputs(features, positions)
+    check_inputs(features, positions)  # before any graph: the finite check is a host sync no capture may hold
     scorer = scorer_for(projector, scorer)
     k = resolve_budget(features.shape[0], ratio, keep)
-    timer = stage_timer or (lambda _name: nullcontext())
+    if graphs is not None and graph_reason(features.device, stage_timer=stage_timer, psi_bar=psi_bar,
+                                           anchor_order=anchor_order) is None:  # fmt: skip
+        return _replayed(graphs, features, positions, k, cfg, directions, scorer)
+    return _reduction(features, positions, k, cfg, directions, scorer, stage_timer or _untimed, psi_bar, anchor_order)
+
+
+def _untimed(_stage: str) -> AbstractContextManager[object]:
+    return nullcontext()
+
+
+def _reduction(
+    features: torch.Tensor,
+    positions: torch.Tensor,
+    k: int,
+    cfg: CaReConfig,
+    directions: torch.Tensor | None,
+    scorer: Scorer,
+    timer: StageTimer = _untimed,
+    psi_bar: torch.Tensor | None = None,
+    anchor_order: torch.Tensor | None = None,
+) -> Reduction:
+    """:func:`care_reduce`'s maths on checked inputs: no host synchronisation on CUDA, which is what lets a CUDA graph
+    capture it (:func:`_replayed`)."""
     v = features.to(compute_dtype(features.dtype))
     p = positions.to(device=v.device, dtype=v.dtype)
-    psi_bar = _scores(v, projector, directions, cfg, scorer, psi_bar, timer)
+    psi_bar = _scores(v, scorer.projector, directions, cfg, scorer, psi_bar, timer)
     gate = scorer.gate(cfg.kernel)
     with matmul_precision(allow_tf32=False), torch.no_grad():
         with timer("anchors"):
@@ -258,3 +286,65 @@ def care_reduce(
             cal = calibrate_with(cfg, v, p, indices, psi_bar, gated=True)
     return Reduction(indices=indices, anchor_order=order, tokens=cal.tokens.to(features.dtype), psi_bar=psi_bar,
                      calibration=cal)  # fmt: skip
+
+
+def graph_reason(
+    device: torch.device,
+    *,
+    stage_timer: StageTimer | None = None,
+    psi_bar: torch.Tensor | None = None,
+    anchor_order: torch.Tensor | None = None,
+) -> str | None:
+    """Why :func:`care_reduce` given graphs runs eagerly (one line), or None where it replays a CUDA graph: a fresh
+    (nothing given from a memo), untimed (a replay is one launch: stage times would mean nothing) reduction on a
+    CUDA device, outside any capture of the caller's. Every dtype and kernel setting is captured."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; the features are on {device.type}"
+    if stage_timer is not None:
+        return "a stage timer times each stage, which a replay (one launch) cannot"
+    if psi_bar is not None or anchor_order is not None:
+        return "psi_bar or the anchor order is given (a memo's): only a fresh reduction is captured"
+    if torch.cuda.is_current_stream_capturing():
+        return "the caller is capturing a CUDA graph"
+    return None
+
+
+def graph_key(
+    features: torch.Tensor, k: int, cfg: CaReConfig, directions: torch.Tensor, scorer: Scorer
+) -> tuple[object, ...]:
+    """Everything a captured reduction's shapes and constants depend on: N, d_v, the features' dtype and device, K,
+    the config (hyperparameters, seed, engine, matmul precision, kernel setting), the directions' shape (their
+    values are a static input), the scorer (its projector) and its projector's weights (moved, cast, replaced or
+    edited in place), the fused kernels that failed on it and whether fused kernels may run on the device."""
+    device = features.device
+    return ("care", tuple(features.shape), features.dtype, device, k, cfg, tuple(directions.shape), id(scorer),
+            scorer.fingerprint(), tuple(sorted(scorer.kernel_failures)), why_not_fused(device))  # fmt: skip
+
+
+def _replayed(
+    graphs: ReductionGraphs,
+    features: torch.Tensor,
+    positions: torch.Tensor,
+    k: int,
+    cfg: CaReConfig,
+    directions: torch.Tensor | None,
+    scorer: Scorer,
+) -> Reduction:
+    """:func:`_reduction` through ``graphs``: captured per :func:`graph_key`, replayed after. Its static inputs are
+    the features, the positions and the directions in compute precision (converted here, outside the graph: a
+    capture holds no host-to-device copy)."""
+    dtype, device = compute_dtype(features.dtype), features.device
+    p = positions.to(device=device, dtype=dtype)
+    u = resolve_directions(directions, cfg.m, features.shape[1], cfg.seed, p, scorer=scorer)  # p: dtype and device
+    step = functools.partial(_captured_step, k=k, cfg=cfg, scorer=scorer)
+
+    def held() -> object:  # the prepared projector and factor the graph reads, whatever the scorer drops later
+        return scorer, scorer.prepared(dtype, device), scorer.factor(dtype, device)
+
+    return graphs.run(graph_key(features, k, cfg, u, scorer), (features, p, u), step, held)
+
+
+def _captured_step(statics: tuple[torch.Tensor, ...], *, k: int, cfg: CaReConfig, scorer: Scorer) -> Reduction:
+    """What a reduction graph runs on its static inputs (features, positions, directions)."""
+    features, positions, directions = statics
+    return _reduction(features, positions, k, cfg, directions, scorer)

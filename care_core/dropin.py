@@ -9,7 +9,9 @@ Per sample, the new tokens are what ``ReductionPipeline`` gives for the same ima
 
 Only ``generate`` is wrapped: a bare forward with ``pixel_values`` runs unreduced (its logits must line up with
 the caller's ``input_ids`` and labels, which a shorter sequence would break). Leaving the block restores the
-model exactly: the instance ``generate`` is deleted and the scorer cached on the projector removed.
+model exactly: the instance ``generate`` is deleted, the scorer cached on the projector removed and the CUDA graphs of
+CaRe's single-image reductions (a call with one image on CUDA: captured once per shape and budget, replayed
+after) freed.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class VisualTokenReduction:
 
     def __exit__(self, *exc_info: object) -> None:
         vars(self.model).pop("generate", None)
+        # the CUDA graphs of single-image reductions (and their memory pool) live only as long as the block
+        self._pipeline.reduction_graphs.release()
         if self._projector_attributes is not None:  # e.g. the scorer Scorer.for_projector keeps on the projector
             projector = self.adapter.projector
             for name in set(vars(projector)) - self._projector_attributes:

@@ -164,6 +164,8 @@ class ReductionPipeline:
     ``skip_unavailable``: leave out (and list in :attr:`skipped`) methods this backbone cannot serve,
     instead of raising MethodError -- what ``--method all`` wants. ``memoize``: share budget-independent
     work between budgets and methods of one image (same results; off only to measure what it saves).
+    :attr:`reduction_graphs`: the CUDA graphs of CaRe's single-image reductions this pipeline keeps
+    (docs/design/generation.md §Reduction graphs); :meth:`release_graphs` frees them with the decoding cache.
     """
 
     def __init__(
@@ -175,6 +177,8 @@ class ReductionPipeline:
         skip_unavailable: bool = False,
         memoize: bool = True,
     ) -> None:
+        from care_core.reduction_graphs import ReductionGraphs  # torch: not at start-up
+
         self.adapter = adapter
         self.memoize = memoize
         self.config = config or CaReConfig()
@@ -191,6 +195,14 @@ class ReductionPipeline:
         if not self.methods and methods:
             raise MethodError(f"none of the methods can run on {adapter.name}")
         self.load_timings_ms: dict[str, float] = {}
+        self.reduction_graphs = ReductionGraphs()
+
+    def release_graphs(self) -> None:
+        """Free what this pipeline's CUDA graphs keep: the reduction graphs and their memory pool, and the adapter's
+        decoding cache and graphs (:meth:`~care_core.backbones.base.VLMAdapter.release_decoding_cache`); the next
+        calls capture anew."""
+        self.reduction_graphs.release()
+        self.adapter.release_decoding_cache()
 
     @property
     def scorer(self) -> Scorer:
@@ -271,7 +283,8 @@ class ReductionPipeline:
         answer with all tokens and one with each reduction (:meth:`answer`; untimed -- :meth:`time_answers`
         times them). ``plan`` (method -> budgets) runs only those pairs, e.g. what a resumed run still lacks;
         by default every method runs at every budget. ``cuda_graph`` goes to the adapter's ``generate`` (None:
-        graphs where the adapter finds them safe). ``timed``: see :meth:`run_batch`. The batch of one of
+        graphs where the adapter finds them safe); False also keeps every reduction eager. ``timed``: see
+        :meth:`run_batch` (untimed, CaRe's reduction may replay from a CUDA graph). The batch of one of
         :meth:`run_batch`.
         """
         return self.run_batch([image], [question], budgets, csr=csr, generate=generate,
@@ -296,8 +309,10 @@ class ReductionPipeline:
         backbone allows, each method once per budget for every image (:meth:`Method.batch`), and the answers in
         batches (:meth:`VLMAdapter.generate_batch`). Stage timings are the whole batch's (``batch_size`` says
         how many images shared them), measured with CUDA synchronised around every stage, which is what makes
-        them meaningful and what costs: ``timed=False`` synchronises nowhere for timing and leaves every
-        ``timings_ms`` empty (same results; what callers that ignore timings want, e.g. ``care csr``)."""
+        them meaningful and what costs: ``timed=False`` synchronises nowhere for timing, leaves every
+        ``timings_ms`` empty and hands the methods no stage timer, so that on CUDA CaRe's fresh reduction of a
+        batch of one replays from :attr:`reduction_graphs` (docs/design/generation.md §Reduction graphs; same
+        results; what callers that ignore timings want, e.g. ``care csr``)."""
         import torch
 
         from care_core.csr import csr_reference
@@ -316,7 +331,7 @@ class ReductionPipeline:
         with torch.no_grad():
             tokens = self._encode_all(images, clock)
             pairs = [list(self._pairs(t, budgets, plan)) for t, plan in zip(tokens, plans, strict=True)]
-            inputs = [self.method_inputs(t, q, clock=clock, question_embeddings=csr,
+            inputs = [self.method_inputs(t, q, clock=clock, question_embeddings=csr, cuda_graph=cuda_graph,
                                          planned_keeps=sorted({k for _, _, k in image_pairs}))
                       for t, (q, _), image_pairs in zip(tokens, asked, pairs, strict=True)]  # fmt: skip
             full: list[torch.Tensor] = []
@@ -421,9 +436,11 @@ class ReductionPipeline:
         question_embeddings: bool = False,
         memo: bool = True,
         planned_keeps: Sequence[int] = (),
+        cuda_graph: bool | None = None,
     ) -> MethodInputs:
         """The methods' inputs for one image: the probes the methods need (timed as "probes" on ``clock``), the
-        question's embeddings where a method reads them (or ``question_embeddings``), the pipeline's scorer and,
+        question's embeddings where a method reads them (or ``question_embeddings``), the pipeline's scorer, its
+        :attr:`reduction_graphs` (not with ``cuda_graph=False``: then every reduction runs eagerly) and,
         with ``memo`` (and :attr:`memoize`), a memo that shares budget-independent work (PRCA's psi_bar,
         ZOO-Prune's sensitivity, the greedy orders, computed at the largest of ``planned_keeps``, the budgets' K
         the caller will ask for) between every budget and method of the image."""
@@ -438,7 +455,8 @@ class ReductionPipeline:
             probes["question"] = self.adapter.question_embeddings(question)
         return MethodInputs(tokens.features, self.adapter.projector, tokens.positions, grid=tokens.grid,
                             probes=probes, seed=self.config.seed, memo={} if self.memoize and memo else None,
-                            scorer=self.scorer, planned_keeps=tuple(planned_keeps))  # fmt: skip
+                            scorer=self.scorer, planned_keeps=tuple(planned_keeps),
+                            graphs=None if cuda_graph is False else self.reduction_graphs)  # fmt: skip
 
     def _run(
         self,
@@ -458,8 +476,11 @@ class ReductionPipeline:
 
         adapter = self.adapter
         clock = StageClock(adapter.device, timed=timed)
-        with clock("method"):  # copies of the inputs carry this call's timer; the shared memo stays shared
-            results = self.methods[name].batch([dataclasses.replace(one, stage_timer=clock) for one in inputs], keeps)
+        # copies of the inputs carry this call's timer (none when untimed: CaRe's single-image reduction may then
+        # replay from a CUDA graph, which has no stages to time); the shared memo stays shared
+        timer = clock if clock.timed else None
+        with clock("method"):
+            results = self.methods[name].batch([dataclasses.replace(one, stage_timer=timer) for one in inputs], keeps)
         inner = sum(ms for stage, ms in clock.ms.items() if stage != "method")
         if inner:  # the method timed its own stages: "method" keeps only the time outside them
             clock.ms["method"] -= inner
@@ -519,6 +540,8 @@ class ReductionPipeline:
         prefill, its first token (from the rows, and from the vision features: the method re-run without memo,
         then the projector) and its whole answer, by :func:`~care_core.timing.alternating_medians` (one untimed
         warm-up round, which also captures any CUDA graphs, then ``repeats`` alternating rounds; medians).
+        ``cuda_graph``: the answers' decoding (see :meth:`answer`); and, unless False, CaRe's re-run on CUDA replays
+        its reduction from :attr:`reduction_graphs` (captured in the warm-up round; bitwise the eager result).
 
         The question is the result's, or :data:`DEFAULT_QUESTION` where it had none. What ``care reduce
         --generate`` reports; the answers' texts are those of :meth:`answer`.
@@ -530,7 +553,7 @@ class ReductionPipeline:
         question = result.question if result.question is not None else DEFAULT_QUESTION
         adapter = self.adapter
         with torch.no_grad():
-            inputs = self.method_inputs(tokens, question, memo=False)
+            inputs = self.method_inputs(tokens, question, memo=False, cuda_graph=cuda_graph)
             full = adapter.projector(tokens.features)
             sides: list[tuple[torch.Tensor, torch.Tensor | None, Callable[[], tuple[torch.Tensor, Any]]]] = [
                 (full, None, lambda: (adapter.projector(tokens.features), None))
@@ -577,7 +600,8 @@ class ReductionPipeline:
         return run
 
     def _rerun(self, item: MethodRun, inputs: MethodInputs) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """``item``'s method again from the features (nothing memoised, nothing timed inside), then the projector."""
+        """``item``'s method again from the features (nothing memoised, nothing timed inside: a fresh reduction, which
+        CaRe replays from the inputs' graphs where they are given), then the projector."""
         method, adapter, k = self.methods[item.method], self.adapter, item.keep
         fresh = dataclasses.replace(inputs, memo=None, stage_timer=None)
 

@@ -845,6 +845,11 @@ class Scorer:
         """The projector this scorer was made for (``care_reduce`` checks it is the one given)."""
         return self._projector
 
+    def fingerprint(self) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
+        """(data pointer, version counter, dtype, device) of each of the projector's parameters and buffers: what a
+        moved, cast, replaced or in-place edited weight changes (the staleness rule above; a reduction graph's key)."""
+        return _fingerprint(self._projector)
+
     @property
     def kernel_failures(self) -> dict[str, str]:
         """Fused kernels that failed to build for this scorer (name -> error); "auto" skips them."""

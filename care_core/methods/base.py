@@ -26,6 +26,7 @@ from care_core.vocabulary import PROBES, TRAIT_NEEDS, Trait
 
 if TYPE_CHECKING:
     from care_core.config import CaReConfig
+    from care_core.reduction_graphs import ReductionGraphs
     from care_core.scoring import Scorer
 
 Category = Literal["selection", "merging", "calibration"]
@@ -87,6 +88,10 @@ class MethodInputs:
     # orders kept in the memo are computed at the largest of them, so that smaller budgets take a prefix; never
     # required (without it, an order is computed at the K asked, and again at a larger K asked later).
     planned_keeps: tuple[int, ...] = ()
+    # Optional CUDA graphs of single-image reductions, owned by the caller (a pipeline keeps one): CaRe replays its
+    # fresh, untimed reduction of one image from them on CUDA, filling the memo as the eager path does
+    # (care_core.methods.care_family.method_graph_reason); None: every method runs eagerly.
+    graphs: ReductionGraphs | None = None
 
     @property
     def num_tokens(self) -> int:

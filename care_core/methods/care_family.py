@@ -188,7 +188,9 @@ class _CaReFamily(Method):
         stored in its image's memo), Eq. 3 for the images lacking a long enough memoised order in one padded loop
         (:func:`~care_core.care_batch.anchor_orders`), then each image's calibration; each
         stage timed once for the batch on the shared stage timer. Per image, :meth:`reduce`'s result (to the joint
-        pass's rounding). Batches that cannot share one pass (:func:`_one_pass`) go one image at a time."""
+        pass's rounding). Batches that cannot share one pass (:func:`_one_pass`), a batch of one among them, go one
+        image at a time through :meth:`reduce` (where CaRe's single-image reduction may replay from a CUDA graph:
+        :func:`method_graph_reason`)."""
         if not _one_pass(inputs):
             return super().reduce_batch(inputs, keeps)
         from care_core.care import scorer_for
@@ -274,11 +276,14 @@ class CaRe(_CaReFamily, name="care", rank=0, hyperparameters=PRCA_FIELDS | GATED
     """CaRe: perturbation-robust calibration anchors (Eq. 1–3) + confidence-gated calibration (Eq. 4–9)."""
 
     def reduce(self, inputs: MethodInputs, keep: int) -> MethodResult:
-        """:func:`care_core.care.care_reduce` with this config, the inputs' stage timer and scorer (and, where
-        the inputs keep a memo, the psi_bar and the prefix of the Eq. 3 order another budget or PRCA-anchored
-        method already computed)."""
+        """:func:`care_core.care.care_reduce` with this config, the inputs' stage timer and scorer (and, where the
+        inputs keep a memo, the psi_bar and the prefix of the Eq. 3 order another budget or PRCA-anchored method
+        already computed). Where :func:`method_graph_reason` allows, the reduction replays from the inputs' graphs
+        instead and leaves its psi_bar and Eq. 3 order in the memo, as the eager path leaves them."""
         from care_core.care import care_reduce
 
+        if method_graph_reason(self.config, inputs, keep) is None:
+            return reduction_result(self._from_graphs(inputs, keep))
         psi_bar = order = None
         if inputs.memo is not None:
             order, psi_bar, _ = self._anchors(inputs, keep)
@@ -287,6 +292,38 @@ class CaRe(_CaReFamily, name="care", rank=0, hyperparameters=PRCA_FIELDS | GATED
             stage_timer=inputs.stage_timer, psi_bar=psi_bar, scorer=inputs.scorer, anchor_order=order,
         )  # fmt: skip
         return reduction_result(reduction)
+
+    def _from_graphs(self, inputs: MethodInputs, keep: int) -> Reduction:
+        """The fresh reduction through the inputs' graphs; its psi_bar and Eq. 3 order (computed at ``keep``, the
+        length :meth:`MethodInputs.order_length` asks for here) stored under the keys :meth:`_psi_bar` and
+        :func:`~care_core.care_batch.anchor_orders` use, so that other budgets and methods read them as before."""
+        from care_core.care import care_reduce
+
+        reduction = care_reduce(inputs.features, inputs.projector, inputs.positions, keep=keep, config=self.config,
+                                scorer=inputs.scorer, graphs=inputs.graphs)  # fmt: skip
+        if inputs.memo is not None:
+            inputs.memo[prca_key(self.config)] = reduction.psi_bar
+            inputs.memo[prca_order_key(self.config)] = reduction.anchor_order.clone()  # never handed out
+        return reduction
+
+
+def method_graph_reason(config: CaReConfig, inputs: MethodInputs, keep: int) -> str | None:
+    """Why :class:`CaRe` with ``config`` reduces one image's ``inputs`` to ``keep`` eagerly (one line), or None where
+    it replays the reduction from ``inputs.graphs`` (docs/design/generation.md §Reduction graphs): graphs given, a memo
+    (if any) that holds neither PRCA's psi_bar nor an Eq. 3 order for this config yet, no larger budget planned (the
+    memo's order must be the one the eager path computes: at :meth:`MethodInputs.order_length`), and what
+    :func:`care_core.care.graph_reason` asks (CUDA, no stage timer, no capture of the caller's). A batch of several
+    images that shares one scoring pass (:meth:`CaRe.reduce_batch`) never asks: it runs eagerly."""
+    from care_core.care import graph_reason
+
+    if inputs.graphs is None:
+        return "no reduction graphs given (cuda_graph=False, or a caller that keeps none)"
+    memo = inputs.memo
+    if memo is not None and (prca_key(config) in memo or prca_order_key(config) in memo):
+        return "the memo already holds psi_bar or the Eq. 3 order: only a fresh reduction is captured"
+    if inputs.order_length(keep) != keep:
+        return "a larger budget is planned: the memo's Eq. 3 order is computed at the largest, not at K"
+    return graph_reason(inputs.features.device, stage_timer=inputs.stage_timer)
 
 
 @register

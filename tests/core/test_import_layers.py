@@ -51,9 +51,11 @@ LAYERS: Mapping[int, tuple[str, ...]] = {
         "care_core.backbones.families",
     ),
     4: (  # backbone adapters, loading, demos; the batch sizes and out-of-memory splitting their generation uses;
+        # the reductions' CUDA graphs (captured like the decoder's, with the same out-of-memory rule);
         # the token counts of an image, which the families' care flops config readers use
         "care_core.backbones",
         "care_core.batch_sizes",
+        "care_core.reduction_graphs",
         "care_core.flops.tokens",
     ),
     5: (  # what runs backbones and methods

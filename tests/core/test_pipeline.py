@@ -17,6 +17,7 @@ from care_core.generation import Generation
 from care_core.images import load_image
 from care_core.methods import MethodInputs, build_method
 from care_core.pipeline import ImageResult, MethodRun, ReductionPipeline
+from care_core.reduction_graphs import ReductionGraphs
 from care_core.vocabulary import DEFAULT_QUESTION
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -123,6 +124,7 @@ def test_timed_answers_warm_up_alternate_and_keep_the_plain_answers() -> None:
     fake = _SlowFirstAdapter()
     pipe = object.__new__(ReductionPipeline)
     pipe.adapter, pipe.config, pipe.memoize = fake, CaReConfig(), True  # type: ignore[assignment]
+    pipe.reduction_graphs = ReductionGraphs()
     pipe.methods = {"random": build_method("random", pipe.config)}
     features = torch.randn(576, 4, generator=torch.Generator().manual_seed(0))
     tokens = ImageTokens(features, torch.rand(576, 2), torch.zeros(576, 4), (24, 24), (0.0, 0.0, 24.0, 24.0))
