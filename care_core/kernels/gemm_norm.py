@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.jvp import Tile, _dot, _round_tf32, autotuned, round_to_tf32, tile_configs
+from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, round_to_tf32, tile_configs
 from care_core.kernels.shapes import GEMM_NORM_K_MULTIPLE, GEMM_NORM_OUT_MULTIPLE, gemm_norm_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps); DIRS is the jvp kernels' tile field, always 1 here (one operand, no directions).
@@ -36,16 +36,6 @@ _TILES: tuple[Tile, ...] = (
 _WIDE_TILES: tuple[Tile, ...] = ((128, 256, 1, 3, 8),)
 #: the row tile M is padded to (every tile's BM divides it)
 ROW_PAD = 128
-
-
-@triton.jit
-def _operand(t, BF16: tl.constexpr, ROUND: tl.constexpr):
-    """A float32 T tile as the dot's operand: bf16, or tf32 rounded to nearest (cvt.rna) where ROUND."""
-    if BF16:
-        t = t.to(tl.bfloat16)
-    elif ROUND:
-        t = _round_tf32(t)
-    return t
 
 
 @triton.jit

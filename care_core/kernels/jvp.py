@@ -64,13 +64,19 @@ def _round_tf32(x):
 
 
 @triton.jit
-def _scaled(s, a_ptrs, BF16: tl.constexpr, ROUND: tl.constexpr):
-    t = s * tl.load(a_ptrs)[None, :]
+def _operand(t, BF16: tl.constexpr, ROUND: tl.constexpr):
+    """A float32 tile as a dot's operand: bf16, or tf32 rounded to nearest (cvt.rna) where ROUND (the jvp,
+    norm-first and gemm-norm kernels' one rule)."""
     if BF16:
         t = t.to(tl.bfloat16)
     elif ROUND:
         t = _round_tf32(t)
     return t
+
+
+@triton.jit
+def _scaled(s, a_ptrs, BF16: tl.constexpr, ROUND: tl.constexpr):
+    return _operand(s * tl.load(a_ptrs)[None, :], BF16, ROUND)
 
 
 @triton.jit

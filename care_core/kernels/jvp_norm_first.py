@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.jvp import Tile, _dot, _round_tf32, autotuned, round_to_tf32, tile_configs
+from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, round_to_tf32, tile_configs
 from care_core.kernels.shapes import norm_first_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps): accumulators and the epilogue's correction tiles share the registers, so the tiles
@@ -39,19 +39,16 @@ DIR_PAD = 2
 
 
 @triton.jit
-def _operand(s, v0, v1, v2, v3, a_ptrs, stride_ab, BLOCKS: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr):
+def _lifted_operand(
+    s, v0, v1, v2, v3, a_ptrs, stride_ab, BLOCKS: tl.constexpr, BF16: tl.constexpr, ROUND: tl.constexpr
+):  # fmt: skip
     """s ⊙ Σ_b v_b a_b for one direction's k tile: (BM, BK), rounded for the dot."""
     g = v0[:, None] * tl.load(a_ptrs)[None, :]
     if BLOCKS == 4:
         g += v1[:, None] * tl.load(a_ptrs + stride_ab)[None, :]
         g += v2[:, None] * tl.load(a_ptrs + 2 * stride_ab)[None, :]
         g += v3[:, None] * tl.load(a_ptrs + 3 * stride_ab)[None, :]
-    t = s * g
-    if BF16:
-        t = t.to(tl.bfloat16)
-    elif ROUND:
-        t = _round_tf32(t)
-    return t
+    return _operand(s * g, BF16, ROUND)
 
 
 @triton.jit
@@ -99,9 +96,9 @@ def _norm_first_kernel(
     for _ in range(k_start, d_h, BK):
         s = tl.load(s_ptrs).to(tl.float32)
         w = tl.load(w_ptrs)
-        acc0 = _dot(_operand(s, v0, v1, v2, v3, a_ptrs, stride_ab, BLOCKS, BF16, ROUND), w, acc0, BF16)
+        acc0 = _dot(_lifted_operand(s, v0, v1, v2, v3, a_ptrs, stride_ab, BLOCKS, BF16, ROUND), w, acc0, BF16)
         if DIRS >= 2:
-            t1 = _operand(s, v0, v1, v2, v3, a_ptrs + stride_a, stride_ab, BLOCKS, BF16, ROUND)
+            t1 = _lifted_operand(s, v0, v1, v2, v3, a_ptrs + stride_a, stride_ab, BLOCKS, BF16, ROUND)
             acc1 = _dot(t1, w, acc1, BF16)
         s_ptrs += BK
         w_ptrs += BK
