@@ -363,16 +363,16 @@ def _fused_norm_first_applies(
     """What the fused norm-first kernel computes: the MLP kernel's precisions (tf32 through a factor or with
     kernel="fused", bf16), a factor no taller than d_h, its shapes.
 
-    In "auto" mode one block only (InternVL3's projector): there the kernel took 6.1 ms against the PyTorch path's
-    8.7 (N = 1280, tf32 through R, floor 2.6), but for the Qwen mergers' four blocks, whose operand the kernel
-    builds from four lifted rows per direction, 12.8 and 9.5 ms against 12.2 and 8.5 (Qwen2.5-VL-7B, Qwen3-VL-8B;
-    benchmarks/results/2026-11-29-085026-gpu-h200-norm-first-kernel.json against the PyTorch path in
-    2026-11-29-063401-gpu-h200-latency-answers.json, on two H200 hosts). ``kernel="fused"`` runs it for four
-    blocks too.
+    In "auto" mode one block only (InternVL3's projector), and only where the gemm-norm kernel cannot take the
+    product through R (:func:`_gemm_norm_applies`). On one H200 (m = 64, tf32 through R,
+    benchmarks/results/2026-11-29-195208-gpu-h200-norm-first.json) the operand kernel then gemm-norm took 5.02 ms
+    on InternVL3-8B's projector (N = 1280) against this kernel's 6.00, and 7.90 / 5.94 ms on the Qwen mergers' four
+    blocks (Qwen2.5-VL-7B, Qwen3-VL-8B) against its 12.43 / 8.51, whose operand it builds from four lifted rows per
+    direction. ``kernel="fused"`` runs it wherever its shapes allow.
     """
     if features.dtype != torch.float32 or (low is not None and low != torch.bfloat16):
         return False
-    if kernel == "auto" and desc.blocks != 1:
+    if kernel == "auto" and (desc.blocks != 1 or _gemm_norm_applies(features, second, low, tf32, upper)):
         return False
     if low is None and not (tf32 and (kernel == "fused" or upper)):
         return False

@@ -304,7 +304,8 @@ def test_the_fused_norm_first_kernel_takes_its_blocks_precisions_and_factors() -
     trapezoid, square = torch.zeros(256, 512), torch.zeros(256, 256)
     assert _fused_norm_first_applies(features, qwen, trapezoid, None, True, "fused", upper=True)  # d_out < d_h
     assert not _fused_norm_first_applies(features, qwen, trapezoid, None, True, "auto", upper=True)  # 4 blocks: torch
-    assert _fused_norm_first_applies(features, internvl, square, None, True, "auto", upper=True)
+    assert not _fused_norm_first_applies(features, internvl, square, None, True, "auto", upper=True)  # gemm-norm
+    assert _fused_norm_first_applies(features, internvl, square, None, True, "fused", upper=True)
     assert _fused_norm_first_applies(features, internvl, square, torch.bfloat16, False, "auto", upper=False)
     assert not _fused_norm_first_applies(features, internvl, square, None, True, "auto", upper=False)  # dense tf32
     assert _fused_norm_first_applies(features, internvl, square, None, True, "fused", upper=False)  # ... if asked
