@@ -37,6 +37,9 @@ def _divprune_kernel(dist_ptr, first_ptr, sizes_ptr, order_ptr, steps, stride_im
         if MASK_SELECTED:  # an already selected argmax: the lowest-index unselected token instead
             taken = tl.max(tl.where(offs == chosen, selected.to(tl.int32), 0), axis=0)
             lowest = tl.min(tl.where(selected, BLOCK, offs), axis=0)
+            # all selected (steps past this image's n): row 0, as the loop's argmax of an all-False row; BLOCK
+            # would read a row past the image's matrix (past the buffer's end for the last image)
+            lowest = tl.where(lowest == BLOCK, 0, lowest)
             chosen = tl.where(taken > 0, lowest, chosen)
         tl.store(out + step, chosen.to(tl.int64))
         selected = selected | (offs == chosen)

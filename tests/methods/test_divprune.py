@@ -100,6 +100,31 @@ def test_fused_kernel_selects_what_the_loop_selects_interpreted() -> None:
     assert run_interpreted(_INTERPRETED) == "equal 6"
 
 
+# The kernel runs max k_i steps for every image; past an image's n (all its tokens selected) the masked rule's
+# fallback must still name one of its own rows (the loop's: row 0), never a row past its matrix.
+_EXHAUSTED = """
+import torch
+from care_core.kernels.divprune import divprune_orders
+sizes = [3, 10, 1]
+dist = torch.full((3, 10, 10), float("-inf"))
+first = torch.full((3, 10), float("-inf"))
+g = torch.Generator().manual_seed(1)
+for i, n in enumerate(sizes):
+    x = torch.nn.functional.normalize(torch.randn(n, 4, generator=g), dim=1)
+    dist[i, :n, :n] = 1 - x @ x.T
+    first[i, :n] = dist[i, :n, :n].sum(1)
+order = divprune_orders(dist, first, torch.tensor(sizes), 10, True)
+for i, n in enumerate(sizes):
+    assert sorted(order[i, :n].tolist()) == list(range(n)), order[i]
+    assert order[i, n:].tolist() == [0] * (10 - n), order[i]
+print("own rows")
+"""
+
+
+def test_fused_kernel_past_an_images_tokens_reads_only_its_own_rows_interpreted() -> None:
+    assert run_interpreted(_EXHAUSTED) == "own rows"
+
+
 def test_kernel_setting_is_checked_and_fused_refuses_the_cpu() -> None:
     from care_core.errors import CareError
 
