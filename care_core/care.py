@@ -236,8 +236,9 @@ def care_reduce(
     features (e.g. shared between budgets); scoring is then skipped. anchor_order: optional (K,) Eq. 3 order
     computed with this config from this psi_bar (e.g. the first K of a longer one); Eq. 3 is then skipped.
     graphs: optional :class:`~care_core.reduction_graphs.ReductionGraphs` (owned by the caller): where
-    :func:`graph_reason` allows, the reduction is captured once per :func:`graph_key` and replayed after
-    (bitwise the eager result on the same card); elsewhere, and without, it runs eagerly.
+    :func:`graph_reason` allows, the reduction is captured when its :func:`graph_key` comes back
+    (:data:`~care_core.reduction_graphs.CAPTURE_ON_SIGHTING`) and replayed after (bitwise the eager result on the
+    same card); elsewhere, and without, it runs eagerly.
 
     >>> import torch
     >>> from care_core import CaReConfig, care_reduce

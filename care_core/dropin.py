@@ -10,8 +10,8 @@ Per sample, the new tokens are what ``ReductionPipeline`` gives for the same ima
 Only ``generate`` is wrapped: a bare forward with ``pixel_values`` runs unreduced (its logits must line up with
 the caller's ``input_ids`` and labels, which a shorter sequence would break). Leaving the block restores the
 model exactly: the instance ``generate`` is deleted, the scorer cached on the projector removed and the CUDA graphs of
-CaRe's single-image reductions (a call with one image on CUDA: captured once per shape and budget, replayed
-after) freed.
+CaRe's single-image reductions (a call with one image on CUDA: captured when a shape and budget come back, replayed
+after; none with ``cuda_graph=False``) freed.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ _BUILT_KEYS = frozenset({"input_ids", "attention_mask", "mm_encoder_outputs", "m
 
 @dataclass
 class VisualTokenReduction:
-    """The context manager of :func:`reduce_visual_tokens`: the model, its adapter, the method and the budget."""
+    """The context manager of :func:`reduce_visual_tokens`: the model, its adapter, the method, the budget and
+    whether reductions may replay from CUDA graphs (``cuda_graph``: False never)."""
 
     model: Any
     adapter: ChatAdapter
     method: Method
     budget: Budget
     config: CaReConfig
+    cuda_graph: bool | None = None
     #: the method's result per sample of the latest reduced generate call (kept token indices, scores, ...)
     results: list[MethodResult] = field(default_factory=list, init=False)
     _pipeline: ReductionPipeline = field(init=False, repr=False)
@@ -151,7 +153,9 @@ class VisualTokenReduction:
                 )
         asks = bool(pipe.needs & {"question", "language_model"})
         questions = [self._question(ids[b][mask[b].bool()], spans[b]) if asks else None for b in range(len(tokens))]
-        inputs = [pipe.method_inputs(one, q) for one, q in zip(tokens, questions, strict=True)]
+        inputs = [
+            pipe.method_inputs(one, q, cuda_graph=self.cuda_graph) for one, q in zip(tokens, questions, strict=True)
+        ]
         keeps = [self.budget.resolve(one.num_tokens) for one in tokens]
         results = self.results = self.method.batch(inputs, keeps)
 
@@ -256,6 +260,7 @@ def reduce_visual_tokens(
     ratio: Ratio | None = None,
     config: CaReConfig | None = None,
     processor: Any = None,
+    cuda_graph: bool | None = None,
 ) -> VisualTokenReduction:
     """A context manager inside which ``model.generate`` (and a ``transformers.pipeline`` built on ``model``)
     reduces each sample's visual tokens with ``method`` to ``keep`` tokens or the fraction ``ratio`` of them.
@@ -264,8 +269,10 @@ def reduce_visual_tokens(
     ``config.model_type`` names the family; ``care methods NAME`` lists the families, docs/design/backbones.md which
     adapters refuse the drop-in);
     ``processor``: its processor (the tokenizer and image processor the inputs were made with); ``method``: a
-    registered name or a :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters. One image per
-    sample. Bad arguments raise a one-line CareError here, before the block runs.
+    registered name or a :class:`~care_core.methods.base.Method`; ``config``: CaRe's hyperparameters;
+    ``cuda_graph``: False keeps every reduction eager, None and True let a one-image call on CUDA replay CaRe's
+    reduction from a CUDA graph (decoding is the model's own ``generate`` either way). One image per sample. Bad
+    arguments raise a one-line CareError here, before the block runs.
     """
     from care_core.backbones.chat_adapter import ChatAdapter
     from care_core.backbones.loading import adapter_for_model
@@ -274,6 +281,8 @@ def reduce_visual_tokens(
     budgets = budgets_from([] if ratio is None else [ratio], [] if keep is None else [keep])
     if ratio is not None and keep is not None:
         raise BudgetError("give exactly one of {ratio} (fraction kept) and {keep} (number of tokens kept)")
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
+        raise CareError(f"must be True, False or None, got {cuda_graph!r}", parameter="cuda_graph")
     config = config or CaReConfig()
     methods = build_methods([method], config)  # MethodError for an unknown name, before the model is looked at
     if len(methods) != 1:
@@ -283,7 +292,7 @@ def reduce_visual_tokens(
         raise ModelLoadError(f"the {adapter.family} adapter cannot serve the drop-in", parameter="model")
     if adapter.dropin_refusal is not None:
         raise ModelLoadError(f"the drop-in cannot serve {adapter.family}: {adapter.dropin_refusal}")
-    return VisualTokenReduction(model, adapter, next(iter(methods.values())), budgets[0], config)
+    return VisualTokenReduction(model, adapter, next(iter(methods.values())), budgets[0], config, cuda_graph)
 
 
 def _image_keys(adapter: ChatAdapter) -> list[str]:

@@ -311,8 +311,9 @@ class ReductionPipeline:
         how many images shared them), measured with CUDA synchronised around every stage, which is what makes
         them meaningful and what costs: ``timed=False`` synchronises nowhere for timing, leaves every
         ``timings_ms`` empty and hands the methods no stage timer, so that on CUDA CaRe's fresh reduction of a
-        batch of one replays from :attr:`reduction_graphs` (docs/design/generation.md §Reduction graphs; same
-        results; what callers that ignore timings want, e.g. ``care csr``)."""
+        batch of one goes through :attr:`reduction_graphs` (captured when its shape comes back, replayed after:
+        docs/design/generation.md §Reduction graphs; same results; what callers that ignore timings want, e.g.
+        ``care csr``)."""
         import torch
 
         from care_core.csr import csr_reference
@@ -538,20 +539,27 @@ class ReductionPipeline:
     ) -> ImageResult:
         """``result`` with timed answers: with all tokens and with each run's rows, each side timed for its
         prefill, its first token (from the rows, and from the vision features: the method re-run without memo,
-        then the projector) and its whole answer, by :func:`~care_core.timing.alternating_medians` (one untimed
-        warm-up round, which also captures any CUDA graphs, then ``repeats`` alternating rounds; medians).
-        ``cuda_graph``: the answers' decoding (see :meth:`answer`); and, unless False, CaRe's re-run on CUDA replays
-        its reduction from :attr:`reduction_graphs` (captured in the warm-up round; bitwise the eager result).
+        then the projector) and its whole answer, by :func:`~care_core.timing.alternating_medians` (untimed warm-up
+        rounds that also capture every CUDA graph, then ``repeats`` alternating rounds; medians). ``cuda_graph``: the
+        answers' decoding (see :meth:`answer`); and, unless False, CaRe's re-run on CUDA replays its reduction from
+        :attr:`reduction_graphs` (bitwise the eager result; captured at a key's
+        :data:`~care_core.reduction_graphs.CAPTURE_ON_SIGHTING`-th call, so that many warm-up rounds, else one).
 
         The question is the result's, or :data:`DEFAULT_QUESTION` where it had none. What ``care reduce
         --generate`` reports; the answers' texts are those of :meth:`answer`.
         """
         import torch
 
+        from care_core.reduction_graphs import CAPTURE_ON_SIGHTING
+
         _check_new_tokens(max_new_tokens)
         tokens = result.tokens
         question = result.question if result.question is not None else DEFAULT_QUESTION
         adapter = self.adapter
+        # a reduction graph is captured at its key's CAPTURE_ON_SIGHTING-th call: as many warm-up rounds where the
+        # re-runs may go through the graphs, so that every timed round replays
+        graphs_used = cuda_graph is not False and adapter.device.type == "cuda"
+        warmup = CAPTURE_ON_SIGHTING if graphs_used else 1
         with torch.no_grad():
             inputs = self.method_inputs(tokens, question, memo=False, cuda_graph=cuda_graph)
             full = adapter.projector(tokens.features)
@@ -561,7 +569,7 @@ class ReductionPipeline:
             sides += [(item.projected, item.result.token_index, self._rerun(item, inputs)) for item in result.runs]
             feeds = [self._timed_feed(tokens, question, rows, kept, prepare, max_new_tokens, cuda_graph)
                      for rows, kept, prepare in sides]  # fmt: skip
-            timed = alternating_medians(feeds, repeats, device=adapter.device)
+            timed = alternating_medians(feeds, repeats, warmup=warmup, device=adapter.device)
         answers = [_timed_answer(one, adapter.visual_tokens_fed(tokens, int(rows.shape[0]), kept))
                    for one, (rows, kept, _) in zip(timed, sides, strict=True)]  # fmt: skip
         runs = [dataclasses.replace(item, answer=answer) for item, answer in zip(result.runs, answers[1:], strict=True)]

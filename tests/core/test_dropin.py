@@ -208,6 +208,8 @@ def test_bad_arguments_fail_in_one_line_before_the_block(adapters: dict[str, Any
         (MethodError, {"keep": 5, "method": "no-such-method"}, "unknown method"),
         (MethodError, {"keep": 5, "method": "visionzip"}, "cannot run on"),
         (ModelLoadError, {"keep": 5, "processor": None}, "processor"),
+        (CareError, {"keep": 5, "cuda_graph": "off"}, "cuda_graph must be True, False or None, got 'off'"),
+        (CareError, {"keep": 5, "cuda_graph": 0}, "cuda_graph must be True, False or None, got 0"),
     ]
     for error, kwargs, message in cases:
         with pytest.raises(error, match=message) as caught:

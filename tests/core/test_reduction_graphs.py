@@ -1,6 +1,7 @@
 """CaRe's single-image reduction replayed from a CUDA graph (docs/design/generation.md §Reduction graphs): when it
 applies, what its key names, that the CPU path is unchanged, the capture/replay bookkeeping (on the CPU through a
-stand-in graph), and on CUDA that a replay is the eager reduction bit for bit on every trained demo's projector."""
+stand-in graph: a key runs eagerly at its first call, is captured at its second, replayed from its third), and on
+CUDA that a replay is the eager reduction bit for bit on every trained demo's projector."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from care_core.care import Reduction, _replayed, graph_key, graph_reason
 from care_core.methods import MethodInputs, MethodResult, build_method
 from care_core.methods.care_family import method_graph_reason, prca_key, prca_order_key
 from care_core.pipeline import ReductionPipeline
-from care_core.reduction_graphs import MAX_GRAPHS, ReductionGraphs
+from care_core.reduction_graphs import MAX_GRAPHS, MAX_SEEN_KEYS, ReductionGraphs
 from care_core.scoring import Scorer
 from care_core.timing import StageClock
 from tests.core._problems import scene_image
@@ -179,19 +180,19 @@ def test_a_replay_gives_each_call_its_own_inputs_reduction(stand_in: list[BaseEx
     graphs = ReductionGraphs()
     _, projector, _ = _problem()
     scorer, cfg = Scorer(projector), CaReConfig(m=6)
-    calls = [_problem(seed=s)[::2] for s in (1, 2, 3, 1)]  # (features, positions); the last repeats the first
+    calls = [_problem(seed=s)[::2] for s in (1, 2, 3, 1)]  # (features, positions), one key; the last repeats the first
     results = []
-    for v, p in calls:
+    for v, p in calls:  # seen, captured, replayed, replayed
         results.append(_replayed(graphs, v, p, 7, cfg, None, scorer))
         _assert_bitwise(results[-1], care_reduce(v, projector, p, keep=7, config=cfg, scorer=scorer))
-    _assert_bitwise(results[1], care_reduce(calls[1][0], projector, calls[1][1], keep=7, config=cfg))
-    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 3, 1)
+    _assert_bitwise(results[2], care_reduce(calls[2][0], projector, calls[2][1], keep=7, config=cfg))
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 2, 1)
     g = torch.Generator().manual_seed(5)
     given = torch.nn.functional.normalize(torch.randn(6, 8, generator=g), dim=1)  # explicit directions: an input too
     v, p = calls[2]
     got = _replayed(graphs, v, p, 7, cfg, given, scorer)
     _assert_bitwise(got, care_reduce(v, projector, p, keep=7, config=cfg, directions=given))
-    assert graphs.replays == 4
+    assert graphs.replays == 3
     assert got.tokens is got.calibration.tokens  # one output tensor stays one after the clone (float32: as eager)
 
 
@@ -205,24 +206,37 @@ def test_a_failed_capture_is_recorded_and_its_key_runs_eagerly(stand_in: list[Ba
         return statics[0] * 2
 
     x = torch.arange(4.0)
-    assert torch.equal(graphs.run("k", [x], step), x * 2)  # the first call's eager result stands
+    assert torch.equal(graphs.run("k", [x], step), x * 2)  # the first call: eager, no capture tried
+    assert graphs.failures == {}
+    assert torch.equal(graphs.run("k", [x - 1], step), (x - 1) * 2)  # the second's eager result stands
     assert graphs.failures == {"k": "capturing the reduction failed (RuntimeError: operation not permitted when "
                                     "stream is capturing second line)"}  # fmt: skip
     stand_in[0] = None  # captures would work now: the key stays eager anyway
     assert torch.equal(graphs.run("k", [x + 1], step), (x + 1) * 2)
-    assert (graphs.captures, graphs.replays, len(graphs), len(step_calls)) == (0, 0, 0, 2)
+    assert (graphs.captures, graphs.replays, len(graphs), len(step_calls)) == (0, 0, 0, 3)  # one step per call
 
 
 def test_out_of_memory_during_a_capture_releases_every_graph_and_propagates(
     stand_in: list[BaseException | None],
 ) -> None:
     graphs = ReductionGraphs()
-    graphs.run("a", [torch.ones(3)], lambda s: s[0] + 1)
+
+    def call(key: str) -> None:
+        graphs.run(key, [torch.ones(3)], lambda s: s[0] + 1)
+
+    call("a")
+    call("a")  # captured at its second call
     assert len(graphs) == 1
     stand_in[0] = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    call("b")  # seen: nothing captured yet
     with pytest.raises(torch.OutOfMemoryError):
-        graphs.run("b", [torch.ones(3)], lambda s: s[0] + 1)
+        call("b")
     assert len(graphs) == 0 and graphs.failures == {}  # not the computation's fault: "b" may capture later
+    stand_in[0] = None
+    call("b")  # starts over (its count ended with the capture that ran out of memory): seen, not captured
+    assert graphs.captures == 1
+    call("b")
+    assert (graphs.captures, len(graphs)) == (2, 1)
 
 
 def test_graphs_keep_the_most_recently_used_keys(stand_in: list[BaseException | None]) -> None:
@@ -231,16 +245,92 @@ def test_graphs_keep_the_most_recently_used_keys(stand_in: list[BaseException | 
     def call(key: object) -> None:
         graphs.run(key, [torch.ones(2)], lambda s: s[0] * 3)
 
-    for number in range(MAX_GRAPHS + 2):  # keys 0 and 1 are dropped
+    for number in range(MAX_GRAPHS + 2):  # each key twice, so captured; keys 0 and 1 are dropped
+        call(number)
         call(number)
     call(2)  # a replay: key 2 becomes the most recent, key 3 the least
-    call("new")  # drops key 3
+    call("new")
+    call("new")  # captured at its second call: drops key 3
     assert (len(graphs), graphs.captures, graphs.replays) == (MAX_GRAPHS, MAX_GRAPHS + 3, 1)
     for key in (2, 4, MAX_GRAPHS + 1, "new"):  # kept: replayed
         call(key)
     assert (graphs.captures, graphs.replays) == (MAX_GRAPHS + 3, 5)
-    call(3)  # dropped: captured anew
+    call(3)  # dropped, so forgotten: seen anew, eager
+    assert (graphs.captures, graphs.replays) == (MAX_GRAPHS + 3, 5)
+    call(3)  # its second call since: captured anew
     assert graphs.captures == MAX_GRAPHS + 4
+
+
+def test_a_key_seen_once_runs_its_step_as_given_and_is_not_captured(stand_in: list[BaseException | None]) -> None:
+    graphs = ReductionGraphs()
+    given: list[torch.Tensor] = []
+
+    def step(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        given.append(inputs[0])
+        return inputs[0] * 2
+
+    x = torch.arange(6.0)[::2]  # not contiguous: a static copy would be
+    assert torch.equal(graphs.run("k", [x], step), torch.tensor([0.0, 4.0, 8.0]))
+    assert (graphs.captures, graphs.replays, len(graphs)) == (0, 0, 0)
+    assert len(given) == 1 and given[0] is x  # one plain run on the caller's own tensor: no static copy, no capture
+
+
+def test_a_key_is_captured_at_its_second_call_and_replayed_from_its_third(
+    stand_in: list[BaseException | None],
+) -> None:
+    graphs = ReductionGraphs()
+    counts = []
+    for value in (1.0, 2.0, 3.0, 4.0):  # one key, new values each call: each call's own result
+        assert torch.equal(graphs.run("k", [torch.full((3,), value)], lambda s: s[0] * 3), torch.full((3,), 3 * value))
+        counts.append((graphs.captures, graphs.replays, len(graphs)))
+    assert counts == [(0, 0, 0), (1, 0, 1), (1, 1, 1), (1, 2, 1)]
+
+
+def test_varied_keys_each_seen_once_capture_nothing(stand_in: list[BaseException | None]) -> None:
+    graphs = ReductionGraphs()
+    for number in range(MAX_GRAPHS + 4):  # more shapes than graphs are kept, none repeated
+        graphs.run(number, [torch.ones(2)], lambda s: s[0] + 1)
+    assert (graphs.captures, graphs.replays, len(graphs)) == (0, 0, 0)
+    graphs.run(0, [torch.ones(2)], lambda s: s[0] + 1)  # the first comes back: remembered, captured
+    assert (graphs.captures, len(graphs)) == (1, 1)
+
+
+def test_the_keys_seen_are_remembered_up_to_a_bound_least_recent_forgotten_first(
+    stand_in: list[BaseException | None],
+) -> None:
+    graphs = ReductionGraphs()
+
+    def call(key: object) -> None:
+        graphs.run(key, [torch.ones(2)], lambda s: s[0] + 1)
+
+    for number in range(MAX_SEEN_KEYS + 1):  # one key more than are remembered: key 0 is forgotten
+        call(number)
+    call(0)  # seen anew, which forgets key 1 (now the least recently seen)
+    assert graphs.captures == 0
+    call(2)  # still remembered: captured
+    assert graphs.captures == 1
+    call(1)  # forgotten: seen anew
+    assert graphs.captures == 1
+    call(0)  # its second call since it was forgotten: captured
+    assert graphs.captures == 2
+
+
+def test_release_forgets_the_keys_seen(stand_in: list[BaseException | None]) -> None:
+    graphs = ReductionGraphs()
+
+    def call(key: str) -> None:
+        graphs.run(key, [torch.ones(2)], lambda s: s[0] + 1)
+
+    call("seen")
+    call("captured")
+    call("captured")
+    assert (graphs.captures, len(graphs)) == (1, 1)
+    graphs.release()
+    call("seen")  # both start fresh: seen once, nothing captured
+    call("captured")
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 0, 0)
+    call("seen")
+    assert (graphs.captures, len(graphs)) == (2, 1)
 
 
 # ------------------------------------------------------------------------------ the paths users answer through
@@ -263,8 +353,29 @@ def _inputs(seed: int, graphs: ReductionGraphs | None, **changes: Any) -> Method
     return dataclasses.replace(MethodInputs(v, PROJECTOR, p, memo={}, graphs=graphs), **changes)
 
 
-def _through_graphs(graphs: ReductionGraphs) -> int:
-    return graphs.captures + graphs.replays
+class _CountingGraphs(ReductionGraphs):
+    """ReductionGraphs that count the calls handed to them: a key's first call neither captures nor replays, so
+    only this tells it from a call that never reached the graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def run(self, key: Any, inputs: Any, step: Any, held: Callable[[], object] = lambda: None) -> Any:
+        self.calls += 1
+        return super().run(key, inputs, step, held)
+
+
+class _OnCuda:
+    """An adapter as a caller reading its ``device`` sees it on CUDA, doing its work where it is."""
+
+    device = CUDA
+
+    def __init__(self, adapter: Any) -> None:
+        self._adapter = adapter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name)
 
 
 def _assert_same_result(got: MethodResult, want: MethodResult) -> None:
@@ -275,7 +386,7 @@ def _assert_same_result(got: MethodResult, want: MethodResult) -> None:
 
 
 def test_cares_method_replays_only_a_single_untimed_image_with_nothing_memoised(cpu_graphs: None) -> None:
-    graphs = ReductionGraphs()
+    graphs = _CountingGraphs()
     cfg = CARE.config  # type: ignore[attr-defined]
     eager_calls = {
         "timed": _inputs(1, graphs, stage_timer=StageClock()),
@@ -285,27 +396,28 @@ def test_cares_method_replays_only_a_single_untimed_image_with_nothing_memoised(
     for what, one in eager_calls.items():
         assert method_graph_reason(cfg, one, 7) is not None, what
         CARE.batch([one], [7])
-        assert _through_graphs(graphs) == 0, what
+        assert graphs.calls == 0, what
     hit = _inputs(1, graphs)
     build_method("prca-only", cfg).batch([hit], [7])  # PRCA's psi_bar and order now in the memo
     assert "memo" in str(method_graph_reason(cfg, hit, 7))
     CARE.batch([hit], [7])
     CARE.batch([_inputs(1, graphs), _inputs(2, graphs)], [7, 7])  # B = 2: one joint pass
-    assert _through_graphs(graphs) == 0
-    replayed = {"fresh memo": _inputs(1, graphs), "smaller budget planned": _inputs(2, graphs, planned_keeps=(3, 7)),
-                "no memo": _inputs(3, graphs, memo=None)}  # fmt: skip
-    for count, (what, one) in enumerate(replayed.items(), start=1):
+    assert graphs.calls == 0
+    through = {"fresh memo": _inputs(1, graphs), "smaller budget planned": _inputs(2, graphs, planned_keeps=(3, 7)),
+               "no memo": _inputs(3, graphs, memo=None)}  # fmt: skip
+    for count, (what, one) in enumerate(through.items(), start=1):
         assert method_graph_reason(cfg, one, 7) is None, what
         CARE.batch([one], [7])
-        assert _through_graphs(graphs) == count, what
-    assert (graphs.captures, graphs.replays) == (1, 2)
+        assert graphs.calls == count, what
+    assert (graphs.captures, graphs.replays) == (1, 1)  # one key (N, K): seen, captured, replayed
 
 
 def test_a_replayed_reduction_leaves_the_memo_the_eager_one_leaves_for_the_next_budget(cpu_graphs: None) -> None:
-    graphs = ReductionGraphs()
+    graphs = _CountingGraphs()
     cfg = CARE.config  # type: ignore[attr-defined]
     keys = {prca_key(cfg), prca_order_key(cfg)}
-    for seed in (1, 2):  # the first image is captured, the second replayed
+    for seed in (1, 2, 3):  # one key: the first image runs eagerly through the graphs, the second is captured, the
+        # third replayed
         replayed, eager = _inputs(seed, graphs, planned_keeps=(3, 7)), _inputs(seed, None, planned_keeps=(3, 7))
         _assert_same_result(CARE(replayed, 7), CARE(eager, 7))
         assert replayed.memo is not None and eager.memo is not None
@@ -314,30 +426,31 @@ def test_a_replayed_reduction_leaves_the_memo_the_eager_one_leaves_for_the_next_
             assert replayed.memo[key].dtype == eager.memo[key].dtype, key
             assert torch.equal(replayed.memo[key], eager.memo[key]), key
         stored = dict(replayed.memo)
-        through = _through_graphs(graphs)
+        assert graphs.calls == seed
         _assert_same_result(CARE(replayed, 3), CARE(eager, 3))  # the next budget: from the memo, eagerly
-        assert _through_graphs(graphs) == through
+        assert graphs.calls == seed
         assert all(replayed.memo[key] is stored[key] for key in keys)  # read, not recomputed
     assert (graphs.captures, graphs.replays) == (1, 1)
 
 
 def test_an_untimed_pipeline_run_replays_cares_reduction_and_a_timed_one_does_not(cpu_graphs: None) -> None:
     pipe = ReductionPipeline.from_pretrained("tiny-llava", methods=["care"], device="cpu")
-    graphs = pipe.reduction_graphs
+    graphs = pipe.reduction_graphs = _CountingGraphs()
     tokens = pipe.encode(scene_image((224, 224)))
     timed = pipe(tokens, None, [Budget.keep(16)]).runs[0]
     pipe(tokens, None, [Budget.keep(16)], timed=False, cuda_graph=False)
     pipe(tokens, None, [Budget.keep(16), Budget.keep(32)], timed=False)  # K = 16 first: its order is computed at 32
-    assert _through_graphs(graphs) == 0
-    for calls in (1, 2):  # captured, then replayed
+    assert graphs.calls == 0
+    expected = {1: (0, 0), 2: (1, 0), 3: (1, 1)}  # (captures, replays): seen, captured, replayed
+    for calls, counts in expected.items():
         untimed = pipe(tokens, None, [Budget.keep(16)], timed=False)
         assert untimed.timings_ms == {} and untimed.runs[0].timings_ms == {}
         _assert_same_result(untimed.runs[0].result, timed.result)
         assert torch.equal(untimed.runs[0].projected, timed.projected)
-        assert _through_graphs(graphs) == calls
-    both = pipe(tokens, None, [Budget.keep(32), Budget.keep(16)], timed=False)  # 32 replayed (new K: captured)
+        assert (graphs.calls, graphs.captures, graphs.replays) == (calls, *counts)
+    both = pipe(tokens, None, [Budget.keep(32), Budget.keep(16)], timed=False)  # 32 through the graphs: a new key
     _assert_same_result(both.runs[1].result, timed.result)  # 16 from the memo the graph path filled
-    assert (graphs.captures, graphs.replays) == (2, 1)
+    assert (graphs.calls, graphs.captures, graphs.replays) == (4, 1, 1)  # K = 32 seen once: eager
 
 
 def test_the_dropin_replays_a_single_images_reduction_and_frees_the_graphs_on_leaving(
@@ -352,13 +465,45 @@ def test_the_dropin_replays_a_single_images_reduction_and_frees_the_graphs_on_le
     with reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=9) as reduction:
         graphs = reduction._pipeline.reduction_graphs
         answers = []
-        for calls in (1, 2):  # captured, then replayed
+        for counts in ((0, 0, 0), (1, 0, 1), (1, 1, 1)):  # (captures, replays, graphs): seen, captured, replayed
             answers.append(adapter.model.generate(**inputs, max_new_tokens=3, do_sample=False))
             (result,) = reduction.results
             _assert_same_result(result, eager.result)
-            assert (_through_graphs(graphs), len(graphs)) == (calls, 1)
-        assert torch.equal(answers[0], answers[1])
+            assert (graphs.captures, graphs.replays, len(graphs)) == counts
+        assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], answers[2])
     assert len(graphs) == 0  # freed with the block
+
+
+def test_the_dropin_with_cuda_graph_false_never_hands_a_reduction_to_the_graphs(cpu_graphs: None, home: Path) -> None:
+    adapter: Any = load_backbone("tiny-llava", device="cpu", home=home)
+    with quiet_transformers():
+        inputs = adapter.processor(images=[scene_image((300, 200))], text=[adapter.prompt("What is this?")],
+                                   return_tensors="pt")  # fmt: skip
+    eager = ReductionPipeline(adapter, ["care"]).run_batch([scene_image((300, 200))], ["What is this?"],
+                                                          [Budget.keep(9)])[0].runs[0]  # fmt: skip
+    reduction = reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=9, cuda_graph=False)
+    graphs = reduction._pipeline.reduction_graphs = _CountingGraphs()
+    with reduction:
+        for _ in range(3):  # with graphs, the second call would capture and the third replay
+            adapter.model.generate(**inputs, max_new_tokens=1, do_sample=False)
+            (result,) = reduction.results
+            _assert_same_result(result, eager.result)
+    assert (graphs.calls, graphs.captures, graphs.replays) == (0, 0, 0)
+
+
+def test_timed_answers_warm_up_until_cares_rerun_is_captured_so_every_timed_round_replays(
+    cpu_graphs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA (the adapter's device as time_answers reads it) with graphs: two warm-up rounds (the re-run's key
+    seen, then captured), so each of the timed rounds replays."""
+    pipe = ReductionPipeline.from_pretrained("tiny-llava", methods=["care"], device="cpu")
+    graphs = pipe.reduction_graphs = _CountingGraphs()
+    result = pipe(pipe.encode(scene_image((224, 224))), None, [Budget.keep(16)])  # timed: eager
+    assert graphs.calls == 0
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # the stage clocks' waits
+    pipe.adapter = _OnCuda(pipe.adapter)  # type: ignore[assignment]
+    pipe.time_answers(result, max_new_tokens=1, repeats=3)
+    assert (graphs.calls, graphs.captures, graphs.replays) == (2 + 3, 1, 3)  # one re-run per round
 
 
 # ------------------------------------------------------------------------------ CUDA
@@ -389,13 +534,14 @@ def test_a_replayed_reduction_is_the_eager_one_bitwise_on_each_trained_demo(name
     projector, features, positions = _demo_features(name, home)
     graphs, cfg = ReductionGraphs(), CaReConfig()
     keep = max(1, features.shape[0] // 9)
-    for v in _variants(features):
+    for v in _variants(features):  # five calls with one key: seen, captured, then three replays
         got = care_reduce(v, projector, positions, keep=keep, config=cfg, graphs=graphs)
         _assert_bitwise(got, care_reduce(v, projector, positions, keep=keep, config=cfg))
-    assert (graphs.captures, graphs.replays, graphs.failures) == (1, 4, {})
-    got = care_reduce(features, projector, positions, keep=keep + 3, config=cfg, graphs=graphs)  # another K
-    _assert_bitwise(got, care_reduce(features, projector, positions, keep=keep + 3, config=cfg))
-    assert (len(graphs), graphs.captures) == (2, 2)
+    assert (graphs.captures, graphs.replays, graphs.failures) == (1, 3, {})
+    for v in _variants(features)[:2]:  # another K: another key, seen then captured
+        got = care_reduce(v, projector, positions, keep=keep + 3, config=cfg, graphs=graphs)
+        _assert_bitwise(got, care_reduce(v, projector, positions, keep=keep + 3, config=cfg))
+    assert (len(graphs), graphs.captures, graphs.replays) == (2, 2, 3)
 
 
 @cuda_only
@@ -403,7 +549,7 @@ def test_a_replayed_reduction_is_the_eager_one_bitwise_on_each_trained_demo(name
 def test_a_replayed_reduction_in_float64_or_the_torch_kernels_is_the_eager_one(kernel: str, home: Path) -> None:
     projector, features, positions = _demo_features("tiny-qwen3-vl", home)
     graphs, cfg = ReductionGraphs(), CaReConfig(kernel=kernel)  # type: ignore[arg-type]
-    for v in _variants(features.double())[:3]:
+    for v in _variants(features.double())[:4]:  # seen, captured, replayed twice
         got = care_reduce(v, projector, positions, keep=20, config=cfg, graphs=graphs)
         _assert_bitwise(got, care_reduce(v, projector, positions, keep=20, config=cfg))
     assert (graphs.captures, graphs.replays) == (1, 2)
@@ -423,7 +569,7 @@ def test_a_capture_that_fails_on_cuda_gives_the_eager_result_and_says_why(
 
     monkeypatch.setattr(care_core.calibration, "gate_confidence", uncapturable)
     graphs = ReductionGraphs()
-    for v in _variants(features)[:3]:
+    for v in _variants(features)[:3]:  # seen; the capture fails (the call's eager result stands); eager
         got = care_reduce(v, projector, positions, keep=30, graphs=graphs)
         _assert_bitwise(got, care_reduce(v, projector, positions, keep=30))
     (reason,) = graphs.failures.values()
@@ -435,7 +581,7 @@ def test_a_capture_that_fails_on_cuda_gives_the_eager_result_and_says_why(
 def test_release_frees_the_graphs_and_their_pool(home: Path) -> None:
     projector, features, positions = _demo_features("tiny-qwen2.5-vl", home)
     graphs = ReductionGraphs()
-    for keep in (10, 20, 10):
+    for keep in (10, 20, 10, 20, 10):  # 10 and 20 seen, captured; 10 replayed
         care_reduce(features, projector, positions, keep=keep, graphs=graphs)
     assert (len(graphs), graphs.captures, graphs.replays) == (2, 2, 1)
     torch.cuda.synchronize()
@@ -443,18 +589,19 @@ def test_release_frees_the_graphs_and_their_pool(home: Path) -> None:
     held = torch.cuda.memory_reserved()
     graphs.release()
     assert len(graphs) == 0 and torch.cuda.memory_reserved() < held
-    got = care_reduce(features, projector, positions, keep=10, graphs=graphs)  # captured anew
-    _assert_bitwise(got, care_reduce(features, projector, positions, keep=10))
-    assert graphs.captures == 3
+    for captures in (2, 3):  # the key forgotten with the graphs: seen anew, then captured anew
+        got = care_reduce(features, projector, positions, keep=10, graphs=graphs)
+        _assert_bitwise(got, care_reduce(features, projector, positions, keep=10))
+        assert graphs.captures == captures
 
 
 @cuda_only
 def test_timed_answers_on_cuda_replay_cares_reduction_unless_graphs_are_off(home: Path) -> None:
     for cuda_graph, replayed in ((None, True), (False, False)):
         pipe = ReductionPipeline(load_backbone("tiny-llava", device="cuda", home=home), ["care"])
-        result = pipe(scene_image((320, 240)), None, [Budget.keep(40)])
+        result = pipe(scene_image((320, 240)), None, [Budget.keep(40)])  # timed: eager
         pipe.time_answers(result, max_new_tokens=1, repeats=2, cuda_graph=cuda_graph)
-        graphs = pipe.reduction_graphs
+        graphs = pipe.reduction_graphs  # with graphs: two warm-up rounds (seen, captured), two timed replays
         assert (graphs.captures, graphs.replays) == ((1, 2) if replayed else (0, 0)), cuda_graph
         pipe.release_graphs()
 
@@ -465,14 +612,14 @@ def test_an_untimed_pipeline_run_on_cuda_replays_and_equals_the_timed_one_bitwis
     tokens = pipe.encode(scene_image((320, 240)))
     budgets = [Budget.keep(40), Budget.keep(20)]  # 40 replayed, then 20 (and prca-only) from the memo it filled
     timed = pipe(tokens, None, budgets)
-    for calls in (1, 2):  # captured, then replayed
+    for counts in ((0, 0), (1, 0), (1, 1)):  # (captures, replays): seen, captured, replayed
         untimed = pipe(tokens, None, budgets, timed=False)
         for got, want in zip(untimed.runs, timed.runs, strict=True):
             assert torch.equal(got.result.tokens, want.result.tokens), (got.method, got.keep)
             assert torch.equal(got.result.token_index, want.result.token_index), (got.method, got.keep)
             assert torch.equal(got.projected, want.projected), (got.method, got.keep)
         graphs = pipe.reduction_graphs
-        assert (graphs.captures, graphs.replays, graphs.failures) == (1, calls - 1, {})
+        assert (graphs.captures, graphs.replays, graphs.failures) == (*counts, {})
     pipe.release_graphs()
 
 
@@ -489,10 +636,10 @@ def test_the_dropin_on_cuda_replays_one_image_and_answers_as_the_eager_path(home
     prompt_length = inputs["input_ids"].shape[1]
     with reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=9) as reduction:
         graphs = reduction._pipeline.reduction_graphs
-        for calls in (1, 2):  # captured, then replayed
+        for counts in ((0, 0), (1, 0), (1, 1)):  # (captures, replays): seen, captured, replayed
             out = adapter.model.generate(**inputs, max_new_tokens=5, do_sample=False)
             (result,) = reduction.results
             _assert_same_result(result, run.result)
             assert tuple(out[0, prompt_length:].tolist()[: len(eager_ids)]) == eager_ids
-            assert (graphs.captures, graphs.replays, graphs.failures) == (1, calls - 1, {})
+            assert (graphs.captures, graphs.replays, graphs.failures) == (*counts, {})
     assert len(graphs) == 0
