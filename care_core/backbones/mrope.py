@@ -14,13 +14,13 @@ import torch
 
 from .._memo import remember
 from .base import ImageTokens, check_kept
-from .chat_adapter import ChatAdapter
+from .chat_adapter import ChatAdapter, PromptParts
 from .static_generation import StaticPrompt
 
 #: (question, image grid) pairs whose full-prompt rope positions an adapter keeps: each holds 3 x L positions (L up to
 #: ~16k at the largest images, ~400 KB), so fewer than the prompt ids' PROMPT_CACHE_SIZE (about 100 MB at most)
 ROPE_CACHE_SIZE = 256
-#: the :meth:`~ChatAdapter._lm_inputs` keys the static loop takes from an M-RoPE prompt: its positions too
+#: the :func:`mrope_model_inputs` keys the static loop takes from an M-RoPE prompt: its positions too
 #: (``mm_token_type_ids`` only matters without them)
 MROPE_STATIC_INPUTS: frozenset[str] = ChatAdapter.static_inputs | {"position_ids", "mm_token_type_ids"}
 
@@ -29,46 +29,36 @@ MROPE_STATIC_INPUTS: frozenset[str] = ChatAdapter.static_inputs | {"position_ids
 RopeCache = dict[tuple[str, tuple[int, ...], str], torch.Tensor]
 
 
-def _cache_key(question: str, thw: torch.Tensor, device: str) -> tuple[str, tuple[int, ...], str]:
-    """A :data:`RopeCache` key: the question, the image grid (host ``thw``) and where the positions are kept."""
-    return (question, tuple(int(v) for v in thw.reshape(-1).tolist()), device)
-
-
 def rope_positions(
-    adapter: ChatAdapter, cache: RopeCache, question: str, tokens: ImageTokens
+    adapter: ChatAdapter, cache: RopeCache, question: str, tokens: ImageTokens, device: torch.device | None = None
 ) -> tuple[torch.Tensor, int]:
-    """(3, L) multimodal-rope positions (CPU) of the prompt with all N image placeholders, the model's own
+    """(3, L) multimodal-rope positions of the prompt with all N image placeholders, the model's own
     ``get_rope_index`` of it, and the first placeholder's place (the N placeholders are one run from there).
 
     Worked out on the host and kept in ``cache`` per (question, image grid): ``get_rope_index`` walks the whole
-    prompt in Python (and on a GPU reads it back), once per call otherwise."""
+    prompt in Python (and on a GPU reads it back), once per call otherwise. On the host, or on ``device`` where one is
+    given: then copied there once and kept beside the host's (without waiting for the queued work: the host tensor is
+    kept, never written), not once per call."""
     thw = tokens.model_inputs.get("image_grid_thw")
     if thw is None:
         raise ValueError("tokens.model_inputs has no image_grid_thw; use ImageTokens from encode_image")
     thw = thw.cpu()  # the processor's output: on the host already
-    key = _cache_key(question, thw, "cpu")
+    grid = tuple(int(v) for v in thw.reshape(-1).tolist())
     _, at = adapter._prompt_ids(question)
-    cached = cache.get(key)
+    cached = cache.get((question, grid, "cpu"))
     if cached is None:
         ids = adapter._prompt_ids_with(question, tokens.num_tokens)
         types = (ids == adapter.image_token_id).to(torch.long)
         positions, _ = adapter.model.model.get_rope_index(
             ids, types, image_grid_thw=thw, attention_mask=torch.ones_like(ids)
         )
-        cached = remember(cache, key, positions[:, 0], ROPE_CACHE_SIZE)
-    return cached, at
-
-
-def device_positions(
-    cache: RopeCache, question: str, tokens: ImageTokens, positions: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    """:func:`rope_positions`' ``positions`` (3, L) on ``device``, kept beside them in ``cache``: copied once (without
-    waiting for the queued work: the host tensor is kept, never written), not once per call."""
-    key = _cache_key(question, tokens.model_inputs["image_grid_thw"].cpu(), str(device))
-    cached = cache.get(key)
-    if cached is None:
-        cached = remember(cache, key, positions.to(device, non_blocking=True), ROPE_CACHE_SIZE)
-    return cached
+        cached = remember(cache, (question, grid, "cpu"), positions[:, 0], ROPE_CACHE_SIZE)
+    if device is None or device.type == "cpu":
+        return cached, at
+    placed = cache.get((question, grid, str(device)))
+    if placed is None:
+        placed = remember(cache, (question, grid, str(device)), cached.to(device, non_blocking=True), ROPE_CACHE_SIZE)
+    return placed, at
 
 
 def full_positions(
@@ -88,43 +78,53 @@ def row_positions(image_positions: torch.Tensor, kept: torch.Tensor) -> torch.Te
     """(3, ..., K) multimodal-rope positions of K rows from the full prompt's image positions (3, N): row r has
     token ``kept[..., r]``'s; a row tied to no token (-1) the last image token's (the bottom-right merged patch)."""
     n = int(image_positions.shape[1])
-    kept = kept.to(image_positions.device)
-    # clamped: a device kept's range is read after its prompt is queued (check_kept); in range, a no-op
-    select = torch.where(kept < 0, torch.full_like(kept, n - 1), kept).clamp(0, n - 1)
+    # -1 wraps to n - 1 and 0..n-1 stay; out of range (a device kept's range is read after its prompt is queued:
+    # check_kept), any index wraps into range, so the gather never fails before that read
+    select = kept.to(image_positions.device).remainder(n)
     return image_positions[:, select]
 
 
-def mrope_lm_inputs(
+def mrope_prompt_parts(
     adapter: ChatAdapter,
     cache: RopeCache,
     question: str,
     tokens: ImageTokens,
     projected: torch.Tensor,
     kept: torch.Tensor | None,
-) -> dict[str, Any]:
-    """The model's keyword arguments for K placeholders, each with the mrope position of its token (``kept``; -1: the
-    last image token's). The positions are put together on the host (no read-back from the device) and moved with the
-    ids; ``mm_token_type_ids`` is always passed (without it the model falls back to 1-D positions)."""
+) -> PromptParts:
+    """The prompt with K placeholders in parts, each row with the mrope position of its token (``kept``; -1: the last
+    image token's): the positions (3, L) are put together where ``kept`` is (no read-back from the device) and moved
+    with the ids."""
     rows = adapter._check_projected(projected)
     k, n = int(rows.shape[0]), tokens.num_tokens
     kept = check_kept(kept, k, n)
-    full, start = rope_positions(adapter, cache, question, tokens)
-    if kept is not None and kept.device.type != "cpu":  # put together on kept's device: reading kept would wait
-        full = device_positions(cache, question, tokens, full, kept.device)
+    # put together where kept is: reading a device kept would wait for the work queued before it
+    full, start = rope_positions(adapter, cache, question, tokens, None if kept is None else kept.device)
     image = row_positions(full[:, start : start + n], torch.arange(k) if kept is None else kept)
     positions = torch.cat([full[:, :start], image, full[:, start + n :]], dim=1)  # (3, L_K)
+    ids, _ = adapter._placeholder_ids(question, k)
+    placed = positions.to(ids.device, non_blocking=True)  # the model's device: a fresh host tensor, or there already
+    return PromptParts(ids, start, rows, tokens, kept, positions=placed)
+
+
+def mrope_model_inputs(adapter: ChatAdapter, parts: PromptParts) -> dict[str, Any]:
+    """The model's keyword arguments for M-RoPE ``parts``: ChatAdapter's, with ``mm_token_type_ids`` (always passed:
+    without it the model falls back to 1-D positions) and ``position_ids`` (4, 1, L): the text row 0..L-1, then the
+    parts' t, h, w rows."""
+    ids, positions = parts.input_ids, parts.positions
+    assert positions is not None, "M-RoPE prompt parts carry their positions (mrope_prompt_parts)"
     text_row = torch.arange(positions.shape[1], dtype=positions.dtype, device=positions.device)
-    position_ids = torch.cat([text_row[None], positions])[:, None]  # (4, 1, L_K): text row, then t, h, w
-    enc = adapter._encode_prompt(question, k)
     return {
-        **enc,
-        "mm_token_type_ids": (enc["input_ids"] == adapter.image_token_id).to(torch.long),
-        "position_ids": position_ids.to(adapter.device, non_blocking=True),  # a fresh host tensor: no wait
-        "mm_encoder_outputs": adapter._encoder_outputs(rows, tokens, kept),
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == adapter.image_token_id).to(torch.long),
+        "position_ids": torch.cat([text_row[None], positions])[:, None],  # (4, 1, L_K)
+        **parts.extras,
+        "mm_encoder_outputs": adapter._encoder_outputs(parts.rows, parts.tokens, parts.kept),
     }
 
 
 def with_rope_positions(prompt: StaticPrompt, inputs: dict[str, Any]) -> StaticPrompt:
-    """``prompt`` with the (t, h, w) rows of :func:`mrope_lm_inputs`' ``position_ids`` (its text row is 0..L-1, the
+    """``prompt`` with the (t, h, w) rows of :func:`mrope_model_inputs`' ``position_ids`` (its text row is 0..L-1, the
     static loop's cache index)."""
     return replace(prompt, positions=inputs["position_ids"][1:, 0])

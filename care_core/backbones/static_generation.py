@@ -139,6 +139,14 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
     return window_reason(model, length)
 
 
+def token_embeddings(model: Any) -> torch.nn.Module:
+    """The embedding table the loop embeds new tokens with (:class:`StaticGreedy`'s ``lm.embed_tokens``), read anew
+    at each call: what ``model.get_input_embeddings()`` returns for every decoder the loop drives, in a few attribute
+    reads where that searches several names."""
+    module: torch.nn.Module = model.model.language_model.embed_tokens
+    return module
+
+
 def _first_parameter(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """The submodule that holds ``module``'s first parameter, and its name there."""
     path, _, name = next(module.named_parameters())[0].rpartition(".")
@@ -502,7 +510,7 @@ class StaticGreedy:
         """``prompt`` as a :class:`StaticPrompt` with (L, d) embeddings, after checking its extras fit this decoder."""
         if not isinstance(prompt, StaticPrompt):
             prompt = StaticPrompt(prompt)
-        embeds = prompt.embeds.reshape(-1, prompt.embeds.shape[-1])
+        embeds = prompt.embeds if prompt.embeds.dim() == 2 else prompt.embeds.reshape(-1, prompt.embeds.shape[-1])
         length = int(embeds.shape[0])
         if prompt.positions is not None and (not self.mrope or tuple(prompt.positions.shape) != (3, length)):
             want = "(3, L) for a multimodal-rope decoder" if self.mrope else "none: the decoder's rope is 1-D"
@@ -524,7 +532,7 @@ class StaticGreedy:
         last = [length - 1 for length in lengths] + [0] * (batch - len(prompts))
         entry.last.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)  # no wait for queued work
         if entry.positions is not None:
-            entry.positions.copy_(self.positions[None, None, :rows].expand(3, batch, rows))
+            entry.positions.copy_(self.positions[:rows])  # 0..rows-1 broadcast over the rope rows and samples
             self.rope_delta.zero_()
             for i, prompt in enumerate(prompts):
                 if prompt.positions is not None:  # device tensors stay on the device: no host sync

@@ -67,6 +67,26 @@ def test_a_reduced_prompt_is_queued_without_waiting_for_the_device(demo_home: Pa
 
 
 @cuda_only
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
+                                  "tiny-internvl3"])  # fmt: skip
+def test_the_static_loops_prompt_is_made_from_its_parts_without_waiting_for_the_device(
+    demo_home: Path, name: str
+) -> None:
+    adapter: Any = load_backbone(name, home=demo_home, device="cuda", dtype="float32")
+    tokens, rows, kept = _reduced(adapter, 9)
+    want = adapter.generate(QUESTION, tokens, rows, max_new_tokens=4, kept=kept)  # the question's prompt ids, kept
+    on_device = kept.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises from here on
+    try:
+        with torch.no_grad():
+            adapter._loop_prompt(adapter._prompt_parts(QUESTION, tokens, rows, on_device))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert adapter.generate(QUESTION, tokens, rows, max_new_tokens=4, kept=on_device).token_ids == want.token_ids
+
+
+@cuda_only
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen3-vl"])
 def test_device_indices_out_of_range_fail_in_one_line_and_leave_the_device_usable(demo_home: Path, name: str) -> None:
     adapter: Any = load_backbone(name, home=demo_home, device="cuda", dtype="float32")

@@ -120,6 +120,82 @@ def test_qwen3_prompts_carry_positions_and_deepstack_rows_into_the_loop(qwen3_de
     assert "carries pixel_values" in (qwen3_demo._graph_reason({**inputs, "pixel_values": None}, 8) or "")
 
 
+def _bits(value: torch.Tensor | None) -> torch.Tensor | None:
+    """``value``'s bits (a float tensor viewed as integers of its width): equal bits, not merely equal values."""
+    if value is None or not value.is_floating_point():
+        return value
+    return value.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[value.element_size()])
+
+
+def _kepts(n: int) -> list[torch.Tensor | None]:
+    """All tokens in order, a subset in raster order, the same shuffled, and one with a row tied to no token."""
+    subset = torch.randperm(n, generator=torch.Generator().manual_seed(2))[:13]
+    return [None, subset.sort().values, subset, torch.tensor([*subset[:6].tolist(), -1, *subset[6:9].tolist()])]
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-internvl3",
+                                  "tiny-qwen2.5-vl", "tiny-qwen3-vl"])  # fmt: skip
+def test_the_loop_prompt_from_the_parts_is_the_one_from_the_model_inputs_bit_for_bit(
+    demo_home: Path, image: Any, name: str
+) -> None:
+    adapter: Any = load_backbone(name, home=demo_home)
+    tokens = adapter.encode_image(image)
+    with torch.no_grad():
+        for kept in _kepts(tokens.num_tokens):
+            rows = tokens.features if kept is None else tokens.features[kept.clamp(min=0)]
+            projected = adapter.projector(rows)  # all tokens: LLaVA-NeXT and OneVision add their newline rows
+            direct = adapter._loop_prompt(adapter._prompt_parts(QUESTION, tokens, projected, kept))
+            via = adapter._static_prompt(adapter._lm_inputs(QUESTION, tokens, projected, kept))
+            for field in ("embeds", "positions", "deepstack"):
+                got, want = getattr(direct, field), getattr(via, field)
+                assert (got is None) == (want is None), field
+                if want is not None:
+                    assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), field
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-internvl3",
+                                  "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5-random",
+                                  "tiny-gemma3-random"])  # fmt: skip
+def test_the_graph_decision_from_the_parts_is_the_one_from_the_model_inputs(
+    demo_home: Path, image: Any, name: str
+) -> None:
+    adapter: Any = load_backbone(name, home=demo_home)
+    tokens = adapter.encode_image(image)
+    kept = torch.arange(0, tokens.num_tokens, 5)
+    with torch.no_grad():
+        parts = adapter._prompt_parts(QUESTION, tokens, adapter.projector(tokens.features[kept]), kept)
+    inputs = adapter._model_inputs(parts)
+    assert set(inputs) - set(parts.carried()) <= adapter.static_inputs  # what the parts leave out, the loop takes
+    assert adapter._graph_reason(parts.carried(), 8) == adapter._graph_reason(inputs, 8)
+    assert torch.equal(parts.input_ids, inputs["input_ids"])
+
+
+def test_fed_deepstack_gives_each_row_its_tokens_rows_alone_and_in_a_batch(qwen3_demo: Any) -> None:
+    levels, n, width = 2, 6, 3
+    deepstack = torch.arange(levels * n * width, dtype=torch.float32).view(levels, n, width) + 1
+    kept = torch.tensor([4, 0, -1, 5])
+    want = torch.stack([torch.stack([deepstack[lv, t] if t >= 0 else torch.zeros(width) for t in kept.tolist()])
+                        for lv in range(levels)])  # fmt: skip
+    got = qwen3_demo.fed_deepstack(deepstack, kept, 4)
+    assert torch.equal(got, want)
+    batch = qwen3_demo.fed_deepstack(torch.stack([deepstack, deepstack.flip(1)], dim=1), torch.stack([kept, kept]), 4)
+    assert torch.equal(batch[:, 0], want)
+    assert torch.equal(batch[:, 1], qwen3_demo.fed_deepstack(deepstack.flip(1), kept, 4))
+    assert torch.equal(qwen3_demo.fed_deepstack(deepstack, None, 2), deepstack[:, :2])
+
+
+def test_a_qwen3_image_without_deepstack_rows_is_refused_before_decoding(
+    qwen3_demo: Any, image: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = qwen3_demo.encode_image(image)
+    bare = dataclasses.replace(tokens, model_inputs={k: v for k, v in tokens.model_inputs.items() if k != "deepstack"})
+    monkeypatch.setattr(type(qwen3_demo), "_batch_graph_reason", lambda self, parts, new: None)  # as on a GPU
+    monkeypatch.setattr(type(qwen3_demo), "_static_greedy", lambda self: StaticGreedy(self.model, graphs=False))
+    with torch.no_grad(), pytest.raises(ValueError, match="no deepstack rows for every token"):
+        qwen3_demo.generate(QUESTION, bare, qwen3_demo.projector(tokens.features[:4]), max_new_tokens=2)
+    assert qwen3_demo._graph_failure is None  # a bad input, not a failed capture: graphs stay on
+
+
 def test_the_loop_refuses_extras_its_decoder_does_not_take(demo: Any, qwen_demo: Any, image: Any) -> None:
     tokens = qwen_demo.encode_image(image)
     with torch.no_grad():

@@ -23,6 +23,7 @@ offered.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +32,7 @@ from ...errors import ModelLoadError
 from ...norm_first import NormLinear
 from .._hf import quiet_transformers
 from ..base import ImageTokens
-from ..chat_adapter import ChatAdapter, visual_rows
+from ..chat_adapter import ChatAdapter, PromptParts, visual_rows
 from ..geometry import clip_boxes, grid_crop_boxes
 from ..module_attrs import model_config, submodule, typed_attr
 
@@ -209,7 +210,7 @@ class Gemma3Adapter(ChatAdapter):
         return f"\n\n{self.start_image}{self.image_token * k}{self.end_image}\n\n"
 
     # ------------------------------------------------------------------ language model
-    def _lm_inputs(
+    def _prompt_parts(
         self,
         question: str,
         tokens: ImageTokens,
@@ -217,12 +218,12 @@ class Gemma3Adapter(ChatAdapter):
         kept: torch.Tensor | None,
         *,
         probe: bool = False,
-    ) -> dict[str, Any]:
+    ) -> PromptParts:
         """ChatAdapter's prompt with K placeholders, plus ``token_type_ids`` (1 on exactly those K): the model
         builds the bidirectional image block from them, so the K rows attend to each other both ways."""
-        inputs = super()._lm_inputs(question, tokens, projected, kept, probe=probe)
-        inputs["token_type_ids"] = (inputs["input_ids"] == self.image_token_id).long()
-        return inputs
+        parts = super()._prompt_parts(question, tokens, projected, kept, probe=probe)
+        token_types = (parts.input_ids == self.image_token_id).long()
+        return replace(parts, extras={**parts.extras, "token_type_ids": token_types})
 
     def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
         """Gemma 3 takes ONE tensor of all rows (its forward calls ``.to`` on ``pooler_output``)."""
@@ -245,7 +246,7 @@ class Gemma3Adapter(ChatAdapter):
             return super().graph_generation_reason(length)
         return EAGER_REASON
 
-    def _graph_reason(self, inputs: dict[str, Any], max_new_tokens: int) -> str | None:
+    def _graph_reason(self, inputs: Mapping[str, Any], max_new_tokens: int) -> str | None:
         return self.graph_generation_reason(int(inputs["input_ids"].shape[1]) + max_new_tokens)
 
     # ------------------------------------------------------------------ probes

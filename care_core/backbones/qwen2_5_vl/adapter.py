@@ -22,7 +22,7 @@ positions; the reduced sequence keeps K placeholders, each row with the position
 these as explicit ``position_ids`` (4 rows: a 1-D text row, then t, h, w), so K = N reproduces the standard path.
 The full prompt's positions are worked out on the host once per (question, image grid) (``rope_positions``), and the
 reduced prompt is put together on the host too (no read-back from the device). The static CUDA-graph decoder takes
-the (t, h, w) rows with the embeddings (``_static_prompt``; :mod:`care_core.backbones.static_generation`).
+the (t, h, w) rows with the embeddings (``_loop_prompt``; :mod:`care_core.backbones.static_generation`).
 
 Probes. The Qwen vision tower has no CLS token and mostly windowed attention: ``cls_attention``,
 ``attention_logits``, ``keys``, ``hidden_with_cls`` and ``last_layer_qk`` (all defined with a CLS row) are not
@@ -45,7 +45,7 @@ from ...norm_first import NormFirstMLP
 from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
 from ..base import ImageTokens
-from ..chat_adapter import ChatAdapter
+from ..chat_adapter import ChatAdapter, PromptParts
 from ..module_attrs import float_attr, int_attr, submodule, tensor_attr, typed_attr
 from ..packed_attention import tower_attention
 from ..static_generation import StaticPrompt
@@ -197,7 +197,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         placeholder's place (:func:`~care_core.backbones.mrope.rope_positions`)."""
         return mrope.rope_positions(self, self._rope_cache, question, tokens)
 
-    def _lm_inputs(
+    def _prompt_parts(
         self,
         question: str,
         tokens: ImageTokens,
@@ -205,9 +205,11 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         kept: torch.Tensor | None,
         *,
         probe: bool = False,
-    ) -> dict[str, Any]:
+    ) -> PromptParts:
         """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's)."""
-        return mrope.mrope_lm_inputs(self, self._rope_cache, question, tokens, projected, kept)
+        return mrope.mrope_prompt_parts(self, self._rope_cache, question, tokens, projected, kept)
+
+    _model_inputs = mrope.mrope_model_inputs  # mm_token_type_ids and position_ids too
 
     def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
         """The embeddings and the (t, h, w) rows of the prompt's ``position_ids``."""

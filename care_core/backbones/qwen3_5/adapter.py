@@ -28,7 +28,7 @@ import torch
 from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
 from ..base import ImageTokens
-from ..chat_adapter import ChatAdapter
+from ..chat_adapter import ChatAdapter, PromptParts
 from ..probes import VISION_PROBES
 from ..qwen3_vl.adapter import Qwen3VLMergerProjector
 
@@ -117,7 +117,7 @@ class Qwen3_5Adapter(ChatAdapter):
         placeholder's place (:func:`~care_core.backbones.mrope.rope_positions`)."""
         return mrope.rope_positions(self, self._rope_cache, question, tokens)
 
-    def _lm_inputs(
+    def _prompt_parts(
         self,
         question: str,
         tokens: ImageTokens,
@@ -125,6 +125,8 @@ class Qwen3_5Adapter(ChatAdapter):
         kept: torch.Tensor | None,
         *,
         probe: bool = False,
-    ) -> dict[str, Any]:
+    ) -> PromptParts:
         """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's)."""
-        return mrope.mrope_lm_inputs(self, self._rope_cache, question, tokens, projected, kept)
+        return mrope.mrope_prompt_parts(self, self._rope_cache, question, tokens, projected, kept)
+
+    _model_inputs = mrope.mrope_model_inputs  # mm_token_type_ids and position_ids too

@@ -22,8 +22,9 @@ merged grid; :mod:`care_core.backbones.mrope`, the positions): the processor res
 multiples of 32 px, each token is a 32x32 block mapped linearly back to the original image; the kept rows get the
 (t, h, w) multimodal-rope positions of their tokens from ``get_rope_index`` of the unreduced prompt, with
 ``mm_token_type_ids`` passed (Qwen3-VL refuses to run without it when an image grid is given). The static CUDA-graph
-decoder takes those positions and, per level, the K deepstack rows at the image placeholders (``_static_prompt``),
-which it adds after the first decoder layers in the prefill, as the model does.
+decoder takes those positions and, per level, the K deepstack rows at the image placeholders (``_loop_prompt``, straight
+from the K rows and ``kept``: no transformers container is built for it), which it adds after the first decoder layers
+in the prefill, as the model does.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ...norm_first import NormFirstMLP
 from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
 from ..base import ImageTokens
-from ..chat_adapter import ChatAdapter
+from ..chat_adapter import ChatAdapter, PromptParts
 from ..module_attrs import float_attr, int_attr, optional_tensor_attr, submodule, tensor_attr
 from ..packed_attention import tower_attention
 from ..static_generation import StaticPrompt
@@ -196,7 +197,7 @@ class Qwen3VLAdapter(ChatAdapter):
         placeholder's place (:func:`~care_core.backbones.mrope.rope_positions`)."""
         return mrope.rope_positions(self, self._rope_cache, question, tokens)
 
-    def _lm_inputs(
+    def _prompt_parts(
         self,
         question: str,
         tokens: ImageTokens,
@@ -204,10 +205,23 @@ class Qwen3VLAdapter(ChatAdapter):
         kept: torch.Tensor | None,
         *,
         probe: bool = False,
-    ) -> dict[str, Any]:
-        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's), and the
-        K rows' deepstack rows (:meth:`_encoder_outputs`)."""
-        return mrope.mrope_lm_inputs(self, self._rope_cache, question, tokens, projected, kept)
+    ) -> PromptParts:
+        """K placeholders, each with the mrope position of its token (``kept``; -1: the last image token's), for an
+        image whose tokens carry their deepstack rows (checked here; each decoder's form gathers the K rows')."""
+        parts = mrope.mrope_prompt_parts(self, self._rope_cache, question, tokens, projected, kept)
+        self._token_deepstack(tokens)
+        return parts
+
+    _model_inputs = mrope.mrope_model_inputs  # the deepstack rows come with the K rows (_encoder_outputs)
+
+    def _token_deepstack(self, tokens: ImageTokens) -> torch.Tensor:
+        """Every token's deepstack rows (levels, N, d_t) from ``tokens.model_inputs``; ValueError where they are
+        missing or do not cover every token."""
+        deepstack = tokens.model_inputs.get("deepstack")
+        if deepstack is None or deepstack.shape[:2] != (self.deepstack_levels, tokens.num_tokens):
+            raise ValueError("tokens.model_inputs has no deepstack rows for every token; use ImageTokens from "
+                             "encode_image")  # fmt: skip
+        return deepstack
 
     @staticmethod
     def fed_deepstack(deepstack: torch.Tensor, kept: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -216,10 +230,14 @@ class Qwen3VLAdapter(ChatAdapter):
         if kept is None:
             return deepstack[..., :k, :]
         select = kept.to(deepstack.device, non_blocking=True)  # a blocking copy would wait for the queued GPU work
-        # clamped above too: a device kept's range is read after its prompt is queued (check_kept)
-        index = select.clamp(0, deepstack.shape[-2] - 1).unsqueeze(-1).expand(*select.shape, deepstack.shape[-1])
-        levels = torch.gather(deepstack, -2, index.expand(deepstack.shape[0], *index.shape))
-        return levels * (select >= 0).to(deepstack.dtype).unsqueeze(-1)
+        # clamped: a device kept's range is read after its prompt is queued (check_kept), and a gather must not fail
+        index = select.clamp(0, deepstack.shape[-2] - 1)
+        if index.dim() == 1:  # one image's rows: one gather along the tokens (the inference path)
+            levels = deepstack.index_select(-2, index)
+        else:
+            index = index.unsqueeze(-1).expand(*select.shape, deepstack.shape[-1])
+            levels = torch.gather(deepstack, -2, index.expand(deepstack.shape[0], *index.shape))
+        return levels * (select >= 0).unsqueeze(-1)  # x * 1 or x * 0 (bool promoted): the rows, or zeros
 
     @staticmethod
     def deepstack_outputs(rows: torch.Tensor, levels: torch.Tensor) -> dict[str, Any]:
@@ -233,14 +251,14 @@ class Qwen3VLAdapter(ChatAdapter):
             deepstack_features=[[level.reshape(-1, width)] for level in levels],  # type: ignore[misc]
         )}  # fmt: skip
 
+    def _fed_levels(self, rows: torch.Tensor, deepstack: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """(levels, K, d_t): the deepstack rows of the K ``rows`` from every token's (:meth:`fed_deepstack`), in the
+        rows' dtype and device."""
+        return self.fed_deepstack(deepstack.to(device=rows.device, dtype=rows.dtype), kept, int(rows.shape[0]))
+
     def _encoder_outputs(self, rows: torch.Tensor, tokens: ImageTokens, kept: torch.Tensor | None) -> dict[str, Any]:
         """The K main rows and, per deepstack level, the same K rows (:meth:`fed_deepstack`)."""
-        deepstack = tokens.model_inputs.get("deepstack")
-        if deepstack is None or deepstack.shape[:2] != (self.deepstack_levels, tokens.num_tokens):
-            raise ValueError("tokens.model_inputs has no deepstack rows for every token; use ImageTokens from "
-                             "encode_image")  # fmt: skip
-        deepstack = deepstack.to(device=rows.device, dtype=rows.dtype)
-        return self.deepstack_outputs(rows, self.fed_deepstack(deepstack, kept, int(rows.shape[0])))
+        return self.deepstack_outputs(rows, self._fed_levels(rows, self._token_deepstack(tokens), kept))
 
     def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
         """The embeddings and the (t, h, w) rows of the prompt's ``position_ids``, with every DeepStack level's rows at
@@ -253,3 +271,12 @@ class Qwen3VLAdapter(ChatAdapter):
         deepstack = levels.new_zeros(levels.shape[0], placeholders.shape[1], levels.shape[-1])
         deepstack.masked_scatter_(placeholders.expand_as(deepstack), levels)  # level by level, the K rows in order
         return replace(prompt, deepstack=deepstack)
+
+    def _loop_prompt(self, parts: PromptParts) -> StaticPrompt:
+        """:meth:`_static_prompt` straight from the parts: ChatAdapter's, with every DeepStack level's K rows
+        (:meth:`fed_deepstack`) over the placeholders' run and zeros elsewhere."""
+        prompt = super()._loop_prompt(parts)
+        every = parts.tokens.model_inputs["deepstack"]  # checked when the parts were made (_prompt_parts)
+        levels = self._fed_levels(parts.rows, every, parts.kept)  # (levels, K, d_t)
+        after = int(prompt.embeds.shape[0]) - parts.start - int(levels.shape[1])
+        return replace(prompt, deepstack=F.pad(levels, (0, 0, parts.start, after)))  # zero rows around the run
