@@ -111,9 +111,11 @@ class VisualTokenReduction:
         for key in _VIDEO_KEYS:
             if kwargs.get(key) is not None:
                 raise CareError("video inputs are not supported by the drop-in (images only)", parameter="model")
-        ids = kwargs["input_ids"]
+        # the caller's ids and mask read to the host once: the per-sample spans, questions, sequences and positions
+        # below are host work there, not device reads (each a wait on the queued work) and small launches per sample
+        ids = kwargs["input_ids"].cpu()
         mask = kwargs.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask
+        mask = torch.ones_like(ids) if mask is None else mask.cpu()
         processed = {key: kwargs[key] for key in _image_keys(self.adapter) if kwargs.get(key) is not None}
         sizes = _image_sizes(self.adapter, processed)
         if len(sizes) != ids.shape[0]:
@@ -159,15 +161,14 @@ class VisualTokenReduction:
         keeps = [self.budget.resolve(one.num_tokens) for one in tokens]
         results = self.results = self.method.batch(inputs, keeps)
 
-        rows, kept, extras = [], [], []
+        rows, extras = [], []
         for one, result in zip(tokens, results, strict=True):
             projected = adapter.projector(result.tokens.to(adapter.dtype))
             # the rows the language model receives (LLaVA-NeXT at K = N: its own sequence with newline rows)
             lm = adapter._lm_inputs("?", one, projected, result.token_index)
             rows.append(lm["mm_encoder_outputs"])
-            kept.append(result.token_index.to("cpu"))
             extras.append(_image_run_inputs(lm, int(adapter.image_token_id)))
-        return rows, kept, extras
+        return rows, _on_host([result.token_index for result in results]), extras
 
     def _question(self, real_ids: torch.Tensor, span: tuple[int, int]) -> str:
         """The question a method reads: the text after the image with the adapter's own prompt around the question
@@ -192,10 +193,11 @@ class VisualTokenReduction:
         """(3, B, L) multimodal-rope positions of the caller's unreduced batch (the model's ``get_rope_index``)."""
         image_token_id = self.adapter.image_token_id
         types = kwargs.get("mm_token_type_ids")
-        if types is None:
-            types = (ids == image_token_id).long() * mask.long()
+        types = (ids == image_token_id).long() * mask.long() if types is None else types.to(ids.device)
+        grid = kwargs.get("image_grid_thw")
+        # where ids are (the host): get_rope_index walks every sample in Python and reads its values
         positions, _ = self.model.model.get_rope_index(
-            ids, types, image_grid_thw=kwargs.get("image_grid_thw"), attention_mask=mask
+            ids, types, image_grid_thw=None if grid is None else grid.to(ids.device), attention_mask=mask
         )
         return positions  # type: ignore[no-any-return]
 
@@ -248,7 +250,9 @@ class VisualTokenReduction:
                 sample["position_ids"] = torch.cat([text_row[None], rope], dim=0)[:, None]  # (4, 1, L_i)
             samples.append(sample)
         out = {key: value for key, value in kwargs.items() if key not in _consumed_keys(self.adapter)}
-        out.update(collate_left_padded(samples, self.adapter._pad_token_id))
+        device = kwargs["input_ids"].device  # the sequences were put together where ids are (the host): moved once
+        out.update({key: value if key == "mm_encoder_outputs" else value.to(device)
+                    for key, value in collate_left_padded(samples, self.adapter._pad_token_id).items()})  # fmt: skip
         return out
 
 
@@ -345,6 +349,13 @@ def _image_span(adapter: ChatAdapter, real_ids: torch.Tensor, sample: int) -> tu
     if end - start != where.numel():
         raise CareError(f"sample {sample} has several images; the drop-in takes one per sample", parameter="model")
     return start, end
+
+
+def _on_host(indices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``indices`` (1-D, on one device) copied to the host in one read rather than one per tensor."""
+    import torch
+
+    return list(torch.cat(indices).cpu().split([int(index.shape[0]) for index in indices]))
 
 
 def _with_prompt(out: Any, user_ids: torch.Tensor, reduced_length: int) -> Any:

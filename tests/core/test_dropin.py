@@ -160,6 +160,35 @@ def test_keeping_every_token_equals_plain_generate(adapters: dict[str, Any], nam
     assert torch.equal(reduced, plain)
 
 
+def dropin_device_reads(adapter: Any, inputs: dict[str, Any]) -> int:
+    """How many synchronising CUDA operations the drop-in's own code (care_core/dropin.py, not the method's or the
+    adapter's) makes while it builds the reduced batch of ``inputs``."""
+    import warnings
+
+    reduction = care_core.reduce_visual_tokens(adapter.model, processor=adapter.processor, keep=KEEP)
+    with reduction, warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            reduction.reduced_inputs(inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message) and w.filename.endswith("dropin.py"))
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-qwen3-vl"])
+def test_the_dropins_own_device_reads_do_not_grow_with_the_batch(adapters: dict[str, Any], name: str) -> None:
+    adapter = adapters[name]
+    if adapter.device.type != "cuda":
+        pytest.skip("device reads are CUDA synchronisations")
+    inputs = batch(adapter)
+    with quiet_transformers():
+        single = adapter.processor(images=images()[:1], text=[adapter.prompt(QUESTIONS[0])], return_tensors="pt")
+    one = dict(single.to(adapter.device))
+    # the caller's ids, mask (token types, image grid) and the kept indices: each read once, whatever the batch
+    assert dropin_device_reads(adapter, inputs) == dropin_device_reads(adapter, one)
+
+
 def test_text_only_calls_pass_through_unchanged(adapters: dict[str, Any]) -> None:
     adapter = adapters["tiny-llava"]
     text = adapter.tokenizer(["a red square", "the circle is"], return_tensors="pt", padding=True, padding_side="left")
