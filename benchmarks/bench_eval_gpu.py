@@ -605,12 +605,6 @@ BEGIN, END = (
 )
 
 
-def newest_result(folder: Path = RESULTS) -> Path | None:
-    """The newest committed result of this benchmark that names its commit (file names start with the date)."""
-    found = _committed(folder)
-    return found[-1] if found else None
-
-
 def _committed(folder: Path) -> list[Path]:
     """The committed results that name their commit, oldest first (file names start with the date)."""
     return [p for p in sorted(folder.glob("*-eval-gpu-*.json")) if "source" in json.loads(p.read_text("utf-8"))]

@@ -166,7 +166,7 @@ def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_tim
 
 
 def test_docs_hold_each_backbones_newest_eval_result_as_rendered() -> None:
-    assert bench_eval_gpu.newest_result() is not None, "no committed care eval result naming its commit"
+    assert bench_eval_gpu.newest_per_backbone(), "no committed care eval result naming its commit"
     text = (bench_eval_gpu.ROOT / bench_eval_gpu.DOC_FILE).read_text(encoding="utf-8")
     block = bench_eval_gpu.docs_block()
     assert bench_eval_gpu.BEGIN + "\n" + block + bench_eval_gpu.END in text, (

@@ -122,6 +122,28 @@ def test_auto_through_r_takes_the_gemm_norm_kernel_after_the_operand_kernel(stan
         assert _relative(low.double(), want) < 2e-2  # bf16 operands (the stand-in rounds R only)
 
 
+def test_auto_through_r_takes_the_gemm_norm_kernel_for_one_block_too(
+    stand_ins: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-block projector (InternVL3's form) through R in "auto": the operand kernel then gemm-norm, never the
+    fused norm-first kernel (slower there on an H200: benchmarks/results/2026-11-29-195208-gpu-h200-norm-first.json)."""
+    fused: list[int] = []
+
+    def norm_first_norms(*args: Any, **kwargs: Any) -> None:
+        fused.append(1)
+
+    monkeypatch.setattr(dispatch, "norm_first_norms", norm_first_norms)
+    desc = _projector(1, 32, 256, 256, seed=4)
+    features = 3 * torch.randn(_N, 32, generator=torch.Generator().manual_seed(5))
+    u, r = unit_directions(_M, 32, seed=2), triangular_factor(desc.second.weight.detach())
+    with torch.no_grad():
+        want = _jvp_norm_mlp(features.double(), _double(desc), u.double(), None, r.double(), kernel="torch")
+        got = _jvp_norm_mlp(features, desc, u, None, r, tf32=True, kernel="auto")
+    assert fused == [] and stand_ins["operand"] == [(0, 3), (3, 6), (6, 7)]
+    assert [call[0] for call in stand_ins["gemm"]] == [(_N * 3, 256)] * 2 + [(_N, 256)]
+    assert got.shape == (_M, _N) and _relative(got.double(), want) < 1e-5  # float32 stand-ins
+
+
 def _double(desc: NormFirstMLP) -> NormFirstMLP:
     first, second = copy.deepcopy(desc.first).double(), copy.deepcopy(desc.second).double()
     gamma = None if desc.gamma is None else desc.gamma.double()
@@ -279,7 +301,12 @@ def test_auto_responses_through_the_gemm_norm_kernel_equal_the_pytorch_path(
     projector = _mergers()[family].eval()
     calls: list[bool] = []
     real = dispatch.gemm_norms
-    monkeypatch.setattr(dispatch, "gemm_norms", lambda *a, **kw: calls.append(True) or real(*a, **kw))
+
+    def gemm_norms(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "gemm_norms", gemm_norms)
     features = 3 * torch.randn(300, 512, generator=torch.Generator().manual_seed(4))
     u = unit_directions(12, 512, seed=5)
     with torch.no_grad():
