@@ -90,6 +90,7 @@ from benchmarks.models import Builder
 from care_core.backbones.full_size_parts import DEFAULT_TOKENIZER, TASK_TOKENIZER
 from care_core.backbones.llava_1_5.demo import build_llava_1_5_7b
 from care_core.backbones.llava_next.demo import build_llava_next_7b
+from care_core.batch_sizes import free_memory, is_out_of_memory
 
 TASK = EXAMPLES / "tasks" / "care_pope_examples"
 PREPROCESS_IMAGES = 16  # images per timed preprocessing call (a batch of the size auto picks at the least)
@@ -527,9 +528,18 @@ def bench_backbone(name: str, runs: list[Run], args: argparse.Namespace, work: P
     done = [care_eval(folder, task, run, args.device, dtype, work) for run in runs]
     care_rows = [r for cmd in done for r in cmd["rows"] if r["method"] is not None and r["processes"] == 1]
     batch = int(care_rows[0]["batch_size_start"]) if care_rows else 1
-    stages = stage_times(folder, name, batch, preprocessing, args.device, dtype, task)
+    stages, stages_skipped = None, None
+    try:
+        stages = stage_times(folder, name, batch, preprocessing, args.device, dtype, task)
+    except Exception as exc:  # a diagnostic: its out-of-memory must not lose the commands' rows
+        if not is_out_of_memory(exc):
+            raise
+        stages_skipped = f"out of memory timing the stages at batch {batch}"
+        say(f"  stages: {stages_skipped}")
+        free_memory()
     shutil.rmtree(folder, ignore_errors=True)  # a 7B folder is 14 GB: one at a time on the disk
-    return {"model": built, "preprocessing": preprocessing, "commands": done, "stages": stages}
+    return {"model": built, "preprocessing": preprocessing, "commands": done, "stages": stages,
+            "stages_skipped": stages_skipped}  # fmt: skip
 
 
 def care_ms_per_sample(method_ms: dict[str, float], batch: int) -> float:
