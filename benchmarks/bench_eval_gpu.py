@@ -668,6 +668,8 @@ def render_markdown(results: dict[str, Any], name: str, backbones: Sequence[str]
                 f"{'MET' if t['met'] else 'NOT MET'}" for t in results["targets"]]  # fmt: skip
     lines += ["", "Targets: " + ("; ".join(verdicts) if verdicts else "none judged") + "."]
     lines += [_stage_line(b, done["stages"]) for b, done in results["backbones"].items() if done.get("stages")]
+    lines += [f"{b} stages: not timed ({done['stages_skipped']})." for b, done in results["backbones"].items()
+              if done.get("stages_skipped")]  # fmt: skip
     lines += [f"{s['backbone']} preprocessing: {s['ms_per_image_threads']:.1f} ms an image on the pool "
               f"({s['ms_per_image_one_thread']:.1f} on one thread), {100 * s['share_threads']:.0f}% of CaRe's "
               f"{s['per_sample_ms']:.1f} ms a sample." for s in results["preprocessing_share"]]  # fmt: skip

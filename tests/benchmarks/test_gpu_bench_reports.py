@@ -165,6 +165,15 @@ def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_tim
     assert block.rstrip().endswith("commit 0123456789).")
 
 
+def test_eval_block_says_which_backbones_stages_were_not_timed_and_why(tmp_path: Path) -> None:
+    _eval_result(tmp_path / "r.json", ["llava-next-7b", "qwen3-vl-8b"])
+    results = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    results["backbones"]["llava-next-7b"]["stages_skipped"] = "out of memory timing the stages at batch 64"
+    block = bench_eval_gpu.render_markdown(results, "r.json")
+    assert "llava-next-7b stages: not timed (out of memory timing the stages at batch 64)." in block
+    assert "qwen3-vl-8b stages" not in block and "qwen3-vl-8b per sample" not in block
+
+
 def test_docs_hold_each_backbones_newest_eval_result_as_rendered() -> None:
     assert bench_eval_gpu.newest_per_backbone(), "no committed care eval result naming its commit"
     text = (bench_eval_gpu.ROOT / bench_eval_gpu.DOC_FILE).read_text(encoding="utf-8")
