@@ -549,6 +549,34 @@ def care_ms_per_sample(method_ms: dict[str, float], batch: int) -> float:
     return sum(method_ms.values()) / batch
 
 
+def answer_times(adapter: Any, feed: tuple[list[Any], ...], batch: int, device: str) -> tuple[int, float, float]:
+    """The batch size timed, and the ms of ``generate_batch`` with 1 and with :data:`STAGE_NEW_TOKENS` new tokens on
+    the first that many samples of ``feed`` (questions, tokens, projected rows, kept indices), each the median of
+    :data:`STAGE_REPEATS` calls after one untimed (which captures any graphs); the size is ``batch``, halved while
+    it runs out of memory (all tokens' prompts are ten times CaRe's)."""
+    import torch
+
+    def median_ms(new_tokens: int, size: int) -> float:
+        seconds = []
+        for _ in range(STAGE_REPEATS + 1):
+            if torch.cuda.is_available() and device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            adapter.generate_batch(*(part[:size] for part in feed), max_new_tokens=new_tokens)
+            seconds.append(time.perf_counter() - start)  # the answers are on the host: nothing left to wait for
+        return 1e3 * statistics.median(seconds[1:])
+
+    size = batch
+    while True:
+        try:
+            return size, median_ms(1, size), median_ms(STAGE_NEW_TOKENS, size)
+        except Exception as exc:
+            if not is_out_of_memory(exc) or size == 1:
+                raise
+            free_memory()
+            size //= 2
+
+
 def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, Any], device: str, dtype: str,
                 task: Path) -> dict[str, Any]:  # fmt: skip
     """Per sample, at the batch size care eval used for CaRe: the image preprocessing, the vision tower, CaRe (the
@@ -556,8 +584,7 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
     for CaRe, in this process (care eval's has ended) on the task's first ``batch`` documents: the tower and CaRe
     from ``ReductionPipeline.run_batch``'s stage timings (the tower: its features stage less the preprocessing
     measured apart; CaRe: every stage of its group, :func:`care_ms_per_sample`), the answers from ``generate_batch``
-    with 1 and with :data:`STAGE_NEW_TOKENS` new tokens (medians of :data:`STAGE_REPEATS` calls); each after one
-    untimed call."""
+    (:func:`answer_times`, at a smaller batch where all tokens' answers run out of memory)."""
     import torch
 
     from care_core.backbones import load_backbone
@@ -581,29 +608,19 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
             "care": ([r.runs[0].projected for r in results], [r.runs[0].result.token_index for r in results]),
         }
 
-    def answer_ms(label: str, new_tokens: int) -> float:
-        """The median of STAGE_REPEATS timed calls after one untimed (which captures any graphs)."""
-        projected, kept = feeds[label]
-        seconds = []
-        for _ in range(STAGE_REPEATS + 1):
-            if torch.cuda.is_available() and device.startswith("cuda"):
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            adapter.generate_batch(questions, tokens, projected, kept, max_new_tokens=new_tokens)
-            seconds.append(time.perf_counter() - start)  # the answers are on the host: nothing left to wait for
-        return 1e3 * statistics.median(seconds[1:])
-
     method_ms = results[0].runs[0].timings_ms  # the CaRe group's stages, for the whole batch
     care_ms = care_ms_per_sample(method_ms, batch)
     out: dict[str, Any] = {"batch_size": batch, "new_tokens": STAGE_NEW_TOKENS, "timings_ms": timings,
                            "care_timings_ms": method_ms}  # fmt: skip
     tower_ms = timings.get("features", 0.0) / batch - pre_ms
     for label, reduce_ms in (("all tokens", 0.0), ("care", care_ms)):
-        first, whole = answer_ms(label, 1), answer_ms(label, STAGE_NEW_TOKENS)
-        per = {"preprocessing": pre_ms, "tower": tower_ms, "care": reduce_ms, "prefill": first / batch,
-               "decoding": (whole - first) / batch}  # fmt: skip
+        projected, kept = feeds[label]
+        size, first, whole = answer_times(adapter, (questions, tokens, projected, kept), batch, device)
+        per = {"preprocessing": pre_ms, "tower": tower_ms, "care": reduce_ms, "prefill": first / size,
+               "decoding": (whole - first) / size}  # fmt: skip
         total = sum(per.values())
-        out[label] = {"ms_per_sample": per, "share": {k: v / total for k, v in per.items()}, "total_ms": total}
+        out[label] = {"ms_per_sample": per, "share": {k: v / total for k, v in per.items()}, "total_ms": total,
+                      "answer_batch_size": size}  # fmt: skip
     return out
 
 
@@ -642,9 +659,15 @@ def _stage_line(name: str, stages: dict[str, Any]) -> str:
     total = sum(care.values())
     parts = ", ".join(f"{key} {value:.1f} ({100 * value / total:.0f}%)" for key, value in care.items())
     whole = stages["all tokens"]["ms_per_sample"]
+    size = stages["all tokens"].get("answer_batch_size", stages["batch_size"])
+    at = (
+        ""
+        if size == stages["batch_size"]
+        else f" (answers at batch {size}: batch {stages['batch_size']} ran out of memory)"
+    )
     return (
         f"{name} per sample at batch {stages['batch_size']}, timed stage by stage: {parts} ms with CaRe "
-        f"({total:.1f}); prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all tokens."
+        f"({total:.1f}); prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all tokens{at}."
     )
 
 

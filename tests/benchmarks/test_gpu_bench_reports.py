@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pytest import approx
+from pytest import approx, raises
 
 from benchmarks import bench_csr_scale, bench_eval_gpu
 from benchmarks.gpu import context
@@ -138,6 +138,31 @@ def test_care_stage_per_sample_counts_the_stages_care_times_itself() -> None:
     assert bench_eval_gpu.care_ms_per_sample(stages, 64) == approx(777.6 / 64)
 
 
+def test_answers_that_run_out_of_memory_are_timed_at_half_the_batch_until_they_fit() -> None:
+    sizes: list[int] = []
+
+    class Adapter:
+        def generate_batch(self, questions: list[str], *parts: list[Any], max_new_tokens: int) -> None:
+            sizes.append(len(questions))
+            if len(questions) > 16:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 1.45 GiB")
+
+    feed = tuple([f"q{i}" for i in range(64)] for _ in range(4))
+    size, first_ms, whole_ms = bench_eval_gpu.answer_times(Adapter(), feed, 64, "cpu")
+    assert size == 16 and first_ms >= 0 and whole_ms >= 0
+    calls = bench_eval_gpu.STAGE_REPEATS + 1
+    assert sizes == [64, 32] + [16] * (2 * calls)  # one failed call each at 64 and 32, then both timings at 16
+
+
+def test_answers_failing_otherwise_are_not_retried() -> None:
+    class Adapter:
+        def generate_batch(self, questions: list[str], *parts: list[Any], max_new_tokens: int) -> None:
+            raise RuntimeError("device-side assert triggered")
+
+    with raises(RuntimeError, match="device-side assert"):
+        bench_eval_gpu.answer_times(Adapter(), ([""] * 8,), 8, "cpu")
+
+
 def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_timings() -> None:
     rows = [_eval_row("llava-onevision-7b", None, 1, 8.0, size=32), _eval_row("llava-onevision-7b", "care", 1, 24.0)]
     for row in rows:
@@ -172,6 +197,15 @@ def test_eval_block_says_which_backbones_stages_were_not_timed_and_why(tmp_path:
     block = bench_eval_gpu.render_markdown(results, "r.json")
     assert "llava-next-7b stages: not timed (out of memory timing the stages at batch 64)." in block
     assert "qwen3-vl-8b stages" not in block and "qwen3-vl-8b per sample" not in block
+
+
+def test_stage_line_names_the_smaller_batch_all_tokens_answered_at() -> None:
+    side = {"preprocessing": 5.0, "tower": 5.0, "prefill": 5.0, "decoding": 5.0}
+    stages = {"batch_size": 64, "care_timings_ms": {"scoring": 320.0}, "care": {"ms_per_sample": side},
+              "all tokens": {"ms_per_sample": dict(side, prefill=50.0), "answer_batch_size": 32}}  # fmt: skip
+    line = bench_eval_gpu._stage_line("llava-next-7b", stages)
+    assert line.endswith("prefill 50.0 of 65.0 with all tokens (answers at batch 32: batch 64 ran out of memory).")
+    assert "care 5.0 (20%)" in line  # 320 ms / 64 samples, of 25 ms a sample
 
 
 def test_docs_hold_each_backbones_newest_eval_result_as_rendered() -> None:
