@@ -20,7 +20,7 @@ which steps grow with N.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from statistics import median
@@ -64,7 +64,7 @@ class StepMeter:
     """Per step: calls, host seconds of the current repetition, and ops while an :class:`OpCounter` is attached."""
 
     def __init__(self) -> None:
-        self.seconds: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self.ops: dict[str, Counter[str]] = {}
         self.counter: OpCounter | None = None
 

@@ -652,6 +652,14 @@ def _rate_cell(row: dict[str, Any] | None) -> str:
     return "—" if row is None else f"{row['samples_per_s']:.2f} ({row['batch_size']}, {row['peak_gpu_memory_gib']:.1f})"
 
 
+def _pass_line(row: dict[str, Any]) -> str:
+    """CaRe's pass read apart (:func:`batch_profile`): the steady rate beside the one-time costs in the whole one."""
+    p = row["batch_profile"]
+    return (f"{row['backbone']} CaRe's pass (process 0): first batch {p['first_s']:.2f} s, full batches "
+            f"{p['median_s']:.2f} s ({p['steady_samples_per_s']:.2f} samples/s), {p['outside_s']:.1f} s outside its "
+            f"batches.")  # fmt: skip
+
+
 def _stage_line(name: str, stages: dict[str, Any]) -> str:
     """Per sample with CaRe and with all tokens; CaRe's from its raw stage timings (:func:`care_ms_per_sample`)."""
     care = dict(stages["care"]["ms_per_sample"], care=care_ms_per_sample(stages["care_timings_ms"],
@@ -690,6 +698,7 @@ def render_markdown(results: dict[str, Any], name: str, backbones: Sequence[str]
     verdicts = [f"{t['where']}, {t['what']} {t['value']:.2f} (target {t['target']}): "
                 f"{'MET' if t['met'] else 'NOT MET'}" for t in results["targets"]]  # fmt: skip
     lines += ["", "Targets: " + ("; ".join(verdicts) if verdicts else "none judged") + "."]
+    lines += [_pass_line(row) for row in results["rows"] if row["method"] is not None and row.get("batch_profile")]
     lines += [_stage_line(b, done["stages"]) for b, done in results["backbones"].items() if done.get("stages")]
     lines += [f"{b} stages: not timed ({done['stages_skipped']})." for b, done in results["backbones"].items()
               if done.get("stages_skipped")]  # fmt: skip

@@ -168,6 +168,8 @@ def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_tim
     for row in rows:
         row |= {"peak_gpu_memory_gib": 30.0, "keep": None if row["method"] is None else 405, "samples": 516}
     bench_eval_gpu.add_ratios(rows)
+    rows[1]["batch_profile"] = bench_eval_gpu.batch_profile([[0, 32, 1.5], [0, 32, 1.0], [0, 32, 1.0], [0, 4, 0.2]],
+                                                            wall_s=4.5)  # fmt: skip
     side = {"preprocessing": 7.0, "tower": 12.0, "care": 0.1, "prefill": 10.0, "decoding": 1.0}
     stages = {
         "batch_size": 32,
@@ -186,6 +188,11 @@ def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_tim
     assert (
         "tower 12.0 (29%), care 11.4 (27%), prefill 10.0 (24%), decoding 1.0 (2%) ms with CaRe (41.4); prefill "
         "80.0 of 100.0 with all tokens" in block
+    )
+    # 32 samples in the 1.0 s full batch; 4.5 - (1.5 + 1.0 + 1.0 + 0.2) = 0.8 s outside the batches
+    assert (
+        "llava-onevision-7b CaRe's pass (process 0): first batch 1.50 s, full batches 1.00 s (32.00 samples/s), "
+        "0.8 s outside its batches." in block
     )
     assert block.rstrip().endswith("commit 0123456789).")
 
