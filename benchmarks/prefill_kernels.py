@@ -5,6 +5,7 @@ per class (:data:`KERNEL_CLASSES`: the GEMMs, attention, the rest) per call, eac
     python -m benchmarks.prefill_kernels                         # the six families of issue #47, one H200
     python -m benchmarks.prefill_kernels --families qwen3-vl     # one family
     python -m benchmarks.prefill_kernels --tiny --device cpu --families llava-1.5   # smoke test (no GPU kernels)
+    python -m benchmarks.prefill_kernels --docs                  # no run: docs/performance.md's block, rewritten
 
 Per family (:mod:`benchmarks.models`' full-size build with random weights in bf16, one at a time;
 ``examples/astronaut.jpg`` at the gate's side, K = floor(N/9) as in :func:`benchmarks.latency.keeps_for`): one
@@ -34,6 +35,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    RESULTS,
+    ROOT,
     ResultsWriter,
     comma_list,
     fail,
@@ -41,6 +44,7 @@ from benchmarks.common import (
     make_parser,
     pick_device,
     print_table,
+    replace_block,
     say,
     source_state,
 )
@@ -150,11 +154,56 @@ def print_families(families: list[dict[str, Any]]) -> None:
         say(f"{family['family']}: " + "; ".join(f"{k['ms']:.3f} ms {k['name'][:70]}" for k in family["kernels"]["top"]))
 
 
+# ----------------------------------------------------------------------------------------- docs
+#: the block of docs/performance.md rendered from the newest committed result (``--docs``)
+DOC_FILE = "docs/performance.md"
+BEGIN, END = ("<!-- prefill-kernels:begin (python -m benchmarks.prefill_kernels --docs) -->",
+              "<!-- prefill-kernels:end -->")  # fmt: skip
+
+
+def render_markdown(results: dict[str, Any], name: str) -> str:
+    """The docs' block for a result named ``name``: per family the floor, the wall time, the kernels' sum and the
+    GEMMs' (each with its multiple of the floor), attention, the other kernels and the kernels launched per call."""
+    source = results["source"]
+    commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
+    lines = ["| family | K | rows fed | floor ms | wall ms (× floor) | kernels ms (× floor) | GEMMs ms (× floor) | "
+             "attention ms | other kernels ms | kernels a call |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for f in results["families"]:
+        ms, x = f["kernels"]["ms"], f["x_floor"]
+        lines.append(f"| {f['family']} | {f['K']} | {f['visual_rows'] + f['text_rows']} | {f['floor']['floor_ms']:.2f} "
+                     f"| {f['wall_ms']:.2f} ({x['wall']:.2f}) | {f['kernels']['kernels_ms']:.2f} ({x['kernels']:.2f}) "
+                     f"| {ms['gemm']:.2f} ({x['gemm']:.2f}) | {ms['attention']:.2f} | {ms['other']:.2f} "
+                     f"| {f['kernels']['kernels_per_call']:.0f} |")  # fmt: skip
+    card = results["environment"].get("card", "?")
+    lines += ["", f"Batch 1, default decoding, on one {card}; per call, kernels from {results['profiled_calls']} "
+              f"profiled calls, wall the median of {results['reps']}. Source: `benchmarks/results/{name}` "
+              f"(`python -m benchmarks.prefill_kernels`, commit {commit})."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def newest_result(folder: Path = RESULTS) -> Path | None:
+    """The newest committed result (file names start with the date), None where there is none."""
+    found = sorted(folder.glob("*-prefill-kernels.json"))
+    return found[-1] if found else None
+
+
+def write_docs(root: Path = ROOT) -> bool:
+    """Rewrite :data:`DOC_FILE`'s block from the newest committed result; returns whether it changed."""
+    newest = newest_result(root / "benchmarks" / "results")
+    if newest is None:
+        raise fail("no committed result (benchmarks/results/*-prefill-kernels.json) to render")
+    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    return replace_block(root / DOC_FILE, BEGIN, END, block)
+
+
 def parse(argv: list[str] | None) -> Any:
     parser = make_parser(__doc__ or "", quick="3 timed calls instead of --reps", duration=DURATION, device="cuda")
     parser.add_argument("--families", default=",".join(FULL_SIZE), help="comma-separated: " + ", ".join(FULL_SIZE))
     parser.add_argument("--reps", type=int, default=20, help="timed calls per family (default 20)")
     parser.add_argument("--tiny", action="store_true", help="the demo widths (smoke test of this benchmark)")
+    parser.add_argument("--docs", action="store_true",
+                        help="no run: rewrite docs/performance.md's block from the newest result")  # fmt: skip
     args = parser.parse_args(argv)
     args.families = comma_list(args.families)
     unknown = [f for f in args.families if f not in FULL_SIZE]
@@ -169,6 +218,9 @@ def parse(argv: list[str] | None) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.docs:
+        say(f"{'rewrote' if write_docs() else 'unchanged:'} the prefill kernels block of {ROOT / DOC_FILE}")
+        return
     device = pick_device(args.device)
     env = environment(device)
     writer = ResultsWriter(args, f"gpu-{card_slug(env['card'])}-prefill-kernels")

@@ -58,3 +58,25 @@ def test_a_tiny_run_on_the_cpu_writes_each_familys_rows_and_floor(tmp_path: Path
     assert family["wall_ms"] > 0 and family["floor"]["floor_ms"] > 0
     assert family["x_floor"]["wall"] == approx(family["wall_ms"] / family["floor"]["floor_ms"])
     assert family["kernels"]["kernels_per_call"] == 0  # no GPU kernels on the CPU
+
+
+def test_docs_block_gives_each_family_its_times_over_the_floor() -> None:
+    family = {"family": "qwen3-vl", "K": 113, "visual_rows": 113, "text_rows": 39, "floor": {"floor_ms": 3.0},
+              "wall_ms": 9.0, "kernels": {"kernels_ms": 7.5, "kernels_per_call": 663.0,
+                                          "ms": {"gemm": 6.0, "attention": 0.25, "other": 1.25}},
+              "x_floor": {"wall": 3.0, "kernels": 2.5, "gemm": 2.0}}  # fmt: skip
+    results = {"source": {"commit": "0123456789abcdef", "dirty": True}, "environment": {"card": "NVIDIA H200"},
+               "profiled_calls": 2, "reps": 20, "families": [family]}  # fmt: skip
+    block = prefill_kernels.render_markdown(results, "x.json")
+    assert "| qwen3-vl | 113 | 152 | 3.00 | 9.00 (3.00) | 7.50 (2.50) | 6.00 (2.00) | 0.25 | 1.25 | 663 |" in block
+    assert block.rstrip().endswith("commit 0123456789 with uncommitted changes).")
+
+
+def test_docs_hold_the_newest_result_as_rendered() -> None:
+    newest = prefill_kernels.newest_result()
+    assert newest is not None, "no committed prefill-kernels result"
+    block = prefill_kernels.render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    text = (prefill_kernels.ROOT / prefill_kernels.DOC_FILE).read_text(encoding="utf-8")
+    assert prefill_kernels.BEGIN + "\n" + block + prefill_kernels.END in text, (
+        "run python -m benchmarks.prefill_kernels --docs"
+    )
