@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import ResultsWriter, fail, make_parser, print_table, say, stamp
+from benchmarks.common import ResultsWriter, at_least_one, fail, make_parser, print_table, say, stamp
 from benchmarks.demo_world import HELDOUT_SPLIT, configured_method, heldout_items, load_photos, use_pil_image_processor
 from care_core.statistics import mcnemar_exact, spearman, wilson_interval
 
@@ -242,8 +242,7 @@ def parse(argv: list[str] | None) -> Any:
     if args.quick:
         args.questions, args.keep, args.workers = min(args.questions, 10), [64], 1
         args.method = args.method or ["care", "random"]
-    if args.questions < 1:
-        raise fail(f"--questions must be at least 1, got {args.questions}")
+    at_least_one("--questions", args.questions)
     return args
 
 

@@ -30,7 +30,17 @@ import torch
 
 import care_core.dropin
 from benchmarks.bench_host_path import OpCounter
-from benchmarks.common import ResultsWriter, fail, host, make_parser, print_table, source_state, stamp
+from benchmarks.common import (
+    ResultsWriter,
+    at_least_one,
+    demos_option,
+    fail,
+    host,
+    make_parser,
+    print_table,
+    source_state,
+    stamp,
+)
 from benchmarks.latency import KEPT, NEW_TOKENS, dropin_generate, dropin_inputs, gate_image
 from care_core import reduce_visual_tokens
 from care_core.backbones import load_backbone
@@ -175,11 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--demos", default=",".join(DEMOS), help=f"comma-separated (default: {','.join(DEMOS)})")
     parser.add_argument("--sides", default="", help="comma-separated image sides besides the gate's (px)")
     args = parser.parse_args(argv)
-    demos = DEMOS[:1] if args.quick else tuple(d.strip() for d in args.demos.split(",") if d.strip())
-    if unknown := sorted(set(demos) - set(DEMOS)):
-        raise fail(f"--demos: {', '.join(unknown)} not among {', '.join(DEMOS)}")
-    if args.reps < 1:
-        raise fail(f"--reps must be at least 1, got {args.reps}")
+    demos = demos_option(args.demos, DEMOS, args.quick)
+    at_least_one("--reps", args.reps)
     try:
         sides = [None, *(int(s) for s in args.sides.split(",") if s.strip())]
     except ValueError:

@@ -35,7 +35,19 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import EXAMPLES, Clock, ResultsWriter, fail, host, make_parser, print_table, source_state, stamp
+from benchmarks.common import (
+    EXAMPLES,
+    Clock,
+    ResultsWriter,
+    at_least_one,
+    demos_option,
+    fail,
+    host,
+    make_parser,
+    print_table,
+    source_state,
+    stamp,
+)
 from care_core.backbones.chat_adapter import ChatAdapter
 from care_core.backbones.static_generation import StaticGreedy
 from care_core.budget import Budget
@@ -151,13 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         help="torch's CPU threads (default: 1, so that host overhead, not thread wake-ups, is timed)",
     )
     args = parser.parse_args(argv)
-    demos = DEMOS[:1] if args.quick else tuple(d.strip() for d in args.demos.split(",") if d.strip())
-    if unknown := sorted(set(demos) - set(DEMOS)):
-        raise fail(f"--demos: {', '.join(unknown)} not among {', '.join(DEMOS)}")
-    if args.reps < 1:
-        raise fail(f"--reps must be at least 1, got {args.reps}")
-    if args.threads < 1:
-        raise fail(f"--threads must be at least 1, got {args.threads}")
+    demos = demos_option(args.demos, DEMOS, args.quick)
+    at_least_one("--reps", args.reps)
+    at_least_one("--threads", args.threads)
     writer = ResultsWriter(args, "cpu-bench_host_path")
     torch.set_num_threads(args.threads)
     reps = 10 if args.quick else args.reps

@@ -66,6 +66,22 @@ def comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def at_least_one(option: str, value: int) -> int:
+    """``value`` of a count option such as ``--reps``; an error line (exit 2) where it is below 1."""
+    if value < 1:
+        raise fail(f"{option} must be at least 1, got {value}")
+    return value
+
+
+def demos_option(text: str, known: Sequence[str], quick: bool) -> tuple[str, ...]:
+    """The ``--demos`` names of a comma-separated ``text`` (the first of ``known`` alone with ``--quick``); an error
+    line (exit 2) for a name not among ``known``."""
+    demos = tuple(known[:1]) if quick else tuple(comma_list(text))
+    if unknown := sorted(set(demos) - set(known)):
+        raise fail(f"--demos: {', '.join(unknown)} not among {', '.join(known)}")
+    return demos
+
+
 def fail(message: str) -> SystemExit:
     """Print ``error: message`` on stderr; the SystemExit (code 2) to raise."""
     print(f"error: {message}", file=sys.stderr)

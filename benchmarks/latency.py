@@ -54,6 +54,7 @@ from benchmarks.common import (
     ROOT,
     Clock,
     ResultsWriter,
+    at_least_one,
     comma_list,
     fail,
     fmt,
@@ -122,6 +123,16 @@ PREFILL_REPORTED_ONLY = {
 }
 
 
+def families_option(text: str) -> list[str]:
+    """The ``--families`` of a comma-separated ``text``, each a key of ``FULL_SIZE``; an error line (exit 2) for an
+    unknown one or none."""
+    families = comma_list(text)
+    unknown = [f for f in families if f not in FULL_SIZE]
+    if unknown or not families:
+        raise fail(f"--families: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(FULL_SIZE)}")
+    return families
+
+
 def parse(argv: list[str] | None) -> Any:
     parser = make_parser(__doc__ or "", quick="2 timed rounds instead of --reps", duration=DURATION, device="cuda")
     parser.add_argument("--part", choices=("answers", "dropin"), default="answers")
@@ -136,12 +147,8 @@ def parse(argv: list[str] | None) -> Any:
                         help="no run: rewrite the README's and docs/performance.md's latency block from the newest "
                         "committed answers result")  # fmt: skip
     args = parser.parse_args(argv)
-    args.families = comma_list(args.families)
-    unknown = [f for f in args.families if f not in FULL_SIZE]
-    if unknown or not args.families:
-        raise fail(f"--families: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(FULL_SIZE)}")
-    if args.reps < 1:
-        raise fail(f"--reps must be at least 1, got {args.reps}")
+    args.families = families_option(args.families)
+    at_least_one("--reps", args.reps)
     if args.quick:
         args.reps = min(args.reps, 2)
     if args.family_out is not None and (len(args.families) != 1 or args.tf32_tflops is None):

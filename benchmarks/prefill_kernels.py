@@ -38,7 +38,7 @@ from benchmarks.common import (
     RESULTS,
     ROOT,
     ResultsWriter,
-    comma_list,
+    at_least_one,
     fail,
     fmt,
     make_parser,
@@ -49,7 +49,7 @@ from benchmarks.common import (
     source_state,
 )
 from benchmarks.gpu.context import card_slug, environment
-from benchmarks.latency import QUESTION, gate_image, keeps_for, prefill_floor_ms, text_rows_of
+from benchmarks.latency import QUESTION, families_option, gate_image, keeps_for, prefill_floor_ms, text_rows_of
 from benchmarks.models import FULL_SIZE, full_size_adapter
 
 #: kernel classes, first match wins, by kernel name: cuBLAS/cuBLASLt (nvjet, gemm, gemv, their split-K reduction)
@@ -205,12 +205,8 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--docs", action="store_true",
                         help="no run: rewrite docs/performance.md's block from the newest result")  # fmt: skip
     args = parser.parse_args(argv)
-    args.families = comma_list(args.families)
-    unknown = [f for f in args.families if f not in FULL_SIZE]
-    if unknown or not args.families:
-        raise fail(f"--families: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(FULL_SIZE)}")
-    if args.reps < 1:
-        raise fail(f"--reps must be at least 1, got {args.reps}")
+    args.families = families_option(args.families)
+    at_least_one("--reps", args.reps)
     if args.quick:
         args.reps = min(args.reps, 3)
     return args
