@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -107,6 +108,15 @@ def missing_cuda(name: str) -> str | None:
     if name.split(":")[0] == "cuda" and not torch.cuda.is_available():
         return f"--device {name}: no CUDA device here (use --device cpu)"
     return None
+
+
+def free_device_memory(device: Any) -> None:
+    """Collect a dropped model's objects and, on CUDA, hand their cached blocks back (before the next model)."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------------- results

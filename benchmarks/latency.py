@@ -34,7 +34,6 @@ copied the tree to the machine it runs on), else ``git``. Run from the repositor
 
 from __future__ import annotations
 
-import gc
 import json
 import subprocess
 import sys
@@ -58,6 +57,7 @@ from benchmarks.common import (
     comma_list,
     fail,
     fmt,
+    free_device_memory,
     make_parser,
     pick_device,
     print_table,
@@ -338,9 +338,7 @@ def bench_family(family: str, args: Any, device: torch.device, clock: Clock, tf3
     finally:
         adapter.release_decoding_cache()
         del adapter
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
     return out
 
 
@@ -386,9 +384,7 @@ def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device,
         return {"family": family, "error": f"{type(exc).__name__}: {exc}"[:500]}
     finally:
         del adapter
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
 
 
 # ----------------------------------------------------------------------------------------- targets and tables

@@ -22,7 +22,6 @@ kernels' sum). Run from the repository root.
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 import statistics
@@ -41,6 +40,7 @@ from benchmarks.common import (
     at_least_one,
     fail,
     fmt,
+    free_device_memory,
     make_parser,
     pick_device,
     print_table,
@@ -228,9 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         say(f"{family} ...")
         results["families"].append(bench_family(family, device, args.reps, args.tiny))
         writer.save(results)
-        gc.collect()  # the family's model, before the next one is built
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
     print_families(results["families"])
     writer.finish(results)
 

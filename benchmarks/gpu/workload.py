@@ -8,13 +8,12 @@ use), as a user's ``care reduce --generate`` runs them. Both include the adapter
 
 from __future__ import annotations
 
-import gc
 import statistics
 from typing import Any
 
 import torch
 
-from benchmarks.common import say
+from benchmarks.common import free_device_memory, say
 from benchmarks.gpu.context import NOT_ON_CPU, QUESTION, Workload
 from benchmarks.gpu.scoring import Micro, triton_disabled
 from care_core import CaReConfig, care_reduce
@@ -172,7 +171,5 @@ def bench_workload(w: Workload, micro: Micro, methods: list[str], graphs: bool, 
     add_speedups(rows, out["tower_ms"], resident)
     out["methods"] = rows
     out["prefill"] = list(first.cache.values())
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_device_memory(device)
     return out
