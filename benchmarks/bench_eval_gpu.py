@@ -77,6 +77,7 @@ from benchmarks.common import (
     ROOT,
     ResultsWriter,
     comma_list,
+    commit_label,
     fail,
     fmt,
     make_parser,
@@ -684,7 +685,7 @@ def render_markdown(results: dict[str, Any], name: str, backbones: Sequence[str]
     ``backbones``: only these (default: all the result ran)."""
     results = results if backbones is None else _only(results, set(backbones))
     source = results["source"]
-    commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
+    commit = commit_label(source)
     lines = ["| backbone (image), CaRe K | procs | all tokens: samples/s (batch, peak GiB) | CaRe: samples/s (batch, "
              "peak GiB) | CaRe ÷ all tokens |", "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for row in (r for r in results["rows"] if r["method"] is not None):

@@ -149,6 +149,19 @@ def source_state() -> dict[str, Any]:
         return {"commit": None, "dirty": None, "from": "unknown (no git folder, no CARE_SOURCE_COMMIT)"}
 
 
+def newest_file(folder: Path, pattern: str) -> Path | None:
+    """The newest of ``folder``'s results matching ``pattern`` (their names start with the date, so the last in
+    order); None where there is none."""
+    found = sorted(folder.glob(pattern))
+    return found[-1] if found else None
+
+
+def commit_label(source: dict[str, Any]) -> str:
+    """A result's ``source`` as a docs block names it: the commit's first 10 characters, and whether the tree was
+    dirty."""
+    return (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
+
+
 def replace_block(path: Path, begin: str, end: str, block: str) -> bool:
     """Replace what lies between the ``begin`` and ``end`` markers of ``path`` by ``block`` (a rendered result);
     returns whether the file changed. A file without both markers fails in one line."""

@@ -55,10 +55,12 @@ from benchmarks.common import (
     ResultsWriter,
     at_least_one,
     comma_list,
+    commit_label,
     fail,
     fmt,
     free_device_memory,
     make_parser,
+    newest_file,
     pick_device,
     print_table,
     replace_block,
@@ -454,8 +456,7 @@ BEGIN, END = "<!-- latency-gate:begin (python -m benchmarks.latency --docs) -->"
 
 def newest_result(folder: Path = RESULTS, part: str = "answers") -> Path | None:
     """The newest committed gate result of ``part`` (file names start with the date, so the last in order)."""
-    found = sorted(folder.glob(f"*-latency-{part}*.json"))
-    return found[-1] if found else None
+    return newest_file(folder, f"*-latency-{part}*.json")
 
 
 def _headline(results: dict[str, Any], rows: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
@@ -545,7 +546,7 @@ def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] |
     table, its source."""
     rows = {(r["family"], r["decoding"], r["keep_label"]): r for f in results["families"] for r in f.get("answers", [])}
     source = results["source"]
-    commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
+    commit = commit_label(source)
     met = sum(bool(v["met"]) for v in results.get("targets", []))
     footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}{_reported_note(results)}; "
               f"{met} of {len(results.get('targets', []))} targets met. Source: `benchmarks/results/{name}` "

@@ -38,10 +38,12 @@ from benchmarks.common import (
     ROOT,
     ResultsWriter,
     at_least_one,
+    commit_label,
     fail,
     fmt,
     free_device_memory,
     make_parser,
+    newest_file,
     pick_device,
     print_table,
     replace_block,
@@ -165,7 +167,7 @@ def render_markdown(results: dict[str, Any], name: str) -> str:
     """The docs' block for a result named ``name``: per family the floor, the wall time, the kernels' sum and the
     GEMMs' (each with its multiple of the floor), attention, the other kernels and the kernels launched per call."""
     source = results["source"]
-    commit = (source.get("commit") or "?")[:10] + (" with uncommitted changes" if source.get("dirty") else "")
+    commit = commit_label(source)
     lines = ["| family | K | rows fed | floor ms | wall ms (× floor) | kernels ms (× floor) | GEMMs ms (× floor) | "
              "attention ms | other kernels ms | kernels a call |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
@@ -184,8 +186,7 @@ def render_markdown(results: dict[str, Any], name: str) -> str:
 
 def newest_result(folder: Path = RESULTS) -> Path | None:
     """The newest committed result (file names start with the date), None where there is none."""
-    found = sorted(folder.glob("*-prefill-kernels.json"))
-    return found[-1] if found else None
+    return newest_file(folder, "*-prefill-kernels.json")
 
 
 def write_docs(root: Path = ROOT) -> bool:
