@@ -81,6 +81,7 @@ from benchmarks.common import (
     fail,
     fmt,
     make_parser,
+    median_wall_ms,
     print_table,
     replace_block,
     say,
@@ -557,15 +558,14 @@ def answer_times(adapter: Any, feed: tuple[list[Any], ...], batch: int, device: 
     it runs out of memory (all tokens' prompts are ten times CaRe's)."""
     import torch
 
+    cuda = torch.cuda.is_available() and device.startswith("cuda")
+
     def median_ms(new_tokens: int, size: int) -> float:
-        seconds = []
-        for _ in range(STAGE_REPEATS + 1):
-            if torch.cuda.is_available() and device.startswith("cuda"):
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+        def step() -> None:  # the answers are on the host when it returns: nothing left to wait for
             adapter.generate_batch(*(part[:size] for part in feed), max_new_tokens=new_tokens)
-            seconds.append(time.perf_counter() - start)  # the answers are on the host: nothing left to wait for
-        return 1e3 * statistics.median(seconds[1:])
+
+        step()  # untimed: captures any graphs
+        return median_wall_ms(step, STAGE_REPEATS, cuda)
 
     size = batch
     while True:

@@ -149,6 +149,21 @@ def source_state() -> dict[str, Any]:
         return {"commit": None, "dirty": None, "from": "unknown (no git folder, no CARE_SOURCE_COMMIT)"}
 
 
+def median_wall_ms(step: Callable[[], Any], reps: int, cuda: bool) -> float:
+    """The median host wall ms of ``reps`` calls of ``step``, each started on an idle device (``cuda``: synchronised
+    first) and ended when ``step`` returns (its result on the host)."""
+    seconds = []
+    for _ in range(reps):
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(seconds)
+
+
 def newest_file(folder: Path, pattern: str) -> Path | None:
     """The newest of ``folder``'s results matching ``pattern`` (their names start with the date, so the last in
     order); None where there is none."""

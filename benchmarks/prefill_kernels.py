@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from benchmarks.common import (
     fmt,
     free_device_memory,
     make_parser,
+    median_wall_ms,
     newest_file,
     pick_device,
     print_table,
@@ -103,18 +102,6 @@ def profiled_events(step: Callable[[], Any], device: torch.device, calls: int) -
     return events
 
 
-def median_wall_ms(step: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """The median wall ms of ``reps`` calls of ``step`` (each starts on an idle device; it ends on the host)."""
-    seconds = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(seconds)
-
-
 def bench_family(family: str, device: torch.device, reps: int, tiny: bool) -> dict[str, Any]:
     """One family: CaRe's rows at K = floor(N/9), their first token timed and profiled, and the floor."""
     from care_core.budget import Budget
@@ -131,7 +118,7 @@ def bench_family(family: str, device: torch.device, reps: int, tiny: bool) -> di
             return adapter.generate(QUESTION, tokens, rows, max_new_tokens=1, kept=kept)
 
     decoding = [step() for _ in range(WARM_UP_CALLS)][-1].decoding
-    wall_ms = median_wall_ms(step, device, reps)
+    wall_ms = median_wall_ms(step, reps, device.type == "cuda")
     summary = kernel_summary(profiled_events(step, device, PROFILED_CALLS), PROFILED_CALLS)
     text_rows = text_rows_of(adapter, tokens)
     visual_rows = adapter.visual_tokens_fed(tokens, int(rows.shape[0]), kept)
