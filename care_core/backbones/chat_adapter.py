@@ -176,7 +176,7 @@ class ChatAdapter(VLMAdapter):
     offers vision probes, :meth:`_vision_probes`. A family that adds visual rows of its own (LLaVA-NeXT's newline
     rows) overrides :meth:`fed_rows`; one whose language model takes more than input embeddings (Qwen's positions and
     DeepStack rows) overrides :meth:`_prompt_parts` (what the prompt is), :meth:`_model_inputs` and
-    :meth:`_loop_prompt` (its two forms), :meth:`_static_prompt` and :attr:`static_inputs`.
+    :meth:`_loop_prompt` (its two forms) and :attr:`static_inputs`.
     """
 
     FALLBACK_PROMPT = "USER: {image}\n{question} ASSISTANT:"
@@ -195,9 +195,8 @@ class ChatAdapter(VLMAdapter):
     image_token_id: int
     #: why :func:`care_core.dropin.reduce_visual_tokens` cannot serve this family (None: it can)
     dropin_refusal: str | None = None
-    #: the :meth:`_lm_inputs` keys :meth:`_static_prompt` (and :meth:`_loop_prompt`, from the parts) carries into the
-    #: static loop (a prompt with others, such as :attr:`PromptParts.extras` beyond them, decodes through
-    #: ``model.generate``)
+    #: the :meth:`_lm_inputs` keys whose values :meth:`_loop_prompt` carries into the static loop (from the parts); a
+    #: prompt with others, such as :attr:`PromptParts.extras` beyond them, decodes through ``model.generate``
     static_inputs: ClassVar[frozenset[str]] = frozenset({"input_ids", "attention_mask", "mm_encoder_outputs"})
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
@@ -637,14 +636,8 @@ class ChatAdapter(VLMAdapter):
             self._greedy_graphs = greedy
         return greedy
 
-    def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
-        """The static loop's prompt for :meth:`_lm_inputs`' ``inputs``: its input embeddings (families whose
-        language model takes more override this, and list the keys it covers in :attr:`static_inputs`). What
-        :meth:`_loop_prompt` makes straight from the prompt's parts, for a caller that holds the model's inputs."""
-        return StaticPrompt(self._prompt_embeddings(inputs)[0])
-
     def _loop_prompt(self, parts: PromptParts) -> StaticPrompt:
-        """The static loop's prompt straight from ``parts`` (:meth:`_static_prompt`'s, bit for bit): the ids'
+        """The static loop's prompt straight from ``parts`` (what the model's own inputs give, bit for bit): the ids'
         embeddings (the loop's table, :func:`~care_core.backbones.static_generation.token_embeddings`: the model's
         input embeddings) with the rows copied over their placeholders' (one run from ``parts.start``), and the
         parts' positions. Families whose loop takes more (Qwen3-VL's DeepStack rows) extend it. The ids are embedded

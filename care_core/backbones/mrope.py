@@ -7,7 +7,6 @@ parent class). The family's multimodal model (``model.model``, transformers 5.x)
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,7 +14,6 @@ import torch
 from .._memo import remember
 from .base import ImageTokens, check_kept
 from .chat_adapter import ChatAdapter, PromptParts
-from .static_generation import StaticPrompt
 
 #: (question, image grid) pairs whose full-prompt rope positions an adapter keeps: each holds 3 x L positions (L up to
 #: ~16k at the largest images, ~400 KB), so fewer than the prompt ids' PROMPT_CACHE_SIZE (about 100 MB at most)
@@ -122,9 +120,3 @@ def mrope_model_inputs(adapter: ChatAdapter, parts: PromptParts) -> dict[str, An
         **parts.extras,
         "mm_encoder_outputs": adapter._encoder_outputs(parts.rows, parts.tokens, parts.kept),
     }
-
-
-def with_rope_positions(prompt: StaticPrompt, inputs: dict[str, Any]) -> StaticPrompt:
-    """``prompt`` with the (t, h, w) rows of :func:`mrope_model_inputs`' ``position_ids`` (its text row is 0..L-1, the
-    static loop's cache index)."""
-    return replace(prompt, positions=inputs["position_ids"][1:, 0])

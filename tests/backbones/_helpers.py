@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from care_core.backbones.probes import attention_settings
+from care_core.backbones.static_generation import StaticPrompt
 
 
 def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
@@ -113,3 +114,20 @@ class Unchanged:
         assert hook_snapshot(self.model) == self.hooks
         assert attention_settings(self.model) == self.settings
         assert attn_strings(self.model) == self.strings
+
+
+def static_prompt_from_inputs(adapter: Any, inputs: dict[str, Any]) -> StaticPrompt:
+    """The static loop's prompt built from the model's own inputs (``adapter._lm_inputs``), the reference for the
+    package's ``_loop_prompt``, which builds it from the prompt's parts: the input embeddings with the visual rows
+    scattered over the placeholders; with M-RoPE, the (t, h, w) rows of ``position_ids`` (its text row is the cache
+    index); with DeepStack, each level's rows over the placeholders and zeros elsewhere."""
+    embeds = adapter._prompt_embeddings(inputs)[0]
+    positions = inputs["position_ids"][1:, 0] if "position_ids" in inputs else None
+    levels = getattr(inputs["mm_encoder_outputs"]["image"], "deepstack_features", None)
+    if levels is None:
+        return StaticPrompt(embeds, positions)
+    rows = torch.stack([torch.cat(list(level)) for level in levels])  # (levels, K, d_t)
+    placeholders = (inputs["input_ids"][0] == adapter.image_token_id)[None, :, None]  # (1, L, 1)
+    deepstack = rows.new_zeros(rows.shape[0], placeholders.shape[1], rows.shape[-1])
+    deepstack.masked_scatter_(placeholders.expand_as(deepstack), rows)  # level by level, the K rows in order
+    return StaticPrompt(embeds, positions, deepstack)

@@ -58,8 +58,7 @@ def test_a_reduced_prompt_is_queued_without_waiting_for_the_device(demo_home: Pa
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises from here on
     try:
-        inputs = adapter._lm_inputs(QUESTION, tokens, rows, on_device)
-        adapter._static_prompt(inputs)
+        adapter._lm_inputs(QUESTION, tokens, rows, on_device)  # the model's own inputs, for its generate
     finally:
         torch.cuda.set_sync_debug_mode(0)
     got = adapter.generate(QUESTION, tokens, rows, max_new_tokens=4, kept=on_device)

@@ -26,7 +26,7 @@ from care_core.backbones.static_generation import (
 )
 from care_core.errors import GenerationError
 
-from ._helpers import noise_image, reference_ids
+from ._helpers import noise_image, reference_ids, static_prompt_from_inputs
 
 QUESTION = "What is in the image?"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -87,7 +87,7 @@ def test_static_loop_gives_model_generate_tokens_with_multimodal_rope(
     with torch.no_grad():
         inputs = [adapter._lm_inputs(QUESTION, tokens, p, k) for p, k in _qwen_feeds(adapter, tokens)]
         assert all(adapter._graph_reason(x, 12) == adapter.graph_generation_reason() for x in inputs)  # no extras
-        prompts = [adapter._static_prompt(x) for x in inputs]
+        prompts = [static_prompt_from_inputs(adapter, x) for x in inputs]
         references = [reference_ids(adapter, x, 12) for x in inputs]
         assert [greedy.generate(p, 12) for p in prompts] == references
         # a batch of prompts of different lengths: per sample what batch 1 gives
@@ -105,7 +105,7 @@ def test_qwen3_prompts_carry_positions_and_deepstack_rows_into_the_loop(qwen3_de
     kept = torch.tensor([5, 0, -1])
     with torch.no_grad():
         inputs = qwen3_demo._lm_inputs(QUESTION, tokens, qwen3_demo.projector(tokens.features[[5, 0, 0]]), kept)
-    prompt = qwen3_demo._static_prompt(inputs)
+    prompt = static_prompt_from_inputs(qwen3_demo, inputs)
     ids = inputs["input_ids"][0]
     visual = ids == qwen3_demo.image_token_id
     assert int(visual.sum()) == 3
@@ -145,7 +145,7 @@ def test_the_loop_prompt_from_the_parts_is_the_one_from_the_model_inputs_bit_for
             rows = tokens.features if kept is None else tokens.features[kept.clamp(min=0)]
             projected = adapter.projector(rows)  # all tokens: LLaVA-NeXT and OneVision add their newline rows
             direct = adapter._loop_prompt(adapter._prompt_parts(QUESTION, tokens, projected, kept))
-            via = adapter._static_prompt(adapter._lm_inputs(QUESTION, tokens, projected, kept))
+            via = static_prompt_from_inputs(adapter, adapter._lm_inputs(QUESTION, tokens, projected, kept))
             for field in ("embeds", "positions", "deepstack"):
                 got, want = getattr(direct, field), getattr(via, field)
                 assert (got is None) == (want is None), field
@@ -200,7 +200,7 @@ def test_the_loop_refuses_extras_its_decoder_does_not_take(demo: Any, qwen_demo:
     tokens = qwen_demo.encode_image(image)
     with torch.no_grad():
         inputs = qwen_demo._lm_inputs(QUESTION, tokens, qwen_demo.projector(tokens.features[:4]), None)
-    prompt = qwen_demo._static_prompt(inputs)
+    prompt = static_prompt_from_inputs(qwen_demo, inputs)
     assert prompt.positions is not None and prompt.deepstack is None  # Qwen2.5-VL has no DeepStack
     length, width = prompt.embeds.shape
     qwen = StaticGreedy(qwen_demo.model, graphs=False)
@@ -398,7 +398,7 @@ def test_cuda_graphs_give_model_generate_answers(cuda_demos: dict[str, Any], ima
                 assert (graph.text, graph.token_ids) == (eager.text, eager.token_ids)
             inputs = adapter._lm_inputs(QUESTION, tokens, projected, kept)
             reference = reference_ids(adapter, inputs, 10)
-            assert adapter._static_greedy().generate(adapter._static_prompt(inputs), 10) == reference
+            assert adapter._static_greedy().generate(static_prompt_from_inputs(adapter, inputs), 10) == reference
             assert list(eager.token_ids) == reference  # no graphs: the loop step by step, still model.generate's
 
 
@@ -414,7 +414,7 @@ def test_cuda_graphs_are_captured_once_per_padded_length(cuda_demos: dict[str, A
             return adapter._lm_inputs(QUESTION, tokens, adapter.projector(tokens.features[:k]), torch.arange(k))
 
         def ids(k: int) -> list[int]:
-            return greedy.generate(adapter._static_prompt(inputs(k)), 8)
+            return greedy.generate(static_prompt_from_inputs(adapter, inputs(k)), 8)
 
         first = ids(32)
         captured = greedy.captures

@@ -48,7 +48,6 @@ from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter, PromptParts
 from ..module_attrs import float_attr, int_attr, submodule, tensor_attr, typed_attr
 from ..packed_attention import tower_attention
-from ..static_generation import StaticPrompt
 
 
 class QwenMergerProjector(nn.Module):
@@ -210,7 +209,3 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         return mrope.mrope_prompt_parts(self, self._rope_cache, question, tokens, projected, kept)
 
     _model_inputs = mrope.mrope_model_inputs  # mm_token_type_ids and position_ids too
-
-    def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
-        """The embeddings and the (t, h, w) rows of the prompt's ``position_ids``."""
-        return mrope.with_rope_positions(super()._static_prompt(inputs), inputs)

@@ -260,20 +260,8 @@ class Qwen3VLAdapter(ChatAdapter):
         """The K main rows and, per deepstack level, the same K rows (:meth:`fed_deepstack`)."""
         return self.deepstack_outputs(rows, self._fed_levels(rows, self._token_deepstack(tokens), kept))
 
-    def _static_prompt(self, inputs: dict[str, Any]) -> StaticPrompt:
-        """The embeddings and the (t, h, w) rows of the prompt's ``position_ids``, with every DeepStack level's rows at
-        the prompt's image placeholders (zeros elsewhere: the model adds nothing to the text rows), placed on the
-        device (no read-back)."""
-        prompt = mrope.with_rope_positions(super()._static_prompt(inputs), inputs)
-        image = inputs["mm_encoder_outputs"]["image"]
-        levels = torch.stack([torch.cat(list(level)) for level in image.deepstack_features])  # (levels, K, d_t)
-        placeholders = (inputs["input_ids"][0] == self.image_token_id)[None, :, None]  # (1, L, 1)
-        deepstack = levels.new_zeros(levels.shape[0], placeholders.shape[1], levels.shape[-1])
-        deepstack.masked_scatter_(placeholders.expand_as(deepstack), levels)  # level by level, the K rows in order
-        return replace(prompt, deepstack=deepstack)
-
     def _loop_prompt(self, parts: PromptParts) -> StaticPrompt:
-        """:meth:`_static_prompt` straight from the parts: ChatAdapter's, with every DeepStack level's K rows
+        """The static loop's prompt from the parts: ChatAdapter's, with every DeepStack level's K rows
         (:meth:`fed_deepstack`) over the placeholders' run and zeros elsewhere."""
         prompt = super()._loop_prompt(parts)
         every = parts.tokens.model_inputs["deepstack"]  # checked when the parts were made (_prompt_parts)
