@@ -321,6 +321,7 @@ def setting_row(setting: dict[str, Any], run: Run, batch: dict[str, Any]) -> dic
         "batch_size_auto_all_tokens": batch["default"], "samples": entry["samples"],
         "wall_s": setting["wall_seconds"], "samples_per_s": setting["samples_per_second"],
         "peak_gpu_memory_gib": setting.get("peak_gpu_memory_gib"),
+        "input_wait_s": setting.get("input_wait_seconds"),  # None in results from before care eval reported it
         "model_s_per_sample_mean": entry["seconds_per_sample"], "visual_tokens": entry["visual_tokens"],
     }  # fmt: skip
 
@@ -469,10 +470,11 @@ def show(rows: list[dict[str, Any]], checks: list[dict[str, Any]], shares: list[
                                  fmt(r["wall_s"], 1), fmt(r["peak_gpu_memory_gib"], 1), fmt(r["x_all_tokens"]),
                                  fmt(r["x_one_process"])) for r in rows])  # fmt: skip
     print_table("process 0's batches, s (steady: the median full one between first and last)",
-                ("backbone", "setting", "first", "steady", "last (n)", "outside", "steady/s"),
+                ("backbone", "setting", "first", "steady", "last (n)", "outside", "inputs", "steady/s"),
                 [(r["backbone"], r["setting"] if r["method"] else "all tokens", fmt(p["first_s"]),
                   fmt(p["median_s"]), f"{fmt(p['last_s'])} ({p['last_size']})", fmt(p["outside_s"], 1),
-                  fmt(p["steady_samples_per_s"])) for r in rows if (p := r.get("batch_profile"))])  # fmt: skip
+                  fmt(r.get("input_wait_s"), 1), fmt(p["steady_samples_per_s"]))
+                 for r in rows if (p := r.get("batch_profile"))])  # fmt: skip
     print_table("targets of issue #22", ("where", "what", "value", "target", "verdict"),
                 [(c["where"], c["what"], fmt(c["value"]), f">= {c['target']:g}", "MET" if c["met"] else "NOT MET")
                  for c in checks])  # fmt: skip
@@ -655,10 +657,11 @@ def _rate_cell(row: dict[str, Any] | None) -> str:
 
 def _pass_line(row: dict[str, Any]) -> str:
     """CaRe's pass read apart (:func:`batch_profile`): the steady rate beside the one-time costs in the whole one."""
-    p = row["batch_profile"]
+    p, wait = row["batch_profile"], row.get("input_wait_s")
+    waited = "" if wait is None else f" ({wait:.1f} s of them waiting for prepared images)"
     return (f"{row['backbone']} CaRe's pass (process 0): first batch {p['first_s']:.2f} s, full batches "
             f"{p['median_s']:.2f} s ({p['steady_samples_per_s']:.2f} samples/s), {p['outside_s']:.1f} s outside its "
-            f"batches.")  # fmt: skip
+            f"batches{waited}.")  # fmt: skip
 
 
 def _stage_line(name: str, stages: dict[str, Any]) -> str:

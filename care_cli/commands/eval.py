@@ -236,7 +236,8 @@ def run_eval(
         return {}
     settings = [_setting_report(run, _chosen(records, run.spec), selection.names, folder)
                 | {"batch_size_start": run.batch.size, "batch_size": run.final_batch_size,
-                   "peak_gpu_memory_gib": run.peak_gpu_memory_gib} for run in ran]  # fmt: skip
+                   "peak_gpu_memory_gib": run.peak_gpu_memory_gib, "input_wait_seconds": run.input_wait_seconds}
+                for run in ran]  # fmt: skip
     # the run's batch size: the first setting's (all tokens), with the device rule's pick for it
     return _report(settings, selection, backbone_info(adapter).to_dict(), specs, skipped, limit, processes, folder,
                    warm_up=ran[0].warmed_up, batch=ran[0].batch.to_dict())  # fmt: skip

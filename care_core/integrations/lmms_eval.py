@@ -222,6 +222,9 @@ class CareLMM(lmms):
         self.on_notice: Callable[[str], None] = _log_notice
         self.records: list[SampleRecord] = []
         self.failures: list[SampleFailure] = []  # requests answered with an empty string: they failed alone
+        # seconds generate_until waited for a batch's prepared images (the first batch's, and any the prefetcher
+        # had not finished while the device answered the one before)
+        self.input_wait_seconds = 0.0
         world = World.from_env()
         self._rank = world.rank
         self._world_size = world.size
@@ -389,9 +392,15 @@ class CareLMM(lmms):
 
         batches = self.batches
         with image_prefetcher(self.adapter, self._image, order, batches.size, key=_request_key) as loader:
+
+            def answer(chunk: list[_Request]) -> list[_Answer | SampleFailure]:
+                start = time.perf_counter()
+                images = loader.inputs(chunk, batches.size)
+                self.input_wait_seconds += time.perf_counter() - start
+                return self._answer_chunk(chunk, images)
+
             for members in groups.values():
-                batches.run(members, lambda chunk: self._answer_chunk(chunk, loader.inputs(chunk, batches.size)),
-                            finished, self._failed)  # fmt: skip
+                batches.run(members, answer, finished, self._failed)
         return answers
 
     def _failed(self, item: _Request, exc: Exception) -> SampleFailure:
@@ -489,6 +498,7 @@ class SettingRun:
     batch: BatchChoice  # the size the setting started at, what was asked for, the device rule's pick
     final_batch_size: int  # at its end: smaller after an out-of-memory split
     peak_gpu_memory_gib: float | None  # the most any process held for tensors (warm-up included); None off CUDA
+    input_wait_seconds: float  # the longest any process waited for prepared images inside wall_seconds
 
 
 def evaluate_setting(
@@ -518,13 +528,14 @@ def evaluate_setting(
     )  # fmt: skip
     wall = time.perf_counter() - start
     peaks = [p for p in processes.gather(peak_gpu_memory_gib(adapter.device)) if p is not None]
+    waits = processes.gather(lm.input_wait_seconds)
     answered = set().union(*processes.gather({(r.task, r.doc_id) for r in lm.records}))
     failed = set().union(*processes.gather({(f.task, f.doc_id) for f in lm.failures}))
     processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
     computed = {task: (sum(1 for t, _ in answered | failed if t == task), sum(1 for t, _ in failed if t == task))
                 for task in selection.names}  # fmt: skip
     return SettingRun(spec, results, computed, wall, warm_up, lm.batch_choice, lm.batches.size,
-                      max(peaks) if peaks else None)  # fmt: skip
+                      max(peaks) if peaks else None, max(waits))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- quiet

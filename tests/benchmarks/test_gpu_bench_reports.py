@@ -189,10 +189,15 @@ def test_eval_block_gives_each_setting_its_rate_and_cares_stage_from_its_raw_tim
         "tower 12.0 (29%), care 11.4 (27%), prefill 10.0 (24%), decoding 1.0 (2%) ms with CaRe (41.4); prefill "
         "80.0 of 100.0 with all tokens" in block
     )
-    # 32 samples in the 1.0 s full batch; 4.5 - (1.5 + 1.0 + 1.0 + 0.2) = 0.8 s outside the batches
+    # 32 samples in the 1.0 s full batch; 4.5 - (1.5 + 1.0 + 1.0 + 0.2) = 0.8 s outside the batches (a result from
+    # before care eval reported its wait for inputs says nothing of it)
     assert (
         "llava-onevision-7b CaRe's pass (process 0): first batch 1.50 s, full batches 1.00 s (32.00 samples/s), "
         "0.8 s outside its batches." in block
+    )
+    rows[1]["input_wait_s"] = 0.3
+    assert "0.8 s outside its batches (0.3 s of them waiting for prepared images)." in bench_eval_gpu.render_markdown(
+        results, "x.json"
     )
     assert block.rstrip().endswith("commit 0123456789).")
 

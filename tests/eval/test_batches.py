@@ -4,6 +4,7 @@ document, lmms-eval's batch_size values, out-of-memory splitting."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -235,6 +236,24 @@ def test_care_eval_batch_sizes_give_the_same_answers(care, tmp_path: Path) -> No
     for a, b in zip(one["settings"], four["settings"], strict=True):
         assert a["tasks"]["care_pope_examples"]["answers"] == b["tasks"]["care_pope_examples"]["answers"]
         assert a["tasks"]["care_pope_examples"]["metrics"] == b["tasks"]["care_pope_examples"]["metrics"]
+
+
+def test_care_eval_reports_each_settings_wait_for_inputs_inside_its_pass(care, monkeypatch: Any) -> None:
+    from care_core.prefetch import Prefetcher
+
+    prepared = Prefetcher.inputs
+    delay_s = 0.2
+
+    def slow(self: Any, chunk: Any, ahead: int) -> Any:
+        time.sleep(delay_s)  # the inputs arrive late: generate_until waits at least this long per batch
+        return prepared(self, chunk, ahead)
+
+    monkeypatch.setattr(Prefetcher, "inputs", slow)
+    result = care("eval", "--model", "tiny-llava", "--method", "care", "--keep", "16", "--tasks", POPE, "--limit",
+                  "6", "--device", "cpu", "--batch-size", "4", "--json")  # fmt: skip
+    assert result.code == 0, result.err
+    for setting in result.json()["settings"]:  # 6 documents in batches of 4: two waits each
+        assert 2 * delay_s <= setting["input_wait_seconds"] <= setting["wall_seconds"]
 
 
 def test_care_eval_releases_the_decoding_cache_before_each_setting(care, monkeypatch: Any) -> None:
