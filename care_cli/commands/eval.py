@@ -287,10 +287,20 @@ def _evaluate(
             progress.update(bar, description=f"{spec.label} ({number}/{len(specs)})", completed=0, total=None)
             run = plugin.evaluate_setting(spec, adapter, selection, manager, processes, batch_size=batch_size,
                                           limit=limit, cache=cache_root, stamp=stamp,
-                                          on_batch=_saver(samples, spec, progress, bar), on_notice=_notice)  # fmt: skip
+                                          on_batch=_saver(samples, spec, progress, bar), on_notice=_notice,
+                                          answered=_saved_answers(samples, spec))  # fmt: skip
             batch_size = batch_size.at_most(run.final_batch_size)
             ran.append(run)
     return ran
+
+
+def _saved_answers(samples: DatasetRun, spec: EvalSpec) -> dict[tuple[str, int], str]:
+    """The answers of ``spec``'s setting that the output folder's records hold, by (task, document): a killed or
+    interrupted run saved each answered batch there, while lmms-eval's response cache keeps a setting's answers only
+    once all of them are in, so a rerun takes these instead of computing them again."""
+    fingerprint = spec.fingerprint()
+    return {(str(r["task"]), int(r["doc_id"])): str(r["answer"]) for r in samples.records().values()
+            if r["fingerprint"] == fingerprint}  # fmt: skip
 
 
 def _notice(line: str) -> None:

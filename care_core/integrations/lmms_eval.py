@@ -32,7 +32,7 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -198,18 +198,21 @@ class CareLMM(lmms):
         on_batch: Callable[[int, int, list[SampleRecord]], None] | None = None,
         batch_size: BatchSize = BatchSize(1),
         on_notice: Callable[[str], None] | None = None,
+        answered: Mapping[tuple[str, int], str] | None = None,
     ) -> CareLMM:
         """The model for ``spec``; ``adapter`` (a loaded backbone) is reused instead of loading ``spec.pretrained``.
 
         ``on_batch(done, total, records)`` is called after every answered batch with its requests' records (a
         progress bar's and a saver's hook: one save per batch); ``on_notice(line)`` once if a batch ran out of GPU
         memory and batches were split, and for every request that failed alone (default: a warning in lmms-eval's
-        log).
+        log). ``answered``: answers an interrupted run saved, by (task, document); those requests are answered
+        with them and not computed again.
         """
         self = cls.__new__(cls)
         lmms.__init__(self)
         self._setup(spec, adapter, batch_size)
         self.on_batch = on_batch
+        self.answered = dict(answered or {})
         if on_notice is not None:
             self.on_notice = on_notice
         return self
@@ -222,6 +225,7 @@ class CareLMM(lmms):
         self.on_notice: Callable[[str], None] = _log_notice
         self.records: list[SampleRecord] = []
         self.failures: list[SampleFailure] = []  # requests answered with an empty string: they failed alone
+        self.answered: dict[tuple[str, int], str] = {}  # (task, document) -> an answer saved before (from_spec)
         # seconds generate_until waited for a batch's prepared images (the first batch's, and any the prefetcher
         # had not finished while the device answered the one before)
         self.input_wait_seconds = 0.0
@@ -367,12 +371,16 @@ class CareLMM(lmms):
         answered in batches of :attr:`batch_size`; each keeps its own task, split and document. A request that
         fails alone is answered with an empty string (:attr:`failures`, :meth:`_failed`)."""
         items = [_Request.read(i, request) for i, request in enumerate(requests)]
+        answers: list[str] = [""] * len(items)
         groups: dict[tuple[int, tuple[str, ...]], list[_Request]] = {}
         for item in items:
+            saved = self.answered.get((str(item.task), int(item.doc_id)))
+            if saved is not None:  # an interrupted run answered it: its batch was saved
+                answers[item.index] = saved
+                continue
             groups.setdefault((item.max_new_tokens, item.stops), []).append(item)
         order = [item for members in groups.values() for item in members]
-        answers: list[str] = [""] * len(items)
-        done = 0
+        done = len(items) - len(order)
 
         def finished(chunk: list[_Request], results: list[_Answer | SampleFailure]) -> None:
             nonlocal done
@@ -506,16 +514,18 @@ def evaluate_setting(
     batch_size: BatchSize, limit: float | None, cache: Path | None, stamp: str,
     on_batch: Callable[[int, int, list[SampleRecord]], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    answered: Mapping[tuple[str, int], str] | None = None,
 ) -> SettingRun:  # fmt: skip
     """lmms-eval's ``simple_evaluate`` once for ``spec`` on the loaded ``adapter``, this process's share of the
-    documents (``cache``: lmms-eval's response cache folder, None: none; ``on_batch``, ``on_notice``: as
-    :meth:`CareLMM.from_spec`). The previous setting's decoding cache is released first, the batch size chosen
-    and the peak GPU memory counted from there; on a GPU one untimed batch answers first
+    documents (``cache``: lmms-eval's response cache folder, None: none; ``on_batch``, ``on_notice``,
+    ``answered``: as :meth:`CareLMM.from_spec`). The previous setting's decoding cache is released first, the batch
+    size chosen and the peak GPU memory counted from there; on a GPU one untimed batch answers first
     (:meth:`CareLMM.warm_up`), so that the timings are steady-state. Every process must call it."""
     from lmms_eval.evaluator import simple_evaluate
 
     adapter.release_decoding_cache()  # a cache sized for the previous setting's rows would count (and be in the way)
-    lm = CareLMM.from_spec(spec, adapter, on_batch=on_batch, batch_size=batch_size, on_notice=on_notice)
+    lm = CareLMM.from_spec(spec, adapter, on_batch=on_batch, batch_size=batch_size, on_notice=on_notice,
+                           answered=answered)  # fmt: skip
     reset_peak_gpu_memory(adapter.device)
     warm_up = adapter.device.type == "cuda"  # the one-time costs (CUDA context, kernels, graphs) land untimed
     if warm_up:
@@ -529,10 +539,10 @@ def evaluate_setting(
     wall = time.perf_counter() - start
     peaks = [p for p in processes.gather(peak_gpu_memory_gib(adapter.device)) if p is not None]
     waits = processes.gather(lm.input_wait_seconds)
-    answered = set().union(*processes.gather({(r.task, r.doc_id) for r in lm.records}))
+    answered_now = set().union(*processes.gather({(r.task, r.doc_id) for r in lm.records}))
     failed = set().union(*processes.gather({(f.task, f.doc_id) for f in lm.failures}))
     processes.barrier()  # rank 0 has merged this setting's cache before anyone opens it again
-    computed = {task: (sum(1 for t, _ in answered | failed if t == task), sum(1 for t, _ in failed if t == task))
+    computed = {task: (sum(1 for t, _ in answered_now | failed if t == task), sum(1 for t, _ in failed if t == task))
                 for task in selection.names}  # fmt: skip
     return SettingRun(spec, results, computed, wall, warm_up, lm.batch_choice, lm.batches.size,
                       max(peaks) if peaks else None, max(waits))  # fmt: skip

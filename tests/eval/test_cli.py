@@ -271,6 +271,36 @@ def test_ctrl_c_says_how_to_resume(care, tmp_path: Path, monkeypatch: pytest.Mon
                            f"{' '.join(args)}\n")  # fmt: skip
 
 
+def test_a_rerun_after_ctrl_c_computes_only_the_batches_not_saved(
+    care, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from care_core.integrations.lmms_eval import CareLMM
+
+    args = ["eval", "--model", "tiny-llava", "--method", "random", "--keep", "32", "--tasks", str(POPE), "--limit",
+            "6", "--batch-size", "2", "--device", "cpu", "--json"]  # fmt: skip
+    whole = care(*args)
+    assert whole.code == 0, whole.err
+    answer = CareLMM.answer_batch
+    batches = []
+
+    def third_interrupts(self: CareLMM, *rest: Any, **kwargs: Any) -> Any:
+        batches.append(1)
+        if len(batches) == 3:  # two batches of two documents answered and saved, then Ctrl-C
+            raise KeyboardInterrupt
+        return answer(self, *rest, **kwargs)
+
+    monkeypatch.setattr(CareLMM, "answer_batch", third_interrupts)
+    out = ["--output-dir", str(tmp_path / "run")]
+    assert care(*args, *out).code == 130
+    monkeypatch.setattr(CareLMM, "answer_batch", answer)
+    rerun = care(*args, *out)
+    assert rerun.code == 0, rerun.err
+    first, second = rerun.json()["settings"]
+    assert first["tasks"]["care_pope_examples"]["computed"] == 2  # 6 documents, 4 of them saved before the Ctrl-C
+    assert second["tasks"]["care_pope_examples"]["computed"] == 6
+    assert answers(rerun.json()) == answers(whole.json())
+
+
 def test_a_long_notice_stays_on_one_line_at_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
     from care_cli import render
 
