@@ -548,7 +548,9 @@ def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] |
     source = results["source"]
     commit = commit_label(source)
     met = sum(bool(v["met"]) for v in results.get("targets", []))
-    footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}{_reported_note(results)}; "
+    launch_us = results["environment"].get("launch_us")  # host-bound figures (eager, the drop-in) move with it
+    host = "" if launch_us is None else f"; the host launches a kernel in {launch_us:.1f} µs"
+    footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}{_reported_note(results)}{host}; "
               f"{met} of {len(results.get('targets', []))} targets met. Source: `benchmarks/results/{name}` "
               f"(`python -m benchmarks.latency`, commit {commit}).")  # fmt: skip
     lines = [*_headline(results, rows), *_table(results, rows), "", footer, *_dropin_lines(dropin, dropin_name)]

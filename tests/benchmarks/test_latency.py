@@ -214,3 +214,11 @@ def test_the_table_gives_each_budget_its_prompts_text_rows_and_marks_targetless_
            "scoring": {"scoring_x_floor": 1.25}}  # fmt: skip
     lines = latency._table({"families": [fam]}, {("qwen3.5", "default", "N/9"): answer})
     assert lines[2] == "| qwen3.5 (1024x1024) | 1024 | 113 | 39 | 30.0 → 15.0 | 2.00× | — | 16.00 (reported) | 1.25 |"
+
+
+def test_the_footer_gives_the_hosts_launch_time_when_the_result_has_it() -> None:
+    results = {"environment": {"card": "NVIDIA H200", "launch_us": 10.71}, "families": [], "new_tokens": 8,
+               "targets": [], "source": {"commit": "a7dd15fbb9", "dirty": False}}  # fmt: skip
+    assert "; the host launches a kernel in 10.7 µs; 0 of 0 targets met." in latency.render_markdown(results, "r.json")
+    del results["environment"]["launch_us"]  # results from before the field: no clause
+    assert "default decoding: no CUDA graphs; 0 of 0 targets met." in latency.render_markdown(results, "r.json")
