@@ -10,10 +10,10 @@ without a download.
 ``tiny-llava`` ships trained weights (``demo_weights/tiny-llava.safetensors``, float16, sha256 in
 ``demo_weights/manifest.json``; trained by ``scripts/train_demo`` on the synthetic shapes world of
 :mod:`care_core.synthetic`): it answers one-word questions about coloured shapes; so does ``tiny-llava-next``, whose
-file is installed too. ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``, ``tiny-qwen3.5``, ``tiny-internvl3`` and
-``tiny-llava-onevision`` load their trained weights (wider skeletons,
-:data:`~care_core.backbones.tiny_parts.TRAINED_SIZES`) from the files the manifest lists; ``tiny-gemma3`` is not
-trained yet, so it is left out of the lists and refused on load until its file is installed. The ``-random`` demos
+file is installed too. ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``, ``tiny-qwen3.5``, ``tiny-gemma3``, ``tiny-internvl3``
+and ``tiny-llava-onevision`` load their trained weights (wider skeletons,
+:data:`~care_core.backbones.tiny_parts.TRAINED_SIZES`) from the files the manifest lists; a demo whose file the
+manifest does not list is left out of the lists and refused on load until its file is installed. The ``-random`` demos
 have seeded random weights and meaningless answers. Every demo folder holds a marker (``care_demo.json``) with the
 weight file's sha256, checked on each load: a damaged cached copy is restored.
 """
