@@ -277,6 +277,7 @@ def _evaluate(
         cache_root.mkdir(exist_ok=True)
         plugin.merge_leftover_cache(cache_root)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    saved = _saved_answers(samples)  # read once: this run's own records belong to settings already finished
     ran = []
     with (
         render.progress("care eval", quiet=quiet or not processes.world.is_main) as progress,
@@ -288,19 +289,21 @@ def _evaluate(
             run = plugin.evaluate_setting(spec, adapter, selection, manager, processes, batch_size=batch_size,
                                           limit=limit, cache=cache_root, stamp=stamp,
                                           on_batch=_saver(samples, spec, progress, bar), on_notice=_notice,
-                                          answered=_saved_answers(samples, spec))  # fmt: skip
+                                          answered=saved.get(spec.fingerprint(), {}))  # fmt: skip
             batch_size = batch_size.at_most(run.final_batch_size)
             ran.append(run)
     return ran
 
 
-def _saved_answers(samples: DatasetRun, spec: EvalSpec) -> dict[tuple[str, int], str]:
-    """The answers of ``spec``'s setting that the output folder's records hold, by (task, document): a killed or
+def _saved_answers(samples: DatasetRun) -> dict[str, dict[tuple[str, int], str]]:
+    """The answers the output folder's records hold, by setting fingerprint, then (task, document): a killed or
     interrupted run saved each answered batch there, while lmms-eval's response cache keeps a setting's answers only
     once all of them are in, so a rerun takes these instead of computing them again."""
-    fingerprint = spec.fingerprint()
-    return {(str(r["task"]), int(r["doc_id"])): str(r["answer"]) for r in samples.records().values()
-            if r["fingerprint"] == fingerprint}  # fmt: skip
+    saved: dict[str, dict[tuple[str, int], str]] = {}
+    for record in samples.records().values():
+        document = (str(record["task"]), int(record["doc_id"]))
+        saved.setdefault(str(record["fingerprint"]), {})[document] = str(record["answer"])
+    return saved
 
 
 def _notice(line: str) -> None:
