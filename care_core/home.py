@@ -44,6 +44,8 @@ LIBRARY_CACHES: tuple[LibraryCache, ...] = (
     LibraryCache("TRITON_CACHE_DIR", "triton", ("TRITON_HOME",), "Triton: the fused kernels compiled on CUDA"),
     LibraryCache("TORCHINDUCTOR_CACHE_DIR", "torchinductor", (),
                  "torch.compile: the static loop's compiled decoder layers on CUDA"),
+    LibraryCache("CUDA_CACHE_PATH", "nvidia-compute", (),
+                 "the CUDA driver: kernels it compiles from PTX on their first use (by default in ~/.nv)"),
 )  # fmt: skip
 
 

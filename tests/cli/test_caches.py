@@ -14,7 +14,8 @@ from .conftest import EXAMPLES
 
 ROOT = EXAMPLES.parent
 # variables that place a library's files: unset, so that every library falls back to HOME / XDG (or CARE_HOME)
-PLACING_PREFIXES = ("HF_", "HUGGINGFACE_", "XDG_", "TRITON_", "LMMS_", "MPL", "MATPLOTLIB", "TORCH", "CARE_")
+PLACING_PREFIXES = ("HF_", "HUGGINGFACE_", "XDG_", "TRITON_", "LMMS_", "MPL", "MATPLOTLIB", "TORCH", "CARE_",
+                    "CUDA_CACHE")  # fmt: skip
 COMMANDS = (
     "from care_cli.app import main\n"
     "import sys\n"

@@ -27,6 +27,7 @@ def test_every_library_cache_goes_under_care_home(unplaced: Path) -> None:
         "MPLCONFIGDIR": str(unplaced / "matplotlib"),
         "TRITON_CACHE_DIR": str(unplaced / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(unplaced / "torchinductor"),
+        "CUDA_CACHE_PATH": str(unplaced / "nvidia-compute"),
     }
 
 
@@ -40,6 +41,7 @@ def test_every_library_cache_goes_under_care_home(unplaced: Path) -> None:
         ("TRITON_CACHE_DIR", "TRITON_CACHE_DIR"),
         ("TRITON_HOME", "TRITON_CACHE_DIR"),
         ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"),
+        ("CUDA_CACHE_PATH", "CUDA_CACHE_PATH"),
     ],
 )
 def test_a_cache_the_user_placed_stays_theirs(
