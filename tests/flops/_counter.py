@@ -16,7 +16,11 @@ from torch.utils import flop_counter
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args: Any, out_shape=None, **kwargs: Any) -> int:
-    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+    # grouped-query attention (fewer key/value heads) costs what one key/value head per query head costs; torch
+    # before 2.13 refuses the grouped shapes, so they are given per query head
+    heads = query_shape[1]
+    return flop_counter.sdpa_flop_count(query_shape, (*key_shape[:1], heads, *key_shape[2:]),
+                                        (*value_shape[:1], heads, *value_shape[2:]))  # fmt: skip
 
 
 def cpu_sdpa_mapping() -> dict[Any, Callable[..., int]]:
