@@ -229,8 +229,8 @@ def test_the_dropin_generates_the_adapters_reduced_answers(gemma: Gemma3Adapter)
         tokens = gemma.encode_image(image)
         kept = result.token_index
         assert kept.numel() == 40
-        with torch.no_grad():
-            projected = gemma.projector(tokens.features[kept])
+        with torch.no_grad():  # the method's K tokens: a signal token is its calibrated row, not its raw feature
+            projected = gemma.projector(result.tokens.to(gemma.dtype))
         own = gemma.language_model_logits(question, tokens, projected, kept)[-1]
         torch.testing.assert_close(last_logits[b], own, rtol=1e-4, atol=1e-4)  # the prompt's mask, not just its ids
         answer = gemma.generate(question, tokens, projected, max_new_tokens=4, kept=kept)
