@@ -61,9 +61,11 @@ class ReductionGraphs:
     inputs on a side stream (its result is the call's: that run also warms cuBLAS and autotunes the Triton kernels for
     these shapes on the stream the capture uses), then captures ``step`` into a graph. Later calls copy their inputs
     into the static inputs, replay, and return clones of the static outputs: the same kernels in the same order as
-    the eager run, so bitwise its result on the same card. A key whose graph is dropped (:data:`MAX_GRAPHS`) is
-    forgotten: it is captured again at its :data:`CAPTURE_ON_SIGHTING`-th call from then (keys cycling through more
-    shapes than the graphs hold pay a capture on one call in :data:`CAPTURE_ON_SIGHTING`, not on every call).
+    the eager run, so bitwise its result on the same card (bfloat16 products may be summed in another order on the
+    side stream than on the caller's: the same tokens, scores within float32 rounding; docs/design/generation.md).
+    A key whose graph is dropped (:data:`MAX_GRAPHS`) is forgotten: it is captured again at its
+    :data:`CAPTURE_ON_SIGHTING`-th call from then (keys cycling through more shapes than the graphs hold pay a capture
+    on one call in :data:`CAPTURE_ON_SIGHTING`, not on every call).
     A capture that fails (an operation a graph cannot hold) is recorded in :attr:`failures` and that key runs eagerly
     from then on; an out-of-memory error during a capture releases every graph and the pool, then propagates.
     """

@@ -56,6 +56,21 @@ def _assert_bitwise(got: Reduction, want: Reduction) -> None:
         assert other.dtype == value.dtype and torch.equal(other, value), name
 
 
+#: the fields a choice is made of: equal bit for bit whatever order the products were summed in
+CHOICES = ("indices", "anchor_order", "tokens", "accepted", "nearest")
+
+
+def _assert_same_choice(got: Reduction, want: Reduction) -> None:
+    """The same tokens chosen and calibrated, the float scores within float32 rounding: for bfloat16 features, whose
+    products cuBLAS may sum in another order on the capture's side stream than on the caller's (on one H200,
+    tiny-gemma3's psi_bar moved by up to 3.6e-7 already in the capture call's eager run, tokens unchanged)."""
+    mine, theirs = _fields(got), _fields(want)
+    for name in CHOICES:
+        assert torch.equal(mine[name], theirs[name]), name
+    for name in set(theirs) - set(CHOICES):
+        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------------------ when it applies
 def test_graphs_replay_only_a_fresh_untimed_reduction_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -534,13 +549,14 @@ def test_a_replayed_reduction_is_the_eager_one_bitwise_on_each_trained_demo(name
     projector, features, positions = _demo_features(name, home)
     graphs, cfg = ReductionGraphs(), CaReConfig()
     keep = max(1, features.shape[0] // 9)
+    same = _assert_same_choice if features.dtype == torch.bfloat16 else _assert_bitwise  # tiny-gemma3's tower: bf16
     for v in _variants(features):  # five calls with one key: seen, captured, then three replays
         got = care_reduce(v, projector, positions, keep=keep, config=cfg, graphs=graphs)
-        _assert_bitwise(got, care_reduce(v, projector, positions, keep=keep, config=cfg))
+        same(got, care_reduce(v, projector, positions, keep=keep, config=cfg))
     assert (graphs.captures, graphs.replays, graphs.failures) == (1, 3, {})
     for v in _variants(features)[:2]:  # another K: another key, seen then captured
         got = care_reduce(v, projector, positions, keep=keep + 3, config=cfg, graphs=graphs)
-        _assert_bitwise(got, care_reduce(v, projector, positions, keep=keep + 3, config=cfg))
+        same(got, care_reduce(v, projector, positions, keep=keep + 3, config=cfg))
     assert (len(graphs), graphs.captures, graphs.replays) == (2, 2, 3)
 
 
