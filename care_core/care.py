@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -82,11 +83,18 @@ def check_inputs(features: torch.Tensor, positions: torch.Tensor, *, finite: boo
 
 
 def first_not_finite(features: Sequence[torch.Tensor]) -> int | None:
-    """The index of the first tensor holding a NaN or an infinite value, or None: one host synchronisation for all."""
-    flags = torch.stack([~torch.isfinite(v).all() for v in features])
+    """The index of the first tensor holding a NaN or an infinite value, or None: one host synchronisation for all.
+
+    A tensor's largest absolute value (its infinity norm, NaN where it holds one) is finite exactly when all its values
+    are; the norms of all tensors take a few kernels (``_foreach_norm``) where one check per tensor took three."""
+    present = [i for i, v in enumerate(features) if v.numel() > 0]  # an empty tensor holds nothing not finite
+    if not present:
+        return None
+    norms = torch._foreach_norm([features[i] for i in present], math.inf)
+    flags = ~torch.isfinite(torch.stack(norms))  # (mixed dtypes promote)
     if not bool(flags.any()):
         return None
-    return int(torch.nonzero(flags)[0])
+    return present[int(torch.nonzero(flags)[0])]
 
 
 def scorer_for(projector: Projector, scorer: Scorer | None) -> Scorer:

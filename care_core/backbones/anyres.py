@@ -41,14 +41,17 @@ def check_anyres_model(model: Any, name: str) -> None:
 
 def collate_crops(adapter: VLMAdapter, parts: list[dict[str, Any]]) -> dict[str, Any]:
     """An anyres adapter's ``collate``: crops zero-padded to the most any image has, as the processor pads a list of
-    images; the pixels on the model's device (padded and joined there: on the CPU that is copies of the batch while
-    the GPU waits)."""
-    device = adapter.device
-    most = max(int(part["pixel_values"].shape[1]) for part in parts)
-    pad = [(0, 0, 0, 0, 0, 0, 0, most - int(part["pixel_values"].shape[1])) for part in parts]
-    pixel_values = [torch.nn.functional.pad(part["pixel_values"].to(device), by)
-                    for part, by in zip(parts, pad, strict=True)]  # fmt: skip
-    return {"pixel_values": torch.cat(pixel_values), "image_sizes": torch.cat([p["image_sizes"] for p in parts])}
+    images; the pixels joined on the model's device (each image's copied into its slice of one zeroed batch: on the
+    CPU the join is a copy of the batch while the GPU waits)."""
+    shapes = [part["pixel_values"].shape for part in parts]  # (images, crops, 3, S, S) each
+    first = parts[0]["pixel_values"]
+    size = (sum(int(shape[0]) for shape in shapes), max(int(shape[1]) for shape in shapes), *first.shape[2:])
+    pixel_values = torch.zeros(size, dtype=first.dtype, device=adapter.device)
+    row = 0
+    for part, shape in zip(parts, shapes, strict=True):  # pinned by the prefetcher: each copy is queued
+        pixel_values[row : row + shape[0], : shape[1]].copy_(part["pixel_values"], non_blocking=True)
+        row += int(shape[0])
+    return {"pixel_values": pixel_values, "image_sizes": torch.cat([p["image_sizes"] for p in parts])}
 
 
 def real_crops(model: Any, pixel_values: torch.Tensor, image_sizes: torch.Tensor, name: str) -> torch.Tensor:
@@ -172,8 +175,7 @@ class AnyresCrops:
         if pixel_values.dim() != 5 or pixel_values.shape[0] != len(sizes) or image_sizes.shape[0] != len(sizes):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} and image_sizes {tuple(image_sizes.shape)} "
                              f"do not hold the crops of {len(sizes)} images")  # fmt: skip
-        crops = [real_crops(self.model, pixel_values[i : i + 1], image_sizes[i : i + 1], self.name)
-                 for i in range(len(sizes))]  # fmt: skip
+        crops = [self.real_crops(pixel_values[i : i + 1], image_sizes[i : i + 1]) for i in range(len(sizes))]
         with torch.no_grad():
             per_crop = self.features(torch.cat(crops))  # (crops, P, d_v)
         per_image = per_crop.split([int(c.shape[0]) for c in crops])
@@ -191,15 +193,25 @@ class AnyresCrops:
         dev = per_crop.device
         return per_crop[:, reference.model_inputs["crop_index"].to(dev), reference.model_inputs["patch_index"].to(dev)]
 
+    def real_crops(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
+        """:func:`real_crops` of one image, its crop count kept per image size and crops given (working it out is
+        Python per image while the GPU waits)."""
+        key = ("crops", _sizes_key(image_sizes), int(pixel_values.shape[1]))
+        cached = self.cache.get(key)
+        if cached is None:
+            count = int(real_crops(self.model, pixel_values, image_sizes, self.name).shape[0])
+            cached = remember(self.cache, key, (count,), GEOMETRY_CACHE_SIZE)
+        return pixel_values[0, : cached[0]]
+
     def tokens(
         self, per_crop: torch.Tensor, pixel_values: torch.Tensor, image_sizes: torch.Tensor, size: tuple[int, int]
     ) -> ImageTokens:
         """One image's packed tokens from its crops' features (crops, P, d_v), and their geometry."""
         height, width = size
         crop_index, patch_index, hires_grid, boxes, positions = self.geometry(image_sizes, per_crop.shape[0], size)
-        dev = per_crop.device
-        features = per_crop[crop_index.to(dev), patch_index.to(dev)]
-        positions = positions.to(device=dev)
+        on_device = self.on_device(image_sizes, per_crop.shape[0], size, per_crop.device)
+        features = per_crop[on_device[0], on_device[1]]
+        positions = on_device[2].clone()  # the caller's own: the kept copy stays as it is
         return ImageTokens(
             features=features,
             positions=positions,
@@ -222,7 +234,7 @@ class AnyresCrops:
         """(crop_index, patch_index, hires_grid, boxes, positions) of one image's packed tokens (CPU), which depend
         on its size and crops only: kept per size (:data:`GEOMETRY_CACHE_SIZE`), since a data set repeats a few
         sizes and working them out costs milliseconds of Python per image while the GPU waits."""
-        key = (size, tuple(int(v) for v in image_sizes.reshape(-1).tolist()), int(crops))
+        key = (size, _sizes_key(image_sizes), int(crops))
         cached = self.cache.get(key)
         if cached is None:
             height, width = size
@@ -237,3 +249,20 @@ class AnyresCrops:
                               GEOMETRY_CACHE_SIZE)  # fmt: skip
         crop_index, patch_index, hires_grid, boxes, positions = cached
         return crop_index.clone(), patch_index.clone(), hires_grid, boxes.clone(), positions.clone()
+
+    def on_device(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int], device: torch.device) -> tuple[
+            torch.Tensor, ...]:  # fmt: skip
+        """(crop_index, patch_index, positions) of :meth:`geometry` on ``device``, kept beside it: copied once per
+        size, not once per image (each copy from the host is a call the driving thread waits on)."""
+        key = ("device", str(device), size, _sizes_key(image_sizes), int(crops))
+        cached = self.cache.get(key)
+        if cached is None:
+            crop_index, patch_index, _, _, positions = self.geometry(image_sizes, crops, size)
+            cached = remember(self.cache, key, (crop_index.to(device), patch_index.to(device), positions.to(device)),
+                              GEOMETRY_CACHE_SIZE)  # fmt: skip
+        return cached
+
+
+def _sizes_key(image_sizes: torch.Tensor) -> tuple[int, ...]:
+    """An image's ``image_sizes`` row (CPU) as a key."""
+    return tuple(int(v) for v in image_sizes.reshape(-1).tolist())

@@ -74,7 +74,7 @@ def collate_patches(adapter: ChatAdapter, parts: list[dict[str, Any]]) -> dict[s
     """A Qwen adapter's ``collate``: patch rows packed image after image, as the processor packs a list of images (on
     the model's device)."""
     device = adapter.device
-    return {"pixel_values": torch.cat([part["pixel_values"].to(device) for part in parts]),
+    return {"pixel_values": torch.cat([part["pixel_values"].to(device, non_blocking=True) for part in parts]),
             "image_grid_thw": torch.cat([part["image_grid_thw"] for part in parts])}  # fmt: skip
 
 

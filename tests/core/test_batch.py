@@ -15,6 +15,7 @@ from torch import nn
 
 from care_core import CaReConfig, care_reduce
 from care_core.anchors import diversity_greedy
+from care_core.care import first_not_finite
 from care_core.care_batch import batch_anchors, care_reduce_batch, padded_greedy
 from care_core.errors import BudgetError, CareError
 from care_core.kernels.dispatch import KernelGate
@@ -249,3 +250,27 @@ def test_bad_batches_name_the_parameter():
         care_reduce_batch([features[0], features[1][:, :4]], projector, positions, keep=1)
     with pytest.raises(CareError, match="float64"):
         care_reduce_batch([features[0], features[1].float()], projector, positions, keep=1)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_first_not_finite_names_the_first_image_with_nan_or_inf(device, dtype):
+    rows = (5, 1, 300, 7, 2)
+    for bad, value in [(None, None), (0, float("nan")), (2, float("inf")), (3, float("-inf")), (4, float("nan"))]:
+        features = [torch.randn(n, D_V, dtype=dtype, generator=torch.Generator().manual_seed(n)) for n in rows]
+        if bad is not None:
+            features[bad][rows[bad] - 1, D_V - 1] = value  # the last value of that image: no earlier one is bad
+            features[-1][0, 0] = float("inf")  # a later image is bad too: the first one is named
+        assert first_not_finite([f.to(device) for f in features]) == bad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_not_finite_skips_empty_images_and_sees_huge_finite_values_as_finite(device):
+    huge = torch.full((3, D_V), torch.finfo(torch.float32).max, device=device)  # a sum would overflow: a max does not
+    empty = torch.empty(0, D_V, device=device)
+    assert first_not_finite([empty, huge, empty]) is None
+    assert first_not_finite([empty, huge, torch.tensor([[float("nan")]], device=device)]) == 2
+    assert first_not_finite([empty]) is None

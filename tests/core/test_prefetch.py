@@ -3,6 +3,7 @@ prepared images encoding to exactly the tokens of the adapter's own encode."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -13,7 +14,15 @@ import torch
 from PIL import Image
 
 from care_core.errors import ImageError
-from care_core.prefetch import Prefetcher, PreparedImage, encoded_inputs, image_prefetcher, image_preparer
+from care_core.prefetch import (
+    Prefetcher,
+    PreparedImage,
+    encoded_inputs,
+    gil_switch_interval,
+    image_prefetcher,
+    image_preparer,
+    prepared_image,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WAIT_S = 30.0  # a safety net for a stuck thread, never a measured time
@@ -172,3 +181,29 @@ def test_an_image_the_processor_refuses_never_reaches_the_pool() -> None:
         prepare(Image.new("RGB", (13, 20)))
     assert adapter.calls == []  # refused before the pool (or this thread) ran the processor
     assert isinstance(prepare(Image.new("RGB", (12, 20))), PreparedImage) and adapter.calls == ["pool"]
+
+
+def test_prepared_images_pin_their_pixels_only_when_asked() -> None:
+    image = Image.new("RGB", (4, 3))
+    processed = {"pixel_values": torch.rand(1, 2, 3, 4, 4), "image_sizes": torch.tensor([[3, 4]])}
+    plain = prepared_image(image, processed, pin=False)
+    assert plain.size == (3, 4)
+    assert plain.processed["pixel_values"] is processed["pixel_values"]  # nothing copied
+    if not torch.cuda.is_available():  # page-locked memory needs a CUDA driver
+        return
+    pinned = prepared_image(image, processed, pin=True)
+    assert pinned.processed["pixel_values"].is_pinned()
+    assert torch.equal(pinned.processed["pixel_values"], processed["pixel_values"])
+    assert pinned.processed["image_sizes"] is processed["image_sizes"]  # integers stay as they are, on the host
+
+
+def test_the_loaders_switch_interval_is_never_longer_and_is_restored() -> None:
+    before = sys.getswitchinterval()
+    with gil_switch_interval(before / 10):
+        assert sys.getswitchinterval() == pytest.approx(before / 10)
+    assert sys.getswitchinterval() == before
+    with gil_switch_interval(before * 10):
+        assert sys.getswitchinterval() == before
+    with pytest.raises(KeyError), gil_switch_interval(before / 10):
+        raise KeyError("a failing run")
+    assert sys.getswitchinterval() == before

@@ -148,7 +148,8 @@ class InternVLAdapter(ChatAdapter):
     def collate(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Tiles stacked image after image (flat over the batch, as the processor stacks them)."""
         counts = [torch.as_tensor(part["num_patches"]).view(-1) for part in parts]
-        pixels = torch.cat([part["pixel_values"].to(self.device) for part in parts])  # joined on the model's device
+        # joined on the model's device; pinned by the prefetcher, each copy is queued
+        pixels = torch.cat([part["pixel_values"].to(self.device, non_blocking=True) for part in parts])
         return {"pixel_values": pixels, "num_patches": torch.cat(counts)}
 
     def encode_processed(self, processed: Mapping[str, Any], sizes: Sequence[tuple[int, int]]) -> list[ImageTokens]:
