@@ -120,19 +120,19 @@ def image_preparer(adapter: VLMAdapter, *, pool: bool = True) -> Callable[[Image
     if not hasattr(chat, "process_image"):
         return _unchanged
 
-    pin = adapter.device.type == "cuda"
+    on_gpu = adapter.device.type == "cuda"  # pixels pinned, the processor on worker processes
 
     def here(image: Image.Image) -> Image.Image | PreparedImage:
-        return prepared_image(image, chat.process_image(image), pin)
+        return prepared_image(image, chat.process_image(image), on_gpu)
 
-    if pool and adapter.device.type == "cuda" and hasattr(chat, "processor_pool"):
+    if pool and on_gpu and hasattr(chat, "processor_pool"):
         processes = chat.processor_pool()
 
         def through_pool(image: Image.Image) -> Image.Image | PreparedImage:
             if not processes.ready:  # its workers are still starting (seconds): this thread gives the same output
                 return here(image)
             chat.check_image(image)  # ImageError here, as process_image raises it, for an image the processor refuses
-            return prepared_image(image, processes.submit(image).result(), pin)
+            return prepared_image(image, processes.submit(image).result(), on_gpu)
 
         return through_pool
     return here
@@ -146,6 +146,23 @@ def prepared_image(image: Image.Image, processed: dict[str, Any], pin: bool) -> 
     if pin:
         processed = {key: value.pin_memory() if _is_pixels(value) else value for key, value in processed.items()}
     return PreparedImage((image.height, image.width), processed)
+
+
+def in_flight_copies(adapter: VLMAdapter, image: Image.Image, count: int) -> list[Image.Image | PreparedImage]:
+    """``count`` copies of ``image`` as a run's loader gives them (:func:`image_preparer`): processed once, each
+    copy's pixels pinned on their own on a GPU; the image itself for adapters that prepare nothing.
+
+    A warm-up's inputs (:meth:`care_core.integrations.lmms_eval.CareLMM.warm_up`). A run keeps about two batches of
+    prepared images alive (one answered, the next prepared: :meth:`Prefetcher.inputs`); dropped after the warm-up,
+    these copies' page-locked blocks stay in torch's pinned-memory cache, which reuses a block for any image of the
+    same size class (a power of two). Allocated during a run's first batches instead, each block is a
+    ``cudaHostAlloc`` on a loader thread, which holds up the driving thread's CUDA calls (issue #47: 0.2-0.4 s of a
+    LLaVA-NeXT-7B pass of 516 samples, H200)."""
+    chat: Any = adapter
+    if not hasattr(chat, "process_image"):
+        return [image] * count
+    processed = chat.process_image(image)
+    return [prepared_image(image, processed, adapter.device.type == "cuda") for _ in range(count)]
 
 
 def _is_pixels(value: Any) -> bool:

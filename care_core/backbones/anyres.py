@@ -175,7 +175,7 @@ class AnyresCrops:
         if pixel_values.dim() != 5 or pixel_values.shape[0] != len(sizes) or image_sizes.shape[0] != len(sizes):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} and image_sizes {tuple(image_sizes.shape)} "
                              f"do not hold the crops of {len(sizes)} images")  # fmt: skip
-        crops = [self.real_crops(pixel_values[i : i + 1], image_sizes[i : i + 1]) for i in range(len(sizes))]
+        crops = [self.image_crops(pixel_values[i : i + 1], image_sizes[i : i + 1]) for i in range(len(sizes))]
         with torch.no_grad():
             per_crop = self.features(torch.cat(crops))  # (crops, P, d_v)
         per_image = per_crop.split([int(c.shape[0]) for c in crops])
@@ -193,7 +193,7 @@ class AnyresCrops:
         dev = per_crop.device
         return per_crop[:, reference.model_inputs["crop_index"].to(dev), reference.model_inputs["patch_index"].to(dev)]
 
-    def real_crops(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
+    def image_crops(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """:func:`real_crops` of one image, its crop count kept per image size and crops given (working it out is
         Python per image while the GPU waits)."""
         key = ("crops", _sizes_key(image_sizes), int(pixel_values.shape[1]))
@@ -208,14 +208,14 @@ class AnyresCrops:
     ) -> ImageTokens:
         """One image's packed tokens from its crops' features (crops, P, d_v), and their geometry."""
         height, width = size
-        crop_index, patch_index, hires_grid, boxes, positions = self.geometry(image_sizes, per_crop.shape[0], size)
+        crop_index, patch_index, hires_grid, boxes, _ = self.geometry(image_sizes, per_crop.shape[0], size)
         on_device = self.on_device(image_sizes, per_crop.shape[0], size, per_crop.device)
         features = per_crop[on_device[0], on_device[1]]
-        positions = on_device[2].clone()  # the caller's own: the kept copy stays as it is
+        crop_index, patch_index = crop_index.clone(), patch_index.clone()  # the caller's own: the kept ones stay
         return ImageTokens(
             features=features,
-            positions=positions,
-            boxes=boxes,
+            positions=on_device[2].clone(),
+            boxes=boxes.clone(),
             image_size=(height, width),
             seen_box=(0.0, 0.0, float(width), float(height)),
             grid=None,
@@ -233,7 +233,8 @@ class AnyresCrops:
     def geometry(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int]) -> tuple[Any, ...]:
         """(crop_index, patch_index, hires_grid, boxes, positions) of one image's packed tokens (CPU), which depend
         on its size and crops only: kept per size (:data:`GEOMETRY_CACHE_SIZE`), since a data set repeats a few
-        sizes and working them out costs milliseconds of Python per image while the GPU waits."""
+        sizes and working them out costs milliseconds of Python per image while the GPU waits. The kept tensors
+        themselves: a caller clones what it hands out or changes."""
         key = (size, _sizes_key(image_sizes), int(crops))
         cached = self.cache.get(key)
         if cached is None:
@@ -247,8 +248,7 @@ class AnyresCrops:
             boxes = boxes.to(torch.float32)
             cached = remember(self.cache, key, (crop_index, patch_index, hires_grid, boxes, positions),
                               GEOMETRY_CACHE_SIZE)  # fmt: skip
-        crop_index, patch_index, hires_grid, boxes, positions = cached
-        return crop_index.clone(), patch_index.clone(), hires_grid, boxes.clone(), positions.clone()
+        return cached
 
     def on_device(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int], device: torch.device) -> tuple[
             torch.Tensor, ...]:  # fmt: skip

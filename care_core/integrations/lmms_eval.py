@@ -49,7 +49,7 @@ from care_core.batch_sizes import (
 from care_core.errors import CareError, MethodError, failure_line
 from care_core.integrations import missing_task_path
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
-from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher
+from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher, in_flight_copies
 from care_core.runs import Processes, World
 from care_core.vocabulary import DEFAULT_QUESTION
 
@@ -97,7 +97,10 @@ if TYPE_CHECKING:
     from care_core.backbones.base import VLMAdapter
 
 DEFAULT_MAX_NEW_TOKENS = 128
-WARM_UP_SIDE = 336  # px: the warm-up's grey picture (CareLMM.warm_up), doubled while a keep budget exceeds its N
+#: px: the warm-up's grey picture (CareLMM.warm_up), doubled while a keep budget exceeds its N. A benchmark photo's
+#: size (COCO's are 640 px on their long side): its pixels take the pinned-memory size class, and its anyres crops
+#: the tower batch, that a run's images take (at 336 px LLaVA-NeXT gets 3 crops, not the 5 of a photo)
+WARM_UP_SIDE = 672
 WARM_UP_MAX_SIDE = 2688  # px: the largest it grows to
 _Answer = tuple[str, int, int, float]  # (answer, visual rows fed, N, seconds) of one request
 
@@ -332,11 +335,13 @@ class CareLMM(lmms):
         return out
 
     def warm_up(self) -> None:
-        """One untimed, unrecorded batch (of the batch size the run uses) on plain grey pictures.
+        """One untimed, unrecorded batch (of the batch size the run uses) on plain grey pictures, prepared as a run's
+        loader prepares its images (:func:`~care_core.prefetch.in_flight_copies`).
 
         The first calls on a GPU pay one-time costs (CUDA context, cuBLAS handles, Triton kernels being compiled,
-        CUDA graphs captured for this batch size) that would otherwise land on the first timed samples of the first
-        setting. A batch that runs out of memory here is split as in a run, so the run starts at a size that fits.
+        CUDA graphs captured for this batch size, page-locked memory for two batches of pixels) that would otherwise
+        land on the first timed samples of the first setting. A batch that runs out of memory here is split as in a
+        run, so the run starts at a size that fits.
         """
         grey = self._warm_up_picture()
         adapter: Any = self.adapter
@@ -344,10 +349,11 @@ class CareLMM(lmms):
             pool = adapter.processor_pool()
             for future in [pool.submit(grey) for _ in range(pool.workers)]:
                 future.result()
-        self.batches.run([grey] * self.batch_size, lambda chunk: self.answer_batch(chunk, [DEFAULT_QUESTION] *
-                                                                                   len(chunk), 2))  # fmt: skip
+        pictures = in_flight_copies(adapter, grey, 2 * self.batch_size)
+        self.batches.run(pictures[: self.batch_size], lambda chunk: self.answer_batch(chunk, [DEFAULT_QUESTION] *
+                                                                                      len(chunk), 2))  # fmt: skip
         if self.batch_size > 1:  # and one image: the kernels tune once per size class (kernels.shapes.size_class),
-            self.answer_batch([grey], [DEFAULT_QUESTION], 2)  # and a run's last, smaller batch can fall in the other
+            self.answer_batch(pictures[-1:], [DEFAULT_QUESTION], 2)  # and a run's last, smaller batch can fall in it
 
     def _warm_up_picture(self) -> Image.Image:
         """A grey picture of :data:`WARM_UP_SIDE` px, its side doubled (up to :data:`WARM_UP_MAX_SIDE`) while a keep

@@ -21,6 +21,7 @@ from care_core.prefetch import (
     gil_switch_interval,
     image_prefetcher,
     image_preparer,
+    in_flight_copies,
     prepared_image,
 )
 
@@ -207,3 +208,37 @@ def test_the_loaders_switch_interval_is_never_longer_and_is_restored() -> None:
     with pytest.raises(KeyError), gil_switch_interval(before / 10):
         raise KeyError("a failing run")
     assert sys.getswitchinterval() == before
+
+
+class CountingAdapter:
+    """An adapter whose processor gives float pixels and integer sizes, counting its calls."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.calls = 0
+
+    def process_image(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        return {"pixel_values": torch.rand(1, 2, 3, 4, 4), "image_sizes": torch.tensor([[image.height, image.width]])}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_warm_ups_copies_are_processed_once_and_pinned_apart_on_a_gpu(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("page-locked memory needs a CUDA driver")
+    adapter = CountingAdapter(device)
+    image = Image.new("RGB", (4, 3))
+    copies = in_flight_copies(adapter, image, 3)  # type: ignore[arg-type]
+    assert adapter.calls == 1 and len(copies) == 3
+    pixels = [copy.processed["pixel_values"] for copy in copies]  # type: ignore[union-attr]
+    assert all(torch.equal(p, pixels[0]) for p in pixels)
+    assert all(copy.size == (3, 4) for copy in copies)  # type: ignore[union-attr]
+    if device == "cpu":  # nothing to pin: the processor's own tensors, shared
+        assert all(p is pixels[0] for p in pixels)
+    else:  # a block each, as a run's loader pins each image's pixels
+        assert all(p.is_pinned() for p in pixels) and len({p.data_ptr() for p in pixels}) == 3
+
+
+def test_a_warm_up_gives_adapters_that_prepare_nothing_the_picture_itself() -> None:
+    image = Image.new("RGB", (4, 3))
+    assert in_flight_copies(object(), image, 2) == [image, image]  # type: ignore[arg-type]

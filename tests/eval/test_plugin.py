@@ -225,13 +225,13 @@ def test_warm_up_answers_through_the_reduced_path_and_records_nothing(llava: Any
 
 
 def test_warm_up_picture_grows_until_a_keep_budget_fits_where_n_grows_with_the_image() -> None:
-    qwen = load_backbone("tiny-qwen3-vl", device="cpu")  # 32 px a token: a 336 px picture has 10 x 10 = 100 tokens
-    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-qwen3-vl", method="care", keep=113), qwen)
-    assert lm._warm_up_picture().size == (672, 672)  # 21 x 21 = 441 tokens >= 113; 336 px would fail the run
+    qwen = load_backbone("tiny-qwen3-vl", device="cpu")  # 32 px a token: a 672 px picture has 21 x 21 = 441 tokens
+    lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-qwen3-vl", method="care", keep=442), qwen)
+    assert lm._warm_up_picture().size == (1344, 1344)  # 42 x 42 = 1764 tokens >= 442; 672 px would fail the run
     lm.warm_up()
     assert lm.records == []
-    fits = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-qwen3-vl", method="care", keep=100), qwen)
-    assert fits._warm_up_picture().size == (336, 336)
+    fits = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-qwen3-vl", method="care", keep=441), qwen)
+    assert fits._warm_up_picture().size == (672, 672)
 
 
 def test_model_args_are_checked_before_loading() -> None:
