@@ -3,6 +3,7 @@ directions): one insertion rule for all of them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 K = TypeVar("K")
@@ -16,3 +17,10 @@ def remember(memo: dict[K, V], key: K, value: V, limit: int) -> V:
         memo.pop(next(iter(memo)))
     memo[key] = value
     return value
+
+
+def recall(memo: dict[K, V], key: K, compute: Callable[[], V], limit: int) -> V:
+    """``memo[key]``, computed by ``compute()`` and :func:`remember`-ed on a miss."""
+    if key in memo:
+        return memo[key]
+    return remember(memo, key, compute(), limit)

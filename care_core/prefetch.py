@@ -120,22 +120,27 @@ def image_preparer(adapter: VLMAdapter, *, pool: bool = True) -> Callable[[Image
     if not hasattr(chat, "process_image"):
         return _unchanged
 
-    on_gpu = adapter.device.type == "cuda"  # pixels pinned, the processor on worker processes
+    pin = pins_pixels(adapter)  # on a GPU: pixels pinned, the processor on worker processes
 
     def here(image: Image.Image) -> Image.Image | PreparedImage:
-        return prepared_image(image, chat.process_image(image), on_gpu)
+        return prepared_image(image, chat.process_image(image), pin)
 
-    if pool and on_gpu and hasattr(chat, "processor_pool"):
+    if pool and pin and hasattr(chat, "processor_pool"):
         processes = chat.processor_pool()
 
         def through_pool(image: Image.Image) -> Image.Image | PreparedImage:
             if not processes.ready:  # its workers are still starting (seconds): this thread gives the same output
                 return here(image)
             chat.check_image(image)  # ImageError here, as process_image raises it, for an image the processor refuses
-            return prepared_image(image, processes.submit(image).result(), on_gpu)
+            return prepared_image(image, processes.submit(image).result(), pin)
 
         return through_pool
     return here
+
+
+def pins_pixels(adapter: VLMAdapter) -> bool:
+    """Whether prepared pixels are page-locked for ``adapter``: where its device is a GPU, which copies them."""
+    return adapter.device.type == "cuda"
 
 
 def prepared_image(image: Image.Image, processed: dict[str, Any], pin: bool) -> PreparedImage:
@@ -162,7 +167,8 @@ def in_flight_copies(adapter: VLMAdapter, image: Image.Image, count: int) -> lis
     if not hasattr(chat, "process_image"):
         return [image] * count
     processed = chat.process_image(image)
-    return [prepared_image(image, processed, adapter.device.type == "cuda") for _ in range(count)]
+    pin = pins_pixels(adapter)
+    return [prepared_image(image, processed, pin) for _ in range(count)]
 
 
 def _is_pixels(value: Any) -> bool:

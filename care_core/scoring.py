@@ -36,7 +36,7 @@ from torch import nn
 from care_core import norm_first
 from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, row_groups, two_pass_chunk, two_pass_rows
 from care_core._chunks import chunk_size as _chunk_size
-from care_core._memo import remember
+from care_core._memo import recall
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
 from care_core.kernels.shapes import (
@@ -902,10 +902,8 @@ class Scorer:
     ) -> torch.Tensor:
         """:func:`unit_directions`, drawn once per key; each call gets its own copy."""
         key = (m, dim, seed, torch.device(device), dtype)
-        found = self._directions.get(key)
-        if found is None:
-            found = remember(self._directions, key, unit_directions(m, dim, seed, device=device, dtype=dtype),
-                             self._MAX_DIRECTIONS)  # fmt: skip
+        found = recall(self._directions, key, lambda: unit_directions(m, dim, seed, device=device, dtype=dtype),
+                       self._MAX_DIRECTIONS)  # fmt: skip
         return found.clone()  # callers may change theirs; a device-side clone costs microseconds
 
     def responses(

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._memo import remember
+from .._memo import recall
 from ..errors import ModelLoadError
 from .base import ImageTokens, VLMAdapter, is_all_tokens
 from .geometry import GEOMETRY_CACHE_SIZE, clip_boxes, crop_geometry, grid_crop_boxes
@@ -197,11 +197,12 @@ class AnyresCrops:
         """:func:`real_crops` of one image, its crop count kept per image size and crops given (working it out is
         Python per image while the GPU waits)."""
         key = ("crops", _sizes_key(image_sizes), int(pixel_values.shape[1]))
-        cached = self.cache.get(key)
-        if cached is None:
-            count = int(real_crops(self.model, pixel_values, image_sizes, self.name).shape[0])
-            cached = remember(self.cache, key, (count,), GEOMETRY_CACHE_SIZE)
-        return pixel_values[0, : cached[0]]
+
+        def count_crops() -> tuple[int]:
+            return (int(real_crops(self.model, pixel_values, image_sizes, self.name).shape[0]),)
+
+        (count,) = recall(self.cache, key, count_crops, GEOMETRY_CACHE_SIZE)
+        return pixel_values[0, :count]
 
     def tokens(
         self, per_crop: torch.Tensor, pixel_values: torch.Tensor, image_sizes: torch.Tensor, size: tuple[int, int]
@@ -236,31 +237,30 @@ class AnyresCrops:
         sizes and working them out costs milliseconds of Python per image while the GPU waits. The kept tensors
         themselves: a caller clones what it hands out or changes."""
         key = (size, _sizes_key(image_sizes), int(crops))
-        cached = self.cache.get(key)
-        if cached is None:
-            height, width = size
-            crop_index, patch_index, hires_grid = crop_layout(self.model, image_sizes, crops, self.pack)
-            boxes_per_crop = crop_boxes(self.model, self.processor.image_processor, height, width, crops, self.name)
-            boxes = clip_boxes(boxes_per_crop[crop_index, patch_index], height, width)  # original pixels
-            centre_x = (boxes[:, 0] + boxes[:, 2]) / 2 / width
-            centre_y = (boxes[:, 1] + boxes[:, 3]) / 2 / height
-            positions = torch.stack([centre_y, centre_x], dim=1).to(torch.float32)
-            boxes = boxes.to(torch.float32)
-            cached = remember(self.cache, key, (crop_index, patch_index, hires_grid, boxes, positions),
-                              GEOMETRY_CACHE_SIZE)  # fmt: skip
-        return cached
+        return recall(self.cache, key, lambda: self._geometry(image_sizes, crops, size), GEOMETRY_CACHE_SIZE)
+
+    def _geometry(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int]) -> tuple[Any, ...]:
+        """:meth:`geometry` worked out."""
+        height, width = size
+        crop_index, patch_index, hires_grid = crop_layout(self.model, image_sizes, crops, self.pack)
+        boxes_per_crop = crop_boxes(self.model, self.processor.image_processor, height, width, crops, self.name)
+        boxes = clip_boxes(boxes_per_crop[crop_index, patch_index], height, width)  # original pixels
+        centre_x = (boxes[:, 0] + boxes[:, 2]) / 2 / width
+        centre_y = (boxes[:, 1] + boxes[:, 3]) / 2 / height
+        positions = torch.stack([centre_y, centre_x], dim=1).to(torch.float32)
+        return crop_index, patch_index, hires_grid, boxes.to(torch.float32), positions
 
     def on_device(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int], device: torch.device) -> tuple[
             torch.Tensor, ...]:  # fmt: skip
         """(crop_index, patch_index, positions) of :meth:`geometry` on ``device``, kept beside it: copied once per
         size, not once per image (each copy from the host is a call the driving thread waits on)."""
         key = ("device", str(device), size, _sizes_key(image_sizes), int(crops))
-        cached = self.cache.get(key)
-        if cached is None:
+
+        def placed() -> tuple[torch.Tensor, ...]:
             crop_index, patch_index, _, _, positions = self.geometry(image_sizes, crops, size)
-            cached = remember(self.cache, key, (crop_index.to(device), patch_index.to(device), positions.to(device)),
-                              GEOMETRY_CACHE_SIZE)  # fmt: skip
-        return cached
+            return crop_index.to(device), patch_index.to(device), positions.to(device)
+
+        return recall(self.cache, key, placed, GEOMETRY_CACHE_SIZE)
 
 
 def _sizes_key(image_sizes: torch.Tensor) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from PIL import Image
 
-from .._memo import remember
+from .._memo import recall
 from ..batch_sizes import free_memory, is_out_of_memory
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
@@ -390,16 +390,16 @@ class ChatAdapter(VLMAdapter):
     def _prompt_ids(self, question: str) -> tuple[torch.Tensor, int]:
         """(L,) token ids (CPU) of the prompt with one image placeholder, and the placeholder's place; kept per
         question."""
-        kept = self._prompt_cache
-        cached = kept.get(question)
-        if cached is None:
+
+        def tokenised() -> tuple[torch.Tensor, int]:
             head, tail = self.prompt(question).split(self.image_token, 1)
             ids = self.tokenizer(head + self._image_text(1) + tail, return_tensors="pt")["input_ids"][0]
             n = int((ids == self.image_token_id).sum())
             if n != 1:
                 raise RuntimeError(f"the prompt with one image placeholder tokenised to {n} of them")
-            cached = remember(kept, question, (ids, int((ids == self.image_token_id).nonzero()[0])), PROMPT_CACHE_SIZE)
-        return cached
+            return ids, int((ids == self.image_token_id).nonzero()[0])
+
+        return recall(self._prompt_cache, question, tokenised, PROMPT_CACHE_SIZE)
 
     def _check_projected(self, projected: torch.Tensor) -> torch.Tensor:
         """``projected`` (K >= 1, d_t), detached, in the embedding table's dtype and device."""

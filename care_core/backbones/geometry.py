@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._lazy import torch
-from .._memo import remember
+from .._memo import recall
 from ..errors import CareError
 
 if TYPE_CHECKING:
@@ -198,14 +198,12 @@ def grid_image_tokens(
     """
     from .base import ImageTokens
 
-    key = ("grid", geom, rows, cols, patch)
-    cached = cache.get(key) if cache is not None else None
-    if cached is None:
+    def worked_out() -> tuple[torch.Tensor, torch.Tensor, tuple[float, float, float, float]]:
         boxes = clip_boxes(geom.crop_to_original(grid_crop_boxes(rows, cols, patch)), geom.height, geom.width)
-        cached = (boxes.to(torch.float32), grid_positions(rows, cols).to(torch.float32), geom.seen_box())
-        if cache is not None:
-            remember(cache, key, cached, GEOMETRY_CACHE_SIZE)
-    boxes, positions, seen_box = cached
+        return boxes.to(torch.float32), grid_positions(rows, cols).to(torch.float32), geom.seen_box()
+
+    key = ("grid", geom, rows, cols, patch)
+    boxes, positions, seen_box = worked_out() if cache is None else recall(cache, key, worked_out, GEOMETRY_CACHE_SIZE)
     return ImageTokens(
         features=features,
         # a host tensor: a blocking copy to the GPU would wait for the queued work (the tower), once per image

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._memo import remember
+from .._memo import recall
 from .base import ImageTokens, check_kept
 from .chat_adapter import ChatAdapter, PromptParts
 
@@ -43,19 +43,19 @@ def rope_positions(
     thw = thw.cpu()  # the processor's output: on the host already
     grid = tuple(int(v) for v in thw.reshape(-1).tolist())
     _, at = adapter._prompt_ids(question)
-    cached = cache.get((question, grid, "cpu"))
-    if cached is None:
+
+    def worked_out() -> torch.Tensor:
         ids = adapter._prompt_ids_with(question, tokens.num_tokens)
         types = (ids == adapter.image_token_id).to(torch.long)
         positions, _ = adapter.model.model.get_rope_index(
             ids, types, image_grid_thw=thw, attention_mask=torch.ones_like(ids)
         )
-        cached = remember(cache, (question, grid, "cpu"), positions[:, 0], ROPE_CACHE_SIZE)
+        return positions[:, 0]
+
+    cached = recall(cache, (question, grid, "cpu"), worked_out, ROPE_CACHE_SIZE)
     if device is None or device.type == "cpu":
         return cached, at
-    placed = cache.get((question, grid, str(device)))
-    if placed is None:
-        placed = remember(cache, (question, grid, str(device)), cached.to(device, non_blocking=True), ROPE_CACHE_SIZE)
+    placed = recall(cache, (question, grid, str(device)), lambda: cached.to(device, non_blocking=True), ROPE_CACHE_SIZE)
     return placed, at
 
 
