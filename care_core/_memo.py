@@ -1,10 +1,10 @@
 """Bounded memos that objects keep of pure functions (an adapter's prompt ids and geometries, a scorer's
-directions): one insertion rule for all of them."""
+directions): one insertion rule for all of them, and :class:`Memos` for an owner that keeps several kinds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, cast
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -24,3 +24,21 @@ def recall(memo: dict[K, V], key: K, compute: Callable[[], V], limit: int) -> V:
     if key in memo:
         return memo[key]
     return remember(memo, key, compute(), limit)
+
+
+class Memos:
+    """Bounded memos of several kinds of entry that one owner keeps (an adapter's geometries: crop counts, token
+    layouts, their copies on the device): each kind its own memo of at most ``limit`` entries, so the entries of one
+    kind never push out those of another."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._kinds: dict[str, dict[Hashable, Any]] = {}
+
+    def recall(self, kind: str, key: Hashable, compute: Callable[[], V]) -> V:
+        """:func:`recall` in the memo of ``kind``."""
+        return cast(V, recall(self._kinds.setdefault(kind, {}), key, compute, self.limit))
+
+    def sizes(self) -> dict[str, int]:
+        """Entries held per kind."""
+        return {kind: len(memo) for kind, memo in self._kinds.items()}

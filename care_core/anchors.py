@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
-from care_core.kernels.shapes import GREEDY_MAX_TOKENS
+from care_core.kernels.shapes import GREEDY_MAX_TOKENS, greedy_layout
 from care_core.precision import matmul_precision
 
 
@@ -43,21 +43,36 @@ def diversity_greedy(
     updated with one row of cosines per step and the loop never reads a value back to the host.
 
     On CUDA (float32, N <= 16384, Triton present; ``kernel`` "auto" or "fused") the K steps run in one
-    fused kernel over the cosine Gram matrix (:mod:`care_core.kernels.greedy`): the same steps, one
-    launch instead of ~8 per step. Its cosines come from one float32 matmul instead of one matvec per
-    step, so they can differ in the last bit: the order is the same unless two candidates tie to within
-    float32 rounding. A kernel that cannot be built falls back to the loop ("auto") for this call.
+    fused kernel over the cosine Gram matrix (:func:`fused_orders`): the same steps, one launch instead of
+    ~8 per step. Its cosines come from one float32 matmul instead of one matvec per step, so they can
+    differ in the last bit: the order is the same unless two candidates tie to within float32 rounding.
+    A kernel that cannot be built falls back to the loop ("auto") for this call.
     """
     gate = as_gate(kernel)
     if gate.choose("greedy", weights.device, applies=fused_greedy_applies(weights, features)) == "fused":
-        unit = unit_rows(features, eps)
-        with matmul_precision(allow_tf32=False):
-            gram = unit @ unit.T
-        order = gate.attempt("greedy", lambda: dispatch.greedy_order(weights, gram, k))
-        if order is not None:
-            return order
+        orders = fused_orders([weights], [features], [k], eps, gate)
+        if orders is not None:
+            return orders[0]
     unit = unit_rows(features, eps)
     return _greedy_order(weights, k, lambda chosen: unit @ unit.index_select(0, chosen)[0])
+
+
+def fused_orders(
+    weights: Sequence[torch.Tensor], features: Sequence[torch.Tensor], ks: Sequence[int], eps: float, gate: KernelGate
+) -> list[torch.Tensor] | None:
+    """Eq. 3's order per image from the fused kernel, all images in one launch (one program each, side by side on
+    the device): each image's float32 cosine Gram matrix (one matmul per image, TF32 off) into one packed buffer,
+    then :func:`~care_core.kernels.greedy.greedy_orders`. Each image's order is what it gets alone: the same matmul
+    on the same rows, the same steps. None where the kernel cannot be built (``gate.attempt``)."""
+    sizes = [int(v.shape[0]) for v in features]
+    starts, length = greedy_layout(sizes)
+    grams = features[0].new_empty(length, dtype=torch.float32)
+    with matmul_precision(allow_tf32=False):
+        for v, start, n in zip(features, starts, sizes, strict=True):
+            unit = unit_rows(v, eps)
+            torch.mm(unit, unit.T, out=grams[start : start + n * n].view(n, n))
+    joined = weights[0] if len(weights) == 1 else torch.cat(list(weights))
+    return gate.attempt("greedy", lambda: dispatch.greedy_orders(joined, grams, sizes, ks))
 
 
 def diversity_greedy_gram(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from care_core.anchors import diversity_greedy, fused_greedy_applies, unit_rows
+from care_core._chunks import row_groups
+from care_core.anchors import diversity_greedy, fused_greedy_applies, fused_orders, unit_rows
 from care_core.budget import resolve_budget
 from care_core.care import (
     Reduction,
@@ -20,6 +21,7 @@ from care_core.care import (
 from care_core.config import CaReConfig
 from care_core.errors import BudgetError, CareError
 from care_core.kernels.dispatch import KernelGate
+from care_core.kernels.shapes import GREEDY_GRAM_ELEMENTS
 from care_core.methods.base import MethodInputs, memo_orders
 from care_core.precision import compute_dtype, matmul_precision
 from care_core.scoring import Projector, Scorer, influence_scores, robust_zscores
@@ -131,18 +133,24 @@ def padded_greedy(
 def batch_anchors(
     weights: Sequence[torch.Tensor], features: Sequence[torch.Tensor], ks: Sequence[int], eps: float, gate: KernelGate
 ) -> list[torch.Tensor]:
-    """Eq. 3's selection order per image: where the fused CUDA kernel takes an image, that image alone as
-    :func:`diversity_greedy` runs it; all other images together in :func:`padded_greedy`."""
+    """Eq. 3's selection order per image: the images the fused CUDA kernel takes in as few launches as their Gram
+    matrices allow (:func:`~care_core.anchors.fused_orders`, each image's order what it gets alone), all other
+    images together in :func:`padded_greedy`."""
     device = features[0].device
+    orders: list[torch.Tensor | None] = [None] * len(features)
     fused = [
-        gate.choose("greedy", device, applies=fused_greedy_applies(w, v)) == "fused"
-        for w, v in zip(weights, features, strict=True)
+        i
+        for i, (w, v) in enumerate(zip(weights, features, strict=True))
+        if gate.choose("greedy", device, applies=fused_greedy_applies(w, v)) == "fused"
     ]
-    orders = [
-        diversity_greedy(w, v, k, eps, kernel=gate) if f else None
-        for w, v, k, f in zip(weights, features, ks, fused, strict=True)
-    ]
-    rest = [i for i, f in enumerate(fused) if not f]
+    for group in row_groups([int(features[i].shape[0]) ** 2 for i in fused], GREEDY_GRAM_ELEMENTS):
+        images = [fused[j] for j in group]
+        got = fused_orders([weights[i] for i in images], [features[i] for i in images], [ks[i] for i in images], eps,
+                           gate)  # fmt: skip
+        if got is not None:  # else the padded loop below takes them
+            for i, order in zip(images, got, strict=True):
+                orders[i] = order
+    rest = [i for i, order in enumerate(orders) if order is None]
     if rest:
         joint = padded_greedy([weights[i] for i in rest], [features[i] for i in rest], [ks[i] for i in rest], eps)
         for i, order in zip(rest, joint, strict=True):

@@ -120,12 +120,12 @@ def image_preparer(adapter: VLMAdapter, *, pool: bool = True) -> Callable[[Image
     if not hasattr(chat, "process_image"):
         return _unchanged
 
-    pin = pins_pixels(adapter)  # on a GPU: pixels pinned, the processor on worker processes
+    pin = pins_pixels(adapter)
 
     def here(image: Image.Image) -> Image.Image | PreparedImage:
         return prepared_image(image, chat.process_image(image), pin)
 
-    if pool and pin and hasattr(chat, "processor_pool"):
+    if pool and uses_processor_pool(adapter):
         processes = chat.processor_pool()
 
         def through_pool(image: Image.Image) -> Image.Image | PreparedImage:
@@ -141,6 +141,13 @@ def image_preparer(adapter: VLMAdapter, *, pool: bool = True) -> Callable[[Image
 def pins_pixels(adapter: VLMAdapter) -> bool:
     """Whether prepared pixels are page-locked for ``adapter``: where its device is a GPU, which copies them."""
     return adapter.device.type == "cuda"
+
+
+def uses_processor_pool(adapter: VLMAdapter) -> bool:
+    """Whether a run of several batches prepares ``adapter``'s images on its processor's worker processes: where it
+    runs its image processor one image at a time and keeps a pool (``processor_pool``), on a GPU, whose driving
+    thread the processor's Python work would otherwise hold up."""
+    return pins_pixels(adapter) and hasattr(adapter, "process_image") and hasattr(adapter, "processor_pool")
 
 
 def prepared_image(image: Image.Image, processed: dict[str, Any], pin: bool) -> PreparedImage:

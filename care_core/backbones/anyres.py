@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._memo import recall
+from .._memo import Memos
 from ..errors import ModelLoadError
 from .base import ImageTokens, VLMAdapter, is_all_tokens
-from .geometry import GEOMETRY_CACHE_SIZE, clip_boxes, crop_geometry, grid_crop_boxes
+from .geometry import clip_boxes, crop_geometry, grid_crop_boxes
 from .llava_modules import crop_tokens, llava_inner
 
 #: a family's tower: crops (C, 3, S, S) -> their patch features (C, P, d_v), what the model hands its projector
@@ -159,12 +159,12 @@ def crop_layout(
 @dataclass(frozen=True)
 class AnyresCrops:
     """One adapter's anyres encoding, built on each call from its current parts (nothing here outlives the call but
-    ``cache``, the adapter's own geometry memo)."""
+    ``cache``, the adapter's own geometry memos)."""
 
     model: Any
     processor: Any
     name: str
-    cache: dict[tuple[Any, ...], tuple[Any, ...]]
+    cache: Memos
     features: PatchFeatures
     pack: PackIds
 
@@ -196,12 +196,12 @@ class AnyresCrops:
     def image_crops(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """:func:`real_crops` of one image, its crop count kept per image size and crops given (working it out is
         Python per image while the GPU waits)."""
-        key = ("crops", _sizes_key(image_sizes), int(pixel_values.shape[1]))
+        key = (_sizes_key(image_sizes), int(pixel_values.shape[1]))
 
         def count_crops() -> tuple[int]:
             return (int(real_crops(self.model, pixel_values, image_sizes, self.name).shape[0]),)
 
-        (count,) = recall(self.cache, key, count_crops, GEOMETRY_CACHE_SIZE)
+        (count,) = self.cache.recall("crops", key, count_crops)
         return pixel_values[0, :count]
 
     def tokens(
@@ -237,7 +237,7 @@ class AnyresCrops:
         sizes and working them out costs milliseconds of Python per image while the GPU waits. The kept tensors
         themselves: a caller clones what it hands out or changes."""
         key = (size, _sizes_key(image_sizes), int(crops))
-        return recall(self.cache, key, lambda: self._geometry(image_sizes, crops, size), GEOMETRY_CACHE_SIZE)
+        return self.cache.recall("geometry", key, lambda: self._geometry(image_sizes, crops, size))
 
     def _geometry(self, image_sizes: torch.Tensor, crops: int, size: tuple[int, int]) -> tuple[Any, ...]:
         """:meth:`geometry` worked out."""
@@ -254,13 +254,13 @@ class AnyresCrops:
             torch.Tensor, ...]:  # fmt: skip
         """(crop_index, patch_index, positions) of :meth:`geometry` on ``device``, kept beside it: copied once per
         size, not once per image (each copy from the host is a call the driving thread waits on)."""
-        key = ("device", str(device), size, _sizes_key(image_sizes), int(crops))
+        key = (str(device), size, _sizes_key(image_sizes), int(crops))
 
         def placed() -> tuple[torch.Tensor, ...]:
             crop_index, patch_index, _, _, positions = self.geometry(image_sizes, crops, size)
             return crop_index.to(device), patch_index.to(device), positions.to(device)
 
-        return recall(self.cache, key, placed, GEOMETRY_CACHE_SIZE)
+        return self.cache.recall("device", key, placed)
 
 
 def _sizes_key(image_sizes: torch.Tensor) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from PIL import Image
 
-from .._memo import recall
+from .._memo import Memos, recall
 from ..batch_sizes import free_memory, is_out_of_memory
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
@@ -21,6 +21,7 @@ from ..vocabulary import DEFAULT_QUESTION
 from ._hf import quiet_transformers
 from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_range_problem
 from .families import import_path
+from .geometry import GEOMETRY_CACHE_SIZE
 from .module_attrs import submodule, typed_attr
 from .preprocess_pool import ProcessorPool, process_image
 from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
@@ -209,8 +210,9 @@ class ChatAdapter(VLMAdapter):
         self.is_demo = is_demo
         #: question -> prompt ids with one placeholder, and its place
         self._prompt_cache: dict[str, tuple[torch.Tensor, int]] = {}
-        #: image size key -> token geometry, for families that work it out in Python per image (LLaVA-NeXT, OneVision)
-        self._geometry_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        #: per kind, image size key -> token geometry (worked out in Python per image; each kind at most
+        #: GEOMETRY_CACHE_SIZE image sizes)
+        self._geometry_cache = Memos(GEOMETRY_CACHE_SIZE)
 
     @staticmethod
     def _check_processor(processor: Any, name: str) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._lazy import torch
-from .._memo import recall
+from .._memo import Memos
 from ..errors import CareError
 
 if TYPE_CHECKING:
@@ -188,11 +188,11 @@ def grid_image_tokens(
     patch: int,
     model_inputs: dict[str, Any],
     *,
-    cache: dict[Any, Any] | None = None,
+    cache: Memos | None = None,
 ) -> ImageTokens:
     """ImageTokens of one raster grid of `patch`-pixel cells over `geom`'s model canvas, in original pixels.
 
-    ``cache``: an adapter's memo of per-geometry work (at most :data:`GEOMETRY_CACHE_SIZE` entries): the boxes,
+    ``cache``: an adapter's memos of per-geometry work (at most :data:`GEOMETRY_CACHE_SIZE` grids): the boxes,
     positions and seen box depend on the geometry only, and a data set repeats a few image sizes, while working
     them out costs about 0.15 ms of host time per image. Each image gets its own copies.
     """
@@ -203,7 +203,7 @@ def grid_image_tokens(
         return boxes.to(torch.float32), grid_positions(rows, cols).to(torch.float32), geom.seen_box()
 
     key = ("grid", geom, rows, cols, patch)
-    boxes, positions, seen_box = worked_out() if cache is None else recall(cache, key, worked_out, GEOMETRY_CACHE_SIZE)
+    boxes, positions, seen_box = worked_out() if cache is None else cache.recall("grid", key, worked_out)
     return ImageTokens(
         features=features,
         # a host tensor: a blocking copy to the GPU would wait for the queued work (the tower), once per image

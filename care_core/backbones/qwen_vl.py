@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._memo import Memos
 from ..errors import ModelLoadError
 from .base import ImageTokens
 from .chat_adapter import ChatAdapter
@@ -84,11 +85,11 @@ def merged_grid_tokens(
     thw: torch.Tensor,
     size: tuple[int, int],
     vision_config: Any,
-    cache: dict[tuple[Any, ...], tuple[Any, ...]],
+    cache: Memos,
 ) -> ImageTokens:
     """One image's merged tokens (N, unit * d_v) and their geometry: each token a (patch * merge)-pixel block of the
     resized image, mapped linearly back to original pixels; ``model_inputs`` holds ``pixel_values``,
-    ``image_grid_thw`` and ``image_size``. ``cache``: the adapter's geometry memo."""
+    ``image_grid_thw`` and ``image_size``. ``cache``: the adapter's geometry memos."""
     height, width = size
     t, gh, gw = (int(v) for v in thw[0].tolist())
     merge = int(vision_config.spatial_merge_size)

@@ -49,7 +49,13 @@ from care_core.batch_sizes import (
 from care_core.errors import CareError, MethodError, failure_line
 from care_core.integrations import missing_task_path
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
-from care_core.prefetch import PreparedImage, encoded_inputs, image_prefetcher, in_flight_copies
+from care_core.prefetch import (
+    PreparedImage,
+    encoded_inputs,
+    image_prefetcher,
+    in_flight_copies,
+    uses_processor_pool,
+)
 from care_core.runs import Processes, World
 from care_core.vocabulary import DEFAULT_QUESTION
 
@@ -345,7 +351,7 @@ class CareLMM(lmms):
         """
         grey = self._warm_up_picture()
         adapter: Any = self.adapter
-        if adapter.device.type == "cuda" and hasattr(adapter, "processor_pool"):  # start the workers now, untimed
+        if uses_processor_pool(adapter):  # start the workers now, untimed
             pool = adapter.processor_pool()
             for future in [pool.submit(grey) for _ in range(pool.workers)]:
                 future.result()

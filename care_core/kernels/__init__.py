@@ -14,8 +14,8 @@ Nothing here imports Triton until a fused kernel runs: ``import care_core`` neve
 - :mod:`care_core.kernels.gemm_norm`: those inputs' norms through the second layer's upper factor R, ``||R t||``
   per row, the product's tiles reduced in the epilogue (never written), each output block's K loop starting at its
   first column (R's zeros skipped).
-- :mod:`care_core.kernels.greedy`: Eq. 3's K sequential greedy steps in one single-block kernel over a
-  precomputed cosine Gram matrix: one launch, no host synchronisation, no per-step launches.
+- :mod:`care_core.kernels.greedy`: Eq. 3's K sequential greedy steps for B images in one launch, one single-block
+  program per image over its precomputed cosine Gram matrix: no host synchronisation, no per-step launches.
 - :mod:`care_core.kernels.divprune`: DivPrune's max-min greedy for B images in one launch (one program per
   image) over their precomputed distance matrices.
 

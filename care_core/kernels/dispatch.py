@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -189,11 +189,13 @@ def gemm_norm_operand(r: torch.Tensor, *, bf16: bool) -> torch.Tensor:
     return r_operand(r, bf16=bf16)
 
 
-def greedy_order(weights: torch.Tensor, gram: torch.Tensor, k: int) -> torch.Tensor:
-    """The fused greedy kernel (:func:`care_core.kernels.greedy.greedy_order`); imports Triton when called."""
-    from care_core.kernels.greedy import greedy_order as run
+def greedy_orders(
+    weights: torch.Tensor, grams: torch.Tensor, sizes: Sequence[int], ks: Sequence[int]
+) -> list[torch.Tensor]:
+    """The fused greedy kernel (:func:`care_core.kernels.greedy.greedy_orders`); imports Triton when called."""
+    from care_core.kernels.greedy import greedy_orders as run
 
-    return run(weights, gram, k)
+    return run(weights, grams, sizes, ks)
 
 
 def divprune_orders(

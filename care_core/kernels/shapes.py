@@ -3,11 +3,30 @@ the fused path, and what the kernel modules tile by."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 #: Shapes the fused jvp kernel tiles without masks (LLaVA: 4096 -> 4096).
 JVP_K_MULTIPLE = 64
 JVP_OUT_MULTIPLE = 256
 #: The largest N one program of the fused greedy holds in registers; larger inputs use the PyTorch loop.
 GREEDY_MAX_TOKENS = 16384
+#: elements: each image's Gram matrix in the fused greedy's packed buffer starts at a multiple of this (256 bytes in
+#: float32, where a fresh allocation starts), so its matmul sees the alignment a single image's Gram has
+GREEDY_GRAM_ALIGN = 64
+#: elements: the most the Gram matrices of one fused greedy launch hold together (1 GiB in float32); more images go
+#: in further launches
+GREEDY_GRAM_ELEMENTS = 1 << 28
+
+
+def greedy_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each image's (N_i, N_i) Gram matrix starts in the fused greedy's packed buffer, and the buffer's length
+    (elements): one after another, each start a multiple of :data:`GREEDY_GRAM_ALIGN`."""
+    starts, end = [], 0
+    for n in sizes:
+        start = -(-end // GREEDY_GRAM_ALIGN) * GREEDY_GRAM_ALIGN
+        starts.append(start)
+        end = start + n * n
+    return starts, end
 
 
 def jvp_shape_supported(hidden: int, out_dim: int) -> bool:

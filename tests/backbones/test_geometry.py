@@ -6,13 +6,14 @@ from typing import Any
 
 import torch
 
+from care_core._memo import Memos
 from care_core.backbones.geometry import GEOMETRY_CACHE_SIZE, CropGeometry, grid_image_tokens
 
 # a 280 x 280 image seen whole as a 2 x 2 grid of 140 px cells
 GEOM = CropGeometry(280, 280, 280, 280, 0, 0, 280, 280)
 
 
-def _tokens(cache: dict[Any, Any] | None, geom: CropGeometry = GEOM) -> Any:
+def _tokens(cache: Memos | None, geom: CropGeometry = GEOM) -> Any:
     return grid_image_tokens(torch.zeros(4, 3), geom, 2, 2, 140, {}, cache=cache)
 
 
@@ -27,9 +28,9 @@ def test_grid_tokens_have_hand_computed_boxes_and_positions() -> None:
 
 
 def test_memoised_geometry_equals_the_fresh_one_and_is_each_image_own() -> None:
-    cache: dict[Any, Any] = {}
+    cache = Memos(GEOMETRY_CACHE_SIZE)
     fresh, first, second = _tokens(None), _tokens(cache), _tokens(cache)
-    assert len(cache) == 1
+    assert cache.sizes() == {"grid": 1}
     for one in (first, second):
         assert torch.equal(one.boxes, fresh.boxes) and torch.equal(one.positions, fresh.positions)
         assert one.seen_box == fresh.seen_box
@@ -40,7 +41,7 @@ def test_memoised_geometry_equals_the_fresh_one_and_is_each_image_own() -> None:
 
 
 def test_geometry_memo_stays_bounded() -> None:
-    cache: dict[Any, Any] = {}
+    cache = Memos(GEOMETRY_CACHE_SIZE)
     for size in range(GEOMETRY_CACHE_SIZE + 5):
         _tokens(cache, CropGeometry(280 + size, 280, 280, 280, 0, 0, 280, 280))
-    assert len(cache) == GEOMETRY_CACHE_SIZE
+    assert cache.sizes() == {"grid": GEOMETRY_CACHE_SIZE}

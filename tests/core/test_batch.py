@@ -13,13 +13,15 @@ import pytest
 import torch
 from torch import nn
 
+import care_core.care_batch
 from care_core import CaReConfig, care_reduce
-from care_core.anchors import diversity_greedy
+from care_core.anchors import diversity_greedy, diversity_greedy_gram, unit_rows
 from care_core.care import first_not_finite
 from care_core.care_batch import batch_anchors, care_reduce_batch, padded_greedy
 from care_core.errors import BudgetError, CareError
+from care_core.kernels import dispatch
 from care_core.kernels.dispatch import KernelGate
-from care_core.kernels.shapes import GREEDY_MAX_TOKENS
+from care_core.kernels.shapes import GREEDY_GRAM_ALIGN, GREEDY_MAX_TOKENS, greedy_layout
 from care_core.scoring import Scorer, perturbation_responses, unit_directions
 from tests.core._problems import make_problem, random_directions, to_np
 from tests.reference.care_reference import reference_care
@@ -201,9 +203,50 @@ class PretendFused(KernelGate):
         return None
 
 
-def test_images_for_the_fused_kernel_run_alone_and_keep_their_place():
-    """float32 images up to GREEDY_MAX_TOKENS go to diversity_greedy (the CUDA kernel's caller), a larger one
-    to the padded loop; every order lands at its image's place."""
+class EveryFused(KernelGate):
+    """A gate that sends every image the fused kernel takes to it, on any device (its twin stands in for it)."""
+
+    def choose(self, name, device, *, applies=True):
+        return "fused" if applies else "torch"
+
+
+def twin_kernel(launches):
+    """dispatch.greedy_orders' stand-in: each image's order by the kernel's PyTorch twin, read from the packed Gram
+    buffer where greedy_layout places it; records each launch's sizes."""
+
+    def run(weights, grams, sizes, ks):
+        launches.append(list(sizes))
+        starts, length = greedy_layout(sizes)
+        assert grams.numel() == length and weights.numel() == sum(sizes)
+        return [diversity_greedy_gram(w, grams[s : s + n * n].view(n, n), k)
+                for w, s, n, k in zip(weights.split(list(sizes)), starts, sizes, ks, strict=True)]  # fmt: skip
+
+    return run
+
+
+def test_fused_images_share_launches_within_the_gram_bound_and_keep_their_place(monkeypatch):
+    """float32 images up to GREEDY_MAX_TOKENS go to the fused kernel together, as many per launch as
+    GREEDY_GRAM_ELEMENTS holds (one too large goes alone), a larger image to the padded loop; each fused order is
+    what the kernel's twin gives on that image's own Gram matrix, every order at its image's place."""
+    gen = torch.Generator().manual_seed(5)
+    sizes, ks = (5, 40, GREEDY_MAX_TOKENS + 1, 7, 90, 33), (3, 11, 4, 7, 30, 9)
+    weights = [torch.rand(n, generator=gen) for n in sizes]
+    features = [torch.randn(n, 3, generator=gen) for n in sizes]
+    launches: list[list[int]] = []
+    monkeypatch.setattr(dispatch, "greedy_orders", twin_kernel(launches))
+    monkeypatch.setattr(care_core.care_batch, "GREEDY_GRAM_ELEMENTS", 5 * 5 + 40 * 40 + 7 * 7 + 1)
+    orders = batch_anchors(weights, features, ks, 1e-8, EveryFused("auto"))
+    assert launches == [[5, 40, 7], [90], [33]]
+    for i, (order, w, v, k) in enumerate(zip(orders, weights, features, ks, strict=True)):
+        if i == 2:
+            assert torch.equal(order, diversity_greedy(w, v, k, 1e-8, kernel="torch"))
+        else:
+            unit = unit_rows(v, 1e-8)
+            assert torch.equal(order, diversity_greedy_gram(w, unit @ unit.T, k))
+
+
+def test_images_whose_fused_kernel_fails_to_build_go_to_the_padded_loop():
+    """The fused kernel cannot be built: every image gets the loop's order, at its place."""
     gen = torch.Generator().manual_seed(5)
     sizes, ks = (5, GREEDY_MAX_TOKENS + 1, 7), (3, 4, 7)
     weights = [torch.rand(n, generator=gen) for n in sizes]
@@ -213,6 +256,16 @@ def test_images_for_the_fused_kernel_run_alone_and_keep_their_place():
     assert gate.failed == {"greedy": "pretended"}
     for order, w, v, k in zip(orders, weights, features, ks, strict=True):
         assert torch.equal(order, diversity_greedy(w, v, k, 1e-8, kernel="torch"))
+
+
+def test_packed_grams_start_aligned_one_after_another():
+    """greedy_layout: each (N, N) block starts at a multiple of GREEDY_GRAM_ALIGN at or after the previous block's
+    end; the buffer ends where the last block does."""
+    sizes = [5, 1, 64, 8, 3]
+    starts, length = greedy_layout(sizes)
+    assert starts == [0, 64, 128, 4224, 4288]  # 25 -> 64, 1 -> 128, 4096 ends at 4224, 64 -> 4288
+    assert length == 4288 + 9
+    assert all(s % GREEDY_GRAM_ALIGN == 0 for s in starts)
 
 
 def test_padded_greedy_breaks_ties_to_the_lowest_index():

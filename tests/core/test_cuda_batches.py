@@ -72,6 +72,35 @@ def test_greedy_order_on_cuda_is_a_prefix_of_any_longer_one(kernel: str) -> None
         assert torch.equal(diversity_greedy(weights, features, k, 1e-8, kernel=kernel), longest[:k])  # type: ignore[arg-type]
 
 
+def test_fused_greedy_orders_a_batch_in_one_launch_as_each_image_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eq. 3 for images of different N and K in one launch of the fused kernel: each image's order bit for bit
+    what the kernel gives it alone (K = N included)."""
+    from care_core.anchors import diversity_greedy
+    from care_core.care_batch import batch_anchors
+    from care_core.kernels import dispatch
+    from care_core.kernels.dispatch import KernelGate, triton_enabled
+
+    if not triton_enabled(torch.device("cuda")):
+        pytest.skip("Triton is not available")
+    g = torch.Generator().manual_seed(17)
+    sizes, ks = (2880, 577, 1152, 40, 2001), (160, 64, 1152, 40, 300)
+    features = [torch.randn(n, 64, generator=g).cuda() for n in sizes]
+    weights = [torch.rand(n, generator=g).cuda() for n in sizes]
+    launches: list[list[int]] = []
+    real = dispatch.greedy_orders
+
+    def counted(w: torch.Tensor, grams: torch.Tensor, n: list[int], k: list[int]) -> list[torch.Tensor]:
+        launches.append(list(n))
+        return real(w, grams, n, k)
+
+    monkeypatch.setattr(dispatch, "greedy_orders", counted)
+    together = batch_anchors(weights, features, ks, 1e-8, KernelGate("fused"))
+    assert launches == [list(sizes)]
+    for order, w, v, k in zip(together, weights, features, ks, strict=True):
+        assert torch.equal(order.cpu(), diversity_greedy(w, v, k, 1e-8, kernel="fused").cpu())
+    assert len(launches) == 1 + len(sizes)
+
+
 @pytest.mark.parametrize("mask_selected", [True, False])
 def test_fused_divprune_on_cuda_selects_what_the_loop_selects(mask_selected: bool) -> None:
     """The compiled kernel (care_core.kernels.divprune) against the loop on the same distances; repeated rows make

@@ -295,7 +295,7 @@ def test_greedy_kernel_that_fails_to_build_falls_back_for_that_call_only(monkeyp
     features = _clustered(200, 16, seed=30, dtype=torch.float32)
     weights = torch.rand(200, generator=torch.Generator().manual_seed(31))
     reference = diversity_greedy(weights, features, 25, 1e-8, kernel="torch")
-    calls = _failing(monkeypatch, "greedy_order", _compile_error(monkeypatch))
+    calls = _failing(monkeypatch, "greedy_orders", _compile_error(monkeypatch))
     for attempt in (1, 2):
         with pytest.warns(UserWarning, match="fused greedy kernel unavailable"):
             assert torch.equal(diversity_greedy(weights, features, 25, 1e-8), reference)
@@ -316,7 +316,7 @@ def test_missing_kernel_module_falls_back(monkeypatch: pytest.MonkeyPatch) -> No
 def test_out_of_memory_and_other_runtime_errors_propagate(error: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
     features, mlp, u = _jvp_problem()
     _failing(monkeypatch, "jvp_norms", error)
-    _failing(monkeypatch, "greedy_order", error)
+    _failing(monkeypatch, "greedy_orders", error)
     scorer = Scorer(mlp)
     with pytest.raises(type(error), match=str(error)):
         perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16")
@@ -456,7 +456,7 @@ def test_fused_greedy_matches_its_twin_and_the_loop_without_host_syncs(
 ) -> None:
     if not triton_enabled(torch.device("cuda")):
         pytest.skip("Triton is not available")
-    from care_core.kernels.greedy import greedy_order
+    from care_core.kernels.greedy import greedy_orders
 
     features = _clustered(n, 128, seed=n + k, clusters=32, dtype=torch.float32).cuda()
     weights = torch.rand(n, generator=torch.Generator().manual_seed(k)).cuda()
@@ -471,7 +471,8 @@ def test_fused_greedy_matches_its_twin_and_the_loop_without_host_syncs(
     unit = unit_rows(features, 1e-8)
     gram = unit @ unit.T
     # the kernel and its PyTorch twin read the same cosines: the same order, bit for bit
-    assert torch.equal(greedy_order(weights, gram, k).cpu(), diversity_greedy_gram(weights, gram, k).cpu())
+    fused_alone = greedy_orders(weights, gram.reshape(-1), [n], [k])[0]
+    assert torch.equal(fused_alone.cpu(), diversity_greedy_gram(weights, gram, k).cpu())
     assert fused.unique().numel() == k
     # the loop computes each cosine row by a matvec instead of reading the Gram matrix: rounding may
     # swap a near-tie (~1e-7) somewhere in K steps, so compare the sets
@@ -499,7 +500,7 @@ def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.Mon
     features = _clustered(576, 64, seed=50, dtype=torch.float32).cuda()
     mlp = _mlp(64, 256, 512, seed=51, dtype=torch.float32).cuda()
     positions = torch.rand(576, 2, generator=torch.Generator().manual_seed(52)).cuda()
-    calls = {"jvp_norms": 0, "greedy_order": 0}
+    calls = {"jvp_norms": 0, "greedy_orders": 0}
     for name in calls:
         real = getattr(dispatch, name)
 
@@ -517,13 +518,13 @@ def test_kernel_settings_on_cuda_run_the_paths_they_name(monkeypatch: pytest.Mon
         # a plain call scores through the scorer kept on the projector: on CUDA its second layer goes through the
         # triangular factor, where the fused kernel is the tf32 default (docs/design/care.md §Response engines)
         default = reduce()
-        assert calls == {"jvp_norms": 1, "greedy_order": 1}
+        assert calls == {"jvp_norms": 1, "greedy_orders": 1}
         reduce(matmul_precision="bf16")
-        assert calls == {"jvp_norms": 2, "greedy_order": 2}
+        assert calls == {"jvp_norms": 2, "greedy_orders": 2}
         fused = reduce(kernel="fused")
-        assert calls == {"jvp_norms": 3, "greedy_order": 3}
+        assert calls == {"jvp_norms": 3, "greedy_orders": 3}
         plain = reduce(kernel="torch")  # no fused kernel at all
-        assert calls == {"jvp_norms": 3, "greedy_order": 3}
+        assert calls == {"jvp_norms": 3, "greedy_orders": 3}
     for got in (fused, plain):
         torch.testing.assert_close(got.psi_bar, default.psi_bar, atol=2e-3, rtol=0)
         shared = len(set(got.indices.tolist()) & set(default.indices.tolist()))
