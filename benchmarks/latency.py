@@ -444,9 +444,38 @@ def print_answers(results: dict[str, Any]) -> None:
 
 
 def print_verdicts(rows: list[dict[str, Any]]) -> None:
-    table = [[r["figure"], r["family"], r["K"], fmt(r["value"]), r["target"], "MET" if r["met"] else "NOT MET"]
+    table = [[r["figure"], r["family"], r["K"], on_its_side(r), r["target"], "MET" if r["met"] else "NOT MET"]
              for r in rows]  # fmt: skip
     print_table("Targets", ["figure", "family", "K", "value", "target", "verdict"], table, keys=3)
+
+
+def on_its_side(verdict: dict[str, Any]) -> str:
+    """A target's value with two decimals, or with as many more as keep it on its side of the bound: 1.4997 against
+    ">= 1.5" shows as 1.4997, not as a 1.50 that reads as met."""
+    op, bound = verdict["target"].split()
+    value = float(verdict["value"])
+    for digits in range(2, 8):
+        shown = round(value, digits)
+        if (shown >= float(bound) if op == ">=" else shown <= float(bound)) == bool(verdict["met"]):
+            return f"{value:.{digits}f}"
+    return repr(value)
+
+
+#: how the footer names each figure of the gate's targets
+FIGURE_NAMES = {"first_default": "first token", "first_eager": "eager first token", "prefill_x_floor":
+                "prefill × floor", "scoring_x_floor": "scoring × floor"}  # fmt: skip
+
+
+def _unmet_clause(targets: list[dict[str, Any]]) -> str:
+    """The footer's list of the targets not met, by figure and bound: ``; not met: first token qwen3-vl 1.86 (>=
+    2.0); ...``."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for t in targets:
+        if not t["met"]:
+            groups.setdefault((t["figure"], t["target"]), []).append(f"{t['family']} {on_its_side(t)}")
+    said = [f"{FIGURE_NAMES.get(figure, figure)} {', '.join(values)} ({bound.replace('>=', '≥').replace('<=', '≤')})"
+            for (figure, bound), values in groups.items()]  # fmt: skip
+    return f"; not met: {'; '.join(said)}" if said else ""
 
 
 # ----------------------------------------------------------------------------------------- docs
@@ -551,7 +580,8 @@ def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] |
     launch_us = results["environment"].get("launch_us")  # host-bound figures (eager, the drop-in) move with it
     host = "" if launch_us is None else f"; the host launches a kernel in {launch_us:.1f} µs"
     footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}{_reported_note(results)}{host}; "
-              f"{met} of {len(results.get('targets', []))} targets met. Source: `benchmarks/results/{name}` "
+              f"{met} of {len(results.get('targets', []))} targets met{_unmet_clause(results.get('targets', []))}. "
+              f"Source: `benchmarks/results/{name}` "
               f"(`python -m benchmarks.latency`, commit {commit}).")  # fmt: skip
     lines = [*_headline(results, rows), *_table(results, rows), "", footer, *_dropin_lines(dropin, dropin_name)]
     return "\n".join(lines) + "\n"

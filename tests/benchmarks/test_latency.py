@@ -222,3 +222,23 @@ def test_the_footer_gives_the_hosts_launch_time_when_the_result_has_it() -> None
     assert "; the host launches a kernel in 10.7 µs; 0 of 0 targets met." in latency.render_markdown(results, "r.json")
     del results["environment"]["launch_us"]  # results from before the field: no clause
     assert "default decoding: no CUDA graphs; 0 of 0 targets met." in latency.render_markdown(results, "r.json")
+
+
+def test_the_footer_names_each_target_not_met_on_its_side_of_its_bound() -> None:
+    """A value that rounds onto its bound gets the decimals that keep it short of it (1.4997, not 1.50); met targets
+    are not named."""
+
+    def target(figure: str, family: str, value: float, bound: str, met: bool) -> dict[str, Any]:
+        return {"figure": figure, "family": family, "K": "N/9", "value": value, "target": bound, "met": met}
+
+    targets = [target("first_default", "qwen3.5", 1.499688, ">= 1.5", False),
+               target("first_default", "qwen3-vl", 1.8559, ">= 2.0", False),
+               target("first_default", "internvl3", 2.3882, ">= 2.0", True),
+               target("scoring_x_floor", "llava-next", 1.2723, "<= 1.3", True),
+               target("scoring_x_floor", "internvl3", 1.300012, "<= 1.3", False),
+               target("scoring_x_floor", "qwen3-vl", 1.651, "<= 1.3", False)]  # fmt: skip
+    assert latency._unmet_clause(targets) == (
+        "; not met: first token qwen3.5 1.4997 (≥ 1.5); first token qwen3-vl 1.86 (≥ 2.0); "
+        "scoring × floor internvl3 1.30001, qwen3-vl 1.65 (≤ 1.3)"
+    )
+    assert latency._unmet_clause(targets[2:4]) == ""
