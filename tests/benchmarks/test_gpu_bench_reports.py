@@ -255,3 +255,21 @@ def test_docs_show_each_backbone_from_its_newest_result_only(tmp_path: Path) -> 
         < block.index("Source: `benchmarks/results/2026-01-01")
         < block.index("| qwen2.5-vl-7b")
     )
+
+
+def test_onevision_over_all_tokens_is_judged_at_each_settings_auto_batch_size() -> None:
+    """Issue #47's OneVision target compares the settings as a user's ``auto`` runs them (all tokens at 32, CaRe at
+    64); LLaVA-1.5's issue #22 target at the same sizes stays reported only."""
+    rows = [
+        _eval_row("llava-onevision-7b", None, 1, 10.0, size=32),
+        _eval_row("llava-onevision-7b", "care", 1, 29.0, size=64),
+        _eval_row("llava-1.5-7b", None, 1, 20.0, size=32),
+        _eval_row("llava-1.5-7b", "care", 1, 50.0, size=64),
+    ]
+    bench_eval_gpu.add_ratios(rows)
+    verdicts = {(c["where"], c["what"]): (c["value"], c["met"]) for c in bench_eval_gpu.targets(rows)}
+    assert verdicts == {("llava-onevision-7b batch 64, 1 proc", "CaRe / all tokens"): (approx(2.9), True)}
+    fixed = [dict(row, batch_size_requested="64", batch_size_start=64, batch_size=64) for row in rows[:2]]
+    fixed[0]["batch_size_start"] = fixed[0]["batch_size"] = 32  # asked for 64, split to 32 after running out of memory
+    bench_eval_gpu.add_ratios(fixed)
+    assert bench_eval_gpu.targets(fixed) == []  # sizes differ and none was auto's pick: reported only
