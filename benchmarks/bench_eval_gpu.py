@@ -737,10 +737,10 @@ def docs_block(folder: Path = RESULTS) -> str:
 
 
 def _only(results: dict[str, Any], names: set[str]) -> dict[str, Any]:
-    """``results`` with only the rows, targets, stages and preprocessing shares of the backbones ``names``."""
+    """``results`` with only the rows, stages and preprocessing shares of the backbones ``names`` (its targets are
+    judged from its rows when rendered)."""
     return results | {
         "rows": [row for row in results["rows"] if row["backbone"] in names],
-        "targets": [t for t in results["targets"] if t["where"].split()[0] in names],
         "backbones": {name: done for name, done in results["backbones"].items() if name in names},
         "preprocessing_share": [s for s in results["preprocessing_share"] if s["backbone"] in names],
     }
