@@ -144,6 +144,8 @@ def batch_anchors(
         if gate.choose("greedy", device, applies=fused_greedy_applies(w, v)) == "fused"
     ]
     for group in row_groups([int(features[i].shape[0]) ** 2 for i in fused], GREEDY_GRAM_ELEMENTS):
+        if gate.choose("greedy", device) != "fused":
+            break  # an earlier group's kernel failed to build ("auto" mode): the padded loop takes the rest
         images = [fused[j] for j in group]
         got = fused_orders([weights[i] for i in images], [features[i] for i in images], [ks[i] for i in images], eps,
                            gate)  # fmt: skip

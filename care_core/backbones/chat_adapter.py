@@ -23,7 +23,7 @@ from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_range_p
 from .families import import_path
 from .geometry import GEOMETRY_CACHE_SIZE
 from .module_attrs import submodule, typed_attr
-from .preprocess_pool import ProcessorPool, process_image
+from .preprocess_pool import ProcessorPool, process_image, usable_cores
 from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
 from .static_generation import (
     StaticGreedy,
@@ -139,11 +139,8 @@ PROMPT_CACHE_SIZE = 4096
 
 def preprocess_workers(images: int) -> int:
     """Threads for preprocessing ``images`` images: one per image, at most one per CPU core this process may use
-    and at most :data:`MAX_PREPROCESS_WORKERS`."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(images, cores, MAX_PREPROCESS_WORKERS))
+    (:func:`~care_core.backbones.preprocess_pool.usable_cores`) and at most :data:`MAX_PREPROCESS_WORKERS`."""
+    return max(1, min(images, usable_cores(), MAX_PREPROCESS_WORKERS))
 
 
 def preprocess_images(

@@ -15,8 +15,9 @@ residuals, norm, MLP). In the steps a CUDA graph captures, where Triton runs
 (batch and rows symbolic: one compiled piece serves every batch and prompt length), which fuses the norms, the
 rotation and the gated activation into a few kernels; eager steps and the CPU run the pieces as written
 (:class:`LeanLayers` says why).
-The cache writes and the attention (``F.scaled_dot_product_attention``, causal over a fresh prompt or with the
-decode step's additive mask) run between them as plain ops.
+A prefill's keys and values are written to the cache inside :func:`attention_inputs` (in a compiled piece, by the
+rotation's kernel); a decode step's cache writes and the attention (``F.scaled_dot_product_attention``, causal over
+a fresh prompt or with the decode step's additive mask) run between the pieces as plain ops.
 
 The maths is the module's; the order of float roundings is not (one fused RMSNorm instead of upcast, normalise,
 downcast, scale; ``x cos + roll(x) sin±`` for ``x cos + rotate_half(x) sin``), so in bfloat16 a hidden state may
@@ -25,7 +26,7 @@ differ from transformers' in its last bits. :func:`layer_reason` says where a la
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
@@ -47,25 +48,25 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class LayerTensors(NamedTuple):
-    """One decoder layer's weights (views of the module's own tensors; biases None where the layer has none)."""
+    """One decoder layer's weights (views of the module's own tensors; biases None where the layer has none).
+
+    ``qkv`` and ``gate_up`` are the row-stacked weights of q/k/v and gate/up (:func:`stacked_rows`): one product for
+    the three attention inputs and one for the two MLP inputs. At a reduced prompt's ~100-200 rows each product is
+    bound by reading its weights, and one wide product reads them nearer the card's bandwidth than two or three
+    narrow ones (the k and v maps of grouped-query attention are a few hundred rows each) and launches fewer kernels.
+    """
 
     input_norm: torch.Tensor
-    q: torch.Tensor
-    q_bias: torch.Tensor | None
-    k: torch.Tensor
-    k_bias: torch.Tensor | None
-    v: torch.Tensor
-    v_bias: torch.Tensor | None
+    qkv: torch.Tensor  # (q + 2 kv widths, d): W_q over W_k over W_v
+    qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head's dims before the rotation
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
+    gate_up: torch.Tensor  # (2 ff, d): W_gate over W_up
+    gate_up_bias: torch.Tensor | None
     down: torch.Tensor
-    gate_bias: torch.Tensor | None
-    up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
 
 
@@ -117,17 +118,73 @@ def _norm_weight(owner: nn.Module, name: str) -> torch.Tensor | None:
     return None if norm is None else tensor_attr(submodule(owner, name), "weight")
 
 
+def _adjacent_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` (each (rows_i, ...), same trailing sizes) as one (sum rows_i, ...) view where they lie back to
+    back in one storage, in order, else None."""
+    first = tensors[0]
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        same = t.device == first.device and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+        placed = t.untyped_storage().data_ptr() == storage and t.storage_offset() == offset
+        if not (same and placed and t.is_contiguous()):
+            return None
+        offset += t.numel()
+    rows = sum(int(t.shape[0]) for t in tensors)
+    return torch.as_strided(first.detach(), (rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def stacked_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` (a layer's weights or biases, each (rows_i, ...)) stacked by rows in one tensor that the modules'
+    own tensors are views of.
+
+    Where they are not so already (:func:`_adjacent_rows`), they are copied into one new buffer and each tensor's
+    ``.data`` becomes a view of its rows: the same values and the same Parameter objects (an optimiser's or a hook's
+    references stay valid), and no memory added once the old storage is freed, where a stacked copy would add two
+    thirds of the decoder's size. The model's own forward reads the same values from the views; ``.to()`` or
+    ``.half()`` gives each tensor its own storage again (then the next stacking copies once more)."""
+    joined = _adjacent_rows(tensors)
+    if joined is not None:
+        return joined
+    with torch.no_grad():
+        buffer = torch.cat([t.detach() for t in tensors])
+        start = 0
+        for t in tensors:
+            t.data = buffer[start : start + t.shape[0]]
+            start += int(t.shape[0])
+    return buffer
+
+
+def _stacked_biases(linears: Sequence[nn.Module]) -> torch.Tensor | None:
+    """The linear maps' biases stacked as :func:`stacked_rows` stacks them; None where none has one; where only
+    some have one, a stacked copy with zeros for the others (a few kilobytes)."""
+    biases = [optional_tensor_attr(m, "bias") for m in linears]
+    if all(b is None for b in biases):
+        return None
+    if all(b is not None for b in biases):
+        return stacked_rows([b for b in biases if b is not None])
+    rows = [int(tensor_attr(m, "weight").shape[0]) for m in linears]
+    present = next(b for b in biases if b is not None)
+    return torch.cat([present.new_zeros(n) if b is None else b.detach() for b, n in zip(biases, rows, strict=True)])
+
+
+def _stacked_linears(owner: nn.Module, names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    linears = [submodule(owner, name) for name in names]
+    return stacked_rows([tensor_attr(m, "weight") for m in linears]), _stacked_biases(linears)
+
+
 def layer_tensors(layer: nn.Module) -> LayerTensors:
-    """The weights of a layer :func:`layer_reason` accepts."""
+    """The weights of a layer :func:`layer_reason` accepts, q/k/v and gate/up stacked (:func:`stacked_rows`: the
+    layer's own tensors may become views of the stacked ones)."""
     attention, mlp = submodule(layer, "self_attn"), submodule(layer, "mlp")
-    q, k, v, o = (_linear(attention, name) for name in _PROJECTIONS)
-    gate, up, down = (_linear(mlp, name) for name in _MLP)
+    with torch.no_grad():
+        qkv = _stacked_linears(attention, _PROJECTIONS[:3])
+        gate_up = _stacked_linears(mlp, _MLP[:2])
     return LayerTensors(
         tensor_attr(submodule(layer, "input_layernorm"), "weight"),
-        *q, *k, *v, *o,
+        *qkv, *_linear(attention, "o_proj"),
         _norm_weight(attention, "q_norm"), _norm_weight(attention, "k_norm"),
         tensor_attr(submodule(layer, "post_attention_layernorm"), "weight"),
-        gate[0], up[0], down[0], gate[1], up[1], down[1],
+        *gate_up, *_linear(mlp, "down_proj"),
     )  # fmt: skip
 
 
@@ -155,21 +212,34 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def attention_inputs(
-    hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
+    hidden: torch.Tensor,
+    w: LayerTensors,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    shape: Shape,
+    cache_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys and values, each (batch, heads, rows, head_dim), of the layer's input ``hidden``: the input
-    norm, the projections, Qwen3's per-head norms, the rotation by ``cos``/``sin`` (:func:`rotation_tables`)."""
+    norm, the projections, Qwen3's per-head norms, the rotation by ``cos``/``sin`` (:func:`rotation_tables`).
+    ``cache_rows``: (keys, values) cache rows of the same shape that the keys and values are also written to (a
+    prefill's; in a compiled piece the writes join the rotation's kernel instead of two copies of their own)."""
     batch, rows, _ = hidden.shape
     x = rms_norm(hidden, w.input_norm, shape.eps)
-    q = F.linear(x, w.q, w.q_bias).view(batch, rows, shape.heads, shape.head_dim)
-    k = F.linear(x, w.k, w.k_bias).view(batch, rows, shape.kv_heads, shape.head_dim)
-    v = F.linear(x, w.v, w.v_bias).view(batch, rows, shape.kv_heads, shape.head_dim)
+    kv_width = shape.kv_heads * shape.head_dim
+    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([shape.heads * shape.head_dim, kv_width, kv_width], dim=-1)
+    q = q.view(batch, rows, shape.heads, shape.head_dim)
+    k = k.view(batch, rows, shape.kv_heads, shape.head_dim)
+    v = v.view(batch, rows, shape.kv_heads, shape.head_dim)
     if w.q_norm is not None and w.k_norm is not None:
         q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
     half = shape.head_dim // 2
     q = torch.addcmul(q * cos, q.roll(half, -1), sin)
     k = torch.addcmul(k * cos, k.roll(half, -1), sin)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if cache_rows is not None:
+        cache_rows[0].copy_(k)
+        cache_rows[1].copy_(v)
+    return q, k, v
 
 
 def mlp_block(hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
@@ -177,7 +247,8 @@ def mlp_block(hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, sha
     batch, rows, _ = hidden.shape
     hidden = hidden + F.linear(attended.transpose(1, 2).reshape(batch, rows, -1), w.o, w.o_bias)
     x = rms_norm(hidden, w.post_norm, shape.eps)
-    gated = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
+    gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    gated = F.silu(gate) * up
     return hidden + F.linear(gated, w.down, w.down_bias)
 
 
@@ -236,16 +307,22 @@ class LeanLayers:
         return self.for_graphs and self.compiled and self._compiled is not None
 
     def attention_inputs(
-        self, hidden: torch.Tensor, w: LayerTensors, cos: torch.Tensor, sin: torch.Tensor, shape: Shape
+        self,
+        hidden: torch.Tensor,
+        w: LayerTensors,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        shape: Shape,
+        cache_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`attention_inputs`, compiled in captures where it can be."""
         if self._use_compiled() and self._compiled is not None:
             try:
-                _varying((hidden, 0, 1), (cos, 0, 1), (sin, 0, 1))
-                return self._compiled[0](hidden, w, cos, sin, shape)  # type: ignore[no-any-return]
+                _varying((hidden, 0, 1), (cos, 0, 1), (sin, 0, 1), *((t, 0, 2) for t in cache_rows or ()))
+                return self._compiled[0](hidden, w, cos, sin, shape, cache_rows)  # type: ignore[no-any-return]
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self._fall_back(exc)
-        return attention_inputs(hidden, w, cos, sin, shape)
+        return attention_inputs(hidden, w, cos, sin, shape, cache_rows)
 
     def mlp_block(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
         """:func:`mlp_block`, compiled in captures where it can be."""
@@ -277,9 +354,11 @@ def layer_forward(
     shape: Shape,
     cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     mask: torch.Tensor | None,
+    cache_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decoder layer on ``hidden`` (batch, rows, d): ``rotation`` from :func:`rotation_tables`; ``cache`` takes
-    the new keys and values and gives those to attend over (a static cache's update)."""
-    q, k, v = pieces.attention_inputs(hidden, w, rotation[0], rotation[1], shape)
+    the new keys and values and gives those to attend over (a static cache's update); ``cache_rows``: where the
+    keys and values are written as they are made (:func:`attention_inputs`), or None."""
+    q, k, v = pieces.attention_inputs(hidden, w, rotation[0], rotation[1], shape, cache_rows)
     k, v = cache(k, v)
     return pieces.mlp_block(hidden, attend(q, k, v, mask, shape), w, shape)

@@ -202,7 +202,7 @@ def grid_image_tokens(
         boxes = clip_boxes(geom.crop_to_original(grid_crop_boxes(rows, cols, patch)), geom.height, geom.width)
         return boxes.to(torch.float32), grid_positions(rows, cols).to(torch.float32), geom.seen_box()
 
-    key = ("grid", geom, rows, cols, patch)
+    key = (geom, rows, cols, patch)
     boxes, positions, seen_box = worked_out() if cache is None else cache.recall("grid", key, worked_out)
     return ImageTokens(
         features=features,

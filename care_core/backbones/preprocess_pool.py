@@ -30,11 +30,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (gl
 _worker_processor: Any = None  # in a worker process only: its copy of the image processor (set by _start)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system tells it, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def pool_workers() -> int:
-    """Worker processes for a pool: the CPU cores this process may use, less two (the driving thread and the image
-    decoding), between 1 and :data:`MAX_POOL_WORKERS`."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_POOL_WORKERS, cores - 2))
+    """Worker processes for a pool: :func:`usable_cores` less two (the driving thread and the image decoding),
+    between 1 and :data:`MAX_POOL_WORKERS`."""
+    return max(1, min(MAX_POOL_WORKERS, usable_cores() - 2))
 
 
 def keep_freed_memory() -> bool:

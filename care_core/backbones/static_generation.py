@@ -219,13 +219,12 @@ class StaticPrompt:
 class StaticKV:
     """Every layer's keys and values in preallocated (batch, kv_heads, capacity, head_dim) buffers.
 
-    The decoder layers call :meth:`update` as they call a transformers cache. A step runs the ``active``
-    leading samples of the ``batch`` allocated (views of the buffers, so the graphs of smaller batches read the
-    same memory). Where the rows go is set by the driver (``write``, a tensor the graphs read on replay): in
-    prefill the positions along the sequence (the same for every sample), and the attention sees only the new
-    rows (the cache was empty before them); in decode one flat row per (sample, head) of the buffer viewed as
-    (-1, head_dim), each sample at its own position, and the attention sees the whole buffer (the mask hides
-    what lies ahead).
+    A step runs the ``active`` leading samples of the ``batch`` allocated (views of the buffers, so the graphs of
+    smaller batches read the same memory). A prefill writes its ``rows`` keys and values to cache rows
+    0..rows-1 (:meth:`prefill_rows`) as the lean layer makes them, and attends over those alone (the cache was empty
+    before them). A decode step goes through :meth:`update`, as a transformers cache: one flat row per (sample, head)
+    of the buffer viewed as (-1, head_dim), each sample at its own position (``write``, a tensor the graphs read on
+    replay, set by the driver), and the attention sees the positions up to ``span`` (the mask hides what lies ahead).
     """
 
     def __init__(self, layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
@@ -234,20 +233,25 @@ class StaticKV:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.batch, self.kv_heads, self.capacity, self.head_dim = shape
         self.active = shape[0]  # samples the current step runs (set by the driver before each step)
+        self.rows = 0  # a prefill's prompt rows (set by the driver)
         self.span = shape[2]  # positions a decode step attends over (set by the driver; at most the capacity)
         self.write: torch.Tensor | None = None
         self.prefill = True
 
+    def prefill_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cache rows 0..rows-1 of the active samples (keys, values), where a prefill's go."""
+        keys, values = self.keys[layer_idx][: self.active], self.values[layer_idx][: self.active]
+        return keys[:, :, : self.rows], values[:, :, : self.rows]
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one layer's new keys and values (batch, kv_heads, rows, head_dim); return those to attend over."""
+        """A decode step: write one layer's new keys and values (batch, kv_heads, 1, head_dim) and return those to
+        attend over. A prefill (its rows written already, :meth:`prefill_rows`): return the new ones as they are."""
+        if self.prefill:
+            return key, value
         assert self.write is not None
         keys, values = self.keys[layer_idx][: self.active], self.values[layer_idx][: self.active]
         if key.shape[:2] != keys.shape[:2] or key.shape[-1] != keys.shape[-1]:
             raise RuntimeError(f"layer {layer_idx} gave keys {tuple(key.shape)}; the cache holds {tuple(keys.shape)}")
-        if self.prefill:
-            keys.index_copy_(2, self.write, key.to(keys.dtype))
-            values.index_copy_(2, self.write, value.to(values.dtype))
-            return key, value
         flat = (-1, self.head_dim)  # (sample, head, position) rows: one write per sample and head, no host sync
         keys.view(flat).index_copy_(0, self.write, key.reshape(flat).to(keys.dtype))
         values.view(flat).index_copy_(0, self.write, value.reshape(flat).to(values.dtype))
@@ -396,11 +400,12 @@ class StaticGreedy:
         (levels, batch, rows, d)."""
         assert self.kv is not None
         rotation = rotation_tables(*self.lm.rotary_emb(hidden, position_ids=rotary))
-        update = self.kv.update
+        kv = self.kv
         with self.pieces.scope(for_graphs=self.capturing):
             for index, tensors in enumerate(self.tensors):
-                cache = partial(update, layer_idx=index)
-                hidden = layer_forward(self.pieces, hidden, tensors, rotation, self.shape, cache, mask)
+                cache = partial(kv.update, layer_idx=index)
+                rows = kv.prefill_rows(index) if kv.prefill else None
+                hidden = layer_forward(self.pieces, hidden, tensors, rotation, self.shape, cache, mask, rows)
                 if deepstack is not None and index < deepstack.shape[0]:
                     hidden = hidden + deepstack[index]  # zeros leave a row as it is: only the visual rows change
         return hidden
@@ -411,7 +416,7 @@ class StaticGreedy:
     def _prefill_step(self, entry: _Prefill) -> None:
         assert self.kv is not None
         batch, rows, hidden_size = entry.embeds.shape
-        self.kv.active, self.kv.write, self.kv.prefill = batch, self.positions[:rows], True
+        self.kv.active, self.kv.rows, self.kv.prefill = batch, rows, True
         text = self.positions[None, :rows].expand(batch, rows)
         rotary = text if entry.positions is None else entry.positions
         hidden = self._layers(entry.embeds, rotary, None, entry.deepstack)

@@ -25,8 +25,8 @@ TABLE_COLUMNS = 5
 
 
 @triton.jit
-def _greedy_kernel(w_ptr, g_ptr, order_ptr, table_ptr, BLOCK: tl.constexpr):
-    row = table_ptr + tl.program_id(0).to(tl.int64) * 5
+def _greedy_kernel(w_ptr, g_ptr, order_ptr, table_ptr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    row = table_ptr + tl.program_id(0).to(tl.int64) * COLUMNS
     n = tl.load(row).to(tl.int32)
     k = tl.load(row + 1).to(tl.int32)
     weights = w_ptr + tl.load(row + 2)
@@ -62,7 +62,9 @@ def greedy_orders(
     order = torch.empty(sum(ks), dtype=torch.long, device=weights.device)
     block = max(128, triton.next_power_of_2(max(sizes)))
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
-    _greedy_kernel[(len(sizes),)](weights.contiguous(), grams, order, table, BLOCK=block, num_warps=warps)
+    _greedy_kernel[(len(sizes),)](
+        weights.contiguous(), grams, order, table, COLUMNS=TABLE_COLUMNS, BLOCK=block, num_warps=warps
+    )
     return list(order.split(list(ks)))
 
 

@@ -20,6 +20,7 @@ from care_core.backbones.decoder_layers import (
     layer_shape,
     layer_tensors,
     rotation_tables,
+    stacked_rows,
 )
 from care_core.backbones.static_generation import unsupported_reason
 
@@ -108,6 +109,49 @@ def test_the_lean_layer_computes_transformers_layer(name: str) -> None:
 @pytest.mark.parametrize("fixture", ["qwen_demo", "qwen3_demo", "internvl_demo"])
 def test_the_lean_layer_computes_each_demo_decoder_layer(request: pytest.FixtureRequest, fixture: str) -> None:
     _check_layer(*_demo_layer(request.getfixturevalue(fixture)))  # Qwen2.5-VL, Qwen3-VL (q/k norms), Qwen2
+
+
+def test_stacking_makes_the_layers_own_tensors_views_of_one_buffer_with_their_values() -> None:
+    config, layer, rotary = _built("llama-biases")
+    attention = layer.self_attn
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    params = [m.weight for m in projections] + [m.bias for m in projections]
+    before = [p.detach().clone() for p in params]
+    hidden = torch.randn(1, 4, config.hidden_size, dtype=torch.float64)
+    cos, sin = rotary(hidden, position_ids=_positions(config, 1, 4))
+    with torch.no_grad():
+        expected = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
+        tensors = layer_tensors(layer)
+        after = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
+    # the same Parameter objects with the same values, now rows of the stacked tensors, in order
+    assert [m.weight for m in projections] + [m.bias for m in projections] == params
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert torch.equal(tensors.qkv, torch.cat(before[:3])) and torch.equal(tensors.qkv_bias, torch.cat(before[3:]))
+    assert [p.data_ptr() for p in params[:3]] == [tensors.qkv[row].data_ptr() for row in (0, 32, 64)]
+    assert attention.q_proj.bias.data_ptr() == tensors.qkv_bias.data_ptr()
+    assert torch.equal(layer.mlp.up_proj.weight, tensors.gate_up[48:])
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)  # the model's own forward reads the same values
+    again = layer_tensors(layer)  # already stacked: views of the same memory, nothing copied
+    assert again.qkv.data_ptr() == tensors.qkv.data_ptr() and again.gate_up.data_ptr() == tensors.gate_up.data_ptr()
+
+
+def test_stacking_rows_that_are_not_back_to_back_copies_them_once() -> None:
+    base = torch.arange(12.0).view(6, 2)
+    parts = [nn.Parameter(base[4:].clone()), nn.Parameter(base[:4].clone())]  # two storages
+    stacked = stacked_rows(parts)
+    assert stacked.tolist() == [[8, 9], [10, 11], [0, 1], [2, 3], [4, 5], [6, 7]]
+    assert parts[1].data_ptr() == stacked[2].data_ptr()
+    assert stacked_rows(parts).data_ptr() == stacked.data_ptr()
+    assert stacked_rows(list(reversed(parts))).data_ptr() != stacked.data_ptr()  # out of order: a new stacking
+
+
+def test_a_bias_only_some_projections_have_is_stacked_with_zeros_for_the_others() -> None:
+    config, layer, _ = _built("qwen2")  # q/k/v biases
+    layer.self_attn.k_proj.bias = None
+    bias = layer_tensors(layer).qkv_bias
+    assert bias is not None and bias.shape == (32 + 16 + 16,)
+    assert torch.equal(bias[:32], layer.self_attn.q_proj.bias) and not bias[32:48].any()
+    assert torch.equal(bias[48:], layer.self_attn.v_proj.bias)
 
 
 def test_the_lean_layer_masks_what_the_decode_mask_hides() -> None:

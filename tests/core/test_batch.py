@@ -193,12 +193,16 @@ def test_padded_greedy_picks_what_diversity_greedy_picks_per_image(dtype):
 
 
 class PretendFused(KernelGate):
-    """A gate that sends every image the fused kernel takes to it, whose build then fails (as without Triton)."""
+    """A gate in "auto" mode that sends every image the fused kernel takes to it on any device, whose build then
+    fails (as without Triton); as KernelGate does, a kernel that failed is not chosen again. Counts the attempts."""
+
+    attempts = 0
 
     def choose(self, name, device, *, applies=True):
-        return "fused" if applies else "torch"
+        return "fused" if applies and name not in self.failed else "torch"
 
     def attempt(self, name, fused):
+        self.attempts += 1
         self.failed[name] = "pretended"
         return None
 
@@ -245,15 +249,17 @@ def test_fused_images_share_launches_within_the_gram_bound_and_keep_their_place(
             assert torch.equal(order, diversity_greedy_gram(w, unit @ unit.T, k))
 
 
-def test_images_whose_fused_kernel_fails_to_build_go_to_the_padded_loop():
-    """The fused kernel cannot be built: every image gets the loop's order, at its place."""
+def test_images_whose_fused_kernel_fails_to_build_go_to_the_padded_loop(monkeypatch):
+    """The fused kernel cannot be built: one attempt for the first launch's images, none for the later launches',
+    and every image gets the loop's order, at its place."""
     gen = torch.Generator().manual_seed(5)
-    sizes, ks = (5, GREEDY_MAX_TOKENS + 1, 7), (3, 4, 7)
+    sizes, ks = (5, GREEDY_MAX_TOKENS + 1, 7, 6), (3, 4, 7, 2)
     weights = [torch.rand(n, generator=gen) for n in sizes]
     features = [torch.randn(n, 3, generator=gen) for n in sizes]
     gate = PretendFused("auto")
+    monkeypatch.setattr(care_core.care_batch, "GREEDY_GRAM_ELEMENTS", 7 * 7)  # one image per launch
     orders = batch_anchors(weights, features, ks, 1e-8, gate)
-    assert gate.failed == {"greedy": "pretended"}
+    assert gate.failed == {"greedy": "pretended"} and gate.attempts == 1
     for order, w, v, k in zip(orders, weights, features, ks, strict=True):
         assert torch.equal(order, diversity_greedy(w, v, k, 1e-8, kernel="torch"))
 
