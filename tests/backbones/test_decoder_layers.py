@@ -146,7 +146,7 @@ def test_stacking_rows_that_are_not_back_to_back_copies_them_once() -> None:
 
 
 def test_a_bias_only_some_projections_have_is_stacked_with_zeros_for_the_others() -> None:
-    config, layer, _ = _built("qwen2")  # q/k/v biases
+    _, layer, _ = _built("qwen2")  # q/k/v biases
     layer.self_attn.k_proj.bias = None
     bias = layer_tensors(layer).qkv_bias
     assert bias is not None and bias.shape == (32 + 16 + 16,)
