@@ -80,6 +80,11 @@ class Shape(NamedTuple):
     scaling: float
 
 
+#: (cos, sin±), each (batch, rows, 1, head_dim): :func:`rotation_tables`
+Rotation = tuple[torch.Tensor, torch.Tensor]
+#: (keys, values) cache rows, each (batch, kv_heads, rows, head_dim), that a prefill writes
+CacheRows = tuple[torch.Tensor, torch.Tensor]
+
 #: activation modules whose forward is F.silu (transformers' "silu" and "swish")
 SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
 
@@ -88,9 +93,20 @@ def _is_silu(act: object) -> bool:
     return type(act).__name__ in SILU_MODULES and isinstance(act, nn.Module)
 
 
+def _plain_linear(module: object) -> bool:
+    """An ``nn.Linear`` itself, its weight and bias plain floating-point tensors: a subclass may compute something
+    else, and a quantised map's packed weights (an integer tensor, or a tensor subclass) are no operand for
+    ``F.linear`` and cannot be stacked (:func:`stacked_rows`)."""
+    if type(module) is not nn.Linear:
+        return False
+    tensors = (module.weight, module.bias)
+    return all(t is None or (type(t) in (nn.Parameter, torch.Tensor) and t.is_floating_point()) for t in tensors)
+
+
 def layer_reason(layer: nn.Module) -> str | None:
     """Why :func:`layer_forward` would not compute ``layer`` (one line), or None: it needs transformers' RMSNorm
-    (:data:`RMS_NORMS`) before the attention and the MLP, q/k/v/o linear maps, and a SiLU-gated MLP."""
+    (:data:`RMS_NORMS`) before the attention and the MLP, q/k/v/o and gate/up/down maps that are plain ``nn.Linear``
+    with floating-point weights (:func:`_plain_linear`), and a SiLU-gated MLP."""
     name = type(layer).__name__
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attention is None or mlp is None:
@@ -100,9 +116,12 @@ def layer_reason(layer: nn.Module) -> str | None:
     odd = [type(n).__name__ for n in norms if type(n).__name__ not in RMS_NORMS]
     if odd:
         return f"{name} normalises with {', '.join(odd)} (the lean layer knows {', '.join(sorted(RMS_NORMS))})"
-    linears = [getattr(attention, p, None) for p in _PROJECTIONS] + [getattr(mlp, p, None) for p in _MLP]
-    if not all(isinstance(m, nn.Linear) for m in linears):
-        return f"{name}'s projections are not q/k/v/o and gate/up/down linear maps"
+    linears = {f"self_attn.{p}": getattr(attention, p, None) for p in _PROJECTIONS}
+    linears.update({f"mlp.{p}": getattr(mlp, p, None) for p in _MLP})
+    odd = [f"{path} ({type(m).__name__})" for path, m in linears.items() if not _plain_linear(m)]
+    if odd:
+        more = f" and {len(odd) - 1} more" if len(odd) > 1 else ""
+        return f"{name}'s {odd[0]}{more}: not nn.Linear with floating-point weights"
     if not _is_silu(getattr(mlp, "act_fn", None)):
         return f"{name}'s MLP activation is {type(getattr(mlp, 'act_fn', None)).__name__}, not SiLU"
     return None
@@ -176,9 +195,7 @@ def layer_tensors(layer: nn.Module) -> LayerTensors:
     """The weights of a layer :func:`layer_reason` accepts, q/k/v and gate/up stacked (:func:`stacked_rows`: the
     layer's own tensors may become views of the stacked ones)."""
     attention, mlp = submodule(layer, "self_attn"), submodule(layer, "mlp")
-    with torch.no_grad():
-        qkv = _stacked_linears(attention, _PROJECTIONS[:3])
-        gate_up = _stacked_linears(mlp, _MLP[:2])
+    qkv, gate_up = _stacked_linears(attention, _PROJECTIONS[:3]), _stacked_linears(mlp, _MLP[:2])
     return LayerTensors(
         tensor_attr(submodule(layer, "input_layernorm"), "weight"),
         *qkv, *_linear(attention, "o_proj"),
@@ -203,7 +220,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
     """(cos, sin±), each (batch, rows, 1, head_dim), from the rotary embedding's (batch, rows, head_dim) tables:
     rotate_half(x) sin = roll(x, head_dim / 2) sin± with sin± = (-sin first half, sin second half)."""
     half = cos.shape[-1] // 2
@@ -212,15 +229,10 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def attention_inputs(
-    hidden: torch.Tensor,
-    w: LayerTensors,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    shape: Shape,
-    cache_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    hidden: torch.Tensor, w: LayerTensors, rotation: Rotation, shape: Shape, cache_rows: CacheRows | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys and values, each (batch, heads, rows, head_dim), of the layer's input ``hidden``: the input
-    norm, the projections, Qwen3's per-head norms, the rotation by ``cos``/``sin`` (:func:`rotation_tables`).
+    norm, the projections, Qwen3's per-head norms, the rotation by ``rotation`` (:func:`rotation_tables`).
     ``cache_rows``: (keys, values) cache rows of the same shape that the keys and values are also written to (a
     prefill's; in a compiled piece the writes join the rotation's kernel instead of two copies of their own)."""
     batch, rows, _ = hidden.shape
@@ -232,7 +244,7 @@ def attention_inputs(
     v = v.view(batch, rows, shape.kv_heads, shape.head_dim)
     if w.q_norm is not None and w.k_norm is not None:
         q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
-    half = shape.head_dim // 2
+    half, (cos, sin) = shape.head_dim // 2, rotation
     q = torch.addcmul(q * cos, q.roll(half, -1), sin)
     k = torch.addcmul(k * cos, k.roll(half, -1), sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -307,22 +319,17 @@ class LeanLayers:
         return self.for_graphs and self.compiled and self._compiled is not None
 
     def attention_inputs(
-        self,
-        hidden: torch.Tensor,
-        w: LayerTensors,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        shape: Shape,
-        cache_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, hidden: torch.Tensor, w: LayerTensors, rotation: Rotation, shape: Shape, cache_rows: CacheRows | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`attention_inputs`, compiled in captures where it can be."""
+        args = (hidden, w, rotation, shape, cache_rows)
         if self._use_compiled() and self._compiled is not None:
             try:
-                _varying((hidden, 0, 1), (cos, 0, 1), (sin, 0, 1), *((t, 0, 2) for t in cache_rows or ()))
-                return self._compiled[0](hidden, w, cos, sin, shape, cache_rows)  # type: ignore[no-any-return]
+                _varying((hidden, 0, 1), *((t, 0, 1) for t in rotation), *((t, 0, 2) for t in cache_rows or ()))
+                return self._compiled[0](*args)  # type: ignore[no-any-return]
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self._fall_back(exc)
-        return attention_inputs(hidden, w, cos, sin, shape, cache_rows)
+        return attention_inputs(*args)
 
     def mlp_block(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerTensors, shape: Shape) -> torch.Tensor:
         """:func:`mlp_block`, compiled in captures where it can be."""
@@ -350,15 +357,15 @@ def layer_forward(
     pieces: LeanLayers,
     hidden: torch.Tensor,
     w: LayerTensors,
-    rotation: tuple[torch.Tensor, torch.Tensor],
+    rotation: Rotation,
     shape: Shape,
     cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     mask: torch.Tensor | None,
-    cache_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cache_rows: CacheRows | None = None,
 ) -> torch.Tensor:
     """One decoder layer on ``hidden`` (batch, rows, d): ``rotation`` from :func:`rotation_tables`; ``cache`` takes
     the new keys and values and gives those to attend over (a static cache's update); ``cache_rows``: where the
     keys and values are written as they are made (:func:`attention_inputs`), or None."""
-    q, k, v = pieces.attention_inputs(hidden, w, rotation[0], rotation[1], shape, cache_rows)
+    q, k, v = pieces.attention_inputs(hidden, w, rotation, shape, cache_rows)
     k, v = cache(k, v)
     return pieces.mlp_block(hidden, attend(q, k, v, mask, shape), w, shape)

@@ -46,7 +46,15 @@ from typing import Any
 import torch
 
 from ..vocabulary import BATCH_BUCKETS
-from .decoder_layers import LeanLayers, layer_forward, layer_reason, layer_shape, layer_tensors, rotation_tables
+from .decoder_layers import (
+    CacheRows,
+    LeanLayers,
+    layer_forward,
+    layer_reason,
+    layer_shape,
+    layer_tensors,
+    rotation_tables,
+)
 
 BUCKET = 16  # prompt rows are padded to a multiple of this: prompts of nearby lengths share a graph
 CAPACITY_STEP = 256  # the cache grows in steps of this many positions
@@ -238,7 +246,7 @@ class StaticKV:
         self.write: torch.Tensor | None = None
         self.prefill = True
 
-    def prefill_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_rows(self, layer_idx: int) -> CacheRows:
         """One layer's cache rows 0..rows-1 of the active samples (keys, values), where a prefill's go."""
         keys, values = self.keys[layer_idx][: self.active], self.values[layer_idx][: self.active]
         return keys[:, :, : self.rows], values[:, :, : self.rows]

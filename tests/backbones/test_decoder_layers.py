@@ -211,3 +211,22 @@ def test_eager_steps_and_a_piece_that_cannot_be_compiled_run_as_written(monkeypa
         got = layer_forward(pieces, *args)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert not pieces.compiled and pieces.compile_failure == "CompileFailed: no C compiler found"
+
+
+def test_quantised_or_subclassed_projections_are_refused_by_name() -> None:
+    class PackedLinear(nn.Linear):  # a quantised map's class: its forward may not be F.linear of its weight
+        pass
+
+    _, layer, _ = _built("qwen2")
+    layer.self_attn.k_proj = PackedLinear(32, 16)
+    assert (
+        layer_reason(layer)
+        == "Qwen2DecoderLayer's self_attn.k_proj (PackedLinear): not nn.Linear with floating-point weights"
+    )
+    _, layer, _ = _built("llama-gqa")
+    packed = torch.zeros_like(layer.mlp.up_proj.weight, dtype=torch.int8)
+    layer.mlp.up_proj.weight = nn.Parameter(packed, requires_grad=False)
+    layer.mlp.down_proj.weight = nn.Parameter(packed.T.contiguous(), requires_grad=False)
+    assert layer_reason(layer) == (
+        "LlamaDecoderLayer's mlp.up_proj (Linear) and 1 more: not nn.Linear with floating-point weights"
+    )
