@@ -447,10 +447,11 @@ def _product_norms(flat: torch.Tensor, second: torch.Tensor, low: torch.dtype | 
 
 def _gemm_row_norms(second: torch.Tensor, low: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`care_core.kernels.dispatch.gemm_norms` through the upper factor ``second``, converted to the kernel's
-    operand (bf16, or float32 rounded to tf32) once for all chunks rather than once per chunk."""
+    operand (bf16, or float32 rounded to tf32) once for all chunks rather than once per chunk. In tf32 it reads
+    rows that the operand kernel wrote rounded to tf32 (``tf32_rounded``: :func:`_one_pass_rows`) as they are."""
     bf16 = low is not None
     weight = dispatch.gemm_norm_operand(second, bf16=bf16)
-    return partial(dispatch.gemm_norms, r=weight, bf16=bf16, upper=True, rounded=True)
+    return partial(dispatch.gemm_norms, r=weight, bf16=bf16, upper=True, rounded=True, round_t=bf16)
 
 
 def _norm_first_rows(
@@ -508,9 +509,8 @@ def _jvp_norm_mlp(
     if gate.choose("norm_first_operand", device, applies=_norm_first_operand_applies(features, desc)) == "fused":
         gemm_applies = _gemm_norm_applies(features, second, low, tf32, upper)
         gemm = gate.choose("gemm_norm", device, applies=gemm_applies) == "fused"
-        one_pass = _one_pass_rows(
-            prepared, slope, gate, rows, by_product, partial(_gemm_row_norms, second, low) if gemm else None
-        )
+        maker = partial(_gemm_row_norms, second, low) if gemm else None
+        one_pass = _one_pass_rows(prepared, slope, gate, rows, by_product, maker, tf32_rows=low is None)
         if one_pass is not None:
             return one_pass
     return rows(partial(_second_layer_input, prepared, slope), by_product)
@@ -519,18 +519,22 @@ def _jvp_norm_mlp(
 def _one_pass_rows(
     prepared: norm_first.FirstLayer, slope: torch.Tensor, gate: KernelGate,
     rows: Callable[..., torch.Tensor], by_product: Callable[[torch.Tensor], torch.Tensor],
-    gemm: Callable[[], Callable[[torch.Tensor], torch.Tensor]] | None,
+    gemm: Callable[[], Callable[[torch.Tensor], torch.Tensor]] | None, *, tf32_rows: bool,
 ) -> torch.Tensor | None:  # fmt: skip
     """The responses from the operand kernel's rows (:func:`_norm_first_rows`), through the gemm-norm kernel where
     ``gemm`` (its row norms' maker) is given, else ``by_product``; None where the kernels cannot be built ("auto").
+    ``tf32_rows``: the gemm-norm kernel's products are tf32, so the operand kernel writes its rows rounded to tf32,
+    which that kernel reads as they are (the same bits it would round them to); cuBLAS gets them unrounded.
 
     The operand kernel's first build runs inside the gemm-norm attempt: its failure there is booked to "gemm_norm"
     as well as (on the retry by product) to "norm_first_operand". In "auto" that costs nothing (the gemm-norm kernel
     runs only after the operand kernel); in "fused" the error names the gemm-norm kernel and quotes the operand's."""
     p = prepared
-    operand = partial(dispatch.norm_first_operand, slope, p.lifted, p.inverse, p.coef, p.partial)
+    coef = p.coef.transpose(1, 2).contiguous().transpose(1, 2)  # direction-major: the kernel's coalesced reads
+    operand = partial(dispatch.norm_first_operand, slope, p.lifted, p.inverse, coef, p.partial)
     if gemm is not None:
-        through = gate.attempt("gemm_norm", lambda: rows(operand, gemm()))
+        rounded = partial(operand, tf32_rounded=tf32_rows)
+        through = gate.attempt("gemm_norm", lambda: rows(rounded, gemm()))
         if through is not None:
             return through
     return gate.attempt("norm_first_operand", lambda: rows(operand, by_product))

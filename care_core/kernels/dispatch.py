@@ -165,20 +165,24 @@ def norm_first_operand(
     partial: torch.Tensor,
     start: int,
     stop: int,
+    *,
+    tf32_rounded: bool = False,
 ) -> torch.Tensor:
     """The norm-first operand kernel (:func:`care_core.kernels.norm_first_operand.norm_first_operand`); imports
     Triton when called."""
     from care_core.kernels.norm_first_operand import norm_first_operand as run
 
-    return run(slope, lifted, inverse, coef, partial, start, stop)
+    return run(slope, lifted, inverse, coef, partial, start, stop, tf32_rounded=tf32_rounded)
 
 
-def gemm_norms(rows: torch.Tensor, r: torch.Tensor, *, bf16: bool, upper: bool, rounded: bool = False) -> torch.Tensor:
+def gemm_norms(
+    rows: torch.Tensor, r: torch.Tensor, *, bf16: bool, upper: bool, rounded: bool = False, round_t: bool = True
+) -> torch.Tensor:
     """The gemm-norm kernel, ||R t|| per row (:func:`care_core.kernels.gemm_norm.gemm_norms`); imports Triton when
     called."""
     from care_core.kernels.gemm_norm import gemm_norms as run
 
-    return run(rows, r, bf16=bf16, upper=upper, rounded=rounded)
+    return run(rows, r, bf16=bf16, upper=upper, rounded=rounded, round_t=round_t)
 
 
 def gemm_norm_operand(r: torch.Tensor, *, bf16: bool) -> torch.Tensor:

@@ -26,14 +26,17 @@ from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, round_to_tf32
 from care_core.kernels.shapes import GEMM_NORM_K_MULTIPLE, GEMM_NORM_OUT_MULTIPLE, gemm_norm_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps); DIRS is the jvp kernels' tile field, always 1 here (one operand, no directions).
-# _TILES' BN divides GEMM_NORM_OUT_MULTIPLE; the wide tile joins the search where d_out is a multiple of its BN (both
-# Qwen mergers: 3584 and 4096). Compiled by Triton 3.9 for sm_90 (T's tiles are loaded as float32 and converted in
-# registers, R's stay in shared memory for wgmma) every tile uses at most 128 KiB of shared memory (H200: 227 KiB).
+# _TILES' BN divides GEMM_NORM_OUT_MULTIPLE; the wide tiles join the search where d_out is a multiple of their BN
+# (both Qwen mergers and InternVL3's projector: 3584 and 4096). Compiled by Triton 3.6 for sm_90 (T's tiles are
+# loaded as float32 and converted in registers, R's stay in shared memory for wgmma) every tile uses at most 128 KiB
+# of shared memory (H200: 227 KiB), the four-stage wide tile 192 KiB (a card with less skips it in the search). That
+# one won on InternVL3-8B's projector (N = 1280, 14 directions a chunk: 1.22x the trapezoid's floor against the
+# three-stage tile's 1.37x on an H200, T pre-rounded), the three-stage on the Qwen mergers (1.07x against 1.10-1.17x).
 _TILES: tuple[Tile, ...] = (
     (128, 128, 1, 4, 8),
     (64, 128, 1, 4, 4),
 )
-_WIDE_TILES: tuple[Tile, ...] = ((128, 256, 1, 3, 8),)
+_WIDE_TILES: tuple[Tile, ...] = ((128, 256, 1, 3, 8), (128, 256, 1, 4, 8))
 #: the row tile M is padded to (every tile's BM divides it)
 ROW_PAD = 128
 
@@ -73,7 +76,7 @@ def _gemm_norm_kernel(
     tl.store(p_ptr + pid_j * stride_pblk + offs_i, tl.sum(acc * acc, axis=1))  # (BM,) partial ||.||² of the block
 
 
-_KEY = ["size_class", "d_h", "d_out", "BF16", "UPPER"]
+_KEY = ["size_class", "d_h", "d_out", "BF16", "ROUND", "UPPER"]  # ROUND: with or without the rounding, own tiles
 
 
 def _autotuned(bf16: bool, wide: bool):  # type: ignore[no-untyped-def]
@@ -112,8 +115,9 @@ def gemm_norms(
     r (d_out, d_h): upper triangular or trapezoidal where ``upper`` (R[i, k] = 0 for k < i: each output block skips
     the columns left of it), any matrix otherwise. ``bf16``: bf16 operands, else tf32 rounded to nearest; float32
     accumulation either way. ``rounded``: r is already :func:`r_operand`'s (skips a pass over R per call).
-    ``round_t``: round T's tiles to tf32 in the kernel (inline PTX; off only in Triton's interpreter, which cannot run
-    it: the tensor cores then truncate)."""
+    ``round_t``: round T's tiles to tf32 in the kernel (inline PTX). Off where T already is tf32-rounded (the operand
+    kernel's ``tf32_rounded`` output): its tiles then go to the tensor cores as read, the same bits without the
+    conversion; and in Triton's interpreter, which cannot run the PTX (the tensor cores then truncate)."""
     m_rows, hidden = rows.shape
     out_dim = r.shape[0]
     if not gemm_norm_shape_supported(hidden, out_dim, upper=upper) or r.shape[1] != hidden:

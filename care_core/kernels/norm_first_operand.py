@@ -12,8 +12,15 @@ and v for its rows, and loops over the chunk's directions: s, p and v are read o
 its ``blocks`` lifted rows (BK each) and coefficients (BM each), and T is written once. The GEMM through the second
 layer (cuBLAS) and the norm follow in the caller, as on the PyTorch path, on a tensor of the same shape and layout.
 
-No tf32 rounding here: the GEMM after it converts its operands itself, as it does the PyTorch path's, so the two
-paths hand it operands that differ only by float32 rounding of the same sums.
+The coefficients are read at any strides: stored direction-major ((blocks, m, N) in memory, a transposed view),
+each direction's BM coefficients are one contiguous read instead of BM scattered ones (on an H200, Qwen2.5-VL-7B's
+merger, 10 directions: 126 against 147 µs; Qwen3-VL-8B's, 14: 113 against 142).
+
+Rounding (``tf32_rounded``): where the gemm-norm kernel follows in tf32, T is written rounded to tf32 (to nearest,
+``cvt.rna``, as that kernel rounds its operand tiles), and that kernel then reads T as is: the same bits reach the
+tensor cores, with no conversion in its K loop (on an H200, 6-8% off its time on the Qwen mergers). Otherwise none:
+cuBLAS (and the bf16 conversion) round T themselves, as they do the PyTorch path's, so the two paths hand them
+operands that differ only by float32 rounding of the same sums.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from care_core.kernels.jvp import _round_tf32
 from care_core.kernels.shapes import NORM_FIRST_OPERAND_MAX_BLOCKS, norm_first_operand_supported
 
 #: token rows and hidden units per program: 5 float32 (BM, BK) tiles (s and four p) stay in registers at 4 warps
@@ -44,7 +52,7 @@ def _operand_kernel(
     n, d_h, x0, dirs,
     stride_s, stride_ab, stride_a, stride_v, stride_cb, stride_ci, stride_cx, stride_pb, stride_p,
     stride_t, stride_tx,
-    BM: tl.constexpr, BK: tl.constexpr, BLOCKS: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, BLOCKS: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     offs_i = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -77,7 +85,10 @@ def _operand_kernel(
         if BLOCKS >= 4:
             shared += v3[:, None] * tl.load(a_ptrs + 3 * stride_ab, mask=col_ok, other=0.0)[None, :]
             fix += tl.load(c_ptrs + 3 * stride_cb, mask=row_ok, other=0.0)[:, None] * p3
-        tl.store(t_ptrs, s * (shared - fix), mask=tile_ok)
+        value = s * (shared - fix)
+        if ROUND:
+            value = _round_tf32(value)
+        tl.store(t_ptrs, value, mask=tile_ok)
         a_ptrs += stride_a
         c_ptrs += stride_cx
         t_ptrs += stride_tx
@@ -91,12 +102,16 @@ def norm_first_operand(
     partial: torch.Tensor,
     start: int,
     stop: int,
+    *,
+    tf32_rounded: bool = False,
 ) -> torch.Tensor:
     """T (N, stop - start, d_h) float32, token-major: slope_i ⊙ (Σ_b inverse_ib lifted_bx − Σ_b coef_bix
-    partial_bi) for directions x in [start, stop), the PyTorch path's ``first_layer_tangents(...) * slope``.
+    partial_bi) for directions x in [start, stop), the PyTorch path's ``first_layer_tangents(...) * slope``;
+    each value rounded to tf32 (to nearest) where ``tf32_rounded``.
 
-    slope (N, d_h); lifted (blocks, m, d_h); inverse (N, blocks); coef (blocks, N, m); partial (blocks, N, d_h): the
-    fields of :class:`care_core.norm_first.FirstLayer`, all float32 on one Triton device.
+    slope (N, d_h); lifted (blocks, m, d_h); inverse (N, blocks); coef (blocks, N, m), any strides (fastest read
+    direction-major: a transposed view of a (blocks, m, N) tensor); partial (blocks, N, d_h): the fields of
+    :class:`care_core.norm_first.FirstLayer`, all float32 on one Triton device (a CUDA one where ``tf32_rounded``).
     """
     blocks, m, d_h = lifted.shape
     n = slope.shape[0]
@@ -107,7 +122,8 @@ def norm_first_operand(
     tensors = (slope, lifted, inverse, coef, partial)
     if any(t.dtype != torch.float32 for t in tensors):
         raise ValueError("norm-first operand kernel: float32 inputs only")
-    s, a, v, c, p = (t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+    s, a, v, p = (t if t.stride(-1) == 1 else t.contiguous() for t in (slope, lifted, inverse, partial))
+    c = coef  # read through its three strides
     out = torch.empty(n, stop - start, d_h, dtype=torch.float32, device=slope.device)
     grid = (triton.cdiv(n, BM), triton.cdiv(d_h, BK))
     _operand_kernel[grid](
@@ -115,6 +131,6 @@ def norm_first_operand(
         n, d_h, start, stop - start,
         s.stride(0), a.stride(0), a.stride(1), v.stride(0), c.stride(0), c.stride(1), c.stride(2), p.stride(0),
         p.stride(1), out.stride(0), out.stride(1),
-        BM=BM, BK=BK, BLOCKS=blocks, num_warps=WARPS,
+        BM=BM, BK=BK, BLOCKS=blocks, ROUND=tf32_rounded, num_warps=WARPS,
     )  # fmt: skip
     return out

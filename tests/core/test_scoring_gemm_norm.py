@@ -8,6 +8,7 @@ import dataclasses
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -74,16 +75,20 @@ def _operand(s: torch.Tensor, a: torch.Tensor, v: torch.Tensor, c: torch.Tensor,
 @pytest.fixture
 def stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """The gate let through on the CPU, the kernels replaced by PyTorch formulas that record their calls."""
-    calls: dict[str, list[Any]] = {"operand": [], "gemm": [], "weight": []}
+    calls: dict[str, list[Any]] = {"operand": [], "gemm": [], "weight": [], "rounding": []}
     monkeypatch.setattr(dispatch, "why_not_fused", lambda device: None)
     monkeypatch.setattr(scoring, "_chunk_size", lambda m, per_direction: 3)  # several chunks per call
 
-    def operand(*args: Any) -> torch.Tensor:
+    def operand(*args: Any, tf32_rounded: bool = False) -> torch.Tensor:
         calls["operand"].append(args[-2:])
-        return _operand(*args)
+        calls["rounding"].append(("operand", tf32_rounded))
+        return _operand(*args)  # unrounded: the responses are checked against float64 at float32's bound
 
-    def gemm(rows: torch.Tensor, r: torch.Tensor, *, bf16: bool, upper: bool, rounded: bool = False) -> torch.Tensor:
+    def gemm(
+        rows: torch.Tensor, r: torch.Tensor, *, bf16: bool, upper: bool, rounded: bool = False, round_t: bool = True
+    ) -> torch.Tensor:
         calls["gemm"].append((rows.shape, bf16, upper, rounded))
+        calls["rounding"].append(("gemm", round_t))
         return (rows @ r.float().T).norm(dim=-1)
 
     def weight(r: torch.Tensor, *, bf16: bool) -> torch.Tensor:
@@ -114,11 +119,15 @@ def test_auto_through_r_takes_the_gemm_norm_kernel_after_the_operand_kernel(stan
         assert stand_ins["operand"] == [(0, 3), (3, 6), (6, 7)]
         assert stand_ins["gemm"] == [((_N * 3, 256), False, True, True)] * 2 + [((_N, 256), False, True, True)]
         assert stand_ins["weight"] == [False]  # R converted once for the three chunks
+        # tf32: the operand kernel writes its rows rounded to tf32, which the gemm-norm kernel reads as they are
+        assert stand_ins["rounding"] == [("operand", True), ("gemm", False)] * 3
         assert got.shape == (_M, _N) and _relative(got.double(), want) < 1e-5  # float32 stand-ins
         for calls in stand_ins.values():
             calls.clear()
         low = _jvp_norm_mlp(features, desc, u, torch.bfloat16, r, kernel="auto")
         assert [call[1] for call in stand_ins["gemm"]] == [True] * 3 and stand_ins["weight"] == [True]
+        # bf16: exact float32 rows, converted once by the gemm-norm kernel (tf32 then bf16 would round twice)
+        assert [step for step in stand_ins["rounding"] if step[0] == "operand"] == [("operand", False)] * 3
         assert _relative(low.double(), want) < 2e-2  # bf16 operands (the stand-in rounds R only)
 
 
@@ -165,6 +174,7 @@ def test_other_settings_keep_todays_path(
         want = _jvp_norm_mlp(features.double(), _double(desc), u.double(), None, None, kernel="torch")
     assert stand_ins["gemm"] == [] and stand_ins["weight"] == []
     assert bool(stand_ins["operand"]) == operand
+    assert ("operand", True) not in stand_ins["rounding"]  # cuBLAS rounds its operands itself
     assert _relative(got.double(), want) < 1e-5
 
 
@@ -186,6 +196,8 @@ def test_a_gemm_norm_kernel_that_cannot_be_built_falls_back_to_cublas_for_the_ga
             warnings.simplefilter("error")
             again = _jvp_norm_mlp(features, desc, u, None, r, tf32=True, kernel=gate)
         assert stand_ins["gemm"] == ["tried"] and set(gate.failed) == {"gemm_norm"}  # the operand kernel still runs
+        # the first chunk's rows were written rounded for the kernel that failed; cuBLAS's retry gets them unrounded
+        assert stand_ins["rounding"][:4] == [("operand", True)] + [("operand", False)] * 3
         assert _relative(first, want) < 1e-6 and _relative(again, want) < 1e-6
         three = _projector(3, 8, 256, 128, seed=3)  # 3 blocks: no fused norm-first kernel, so the operand's path
         with pytest.raises(CareError, match="gemm_norm kernel cannot be built"):
@@ -274,6 +286,56 @@ def test_gemm_norms_against_float64(m_rows: int, d_out: int, d_h: int, bf16: boo
     dense = dispatch.gemm_norms(t, r, bf16=bf16, upper=False)  # every column read: the same norms
     assert _relative(dense.double().cpu(), want) < (1e-2 if bf16 else 1e-3)
     assert dispatch.gemm_norms(t[:0], r, bf16=bf16, upper=True).shape == (0,)  # no rows: no launch
+
+
+def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to tf32's 11 significant bits, to nearest with ties away from zero, through NumPy's
+    frexp (an implementation independent of the kernels' bit arithmetic); finite normal inputs."""
+    values = x.double().cpu().numpy()
+    mantissa, exponent = np.frexp(values)  # values = mantissa 2^exponent, 0.5 <= |mantissa| < 1
+    scaled = mantissa * 2.0**11
+    kept = np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)
+    return torch.from_numpy(np.ldexp(kept / 2.0**11, exponent)).float()
+
+
+@cuda_only
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_the_operand_kernel_rounds_its_rows_to_tf32_when_asked(blocks: int) -> None:
+    """tf32_rounded: every value of T is the unrounded kernel's value rounded to nearest tf32; and the coefficients'
+    memory layout ((blocks, N, m), or direction-major as the scorer passes them) changes no bit."""
+    if not dispatch.triton_enabled(torch.device("cuda")):
+        pytest.skip("Triton is not available")
+    g = torch.Generator().manual_seed(blocks)
+    n, m, d_h = 150, 9, 320
+    s, a = torch.randn(n, d_h, generator=g), torch.randn(blocks, m, d_h, generator=g)
+    v, c = torch.rand(n, blocks, generator=g) + 0.5, torch.randn(blocks, n, m, generator=g)
+    p = torch.randn(blocks, n, d_h, generator=g)
+    s, a, v, c, p = (t.cuda() for t in (s, a, v, c, p))
+    plain = dispatch.norm_first_operand(s, a, v, c, p, 2, 8)
+    rounded = dispatch.norm_first_operand(s, a, v, c, p, 2, 8, tf32_rounded=True)
+    assert torch.equal(rounded.cpu(), _tf32_nearest(plain))
+    assert not torch.equal(rounded, plain)  # the rounding did something
+    direction_major = c.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(dispatch.norm_first_operand(s, a, v, direction_major, p, 2, 8), plain)
+
+
+@cuda_only
+def test_the_gemm_norm_kernel_reads_pre_rounded_rows_as_it_would_round_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """round_t=False on rows already rounded to tf32 gives the norms that in-kernel rounding gives on the unrounded
+    rows, bit for bit, under every tf32 tile (each pinned in turn: the two settings are tuned apart)."""
+    if not dispatch.triton_enabled(torch.device("cuda")):
+        pytest.skip("Triton is not available")
+    from care_core.kernels import gemm_norm
+
+    r = _upper(256, 384, seed=7).float().cuda()
+    t = torch.randn(300, 384, generator=torch.Generator().manual_seed(8)).cuda()
+    t_rounded = _tf32_nearest(t).cuda()
+    key = (False, gemm_norm._wide(256))
+    for config in list(gemm_norm._KERNELS[key].configs):
+        monkeypatch.setattr(gemm_norm._KERNELS[key], "configs", [config])
+        in_kernel = gemm_norm.gemm_norms(t, r, bf16=False, upper=True)
+        as_read = gemm_norm.gemm_norms(t_rounded, r, bf16=False, upper=True, round_t=False)
+        assert torch.equal(as_read, in_kernel), str(config)
 
 
 def _mergers() -> dict[str, nn.Module]:
