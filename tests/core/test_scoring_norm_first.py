@@ -436,7 +436,7 @@ def test_the_one_pass_operand_path_against_float64(
     factor64 = triangular_factor(exact.second.weight) if factored else None
     calls: list[bool] = []
     real = dispatch.norm_first_operand
-    monkeypatch.setattr(dispatch, "norm_first_operand", lambda *a: calls.append(True) or real(*a))
+    monkeypatch.setattr(dispatch, "norm_first_operand", lambda *a, **kw: calls.append(True) or real(*a, **kw))
     with torch.no_grad():
         ref = _jvp_norm_mlp(features.double(), exact, u.double(), None, factor64)
         cuda = _moved(desc, torch.float32, "cuda")
