@@ -113,9 +113,10 @@ def ran_kernels(call: Any) -> tuple[Any, list[str]]:
 
 def parts(projector: torch.nn.Module, features: torch.Tensor, u: torch.Tensor, r: torch.Tensor, clock: Clock,
           reps: int) -> dict[str, Any]:  # fmt: skip
-    """Median ms of the one-pass path's parts over all m directions: the operand by the kernel (CUDA) and by
-    PyTorch, the chunks' products through R, those products and their norms (the cuBLAS step), and the gemm-norm
-    kernel's norms (CUDA), with the tile its autotuner chose."""
+    """Median ms of the one-pass path's parts over all m directions: the operand by the kernel (CUDA; as a Scorer
+    runs it: coefficients direction-major, rows rounded to tf32) and by PyTorch, the chunks' products through R,
+    those products and their norms (the cuBLAS step), and the gemm-norm kernel's norms (CUDA) on rows it reads as
+    they are (a Scorer's) and on rows it rounds itself, with the tile its autotuner chose for the former."""
     desc = _as_norm_first(projector)
     assert desc is not None
     with torch.no_grad(), matmul_precision(allow_tf32=True):
@@ -127,8 +128,9 @@ def parts(projector: torch.nn.Module, features: torch.Tensor, u: torch.Tensor, r
         flat = torch.randn(n * step, hidden, device=features.device)
         writers = {"operand_torch_ms": partial(_second_layer_input, first, slope)}
         if features.is_cuda:
+            coef = first.coef.transpose(1, 2).contiguous().transpose(1, 2)  # as scoring._one_pass_rows passes it
             writers["operand_kernel_ms"] = partial(dispatch.norm_first_operand, slope, first.lifted, first.inverse,
-                                                   first.coef, first.partial)  # fmt: skip
+                                                   coef, first.partial, tf32_rounded=True)  # fmt: skip
 
         def every_chunk(write: Any) -> Any:
             return lambda: [write(a, b) for a, b in chunks]
@@ -139,9 +141,12 @@ def parts(projector: torch.nn.Module, features: torch.Tensor, u: torch.Tensor, r
             "products_through_r_and_norms_ms": lambda: _upper_products(flat, r).norm(dim=-1),
         }
         if features.is_cuda:
+            from care_core.kernels.jvp import round_to_tf32  # Triton: CUDA runs only
+
             weight = dispatch.gemm_norm_operand(r, bf16=False)
-            steps["gemm_norms_through_r_ms"] = partial(dispatch.gemm_norms, flat, weight, bf16=False, upper=True,
-                                                       rounded=True)  # fmt: skip
+            gemm = partial(dispatch.gemm_norms, r=weight, bf16=False, upper=True, rounded=True)
+            steps["gemm_norms_rounding_in_kernel_ms"] = partial(gemm, flat)
+            steps["gemm_norms_through_r_ms"] = partial(gemm, round_to_tf32(flat), round_t=False)  # a Scorer's
         for key, run in steps.items():
             out[key] = clock.median(partial(_repeated, run, len(chunks)), reps=reps, warmup=2)
         if features.is_cuda:
