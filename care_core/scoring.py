@@ -445,13 +445,16 @@ def _product_norms(flat: torch.Tensor, second: torch.Tensor, low: torch.dtype | 
     return out.norm(dim=-1)
 
 
-def _gemm_row_norms(second: torch.Tensor, low: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor]:
+def _gemm_row_norms(
+    second: torch.Tensor, low: torch.dtype | None, *, rows_rounded: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`care_core.kernels.dispatch.gemm_norms` through the upper factor ``second``, converted to the kernel's
-    operand (bf16, or float32 rounded to tf32) once for all chunks rather than once per chunk. In tf32 it reads
-    rows that the operand kernel wrote rounded to tf32 (``tf32_rounded``: :func:`_one_pass_rows`) as they are."""
+    operand (bf16, or float32 rounded to tf32) once for all chunks rather than once per chunk. ``rows_rounded``: the
+    rows come already rounded to tf32 (:func:`_one_pass_rows`) and are read as they are; else the kernel converts
+    them."""
     bf16 = low is not None
     weight = dispatch.gemm_norm_operand(second, bf16=bf16)
-    return partial(dispatch.gemm_norms, r=weight, bf16=bf16, upper=True, rounded=True, round_t=bf16)
+    return partial(dispatch.gemm_norms, r=weight, bf16=bf16, upper=True, rounded=True, round_t=not rows_rounded)
 
 
 def _norm_first_rows(
@@ -509,8 +512,9 @@ def _jvp_norm_mlp(
     if gate.choose("norm_first_operand", device, applies=_norm_first_operand_applies(features, desc)) == "fused":
         gemm_applies = _gemm_norm_applies(features, second, low, tf32, upper)
         gemm = gate.choose("gemm_norm", device, applies=gemm_applies) == "fused"
-        maker = partial(_gemm_row_norms, second, low) if gemm else None
-        one_pass = _one_pass_rows(prepared, slope, gate, rows, by_product, maker, tf32_rows=low is None)
+        tf32_rows = low is None  # tf32 products: rows rounded once, by the operand kernel (the one rounding rule)
+        maker = partial(_gemm_row_norms, second, low, rows_rounded=tf32_rows) if gemm else None
+        one_pass = _one_pass_rows(prepared, slope, gate, rows, by_product, maker, tf32_rows=tf32_rows)
         if one_pass is not None:
             return one_pass
     return rows(partial(_second_layer_input, prepared, slope), by_product)
@@ -874,10 +878,12 @@ class Scorer:
     def prepared(self, dtype: torch.dtype, device: torch.device | str) -> Projector:
         """The projector in `dtype` on `device`, converted on the first request (see :func:`prepare_projector`)."""
         self._check_weights()
-        key = (dtype, torch.device(device))
+        return self._prepared_for((dtype, torch.device(device)))
+
+    def _prepared_for(self, key: tuple[torch.dtype, torch.device]) -> Projector:
         found = self._prepared.get(key)
         if found is None:
-            found = prepare_projector(self._projector, dtype, key[1])
+            found = prepare_projector(self._projector, *key)
             self._prepared[key] = found
         return found
 
@@ -887,12 +893,14 @@ class Scorer:
         else None; made once. "auto" takes a trapezoid for a norm-first projector only: a wide Linear-act-Linear
         keeps its dense W2, whose path (cuBLAS, or the fused kernel in bf16) gives each image the same responses
         alone and in a batch, where the trapezoid's column blocks did not on CUDA (one anchor in 64 swapped)."""
-        key = (dtype, torch.device(device))
+        self._check_weights()
+        return self._factor_for((dtype, torch.device(device)))
+
+    def _factor_for(self, key: tuple[torch.dtype, torch.device]) -> torch.Tensor | None:
         if self.second_layer == "dense" or (self.second_layer == "auto" and key[1].type != "cuda"):
             return None
-        self._check_weights()
         if key not in self._factors:
-            prepared = self.prepared(*key)
+            prepared = self._prepared_for(key)
             second = _second_linear(prepared)
             wide_mlp = second is not None and second.out_features < second.in_features and _as_mlp(prepared) is not None
             if second is None or (wide_mlp and self.second_layer == "auto"):
@@ -920,9 +928,11 @@ class Scorer:
         matmul: str = "auto",
         kernel: Kernel = "auto",
     ) -> torch.Tensor:
-        """:func:`perturbation_responses` with the prepared projector and this scorer's kernel gate."""
-        projector = self.prepared(features.dtype, features.device)
-        factor = self.factor(features.dtype, features.device)
+        """:func:`perturbation_responses` with the prepared projector and this scorer's kernel gate (the weights
+        checked once per call: their fingerprint walks the projector's modules, host time before the first kernel)."""
+        self._check_weights()
+        key = (features.dtype, features.device)
+        projector, factor = self._prepared_for(key), self._factor_for(key)
         return perturbation_responses(
             features, projector, directions, h=h, engine=engine, matmul=matmul, kernel=self.gate(kernel), factor=factor
         )
