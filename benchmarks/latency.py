@@ -466,6 +466,11 @@ FIGURE_NAMES = {"first_default": "first token", "first_eager": "eager first toke
                 "prefill × floor", "scoring_x_floor": "scoring × floor"}  # fmt: skip
 
 
+def shown_bound(target: str) -> str:
+    """A target's bound as the docs write it: ">= 2.0" as "≥ 2.0", "<= 1.3" as "≤ 1.3"."""
+    return target.replace(">=", "≥").replace("<=", "≤")
+
+
 def _unmet_clause(targets: list[dict[str, Any]]) -> str:
     """The footer's list of the targets not met, by figure and bound: ``; not met: first token qwen3-vl 1.86 (>=
     2.0); ...``."""
@@ -473,7 +478,7 @@ def _unmet_clause(targets: list[dict[str, Any]]) -> str:
     for t in targets:
         if not t["met"]:
             groups.setdefault((t["figure"], t["target"]), []).append(f"{t['family']} {on_its_side(t)}")
-    said = [f"{FIGURE_NAMES.get(figure, figure)} {', '.join(values)} ({bound.replace('>=', '≥').replace('<=', '≤')})"
+    said = [f"{FIGURE_NAMES.get(figure, figure)} {', '.join(values)} ({shown_bound(bound)})"
             for (figure, bound), values in groups.items()]  # fmt: skip
     return f"; not met: {'; '.join(said)}" if said else ""
 
@@ -546,8 +551,17 @@ def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
     parts = [f"{r['family']} at K = {r['K']}: {r['all_ms']:.0f} → {r['care_ms']:.0f} ms (**{r['speedup']:.2f}×**; "
              f"the tower {100 * r['tower_share_of_care']:.0f}% of the reduced call)" for r in rows]  # fmt: skip
     batch = rows[0]["batch"] if rows else DROPIN_BATCH
-    return ["", f"Drop-in (transformers' `generate` on a batch of {batch}, {dropin['new_tokens']} new tokens, the "
-            f"vision tower included): {'; '.join(parts)}. Source: `benchmarks/results/{name}`."]  # fmt: skip
+    verdicts = [f"{t['family']} {on_its_side(t)}× against {shown_bound(t['target'])}×: "
+                f"{'MET' if t['met'] else 'NOT MET'}" for t in dropin.get("targets", [])]  # fmt: skip
+    launch_us = dropin.get("environment", {}).get("launch_us")  # transformers' eager decoding moves with the host
+    host = "" if launch_us is None else f"; the host launches a kernel in {launch_us:.1f} µs"
+    said = f"Target: {'; '.join(verdicts)}. " if verdicts else ""
+    return [
+        "",
+        f"Drop-in (transformers' `generate` on a batch of {batch}, {dropin['new_tokens']} new tokens, the "
+        f"vision tower included): {'; '.join(parts)}. {said}Source: `benchmarks/results/{name}` "
+        f"(`python -m benchmarks.latency --part dropin`, commit {commit_label(dropin.get('source', {}))}{host}).",
+    ]
 
 
 def _default_decoding(rows: dict[tuple[str, str, str], dict[str, Any]]) -> str:

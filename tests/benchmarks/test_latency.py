@@ -224,6 +224,26 @@ def test_the_footer_gives_the_hosts_launch_time_when_the_result_has_it() -> None
     assert "default decoding: no CUDA graphs; 0 of 0 targets met." in latency.render_markdown(results, "r.json")
 
 
+def test_the_drop_in_line_gives_its_verdict_its_commit_and_the_hosts_launch_time() -> None:
+    row = {"family": "llava-next", "K": 160, "batch": 8, "all_ms": 860.2, "care_ms": 467.9, "speedup": 1.8384,
+           "tower_share_of_care": 0.286}  # fmt: skip
+    dropin = {"new_tokens": 8, "dropin": [row], "environment": {"launch_us": 8.81},
+              "source": {"commit": "99a198f", "dirty": False},
+              "targets": [{"figure": "dropin_speedup", "family": "llava-next", "K": "160", "value": 1.8384,
+                           "target": ">= 2.5", "met": False}]}  # fmt: skip
+    line = latency._dropin_lines(dropin, "d.json")[1]
+    assert "llava-next at K = 160: 860 → 468 ms (**1.84×**; the tower 29% of the reduced call)." in line
+    assert "Target: llava-next 1.84× against ≥ 2.5×: NOT MET." in line
+    assert line.endswith("(`python -m benchmarks.latency --part dropin`, commit 99a198f; the host launches a kernel in "
+                         "8.8 µs).")  # fmt: skip
+    del dropin["environment"], dropin["targets"]  # results from before the fields: no clauses
+    assert latency._dropin_lines(dropin, "d.json")[1].endswith(
+        "ms (**1.84×**; the tower 29% of the reduced call). "
+        "Source: `benchmarks/results/d.json` (`python -m "
+        "benchmarks.latency --part dropin`, commit 99a198f)."
+    )
+
+
 def test_the_footer_names_each_target_not_met_on_its_side_of_its_bound() -> None:
     """A value that rounds onto its bound gets the decimals that keep it short of it (1.4997, not 1.50); met targets
     are not named."""
