@@ -47,6 +47,7 @@ from benchmarks.common import (
     fmt,
     make_parser,
     print_table,
+    run_main,
     say,
     stamp,
 )
@@ -219,4 +220,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

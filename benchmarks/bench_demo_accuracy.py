@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import ResultsWriter, at_least_one, fail, make_parser, print_table, say, stamp
+from benchmarks.common import ResultsWriter, at_least_one, fail, make_parser, print_table, run_main, say, stamp
 from benchmarks.demo_world import HELDOUT_SPLIT, configured_method, heldout_items, load_photos, use_pil_image_processor
 from care_core.statistics import mcnemar_exact, spearman, wilson_interval
 
@@ -283,4 +283,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

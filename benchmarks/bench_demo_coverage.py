@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import ResultsWriter, fail, make_parser, print_table, stamp
+from benchmarks.common import ResultsWriter, fail, make_parser, print_table, run_main, stamp
 from benchmarks.demo_world import HELDOUT_SPLIT, configured_method, heldout_items, load_photos, use_pil_image_processor
 
 _state: dict[str, Any] = {}
@@ -209,4 +209,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

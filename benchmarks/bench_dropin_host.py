@@ -38,6 +38,7 @@ from benchmarks.common import (
     host,
     make_parser,
     print_table,
+    run_main,
     source_state,
     stamp,
 )
@@ -206,4 +207,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

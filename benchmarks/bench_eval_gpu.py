@@ -85,6 +85,7 @@ from benchmarks.common import (
     median_wall_ms,
     print_table,
     replace_block,
+    run_main,
     say,
     source_state,
 )
@@ -780,4 +781,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -45,6 +45,7 @@ from benchmarks.common import (
     host,
     make_parser,
     print_table,
+    run_main,
     source_state,
     stamp,
 )
@@ -179,4 +180,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -37,6 +37,7 @@ from benchmarks.common import (
     make_parser,
     pick_device,
     print_table,
+    run_main,
     say,
     source_state,
 )
@@ -156,7 +157,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    run_main(main)

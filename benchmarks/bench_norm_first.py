@@ -32,7 +32,17 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPatchMe
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchMerger
 
-from benchmarks.common import Clock, ResultsWriter, fmt, make_parser, pick_device, print_table, say, source_state
+from benchmarks.common import (
+    Clock,
+    ResultsWriter,
+    fmt,
+    make_parser,
+    pick_device,
+    print_table,
+    run_main,
+    say,
+    source_state,
+)
 from benchmarks.gpu.context import card_slug, environment
 from benchmarks.gpu.scoring import floor_ms, matmul_rates
 from benchmarks.latency import MATMUL_SIZE, factor_macs_per_row
@@ -220,4 +230,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import EXAMPLES, Clock, ResultsWriter, host, make_parser, print_table, stamp
+from benchmarks.common import EXAMPLES, Clock, ResultsWriter, host, make_parser, print_table, run_main, stamp
 from care_core import CaReConfig, care_reduce
 from care_core.images import load_image
 from care_core.pipeline import Budget, ReductionPipeline
@@ -94,4 +94,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

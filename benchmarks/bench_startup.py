@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import ROOT, ResultsWriter, host, make_parser, print_table, stamp
+from benchmarks.common import ROOT, ResultsWriter, host, make_parser, print_table, run_main, stamp
 
 COMMANDS = (
     ("--help",),
@@ -78,4 +78,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -282,6 +282,15 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
         console.print(table)
 
 
+def run_main(main: Callable[[], None]) -> None:
+    """A benchmark module's entry point: ``main()``, and Ctrl-C ends it with exit code 130 and no traceback (a
+    benchmark that saves as it goes, :meth:`ResultsWriter.save`, keeps what it finished)."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
 def say(message: str) -> None:
     """One progress line, wrapped at 80 columns."""
     console.print(message, markup=False)

@@ -46,6 +46,7 @@ from benchmarks.common import (
     pick_device,
     print_table,
     replace_block,
+    run_main,
     say,
     source_state,
 )
@@ -222,7 +223,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    run_main(main)

@@ -28,7 +28,7 @@ import copy
 import time
 from typing import Any
 
-from benchmarks.common import Clock, ResultsWriter, make_parser, pick_device, say
+from benchmarks.common import Clock, ResultsWriter, make_parser, pick_device, run_main, say
 from benchmarks.gpu.batch import bench_batch
 from benchmarks.gpu.context import BUDGETS, M_DIRECTIONS, Workload, build_workloads, card_slug, environment
 from benchmarks.gpu.generate import bench_generate
@@ -135,7 +135,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    run_main(main)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_startup
-from benchmarks.common import RESULTS, print_table
+from benchmarks.common import RESULTS, print_table, run_main
 from benchmarks.gpu.report import print_tables
 
 COMMITTED_GPU = RESULTS / "2026-11-26-gpu-h200-triangular.json"
@@ -74,3 +74,15 @@ def test_graph_cells_on_the_cpu_say_not_on_cpu(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert any("CUDA graphs: not on CPU" in line for line in out.splitlines())
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_ctrl_c_ends_a_benchmark_with_code_130_and_no_traceback() -> None:
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stop:
+        run_main(interrupted)
+    assert stop.value.code == 130 and stop.value.__cause__ is None and stop.value.__suppress_context__
+    ran: list[bool] = []
+    run_main(lambda: ran.append(True))  # an ordinary run: main's own return, nothing raised
+    assert ran == [True]
