@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +28,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    ROOT,
     ResultsWriter,
+    child_result,
     comma_list,
     fail,
     free_device_memory,
@@ -42,7 +41,7 @@ from benchmarks.common import (
     source_state,
 )
 from benchmarks.gpu.context import card_slug, environment
-from benchmarks.latency import EXAMPLES, KEPT, NEW_TOKENS, QUESTION, families_option
+from benchmarks.latency import KEPT, NEW_TOKENS, QUESTION, example_image, families_option
 from benchmarks.models import full_size_adapter
 from care_core.budget import Budget, keep_from_ratio
 
@@ -55,12 +54,9 @@ DURATION = "two families, two decodings: about 3-4 minutes on one H200 (each ful
 
 def answer_ms(adapter: Any, side: int, cuda_graph: bool | None) -> dict[str, Any]:
     """One request at ``side`` px: CaRe's rows at K = floor(N/9) (untimed), then its answer timed."""
-    from PIL import Image
-
     from care_core.pipeline import ReductionPipeline
 
-    image = Image.open(EXAMPLES / "astronaut.jpg").convert("RGB").resize((side, side))
-    tokens = adapter.encode_image(image)
+    tokens = adapter.encode_image(example_image(side))
     keep = keep_from_ratio(KEPT, tokens.num_tokens)
     run = ReductionPipeline(adapter, ["care"])(tokens, QUESTION, [Budget.keep(keep)], cuda_graph=cuda_graph).runs[0]
     cuda = adapter.device.type == "cuda"
@@ -88,10 +84,7 @@ def in_own_process(family: str, decoding: str, args: Any, folder: Path) -> dict[
     command = [sys.executable, "-m", "benchmarks.bench_new_shapes", "--families", family, "--decodings", decoding,
                "--sides", ",".join(map(str, args.sides)), "--device", str(args.device), "--child-out", str(out),
                *(["--tiny"] if args.tiny else [])]  # fmt: skip
-    done = subprocess.run(command, check=False, cwd=ROOT)
-    if done.returncode != 0 or not out.exists():
-        return {"family": family, "decoding": decoding, "error": f"its process exited with code {done.returncode}"}
-    return dict(json.loads(out.read_text(encoding="utf-8")))
+    return child_result(command, out, {"family": family, "decoding": decoding})
 
 
 def print_runs(runs: list[dict[str, Any]]) -> None:

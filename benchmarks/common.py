@@ -282,6 +282,15 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
         console.print(table)
 
 
+def child_result(command: list[str], out: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object a child process (``command``, run from the repository root) wrote to ``out``; where it exited
+    with an error or wrote nothing, ``identity`` with the error (the parent's run goes on with its other children)."""
+    done = subprocess.run(command, check=False, cwd=ROOT)
+    if done.returncode != 0 or not out.exists():
+        return {**identity, "error": f"its process exited with code {done.returncode}"}
+    return dict(json.loads(out.read_text(encoding="utf-8")))
+
+
 def run_main(main: Callable[[], None]) -> None:
     """A benchmark module's entry point: ``main()``, and Ctrl-C ends it with exit code 130 and no traceback (a
     benchmark that saves as it goes, :meth:`ResultsWriter.save`, keeps what it finished)."""

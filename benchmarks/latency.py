@@ -35,7 +35,6 @@ copied the tree to the machine it runs on), else ``git``. Run from the repositor
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ from benchmarks.common import (
     Clock,
     ResultsWriter,
     at_least_one,
+    child_result,
     comma_list,
     commit_label,
     fail,
@@ -223,12 +223,16 @@ def scoring_floor_macs(projector: Any, m: int, n: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------- measurements
-def gate_image(family: str) -> Any:
-    """The example photo resized to the family's square side."""
+def example_image(side: int) -> Any:
+    """The example photo resized to a ``side`` px square."""
     from PIL import Image
 
-    side = FULL_SIZE[family].side
     return Image.open(EXAMPLES / "astronaut.jpg").convert("RGB").resize((side, side))
+
+
+def gate_image(family: str) -> Any:
+    """The example photo resized to the family's square side."""
+    return example_image(FULL_SIZE[family].side)
 
 
 def keeps_for(family: str, n: int) -> dict[str, int]:
@@ -625,10 +629,7 @@ def family_in_own_process(family: str, args: Any, tf32: float, folder: Path) -> 
     command = [sys.executable, "-m", "benchmarks.latency", "--part", "answers", "--families", family,
                "--reps", str(args.reps), "--device", str(args.device), "--family-out", str(out),
                "--tf32-tflops", repr(tf32), *(["--tiny"] if args.tiny else [])]  # fmt: skip
-    done = subprocess.run(command, check=False, cwd=ROOT)
-    if done.returncode != 0 or not out.exists():
-        return {"family": family, "error": f"its process exited with code {done.returncode}"}
-    return dict(json.loads(out.read_text(encoding="utf-8")))
+    return child_result(command, out, {"family": family})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -182,7 +182,7 @@ def test_each_family_runs_in_a_process_of_its_own_and_a_failed_one_is_recorded(
         (tmp_path / out).write_text(json.dumps({"family": family, "N": 576}))
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(latency.subprocess, "run", child)
+    monkeypatch.setattr(common.subprocess, "run", child)  # the children run through common.child_result
     args = SimpleNamespace(reps=3, device="cuda", tiny=False)
     done = latency.family_in_own_process("llava-1.5", args, 400.0, tmp_path)
     failed = latency.family_in_own_process("qwen3-vl", args, 400.0, tmp_path)
