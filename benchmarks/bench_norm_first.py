@@ -54,6 +54,7 @@ from care_core.flops.specs import KNOWN_BACKBONES
 from care_core.flops.tokens import visual_tokens
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate
+from care_core.kernels.operands import round_to_tf32
 from care_core.precision import matmul_precision
 from care_core.scoring import (
     _activation_slope,
@@ -151,9 +152,7 @@ def parts(projector: torch.nn.Module, features: torch.Tensor, u: torch.Tensor, r
             "products_through_r_and_norms_ms": lambda: _upper_products(flat, r).norm(dim=-1),
         }
         if features.is_cuda:
-            from care_core.kernels.jvp import round_to_tf32  # Triton: CUDA runs only
-
-            weight = dispatch.gemm_norm_operand(r, bf16=False)
+            weight = dispatch.weight_operand(r, bf16=False)
             gemm = partial(dispatch.gemm_norms, r=weight, bf16=False, upper=True, rounded=True)
             steps["gemm_norms_rounding_in_kernel_ms"] = partial(gemm, flat)
             steps["gemm_norms_through_r_ms"] = partial(gemm, round_to_tf32(flat), round_t=False)  # a Scorer's

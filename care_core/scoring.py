@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -295,7 +295,9 @@ def _jvp_mlp(
     applies = _fused_jvp_applies(features, w2, low, tf32, gate.kernel, upper=upper)
     if gate.choose("jvp", features.device, applies=applies) == "fused":
         triangle = {"upper": True} if upper else {}  # the dense call keeps the kernel's plain signature
-        fused = gate.attempt("jvp", lambda: dispatch.jvp_norms(slope, lifted, w2, bf16=low is not None, **triangle))
+        bf16 = low is not None
+        fused = gate.attempt("jvp", lambda: dispatch.jvp_norms(slope, lifted, gate.operand(w2, bf16=bf16), bf16=bf16,
+                                                               rounded=True, **triangle))  # fmt: skip
         if fused is not None:
             return fused.to(features.dtype)
     if low is not None:
@@ -446,14 +448,14 @@ def _product_norms(flat: torch.Tensor, second: torch.Tensor, low: torch.dtype | 
 
 
 def _gemm_row_norms(
-    second: torch.Tensor, low: torch.dtype | None, *, rows_rounded: bool
+    second: torch.Tensor, low: torch.dtype | None, gate: KernelGate, *, rows_rounded: bool
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`care_core.kernels.dispatch.gemm_norms` through the upper factor ``second``, converted to the kernel's
-    operand (bf16, or float32 rounded to tf32) once for all chunks rather than once per chunk. ``rows_rounded``: the
-    rows come already rounded to tf32 (:func:`_one_pass_rows`) and are read as they are; else the kernel converts
-    them."""
+    """:func:`care_core.kernels.dispatch.gemm_norms` through the upper factor ``second`` (float32), as the kernel's
+    operand (bf16, or rounded to tf32) made once for all chunks, and once for all calls where ``gate`` is a scorer's
+    (:meth:`~care_core.kernels.dispatch.KernelGate.operand`). ``rows_rounded``: the rows come already rounded to tf32
+    (:func:`_one_pass_rows`) and are read as they are; else the kernel converts them."""
     bf16 = low is not None
-    weight = dispatch.gemm_norm_operand(second, bf16=bf16)
+    weight = gate.operand(second, bf16=bf16)
     return partial(dispatch.gemm_norms, r=weight, bf16=bf16, upper=True, rounded=True, round_t=not rows_rounded)
 
 
@@ -505,7 +507,7 @@ def _jvp_norm_mlp(
         fused = gate.attempt("jvp_norm_first", lambda: _fused_norm_first(prepared, slope, second, low, upper))
         if fused is not None:
             return fused.to(features.dtype)
-    second = second if low is None else second.to(low)
+    source, second = second, second if low is None else second.to(low)
     rows = partial(_norm_first_rows, second=second, n=features.shape[0], m=directions.shape[0], dtype=features.dtype)
     by_product = partial(_product_norms, second=second, low=low, upper=upper)
     device = features.device
@@ -513,7 +515,7 @@ def _jvp_norm_mlp(
         gemm_applies = _gemm_norm_applies(features, second, low, tf32, upper)
         gemm = gate.choose("gemm_norm", device, applies=gemm_applies) == "fused"
         tf32_rows = low is None  # tf32 products: rows rounded once, by the operand kernel (the one rounding rule)
-        maker = partial(_gemm_row_norms, second, low, rows_rounded=tf32_rows) if gemm else None
+        maker = partial(_gemm_row_norms, source, low, gate, rows_rounded=tf32_rows) if gemm else None
         one_pass = _one_pass_rows(prepared, slope, gate, rows, by_product, maker, tf32_rows=tf32_rows)
         if one_pass is not None:
             return one_pass
@@ -811,6 +813,7 @@ class Scorer:
         self._prepared: dict[tuple[torch.dtype, torch.device], Projector] = {}
         self._directions: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._failed: dict[str, str] = {}
+        self._operands: dict[Hashable, torch.Tensor] = {}  # the fused kernels' weight operands (KernelGate.operand)
         self._weights: tuple[tuple[int, int, torch.dtype, torch.device], ...] | None = _fingerprint(projector)
 
     @classmethod
@@ -837,7 +840,7 @@ class Scorer:
     def __setstate__(self, state: dict[str, object]) -> None:
         self._projector = state["projector"]  # type: ignore[assignment]
         self.second_layer = str(state["second_layer"])
-        self._factors, self._prepared, self._directions, self._failed = {}, {}, {}, {}
+        self._factors, self._prepared, self._directions, self._failed, self._operands = {}, {}, {}, {}, {}
         self._weights = None  # the projector may still be half-built (a deepcopy in progress): read on first use
 
     def _check_weights(self) -> None:
@@ -846,6 +849,7 @@ class Scorer:
         if now != self._weights:
             self._prepared.clear()
             self._factors.clear()
+            self._operands.clear()
             self._weights = now
 
     @property
@@ -864,16 +868,18 @@ class Scorer:
         return dict(self._failed)
 
     def clear(self) -> None:
-        """Drop every prepared copy, triangular factor, cached direction set and recorded kernel failure."""
+        """Drop every prepared copy, triangular factor, kernel operand, cached direction set and recorded kernel
+        failure."""
         self._prepared.clear()
         self._factors.clear()
+        self._operands.clear()
         self._directions.clear()
         self._failed.clear()
         self._weights = _fingerprint(self._projector)
 
     def gate(self, kernel: Kernel = "auto") -> KernelGate:
-        """A kernel gate with `kernel` as setting that records failures in this scorer."""
-        return KernelGate(kernel, self._failed)
+        """A kernel gate with `kernel` as setting that records failures and keeps kernel operands in this scorer."""
+        return KernelGate(kernel, self._failed, self._operands)
 
     def prepared(self, dtype: torch.dtype, device: torch.device | str) -> Projector:
         """The projector in `dtype` on `device`, converted on the first request (see :func:`prepare_projector`)."""

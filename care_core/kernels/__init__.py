@@ -18,6 +18,8 @@ Nothing here imports Triton until a fused kernel runs: ``import care_core`` neve
   program per image over its precomputed cosine Gram matrix: no host synchronisation, no per-step launches.
 - :mod:`care_core.kernels.divprune`: DivPrune's max-min greedy for B images in one launch (one program per
   image) over their precomputed distance matrices.
+- :mod:`care_core.kernels.operands`: the weights as the kernels read them (bf16, or rounded to tf32), in PyTorch
+  alone, so that a caller's gate can keep them (:meth:`~care_core.kernels.dispatch.KernelGate.operand`).
 
 Which path runs is the ``kernel`` setting (``CaReConfig.kernel``), decided in :mod:`care_core.kernels.dispatch`:
 "auto" (fused where it applies and can run), "torch" (never fused) or "fused" (fused wherever it applies, tf32

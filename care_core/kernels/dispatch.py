@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import torch
 
+from care_core._memo import recall
 from care_core.config import KERNELS, Kernel
 from care_core.errors import CareError
+from care_core.kernels.operands import weight_operand
 
 Path = Literal["fused", "torch"]
 
 T = TypeVar("T")
+#: weight operands a gate keeps (:meth:`KernelGate.operand`): a scorer's factor in each precision and kernel it meets
+MAX_OPERANDS = 8
 
 
 def why_not_fused(device: torch.device) -> str | None:
@@ -93,11 +97,13 @@ class KernelGate:
 
     A gate made per call (``KernelGate(kernel)``) forgets everything afterwards: a kernel that failed
     is tried again on the next call. A gate kept by its owner (:class:`care_core.scoring.Scorer`)
-    skips, in "auto" mode, the kernels in ``failed`` for the owner's lifetime.
+    skips, in "auto" mode, the kernels in ``failed`` for the owner's lifetime, and keeps the weights'
+    kernel operands in ``operands`` (:meth:`operand`) as long as the owner does.
     """
 
     kernel: Kernel = "auto"
     failed: dict[str, str] = field(default_factory=dict)  # kernel name -> repr of its build error
+    operands: dict[Hashable, torch.Tensor] = field(default_factory=dict)  # see operand()
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -108,6 +114,14 @@ class KernelGate:
         if path == "fused" and self.kernel == "auto" and name in self.failed:
             return "torch"
         return path
+
+    def operand(self, weight: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+        """:func:`~care_core.kernels.operands.weight_operand` of ``weight``, made once per weight and precision for
+        this gate's owner: a pass over a (d_out, d_h) weight and a few launches that an eager call would pay before
+        its kernel. Keyed by the tensor's storage, dtype and shape (no version counter: inference tensors keep
+        none), so the owner drops them when the weights change (:class:`care_core.scoring.Scorer` does)."""
+        key = (weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), bf16)
+        return recall(self.operands, key, lambda: weight_operand(weight, bf16=bf16), MAX_OPERANDS)
 
     def attempt(self, name: str, fused: Callable[[], T]) -> T | None:
         """Run ``fused``; None (and a warning) if it cannot be built here, in "auto" mode.
@@ -131,12 +145,13 @@ def as_gate(kernel: Kernel | KernelGate) -> KernelGate:
 
 
 def jvp_norms(
-    slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, upper: bool = False
-) -> torch.Tensor:
+    slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, upper: bool = False,
+    rounded: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """The fused jvp kernel (:func:`care_core.kernels.jvp.jvp_norms`); imports Triton when called."""
     from care_core.kernels.jvp import jvp_norms as run
 
-    return run(slope, lifted, w2, bf16=bf16, upper=upper)
+    return run(slope, lifted, w2, bf16=bf16, upper=upper, rounded=rounded)
 
 
 def norm_first_norms(
@@ -183,14 +198,6 @@ def gemm_norms(
     from care_core.kernels.gemm_norm import gemm_norms as run
 
     return run(rows, r, bf16=bf16, upper=upper, rounded=rounded, round_t=round_t)
-
-
-def gemm_norm_operand(r: torch.Tensor, *, bf16: bool) -> torch.Tensor:
-    """R as the gemm-norm kernel reads it (:func:`care_core.kernels.gemm_norm.r_operand`), for ``rounded=True``;
-    imports Triton when called."""
-    from care_core.kernels.gemm_norm import r_operand
-
-    return r_operand(r, bf16=bf16)
 
 
 def greedy_orders(

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, round_to_tf32, tile_configs
+from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, tile_configs
+from care_core.kernels.operands import weight_operand
 from care_core.kernels.shapes import GEMM_NORM_K_MULTIPLE, GEMM_NORM_OUT_MULTIPLE, gemm_norm_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps); DIRS is the jvp kernels' tile field, always 1 here (one operand, no directions).
@@ -100,12 +101,6 @@ def chosen_config(bf16: bool, out_dim: int) -> str | None:
     return None if best is None else str(best)
 
 
-def r_operand(r: torch.Tensor, *, bf16: bool) -> torch.Tensor:
-    """R as the kernel reads it: bf16, or float32 rounded to tf32 (to nearest, as ``cvt.rna`` rounds T's tiles).
-    One pass over R; a caller with many row blocks makes it once (:func:`gemm_norms`, ``rounded``)."""
-    return r.to(torch.bfloat16).contiguous() if bf16 else round_to_tf32(r)
-
-
 def gemm_norms(
     rows: torch.Tensor, r: torch.Tensor, *, bf16: bool, upper: bool, rounded: bool = False, round_t: bool = True
 ) -> torch.Tensor:
@@ -114,7 +109,8 @@ def gemm_norms(
 
     r (d_out, d_h): upper triangular or trapezoidal where ``upper`` (R[i, k] = 0 for k < i: each output block skips
     the columns left of it), any matrix otherwise. ``bf16``: bf16 operands, else tf32 rounded to nearest; float32
-    accumulation either way. ``rounded``: r is already :func:`r_operand`'s (skips a pass over R per call).
+    accumulation either way. ``rounded``: r is already :func:`~care_core.kernels.operands.weight_operand`'s (skips a
+    pass over R per call).
     ``round_t``: round T's tiles to tf32 in the kernel (inline PTX). Off where T already is tf32-rounded (the operand
     kernel's ``tf32_rounded`` output): its tiles then go to the tensor cores as read, the same bits without the
     conversion; and in Triton's interpreter, which cannot run the PTX (the tensor cores then truncate)."""
@@ -132,7 +128,7 @@ def gemm_norms(
     if m_rows == 0:
         return rows.new_zeros(0)
     t = rows if rows.stride(-1) == 1 else rows.contiguous()
-    w = (r if rounded else r_operand(r, bf16=bf16)).contiguous()
+    w = (r if rounded else weight_operand(r, bf16=bf16)).contiguous()
     m_pad = -(-m_rows // ROW_PAD) * ROW_PAD
     min_bn = min(bn for _, bn, *_ in _TILES + _WIDE_TILES)
     partial = torch.zeros(out_dim // min_bn, m_pad, dtype=torch.float32, device=rows.device)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from care_core.kernels.operands import weight_operand
 from care_core.kernels.shapes import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps) of each autotune candidate; bf16 and tf32 differ only in the K tile BK
@@ -187,22 +188,18 @@ def chosen_config(bf16: bool, upper: bool = False) -> str | None:
     return None if best is None else str(best)
 
 
-def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 rounded to tf32 (10 mantissa bits), to nearest with ties away from zero (``cvt.rna``)."""
-    bits = x.float().contiguous().view(torch.int32)
-    return ((bits + 0x1000) & -0x2000).view(torch.float32)
-
-
 def jvp_norms(
-    slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, upper: bool = False
-) -> torch.Tensor:
+    slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, upper: bool = False,
+    rounded: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """C[x, i] = ||W2 (slope_i ⊙ lifted_x)||, (m, N) float32, on CUDA.
 
     slope (N, d_h), lifted (m, d_h), w2 (d_out, d_h). ``bf16``: bf16 operands (the product rounded
     once, after the float32 multiply) with float32 accumulation; else tf32 operands (rounded to
     nearest) with float32 accumulation. ``upper``: w2 is upper triangular (the R factor of
     :func:`care_core.scoring.triangular_factor`, d_h x d_h); each output block skips the columns left
-    of it, about half the multiply-adds.
+    of it, about half the multiply-adds. ``rounded``: w2 is already
+    :func:`~care_core.kernels.operands.weight_operand`'s.
     """
     n, hidden = slope.shape
     m = lifted.shape[0]
@@ -219,7 +216,9 @@ def jvp_norms(
     if m_pad != m:
         a = torch.cat([a, a.new_zeros(m_pad - m, hidden)])
     a = a.contiguous()
-    w = w2.to(torch.bfloat16).contiguous() if bf16 else round_to_tf32(w2)
+    if rounded and w2.dtype != (torch.bfloat16 if bf16 else torch.float32):
+        raise ValueError(f"fused jvp kernel: a rounded W2 is {'bf16' if bf16 else 'float32'}, got {w2.dtype}")
+    w = w2.contiguous() if rounded else weight_operand(w2, bf16=bf16)
     min_bn = min(c.kwargs["BN"] for c in (_BF16_CONFIGS if bf16 else _TF32_CONFIGS))
     partial = torch.zeros(out_dim // min_bn, m_pad, n_pad, dtype=torch.float32, device=slope.device)
 

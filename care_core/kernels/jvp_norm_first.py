@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, round_to_tf32, tile_configs
+from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, tile_configs
+from care_core.kernels.operands import weight_operand
 from care_core.kernels.shapes import norm_first_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps): accumulators and the epilogue's correction tiles share the registers, so the tiles
@@ -156,7 +157,7 @@ def norm_first_norms(
     c[:, :m, :n] = coef.transpose(1, 2)
     q = torch.zeros(blocks, n_pad, out_dim, dtype=f32, device=device)
     q[:, :n] = corrections
-    w = w2.to(torch.bfloat16).contiguous() if bf16 else round_to_tf32(w2)
+    w = weight_operand(w2, bf16=bf16)
     min_bn = min(bn for _, bn, _, _, _ in _TILES)
     partial = torch.zeros(out_dim // min_bn, m_pad, n_pad, dtype=f32, device=device)
 

@@ -255,8 +255,9 @@ def test_jvp_dispatch_uses_the_fused_kernel_where_the_setting_says(monkeypatch: 
     features, mlp, u = _jvp_problem()
     calls: list[bool] = []
 
-    def fake(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+    def fake(slope: torch.Tensor, lifted: torch.Tensor, w2: torch.Tensor, *, bf16: bool, rounded: bool) -> torch.Tensor:
         calls.append(bf16)
+        assert rounded and w2.dtype == (torch.bfloat16 if bf16 else torch.float32)  # the kernel's operand, given
         return torch.zeros(lifted.shape[0], slope.shape[0])
 
     monkeypatch.setattr(dispatch, "why_not_fused", lambda device: None)
@@ -267,6 +268,34 @@ def test_jvp_dispatch_uses_the_fused_kernel_where_the_setting_says(monkeypatch: 
     assert torch.equal(run("tf32", "fused"), torch.zeros(8, 90)) and calls == [True, False]
     assert run("bf16", "torch").abs().min() > 0 and run("float32", "fused").abs().min() > 0
     assert calls == [True, False]
+
+
+def test_a_scorer_makes_each_kernel_operand_once_until_the_weights_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    features, mlp, u = _jvp_problem()
+    made: list[tuple[int, ...]] = []
+
+    def operand(w: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+        made.append(tuple(w.shape))
+        return w.to(torch.bfloat16)
+
+    monkeypatch.setattr(dispatch, "why_not_fused", lambda device: None)
+    monkeypatch.setattr(dispatch, "jvp_norms", lambda s, a, w2, **kw: torch.zeros(a.shape[0], s.shape[0]))
+    monkeypatch.setattr(dispatch, "weight_operand", operand)
+    scorer = Scorer(mlp)
+    for _ in range(3):
+        scorer.responses(features, u, h=5e-4, matmul="bf16")
+    assert made == [(256, 64)]  # W2 converted on the first call only
+    perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16")  # a call without a scorer: its own, each time
+    assert len(made) == 2
+    with torch.no_grad():
+        mlp[2].weight.mul_(2.0)  # edited in place: the scorer's operands go with its other caches
+    scorer.responses(features, u, h=5e-4, matmul="bf16")
+    scorer.responses(features, u, h=5e-4, matmul="bf16")
+    assert len(made) == 3
+    with torch.inference_mode():  # inference tensors keep no version counter: the key does without one
+        fresh = Scorer(_mlp(16, 64, 256, 21, torch.float32))
+        fresh.responses(features, u, h=5e-4, matmul="bf16")
+    assert len(made) == 4
 
 
 def test_a_kernel_that_fails_to_build_falls_back_for_that_call_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,7 +97,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
 
     monkeypatch.setattr(dispatch, "norm_first_operand", operand)
     monkeypatch.setattr(dispatch, "gemm_norms", gemm)
-    monkeypatch.setattr(dispatch, "gemm_norm_operand", weight)
+    monkeypatch.setattr(dispatch, "weight_operand", weight)
     return calls
 
 
@@ -208,7 +208,7 @@ def test_on_the_cpu_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise AssertionError("a fused kernel ran on the CPU")
 
-    for name in ("norm_first_operand", "gemm_norms", "gemm_norm_operand"):
+    for name in ("norm_first_operand", "gemm_norms", "weight_operand"):
         monkeypatch.setattr(dispatch, name, refuse)
     features, desc, u, r = _case()
     with torch.no_grad():
@@ -281,7 +281,7 @@ def test_gemm_norms_against_float64(m_rows: int, d_out: int, d_h: int, bf16: boo
     got = dispatch.gemm_norms(t, r, bf16=bf16, upper=True)
     assert got.shape == (m_rows,) and got.dtype == torch.float32
     assert _relative(got.double().cpu(), want) < (1e-2 if bf16 else 1e-3)
-    rounded = dispatch.gemm_norms(t, dispatch.gemm_norm_operand(r, bf16=bf16), bf16=bf16, upper=True, rounded=True)
+    rounded = dispatch.gemm_norms(t, dispatch.weight_operand(r, bf16=bf16), bf16=bf16, upper=True, rounded=True)
     assert torch.equal(rounded, got)  # R made once outside: the same operand
     dense = dispatch.gemm_norms(t, r, bf16=bf16, upper=False)  # every column read: the same norms
     assert _relative(dense.double().cpu(), want) < (1e-2 if bf16 else 1e-3)

@@ -108,7 +108,7 @@ def test_fused_kernel_gets_the_factor_for_tf32_in_auto_mode(monkeypatch: pytest.
     assert factor is not None
     out = perturbation_responses(features, mlp, u, h=1e-3, matmul="tf32", factor=factor)
     assert torch.equal(out, torch.zeros(8, 90))
-    assert calls == [{"shape": (256, 256), "triu": True, "bf16": False, "upper": True}]
+    assert calls == [{"shape": (256, 256), "triu": True, "bf16": False, "rounded": True, "upper": True}]
     perturbation_responses(features, mlp, u, h=1e-3, matmul="tf32", factor=factor, kernel="torch")
     assert len(calls) == 1  # kernel="torch": the PyTorch column blocks
 
