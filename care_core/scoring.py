@@ -887,6 +887,7 @@ class Scorer:
         return self._prepared_for((dtype, torch.device(device)))
 
     def _prepared_for(self, key: tuple[torch.dtype, torch.device]) -> Projector:
+        """:meth:`prepared` for a (dtype, device) key, the weights already checked."""
         found = self._prepared.get(key)
         if found is None:
             found = prepare_projector(self._projector, *key)
@@ -903,6 +904,7 @@ class Scorer:
         return self._factor_for((dtype, torch.device(device)))
 
     def _factor_for(self, key: tuple[torch.dtype, torch.device]) -> torch.Tensor | None:
+        """:meth:`factor` for a (dtype, device) key, the weights already checked."""
         if self.second_layer == "dense" or (self.second_layer == "auto" and key[1].type != "cuda"):
             return None
         if key not in self._factors:
