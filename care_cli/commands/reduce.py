@@ -10,6 +10,7 @@ import typer
 
 from care_cli import options as opt
 from care_cli import render
+from care_cli.errors import UserError
 from care_core.config import CaReConfig
 from care_core.errors import one_line
 from care_core.vocabulary import DEFAULT_QUESTION
@@ -32,6 +33,16 @@ Generate = Annotated[
 ]  # fmt: skip
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per answer (greedy).")]
 Repeats = Annotated[int, typer.Option("--repeats", help="Timed rounds per --generate answer (median reported).")]
+
+
+def _check_answer_options(generate: bool, max_new_tokens: int, repeats: int, cuda_graphs: bool | None) -> None:
+    """The timed answers' options, before any work: counts of at least 1, graphs only with --generate."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {repeats}")
+    if cuda_graphs is not None and not generate:
+        raise UserError("--cuda-graphs/--no-cuda-graphs apply to --generate answers; add --generate")
 
 
 @opt.with_config
@@ -57,19 +68,13 @@ def reduce(
 
     A budget is required: --ratio R or --keep K.
     """
-    from care_cli.errors import UserError
     from care_cli.io import check_output_path, load_image
     from care_core.methods import canonical_name
 
     assert config is not None
     budget = opt.budget(ratio, keep)
     opt.check_question(question)
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if repeats < 1:
-        raise UserError(f"--repeats must be at least 1, got {repeats}")
-    if cuda_graphs is not None and not generate:
-        raise UserError("--cuda-graphs/--no-cuda-graphs apply to --generate answers; add --generate")
+    _check_answer_options(generate, max_new_tokens, repeats, cuda_graphs)
     out_path = check_output_path(out, [image], force, suffixes=(".safetensors",)) if out is not None else None
     name = canonical_name(method)
     picture = load_image(image)
