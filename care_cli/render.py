@@ -201,7 +201,6 @@ def progress(label: str, quiet: bool = False, unit: str = "pairs") -> Any:
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
-    from rich.text import Text
 
     class Speed(ProgressColumn):
         def render(self, task: Any) -> Text:

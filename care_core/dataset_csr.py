@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from care_core.batch_sizes import BatchChoice, Batches, BatchSize, choose_batch_size
+from care_core.batch_sizes import (
+    BatchChoice,
+    Batches,
+    BatchSize,
+    choose_batch_size,
+    peak_gpu_memory_gib,
+    reset_peak_gpu_memory,
+)
 from care_core.errors import CareError, failure_line, one_line
 from care_core.runs import FAILED, DatasetRun, csr_summary, pair_id
 
@@ -179,8 +186,6 @@ def dataset_csr(
     PairFailedError, or with ``bad.skip`` it is skipped and recorded as bad, and a resumed run skips it again
     unless ``bad.retry``. ``on_progress(done, total, image name)`` after every batch (and once before the first);
     ``on_notice(line)`` once if batches were split for memory. Every process must call it."""
-    from care_core.batch_sizes import peak_gpu_memory_gib, reset_peak_gpu_memory
-
     backbone = pipe.backbone.to_dict()
     run.start(backbone={k: backbone[k] for k in ("name", "family", "demo")})
     choice = choose_batch_size(batch_size, pipe.adapter, max_new_tokens=None, attention_layers=pipe.attention_layers)

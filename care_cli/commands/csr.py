@@ -17,8 +17,8 @@ from care_cli import options as opt
 from care_cli.errors import UserError
 from care_core.batch_sizes import BatchSize, parse_batch_size
 from care_core.config import CaReConfig
-from care_core.dataset_csr import BadPairs, Pair, read_pairs, run_manifest
-from care_core.runs import DatasetRun
+from care_core.dataset_csr import BadPairs, Pair, dataset_csr, read_pairs, run_manifest
+from care_core.runs import MANIFEST, DatasetRun, read_shards
 
 if TYPE_CHECKING:
     from care_core.budget import Budget
@@ -196,8 +196,6 @@ def _interrupted(argv: list[str], output_dir: Path | None, pairs: list[Pair]) ->
     it was interrupted before its folder was set up: before the model was loaded)."""
     if output_dir is None:
         return "interrupted: nothing was saved (with --output-dir a run can be resumed)"
-    from care_core.runs import MANIFEST, read_shards
-
     if not (output_dir.expanduser() / MANIFEST).is_file():
         return dataset_runs.interrupted_before_start(argv, output_dir)
     ids = {p.pair_id for p in pairs}
@@ -224,7 +222,6 @@ def run_pairs(
     """The backbone loaded, then care_core.dataset_csr.dataset_csr on this process's share of the pairs (``run``
     entered); rank 0 returns the report (others {}). With 'all' (``every``), methods the backbone cannot serve are
     left out and listed under ``methods_skipped``."""
-    from care_core.dataset_csr import dataset_csr
     from care_core.pipeline import ReductionPipeline
 
     main = run.world.is_main

@@ -46,8 +46,8 @@ from care_core.batch_sizes import (
     peak_gpu_memory_gib,
     reset_peak_gpu_memory,
 )
-from care_core.errors import CareError, MethodError, failure_line
-from care_core.integrations import missing_task_path
+from care_core.errors import CareError, GenerationError, MethodError, ModelLoadError, failure_line
+from care_core.integrations import broken_torchvision, missing_task_path
 from care_core.integrations.settings import EvalSpec, ModelArgsError, batch_arguments, parse_model_args
 from care_core.prefetch import (
     PreparedImage,
@@ -242,9 +242,6 @@ class CareLMM(lmms):
         self._rank = world.rank
         self._world_size = world.size
         if adapter is None:
-            from care_core.errors import ModelLoadError
-            from care_core.integrations import broken_torchvision
-
             broken = broken_torchvision()
             if broken:
                 raise ModelLoadError(broken)
@@ -252,8 +249,6 @@ class CareLMM(lmms):
         self.adapter = adapter
         self._check_family()
         if spec.cuda_graph:
-            from care_core.errors import GenerationError
-
             reason = adapter.graph_generation_reason()
             if reason is not None:
                 raise GenerationError(f"cuda_graph=true: {reason}")
