@@ -21,7 +21,9 @@ once with the default decoding and once eagerly:
 - **scoring**: PRCA's responses (Eq. 1, m = 64, jvp engine, tf32) through a ``Scorer`` against
   2 F FLOPs at the tf32 rate of an 8192^3 matmul measured in the same run, F = m N r multiply-adds with r the second
   layer's per row through its triangular (d_out >= d_h) or trapezoidal (d_out < d_h) factor, or for a norm-then-linear
-  projector (Gemma 3's) its fast path's own (:func:`scoring_floor_macs`); the whole ``care_reduce`` beside it.
+  projector (Gemma 3's) its fast path's own (:func:`scoring_floor_macs`); the whole ``care_reduce`` beside it. On
+  CUDA, reported beside the eager call (the target's figure): the same call replayed from a CUDA graph
+  (:func:`graphed_scoring`), as the pipeline's single-image reduction runs on a shape it has seen.
 
 ``--part dropin``: ``model.generate(**inputs)`` on a batch of 8 copies of the image, 8 new tokens, with all tokens
 and inside ``reduce_visual_tokens(method="care", keep=160)`` (LLaVA-NeXT at 672x672; the vision tower included);
@@ -38,6 +40,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
@@ -252,7 +255,8 @@ def scoring_stage(adapter: Any, tokens: Any, keep: int, clock: Clock, reps: int,
     projector, features = adapter.projector, tokens.features.float()
     scorer = Scorer(projector)
     directions = scorer.directions(cfg.m, features.shape[1], cfg.seed, device=features.device)
-    responses = partial(scorer.responses, features, directions, h=cfg.h, engine="jvp", matmul="tf32")
+    eq1 = partial(scorer.responses, h=cfg.h, engine="jvp", matmul="tf32")
+    responses = partial(eq1, features, directions)
     d_h, d_out = second_layer(projector)
     macs = scoring_floor_macs(projector, cfg.m, tokens.num_tokens)
     form = "norm-linear" if describe_linear(projector) is not None else "second-layer"
@@ -260,9 +264,34 @@ def scoring_stage(adapter: Any, tokens: Any, keep: int, clock: Clock, reps: int,
                            "floor_ms": floor_ms(macs, tf32)}  # fmt: skip
     row["scoring_ms"] = clock.median(responses, reps=max(reps, 3), warmup=2)
     row["scoring_x_floor"] = row["scoring_ms"] / row["floor_ms"]
+    if features.is_cuda:
+        graphed = graphed_scoring(eq1, features, directions, clock, reps)
+        ms = graphed["graphed_ms"]
+        row.update(graphed, graphed_x_floor=None if ms is None else ms / row["floor_ms"])
     reduce = partial(care_reduce, features, projector, tokens.positions, keep=keep, config=cfg, scorer=scorer)
     row["care_reduce_ms"] = clock.median(reduce, reps=max(reps, 3), warmup=1)
+    row["kernel_failures"] = scorer.kernel_failures  # a kernel that failed takes PyTorch's path: the figures say so
     return row
+
+
+def graphed_scoring(
+    responses: Callable[..., torch.Tensor], features: torch.Tensor, directions: torch.Tensor, clock: Clock, reps: int
+) -> dict[str, Any]:
+    """``responses(features, directions)`` through a fresh :class:`~care_core.reduction_graphs.ReductionGraphs` (the
+    pipeline's: captured at the key's second call, replayed after), timed as the eager call is: the stage without
+    the eager call's launches. ``graphed_ms`` None where the capture failed (``graph_failure`` says why)."""
+    from care_core.reduction_graphs import CAPTURE_ON_SIGHTING, ReductionGraphs
+
+    graphs = ReductionGraphs()
+    run = partial(graphs.run, ("scoring", tuple(features.shape)), (features, directions),
+                  lambda inputs: responses(*inputs))  # fmt: skip
+    try:
+        ms = clock.median(run, reps=max(reps, 3), warmup=CAPTURE_ON_SIGHTING)
+        failure = next(iter(graphs.failures.values()), None)
+        return {"graphed_ms": None if graphs.replays == 0 else ms, "graph_replays": graphs.replays,
+                "graph_failure": failure}  # fmt: skip
+    finally:
+        graphs.release()
 
 
 def timed_answers(pipe: Any, tokens: Any, keeps: dict[str, int], decoding: bool | None, reps: int) -> Any:
@@ -436,9 +465,11 @@ def print_answers(results: dict[str, Any]) -> None:
             for fam in results["families"] for row in fam.get("answers", [])]  # fmt: skip
     print_table("First token from the features (batch 1), all tokens vs CaRe; prefill from the rows", header, rows,
                 keys=3)  # fmt: skip
-    header = ["family", "N", "scoring ms", "floor ms", "x floor", "care_reduce ms", "tower ms"]
+    header = ["family", "N", "scoring ms", "floor ms", "x floor", "graph ms", "graph x floor", "care_reduce ms",
+              "tower ms"]  # fmt: skip
     rows = [[fam["family"], str(fam.get("N", "—")), fmt(fam["scoring"]["scoring_ms"]),
              fmt(fam["scoring"]["floor_ms"]), fmt(fam["scoring"]["scoring_x_floor"]),
+             fmt(fam["scoring"].get("graphed_ms")), fmt(fam["scoring"].get("graphed_x_floor")),
              fmt(fam["scoring"]["care_reduce_ms"]), fmt(fam.get("tower_ms"), 1)]
             for fam in results["families"] if "scoring" in fam]  # fmt: skip
     print_table("PRCA scoring (Eq. 1, m = 64, tf32) against its floor", header, rows)
@@ -535,8 +566,18 @@ def _prefill_cell(family: str, row: dict[str, Any]) -> str:
 
 
 def _scoring_cell(scoring: dict[str, Any]) -> str:
+    """The eager call's × floor (the target's figure), then the graph replay's where the result has it."""
     reported = " (reported)" if scoring.get("form") == "norm-linear" else ""  # SCORING_REPORTED_ONLY
-    return f"{scoring['scoring_x_floor']:.2f}{reported}"
+    graphed = scoring.get("graphed_x_floor")
+    replay = "" if graphed is None else f" (graph {graphed:.2f})"
+    return f"{scoring['scoring_x_floor']:.2f}{replay}{reported}"
+
+
+#: the footer's clause where a result has graph replays of the scoring (:func:`graphed_scoring`)
+GRAPH_NOTE = (
+    "; scoring × floor is an eager call's (the target's figure), \"graph\" the same call replayed from a CUDA graph, "
+    "as the pipeline's single-image reduction runs on a shape it has seen"
+)
 
 
 def _reported_note(results: dict[str, Any]) -> str:
@@ -598,7 +639,9 @@ def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] |
     met = sum(bool(v["met"]) for v in results.get("targets", []))
     launch_us = results["environment"].get("launch_us")  # host-bound figures (eager, the drop-in) move with it
     host = "" if launch_us is None else f"; the host launches a kernel in {launch_us:.1f} µs"
-    footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}{_reported_note(results)}{host}; "
+    graphed = any(f.get("scoring", {}).get("graphed_x_floor") is not None for f in results["families"])
+    notes = _reported_note(results) + (GRAPH_NOTE if graphed else "")
+    footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}{notes}{host}; "
               f"{met} of {len(results.get('targets', []))} targets met{_unmet_clause(results.get('targets', []))}. "
               f"Source: `benchmarks/results/{name}` "
               f"(`python -m benchmarks.latency`, commit {commit}).")  # fmt: skip

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from benchmarks import common, latency
@@ -214,6 +215,61 @@ def test_the_table_gives_each_budget_its_prompts_text_rows_and_marks_targetless_
            "scoring": {"scoring_x_floor": 1.25}}  # fmt: skip
     lines = latency._table({"families": [fam]}, {("qwen3.5", "default", "N/9"): answer})
     assert lines[2] == "| qwen3.5 (1024x1024) | 1024 | 113 | 39 | 30.0 → 15.0 | 2.00× | — | 16.00 (reported) | 1.25 |"
+
+
+def test_the_scoring_cell_adds_the_graph_replay_and_the_footer_says_what_it_is() -> None:
+    answer = {"K": 64, "text_rows": 29, "first_all_ms": 14.1, "first_care_ms": 8.2, "speedup": 1.71,
+              "prefill_care_x_floor": 2.21}  # fmt: skip
+    fam = {"family": "llava-1.5", "image": "336x336", "N": 576, "keeps": {"N/9": 64},
+           "scoring": {"scoring_x_floor": 1.5331, "graphed_x_floor": 1.2449}}  # fmt: skip
+    rows = {("llava-1.5", "default", "N/9"): {**answer, "family": "llava-1.5", "decoding": "default",
+                                             "keep_label": "N/9", "used": ["cuda-graph", "cuda-graph"],
+                                             "eager_reason": [None, None]}}  # fmt: skip
+    lines = latency._table({"families": [fam]}, rows)
+    assert lines[2].endswith("| 2.21 | 1.53 (graph 1.24) |")
+    results = {"environment": {"card": "NVIDIA H200"}, "families": [fam], "new_tokens": 8, "targets": [],
+               "source": {"commit": "a7dd15fbb9", "dirty": False}}  # fmt: skip
+    assert latency.GRAPH_NOTE in latency.render_markdown(results, "r.json")
+    del fam["scoring"]["graphed_x_floor"]  # a result from before the field, or a capture that failed: as before
+    assert latency._table({"families": [fam]}, rows)[2].endswith("| 2.21 | 1.53 |")
+    assert latency.GRAPH_NOTE not in latency.render_markdown(results, "r.json")
+
+
+class _Graphs:
+    """A stand-in for ReductionGraphs: eager below its second call, "replays" (counted) after, or a failed capture."""
+
+    def __init__(self, capture_fails: bool) -> None:
+        self.capture_fails, self.calls, self.replays, self.released = capture_fails, 0, 0, False
+
+    @property
+    def failures(self) -> dict[str, str]:
+        return {"scoring": "capturing the reduction failed (RuntimeError: no)"} if self.capture_fails else {}
+
+    def run(self, key: Any, inputs: Any, step: Any) -> Any:
+        self.calls += 1
+        self.replays += self.calls > 2 and not self.capture_fails
+        return step(tuple(inputs))
+
+    def release(self) -> None:
+        self.released = True
+
+
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_graphed_scoring_reports_replays_only(capture_fails: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core import reduction_graphs
+
+    made: list[_Graphs] = []
+    monkeypatch.setattr(reduction_graphs, "ReductionGraphs", lambda: made.append(_Graphs(capture_fails)) or made[-1])
+    seen: list[tuple[Any, ...]] = []
+    features, directions = torch.zeros(5, 3), torch.ones(2, 3)
+    out = latency.graphed_scoring(lambda *a: seen.append(a), features, directions, common.Clock("cpu"), reps=3)
+    graphs = made[0]
+    assert graphs.calls == 2 + 3 and graphs.released and len(seen) == 5  # CAPTURE_ON_SIGHTING warm-ups, then reps
+    assert all(got[0] is features and got[1] is directions for got in seen)
+    if capture_fails:  # every call eager: no graph figure, and why
+        assert out["graphed_ms"] is None and out["graph_replays"] == 0 and "RuntimeError" in out["graph_failure"]
+    else:
+        assert out["graphed_ms"] is not None and out["graph_replays"] == 3 and out["graph_failure"] is None
 
 
 def test_the_footer_gives_the_hosts_launch_time_when_the_result_has_it() -> None:
