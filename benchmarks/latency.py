@@ -589,6 +589,13 @@ def _reported_note(results: dict[str, Any]) -> str:
     return scoring + (f"; prefill reported only for {'; '.join(prefill)}" if prefill else "")
 
 
+def _host_clause(environment: dict[str, Any]) -> str:
+    """``; the host launches a kernel in 6.7 µs`` from a result's environment; empty for results from before the
+    field."""
+    launch_us = environment.get("launch_us")
+    return "" if launch_us is None else f"; the host launches a kernel in {launch_us:.1f} µs"
+
+
 def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
     """One line per family of a drop-in result: the batch's generate with all tokens and through the drop-in."""
     if dropin is None:
@@ -599,8 +606,7 @@ def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
     batch = rows[0]["batch"] if rows else DROPIN_BATCH
     verdicts = [f"{t['family']} {on_its_side(t)}× against {shown_bound(t['target'])}×: "
                 f"{'MET' if t['met'] else 'NOT MET'}" for t in dropin.get("targets", [])]  # fmt: skip
-    launch_us = dropin.get("environment", {}).get("launch_us")  # transformers' eager decoding moves with the host
-    host = "" if launch_us is None else f"; the host launches a kernel in {launch_us:.1f} µs"
+    host = _host_clause(dropin.get("environment", {}))  # transformers' eager decoding moves with the host
     said = f"Target: {'; '.join(verdicts)}. " if verdicts else ""
     return [
         "",
@@ -637,8 +643,7 @@ def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] |
     source = results["source"]
     commit = commit_label(source)
     met = sum(bool(v["met"]) for v in results.get("targets", []))
-    launch_us = results["environment"].get("launch_us")  # host-bound figures (eager, the drop-in) move with it
-    host = "" if launch_us is None else f"; the host launches a kernel in {launch_us:.1f} µs"
+    host = _host_clause(results["environment"])  # host-bound figures (eager, the drop-in) move with it
     graphed = any(f.get("scoring", {}).get("graphed_x_floor") is not None for f in results["families"])
     notes = _reported_note(results) + (GRAPH_NOTE if graphed else "")
     footer = (f"Batch 1, {results['new_tokens']} new tokens; {_default_decoding(rows)}{notes}{host}; "
