@@ -319,11 +319,7 @@ class ReductionPipeline:
         from care_core.csr import csr_reference
 
         count = len(images)
-        questions = [None] * count if questions is None else list(questions)
-        plans = [None] * count if plans is None else list(plans)
-        if count == 0 or len(questions) != count or len(plans) != count:
-            raise CareError(f"need one question and plan per image: {count} images, {len(questions)} questions, "
-                            f"{len(plans)} plans", parameter="images")  # fmt: skip
+        questions, plans = _one_per_image(count, questions, plans)
         asked = [self._question(q, csr=csr, generate=generate) for q in questions]
         if not budgets:
             raise BudgetError("give at least one budget")
@@ -632,6 +628,18 @@ def _read_csr(pending: list[tuple[MethodRun, torch.Tensor, CSRReference]]) -> No
     for (item, _, reference), value in zip(pending, values, strict=True):
         item.csr = value
         item.uniform_weights = reference.uniform  # read once per reference (cached), after the queue has drained
+
+
+def _one_per_image(
+    count: int, questions: Sequence[str | None] | None, plans: Sequence[Mapping[str, Sequence[Budget]] | None] | None
+) -> tuple[list[str | None], list[Mapping[str, Sequence[Budget]] | None]]:
+    """:meth:`ReductionPipeline.run_batch`'s questions and plans, one per image (None: none for any image)."""
+    asked: list[str | None] = [None] * count if questions is None else list(questions)
+    planned: list[Mapping[str, Sequence[Budget]] | None] = [None] * count if plans is None else list(plans)
+    if count == 0 or len(asked) != count or len(planned) != count:
+        raise CareError(f"need one question and plan per image: {count} images, {len(asked)} questions, "
+                        f"{len(planned)} plans", parameter="images")  # fmt: skip
+    return asked, planned
 
 
 def _check_new_tokens(max_new_tokens: int) -> None:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, tile_configs
+from care_core.kernels.jvp import Tile, _dot, _grouped_tile, _operand, autotuned, tile_configs
 from care_core.kernels.operands import weight_operand
 from care_core.kernels.shapes import GEMM_NORM_K_MULTIPLE, GEMM_NORM_OUT_MULTIPLE, gemm_norm_shape_supported, size_class
 
@@ -53,12 +53,7 @@ def _gemm_norm_kernel(
 ):  # fmt: skip
     """Partial sums of squares of one (BM, BN) tile of T Rᵀ into p[pid_j, rows] (DIRS: unused, always 1)."""
     pid = tl.program_id(0)
-    n_i = m_pad // BM
-    per_group = GROUP * (d_out // BN)
-    first_i = (pid // per_group) * GROUP
-    group_rows = tl.minimum(n_i - first_i, GROUP)
-    pid_i = first_i + (pid % per_group) % group_rows  # row tile fastest: neighbours share the R block
-    pid_j = (pid % per_group) // group_rows  # output blocks in order: the longest K loops (upper) start first
+    pid_i, pid_j = _grouped_tile(pid, m_pad // BM, d_out // BN, GROUP)  # neighbours share the R block
 
     offs_i = pid_i * BM + tl.arange(0, BM)
     rows = tl.minimum(offs_i, m_rows - 1).to(tl.int64)  # rows past M re-read the last one (no mask, no copy of T)

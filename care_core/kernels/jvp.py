@@ -81,6 +81,17 @@ def _scaled(s, a_ptrs, BF16: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _grouped_tile(tile, n_i, n_j, GROUP: tl.constexpr):
+    """(row tile, output block) of program ``tile`` over n_i x n_j tiles, GROUP row tiles at a time with the row tile
+    fastest: neighbouring programs share one weight block through L2, and the output blocks run in order (the longest
+    K loops of a triangle's first blocks start first). The jvp, norm-first and gemm-norm kernels' one ordering."""
+    per_group = GROUP * n_j
+    first_i = (tile // per_group) * GROUP
+    group_rows = tl.minimum(n_i - first_i, GROUP)
+    return first_i + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
 def _dot(t, w, acc, BF16: tl.constexpr):
     if BF16:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
         acc = tl.dot(t, w, acc)
@@ -102,13 +113,7 @@ def _sqnorm_kernel(
     dir_blocks = m // DIRS
     xb = pid % dir_blocks  # direction block fastest: neighbours share the S and W2 tiles through L2
     tile = pid // dir_blocks
-    n_i = n_pad // BM
-    n_j = d_out // BN
-    per_group = GROUP * n_j
-    first_i = (tile // per_group) * GROUP
-    group_rows = tl.minimum(n_i - first_i, GROUP)
-    pid_i = first_i + (tile % per_group) % group_rows
-    pid_j = (tile % per_group) // group_rows
+    pid_i, pid_j = _grouped_tile(tile, n_pad // BM, d_out // BN, GROUP)
 
     offs_i = pid_i * BM + tl.arange(0, BM)
     offs_j = pid_j * BN + tl.arange(0, BN)

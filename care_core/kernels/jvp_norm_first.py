@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.jvp import Tile, _dot, _operand, autotuned, tile_configs
+from care_core.kernels.jvp import Tile, _dot, _grouped_tile, _operand, autotuned, tile_configs
 from care_core.kernels.operands import weight_operand
 from care_core.kernels.shapes import norm_first_shape_supported, size_class
 
@@ -65,12 +65,7 @@ def _norm_first_kernel(
     dir_blocks = m // DIRS
     xb = pid % dir_blocks  # direction block fastest: neighbours share the s and R tiles through L2
     tile = pid // dir_blocks
-    n_i = n_pad // BM
-    per_group = GROUP * (d_out // BN)
-    first_i = (tile // per_group) * GROUP
-    group_rows = tl.minimum(n_i - first_i, GROUP)
-    pid_i = first_i + (tile % per_group) % group_rows
-    pid_j = (tile % per_group) // group_rows
+    pid_i, pid_j = _grouped_tile(tile, n_pad // BM, d_out // BN, GROUP)
 
     offs_i = pid_i * BM + tl.arange(0, BM)
     offs_j = pid_j * BN + tl.arange(0, BN)
