@@ -13,7 +13,7 @@ import torch
 
 from care_core.anchors import diversity_greedy
 from care_core.budget import resolve_budget
-from care_core.calibration import Calibration, calibrate
+from care_core.calibration import Calibration, calibrate, calibrate_batch
 from care_core.config import CaReConfig
 from care_core.errors import CareError
 from care_core.kernels.dispatch import why_not_fused
@@ -175,8 +175,6 @@ def calibrate_batch_with(
     gated: bool,
 ) -> list[Calibration]:
     """:func:`calibrate_with` for B images in one padded pass (:func:`~care_core.calibration.calibrate_batch`)."""
-    from care_core.calibration import calibrate_batch
-
     with matmul_precision(allow_tf32=False), torch.no_grad():
         return calibrate_batch(features, positions, anchors, weights, gated=gated, **calibration_options(cfg))
 
