@@ -384,17 +384,22 @@ def _fused_norm_first_applies(
 
 
 def _fused_norm_first(
-    prepared: norm_first.FirstLayer, slope: torch.Tensor, second: torch.Tensor, low: torch.dtype | None, upper: bool
-) -> torch.Tensor:
+    prepared: norm_first.FirstLayer, slope: torch.Tensor, second: torch.Tensor, low: torch.dtype | None, upper: bool,
+    gate: KernelGate,
+) -> torch.Tensor:  # fmt: skip
     """:func:`care_core.kernels.dispatch.norm_first_norms` on the first layer's products: the per-block corrections
-    W2 (slope_i ⊙ p_bi) made here (blocks / m of the kernel's work), at the kernel's precision."""
+    W2 (slope_i ⊙ p_bi) made here (blocks / m of the kernel's work), at the kernel's precision. W2's kernel operand
+    comes from ``gate`` (:meth:`~care_core.kernels.dispatch.KernelGate.operand`: made once where a scorer keeps it);
+    in bf16 it is also the corrections' weight (W2 in bf16, as the kernel reads it)."""
     blocks, n, hidden = prepared.partial.shape
+    bf16 = low is not None
+    operand = gate.operand(second, bf16=bf16)
+    weight = operand if bf16 else second
     flat = (slope[None] * prepared.partial).reshape(-1, hidden)
-    weight = second if low is None else second.to(low)
-    flat = flat if low is None else flat.to(low)
+    flat = flat.to(low) if bf16 else flat
     corrections = (_upper_products(flat, weight) if upper else flat @ weight.T).float().view(blocks, n, -1)
-    return dispatch.norm_first_norms(slope, prepared.lifted, prepared.inverse, prepared.coef, corrections, second,
-                                    bf16=low is not None, upper=upper)  # fmt: skip
+    return dispatch.norm_first_norms(slope, prepared.lifted, prepared.inverse, prepared.coef, corrections, operand,
+                                    bf16=bf16, upper=upper, rounded=True)  # fmt: skip
 
 
 def _norm_first_operand_applies(features: torch.Tensor, desc: NormFirstMLP) -> bool:
@@ -504,7 +509,7 @@ def _jvp_norm_mlp(
     gate, upper = as_gate(kernel), factor is not None
     applies = _fused_norm_first_applies(features, desc, second, low, tf32, gate.kernel, upper)
     if gate.choose("jvp_norm_first", features.device, applies=applies) == "fused":
-        fused = gate.attempt("jvp_norm_first", lambda: _fused_norm_first(prepared, slope, second, low, upper))
+        fused = gate.attempt("jvp_norm_first", lambda: _fused_norm_first(prepared, slope, second, low, upper, gate))
         if fused is not None:
             return fused.to(features.dtype)
     source, second = second, second if low is None else second.to(low)

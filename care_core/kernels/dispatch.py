@@ -164,12 +164,13 @@ def norm_first_norms(
     *,
     bf16: bool,
     upper: bool,
+    rounded: bool = False,
 ) -> torch.Tensor:
     """The fused norm-first jvp kernel (:func:`care_core.kernels.jvp_norm_first.norm_first_norms`); imports Triton
     when called."""
     from care_core.kernels.jvp_norm_first import norm_first_norms as run
 
-    return run(slope, lifted, inverse, coef, corrections, w2, bf16=bf16, upper=upper)
+    return run(slope, lifted, inverse, coef, corrections, w2, bf16=bf16, upper=upper, rounded=rounded)
 
 
 def norm_first_operand(

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from care_core.kernels.jvp import Tile, _dot, _grouped_tile, _operand, autotuned, tile_configs
-from care_core.kernels.operands import weight_operand
+from care_core.kernels.operands import kernel_operand
 from care_core.kernels.shapes import GEMM_NORM_K_MULTIPLE, GEMM_NORM_OUT_MULTIPLE, gemm_norm_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps); DIRS is the jvp kernels' tile field, always 1 here (one operand, no directions).
@@ -123,7 +123,7 @@ def gemm_norms(
     if m_rows == 0:
         return rows.new_zeros(0)
     t = rows if rows.stride(-1) == 1 else rows.contiguous()
-    w = (r if rounded else weight_operand(r, bf16=bf16)).contiguous()
+    w = kernel_operand(r, bf16=bf16, rounded=rounded, kernel="gemm-norm kernel")
     m_pad = -(-m_rows // ROW_PAD) * ROW_PAD
     min_bn = min(bn for _, bn, *_ in _TILES + _WIDE_TILES)
     partial = torch.zeros(out_dim // min_bn, m_pad, dtype=torch.float32, device=rows.device)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from care_core.kernels.operands import weight_operand
+from care_core.kernels.operands import kernel_operand
 from care_core.kernels.shapes import JVP_K_MULTIPLE, JVP_OUT_MULTIPLE, jvp_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps) of each autotune candidate; bf16 and tf32 differ only in the K tile BK
@@ -221,9 +221,7 @@ def jvp_norms(
     if m_pad != m:
         a = torch.cat([a, a.new_zeros(m_pad - m, hidden)])
     a = a.contiguous()
-    if rounded and w2.dtype != (torch.bfloat16 if bf16 else torch.float32):
-        raise ValueError(f"fused jvp kernel: a rounded W2 is {'bf16' if bf16 else 'float32'}, got {w2.dtype}")
-    w = w2.contiguous() if rounded else weight_operand(w2, bf16=bf16)
+    w = kernel_operand(w2, bf16=bf16, rounded=rounded, kernel="fused jvp kernel")
     min_bn = min(c.kwargs["BN"] for c in (_BF16_CONFIGS if bf16 else _TF32_CONFIGS))
     partial = torch.zeros(out_dim // min_bn, m_pad, n_pad, dtype=torch.float32, device=slope.device)
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from care_core.kernels.jvp import Tile, _dot, _grouped_tile, _operand, autotuned, tile_configs
-from care_core.kernels.operands import weight_operand
+from care_core.kernels.operands import kernel_operand
 from care_core.kernels.shapes import norm_first_shape_supported, size_class
 
 # (BM, BN, DIRS, stages, warps): accumulators and the epilogue's correction tiles share the registers, so the tiles
@@ -128,12 +128,14 @@ def norm_first_norms(
     *,
     bf16: bool,
     upper: bool,
+    rounded: bool = False,
 ) -> torch.Tensor:
     """C[x, i] = ||W2 (slope_i ⊙ Σ_b inverse_ib lifted_bx) − Σ_b coef_bix corrections_bi||, (m, N) float32, on CUDA.
 
     slope (N, d_h); lifted (blocks, m, d_h); inverse (N, blocks); coef (blocks, N, m); corrections (blocks, N,
     d_out): W2 (slope_i ⊙ p_bi), made by the caller at the same precision; w2 (d_out, d_h), upper triangular or
     trapezoidal where ``upper``. ``bf16``: bf16 operands with float32 accumulation, else tf32 (rounded to nearest).
+    ``rounded``: w2 is already :func:`~care_core.kernels.operands.weight_operand`'s.
     """
     n, hidden = slope.shape
     blocks, m, _ = lifted.shape
@@ -152,7 +154,7 @@ def norm_first_norms(
     c[:, :m, :n] = coef.transpose(1, 2)
     q = torch.zeros(blocks, n_pad, out_dim, dtype=f32, device=device)
     q[:, :n] = corrections
-    w = weight_operand(w2, bf16=bf16)
+    w = kernel_operand(w2, bf16=bf16, rounded=rounded, kernel="fused norm-first jvp kernel")
     min_bn = min(bn for _, bn, _, _, _ in _TILES)
     partial = torch.zeros(out_dim // min_bn, m_pad, n_pad, dtype=f32, device=device)
 

@@ -348,6 +348,44 @@ def test_the_fused_norm_first_kernel_against_float64(
     assert _relative(got.double().cpu(), ref) < (2e-2 if matmul == "bf16" else 2e-3)
 
 
+@pytest.mark.parametrize("matmul", ["tf32", "bf16"])
+def test_the_fused_norm_first_kernel_gets_the_gates_operand_made_once(
+    matmul: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """Through a kept gate (a scorer's), W2's kernel operand is made on the first call only and handed over as the
+    kernel's (rounded=True): bf16, or float32 rounded to tf32."""
+    made: list[tuple[int, ...]] = []
+    real_operand = dispatch.weight_operand
+
+    def weight_operand(w: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+        made.append(tuple(w.shape))
+        return real_operand(w, bf16=bf16)
+
+    handed: list[torch.Tensor] = []
+
+    def norm_first_norms(slope: torch.Tensor, lifted: torch.Tensor, *args: Any, rounded: bool, **kw: Any) -> Any:
+        assert rounded
+        handed.append(args[-1])
+        return torch.zeros(lifted.shape[1], slope.shape[0])
+
+    monkeypatch.setattr(dispatch, "why_not_fused", lambda device: None)
+    monkeypatch.setattr(dispatch, "weight_operand", weight_operand)
+    monkeypatch.setattr(dispatch, "norm_first_norms", norm_first_norms)
+    desc = _projector("layer", 1, 16, 64, 128, seed=3)
+    features, u = torch.randn(20, 16, generator=torch.Generator().manual_seed(4)), unit_directions(6, 16, seed=2)
+    gate, low = dispatch.KernelGate("fused"), torch.bfloat16 if matmul == "bf16" else None
+    with torch.no_grad():
+        for _ in range(3):
+            _jvp_norm_mlp(features, desc, u, low, None, tf32=matmul == "tf32", kernel=gate)
+    assert made == [(128, 64)] and len(handed) == 3 and all(w is handed[0] for w in handed)
+    w2 = desc.second.weight.detach()
+    if matmul == "bf16":
+        assert handed[0].dtype == torch.bfloat16 and torch.equal(handed[0], w2.to(torch.bfloat16))
+    else:  # tf32: 10 mantissa bits (the low 13 of float32's 23 cleared), within half a tf32 step of W2
+        assert handed[0].dtype == torch.float32 and bool((handed[0].view(torch.int32) & 0x1FFF == 0).all())
+        assert bool(((handed[0] - w2).abs() <= w2.abs() * 2.0**-11).all()) and not torch.equal(handed[0], w2)
+
+
 # ------------------------------------------------------------------ the one-pass operand kernel (any block count)
 def test_the_operand_kernel_takes_float32_features_and_one_to_four_blocks() -> None:
     features = torch.zeros(4, 8)
