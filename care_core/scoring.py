@@ -300,8 +300,8 @@ def _jvp_mlp(
                                                                rounded=True, **triangle))  # fmt: skip
         if fused is not None:
             return fused.to(features.dtype)
-    if low is not None:
-        slope, lifted, w2 = slope.to(low), lifted.to(low), w2.to(low)
+    if low is not None:  # W2 in bf16 is the fused kernel's operand too: a scorer's gate keeps it
+        slope, lifted, w2 = slope.to(low), lifted.to(low), gate.operand(w2, bf16=True)
     n, hidden = pre.shape
     m = directions.shape[0]
     step = _chunk_size(m, n * max(hidden, w2.shape[0]))
@@ -512,7 +512,7 @@ def _jvp_norm_mlp(
         fused = gate.attempt("jvp_norm_first", lambda: _fused_norm_first(prepared, slope, second, low, upper, gate))
         if fused is not None:
             return fused.to(features.dtype)
-    source, second = second, second if low is None else second.to(low)
+    source, second = second, second if low is None else gate.operand(second, bf16=True)  # kept by a scorer's gate
     rows = partial(_norm_first_rows, second=second, n=features.shape[0], m=directions.shape[0], dtype=features.dtype)
     by_product = partial(_product_norms, second=second, low=low, upper=upper)
     device = features.device

@@ -298,6 +298,25 @@ def test_a_scorer_makes_each_kernel_operand_once_until_the_weights_change(monkey
     assert len(made) == 4
 
 
+def test_the_pytorch_path_in_bf16_converts_w2_once_for_a_scorer(monkeypatch: pytest.MonkeyPatch) -> None:
+    features, mlp, u = _jvp_problem()
+    made: list[tuple[int, ...]] = []
+    real = dispatch.weight_operand
+
+    def operand(w: torch.Tensor, *, bf16: bool) -> torch.Tensor:
+        made.append(tuple(w.shape))
+        return real(w, bf16=bf16)
+
+    monkeypatch.setattr(dispatch, "weight_operand", operand)
+    scorer = Scorer(mlp)
+    first = scorer.responses(features, u, h=5e-4, matmul="bf16", kernel="torch")
+    for _ in range(2):
+        assert torch.equal(scorer.responses(features, u, h=5e-4, matmul="bf16", kernel="torch"), first)
+    assert made == [(256, 64)]  # W2 in bf16, made on the first call only
+    want = perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16", kernel="torch")
+    assert torch.equal(first, want) and len(made) == 2  # a call without a scorer: its own conversion, same result
+
+
 def test_a_kernel_that_fails_to_build_falls_back_for_that_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
     features, mlp, u = _jvp_problem()
     reference = perturbation_responses(features, mlp, u, h=5e-4, matmul="bf16", kernel="torch")
