@@ -6,6 +6,7 @@
     python -m benchmarks.gpu --only batch           # care_reduce_batch over 1, 4, 16 images against separate calls
     python -m benchmarks.gpu --quick                # LLaVA-1.5-7B only, 3 scoring paths, care + random, one K
     python -m benchmarks.gpu --tiny --quick --device cpu   # smoke test of the benchmark itself (tiny widths)
+    python -m benchmarks.gpu --docs                 # no run: docs/performance.md's tables from the newest full result
 
 What it measures (CUDA events, warm-ups, medians):
 * the card's dense matmul rate (bf16, tf32, fp32 at 8192^3): the floors of the scoring step;
@@ -26,11 +27,23 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Clock, ResultsWriter, make_parser, pick_device, run_main, say
+from benchmarks.common import (
+    ROOT,
+    Clock,
+    ResultsWriter,
+    fail,
+    make_parser,
+    pick_device,
+    run_main,
+    say,
+    source_state,
+)
 from benchmarks.gpu.batch import bench_batch
 from benchmarks.gpu.context import BUDGETS, M_DIRECTIONS, Workload, build_workloads, card_slug, environment
+from benchmarks.gpu.docs import DOC_FILE, write_docs
 from benchmarks.gpu.generate import bench_generate
 from benchmarks.gpu.report import print_tables, targets
 from benchmarks.gpu.scoring import Micro, bench_anchors, bench_care_reduce, bench_scoring, matmul_rates
@@ -55,7 +68,13 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--tiny", action="store_true", help="tiny widths (smoke test of this benchmark)")
     parser.add_argument("--methods", default="all", help="comma-separated method names, or 'all'")
     parser.add_argument("--no-graphs", action="store_true", help="no CUDA graphs in the models part")
+    parser.add_argument("--docs", action="store_true",
+                        help="no run: rewrite docs/performance.md's tables from the newest full result")  # fmt: skip
+    parser.add_argument("--result", type=Path, default=None,
+                        help="with --docs: render the tables this result holds instead of the newest")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.result is not None and not args.docs:
+        raise fail("--result names the result --docs renders; give --docs too")
     if args.quick:
         args.reps = min(args.reps, 2)
     return args
@@ -103,13 +122,18 @@ def run_generate(args: Any, workloads: list[Workload], micro: Micro, results: di
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.docs:
+        changed = write_docs(ROOT, args.result)
+        say(f"rewrote {', '.join(changed)} of {ROOT / DOC_FILE}" if changed else f"unchanged: {ROOT / DOC_FILE}")
+        return
     device = pick_device(args.device)
     env = environment(device)
     writer = ResultsWriter(args, f"gpu-{card_slug(env['card'])}")
     clock = Clock(device)
     started = time.perf_counter()
     size = 256 if args.tiny or device.type == "cpu" else 8192
-    results: dict[str, Any] = {"environment": env, "m": M_DIRECTIONS, "budgets": BUDGETS, "quick": args.quick,
+    results: dict[str, Any] = {"environment": env, "source": source_state(), "m": M_DIRECTIONS, "budgets": BUDGETS,
+                               "quick": args.quick,
                                "tiny": args.tiny, "weights": "random (timings do not depend on weight values)",
                                "dtype": "bfloat16 model, float32 CaRe maths", "matmul_size": size}  # fmt: skip
     say(f"{env['card']} torch {env['torch']} triton {env['triton']} transformers {env['transformers']}")
