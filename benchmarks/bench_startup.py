@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_startup [--reps 7]     # from the repository root
     python -m benchmarks.bench_startup --quick        # 2 runs of each command
+    python -m benchmarks.bench_startup --docs         # no run: docs/performance.md's table from the newest result
 
 Each command runs as a fresh process (the console script's own entry point); the table shows the median and
 the best wall time, and whether torch or transformers were imported. Writes its JSON into --results-dir (default:
@@ -10,14 +11,31 @@ a new scratch folder) and, only when asked, to --out.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, ResultsWriter, host, make_parser, print_table, run_main, stamp
+from benchmarks.common import (
+    RESULTS,
+    ROOT,
+    ResultsWriter,
+    commit_label,
+    fail,
+    host,
+    make_parser,
+    newest_file,
+    print_table,
+    replace_block,
+    run_main,
+    say,
+    source_state,
+    stamp,
+)
 
 COMMANDS = (
     ("--help",),
@@ -62,11 +80,44 @@ def measure(command: tuple[str, ...], reps: int) -> dict[str, Any]:
             "under_1s": statistics.median(samples) < 1000}  # fmt: skip
 
 
+#: the block of docs/performance.md rendered from the newest committed result (``--docs``)
+DOC_FILE = "docs/performance.md"
+BEGIN, END = ("<!-- startup:begin (python -m benchmarks.bench_startup --docs) -->", "<!-- startup:end -->")
+
+
+def render_markdown(results: dict[str, Any], name: str) -> str:
+    """The docs' block for a result named ``name``: each command's median and best ms and its heavy imports."""
+    lines = ["| command | median ms | best ms | torch / transformers imported |", "| --- | ---: | ---: | --- |"]
+    for r in results["rows"]:
+        heavy = ", ".join(r["heavy_imports"]) or "none"
+        lines.append(f"| `{r['command']}` | {r['median_ms']:.0f} | {r['best_ms']:.0f} | {heavy} |")
+    machine = results.get("machine", {})
+    commit = commit_label(results["source"]) if "source" in results else "not recorded"
+    lines += ["", f"{results['reps']} fresh processes a command on a {machine.get('cpu_count', '?')}-core machine. "
+              f"Source: `benchmarks/results/{name}` (`python -m benchmarks.bench_startup`, "
+              f"commit {commit})."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(root: Path = ROOT) -> bool:
+    """Rewrite :data:`DOC_FILE`'s block from the newest committed result; returns whether it changed."""
+    newest = newest_file(root / RESULTS.relative_to(ROOT), "*-cpu-bench_startup.json")
+    if newest is None:
+        raise fail("no committed result (benchmarks/results/*-cpu-bench_startup.json) to render")
+    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    return replace_block(root / DOC_FILE, BEGIN, END, block)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser(__doc__, quick="2 runs of each command (about 25 s on a 2-core CPU)",
                          duration="7 runs of 6 commands: about 1 minute on a 2-core CPU")  # fmt: skip
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--docs", action="store_true",
+                        help="no run: rewrite docs/performance.md's table from the newest result")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.docs:
+        say(f"{'rewrote' if write_docs() else 'unchanged:'} the start-up block of {ROOT / DOC_FILE}")
+        return
     writer = ResultsWriter(args, "cpu-bench_startup")
     reps = 2 if args.quick else args.reps
     rows = [measure(command, reps) for command in COMMANDS]
@@ -74,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
               ", ".join(r["heavy_imports"]) or "none", "yes" if r["under_1s"] else "NO") for r in rows]  # fmt: skip
     header = ("command", "median ms", "best ms", "exit", "torch / transformers imported", "< 1 s")
     print_table(f"Start-up, fresh process, {reps} runs each", header, cells)
-    writer.finish({"date": stamp(), "machine": host(), "reps": reps, "rows": rows})
+    writer.finish({"date": stamp(), "machine": host(), "source": source_state(), "reps": reps, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -46,6 +46,24 @@ def test_out_refuses_an_existing_file(tmp_path: Path, capsys: pytest.CaptureFixt
     assert err.count("\n") == 1 and err.startswith("error: ") and "exists" in err
 
 
+def test_the_startup_block_gives_the_figures_typed_from_its_result(tmp_path: Path) -> None:
+    name = "2026-11-26-053536-cpu-bench_startup.json"
+    block = bench_startup.render_markdown(json.loads((RESULTS / name).read_text()), name)
+    assert "| `care --help` | 179 | 146 | none |" in block  # the rows docs/performance.md had typed by hand
+    assert "| `care flops --backbone llava-next --keep 160 --json` | 435 | 397 | none |" in block
+    assert "5 fresh processes a command on a 2-core machine" in block and "commit not recorded" in block
+    doc = tmp_path / bench_startup.DOC_FILE
+    doc.parent.mkdir()
+    doc.write_text(f"intro\n{bench_startup.BEGIN}\nold\n{bench_startup.END}\nafter\n")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    with pytest.raises(SystemExit):  # no result to render
+        bench_startup.write_docs(tmp_path)
+    (tmp_path / "benchmarks" / "results" / name).write_text((RESULTS / name).read_text())
+    assert bench_startup.write_docs(tmp_path)
+    text = doc.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("after\n") and "| 179 |" in text
+
+
 def test_wide_table_is_split_and_keeps_every_number(capsys: pytest.CaptureFixture[str]) -> None:
     header = ("method", *(f"column number {i}" for i in range(12)))
     row = ("a method with a rather long name", *(f"{1234567.891 * (i + 1):.3f}" for i in range(12)))
