@@ -11,7 +11,6 @@ a new scratch folder) and, only when asked, to --out.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -21,16 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    RESULTS,
     ROOT,
     ResultsWriter,
     commit_label,
-    fail,
     host,
     make_parser,
-    newest_file,
     print_table,
-    replace_block,
+    render_newest,
     run_main,
     say,
     source_state,
@@ -101,11 +97,7 @@ def render_markdown(results: dict[str, Any], name: str) -> str:
 
 def write_docs(root: Path = ROOT) -> bool:
     """Rewrite :data:`DOC_FILE`'s block from the newest committed result; returns whether it changed."""
-    newest = newest_file(root / RESULTS.relative_to(ROOT), "*-cpu-bench_startup.json")
-    if newest is None:
-        raise fail("no committed result (benchmarks/results/*-cpu-bench_startup.json) to render")
-    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
-    return replace_block(root / DOC_FILE, BEGIN, END, block)
+    return render_newest(root, "*-cpu-bench_startup.json", DOC_FILE, (BEGIN, END), render_markdown)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -190,6 +190,19 @@ def replace_block(path: Path, begin: str, end: str, block: str) -> bool:
     return new != text
 
 
+def render_newest(
+    root: Path, pattern: str, doc_file: str, markers: tuple[str, str], render: Callable[[dict[str, Any], str], str]
+) -> bool:
+    """Rewrite the block between ``markers`` of ``root / doc_file`` as ``render(result, file name)`` renders the
+    newest committed result matching ``pattern`` (``root/benchmarks/results``); whether the file changed. No such
+    result fails in one line."""
+    newest = newest_file(root / "benchmarks" / "results", pattern)
+    if newest is None:
+        raise fail(f"no committed result (benchmarks/results/{pattern}) to render")
+    block = render(json.loads(newest.read_text(encoding="utf-8")), newest.name)
+    return replace_block(root / doc_file, *markers, block)
+
+
 class ResultsWriter:
     """Where one run's JSON goes: ``<results dir>/<stamp>-<name>.json``, and ``--out`` when given.
 

@@ -37,7 +37,6 @@ from benchmarks.common import (
     ResultsWriter,
     at_least_one,
     commit_label,
-    fail,
     fmt,
     free_device_memory,
     make_parser,
@@ -45,7 +44,7 @@ from benchmarks.common import (
     newest_file,
     pick_device,
     print_table,
-    replace_block,
+    render_newest,
     run_main,
     say,
     source_state,
@@ -147,6 +146,7 @@ def print_families(families: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------------------- docs
 #: the block of docs/performance.md rendered from the newest committed result (``--docs``)
 DOC_FILE = "docs/performance.md"
+RESULT_PATTERN = "*-prefill-kernels.json"  # the committed results' names
 BEGIN, END = ("<!-- prefill-kernels:begin (python -m benchmarks.prefill_kernels --docs) -->",
               "<!-- prefill-kernels:end -->")  # fmt: skip
 
@@ -174,16 +174,12 @@ def render_markdown(results: dict[str, Any], name: str) -> str:
 
 def newest_result(folder: Path = RESULTS) -> Path | None:
     """The newest committed result (file names start with the date), None where there is none."""
-    return newest_file(folder, "*-prefill-kernels.json")
+    return newest_file(folder, RESULT_PATTERN)
 
 
 def write_docs(root: Path = ROOT) -> bool:
     """Rewrite :data:`DOC_FILE`'s block from the newest committed result; returns whether it changed."""
-    newest = newest_result(root / "benchmarks" / "results")
-    if newest is None:
-        raise fail("no committed result (benchmarks/results/*-prefill-kernels.json) to render")
-    block = render_markdown(json.loads(newest.read_text(encoding="utf-8")), newest.name)
-    return replace_block(root / DOC_FILE, BEGIN, END, block)
+    return render_newest(root, RESULT_PATTERN, DOC_FILE, (BEGIN, END), render_markdown)
 
 
 def parse(argv: list[str] | None) -> Any:
