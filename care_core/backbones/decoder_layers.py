@@ -284,23 +284,6 @@ def _varying(*dims: tuple[torch.Tensor, int, int]) -> None:
                 torch._dynamo.mark_dynamic(tensor, dim)
 
 
-def _inductor_options() -> dict[str, Any]:
-    """The compiled pieces' Inductor options: programmatic dependent launch (PDL) where this torch's Inductor has it.
-
-    With PDL a Triton kernel starts while the kernel before it drains and waits (``gdc_wait``) only before it reads
-    that kernel's output, which hides part of the ~2 us gap between the ~400-550 small kernels of a K-row prefill
-    graph. Inductor emits it on Hopper and newer only (elsewhere the option changes nothing), and never in matmul
-    templates. A LLaVA-1.5-7B 93-row prefill graph took 5.32 ms with it against 5.69 without, the kernels' sum
-    unchanged (H200, benchmarks/results/2026-12-01-002936-gpu-h200-prefill-kernels-inductor-pdl.json against
-    ...-002857-...-inductor-base.json); max-autotune GEMMs on top gained nothing
-    (...-003012-...-inductor-pdl-autotune.json).
-    """
-    # the config module is heavy to import (about 1 s on a CPU host); torch.compile imports it anyway on this path
-    import torch._inductor.config as inductor_config
-
-    return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
-
-
 class LeanLayers:
     """The two pure pieces of :func:`layer_forward`: compiled for the steps a CUDA graph captures where Triton runs on
     ``device``, as written everywhere else (``compiled`` says whether the compiled pieces exist). Where compiling
@@ -325,9 +308,8 @@ class LeanLayers:
             # only the dims _varying marks are symbolic (dynamic=None); with every size symbolic, head_dim and widths
             # too, Inductor's kernels were slower: a 96-row LLaVA-1.5-7B prefill graph took 6.2 ms against 5.7,
             # LLaVA-NeXT-7B's all-token first token 81.6 against 69.6 (H200)
-            options = _inductor_options()
-            self._compiled = (torch.compile(attention_inputs, dynamic=None, fullgraph=True, options=options),
-                              torch.compile(mlp_block, dynamic=None, fullgraph=True, options=options))  # fmt: skip
+            self._compiled = (torch.compile(attention_inputs, dynamic=None, fullgraph=True),
+                              torch.compile(mlp_block, dynamic=None, fullgraph=True))  # fmt: skip
 
     def _fall_back(self, exc: Exception) -> None:
         self.compiled = False

@@ -7,14 +7,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch._inductor.config as inductor_config
 from torch import nn
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer, MistralRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-from care_core.backbones import decoder_layers
 from care_core.backbones.decoder_layers import (
     LeanLayers,
     layer_forward,
@@ -213,18 +211,6 @@ def test_eager_steps_and_a_piece_that_cannot_be_compiled_run_as_written(monkeypa
         got = layer_forward(pieces, *args)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert not pieces.compiled and pieces.compile_failure == "CompileFailed: no C compiler found"
-
-
-def test_the_compiled_pieces_ask_inductor_for_programmatic_dependent_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    asked: list[dict[str, Any]] = []
-    monkeypatch.setattr(decoder_layers, "why_not_fused", lambda device: None)  # as on a CUDA machine with Triton
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: asked.append(kwargs["options"]) or fn)
-    assert LeanLayers(torch.device("cpu")).compiled
-    assert len(asked) == 2 and asked[0] == asked[1]
-    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":  # its Inductor has the option
-        assert asked[0] == {"triton.enable_pdl": True}
-    with inductor_config.patch(asked[0]):  # an option this torch's Inductor does not know raises here
-        assert all(getattr(inductor_config.triton, key.split(".")[1]) is value for key, value in asked[0].items())
 
 
 def test_quantised_or_subclassed_projections_are_refused_by_name() -> None:
