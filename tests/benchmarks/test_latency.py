@@ -280,7 +280,7 @@ def test_the_footer_gives_the_hosts_launch_time_when_the_result_has_it() -> None
     assert "default decoding: no CUDA graphs; 0 of 0 targets met." in latency.render_markdown(results, "r.json")
 
 
-def test_the_drop_in_line_gives_its_verdict_its_commit_and_the_hosts_launch_time() -> None:
+def test_the_drop_in_line_gives_its_verdict_commit_later_steps_and_the_hosts_launch_time() -> None:
     row = {"family": "llava-next", "K": 160, "batch": 8, "all_ms": 860.2, "care_ms": 467.9, "speedup": 1.8384,
            "tower_share_of_care": 0.286}  # fmt: skip
     dropin = {"new_tokens": 8, "dropin": [row], "environment": {"launch_us": 8.81},
@@ -292,6 +292,11 @@ def test_the_drop_in_line_gives_its_verdict_its_commit_and_the_hosts_launch_time
     assert "Target: llava-next 1.84× against ≥ 2.5×: NOT MET." in line
     assert line.endswith("(`python -m benchmarks.latency --part dropin`, commit 99a198f; the host launches a kernel in "
                          "8.8 µs).")  # fmt: skip
+    row.update(new_tokens=8, all_first_token_ms=690.0, care_first_token_ms=310.4)  # 170.2 and 157.5 ms later
+    later = "(**1.84×**; the tower 29% of the reduced call; the 7 steps after the first token 170 and 158 ms)."
+    assert later in latency._dropin_lines(dropin, "d.json")[1]
+    for key in ("all_first_token_ms", "care_first_token_ms"):
+        del row[key]
     del dropin["environment"], dropin["targets"]  # results from before the fields: no clauses
     assert latency._dropin_lines(dropin, "d.json")[1].endswith(
         "ms (**1.84×**; the tower 29% of the reduced call). "
