@@ -282,24 +282,29 @@ def test_the_footer_gives_the_hosts_launch_time_when_the_result_has_it() -> None
 
 def test_the_drop_in_line_gives_its_verdict_commit_later_steps_and_the_hosts_launch_time() -> None:
     row = {"family": "llava-next", "K": 160, "batch": 8, "all_ms": 860.2, "care_ms": 467.9, "speedup": 1.8384,
-           "tower_share_of_care": 0.286}  # fmt: skip
+           "tower_share_of_care": 0.286, "processor_ms": 121.4}  # fmt: skip
     dropin = {"new_tokens": 8, "dropin": [row], "environment": {"launch_us": 8.81},
               "source": {"commit": "99a198f", "dirty": False},
               "targets": [{"figure": "dropin_speedup", "family": "llava-next", "K": "160", "value": 1.8384,
                            "target": ">= 2.5", "met": False}]}  # fmt: skip
     line = latency._dropin_lines(dropin, "d.json")[1]
-    assert "llava-next at K = 160: 860 → 468 ms (**1.84×**; the tower 29% of the reduced call)." in line
+    share = "the tower 29% of the reduced call; the processor's call before either 121 ms"
+    assert f"llava-next at K = 160: 860 → 468 ms (**1.84×**; {share})." in line
     assert "Target: llava-next 1.84× against ≥ 2.5×: NOT MET." in line
     assert line.endswith("(`python -m benchmarks.latency --part dropin`, commit 99a198f; the host launches a kernel in "
                          "8.8 µs).")  # fmt: skip
     row.update(new_tokens=8, all_first_token_ms=690.0, care_first_token_ms=310.4)  # 170.2 and 157.5 ms later
-    later = "(**1.84×**; the tower 29% of the reduced call; the 7 steps after the first token 170 and 158 ms)."
+    later = f"(**1.84×**; {share}; the 7 steps after the first token 170 and 158 ms)."
     assert later in latency._dropin_lines(dropin, "d.json")[1]
-    for key in ("all_first_token_ms", "care_first_token_ms"):
-        del row[key]
-    del dropin["environment"], dropin["targets"]  # results from before the fields: no clauses
+
+
+def test_a_drop_in_line_from_before_the_fields_names_what_its_figures_held() -> None:
+    """Older results: their tower figure held the processor too, and they have no first-token or launch fields."""
+    row = {"family": "llava-next", "K": 160, "batch": 8, "all_ms": 860.2, "care_ms": 467.9, "speedup": 1.8384,
+           "tower_ms": 133.8, "tower_share_of_care": 0.286}  # fmt: skip
+    dropin = {"new_tokens": 8, "dropin": [row], "source": {"commit": "99a198f", "dirty": False}}
     assert latency._dropin_lines(dropin, "d.json")[1].endswith(
-        "ms (**1.84×**; the tower 29% of the reduced call). "
+        "ms (**1.84×**; the processor and the tower, timed together, 134 ms). "
         "Source: `benchmarks/results/d.json` (`python -m "
         "benchmarks.latency --part dropin`, commit 99a198f)."
     )
