@@ -354,20 +354,6 @@ class Clock:
             reps = max(1, int(budget_ms // max(first, 1e-3)))
         return statistics.median(self.once(fn) for _ in range(reps))
 
-    def alternating_medians(
-        self, calls: dict[str, Callable[[], Any]], reps: int = 5, warmup: int = 1
-    ) -> dict[str, float]:
-        """Each call's median over ``reps`` rounds that run every call once, in turn (after ``warmup`` untimed
-        rounds): a drift of the host's pace during the run reaches every call alike."""
-        for _ in range(warmup):
-            for fn in calls.values():
-                self.once(fn)
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(reps):
-            for name, fn in calls.items():
-                times[name].append(self.once(fn))
-        return {name: statistics.median(ms) for name, ms in times.items()}
-
     @contextlib.contextmanager
     def stage_timer(self, sink: dict[str, float]) -> Iterator[Callable[[str], contextlib.AbstractContextManager]]:
         """A ``care_reduce`` stage_timer writing each stage's ms into ``sink`` when the block ends."""

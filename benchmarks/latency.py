@@ -413,15 +413,15 @@ def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device,
         keep = keep or keep_from_ratio(KEPT, n)
         model = adapter.model
         row: dict[str, Any] = {"family": family, "N": n, "K": keep, "batch": DROPIN_BATCH, "new_tokens": NEW_TOKENS}
+        # each call in a block of its own rounds, as a user's process runs one kind: taking turns times each call
+        # after the other kind (on one host all tokens took 882-936 ms against 860 and CaRe 336-349 against 351-368:
+        # 2.60-2.68x against 2.34-2.45x; benchmarks/results/2026-12-01-02*-dropin-{alternating,blocks}*.json)
+        row["all_ms"] = clock.median(partial(dropin_generate, model.generate, inputs), reps=args.reps, warmup=1)
+        row["all_first_token_ms"] = clock.median(partial(dropin_generate, model.generate, inputs, 1), reps=args.reps)
         with reduce_visual_tokens(model, processor=adapter.processor, method="care", keep=keep):
-            # inside the block the class's own generate is the all-token call, so the four calls take turns in
-            # every round and a drift of the host's pace reaches each alike
-            plain = partial(type(model).generate, model)
-            calls = {"all_ms": partial(dropin_generate, plain, inputs),
-                     "care_ms": partial(dropin_generate, model.generate, inputs),
-                     "all_first_token_ms": partial(dropin_generate, plain, inputs, 1),
-                     "care_first_token_ms": partial(dropin_generate, model.generate, inputs, 1)}  # fmt: skip
-            row.update(clock.alternating_medians(calls, reps=args.reps, warmup=1))
+            row["care_ms"] = clock.median(partial(dropin_generate, model.generate, inputs), reps=args.reps, warmup=1)
+            row["care_first_token_ms"] = clock.median(partial(dropin_generate, model.generate, inputs, 1),
+                                                      reps=args.reps)  # fmt: skip
         # the tower as the reduced call runs it, on the processor's tensors already on the GPU; the processor's own
         # call comes before generate, in neither call's time
         processed = on_device(adapter.preprocess([image] * DROPIN_BATCH), device)

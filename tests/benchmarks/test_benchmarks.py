@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from benchmarks import bench_startup
-from benchmarks.common import RESULTS, Clock, print_table, run_main
+from benchmarks.common import RESULTS, print_table, run_main
 from benchmarks.gpu.report import print_tables
 
 COMMITTED_GPU = RESULTS / "2026-11-26-gpu-h200-triangular.json"
@@ -106,20 +104,3 @@ def test_ctrl_c_ends_a_benchmark_with_code_130_and_no_traceback() -> None:
     ran: list[bool] = []
     run_main(lambda: ran.append(True))  # an ordinary run: main's own return, nothing raised
     assert ran == [True]
-
-
-def test_alternating_medians_take_turns_and_give_each_calls_own_median() -> None:
-    """Each round runs every call once in the given order, after untimed warm-up rounds; each median is over that
-    call's own timed rounds only (scripted durations, so the medians are known by hand)."""
-    ran: list[str] = []
-    scripted = iter([9.0, 9.0, 3.0, 10.0, 1.0, 30.0, 2.0, 20.0])  # warm-up a, b; then a, b per round
-
-    class ScriptedClock(Clock):
-        def once(self, fn: Callable[[], Any]) -> float:
-            fn()
-            return next(scripted)
-
-    calls = {"a": lambda: ran.append("a"), "b": lambda: ran.append("b")}
-    medians = ScriptedClock("cpu").alternating_medians(calls, reps=3, warmup=1)
-    assert ran == ["a", "b"] * 4
-    assert medians == {"a": 2.0, "b": 20.0}
