@@ -395,10 +395,10 @@ def on_device(mapping: Any, device: torch.device) -> dict[str, Any]:
     return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in mapping.items()}
 
 
-def dropin_generate(generate: Callable[..., Any], inputs: dict[str, Any], new_tokens: int = NEW_TOKENS) -> Any:
-    """``generate`` (a model's) on the batch, exactly ``new_tokens`` greedy tokens per sample."""
+def dropin_generate(model: Any, inputs: dict[str, Any], new_tokens: int = NEW_TOKENS) -> Any:
+    """``model.generate`` on the batch, exactly ``new_tokens`` greedy tokens per sample."""
     with torch.no_grad():
-        return generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
 
 def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device, clock: Clock) -> dict[str, Any]:
@@ -411,17 +411,17 @@ def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device,
         inputs = dropin_inputs(adapter, image, DROPIN_BATCH)
         n = adapter.encode_image(image).num_tokens
         keep = keep or keep_from_ratio(KEPT, n)
-        model = adapter.model
+        generate = partial(dropin_generate, adapter.model, inputs)
+        first_token = partial(dropin_generate, adapter.model, inputs, 1)
         row: dict[str, Any] = {"family": family, "N": n, "K": keep, "batch": DROPIN_BATCH, "new_tokens": NEW_TOKENS}
         # each call in a block of its own rounds, as a user's process runs one kind: taking turns times each call
         # after the other kind (on one host all tokens took 882-936 ms against 860 and CaRe 336-349 against 351-368:
         # 2.60-2.68x against 2.34-2.45x; benchmarks/results/2026-12-01-02*-dropin-{alternating,blocks}*.json)
-        row["all_ms"] = clock.median(partial(dropin_generate, model.generate, inputs), reps=args.reps, warmup=1)
-        row["all_first_token_ms"] = clock.median(partial(dropin_generate, model.generate, inputs, 1), reps=args.reps)
-        with reduce_visual_tokens(model, processor=adapter.processor, method="care", keep=keep):
-            row["care_ms"] = clock.median(partial(dropin_generate, model.generate, inputs), reps=args.reps, warmup=1)
-            row["care_first_token_ms"] = clock.median(partial(dropin_generate, model.generate, inputs, 1),
-                                                      reps=args.reps)  # fmt: skip
+        row["all_ms"] = clock.median(generate, reps=args.reps, warmup=1)
+        row["all_first_token_ms"] = clock.median(first_token, reps=args.reps, warmup=1)
+        with reduce_visual_tokens(adapter.model, processor=adapter.processor, method="care", keep=keep):
+            row["care_ms"] = clock.median(generate, reps=args.reps, warmup=1)
+            row["care_first_token_ms"] = clock.median(first_token, reps=args.reps, warmup=1)
         # the tower as the reduced call runs it, on the processor's tensors already on the GPU; the processor's own
         # call comes before generate, in neither call's time
         processed = on_device(adapter.preprocess([image] * DROPIN_BATCH), device)
