@@ -73,6 +73,7 @@ from typing import Any
 
 from benchmarks.common import (
     EXAMPLES,
+    PERFORMANCE_DOC,
     PROCESS_TARGETS,
     RESULTS,
     ROOT,
@@ -634,7 +635,7 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
 
 
 #: the block of docs/performance.md rendered from the newest committed result (``--docs``)
-DOC_FILE = "docs/performance.md"
+DOC_FILE = PERFORMANCE_DOC
 BEGIN, END = (
     "<!-- eval-throughput:begin (python -m benchmarks.bench_eval_gpu --docs) -->",
     "<!-- eval-throughput:end -->",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    PERFORMANCE_DOC,
     ROOT,
     ResultsWriter,
     commit_label,
@@ -77,7 +78,7 @@ def measure(command: tuple[str, ...], reps: int) -> dict[str, Any]:
 
 
 #: the block of docs/performance.md rendered from the newest committed result (``--docs``)
-DOC_FILE = "docs/performance.md"
+DOC_FILE = PERFORMANCE_DOC
 BEGIN, END = ("<!-- startup:begin (python -m benchmarks.bench_startup --docs) -->", "<!-- startup:end -->")
 
 

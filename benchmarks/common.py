@@ -190,6 +190,10 @@ def replace_block(path: Path, begin: str, end: str, block: str) -> bool:
     return new != text
 
 
+#: the performance reference whose tables the benchmarks' ``--docs`` commands render
+PERFORMANCE_DOC = "docs/performance.md"
+
+
 def render_newest(
     root: Path, pattern: str, doc_file: str, markers: tuple[str, str], render: Callable[[dict[str, Any], str], str]
 ) -> bool:

@@ -54,6 +54,7 @@ import torch
 
 from benchmarks.common import (
     EXAMPLES,
+    PERFORMANCE_DOC,
     RESULTS,
     ROOT,
     Clock,
@@ -537,7 +538,7 @@ def _unmet_clause(targets: list[dict[str, Any]]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- docs
-DOC_BLOCKS = ("README.md", "docs/performance.md")  # files holding a block rendered from the newest answers result
+DOC_BLOCKS = ("README.md", PERFORMANCE_DOC)  # files holding a block rendered from the newest answers result
 BEGIN, END = "<!-- latency-gate:begin (python -m benchmarks.latency --docs) -->", "<!-- latency-gate:end -->"
 
 

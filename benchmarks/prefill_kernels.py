@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    PERFORMANCE_DOC,
     RESULTS,
     ROOT,
     ResultsWriter,
@@ -145,7 +146,7 @@ def print_families(families: list[dict[str, Any]]) -> None:
 
 # ----------------------------------------------------------------------------------------- docs
 #: the block of docs/performance.md rendered from the newest committed result (``--docs``)
-DOC_FILE = "docs/performance.md"
+DOC_FILE = PERFORMANCE_DOC
 RESULT_PATTERN = "*-prefill-kernels.json"  # the committed results' names
 BEGIN, END = ("<!-- prefill-kernels:begin (python -m benchmarks.prefill_kernels --docs) -->",
               "<!-- prefill-kernels:end -->")  # fmt: skip

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import commit_label, fail, replace_block
+from benchmarks.common import PERFORMANCE_DOC, commit_label, fail, replace_block
 from benchmarks.gpu.report import care_reduce_bound
 from benchmarks.gpu.workload import STAGE_VARIANTS
 
-DOC_FILE = "docs/performance.md"
+DOC_FILE = PERFORMANCE_DOC
 #: the results ``python -m benchmarks.gpu`` writes (time-stamped names): where ``--docs`` looks for the newest
 RESULT_NAME = re.compile(r"^\d{4}-\d{2}-\d{2}-\d{6}-gpu-[a-z0-9]+\.json$")
 
