@@ -29,8 +29,9 @@ once with the default decoding and once eagerly:
 and inside ``reduce_visual_tokens(method="care", keep=160)`` (LLaVA-NeXT at 672x672; the vision tower included);
 Qwen3-VL at 1024x1024 with K = floor(N/9), reported with the tower's share of the reduced call (the tower on the
 processor's tensors, as the call runs it; the processor's own call, before ``generate``, is timed beside and is in
-neither call). Each call is also timed with 1 new token: the difference is the later steps, which transformers decodes
-eagerly in both calls.
+neither call). The calls run in blocks of ``--reps`` after an untimed one, :data:`DROPIN_ROUNDS` blocks each taking
+turns; each call is split at the model's forwards into its first token (to the second forward's launch) and the later
+steps, which transformers decodes eagerly in both calls.
 
 Each target of :data:`TARGETS` prints MET or NOT MET, and the JSON records the git commit and whether the tree had
 uncommitted changes: the environment variables ``CARE_SOURCE_COMMIT`` and ``CARE_SOURCE_DIRTY`` where set (by whoever
@@ -39,11 +40,14 @@ copied the tree to the machine it runs on), else ``git``. Run from the repositor
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
@@ -89,6 +93,10 @@ MATMUL_SIZE = 8192
 KEPT = Fraction(1, 9)  # the gate's budget, K = max(1, floor(N/9)) by care_core.budget's rule ("N/9" in TARGETS)
 PAPER_KEEP = {"llava-next": 160}  # the paper's budget where the gate times one beside floor(N/9)
 DROPIN_BATCH = 8
+#: the drop-in's blocks per call, taking turns: the host's pace moves between consecutive blocks of one call (on one
+#: host, 5 all-token calls in a row took 861 then 945 ms, their later steps 22 then 34 ms each), so each call gets
+#: blocks early and late in the run
+DROPIN_ROUNDS = 3
 DURATION = (
     "answers: about 6-7 minutes for the eight families on one H200 (builds included); dropin: about 2 minutes; "
     "--tiny --quick --device cpu: about a minute on a 2-core CPU."
@@ -402,34 +410,103 @@ def dropin_generate(model: Any, inputs: dict[str, Any], new_tokens: int = NEW_TO
         return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
 
+@dataclass(frozen=True)
+class DecodeTiming:
+    """One ``generate`` call's wall time on the device, split at the forwards it launched."""
+
+    total_ms: float
+    first_token_ms: float  # the call's start to the second forward's launch: the first token had been chosen
+    later_step_ms: float  # the mean of the later steps, forward launch to forward launch (the last to the call's end)
+
+
+@contextlib.contextmanager
+def forward_marks(model: Any, cuda: bool) -> Iterator[list[Any]]:
+    """A list that gets a mark (a recorded CUDA event, else ``perf_counter``) at each launch of ``model``'s forward
+    while the block runs; the hook goes with the block."""
+    marks: list[Any] = []
+
+    def mark(*_: Any) -> None:
+        marks.append(_mark(cuda))
+
+    handle = model.register_forward_pre_hook(mark)
+    try:
+        yield marks
+    finally:
+        handle.remove()
+
+
+def _mark(cuda: bool) -> Any:
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _between_ms(start: Any, end: Any, cuda: bool) -> float:
+    return float(start.elapsed_time(end)) if cuda else (end - start) * 1e3
+
+
+def timed_generate(model: Any, inputs: dict[str, Any], cuda: bool, new_tokens: int = NEW_TOKENS) -> DecodeTiming:
+    """:func:`dropin_generate` from an idle device, split at the model's last ``new_tokens`` forwards (a reduced call
+    runs no forward of the whole model before them)."""
+    if cuda:
+        torch.cuda.synchronize()
+    with forward_marks(model, cuda) as marks:
+        start = _mark(cuda)
+        dropin_generate(model, inputs, new_tokens)
+        end = _mark(cuda)
+    if cuda:
+        end.synchronize()
+    steps = [*marks[-new_tokens:], end]
+    later = [_between_ms(a, b, cuda) for a, b in itertools.pairwise(steps[1:])]
+    return DecodeTiming(_between_ms(start, end, cuda), _between_ms(start, steps[1], cuda),
+                        statistics.fmean(later) if later else 0.0)  # fmt: skip
+
+
+def dropin_block(model: Any, inputs: dict[str, Any], reps: int, cuda: bool) -> list[DecodeTiming]:
+    """``reps`` timed calls in a row after an untimed one, as a user's process runs one kind of call."""
+    timed_generate(model, inputs, cuda)
+    return [timed_generate(model, inputs, cuda) for _ in range(reps)]
+
+
+def dropin_figures(row: dict[str, Any], runs: dict[str, list[list[DecodeTiming]]]) -> None:
+    """Each call's medians over all its blocks (``all_ms``, ``all_first_token_ms``, ``all_step_ms``, the same for
+    ``care``), the speed-up and each round's ratio of the two blocks' medians, into ``row``."""
+    for call, blocks in runs.items():
+        timings = [t for block in blocks for t in block]
+        row[f"{call}_ms"] = statistics.median(t.total_ms for t in timings)
+        row[f"{call}_first_token_ms"] = statistics.median(t.first_token_ms for t in timings)
+        row[f"{call}_step_ms"] = statistics.median(t.later_step_ms for t in timings)
+    row["speedup"] = row["all_ms"] / row["care_ms"]
+    row["round_speedups"] = [statistics.median(t.total_ms for t in a) / statistics.median(t.total_ms for t in c)
+                             for a, c in zip(runs["all"], runs["care"], strict=True)]  # fmt: skip
+
+
 def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device, clock: Clock) -> dict[str, Any]:
     """``model.generate`` on a batch with all tokens and inside the drop-in (the tower included in both)."""
     from care_core import reduce_visual_tokens
 
     adapter = full_size_adapter(family, device, args.tiny)
     try:
-        image = gate_image(family)
+        image, cuda = gate_image(family), device.type == "cuda"
         inputs = dropin_inputs(adapter, image, DROPIN_BATCH)
         n = adapter.encode_image(image).num_tokens
         keep = keep or keep_from_ratio(KEPT, n)
-        generate = partial(dropin_generate, adapter.model, inputs)
-        first_token = partial(dropin_generate, adapter.model, inputs, 1)
-        row: dict[str, Any] = {"family": family, "N": n, "K": keep, "batch": DROPIN_BATCH, "new_tokens": NEW_TOKENS}
-        # each call in a block of its own rounds, as a user's process runs one kind: taking turns times each call
-        # after the other kind (on one host all tokens took 882-936 ms against 860 and CaRe 336-349 against 351-368:
-        # 2.60-2.68x against 2.34-2.45x; benchmarks/results/2026-12-01-02*-dropin-{alternating,blocks}*.json)
-        row["all_ms"] = clock.median(generate, reps=args.reps, warmup=1)
-        row["all_first_token_ms"] = clock.median(first_token, reps=args.reps, warmup=1)
-        with reduce_visual_tokens(adapter.model, processor=adapter.processor, method="care", keep=keep):
-            row["care_ms"] = clock.median(generate, reps=args.reps, warmup=1)
-            row["care_first_token_ms"] = clock.median(first_token, reps=args.reps, warmup=1)
+        row: dict[str, Any] = {"family": family, "N": n, "K": keep, "batch": DROPIN_BATCH, "new_tokens": NEW_TOKENS,
+                               "rounds": DROPIN_ROUNDS}  # fmt: skip
+        runs: dict[str, list[list[DecodeTiming]]] = {"all": [], "care": []}
+        for _ in range(DROPIN_ROUNDS):  # blocks taking turns, so that a drift of the host's pace reaches both calls
+            runs["all"].append(dropin_block(adapter.model, inputs, args.reps, cuda))
+            with reduce_visual_tokens(adapter.model, processor=adapter.processor, method="care", keep=keep):
+                runs["care"].append(dropin_block(adapter.model, inputs, args.reps, cuda))
+        dropin_figures(row, runs)
         # the tower as the reduced call runs it, on the processor's tensors already on the GPU; the processor's own
         # call comes before generate, in neither call's time
         processed = on_device(adapter.preprocess([image] * DROPIN_BATCH), device)
         sizes = [(image.height, image.width)] * DROPIN_BATCH
         row["tower_ms"] = clock.median(partial(adapter.encode_processed, processed, sizes), reps=args.reps)
         row["processor_ms"] = clock.median(partial(dropin_inputs, adapter, image, DROPIN_BATCH), reps=args.reps)
-        row["speedup"] = row["all_ms"] / row["care_ms"]
         row["tower_share_of_care"] = row["tower_ms"] / row["care_ms"]
         say(f"== drop-in {family}: {row['all_ms']:.1f} -> {row['care_ms']:.1f} ms ({row['speedup']:.2f}x), "
             f"tower {row['tower_ms']:.1f} ms")  # fmt: skip
@@ -620,7 +697,16 @@ def _later_steps(row: dict[str, Any]) -> str:
     if "all_first_token_ms" not in row:
         return ""
     later_all, later_care = row["all_ms"] - row["all_first_token_ms"], row["care_ms"] - row["care_first_token_ms"]
-    return f"; the {row['new_tokens'] - 1} steps after the first token {later_all:.0f} and {later_care:.0f} ms"
+    each = f" ({row['all_step_ms']:.0f} and {row['care_step_ms']:.0f} ms a step)" if "all_step_ms" in row else ""
+    return f"; the {row['new_tokens'] - 1} steps after the first token {later_all:.0f} and {later_care:.0f} ms{each}"
+
+
+def _rounds(row: dict[str, Any]) -> str:
+    """The drop-in row's clause on the spread of its rounds (each round: one block of each call), where it has them."""
+    speedups = row.get("round_speedups")
+    if not speedups:
+        return ""
+    return f"; its {len(speedups)} rounds {min(speedups):.2f}–{max(speedups):.2f}×"
 
 
 def _tower_share(row: dict[str, Any]) -> str:
@@ -638,7 +724,7 @@ def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
         return []
     rows = [r for r in dropin.get("dropin", []) if "error" not in r]
     parts = [f"{r['family']} at K = {r['K']}: {r['all_ms']:.0f} → {r['care_ms']:.0f} ms (**{r['speedup']:.2f}×**; "
-             f"{_tower_share(r)}{_later_steps(r)})" for r in rows]  # fmt: skip
+             f"{_tower_share(r)}{_later_steps(r)}{_rounds(r)})" for r in rows]  # fmt: skip
     batch = rows[0]["batch"] if rows else DROPIN_BATCH
     verdicts = [f"{t['family']} {on_its_side(t)}× against {shown_bound(t['target'])}×: "
                 f"{'MET' if t['met'] else 'NOT MET'}" for t in dropin.get("targets", [])]  # fmt: skip

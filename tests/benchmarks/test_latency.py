@@ -296,6 +296,55 @@ def test_the_drop_in_line_gives_its_verdict_commit_later_steps_and_the_hosts_lau
     row.update(new_tokens=8, all_first_token_ms=690.0, care_first_token_ms=310.4)  # 170.2 and 157.5 ms later
     later = f"(**1.84×**; {share}; the 7 steps after the first token 170 and 158 ms)."
     assert later in latency._dropin_lines(dropin, "d.json")[1]
+    row.update(all_step_ms=24.3, care_step_ms=22.5, round_speedups=[1.79, 1.9, 1.84])
+    each = f"(**1.84×**; {share}; the 7 steps after the first token 170 and 158 ms (24 and 22 ms a step); its 3 rounds "
+    assert f"{each}1.79–1.90×)." in latency._dropin_lines(dropin, "d.json")[1]
+
+
+class _Decoder(nn.Module):
+    """A stand-in for a model whose ``generate`` runs ``extra`` forwards of its own, then one a new token."""
+
+    def __init__(self, extra: int = 0) -> None:
+        super().__init__()
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **_: Any) -> torch.Tensor:
+        for _step in range(self.extra + max_new_tokens):
+            self(input_ids)
+        return input_ids
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+def test_timed_generate_splits_the_call_at_its_last_forwards(extra: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marks (seconds): the call's start, each forward's launch, the end; the first token is the start to the second
+    of the last 8 forwards, the later steps launch to launch."""
+    launches = [0.001 * (i + 1) for i in range(extra)] + [0.010, 0.110, 0.130, 0.150, 0.170, 0.190, 0.210, 0.240]
+    marks = iter([0.0, *launches, 0.270])
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: next(marks))
+    model = _Decoder(extra)
+    timing = latency.timed_generate(model, {"input_ids": torch.zeros(1, 3)}, cuda=False)
+    assert timing.total_ms == pytest.approx(270.0)
+    assert timing.first_token_ms == pytest.approx(110.0)
+    assert timing.later_step_ms == pytest.approx((20 * 5 + 30 + 30) / 7)  # 0.110 -> 0.270 over 7 steps
+    assert not model._forward_pre_hooks  # the hook went with the block
+
+
+def test_drop_in_figures_are_medians_over_all_blocks_and_each_rounds_ratio() -> None:
+    def block(*totals: float) -> list[latency.DecodeTiming]:
+        return [latency.DecodeTiming(t, t / 4, t / 10) for t in totals]
+
+    runs = {"all": [block(900, 880, 1000), block(940, 960, 950)], "care": [block(300, 320, 310), block(390, 400, 380)]}
+    row: dict[str, Any] = {}
+    latency.dropin_figures(row, runs)
+    assert row["all_ms"] == pytest.approx(945.0)  # median of 880 900 940 950 960 1000
+    assert row["care_ms"] == pytest.approx(350.0)  # median of 300 310 320 380 390 400
+    assert row["all_first_token_ms"] == pytest.approx(945.0 / 4)
+    assert row["care_step_ms"] == pytest.approx(35.0)
+    assert row["speedup"] == pytest.approx(945 / 350)
+    assert row["round_speedups"] == pytest.approx([900 / 310, 950 / 390])
 
 
 def test_a_drop_in_line_from_before_the_fields_names_what_its_figures_held() -> None:
