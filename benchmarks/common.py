@@ -335,19 +335,31 @@ class Clock:
 
             torch.cuda.synchronize()
 
-    def once(self, fn: Callable[[], Any]) -> float:
-        if self.cuda:
-            import torch
+    def mark(self) -> Any:
+        """A point in the device's work: a recorded CUDA event on a GPU, ``perf_counter`` on the CPU."""
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
 
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return float(start.elapsed_time(end))
-        began = time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def between_ms(self, start: Any, end: Any) -> float:
+        """ms from mark ``start`` to mark ``end`` (on a GPU, once ``end`` has happened: :meth:`wait`)."""
+        return float(start.elapsed_time(end)) if self.cuda else (end - start) * 1e3
+
+    def wait(self, mark: Any) -> None:
+        """Block until the device has reached ``mark``."""
+        if self.cuda:
+            mark.synchronize()
+
+    def once(self, fn: Callable[[], Any]) -> float:
+        start = self.mark()
         fn()
-        return (time.perf_counter() - began) * 1e3
+        end = self.mark()
+        self.wait(end)
+        return self.between_ms(start, end)
 
     def median(self, fn: Callable[[], Any], reps: int = 5, warmup: int = 1, budget_ms: float = 4000.0) -> float:
         """Median of ``reps`` timed runs after ``warmup`` untimed ones; fewer reps when one run is slow."""
@@ -365,23 +377,14 @@ class Clock:
 
         @contextlib.contextmanager
         def timer(name: str) -> Iterator[None]:
-            if not self.cuda:
-                began = time.perf_counter()
-                yield
-                sink[name] = (time.perf_counter() - began) * 1e3
-                return
-            import torch
-
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = self.mark()
             yield
-            end.record()
-            events[name] = (start, end)
+            events[name] = (start, self.mark())
 
         yield timer
         self.sync()
         for name, (start, end) in events.items():
-            sink[name] = float(start.elapsed_time(end))
+            sink[name] = self.between_ms(start, end)
 
     def median_stages(self, fn: Callable[[Callable], Any], reps: int) -> dict[str, float]:
         """Per-stage medians of ``fn(stage_timer)`` over ``reps`` runs after one warm-up, with their ``total``."""

@@ -420,13 +420,13 @@ class DecodeTiming:
 
 
 @contextlib.contextmanager
-def forward_marks(model: Any, cuda: bool) -> Iterator[list[Any]]:
-    """A list that gets a mark (a recorded CUDA event, else ``perf_counter``) at each launch of ``model``'s forward
-    while the block runs; the hook goes with the block."""
+def forward_marks(model: Any, clock: Clock) -> Iterator[list[Any]]:
+    """A list that gets a mark of ``clock`` (:meth:`Clock.mark`) at each launch of ``model``'s forward while the block
+    runs; the hook goes with the block."""
     marks: list[Any] = []
 
     def mark(*_: Any) -> None:
-        marks.append(_mark(cuda))
+        marks.append(clock.mark())
 
     handle = model.register_forward_pre_hook(mark)
     try:
@@ -435,39 +435,25 @@ def forward_marks(model: Any, cuda: bool) -> Iterator[list[Any]]:
         handle.remove()
 
 
-def _mark(cuda: bool) -> Any:
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _between_ms(start: Any, end: Any, cuda: bool) -> float:
-    return float(start.elapsed_time(end)) if cuda else (end - start) * 1e3
-
-
-def timed_generate(model: Any, inputs: dict[str, Any], cuda: bool, new_tokens: int = NEW_TOKENS) -> DecodeTiming:
+def timed_generate(model: Any, inputs: dict[str, Any], clock: Clock, new_tokens: int = NEW_TOKENS) -> DecodeTiming:
     """:func:`dropin_generate` from an idle device, split at the model's last ``new_tokens`` forwards (a reduced call
     runs no forward of the whole model before them)."""
-    if cuda:
-        torch.cuda.synchronize()
-    with forward_marks(model, cuda) as marks:
-        start = _mark(cuda)
+    clock.sync()
+    with forward_marks(model, clock) as marks:
+        start = clock.mark()
         dropin_generate(model, inputs, new_tokens)
-        end = _mark(cuda)
-    if cuda:
-        end.synchronize()
+        end = clock.mark()
+    clock.wait(end)
     steps = [*marks[-new_tokens:], end]
-    later = [_between_ms(a, b, cuda) for a, b in itertools.pairwise(steps[1:])]
-    return DecodeTiming(_between_ms(start, end, cuda), _between_ms(start, steps[1], cuda),
+    later = [clock.between_ms(a, b) for a, b in itertools.pairwise(steps[1:])]
+    return DecodeTiming(clock.between_ms(start, end), clock.between_ms(start, steps[1]),
                         statistics.fmean(later) if later else 0.0)  # fmt: skip
 
 
-def dropin_block(model: Any, inputs: dict[str, Any], reps: int, cuda: bool) -> list[DecodeTiming]:
+def dropin_block(model: Any, inputs: dict[str, Any], reps: int, clock: Clock) -> list[DecodeTiming]:
     """``reps`` timed calls in a row after an untimed one, as a user's process runs one kind of call."""
-    timed_generate(model, inputs, cuda)
-    return [timed_generate(model, inputs, cuda) for _ in range(reps)]
+    timed_generate(model, inputs, clock)
+    return [timed_generate(model, inputs, clock) for _ in range(reps)]
 
 
 def dropin_figures(row: dict[str, Any], runs: dict[str, list[list[DecodeTiming]]]) -> None:
@@ -489,7 +475,7 @@ def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device,
 
     adapter = full_size_adapter(family, device, args.tiny)
     try:
-        image, cuda = gate_image(family), device.type == "cuda"
+        image = gate_image(family)
         inputs = dropin_inputs(adapter, image, DROPIN_BATCH)
         n = adapter.encode_image(image).num_tokens
         keep = keep or keep_from_ratio(KEPT, n)
@@ -497,9 +483,9 @@ def bench_dropin(family: str, keep: int | None, args: Any, device: torch.device,
                                "rounds": DROPIN_ROUNDS}  # fmt: skip
         runs: dict[str, list[list[DecodeTiming]]] = {"all": [], "care": []}
         for _ in range(DROPIN_ROUNDS):  # blocks taking turns, so that a drift of the host's pace reaches both calls
-            runs["all"].append(dropin_block(adapter.model, inputs, args.reps, cuda))
+            runs["all"].append(dropin_block(adapter.model, inputs, args.reps, clock))
             with reduce_visual_tokens(adapter.model, processor=adapter.processor, method="care", keep=keep):
-                runs["care"].append(dropin_block(adapter.model, inputs, args.reps, cuda))
+                runs["care"].append(dropin_block(adapter.model, inputs, args.reps, clock))
         dropin_figures(row, runs)
         # the tower as the reduced call runs it, on the processor's tensors already on the GPU; the processor's own
         # call comes before generate, in neither call's time

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_startup
+from benchmarks import bench_startup, common
 from benchmarks.common import RESULTS, print_table, run_main
 from benchmarks.gpu.report import print_tables
 
@@ -104,3 +104,12 @@ def test_ctrl_c_ends_a_benchmark_with_code_130_and_no_traceback() -> None:
     ran: list[bool] = []
     run_main(lambda: ran.append(True))  # an ordinary run: main's own return, nothing raised
     assert ran == [True]
+
+
+def test_a_cpu_clock_times_a_call_between_its_two_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``once`` on the CPU: perf_counter before and after the call, in ms."""
+    ticks = iter([2.0, 2.0125])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(ticks))
+    calls: list[int] = []
+    assert common.Clock("cpu").once(lambda: calls.append(1)) == pytest.approx(12.5)
+    assert calls == [1]

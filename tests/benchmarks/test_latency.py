@@ -325,7 +325,7 @@ def test_timed_generate_splits_the_call_at_its_last_forwards(extra: int, monkeyp
     marks = iter([0.0, *launches, 0.270])
     monkeypatch.setattr(latency.time, "perf_counter", lambda: next(marks))
     model = _Decoder(extra)
-    timing = latency.timed_generate(model, {"input_ids": torch.zeros(1, 3)}, cuda=False)
+    timing = latency.timed_generate(model, {"input_ids": torch.zeros(1, 3)}, common.Clock("cpu"))
     assert timing.total_ms == pytest.approx(270.0)
     assert timing.first_token_ms == pytest.approx(110.0)
     assert timing.later_step_ms == pytest.approx((20 * 5 + 30 + 30) / 7)  # 0.110 -> 0.270 over 7 steps
