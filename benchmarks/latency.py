@@ -127,6 +127,7 @@ TARGETS: tuple[Target, ...] = (
     Target("scoring_x_floor", "*", "N/9", 1.3, False),
     Target("dropin_speedup", "llava-next", "160", 2.5, True),
 )
+DROPIN_TARGET = next(t for t in TARGETS if t.figure == "dropin_speedup")
 EAGER_TARGET_MIN_TOKENS = 1000
 #: why a norm-then-linear projector's scoring (Gemma 3's) is reported against no target: the scoring target's floor
 #: counts products through a second layer, which it lacks; its own work (:func:`norm_linear_macs`) takes microseconds
@@ -605,9 +606,14 @@ DOC_BLOCKS = ("README.md", PERFORMANCE_DOC)  # files holding a block rendered fr
 BEGIN, END = "<!-- latency-gate:begin (python -m benchmarks.latency --docs) -->", "<!-- latency-gate:end -->"
 
 
+def result_pattern(part: str) -> str:
+    """The file names of the gate's results of ``part`` (``answers`` or ``dropin``)."""
+    return f"*-latency-{part}*.json"
+
+
 def newest_result(folder: Path = RESULTS, part: str = "answers") -> Path | None:
     """The newest committed gate result of ``part`` (file names start with the date, so the last in order)."""
-    return newest_file(folder, f"*-latency-{part}*.json")
+    return newest_file(folder, result_pattern(part))
 
 
 def _headline(results: dict[str, Any], rows: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
@@ -704,8 +710,30 @@ def _tower_share(row: dict[str, Any]) -> str:
             f"either {row['processor_ms']:.0f} ms")  # fmt: skip
 
 
-def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
-    """One line per family of a drop-in result: the batch's generate with all tokens and through the drop-in."""
+def dropin_history(folder: Path = RESULTS) -> list[float]:
+    """The drop-in target's figure (its family's speed-up) in every committed drop-in result, oldest first."""
+    values: list[float] = []
+    for path in sorted(folder.glob(result_pattern("dropin"))):
+        rows = json.loads(path.read_text(encoding="utf-8")).get("dropin", [])
+        values += [float(r["speedup"]) for r in rows if r.get("family") == DROPIN_TARGET.family and "speedup" in r]
+    return values
+
+
+def _history_clause(history: list[float]) -> str:
+    """The spread of the drop-in target's figure over the committed runs (each run one host's draw of its pace)."""
+    if len(history) < 2:
+        return ""
+    target = DROPIN_TARGET
+    held = sum(v >= target.bound for v in history)
+    files = f"benchmarks/results/{result_pattern('dropin')}"
+    return (f" Over all {len(history)} committed runs (`{files}`, several commits and hosts) the {target.family} "
+            f"call's speed-up spans {min(history):.2f}–{max(history):.2f}× (median "
+            f"{statistics.median(history):.2f}×; {held} at or above {target.bound}×).")  # fmt: skip
+
+
+def _dropin_lines(dropin: dict[str, Any] | None, name: str | None, history: list[float] | None = None) -> list[str]:
+    """One line per family of a drop-in result: the batch's generate with all tokens and through the drop-in; then
+    the target figure's spread over the committed runs (``history``)."""
     if dropin is None:
         return []
     rows = [r for r in dropin.get("dropin", []) if "error" not in r]
@@ -720,7 +748,8 @@ def _dropin_lines(dropin: dict[str, Any] | None, name: str | None) -> list[str]:
         "",
         f"Drop-in (transformers' `generate` on a batch of {batch}, {dropin['new_tokens']} new tokens, the "
         f"vision tower included): {'; '.join(parts)}. {said}Source: `benchmarks/results/{name}` "
-        f"(`python -m benchmarks.latency --part dropin`, commit {commit_label(dropin.get('source', {}))}{host}).",
+        f"(`python -m benchmarks.latency --part dropin`, commit {commit_label(dropin.get('source', {}))}{host})."
+        f"{_history_clause(history or [])}",
     ]
 
 
@@ -744,9 +773,9 @@ def _default_decoding(rows: dict[tuple[str, str, str], dict[str, Any]]) -> str:
 
 
 def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] | None = None,
-                    dropin_name: str | None = None) -> str:  # fmt: skip
-    """The docs' block for an answers result named ``name`` (and a drop-in result): the headline sentence, the
-    table, its source."""
+                    dropin_name: str | None = None, history: list[float] | None = None) -> str:  # fmt: skip
+    """The docs' block for an answers result named ``name`` (and a drop-in result, with the drop-in target's figure
+    over the committed runs): the headline sentence, the table, its source."""
     rows = {(r["family"], r["decoding"], r["keep_label"]): r for f in results["families"] for r in f.get("answers", [])}
     source = results["source"]
     commit = commit_label(source)
@@ -758,7 +787,8 @@ def render_markdown(results: dict[str, Any], name: str, dropin: dict[str, Any] |
               f"{met} of {len(results.get('targets', []))} targets met{_unmet_clause(results.get('targets', []))}. "
               f"Source: `benchmarks/results/{name}` "
               f"(`python -m benchmarks.latency`, commit {commit}).")  # fmt: skip
-    lines = [*_headline(results, rows), *_table(results, rows), "", footer, *_dropin_lines(dropin, dropin_name)]
+    dropin_lines = _dropin_lines(dropin, dropin_name, history)
+    lines = [*_headline(results, rows), *_table(results, rows), "", footer, *dropin_lines]
     return "\n".join(lines) + "\n"
 
 
@@ -766,10 +796,10 @@ def newest_block(folder: Path = RESULTS) -> str:
     """The docs' block rendered from the newest committed answers result and the newest drop-in result."""
     newest, dropin = newest_result(folder), newest_result(folder, "dropin")
     if newest is None:
-        raise fail("no committed latency result (benchmarks/results/*-latency-answers*.json) to render")
+        raise fail(f"no committed latency result (benchmarks/results/{result_pattern('answers')}) to render")
     read = lambda path: json.loads(path.read_text(encoding="utf-8"))  # noqa: E731
     return render_markdown(read(newest), newest.name, None if dropin is None else read(dropin),
-                           None if dropin is None else dropin.name)  # fmt: skip
+                           None if dropin is None else dropin.name, dropin_history(folder))  # fmt: skip
 
 
 def write_docs(root: Path = ROOT) -> list[Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -377,3 +378,24 @@ def test_the_footer_names_each_target_not_met_on_its_side_of_its_bound() -> None
         "scoring × floor internvl3 1.30001, qwen3-vl 1.65 (≤ 1.3)"
     )
     assert latency._unmet_clause(targets[2:4]) == ""
+
+
+def test_the_drop_in_line_ends_with_the_targets_spread_over_every_committed_run(tmp_path: Path) -> None:
+    """Three committed drop-in results (one holds no llava-next row, one is a probe the pattern leaves out)."""
+    runs = {"2026-01-01-000000-gpu-h200-latency-dropin.json": [("llava-next", 2.0), ("qwen3-vl", 1.3)],
+            "2026-01-02-000000-gpu-h200-latency-dropin.json": [("llava-next", 2.75)],
+            "2026-01-03-000000-gpu-h200-latency-dropin.json": [("qwen3-vl", 1.1)],
+            "2026-01-04-000000-gpu-h200-dropin-probe.json": [("llava-next", 9.0)],
+            "2026-01-05-000000-gpu-h200-latency-dropin.json": [("llava-next", 2.5)]}  # fmt: skip
+    for name, rows in runs.items():
+        (tmp_path / name).write_text(json.dumps({"dropin": [{"family": f, "speedup": v} for f, v in rows]}))
+    history = latency.dropin_history(tmp_path)
+    assert history == [2.0, 2.75, 2.5]
+    row = {"family": "llava-next", "K": 160, "all_ms": 900.0, "care_ms": 360.0, "speedup": 2.5, "batch": 8,
+           "tower_share_of_care": 0.1, "processor_ms": 100.0}  # fmt: skip
+    line = latency._dropin_lines({"new_tokens": 8, "dropin": [row]}, "d.json", history)[1]
+    assert line.endswith(
+        " Over all 3 committed runs (`benchmarks/results/*-latency-dropin*.json`, several commits and "
+        "hosts) the llava-next call's speed-up spans 2.00–2.75× (median 2.50×; 2 at or above 2.5×)."
+    )
+    assert "committed runs" not in latency._dropin_lines({"new_tokens": 8, "dropin": [row]}, "d.json", [2.5])[1]
