@@ -723,12 +723,11 @@ def _history_clause(history: list[float]) -> str:
     """The spread of the drop-in target's figure over the committed runs (each run one host's draw of its pace)."""
     if len(history) < 2:
         return ""
-    target = DROPIN_TARGET
-    held = sum(v >= target.bound for v in history)
+    held = sum(v >= DROPIN_TARGET.bound for v in history)
     files = f"benchmarks/results/{result_pattern('dropin')}"
-    return (f" Over all {len(history)} committed runs (`{files}`, several commits and hosts) the {target.family} "
-            f"call's speed-up spans {min(history):.2f}–{max(history):.2f}× (median "
-            f"{statistics.median(history):.2f}×; {held} at or above {target.bound}×).")  # fmt: skip
+    return (f" Over all {len(history)} committed runs (`{files}`, several commits and hosts) the "
+            f"{DROPIN_TARGET.family} call's speed-up spans {min(history):.2f}–{max(history):.2f}× (median "
+            f"{statistics.median(history):.2f}×; {held} at or above {DROPIN_TARGET.bound}×).")  # fmt: skip
 
 
 def _dropin_lines(dropin: dict[str, Any] | None, name: str | None, history: list[float] | None = None) -> list[str]:
