@@ -15,15 +15,23 @@ max_new_tokens=1, kept=...)`` with the default decoding (CUDA graphs where the f
 under ``torch.profiler`` with CUDA activity. The floor is :func:`benchmarks.latency.prefill_floor_ms` for the rows the
 language model reads (K visual rows as fed, plus the prompt's text rows).
 
+Each family runs in a process of its own, as a user's process holds one model: a process that has compiled the static
+loop's pieces for one model's widths recompiles them for the next model's with the widths symbolic (dynamo's automatic
+dynamic shapes), and those kernels are slower (Qwen2.5-VL's gated activation: 16 us a layer against about 7).
+
 What it shows: how much of the prefill is the GEMMs (cuBLAS at these row counts: compute and weight reading are close,
-so neither side of the floor's max is reached), how much the other kernels, and how much the host adds (wall less the
-kernels' sum). Run from the repository root.
+so neither side of the floor's max is reached) and the other kernels; where the prefill replays a CUDA graph, the
+graph's span on the GPU (its first kernel's start to its last one's end: the kernels and the gaps between them,
+:func:`graph_timeline`) and the time the call spends outside it (wall less the span: the host's prompt assembly and
+checks, the launch, the token read back). Run from the repository root.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,9 +45,10 @@ from benchmarks.common import (
     ROOT,
     ResultsWriter,
     at_least_one,
+    child_result,
     commit_label,
+    fail,
     fmt,
-    free_device_memory,
     make_parser,
     median_wall_ms,
     newest_file,
@@ -63,7 +72,7 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
 WARM_UP_CALLS = 3  # untimed calls first: kernels tuned, graphs captured
 PROFILED_CALLS = 2  # calls under the profiler (its figures are per call)
 TOP_KERNELS = 6  # kernels named per family, by time
-DURATION = "six families: about 2-3 minutes on one H200 (each full-size build is most of it)"
+DURATION = "eight families, each in a process of its own: about 4 minutes on one H200 (the builds are most of it)"
 
 
 def kernel_class(name: str) -> str:
@@ -84,6 +93,27 @@ def kernel_summary(events: Iterable[dict[str, Any]], calls: int) -> dict[str, An
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     return {"kernels_per_call": len(kernels) / calls, "ms": per_class, "kernels_ms": sum(per_class.values()),
             "top": [{"name": name[:120], "ms": ms} for name, ms in top]}  # fmt: skip
+
+
+def graph_timeline(events: Iterable[dict[str, Any]], calls: int) -> dict[str, float] | None:
+    """Per call, from a Chrome trace: the replayed CUDA graphs' span on the GPU (each graph's first kernel's start to
+    its last kernel's end, summed), the kernels' busy time within it and the gaps (span less busy), in ms; None where
+    no graph was launched (an eager prefill). A graph's kernels carry its ``cudaGraphLaunch``'s correlation id."""
+    events = list(events)
+    launches = {e["args"]["correlation"] for e in events
+                if e.get("cat") == "cuda_runtime" and str(e.get("name", "")).startswith("cudaGraphLaunch")}  # fmt: skip
+    spans: dict[Any, tuple[float, float, float]] = {}  # correlation -> (first start, last end, busy), in µs
+    for kernel in (e for e in events if e.get("cat") == "kernel" and "dur" in e):
+        correlation = kernel.get("args", {}).get("correlation")
+        if correlation in launches:
+            start, end = float(kernel["ts"]), float(kernel["ts"]) + float(kernel["dur"])
+            first, last, busy = spans.get(correlation, (start, end, 0.0))
+            spans[correlation] = (min(first, start), max(last, end), busy + float(kernel["dur"]))
+    if not spans:
+        return None
+    span_ms = sum(last - first for first, last, _ in spans.values()) / 1e3 / calls
+    busy_ms = sum(busy for _, _, busy in spans.values()) / 1e3 / calls
+    return {"graphs_per_call": len(spans) / calls, "span_ms": span_ms, "busy_ms": busy_ms, "gaps_ms": span_ms - busy_ms}
 
 
 def profiled_events(step: Callable[[], Any], device: torch.device, calls: int) -> list[dict[str, Any]]:
@@ -120,27 +150,58 @@ def bench_family(family: str, device: torch.device, reps: int, tiny: bool) -> di
 
     decoding = [step() for _ in range(WARM_UP_CALLS)][-1].decoding
     wall_ms = median_wall_ms(step, reps, device.type == "cuda")
-    summary = kernel_summary(profiled_events(step, device, PROFILED_CALLS), PROFILED_CALLS)
+    events = profiled_events(step, device, PROFILED_CALLS)
+    summary, graph = kernel_summary(events, PROFILED_CALLS), graph_timeline(events, PROFILED_CALLS)
     text_rows = text_rows_of(adapter, tokens)
     visual_rows = adapter.visual_tokens_fed(tokens, int(rows.shape[0]), kept)
-    floor = prefill_floor_ms(adapter.model, visual_rows + text_rows)
-    x_floor = {label: ms / floor["floor_ms"] for label, ms in summary["ms"].items()}
+    floor_ms = (floor := prefill_floor_ms(adapter.model, visual_rows + text_rows))["floor_ms"]
+    x_floor = {"wall": wall_ms / floor_ms, "kernels": summary["kernels_ms"] / floor_ms,
+               **{label: ms / floor_ms for label, ms in summary["ms"].items()}}  # fmt: skip
+    if graph is not None:
+        graph["outside_ms"] = wall_ms - graph["span_ms"]
+        x_floor["graph"] = graph["span_ms"] / floor_ms
     return {"family": family, "N": tokens.num_tokens, "K": keep, "visual_rows": visual_rows, "text_rows": text_rows,
-            "decoding": decoding, "wall_ms": wall_ms, "floor": floor, "kernels": summary,
-            "x_floor": {"wall": wall_ms / floor["floor_ms"], "kernels": summary["kernels_ms"] / floor["floor_ms"],
-                        **x_floor}}  # fmt: skip
+            "decoding": decoding, "wall_ms": wall_ms, "floor": floor, "kernels": summary, "graph": graph,
+            "x_floor": x_floor}  # fmt: skip
+
+
+def in_own_process(family: str, args: Any, folder: Path) -> dict[str, Any]:
+    """:func:`bench_family` in a child process: nothing another family compiled or captured reaches it."""
+    out = folder / f"{family}.json"
+    command = [sys.executable, "-m", "benchmarks.prefill_kernels", "--families", family, "--reps", str(args.reps),
+               "--device", str(args.device), "--child-out", str(out), *(["--tiny"] if args.tiny else [])]  # fmt: skip
+    return child_result(command, out, {"family": family})
+
+
+def with_floor(ms: float | None, floor_ms: float) -> str:
+    """A cell: ``ms`` and, in brackets, its multiple of ``floor_ms`` (a dash where there is no figure)."""
+    return "—" if ms is None else f"{ms:.2f} ({ms / floor_ms:.2f})"
+
+
+def family_cells(f: dict[str, Any]) -> list[str]:
+    """One family's cells: floor, wall, the graph's span on the GPU and the time outside it (each ms, × floor where it
+    has one), the kernels, GEMMs (× floor), attention, the other kernels, kernels a call; dashes where no graph ran."""
+    floor_ms, kernels, graph = f["floor"]["floor_ms"], f["kernels"], f.get("graph") or {}
+    return [f"{floor_ms:.2f}", with_floor(f["wall_ms"], floor_ms), with_floor(graph.get("span_ms"), floor_ms),
+            fmt(graph.get("outside_ms")), with_floor(kernels["kernels_ms"], floor_ms),
+            with_floor(kernels["ms"]["gemm"], floor_ms), f"{kernels['ms']['attention']:.2f}",
+            f"{kernels['ms']['other']:.2f}", f"{kernels['kernels_per_call']:.0f}"]  # fmt: skip
+
+
+#: the columns of :func:`family_cells`, after the family, K and the rows fed
+CELL_NAMES = (
+    "floor ms", "wall ms (× floor)", "graph on the GPU ms (× floor)", "outside the graph ms", "kernels ms (× floor)",
+    "GEMMs ms (× floor)", "attention ms", "other kernels ms", "kernels a call",
+)  # fmt: skip
 
 
 def print_families(families: list[dict[str, Any]]) -> None:
-    header = ["family", "K", "rows", "decoding", "floor ms", "wall ms", "kernels ms", "GEMM ms", "attention ms",
-              "other ms", "kernels/call", "wall x floor", "kernels x floor", "GEMM x floor"]  # fmt: skip
-    rows = [[f["family"], str(f["K"]), str(f["visual_rows"] + f["text_rows"]), f["decoding"],
-             fmt(f["floor"]["floor_ms"]), fmt(f["wall_ms"]), fmt(f["kernels"]["kernels_ms"]),
-             fmt(f["kernels"]["ms"]["gemm"]), fmt(f["kernels"]["ms"]["attention"]), fmt(f["kernels"]["ms"]["other"]),
-             fmt(f["kernels"]["kernels_per_call"], 0), fmt(f["x_floor"]["wall"]), fmt(f["x_floor"]["kernels"]),
-             fmt(f["x_floor"]["gemm"])] for f in families]  # fmt: skip
+    header = ["family", "K", "rows", "decoding", *CELL_NAMES]
+    rows = [[f["family"], "—", "—", f["error"], *["—"] * len(CELL_NAMES)] if "error" in f else
+            [f["family"], str(f["K"]), str(f["visual_rows"] + f["text_rows"]), f["decoding"], *family_cells(f)]
+            for f in families]  # fmt: skip
     print_table("The K-row prefill (first token from CaRe's rows, batch 1), per call", header, rows)
-    for family in families:
+    for family in (f for f in families if "error" not in f):
         say(f"{family['family']}: " + "; ".join(f"{k['ms']:.3f} ms {k['name'][:70]}" for k in family["kernels"]["top"]))
 
 
@@ -153,23 +214,19 @@ BEGIN, END = ("<!-- prefill-kernels:begin (python -m benchmarks.prefill_kernels 
 
 
 def render_markdown(results: dict[str, Any], name: str) -> str:
-    """The docs' block for a result named ``name``: per family the floor, the wall time, the kernels' sum and the
-    GEMMs' (each with its multiple of the floor), attention, the other kernels and the kernels launched per call."""
+    """The docs' block for a result named ``name``: per family the :data:`CELL_NAMES` columns (:func:`family_cells`)."""
     source = results["source"]
     commit = commit_label(source)
-    lines = ["| family | K | rows fed | floor ms | wall ms (× floor) | kernels ms (× floor) | GEMMs ms (× floor) | "
-             "attention ms | other kernels ms | kernels a call |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for f in results["families"]:
-        ms, x = f["kernels"]["ms"], f["x_floor"]
-        lines.append(f"| {f['family']} | {f['K']} | {f['visual_rows'] + f['text_rows']} | {f['floor']['floor_ms']:.2f} "
-                     f"| {f['wall_ms']:.2f} ({x['wall']:.2f}) | {f['kernels']['kernels_ms']:.2f} ({x['kernels']:.2f}) "
-                     f"| {ms['gemm']:.2f} ({x['gemm']:.2f}) | {ms['attention']:.2f} | {ms['other']:.2f} "
-                     f"| {f['kernels']['kernels_per_call']:.0f} |")  # fmt: skip
+    lines = ["| family | K | rows fed | " + " | ".join(CELL_NAMES) + " |",
+             "| --- | ---: | ---: | " + " | ".join(["---:"] * len(CELL_NAMES)) + " |"]  # fmt: skip
+    for f in (f for f in results["families"] if "error" not in f):
+        lines.append(f"| {f['family']} | {f['K']} | {f['visual_rows'] + f['text_rows']} | "
+                     + " | ".join(family_cells(f)) + " |")  # fmt: skip
     card = results["environment"].get("card", "?")
-    lines += ["", f"Batch 1, default decoding, on one {card}; per call, kernels from {results['profiled_calls']} "
-              f"profiled calls, wall the median of {results['reps']}. Source: `benchmarks/results/{name}` "
-              f"(`python -m benchmarks.prefill_kernels`, commit {commit})."]  # fmt: skip
+    lines += ["", f"Batch 1, default decoding, on one {card}, each family in a process of its own; per call, kernels "
+              f"and the graph's span from {results['profiled_calls']} profiled calls, wall the median of "
+              f"{results['reps']}. Source: `benchmarks/results/{name}` (`python -m benchmarks.prefill_kernels`, "
+              f"commit {commit})."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -190,11 +247,14 @@ def parse(argv: list[str] | None) -> Any:
     parser.add_argument("--tiny", action="store_true", help="the demo widths (smoke test of this benchmark)")
     parser.add_argument("--docs", action="store_true",
                         help="no run: rewrite docs/performance.md's block from the newest result")  # fmt: skip
+    parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)  # the parent's, for a child
     args = parser.parse_args(argv)
     args.families = families_option(args.families)
     at_least_one("--reps", args.reps)
     if args.quick:
         args.reps = min(args.reps, 3)
+    if args.child_out is not None and len(args.families) != 1:
+        raise fail("--child-out takes one --families entry")
     return args
 
 
@@ -204,17 +264,21 @@ def main(argv: list[str] | None = None) -> None:
         say(f"{'rewrote' if write_docs() else 'unchanged:'} the prefill kernels block of {ROOT / DOC_FILE}")
         return
     device = pick_device(args.device)
+    if args.child_out is not None:  # one family, in the process the parent started for it
+        result = bench_family(args.families[0], device, args.reps, args.tiny)
+        args.child_out.write_text(json.dumps(result) + "\n", encoding="utf-8")
+        return
     env = environment(device)
     writer = ResultsWriter(args, f"gpu-{card_slug(env['card'])}-prefill-kernels")
     results: dict[str, Any] = {"environment": env, "source": source_state(), "question": QUESTION, "tiny": args.tiny,
                                "reps": args.reps, "profiled_calls": PROFILED_CALLS, "kernel_classes": KERNEL_CLASSES,
                                "weights": "random (timings do not depend on weight values)",
                                "families": []}  # fmt: skip
-    for family in args.families:
-        say(f"{family} ...")
-        results["families"].append(bench_family(family, device, args.reps, args.tiny))
-        writer.save(results)
-        free_device_memory(device)
+    with tempfile.TemporaryDirectory(prefix="care-prefill-kernels-") as folder:
+        for family in args.families:
+            say(f"{family} ...")
+            results["families"].append(in_own_process(family, args, Path(folder)))
+            writer.save(results)
     print_families(results["families"])
     writer.finish(results)
 

@@ -57,18 +57,40 @@ def test_a_tiny_run_on_the_cpu_writes_each_familys_rows_and_floor(tmp_path: Path
     assert family["visual_rows"] == family["K"] and family["text_rows"] > 0  # LLaVA-1.5 feeds its K rows as they are
     assert family["wall_ms"] > 0 and family["floor"]["floor_ms"] > 0
     assert family["x_floor"]["wall"] == approx(family["wall_ms"] / family["floor"]["floor_ms"])
-    assert family["kernels"]["kernels_per_call"] == 0  # no GPU kernels on the CPU
+    assert family["kernels"]["kernels_per_call"] == 0 and family["graph"] is None  # no GPU kernels on the CPU
+
+
+def test_graph_timeline_spans_each_graphs_kernels_and_leaves_the_rest_out() -> None:
+    launch = {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 500.0}
+    events = [
+        {**launch, "args": {"correlation": 7}},
+        {**launch, "ts": 9000.0, "args": {"correlation": 9}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"correlation": 8}},
+        {"cat": "kernel", "name": "embedding", "ts": 50.0, "dur": 40.0, "args": {"correlation": 8}},  # before a graph
+        {"cat": "kernel", "name": "norm", "ts": 100.0, "dur": 300.0, "args": {"correlation": 7}},
+        {"cat": "kernel", "name": "gemm", "ts": 500.0, "dur": 1500.0, "args": {"correlation": 7}},
+        {"cat": "kernel", "name": "norm", "ts": 9100.0, "dur": 200.0, "args": {"correlation": 9}},
+        {"cat": "kernel", "name": "gemm", "ts": 9400.0, "dur": 1600.0, "args": {"correlation": 9}},
+    ]
+    timeline = prefill_kernels.graph_timeline(events, calls=2)
+    # graph 7: 100 -> 2000 µs (busy 1800); graph 9: 9100 -> 11000 µs (busy 1800); per call 1.9 ms, 1.8 busy, 0.1 gaps
+    assert timeline == approx({"graphs_per_call": 1.0, "span_ms": 1.9, "busy_ms": 1.8, "gaps_ms": 0.1})
+    assert prefill_kernels.graph_timeline(events[2:], calls=2) is None  # kernels without a graph launch: eager
 
 
 def test_docs_block_gives_each_family_its_times_over_the_floor() -> None:
-    family = {"family": "qwen3-vl", "K": 113, "visual_rows": 113, "text_rows": 39, "floor": {"floor_ms": 3.0},
-              "wall_ms": 9.0, "kernels": {"kernels_ms": 7.5, "kernels_per_call": 663.0,
-                                          "ms": {"gemm": 6.0, "attention": 0.25, "other": 1.25}},
-              "x_floor": {"wall": 3.0, "kernels": 2.5, "gemm": 2.0}}  # fmt: skip
+    kernels = {"kernels_ms": 7.5, "kernels_per_call": 663.0, "ms": {"gemm": 6.0, "attention": 0.25, "other": 1.25}}
+    graph = {"span_ms": 7.8, "outside_ms": 1.2, "busy_ms": 7.5, "gaps_ms": 0.3, "graphs_per_call": 1.0}
+    replayed = {"family": "qwen3-vl", "K": 113, "visual_rows": 113, "text_rows": 39, "floor": {"floor_ms": 3.0},
+                "wall_ms": 9.0, "kernels": kernels, "graph": graph}  # fmt: skip
+    eager = {**replayed, "family": "qwen3.5", "text_rows": 141, "wall_ms": 60.0, "graph": None}
     results = {"source": {"commit": "0123456789abcdef", "dirty": True}, "environment": {"card": "NVIDIA H200"},
-               "profiled_calls": 2, "reps": 20, "families": [family]}  # fmt: skip
+               "profiled_calls": 2, "reps": 20, "families": [replayed, eager, {"family": "gemma3", "error": "x"}]}
     block = prefill_kernels.render_markdown(results, "x.json")
-    assert "| qwen3-vl | 113 | 152 | 3.00 | 9.00 (3.00) | 7.50 (2.50) | 6.00 (2.00) | 0.25 | 1.25 | 663 |" in block
+    assert ("| qwen3-vl | 113 | 152 | 3.00 | 9.00 (3.00) | 7.80 (2.60) | 1.20 | 7.50 (2.50) | 6.00 (2.00) | 0.25 | "
+            "1.25 | 663 |") in block  # fmt: skip
+    assert "| qwen3.5 | 113 | 254 | 3.00 | 60.00 (20.00) | — | — | 7.50 (2.50) |" in block
+    assert "gemma3" not in block  # a family whose process failed has no row
     assert block.rstrip().endswith("commit 0123456789 with uncommitted changes).")
 
 
