@@ -84,8 +84,9 @@ def test_docs_block_gives_each_family_its_times_over_the_floor() -> None:
     replayed = {"family": "qwen3-vl", "K": 113, "visual_rows": 113, "text_rows": 39, "floor": {"floor_ms": 3.0},
                 "wall_ms": 9.0, "kernels": kernels, "graph": graph}  # fmt: skip
     eager = {**replayed, "family": "qwen3.5", "text_rows": 141, "wall_ms": 60.0, "graph": None}
+    failed = {"family": "gemma3", "error": "its process exited with code 1"}
     results = {"source": {"commit": "0123456789abcdef", "dirty": True}, "environment": {"card": "NVIDIA H200"},
-               "profiled_calls": 2, "reps": 20, "families": [replayed, eager, {"family": "gemma3", "error": "x"}]}
+               "profiled_calls": 2, "reps": 20, "families": [replayed, eager, failed]}  # fmt: skip
     block = prefill_kernels.render_markdown(results, "x.json")
     assert ("| qwen3-vl | 113 | 152 | 3.00 | 9.00 (3.00) | 7.80 (2.60) | 1.20 | 7.50 (2.50) | 6.00 (2.00) | 0.25 | "
             "1.25 | 663 |") in block  # fmt: skip
