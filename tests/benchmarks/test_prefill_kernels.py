@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from pytest import approx, mark
 
@@ -60,27 +61,21 @@ def test_a_tiny_run_on_the_cpu_writes_each_familys_rows_and_floor(tmp_path: Path
     assert family["kernels"]["kernels_per_call"] == 0 and family["graph"] is None  # no GPU kernels on the CPU
 
 
-def test_graph_timeline_spans_each_graphs_kernels_and_leaves_the_rest_out() -> None:
-    launch = {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 500.0}
-    events = [
-        {**launch, "args": {"correlation": 7}},
-        {**launch, "ts": 9000.0, "args": {"correlation": 9}},
-        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"correlation": 8}},
-        {"cat": "kernel", "name": "embedding", "ts": 50.0, "dur": 40.0, "args": {"correlation": 8}},  # before a graph
-        {"cat": "kernel", "name": "norm", "ts": 100.0, "dur": 300.0, "args": {"correlation": 7}},
-        {"cat": "kernel", "name": "gemm", "ts": 500.0, "dur": 1500.0, "args": {"correlation": 7}},
-        {"cat": "kernel", "name": "norm", "ts": 9100.0, "dur": 200.0, "args": {"correlation": 9}},
-        {"cat": "kernel", "name": "gemm", "ts": 9400.0, "dur": 1600.0, "args": {"correlation": 9}},
-    ]
-    timeline = prefill_kernels.graph_timeline(events, calls=2)
-    # graph 7: 100 -> 2000 µs (busy 1800); graph 9: 9100 -> 11000 µs (busy 1800); per call 1.9 ms, 1.8 busy, 0.1 gaps
-    assert timeline == approx({"graphs_per_call": 1.0, "span_ms": 1.9, "busy_ms": 1.8, "gaps_ms": 0.1})
-    assert prefill_kernels.graph_timeline(events[2:], calls=2) is None  # kernels without a graph launch: eager
+def test_the_replayed_prefill_is_the_graph_of_the_last_calls_shape() -> None:
+    graph = object()
+    loop = SimpleNamespace(last_shape=(1, 96), prefills={(1, 96): SimpleNamespace(graph=graph),
+                                                         (1, 2896): SimpleNamespace(graph=object())})  # fmt: skip
+    assert prefill_kernels.replayed_prefill(SimpleNamespace(_greedy_graphs=loop)) is graph
+    assert prefill_kernels.replayed_prefill(SimpleNamespace(_greedy_graphs=None)) is None  # no static loop made
+    fresh = SimpleNamespace(last_shape=None, prefills={})
+    assert prefill_kernels.replayed_prefill(SimpleNamespace(_greedy_graphs=fresh)) is None  # made, never run
+    eager = SimpleNamespace(last_shape=(1, 96), prefills={(1, 96): SimpleNamespace(graph=None)})
+    assert prefill_kernels.replayed_prefill(SimpleNamespace(_greedy_graphs=eager)) is None  # run step by step
 
 
 def test_docs_block_gives_each_family_its_times_over_the_floor() -> None:
     kernels = {"kernels_ms": 7.5, "kernels_per_call": 663.0, "ms": {"gemm": 6.0, "attention": 0.25, "other": 1.25}}
-    graph = {"span_ms": 7.8, "outside_ms": 1.2, "busy_ms": 7.5, "gaps_ms": 0.3, "graphs_per_call": 1.0}
+    graph = {"replay_ms": 7.8, "outside_ms": 1.2}
     replayed = {"family": "qwen3-vl", "K": 113, "visual_rows": 113, "text_rows": 39, "floor": {"floor_ms": 3.0},
                 "wall_ms": 9.0, "kernels": kernels, "graph": graph}  # fmt: skip
     eager = {**replayed, "family": "qwen3.5", "text_rows": 141, "wall_ms": 60.0, "graph": None}
