@@ -17,7 +17,7 @@ language model reads (K visual rows as fed, plus the prompt's text rows).
 
 Each family runs in a process of its own, as a user's process holds one model: a process that has compiled the static
 loop's pieces for one model's widths recompiles them for the next model's with the widths symbolic (dynamo's automatic
-dynamic shapes), and those kernels are slower (Qwen2.5-VL's gated activation: 16 us a layer against about 7).
+dynamic shapes), and those kernels are slower (Qwen2.5-VL's gated activation: 15 us a layer against 8).
 
 What it shows: how much of the prefill is the GEMMs (cuBLAS at these row counts: compute and weight reading are close,
 so neither side of the floor's max is reached) and the other kernels; where the prefill replays a CUDA graph, the
