@@ -27,7 +27,7 @@ differ from transformers' in its last bits. :func:`layer_reason` says where a la
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -43,8 +43,20 @@ RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen2_
 # or decode, and a few models in one process (a benchmark, a test session) each add theirs; past the limit dynamo
 # would run the piece uncompiled without a word
 RECOMPILE_LIMIT = 64
+
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def compile_settings() -> AbstractContextManager[None]:
+    """dynamo's settings while the pieces run: :data:`RECOMPILE_LIMIT`, and no automatic dynamic shapes. With them, a
+    process that compiled the pieces for one model recompiled them for a second model of other widths with every
+    width that changed symbolic, and Inductor's kernels then divide by runtime widths in their index arithmetic and
+    load without vectors: on an H200, Qwen2.5-VL-7B's gated activation took 15 us a layer against 8, and its K-row
+    prefill's other kernels 0.93 against 0.67 ms (benchmarks/results/2026-11-30-160301-gpu-h200-prefill-kernels.json,
+    every family in one process, against 2026-12-01-080619-..., each in its own). Only the dims :func:`_varying`
+    marks are symbolic, in every model's pieces."""
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False)
 
 
 class LayerTensors(NamedTuple):
@@ -344,10 +356,10 @@ class LeanLayers:
     @contextmanager
     def scope(self, *, for_graphs: bool) -> Iterator[None]:
         """Where the pieces run: ``for_graphs`` (a step a CUDA graph captures, or its warm-up: compiled) or eager steps
-        (as written); dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (both restored on exit)."""
+        (as written); dynamo's settings those of :func:`compile_settings` (both restored on exit)."""
         saved, self.for_graphs = self.for_graphs, for_graphs
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT) if self.compiled else nullcontext():
+            with compile_settings() if self.compiled else nullcontext():
                 yield
         finally:
             self.for_graphs = saved

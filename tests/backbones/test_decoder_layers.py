@@ -15,10 +15,12 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2Rot
 
 from care_core.backbones.decoder_layers import (
     LeanLayers,
+    attention_inputs,
     layer_forward,
     layer_reason,
     layer_shape,
     layer_tensors,
+    mlp_block,
     rotation_tables,
     stacked_rows,
 )
@@ -211,6 +213,37 @@ def test_eager_steps_and_a_piece_that_cannot_be_compiled_run_as_written(monkeypa
         got = layer_forward(pieces, *args)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert not pieces.compiled and pieces.compile_failure == "CompileFailed: no C compiler found"
+
+
+def test_a_second_models_widths_are_compiled_as_constants() -> None:
+    """Two models of other widths through one process's compiled pieces (as on CUDA, with a backend that records what
+    dynamo hands it): the second model's weights reach it with their own sizes, not symbolic ones, while the rows stay
+    symbolic (:func:`~care_core.backbones.decoder_layers._varying`)."""
+    weight_shapes: list[list[str]] = []  # per compiled graph: the shapes of its 2-D inputs (the weights), as written
+
+    def recorder(graph: torch.fx.GraphModule, _: Any) -> Any:
+        values = [node.meta.get("example_value") for node in graph.graph.nodes if node.op == "placeholder"]
+        weight_shapes.append([str(tuple(v.shape)) for v in values if isinstance(v, torch.Tensor) and v.dim() == 2])
+        return graph.forward
+
+    compiled = (  # as LeanLayers compiles them on CUDA, with the recording backend
+        torch.compile(attention_inputs, backend=recorder, dynamic=None, fullgraph=True),
+        torch.compile(mlp_block, backend=recorder, dynamic=None, fullgraph=True),
+    )
+    pieces = LeanLayers(torch.device("cpu"))
+    pieces.compiled, pieces._compiled = True, compiled
+    for width, ff in ((32, 48), (40, 64)):
+        config = Qwen2Config(**{**SMALL, "hidden_size": width, "intermediate_size": ff}, num_key_value_heads=2)
+        layer, rotary = Qwen2DecoderLayer(config, layer_idx=0).eval(), Qwen2RotaryEmbedding(config)
+        hidden = torch.randn(1, 5, width)
+        rotation = rotation_tables(*rotary(hidden, position_ids=_positions(config, 1, 5)))
+        with torch.no_grad(), pieces.scope(for_graphs=True):
+            layer_forward(pieces, hidden, layer_tensors(layer), rotation, layer_shape(config, layer), _fresh, None)
+    assert len(weight_shapes) == 4  # two pieces, each compiled once per model
+    second = [shape for shapes in weight_shapes[2:] for shape in shapes]
+    # the second model (4 heads of 40 / 4 = 10 dims, 2 kv heads): q/k/v stacked (40 + 2 * 2 * 10 = 80 rows wide 40),
+    # o (40, 40), gate/up (2 * 64, 40), down (40, 64), each size a constant
+    assert sorted(second) == ["(128, 40)", "(40, 40)", "(40, 64)", "(80, 40)"]  # not "(s27, 40)" ...
 
 
 def test_quantised_or_subclassed_projections_are_refused_by_name() -> None:
