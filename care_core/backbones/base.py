@@ -63,7 +63,7 @@ def check_kept(kept: torch.Tensor | None, rows: int, num_tokens: int) -> torch.T
 
     A host tensor is checked whole. A device tensor stays where it is and only its shape and dtype are checked here:
     reading its values would wait for all the work queued before it (on a GPU, the reduction that made it), so its
-    range is the caller's to read after it has queued its own work (:func:`kept_range_problem`)."""
+    range is the caller's to read after it has queued its own work (:func:`queue_kept_bounds`)."""
     if kept is None:
         if rows > num_tokens:
             raise ValueError(f"{rows} projected rows but only {num_tokens} visual tokens; pass kept")
@@ -87,19 +87,49 @@ def _range_message(num_tokens: int) -> str:
     return f"kept holds indices outside -1..{num_tokens - 1}"
 
 
-def kept_range_problem(kept: Sequence[torch.Tensor | None], num_tokens: Sequence[int]) -> str | None:
-    """The first sample's out-of-range ``kept`` (one line), or None: the range :func:`check_kept` leaves to its caller
-    for device tensors, every sample's bounds read in one copy (host tensors were checked whole already)."""
+@dataclass(frozen=True)
+class KeptBounds:
+    """Every device ``kept``'s (min, max), copied to the host behind the work queued when they were asked for
+    (:func:`queue_kept_bounds`): read after the caller's own wait for the device (its answers), by when the copy has
+    landed, so the check adds no round trip to the device after the answer."""
+
+    host: torch.Tensor  # (samples, 2) lowest and highest index per device kept (pinned on CUDA)
+    num_tokens: tuple[int, ...]  # each sample's N
+    ready: Any = None  # a CUDA event recorded after the copy (None: the copy was a blocking one)
+
+    def problem(self) -> str | None:
+        """The first sample's out-of-range ``kept`` (one line), or None."""
+        if self.ready is not None:
+            self.ready.synchronize()  # done already where the caller waited for later work on the stream
+        for n, (low, high) in zip(self.num_tokens, self.host.tolist(), strict=True):
+            if not _in_range(low, high, n):
+                return _range_message(n)
+        return None
+
+
+def queue_kept_bounds(kept: Sequence[torch.Tensor | None], num_tokens: Sequence[int]) -> KeptBounds | None:
+    """The range :func:`check_kept` leaves to its caller for device tensors, queued: every sample's bounds in one copy
+    to the host that waits for nothing (host tensors were checked whole already; None where no kept is on a device)."""
     on_device = [(k, n) for k, n in zip(kept, num_tokens, strict=True)
                  if k is not None and k.device.type != "cpu" and k.numel()]  # fmt: skip
     if not on_device:
         return None
     device = on_device[0][0].device
-    bounds = torch.stack([torch.stack([k.min(), k.max()]).to(device) for k, _ in on_device]).tolist()
-    for (_, n), (low, high) in zip(on_device, bounds, strict=True):
-        if not _in_range(low, high, n):
-            return _range_message(n)
-    return None
+    bounds = torch.stack([torch.stack(torch.aminmax(k)).to(device) for k, _ in on_device])
+    counts = tuple(n for _, n in on_device)
+    if device.type != "cuda":
+        return KeptBounds(bounds.cpu(), counts)
+    host = torch.empty(bounds.shape, dtype=bounds.dtype, pin_memory=True)
+    host.copy_(bounds, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+    return KeptBounds(host, counts, ready)
+
+
+def kept_range_problem(kept: Sequence[torch.Tensor | None], num_tokens: Sequence[int]) -> str | None:
+    """The first sample's out-of-range ``kept`` (one line), or None, read now (:func:`queue_kept_bounds`)."""
+    bounds = queue_kept_bounds(kept, num_tokens)
+    return None if bounds is None else bounds.problem()
 
 
 def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool:

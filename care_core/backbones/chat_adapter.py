@@ -19,7 +19,7 @@ from ..generation import Decoding, Generation
 from ..images import to_rgb
 from ..vocabulary import DEFAULT_QUESTION
 from ._hf import quiet_transformers
-from .base import ImageTokens, VLMAdapter, check_batch, check_kept, kept_range_problem
+from .base import ImageTokens, KeptBounds, VLMAdapter, check_batch, check_kept, queue_kept_bounds
 from .families import import_path
 from .geometry import GEOMETRY_CACHE_SIZE
 from .module_attrs import submodule, typed_attr
@@ -493,7 +493,7 @@ class ChatAdapter(VLMAdapter):
         self, question: str, tokens: ImageTokens, projected: torch.Tensor, kept: torch.Tensor | None = None
     ) -> torch.Tensor:
         inputs = self._lm_inputs(question, tokens, projected, kept)
-        self._raise_kept_problem([kept], [tokens])
+        self._raise_kept_problem(self._kept_bounds([kept], [tokens]))
         with torch.no_grad(), quiet_transformers():
             out = self.model(**inputs)
         return out.logits[0]
@@ -532,15 +532,16 @@ class ChatAdapter(VLMAdapter):
         start = time.perf_counter()
         check_batch(questions, tokens, projected, kept)
         # device kept stays there: the prompts and the prefill are queued behind the reduction that made it, and its
-        # range is read once they are (check_kept), so the host never idles the device in between
+        # range is copied back behind them and read with the answers (check_kept), so the host never waits for it
         parts = [self._prompt_parts(q, t, p, k) for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)]
+        bounds = self._kept_bounds(kept, tokens)
         if max_new_tokens < 1:
-            self._raise_kept_problem(kept, tokens)
+            self._raise_kept_problem(bounds)
             return [Generation("", (), "eager", "no new tokens were asked for") for _ in parts]
         if not parts:
             return []
         answers, decoding, reason = self._decode(parts, max_new_tokens, cuda_graph)
-        self._raise_kept_problem(kept, tokens)
+        self._raise_kept_problem(bounds)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         decode = self.tokenizer.decode
         return [
@@ -551,11 +552,16 @@ class ChatAdapter(VLMAdapter):
         ]
 
     @staticmethod
-    def _raise_kept_problem(kept: Sequence[torch.Tensor | None], tokens: Sequence[ImageTokens]) -> None:
-        """ValueError (one line) when a device ``kept`` holds indices out of range (:func:`kept_range_problem`); the
-        device work that used them clamped them (no device-side error), and its answers are dropped."""
-        problem = kept_range_problem([k if isinstance(k, torch.Tensor) else None for k in kept],
-                                     [t.num_tokens for t in tokens])  # fmt: skip
+    def _kept_bounds(kept: Sequence[torch.Tensor | None], tokens: Sequence[ImageTokens]) -> KeptBounds | None:
+        """The device ``kept``s' ranges, queued (:func:`~care_core.backbones.base.queue_kept_bounds`)."""
+        return queue_kept_bounds([k if isinstance(k, torch.Tensor) else None for k in kept],
+                                 [t.num_tokens for t in tokens])  # fmt: skip
+
+    @staticmethod
+    def _raise_kept_problem(bounds: KeptBounds | None) -> None:
+        """ValueError (one line) when a device ``kept`` held indices out of range; the device work that used them
+        clamped them (no device-side error), and its answers are dropped."""
+        problem = None if bounds is None else bounds.problem()
         if problem is not None:
             raise ValueError(problem)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from care_core.backbones import load_backbone
-from care_core.backbones.base import check_kept, kept_range_problem
+from care_core.backbones.base import KeptBounds, check_kept, kept_range_problem, queue_kept_bounds
 
 from ._helpers import noise_image
 
@@ -40,6 +40,43 @@ def test_device_ranges_are_read_in_one_copy_and_name_the_first_bad_sample() -> N
     assert kept_range_problem([good, high, low], [5, 5, 5]) == "kept holds indices outside -1..4"
     assert kept_range_problem([low], [3]) == "kept holds indices outside -1..2"
     assert check_kept(high, 2, 5) is not None  # a device tensor's range is left to its caller: no wait here
+
+
+def test_copied_bounds_name_the_first_sample_out_of_range() -> None:
+    assert KeptBounds(torch.tensor([[-1, 3], [0, 5]]), (4, 6)).problem() is None  # -1..N-1 is the whole range
+    bounds = KeptBounds(torch.tensor([[-1, 3], [2, 6], [-2, 0]]), (4, 6, 3))
+    assert bounds.problem() == "kept holds indices outside -1..5"
+
+
+def test_host_kept_are_never_queued_for_a_second_read() -> None:
+    assert queue_kept_bounds([torch.tensor([0, 7]), None, torch.tensor([], dtype=torch.long)], [2, 3, 4]) is None
+
+
+@cuda_only
+def test_device_ranges_are_queued_without_waiting_and_read_after_later_work() -> None:
+    good, high = torch.tensor([3, -1, 0], device="cuda"), torch.tensor([2, 6], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises from here on
+    try:
+        bounds = queue_kept_bounds([good, None, high], [4, 9, 6])
+        later = torch.ones(4096, 4096, device="cuda") @ torch.ones(4096, 4096, device="cuda")  # queued after the copy
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert bounds is not None and float(later[0, 0]) == 4096.0
+    assert bounds.host.tolist() == [[-1, 3], [2, 6]]  # (lowest, highest) per device kept, in order
+    assert bounds.problem() == "kept holds indices outside -1..5"
+
+
+@cuda_only
+@pytest.mark.parametrize("cuda_graph", [None, False])
+def test_generate_names_a_device_kept_out_of_range_after_answering(demo_home: Path, cuda_graph: bool | None) -> None:
+    adapter: Any = load_backbone("tiny-llava", home=demo_home, device="cuda", dtype="float32")
+    tokens = adapter.encode_image(noise_image(64, 64))
+    n = tokens.num_tokens
+    rows = adapter.projector(tokens.features[:3])
+    with pytest.raises(ValueError, match=f"^kept holds indices outside -1..{n - 1}$"):
+        adapter.generate(QUESTION, tokens, rows, max_new_tokens=2, kept=torch.tensor([0, 1, n], device="cuda"),
+                         cuda_graph=cuda_graph)  # fmt: skip
 
 
 def _reduced(adapter: Any, k: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
