@@ -22,7 +22,7 @@ from ._hf import quiet_transformers
 from .base import ImageTokens, KeptBounds, VLMAdapter, check_batch, check_kept, queue_kept_bounds
 from .families import import_path
 from .geometry import GEOMETRY_CACHE_SIZE
-from .module_attrs import submodule, typed_attr
+from .module_attrs import input_embeddings, submodule, tensor_attr, typed_attr
 from .preprocess_pool import ProcessorPool, process_image, usable_cores
 from .probes import VISION_PROBES, LanguageModelRun, attention_implementation
 from .static_generation import (
@@ -135,6 +135,9 @@ _A = TypeVar("_A", bound="ChatAdapter")
 MAX_PREPROCESS_WORKERS = 8
 #: questions whose prompt tokens an adapter keeps (a benchmark asks a few hundred distinct ones)
 PROMPT_CACHE_SIZE = 4096
+#: (question, placeholders, device) whose prompt ids an adapter keeps on the device: a data set's questions at its
+#: budgets, each (1, L) ids (L up to ~16k: 128 KB at most, 32 MB in all)
+DEVICE_PROMPT_CACHE_SIZE = 256
 
 
 def preprocess_workers(images: int) -> int:
@@ -207,6 +210,8 @@ class ChatAdapter(VLMAdapter):
         self.is_demo = is_demo
         #: question -> prompt ids with one placeholder, and its place
         self._prompt_cache: dict[str, tuple[torch.Tensor, int]] = {}
+        #: (question, placeholders, device) -> (1, L) prompt ids there, never written by their readers
+        self._device_ids: dict[tuple[str, int, str], torch.Tensor] = {}
         #: per kind, image size key -> token geometry (worked out in Python per image; each kind at most
         #: GEOMETRY_CACHE_SIZE image sizes)
         self._geometry_cache = Memos(GEOMETRY_CACHE_SIZE)
@@ -376,9 +381,14 @@ class ChatAdapter(VLMAdapter):
 
     def _placeholder_ids(self, question: str, k: int) -> tuple[torch.Tensor, int]:
         """(1, L) ids of the prompt with ``k`` image placeholders on the model's device (:meth:`_prompt_ids_with`),
-        and the first placeholder's place (the ``k`` are one run from there)."""
-        # a fresh host tensor: a blocking copy would wait for all the GPU work queued before it, once per sample
-        return self._prompt_ids_with(question, k).to(self.device, non_blocking=True), self._prompt_ids(question)[1]
+        kept there per (question, k) (:data:`DEVICE_PROMPT_CACHE_SIZE`), and the first placeholder's place (the
+        ``k`` are one run from there). Every reader only reads them (embeddings, masks, positions)."""
+        device = self.device
+        # a fresh host tensor: a blocking copy would wait for all the GPU work queued before it
+        ids = recall(self._device_ids, (question, k, str(device)),
+                     lambda: self._prompt_ids_with(question, k).to(device, non_blocking=True),
+                     DEVICE_PROMPT_CACHE_SIZE)  # fmt: skip
+        return ids, self._prompt_ids(question)[1]
 
     def _prompt_ids_with(self, question: str, k: int) -> torch.Tensor:
         """(1, L) token ids (a fresh CPU tensor) of the prompt with ``k`` image placeholders where the one-placeholder
@@ -402,7 +412,7 @@ class ChatAdapter(VLMAdapter):
 
     def _check_projected(self, projected: torch.Tensor) -> torch.Tensor:
         """``projected`` (K >= 1, d_t), detached, in the embedding table's dtype and device."""
-        emb = self.model.get_input_embeddings().weight
+        emb = tensor_attr(input_embeddings(self.model), "weight")
         hidden = int(emb.shape[1])
         if projected.dim() != 2 or projected.shape[0] < 1 or projected.shape[1] != hidden:
             raise ValueError(f"projected must be (K >= 1, {hidden}); got {tuple(projected.shape)}")

@@ -275,6 +275,7 @@ class _Prefill:
     positions: torch.Tensor | None = None  # (3, batch, rows) rotary (t, h, w) positions: multimodal-rope decoders
     deepstack: torch.Tensor | None = None  # (levels, batch, rows, d) rows added after the first layers: a view
     graph: Any = None
+    last_values: tuple[int, ...] = ()  # what ``last`` holds since the last fill that wrote it
 
 
 class StaticGreedy:
@@ -542,8 +543,10 @@ class StaticGreedy:
         entry.embeds.zero_()
         for i, prompt in enumerate(prompts):
             entry.embeds[i, : lengths[i]].copy_(prompt.embeds)
-        last = [length - 1 for length in lengths] + [0] * (batch - len(prompts))
-        entry.last.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)  # no wait for queued work
+        last = tuple(length - 1 for length in lengths) + (0,) * (batch - len(prompts))
+        if last != entry.last_values:  # only fills write it: the same lengths as the last call's need no copy
+            entry.last.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)  # no wait for queued work
+            entry.last_values = last
         if entry.positions is not None:
             entry.positions.copy_(self.positions[:rows])  # 0..rows-1 broadcast over the rope rows and samples
             self.rope_delta.zero_()

@@ -3,12 +3,15 @@ something else at that name is a TypeError naming the attribute, not a failure s
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from care_core.backbones.module_attrs import (
     float_attr,
+    input_embeddings,
     int_attr,
     optional_tensor_attr,
     submodule,
@@ -54,3 +57,21 @@ def test_a_part_of_another_type_is_a_type_error_naming_it() -> None:
         optional_tensor_attr(block, "proj")
     with pytest.raises(AttributeError):
         submodule(block, "missing")
+
+
+def test_the_input_embeddings_are_the_ones_the_model_names(demos: dict[str, Any]) -> None:
+    for name, adapter in demos.items():
+        assert input_embeddings(adapter.model) is adapter.model.get_input_embeddings(), name
+
+
+def test_a_model_of_another_layout_is_asked_for_its_input_embeddings() -> None:
+    class _Other(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(5, 3)
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.table
+
+    model = _Other()
+    assert input_embeddings(model) is model.table

@@ -29,6 +29,17 @@ def test_k_placeholders_are_the_tokens_of_the_written_out_prompt(demos: dict[str
             assert int((enc["input_ids"] == adapter.image_token_id).sum()) == k
 
 
+def test_the_prompt_ids_are_kept_per_question_and_placeholders(demos: dict[str, Any]) -> None:
+    for name, adapter in demos.items():
+        first, at = adapter._placeholder_ids(QUESTIONS[1], 7)
+        again, again_at = adapter._placeholder_ids(QUESTIONS[1], 7)
+        assert again is first and again_at == at, name  # kept: no tokens built or copied to the device again
+        other, _ = adapter._placeholder_ids(QUESTIONS[1], 8)
+        assert torch.equal(other.cpu(), written_out(adapter, QUESTIONS[1], 8)), name
+        assert torch.equal(again.cpu(), written_out(adapter, QUESTIONS[1], 7)), name
+        assert int(first[0, at]) == adapter.image_token_id and int(first[0, at - 1]) != adapter.image_token_id
+
+
 @pytest.mark.parametrize("scheme", ["always", "first"])
 def test_a_metaspace_tokenizer_gives_the_same_tokens(demo: Any, scheme: str) -> None:
     """A SentencePiece-like tokenizer (Metaspace pre-tokenizer, "▁" word prefix) with ``<image>`` as an added token."""
@@ -46,7 +57,7 @@ def test_a_metaspace_tokenizer_gives_the_same_tokens(demo: Any, scheme: str) -> 
     tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tok.add_tokens(["<image>"], special_tokens=True)
     adapter = copy.copy(demo)
-    adapter._prompt_cache = {}  # not the demo's: its prompts were tokenised by another tokenizer
+    adapter._prompt_cache, adapter._device_ids = {}, {}  # not the demo's: its prompts had another tokenizer
     adapter.processor = copy.copy(demo.processor)
     adapter.processor.tokenizer = tok
     adapter.image_token_id = tok.convert_tokens_to_ids("<image>")

@@ -295,6 +295,24 @@ def test_a_reduced_prompt_after_a_longer_one_runs_in_its_own_shape(demo: Any, im
             assert greedy.last_shape == shape, k
 
 
+def test_prompts_taking_turns_in_one_shape_each_answer_from_their_own_last_row(demo: Any, image: Any) -> None:
+    tokens = demo.encode_image(image)
+
+    def inputs(k: int) -> dict[str, Any]:
+        return demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:k]), torch.arange(k))
+
+    length = {k: int(inputs(k)["input_ids"].shape[1]) for k in range(16, 33)}
+    short = next(k for k in length if length[k] % BUCKET == 1)  # one row into a bucket, then one a few rows longer
+    turns = (short, short + 5, short, short + 5)
+    greedy = StaticGreedy(demo.model, graphs=False)
+    with torch.no_grad():
+        for k in turns:
+            assert greedy.generate(demo._prompt_embeddings(inputs(k)), 4) == reference_ids(demo, inputs(k), 4), k
+            entry = greedy.prefills[greedy.last_shape]
+            assert greedy.last_shape == (1, BUCKET * -(-length[short] // BUCKET))  # one shape for all four
+            assert entry.last.tolist() == [length[k] - 1], k  # each prompt's own last row, read back from the buffer
+
+
 def test_a_short_batch_runs_in_its_own_bucket(demo: Any, image: Any) -> None:
     tokens = demo.encode_image(image)
     with torch.no_grad():
