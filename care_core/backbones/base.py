@@ -126,12 +126,6 @@ def queue_kept_bounds(kept: Sequence[torch.Tensor | None], num_tokens: Sequence[
     return KeptBounds(host, counts, ready)
 
 
-def kept_range_problem(kept: Sequence[torch.Tensor | None], num_tokens: Sequence[int]) -> str | None:
-    """The first sample's out-of-range ``kept`` (one line), or None, read now (:func:`queue_kept_bounds`)."""
-    bounds = queue_kept_bounds(kept, num_tokens)
-    return None if bounds is None else bounds.problem()
-
-
 def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool:
     """True when the rows are exactly tokens 0..N-1 in order."""
     if rows != num_tokens:

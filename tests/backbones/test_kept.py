@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from care_core.backbones import load_backbone
-from care_core.backbones.base import KeptBounds, check_kept, kept_range_problem, queue_kept_bounds
+from care_core.backbones.base import KeptBounds, check_kept, queue_kept_bounds
 
 from ._helpers import noise_image
 
@@ -33,12 +33,19 @@ def test_generate_refuses_indices_outside_the_tokens(demo: Any) -> None:
         demo.generate(QUESTION, tokens, rows, max_new_tokens=2, kept=torch.tensor([0, 1, n]))
 
 
+def _range_problem(kept: list[torch.Tensor | None], num_tokens: list[int]) -> str | None:
+    """The queued range read at once: the first sample's problem, or None."""
+    bounds = queue_kept_bounds(kept, num_tokens)
+    assert bounds is not None  # every call here passes a device kept
+    return bounds.problem()
+
+
 @cuda_only
 def test_device_ranges_are_read_in_one_copy_and_name_the_first_bad_sample() -> None:
     good, high, low = (torch.tensor(v, device="cuda") for v in ([4, -1, 0], [0, 5], [-2]))
-    assert kept_range_problem([good, None, torch.tensor([9])], [5, 3, 2]) is None  # a host tensor: checked already
-    assert kept_range_problem([good, high, low], [5, 5, 5]) == "kept holds indices outside -1..4"
-    assert kept_range_problem([low], [3]) == "kept holds indices outside -1..2"
+    assert _range_problem([good, None, torch.tensor([9])], [5, 3, 2]) is None  # a host tensor: checked already
+    assert _range_problem([good, high, low], [5, 5, 5]) == "kept holds indices outside -1..4"
+    assert _range_problem([low], [3]) == "kept holds indices outside -1..2"
     assert check_kept(high, 2, 5) is not None  # a device tensor's range is left to its caller: no wait here
 
 
