@@ -126,6 +126,27 @@ def queue_kept_bounds(kept: Sequence[torch.Tensor | None], num_tokens: Sequence[
     return KeptBounds(host, counts, ready)
 
 
+class KeptRangeCheck:
+    """The device ``kept``s' range check of one call: queued at most once (:meth:`queue`, behind the device work
+    queued so far: a caller that queues it right after launching its prefill keeps it off the host's path to that
+    launch), read by :meth:`problem`, which queues it first where nobody did."""
+
+    def __init__(self, kept: Sequence[torch.Tensor | None], num_tokens: Sequence[int]) -> None:
+        self._kept, self._num_tokens = kept, num_tokens
+        self._bounds: KeptBounds | None = None
+        self._queued = False
+
+    def queue(self) -> None:
+        """Queue the bounds' copy to the host (once; later calls do nothing)."""
+        if not self._queued:
+            self._bounds, self._queued = queue_kept_bounds(self._kept, self._num_tokens), True
+
+    def problem(self) -> str | None:
+        """The first sample's out-of-range ``kept`` (one line), or None (:meth:`KeptBounds.problem`)."""
+        self.queue()
+        return None if self._bounds is None else self._bounds.problem()
+
+
 def is_all_tokens(kept: torch.Tensor | None, rows: int, num_tokens: int) -> bool:
     """True when the rows are exactly tokens 0..N-1 in order."""
     if rows != num_tokens:

@@ -4,7 +4,7 @@ placeholder-expanded prompt ids and greedy decoding through ``mm_encoder_outputs
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -19,7 +19,7 @@ from ..generation import Decoding, Generation
 from ..images import to_rgb
 from ..vocabulary import DEFAULT_QUESTION
 from ._hf import quiet_transformers
-from .base import ImageTokens, KeptBounds, VLMAdapter, check_batch, check_kept, queue_kept_bounds
+from .base import ImageTokens, KeptRangeCheck, VLMAdapter, check_batch, check_kept
 from .families import import_path
 from .geometry import GEOMETRY_CACHE_SIZE
 from .module_attrs import input_embeddings, submodule, tensor_attr, typed_attr
@@ -503,7 +503,7 @@ class ChatAdapter(VLMAdapter):
         self, question: str, tokens: ImageTokens, projected: torch.Tensor, kept: torch.Tensor | None = None
     ) -> torch.Tensor:
         inputs = self._lm_inputs(question, tokens, projected, kept)
-        self._raise_kept_problem(self._kept_bounds([kept], [tokens]))
+        self._raise_kept_problem(self._kept_check([kept], [tokens]))
         with torch.no_grad(), quiet_transformers():
             out = self.model(**inputs)
         return out.logits[0]
@@ -542,16 +542,16 @@ class ChatAdapter(VLMAdapter):
         start = time.perf_counter()
         check_batch(questions, tokens, projected, kept)
         # device kept stays there: the prompts and the prefill are queued behind the reduction that made it, and its
-        # range is copied back behind them and read with the answers (check_kept), so the host never waits for it
+        # range is copied back behind the prefill and read with the answers (check_kept): the host never waits for it
         parts = [self._prompt_parts(q, t, p, k) for q, t, p, k in zip(questions, tokens, projected, kept, strict=True)]
-        bounds = self._kept_bounds(kept, tokens)
+        check = self._kept_check(kept, tokens)
         if max_new_tokens < 1:
-            self._raise_kept_problem(bounds)
+            self._raise_kept_problem(check)
             return [Generation("", (), "eager", "no new tokens were asked for") for _ in parts]
         if not parts:
             return []
-        answers, decoding, reason = self._decode(parts, max_new_tokens, cuda_graph)
-        self._raise_kept_problem(bounds)
+        answers, decoding, reason = self._decode(parts, max_new_tokens, cuda_graph, check.queue)
+        self._raise_kept_problem(check)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         decode = self.tokenizer.decode
         return [
@@ -562,31 +562,32 @@ class ChatAdapter(VLMAdapter):
         ]
 
     @staticmethod
-    def _kept_bounds(kept: Sequence[torch.Tensor | None], tokens: Sequence[ImageTokens]) -> KeptBounds | None:
-        """The device ``kept``s' ranges, queued (:func:`~care_core.backbones.base.queue_kept_bounds`)."""
-        return queue_kept_bounds([k if isinstance(k, torch.Tensor) else None for k in kept],
-                                 [t.num_tokens for t in tokens])  # fmt: skip
+    def _kept_check(kept: Sequence[torch.Tensor | None], tokens: Sequence[ImageTokens]) -> KeptRangeCheck:
+        """The device ``kept``s' range check, not queued yet (:class:`~care_core.backbones.base.KeptRangeCheck`)."""
+        return KeptRangeCheck([k if isinstance(k, torch.Tensor) else None for k in kept],
+                              [t.num_tokens for t in tokens])  # fmt: skip
 
     @staticmethod
-    def _raise_kept_problem(bounds: KeptBounds | None) -> None:
+    def _raise_kept_problem(check: KeptRangeCheck) -> None:
         """ValueError (one line) when a device ``kept`` held indices out of range; the device work that used them
         clamped them (no device-side error), and its answers are dropped."""
-        problem = None if bounds is None else bounds.problem()
+        problem = check.problem()
         if problem is not None:
             raise ValueError(problem)
 
     def _decode(
-        self, parts: list[PromptParts], max_new_tokens: int, cuda_graph: bool | None
+        self, parts: list[PromptParts], max_new_tokens: int, cuda_graph: bool | None, after_prefill: Callable[[], None]
     ) -> tuple[list[tuple[int, ...]], Decoding, str | None]:
         """Every sample's new token ids, how they were decoded and why not from graphs (see :meth:`generate`): each
         prompt takes the static loop's form (:meth:`_loop_prompt`) or the model's (:meth:`_model_inputs`), never
-        both."""
+        both. ``after_prefill``: host work to queue behind the prefill (the static loop runs it once the prefill is
+        launched, overlapping it; ``model.generate`` gives no such point: it runs first)."""
         reason = (
             "turned off (cuda_graph=False)" if cuda_graph is False else self._batch_graph_reason(parts, max_new_tokens)
         )
         if reason is None:
             try:
-                return self._static_ids(parts, max_new_tokens, replay=True), "cuda-graph", None
+                return self._static_ids(parts, max_new_tokens, after_prefill, replay=True), "cuda-graph", None
             except Exception as exc:  # a capture these modules do not allow: say so, decode eagerly from now on
                 self._greedy_graphs = None  # its cache and graphs go (with an out-of-memory error, to make room)
                 if is_out_of_memory(exc):  # not the modules' fault: the caller splits the batch (care_core.batch_sizes)
@@ -597,16 +598,20 @@ class ChatAdapter(VLMAdapter):
         elif cuda_graph:
             raise GenerationError(f"cannot generate from CUDA graphs: {reason}")
         elif cuda_graph is False and self._batch_graph_reason(parts, max_new_tokens) is None:
-            return self._static_ids(parts, max_new_tokens, replay=False), "eager", reason
+            return self._static_ids(parts, max_new_tokens, after_prefill, replay=False), "eager", reason
+        after_prefill()
         inputs = [self._model_inputs(one) for one in parts]
         return self._greedy(collate_left_padded(inputs, self._pad_token_id), max_new_tokens), "eager", reason
 
-    def _static_ids(self, parts: list[PromptParts], max_new_tokens: int, *, replay: bool) -> list[tuple[int, ...]]:
+    def _static_ids(
+        self, parts: list[PromptParts], max_new_tokens: int, after_prefill: Callable[[], None], *, replay: bool
+    ) -> list[tuple[int, ...]]:
         """Every sample's new token ids from the static loop (``replay`` False: step by step, no graphs; its lean
         layers launch about a third of transformers' kernels, which is what an eager forward waits on)."""
         with torch.no_grad():
             prompts = [self._loop_prompt(one) for one in parts]
-            ids = self._static_greedy().generate_batch(prompts, max_new_tokens, replay=replay)
+            greedy = self._static_greedy()
+            ids = greedy.generate_batch(prompts, max_new_tokens, replay=replay, after_prefill=after_prefill)
         return [tuple(i) for i in ids]
 
     def graph_generation_reason(self, length: int | None = None) -> str | None:

@@ -491,20 +491,29 @@ class StaticGreedy:
         return self.generate_batch([prompt], max_new_tokens, replay=replay)[0]
 
     def generate_batch(
-        self, prompts: Sequence[torch.Tensor | StaticPrompt], max_new_tokens: int, *, replay: bool = True
+        self,
+        prompts: Sequence[torch.Tensor | StaticPrompt],
+        max_new_tokens: int,
+        *,
+        replay: bool = True,
+        after_prefill: Callable[[], object] | None = None,
     ) -> list[list[int]]:
         """Greedy token ids after each prompt (embeddings (L_i, d) or (1, L_i, d), or a :class:`StaticPrompt`), each
         as it gets alone.
 
         A sample's tokens end after its first end token (its later steps run with the batch and are dropped);
         the loop stops when every sample has ended or after ``max_new_tokens``. ``replay`` False: every step runs
-        eagerly (no graph captured or replayed), in the call's own shape.
+        eagerly (no graph captured or replayed), in the call's own shape. ``after_prefill``: host work run once the
+        (first) prefill is launched, while the device runs it; work it queues follows the prefill.
         """
         checked = [self._checked(p) for p in prompts]
         largest = BATCH_BUCKETS[-1]
         if len(checked) > largest:  # one chunk after another, each padded to its own bucket
             chunks = [checked[at : at + largest] for at in range(0, len(checked), largest)]
-            return [ids for chunk in chunks for ids in self.generate_batch(chunk, max_new_tokens, replay=replay)]
+            hooks = [after_prefill] + [None] * (len(chunks) - 1)
+            runs = [self.generate_batch(chunk, max_new_tokens, replay=replay, after_prefill=hook)
+                    for chunk, hook in zip(chunks, hooks, strict=True)]  # fmt: skip
+            return [ids for run in runs for ids in run]
         if not checked or max_new_tokens < 1:
             return [[] for _ in checked]
         lengths = [int(p.embeds.shape[0]) for p in checked]
@@ -518,6 +527,8 @@ class StaticGreedy:
         entry = self._bucket(batch, rows)
         self._fill(entry, checked, lengths)
         entry.graph = self._run(lambda: self._prefill_step(entry), entry.graph, replay)
+        if after_prefill is not None:
+            after_prefill()  # overlaps the prefill on the device, off the host's path to its launch
         return self._decode_loop(batch, span, len(checked), max_new_tokens, replay)
 
     def _checked(self, prompt: torch.Tensor | StaticPrompt) -> StaticPrompt:

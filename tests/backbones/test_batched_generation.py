@@ -159,7 +159,7 @@ def test_out_of_memory_in_the_static_decoder_reaches_the_caller_and_keeps_graphs
     demo: Any, samples: dict[str, Samples], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     class OutOfMemory:  # a static decoder whose batch does not fit
-        def generate_batch(self, embeds: Any, max_new_tokens: int, *, replay: bool = True) -> Any:
+        def generate_batch(self, embeds: Any, max_new_tokens: int, **options: Any) -> Any:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB")
 
     monkeypatch.setattr(type(demo), "_batch_graph_reason", lambda self, inputs, new: None)  # as on a GPU

@@ -144,3 +144,17 @@ def test_device_indices_out_of_range_fail_in_one_line_and_leave_the_device_usabl
             adapter.language_model_logits(QUESTION, tokens, rows, kept=wrong.cuda())
     again = adapter.generate(QUESTION, tokens, rows, max_new_tokens=3, kept=kept.cuda())  # no device-side error left
     assert again.token_ids == want.token_ids
+
+
+def test_a_kept_check_is_queued_once_and_read_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    from care_core.backbones import base
+
+    assert base.KeptRangeCheck([torch.tensor([0, 9]), None], [5, 5]).problem() is None  # host kept: checked whole
+    queued: list[int] = []
+    bounds = KeptBounds(torch.tensor([[0, 7]]), (5,))
+    monkeypatch.setattr(base, "queue_kept_bounds", lambda kept, counts: queued.append(len(kept)) or bounds)
+    check = base.KeptRangeCheck([torch.tensor([0, 7])], [5])
+    check.queue()
+    check.queue()
+    assert check.problem() == "kept holds indices outside -1..4"
+    assert queued == [1]  # queued once: later calls and the read find it queued

@@ -504,9 +504,9 @@ def test_graphs_turned_off_where_they_would_apply_run_the_loop_step_by_step(
     stepped: list[bool] = []
     real = StaticGreedy.generate_batch
 
-    def spy(self: StaticGreedy, prompts: Any, max_new_tokens: int, *, replay: bool = True) -> Any:
+    def spy(self: StaticGreedy, prompts: Any, max_new_tokens: int, *, replay: bool = True, **hooks: Any) -> Any:
         stepped.append(replay)
-        return real(self, prompts, max_new_tokens, replay=replay)
+        return real(self, prompts, max_new_tokens, replay=replay, **hooks)
 
     monkeypatch.setattr(type(adapter), "_batch_graph_reason", lambda self, inputs, new: None)  # as on a GPU
     monkeypatch.setattr(type(adapter), "_static_greedy", lambda self: StaticGreedy(self.model, graphs=False))
@@ -516,3 +516,48 @@ def test_graphs_turned_off_where_they_would_apply_run_the_loop_step_by_step(
     assert stepped == [False]  # the static loop, told not to replay
     assert off.decoding == "eager" and off.eager_reason == "turned off (cuda_graph=False)"
     assert list(off.token_ids) == reference  # model.generate's tokens
+
+
+def test_the_work_after_the_prefill_runs_once_between_its_launch_and_the_first_token(
+    demo: Any, image: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from care_core.backbones import static_generation
+
+    tokens = demo.encode_image(image)
+    with torch.no_grad():
+        prompts = [demo._lm_inputs(QUESTION, tokens, demo.projector(tokens.features[:k]), torch.arange(k))
+                   for k in (9, 12, 15)]  # fmt: skip
+        embeds = [demo._prompt_embeddings(x) for x in prompts]
+    events: list[str] = []
+    for name in ("_prefill_step", "_decode_loop"):
+        real = getattr(StaticGreedy, name)
+        spy = lambda self, *a, real=real, name=name: events.append(name) or real(self, *a)  # noqa: E731
+        monkeypatch.setattr(StaticGreedy, name, spy)
+    monkeypatch.setattr(static_generation, "BATCH_BUCKETS", (1, 2))  # three prompts: a chunk of two, then one
+    with torch.no_grad():
+        greedy = StaticGreedy(demo.model, graphs=False)
+        ids = greedy.generate_batch(embeds, 3, after_prefill=lambda: events.append("hook"))
+    assert ids == [reference_ids(demo, x, 3) for x in prompts]
+    assert events == ["_prefill_step", "hook", "_decode_loop", "_prefill_step", "_decode_loop"]
+
+
+def test_generate_queues_the_kept_check_behind_the_prefill_and_reads_it_after(
+    demo: Any, image: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from care_core.backbones.base import KeptRangeCheck
+
+    tokens = demo.encode_image(image)
+    kept = torch.arange(0, tokens.num_tokens, 3)
+    projected = demo.projector(tokens.features[kept])
+    events: list[str] = []
+    queue, problem = KeptRangeCheck.queue, KeptRangeCheck.problem
+    monkeypatch.setattr(KeptRangeCheck, "queue", lambda self: events.append("queue") or queue(self))
+    monkeypatch.setattr(KeptRangeCheck, "problem", lambda self: events.append("read") or problem(self))
+    real = StaticGreedy._prefill_step
+    spy = lambda self, entry: events.append("prefill") or real(self, entry)  # noqa: E731
+    monkeypatch.setattr(StaticGreedy, "_prefill_step", spy)
+    monkeypatch.setattr(type(demo), "_batch_graph_reason", lambda self, inputs, new: None)  # as on a GPU
+    monkeypatch.setattr(type(demo), "_static_greedy", lambda self: StaticGreedy(self.model, graphs=False))
+    with torch.no_grad():
+        demo.generate(QUESTION, tokens, projected, max_new_tokens=2, kept=kept, cuda_graph=False)
+    assert events[:4] == ["prefill", "queue", "read", "queue"]  # the read's own queue call finds it queued
