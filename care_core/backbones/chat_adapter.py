@@ -29,7 +29,6 @@ from .static_generation import (
     StaticGreedy,
     StaticPrompt,
     eos_ids,
-    token_embeddings,
     unsupported_reason,
     window_reason,
 )
@@ -658,12 +657,12 @@ class ChatAdapter(VLMAdapter):
 
     def _loop_prompt(self, parts: PromptParts) -> StaticPrompt:
         """The static loop's prompt straight from ``parts`` (what the model's own inputs give, bit for bit): the ids'
-        embeddings (the loop's table, :func:`~care_core.backbones.static_generation.token_embeddings`: the model's
-        input embeddings) with the rows copied over their placeholders' (one run from ``parts.start``), and the
-        parts' positions. Families whose loop takes more (Qwen3-VL's DeepStack rows) extend it. The ids are embedded
-        as they are, which no family whose image token lies beyond the table (Gemma 3) meets: the loop drives no
-        such decoder."""
-        embeds = token_embeddings(self.model)(parts.input_ids[0])
+        embeddings (the model's input embeddings, :func:`~care_core.backbones.module_attrs.input_embeddings`: the
+        table the loop embeds new tokens with) with the rows copied over their placeholders' (one run from
+        ``parts.start``), and the parts' positions. Families whose loop takes more (Qwen3-VL's DeepStack rows)
+        extend it. The ids are embedded as they are, which no family whose image token lies beyond the table
+        (Gemma 3) meets: the loop drives no such decoder."""
+        embeds = input_embeddings(self.model)(parts.input_ids[0])
         embeds[parts.start : parts.start + parts.rows.shape[0]] = parts.rows.to(embeds.dtype)
         return StaticPrompt(embeds, parts.positions)
 

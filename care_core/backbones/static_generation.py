@@ -147,14 +147,6 @@ def unsupported_reason(model: Any, length: int | None = None) -> str | None:
     return window_reason(model, length)
 
 
-def token_embeddings(model: Any) -> torch.nn.Module:
-    """The embedding table the loop embeds new tokens with (:class:`StaticGreedy`'s ``lm.embed_tokens``), read anew
-    at each call: what ``model.get_input_embeddings()`` returns for every decoder the loop drives, in a few attribute
-    reads where that searches several names."""
-    module: torch.nn.Module = model.model.language_model.embed_tokens
-    return module
-
-
 def _first_parameter(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     """The submodule that holds ``module``'s first parameter, and its name there."""
     path, _, name = next(module.named_parameters())[0].rpartition(".")
