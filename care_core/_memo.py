@@ -4,10 +4,26 @@ directions): one insertion rule for all of them, and :class:`Memos` for an owner
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:  # torch is not imported at start-up (care --help)
+    import torch
 
 K = TypeVar("K")
 V = TypeVar("V")
+#: what a memo keyed on a tensor's contents compares: (data pointer, version counter, dtype, device)
+TensorState = tuple[int, int, "torch.dtype", "torch.device"]
+
+
+def tensor_state(tensor: torch.Tensor) -> TensorState:
+    """(data pointer, version counter, dtype, device) of ``tensor``: what a move, cast, replacement or in-place edit
+    changes, so a memo of what was computed from it can tell when that went stale (-1 as the version of an inference
+    tensor, which keeps no counter)."""
+    try:
+        version = tensor._version
+    except RuntimeError:
+        version = -1
+    return tensor.data_ptr(), version, tensor.dtype, tensor.device
 
 
 def remember(memo: dict[K, V], key: K, value: V, limit: int) -> V:

@@ -36,7 +36,7 @@ from torch import nn
 from care_core import norm_first
 from care_core._chunks import SECOND_LAYERS, TRIANGULAR_BLOCKS, block_bounds, row_groups, two_pass_chunk, two_pass_rows
 from care_core._chunks import chunk_size as _chunk_size
-from care_core._memo import recall
+from care_core._memo import TensorState, recall, tensor_state
 from care_core.kernels import dispatch
 from care_core.kernels.dispatch import Kernel, KernelGate, as_gate
 from care_core.kernels.shapes import (
@@ -744,19 +744,12 @@ def influence_scores(zscores: torch.Tensor, lam: float, eps: float) -> torch.Ten
     return (psi - psi.min()) / (psi.max() - psi.min() + eps)
 
 
-def _fingerprint(projector: Projector) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
-    """(data pointer, version counter, dtype, device) of every parameter and buffer: what a moved, cast, replaced
-    or in-place edited weight changes. A few microseconds for a projector's handful of tensors."""
+def _fingerprint(projector: Projector) -> tuple[TensorState, ...]:
+    """:func:`~care_core._memo.tensor_state` of every parameter and buffer: what a moved, cast, replaced or in-place
+    edited weight changes. A few microseconds for a projector's handful of tensors."""
     if not isinstance(projector, nn.Module):
         return ()
-    out = []
-    for t in (*projector.parameters(), *projector.buffers()):
-        try:
-            version = t._version
-        except RuntimeError:  # an inference tensor keeps no version counter
-            version = -1
-        out.append((t.data_ptr(), version, t.dtype, t.device))
-    return tuple(out)
+    return tuple(tensor_state(t) for t in (*projector.parameters(), *projector.buffers()))
 
 
 class Scorer:
@@ -819,7 +812,7 @@ class Scorer:
         self._directions: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._failed: dict[str, str] = {}
         self._operands: dict[Hashable, torch.Tensor] = {}  # the fused kernels' weight operands (KernelGate.operand)
-        self._weights: tuple[tuple[int, int, torch.dtype, torch.device], ...] | None = _fingerprint(projector)
+        self._weights: tuple[TensorState, ...] | None = _fingerprint(projector)
 
     @classmethod
     def for_projector(cls, projector: Projector) -> Scorer:
@@ -862,7 +855,7 @@ class Scorer:
         """The projector this scorer was made for (``care_reduce`` checks it is the one given)."""
         return self._projector
 
-    def fingerprint(self) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
+    def fingerprint(self) -> tuple[TensorState, ...]:
         """(data pointer, version counter, dtype, device) of each of the projector's parameters and buffers: what a
         moved, cast, replaced or in-place edited weight changes (the staleness rule above; a reduction graph's key)."""
         return _fingerprint(self._projector)

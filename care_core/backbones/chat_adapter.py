@@ -12,7 +12,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from PIL import Image
 
-from .._memo import Memos, recall
+from .._memo import Memos, TensorState, recall, tensor_state
 from ..batch_sizes import free_memory, is_out_of_memory
 from ..errors import GenerationError, ModelLoadError, QuestionError, one_line
 from ..generation import Decoding, Generation
@@ -29,8 +29,9 @@ from .static_generation import (
     StaticGreedy,
     StaticPrompt,
     eos_ids,
+    length_reason,
+    sliding_window,
     unsupported_reason,
-    window_reason,
 )
 
 
@@ -54,6 +55,7 @@ class PromptParts:
     rows: torch.Tensor  # (R, d_t) the visual rows the language model receives, in the placeholders' order
     tokens: ImageTokens  # the image the rows come from
     kept: torch.Tensor | None  # each projected row's token (as check_kept returns it)
+    question: str  # the question the prompt asks (the static loop's text rows are kept per question)
     positions: torch.Tensor | None = None  # (3, L) multimodal-rope (t, h, w) positions on the model's device
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # further model inputs (Gemma 3's token types)
 
@@ -137,6 +139,9 @@ PROMPT_CACHE_SIZE = 4096
 #: (question, placeholders, device) whose prompt ids an adapter keeps on the device: a data set's questions at its
 #: budgets, each (1, L) ids (L up to ~16k: 128 KB at most, 32 MB in all)
 DEVICE_PROMPT_CACHE_SIZE = 256
+#: questions whose text rows' input embeddings an adapter keeps on the device for the static loop, each (L - K, d_t)
+#: (a chat prompt's tens of text rows: under a megabyte at d_t = 4096 in bf16)
+DEVICE_TEXT_CACHE_SIZE = 64
 
 
 def preprocess_workers(images: int) -> int:
@@ -188,8 +193,9 @@ class ChatAdapter(VLMAdapter):
     image_only_processor: ClassVar[str | None] = None
     _greedy_graphs: Any = None  # the StaticGreedy of generate's CUDA-graph path (made on first use)
     _graph_failure: str | None = None  # why a capture failed on this backbone (graphs are off from then on)
-    # (model, unsupported_reason(model)): the walk over every decoder layer, once per model instead of per sample
-    _static_form: tuple[Any, str | None] | None = None
+    # (model, unsupported_reason(model), sliding_window(model)): the walk over every decoder layer and the config
+    # reads, once per model instead of per sample
+    _static_form: tuple[Any, str | None, int | None] | None = None
     _pool: Any = None  # the ProcessorPool of processor_pool (made on first use)
     image_token: str
     image_token_id: int
@@ -211,6 +217,8 @@ class ChatAdapter(VLMAdapter):
         self._prompt_cache: dict[str, tuple[torch.Tensor, int]] = {}
         #: (question, placeholders, device) -> (1, L) prompt ids there, never written by their readers
         self._device_ids: dict[tuple[str, int, str], torch.Tensor] = {}
+        #: (question, embedding table's state) -> the prompt's text rows' embeddings there, and the placeholder's place
+        self._device_text: dict[tuple[str, TensorState], tuple[torch.Tensor, int]] = {}
         #: per kind, image size key -> token geometry (worked out in Python per image; each kind at most
         #: GEOMETRY_CACHE_SIZE image sizes)
         self._geometry_cache = Memos(GEOMETRY_CACHE_SIZE)
@@ -474,7 +482,7 @@ class ChatAdapter(VLMAdapter):
         if not probe:
             rows = self.fed_rows(tokens, rows, kept)
         ids, start = self._placeholder_ids(question, int(rows.shape[0]))
-        return PromptParts(ids, start, rows, tokens, kept)
+        return PromptParts(ids, start, rows, tokens, kept, question)
 
     def _model_inputs(self, parts: PromptParts) -> dict[str, Any]:
         """The model's keyword arguments for ``parts``: the ids, their all-ones attention mask, the parts' extras and
@@ -624,8 +632,8 @@ class ChatAdapter(VLMAdapter):
             return self._graph_failure
         form = self._static_form
         if form is None or form[0] is not self.model:
-            form = self._static_form = (self.model, unsupported_reason(self.model))
-        return form[1] or window_reason(self.model, length)
+            form = self._static_form = (self.model, unsupported_reason(self.model), sliding_window(self.model))
+        return form[1] or length_reason(form[2], length)
 
     def _graph_reason(self, inputs: Mapping[str, Any], max_new_tokens: int) -> str | None:
         """Why a prompt would not decode from graphs (None: it would): ``inputs``, the model's keyword arguments (or
@@ -656,15 +664,31 @@ class ChatAdapter(VLMAdapter):
         return greedy
 
     def _loop_prompt(self, parts: PromptParts) -> StaticPrompt:
-        """The static loop's prompt straight from ``parts`` (what the model's own inputs give, bit for bit): the ids'
-        embeddings (the model's input embeddings, :func:`~care_core.backbones.module_attrs.input_embeddings`: the
-        table the loop embeds new tokens with) with the rows copied over their placeholders' (one run from
-        ``parts.start``), and the parts' positions. Families whose loop takes more (Qwen3-VL's DeepStack rows)
-        extend it. The ids are embedded as they are, which no family whose image token lies beyond the table
-        (Gemma 3) meets: the loop drives no such decoder."""
-        embeds = input_embeddings(self.model)(parts.input_ids[0])
-        embeds[parts.start : parts.start + parts.rows.shape[0]] = parts.rows.to(embeds.dtype)
-        return StaticPrompt(embeds, parts.positions)
+        """The static loop's prompt straight from ``parts`` (what the model's own inputs give, bit for bit): the
+        question's text rows (:meth:`_text_rows`) with the rows inserted where their placeholders' run starts
+        (``parts.start``; the loop writes them in one copy), and the parts' positions. Families whose loop takes
+        more (Qwen3-VL's DeepStack rows) extend it."""
+        text, _ = self._text_rows(parts.question)
+        return StaticPrompt(text, parts.positions, inserted=parts.rows, at=parts.start)
+
+    def _text_rows(self, question: str) -> tuple[torch.Tensor, int]:
+        """The input embeddings (L - K, d_t) of the prompt's text rows (its one-placeholder ids but the placeholder,
+        :meth:`_prompt_ids`) on the table's device, and the placeholder's place: what every static-loop prompt of
+        ``question`` holds around its visual rows, whatever the image. Kept per question and table state
+        (:data:`DEVICE_TEXT_CACHE_SIZE`; a moved, cast or edited table gets its own): embedding the ids again at each
+        request is a launch and tens of µs of host time before the prefill's. The input embeddings
+        (:func:`~care_core.backbones.module_attrs.input_embeddings`) are the table the loop embeds new tokens with;
+        the ids are embedded as they are, which no family whose text tokens lie beyond the table meets (Gemma 3's
+        image token does; the static loop drives no such decoder)."""
+        embeddings = input_embeddings(self.model)
+        table = tensor_attr(embeddings, "weight")
+
+        def embedded() -> tuple[torch.Tensor, int]:
+            ids, at = self._prompt_ids(question)
+            with torch.no_grad():
+                return embeddings(torch.cat([ids[:at], ids[at + 1 :]]).to(table.device)), at
+
+        return recall(self._device_text, (question, tensor_state(table)), embedded, DEVICE_TEXT_CACHE_SIZE)
 
     def _prompt_embeddings(self, inputs: dict[str, Any]) -> torch.Tensor:
         """(1, L, d_t) input embeddings of a prompt from :meth:`_lm_inputs`, visual rows in its placeholders."""

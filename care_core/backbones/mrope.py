@@ -102,7 +102,7 @@ def mrope_prompt_parts(
     positions = torch.cat([full[:, :start], image, full[:, start + n :]], dim=1)  # (3, L_K)
     ids, _ = adapter._placeholder_ids(question, k)
     placed = positions.to(ids.device, non_blocking=True)  # the model's device: a fresh host tensor, or there already
-    return PromptParts(ids, start, rows, tokens, kept, positions=placed)
+    return PromptParts(ids, start, rows, tokens, kept, question, positions=placed)
 
 
 def mrope_model_inputs(adapter: ChatAdapter, parts: PromptParts) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -156,7 +156,11 @@ def _first_parameter(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
 def window_reason(model: Any, length: int | None) -> str | None:
     """Why ``length`` positions (prompt plus new tokens) would not fit the decoder's sliding window, or None: the part
     of :func:`unsupported_reason` that depends on the call (the rest depends on the model only)."""
-    window = sliding_window(model)
+    return length_reason(sliding_window(model), length)
+
+
+def length_reason(window: int | None, length: int | None) -> str | None:
+    """:func:`window_reason` for a decoder whose :func:`sliding_window` is ``window`` (read once per model)."""
     if window is not None and length is not None and length > window:
         return f"{length} positions exceed the decoder's sliding window of {window}"
     return None
@@ -209,11 +213,32 @@ class StaticPrompt:
     continues explicit positions (a chat prompt ends in text, whose three positions are its largest: the model's own
     rope delta). ``deepstack``: (levels, L, d) rows added to the hidden states after decoder layer l < levels in the
     prefill (:data:`DEEPSTACK_DECODERS`; zeros where nothing is added), or None (nothing added).
+
+    ``inserted``: (R, d) rows that go in before row ``at`` of ``embeds``, which then holds the prompt's other rows
+    (the prompt is embeds[:at], inserted, embeds[at:]; L counts both): a chat prompt's visual rows amid its text rows,
+    which stay the same for every image (an adapter keeps them on the device), so the prompt is put together where
+    the loop writes its static inputs, in one copy.
     """
 
     embeds: torch.Tensor
     positions: torch.Tensor | None = None
     deepstack: torch.Tensor | None = None
+    inserted: torch.Tensor | None = None
+    at: int = 0
+
+    @property
+    def length(self) -> int:
+        """L: the prompt's rows."""
+        rows = int(self.embeds.shape[-2])
+        return rows if self.inserted is None else rows + int(self.inserted.shape[0])
+
+    def write(self, out: torch.Tensor) -> None:
+        """Write the prompt's (L, d) embeddings into ``out``."""
+        if self.inserted is None:
+            out.copy_(self.embeds)
+        else:
+            at = self.at
+            torch.cat([self.embeds[:at], self.inserted, self.embeds[at:]], out=out)
 
 
 class StaticKV:
@@ -267,7 +292,7 @@ class _Prefill:
     positions: torch.Tensor | None = None  # (3, batch, rows) rotary (t, h, w) positions: multimodal-rope decoders
     deepstack: torch.Tensor | None = None  # (levels, batch, rows, d) rows added after the first layers: a view
     graph: Any = None
-    last_values: tuple[int, ...] = ()  # what ``last`` holds since the last fill that wrote it
+    filled: tuple[tuple[int, bool], ...] = ()  # (length, positions given) per prompt at the last fill
 
 
 class StaticGreedy:
@@ -508,7 +533,7 @@ class StaticGreedy:
             return [ids for run in runs for ids in run]
         if not checked or max_new_tokens < 1:
             return [[] for _ in checked]
-        lengths = [int(p.embeds.shape[0]) for p in checked]
+        lengths = [p.length for p in checked]
         rows = BUCKET * math.ceil(max(lengths) / BUCKET)
         needed = max(rows, max(lengths) + max_new_tokens - 1)
         self._ensure_capacity(batch_bucket(len(checked)), needed)  # a growth drops every graph: then none is reused
@@ -528,7 +553,12 @@ class StaticGreedy:
         if not isinstance(prompt, StaticPrompt):
             prompt = StaticPrompt(prompt)
         embeds = prompt.embeds if prompt.embeds.dim() == 2 else prompt.embeds.reshape(-1, prompt.embeds.shape[-1])
-        length = int(embeds.shape[0])
+        inserted = prompt.inserted
+        if inserted is not None and (inserted.dim() != 2 or inserted.shape[1] != embeds.shape[1]
+                                     or not 0 <= prompt.at <= embeds.shape[0]):  # fmt: skip
+            raise ValueError(f"inserted rows {tuple(inserted.shape)} at row {prompt.at} of a prompt's "
+                             f"{tuple(embeds.shape)} other rows")  # fmt: skip
+        length = replace(prompt, embeds=embeds).length
         if prompt.positions is not None and (not self.mrope or tuple(prompt.positions.shape) != (3, length)):
             want = "(3, L) for a multimodal-rope decoder" if self.mrope else "none: the decoder's rope is 1-D"
             raise ValueError(f"prompt positions {tuple(prompt.positions.shape)} for {length} rows; expected {want}")
@@ -537,22 +567,29 @@ class StaticGreedy:
             if not self.deepstack_levels or tuple(prompt.deepstack.shape) != want_shape:
                 raise ValueError(f"prompt deepstack rows {tuple(prompt.deepstack.shape)}; the decoder takes "
                                  f"{want_shape if self.deepstack_levels else 'none'}")  # fmt: skip
-        return StaticPrompt(embeds, prompt.positions, prompt.deepstack)
+        return replace(prompt, embeds=embeds)
 
     def _fill(self, entry: _Prefill, prompts: Sequence[StaticPrompt], lengths: Sequence[int]) -> None:
         """Write the prompts into the prefill's static inputs (and their rope offsets for decoding); padding rows
-        and dummy samples get zeros (no NaN can reach a real row anyway) and positions 0..rows-1."""
+        and dummy samples get zeros (no NaN can reach a real row anyway) and positions 0..rows-1.
+
+        Only fills write the entry's own inputs, each prompt over its rows 0..L_i-1: after a fill of prompts of the
+        same lengths (with positions where those had them) every other row still holds its zeros and base positions,
+        and ``last`` its values, so those are written only when that changes (a launch and more of host time each,
+        before the prefill's launch)."""
         batch, rows = int(entry.embeds.shape[0]), int(entry.embeds.shape[1])
-        entry.embeds.zero_()
-        for i, prompt in enumerate(prompts):
-            entry.embeds[i, : lengths[i]].copy_(prompt.embeds)
-        last = tuple(length - 1 for length in lengths) + (0,) * (batch - len(prompts))
-        if last != entry.last_values:  # only fills write it: the same lengths as the last call's need no copy
+        filled = tuple((length, p.positions is not None) for p, length in zip(prompts, lengths, strict=True))
+        if filled != entry.filled:
+            entry.embeds.zero_()
+            last = tuple(length - 1 for length in lengths) + (0,) * (batch - len(prompts))
             entry.last.copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)  # no wait for queued work
-            entry.last_values = last
+            if entry.positions is not None:
+                entry.positions.copy_(self.positions[:rows])  # 0..rows-1 broadcast over the rope rows and samples
+            entry.filled = filled
+        for i, prompt in enumerate(prompts):
+            prompt.write(entry.embeds[i, : lengths[i]])
         if entry.positions is not None:
-            entry.positions.copy_(self.positions[:rows])  # 0..rows-1 broadcast over the rope rows and samples
-            self.rope_delta.zero_()
+            self.rope_delta.zero_()  # shared by every entry: written at each fill
             for i, prompt in enumerate(prompts):
                 if prompt.positions is not None:  # device tensors stay on the device: no host sync
                     entry.positions[:, i, : lengths[i]].copy_(prompt.positions, non_blocking=True)

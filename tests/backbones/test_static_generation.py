@@ -133,6 +133,24 @@ def _kepts(n: int) -> list[torch.Tensor | None]:
     return [None, subset.sort().values, subset, torch.tensor([*subset[:6].tolist(), -1, *subset[6:9].tolist()])]
 
 
+def _written(prompt: StaticPrompt) -> torch.Tensor:
+    """The (L, d) embeddings ``prompt`` writes into the loop's static inputs."""
+    out = prompt.embeds.new_full((prompt.length, prompt.embeds.shape[-1]), float("nan"))
+    prompt.write(out)
+    return out
+
+
+def test_a_prompts_rows_are_written_with_the_inserted_ones_at_their_place() -> None:
+    text = torch.arange(12.0).view(6, 2)
+    rows = -torch.arange(1.0, 7.0).view(3, 2)
+    for at in (0, 2, 6):
+        prompt = StaticPrompt(text, inserted=rows, at=at)
+        want = [text[i].tolist() for i in range(at)] + rows.tolist() + [text[i].tolist() for i in range(at, 6)]
+        assert prompt.length == 9 and _written(prompt).tolist() == want
+    with pytest.raises(ValueError, match="inserted rows"):
+        StaticGreedy.__new__(StaticGreedy)._checked(StaticPrompt(text, inserted=rows, at=7))
+
+
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-internvl3",
                                   "tiny-qwen2.5-vl", "tiny-qwen3-vl"])  # fmt: skip
 def test_the_loop_prompt_from_the_parts_is_the_one_from_the_model_inputs_bit_for_bit(
@@ -146,8 +164,11 @@ def test_the_loop_prompt_from_the_parts_is_the_one_from_the_model_inputs_bit_for
             projected = adapter.projector(rows)  # all tokens: LLaVA-NeXT and OneVision add their newline rows
             direct = adapter._loop_prompt(adapter._prompt_parts(QUESTION, tokens, projected, kept))
             via = static_prompt_from_inputs(adapter, adapter._lm_inputs(QUESTION, tokens, projected, kept))
+            assert direct.length == via.length
             for field in ("embeds", "positions", "deepstack"):
                 got, want = getattr(direct, field), getattr(via, field)
+                if field == "embeds":  # the text rows with the visual rows inserted, as the loop writes them
+                    got, want = _written(direct), _written(via)
                 assert (got is None) == (want is None), field
                 if want is not None:
                     assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), field
@@ -311,6 +332,37 @@ def test_prompts_taking_turns_in_one_shape_each_answer_from_their_own_last_row(d
             entry = greedy.prefills[greedy.last_shape]
             assert greedy.last_shape == (1, BUCKET * -(-length[short] // BUCKET))  # one shape for all four
             assert entry.last.tolist() == [length[k] - 1], k  # each prompt's own last row, read back from the buffer
+
+
+def test_rows_past_each_prompt_hold_zeros_whatever_the_earlier_fills_wrote(demo: Any) -> None:
+    greedy = StaticGreedy(demo.model, graphs=False)
+    d = greedy.hidden_size
+    greedy._ensure_capacity(2, 32)
+    entry = greedy._bucket(2, 32)
+    # longer prompts, then shorter ones, then the same lengths again (where the zeros are not written anew)
+    for lengths in ((30, 20), (5, 9), (5, 9), (12,), (12,)):
+        prompts = [StaticPrompt(torch.full((n, d), float(i + 1))) for i, n in enumerate(lengths)]
+        greedy._fill(entry, prompts, lengths)
+        for i in range(2):
+            n = lengths[i] if i < len(lengths) else 0
+            assert torch.all(entry.embeds[i, :n] == i + 1) and torch.all(entry.embeds[i, n:] == 0), (lengths, i)
+        assert entry.last.tolist() == [n - 1 for n in lengths] + [0] * (2 - len(lengths)), lengths
+
+
+def test_the_loops_text_rows_follow_the_embedding_table(demo: Any) -> None:
+    adapter = copy.copy(demo)  # its own memos, the demo's model copied below
+    adapter.model = copy.deepcopy(demo.model)
+    adapter._device_text = {}
+    ids, at = adapter._prompt_ids(QUESTION)
+    text_ids = torch.cat([ids[:at], ids[at + 1 :]])
+    table = adapter.model.get_input_embeddings().weight
+    for edit in (None, lambda: table.mul_(2.0), lambda: adapter.model.to(torch.float64)):
+        if edit is not None:
+            with torch.no_grad():
+                edit()
+        text, place = adapter._text_rows(QUESTION)
+        weight = adapter.model.get_input_embeddings().weight
+        assert place == at and text.dtype == weight.dtype and torch.equal(text, weight[text_ids])
 
 
 def test_a_short_batch_runs_in_its_own_bucket(demo: Any, image: Any) -> None:

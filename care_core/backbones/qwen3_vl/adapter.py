@@ -266,5 +266,5 @@ class Qwen3VLAdapter(ChatAdapter):
         prompt = super()._loop_prompt(parts)
         every = parts.tokens.model_inputs["deepstack"]  # checked when the parts were made (_prompt_parts)
         levels = self._fed_levels(parts.rows, every, parts.kept)  # (levels, K, d_t)
-        after = int(prompt.embeds.shape[0]) - parts.start - int(levels.shape[1])
+        after = prompt.length - parts.start - int(levels.shape[1])
         return replace(prompt, deepstack=F.pad(levels, (0, 0, parts.start, after)))  # zero rows around the run
