@@ -685,8 +685,11 @@ class ChatAdapter(VLMAdapter):
 
         def embedded() -> tuple[torch.Tensor, int]:
             ids, at = self._prompt_ids(question)
+            # a fresh host tensor copied without waiting: a blocking copy would wait for all the GPU work queued
+            # before it (a data set's batch asks a new question per sample, behind its reduction)
+            text = torch.cat([ids[:at], ids[at + 1 :]]).to(table.device, non_blocking=True)
             with torch.no_grad():
-                return embeddings(torch.cat([ids[:at], ids[at + 1 :]]).to(table.device)), at
+                return embeddings(text), at
 
         return recall(self._device_text, (question, tensor_state(table)), embedded, DEVICE_TEXT_CACHE_SIZE)
 
