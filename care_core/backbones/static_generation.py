@@ -558,7 +558,8 @@ class StaticGreedy:
                                      or not 0 <= prompt.at <= embeds.shape[0]):  # fmt: skip
             raise ValueError(f"inserted rows {tuple(inserted.shape)} at row {prompt.at} of a prompt's "
                              f"{tuple(embeds.shape)} other rows")  # fmt: skip
-        length = replace(prompt, embeds=embeds).length
+        checked = replace(prompt, embeds=embeds)
+        length = checked.length
         if prompt.positions is not None and (not self.mrope or tuple(prompt.positions.shape) != (3, length)):
             want = "(3, L) for a multimodal-rope decoder" if self.mrope else "none: the decoder's rope is 1-D"
             raise ValueError(f"prompt positions {tuple(prompt.positions.shape)} for {length} rows; expected {want}")
@@ -567,7 +568,7 @@ class StaticGreedy:
             if not self.deepstack_levels or tuple(prompt.deepstack.shape) != want_shape:
                 raise ValueError(f"prompt deepstack rows {tuple(prompt.deepstack.shape)}; the decoder takes "
                                  f"{want_shape if self.deepstack_levels else 'none'}")  # fmt: skip
-        return replace(prompt, embeds=embeds)
+        return checked
 
     def _fill(self, entry: _Prefill, prompts: Sequence[StaticPrompt], lengths: Sequence[int]) -> None:
         """Write the prompts into the prefill's static inputs (and their rope offsets for decoding); padding rows
