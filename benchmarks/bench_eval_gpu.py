@@ -587,13 +587,34 @@ def answer_times(adapter: Any, feed: tuple[list[Any], ...], batch: int, device: 
             size //= 2
 
 
+def tower_ms_per_image(adapter: Any, images: Sequence[Any], device: str) -> float:
+    """ms per image of the vision tower alone: ``encode_processed`` on ``images`` preprocessed beforehand (the
+    pixels' copy to the device included), ended on the host, median of :data:`STAGE_REPEATS` calls after one untimed.
+    Timed apart because the features stage less a preprocessing time measured in another call mixes two hosts'
+    paces: on a slow host it gave LLaVA-NeXT's tower 0.7 ms an image (its 5 crops take about 5)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and device.startswith("cuda")
+    processed = adapter.preprocess(images)
+    sizes = [(image.height, image.width) for image in images]
+
+    def step() -> None:
+        with torch.no_grad():
+            adapter.encode_processed(processed, sizes)
+        if cuda:
+            torch.cuda.synchronize()
+
+    step()  # untimed: kernels, caches
+    return median_wall_ms(step, STAGE_REPEATS, cuda) / len(images)
+
+
 def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, Any], device: str, dtype: str,
                 task: Path) -> dict[str, Any]:  # fmt: skip
     """Per sample, at the batch size care eval used for CaRe: the image preprocessing, the vision tower, CaRe (the
     method and the projector), the prefill (the first token) and the decoding (the other tokens), for all tokens and
-    for CaRe, in this process (care eval's has ended) on the task's first ``batch`` documents: the tower and CaRe
-    from ``ReductionPipeline.run_batch``'s stage timings (the tower: its features stage less the preprocessing
-    measured apart; CaRe: every stage of its group, :func:`care_ms_per_sample`), the answers from ``generate_batch``
+    for CaRe, in this process (care eval's has ended) on the task's first ``batch`` documents: the tower timed alone
+    (:func:`tower_ms_per_image`), CaRe from ``ReductionPipeline.run_batch``'s stage timings (every stage of its
+    group, :func:`care_ms_per_sample`), the answers from ``generate_batch``
     (:func:`answer_times`, at a smaller batch where all tokens' answers run out of memory)."""
     import torch
 
@@ -622,7 +643,7 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
     care_ms = care_ms_per_sample(method_ms, batch)
     out: dict[str, Any] = {"batch_size": batch, "new_tokens": STAGE_NEW_TOKENS, "timings_ms": timings,
                            "care_timings_ms": method_ms}  # fmt: skip
-    tower_ms = timings.get("features", 0.0) / batch - pre_ms
+    tower_ms = tower_ms_per_image(adapter, images, device)
     for label, reduce_ms in (("all tokens", 0.0), ("care", care_ms)):
         projected, kept = feeds[label]
         size, first, whole = answer_times(adapter, (questions, tokens, projected, kept), batch, device)

@@ -4,6 +4,7 @@ at the same batch size, 2 processes over one, and each issue target MET or NOT M
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,30 @@ def test_care_stage_per_sample_counts_the_stages_care_times_itself() -> None:
     # the pipeline's "method" is the time outside CaRe's own stages (scoring, anchors, calibration)
     stages = {"scoring": 640.0, "anchors": 96.0, "calibration": 32.0, "method": 6.4, "projection": 3.2}
     assert bench_eval_gpu.care_ms_per_sample(stages, 64) == approx(777.6 / 64)
+
+
+def test_the_tower_is_timed_alone_on_images_preprocessed_once() -> None:
+    # the features stage less a preprocessing time measured in another call mixed two calls' paces; the tower's time
+    # per image comes from encode_processed alone, every call on the same preprocessed inputs
+    calls: list[tuple[str, Any]] = []
+    processed = {"pixel_values": "four images' pixels"}
+
+    class Image:
+        height, width = 20, 30
+
+    class Adapter:
+        def preprocess(self, images: list[Any]) -> dict[str, str]:
+            calls.append(("preprocess", len(images)))
+            return processed
+
+        def encode_processed(self, given: dict[str, str], sizes: list[tuple[int, int]]) -> None:
+            calls.append(("encode", (given is processed, sizes)))
+            time.sleep(0.02)  # four images: at least 5 ms an image
+
+    ms = bench_eval_gpu.tower_ms_per_image(Adapter(), [Image()] * 4, "cpu")
+    assert calls[0] == ("preprocess", 4)
+    assert calls[1:] == [("encode", (True, [(20, 30)] * 4))] * (1 + bench_eval_gpu.STAGE_REPEATS)
+    assert ms >= 5.0
 
 
 def test_answers_that_run_out_of_memory_are_timed_at_half_the_batch_until_they_fit() -> None:
