@@ -133,6 +133,10 @@ BACKBONES = {
 }
 DEFAULT_BACKBONES = ("llava-next-7b", "llava-1.5-7b")  # the families issue #47 adds run when named (--backbones)
 STAGE_NEW_TOKENS = 8  # the answers' length in care eval (random weights answer to max_new_tokens)
+#: how the stage shares' tower is timed (:func:`tower_ms_per_image`), recorded in each result
+TOWER_TIMING = "encode_processed alone"
+#: the docs' words for a result made before (no ``tower_timing``): its tower is a difference of two calls' times
+OLD_TOWER_TIMING = " (the tower as the features stage less the pool's preprocessing timed in another call)"
 STAGE_REPEATS = 3  # timed answer calls per stage figure (median)
 QUICK = (
     "one copy of the task (12 samples), one process; --tiny --quick --device cpu: about 1 minute on a 2-core CPU "
@@ -642,7 +646,7 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
     method_ms = results[0].runs[0].timings_ms  # the CaRe group's stages, for the whole batch
     care_ms = care_ms_per_sample(method_ms, batch)
     out: dict[str, Any] = {"batch_size": batch, "new_tokens": STAGE_NEW_TOKENS, "timings_ms": timings,
-                           "care_timings_ms": method_ms}  # fmt: skip
+                           "care_timings_ms": method_ms, "tower_timing": TOWER_TIMING}  # fmt: skip
     tower_ms = tower_ms_per_image(adapter, images, device)
     for label, reduce_ms in (("all tokens", 0.0), ("care", care_ms)):
         projected, kept = feeds[label]
@@ -705,8 +709,9 @@ def _stage_line(name: str, stages: dict[str, Any]) -> str:
         if size == stages["batch_size"]
         else f" (answers at batch {size}: batch {stages['batch_size']} ran out of memory)"
     )
+    how = "" if stages.get("tower_timing") == TOWER_TIMING else OLD_TOWER_TIMING
     return (
-        f"{name} per sample at batch {stages['batch_size']}, timed stage by stage: {parts} ms with CaRe "
+        f"{name} per sample at batch {stages['batch_size']}, timed stage by stage{how}: {parts} ms with CaRe "
         f"({total:.1f}); prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all tokens{at}."
     )
 

@@ -245,6 +245,16 @@ def test_stage_line_names_the_smaller_batch_all_tokens_answered_at() -> None:
     assert "care 5.0 (20%)" in line  # 320 ms / 64 samples, of 25 ms a sample
 
 
+def test_stage_line_says_how_an_older_result_timed_the_tower() -> None:
+    side = {"preprocessing": 5.0, "tower": 5.0, "prefill": 5.0, "decoding": 5.0}
+    stages = {"batch_size": 8, "care_timings_ms": {"scoring": 40.0}, "care": {"ms_per_sample": side},
+              "all tokens": {"ms_per_sample": side}}  # fmt: skip
+    older = bench_eval_gpu._stage_line("llava-next-7b", stages)
+    newer = bench_eval_gpu._stage_line("llava-next-7b", dict(stages, tower_timing="encode_processed alone"))
+    assert "stage by stage (the tower as the features stage less the pool's preprocessing timed in" in older
+    assert "timed stage by stage: preprocessing 5.0 (20%), tower 5.0 (20%)" in newer
+
+
 def test_docs_hold_each_backbones_newest_eval_result_as_rendered() -> None:
     assert bench_eval_gpu.newest_per_backbone(), "no committed care eval result naming its commit"
     text = (bench_eval_gpu.ROOT / bench_eval_gpu.DOC_FILE).read_text(encoding="utf-8")
