@@ -1,5 +1,7 @@
 """The method registry: name -> method class, filled by ``@register`` in each method's module.
 
+Every module of this package is found and imported on first use (:func:`_discover`, as the family registry finds
+the family folders), so no module here imports the method modules by name and the import graph has no cycle.
 Everything else about a method (listing rank, cost model, score label, backbones it serves, CaRe
 hyperparameters it reads) is metadata on its class; the functions here only read it.
 """
@@ -8,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib
+import pkgutil
 from typing import TYPE_CHECKING, Any
 
 from care_core.errors import MethodError
@@ -16,6 +21,7 @@ from care_core.methods.base import Method
 if TYPE_CHECKING:
     from care_core.config import CaReConfig
 
+_PACKAGE = __name__.rpartition(".")[0]  # care_core.methods: where every method's module lives
 _METHODS: dict[str, type[Method]] = {}
 _ALIASES: dict[str, str] = {}
 
@@ -31,13 +37,18 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def _load_all() -> None:
-    import care_core.methods.all  # noqa: F401  (imports every method module once)
+@functools.cache
+def _discover() -> None:
+    """Import every module of this package once: each method's module registers its classes as it loads (the
+    contract, this registry and the helpers register nothing). Modules are found on disk, not named here."""
+    package = importlib.import_module(_PACKAGE)
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
 
 
 def method_names() -> list[str]:
     """Registered method names (aliases excluded) by their class's ``rank``: CaRe and its ablations first."""
-    _load_all()
+    _discover()
     return sorted(_METHODS, key=lambda name: (_METHODS[name].rank, name))
 
 
@@ -48,7 +59,7 @@ def methods_for_backbone(family: str) -> list[str]:
 
 
 def canonical_name(name: str) -> str:
-    _load_all()
+    _discover()
     key = name.strip().lower()
     if key in _METHODS:
         return key

@@ -1,8 +1,8 @@
 """The import graph (docs/design.md §Layers): every module in one layer, no import that climbs, no cycle.
 
 Every ``import`` and ``from ... import`` statement counts, those inside functions too; relative imports are resolved.
-Exempt: imports under ``if TYPE_CHECKING:`` (they never run), the packages' lazy re-exports (``importlib`` by name,
-no import statement) and the method registry's discovery of its members (:data:`DISCOVERY`).
+Exempt: imports under ``if TYPE_CHECKING:`` (they never run) and what ``importlib`` imports by name (the packages'
+lazy re-exports; the two registries' discovery of the family folders and the method modules on disk).
 """
 
 from __future__ import annotations
@@ -73,9 +73,6 @@ LAYERS: Mapping[int, tuple[str, ...]] = {
     7: ("care_cli",),
     8: ("benchmarks", "scripts"),
 }
-
-#: The registry imports every method module, and each registers itself with the registry.
-DISCOVERY = {("care_core.methods.registry", "care_core.methods.all")}
 
 Graph = dict[str, set[str]]
 
@@ -177,8 +174,7 @@ def cycles(graph: Graph) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def graph() -> Graph:
-    full = import_graph(module_files(ROOT, PACKAGES))
-    return {module: targets - {t for (m, t) in DISCOVERY if m == module} for module, targets in full.items()}
+    return import_graph(module_files(ROOT, PACKAGES))
 
 
 def test_every_module_has_a_layer(graph: Graph) -> None:
@@ -195,7 +191,7 @@ def test_no_import_climbs_to_a_higher_layer(graph: Graph) -> None:
     assert climbs == []
 
 
-def test_no_import_cycle_but_the_registry_discovery(graph: Graph) -> None:
+def test_no_import_cycle(graph: Graph) -> None:
     assert cycles(graph) == []
 
 
@@ -205,14 +201,6 @@ def test_top_level_packages_import_one_way(graph: Graph) -> None:
     for module, targets in graph.items():
         packages.setdefault(module.split(".")[0], set()).update(t.split(".")[0] for t in targets)
     assert cycles({package: targets - {package} for package, targets in packages.items()}) == []
-
-
-def test_discovery_exemption_is_the_registry_cycle() -> None:
-    """The exempt edge exists and closes the only cycle it is there for: remove it and that cycle is gone."""
-    full = import_graph(module_files(ROOT, ("care_core",)))
-    (registry, members), *_ = DISCOVERY
-    assert members in full[registry]
-    assert any(registry in component and members in component for component in cycles(full))
 
 
 def test_imports_inside_functions_and_relative_ones_count(tmp_path: Path) -> None:

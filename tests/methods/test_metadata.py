@@ -147,7 +147,7 @@ def test_each_family_loads_through_its_own_adapter() -> None:
 
 def test_metadata_imports_without_torch() -> None:
     code = (
-        "import care_core.methods.all, care_core.flops, sys; "
+        "import care_core.methods, care_core.flops, sys; "
         "from care_core.methods import method_names, method_class; "
         "[method_class(n).hyperparameters for n in method_names()]; "
         "from care_core.flops import flops_report, resolve_backbone; "
