@@ -594,8 +594,9 @@ def answer_times(adapter: Any, feed: tuple[list[Any], ...], batch: int, device: 
 def tower_ms_per_image(adapter: Any, images: Sequence[Any], device: str) -> float:
     """ms per image of the vision tower alone: ``encode_processed`` on ``images`` preprocessed beforehand (the
     pixels' copy to the device included), ended on the host, median of :data:`STAGE_REPEATS` calls after one untimed.
-    Timed apart because the features stage less a preprocessing time measured in another call mixes two hosts'
-    paces: on a slow host it gave LLaVA-NeXT's tower 0.7 ms an image (its 5 crops take about 5)."""
+    Timed apart because the features stage less a preprocessing time measured in another call mixes two calls'
+    paces: where the pool ran slower than in the pipeline, it gave LLaVA-NeXT's tower 0.7 ms an image (its 5 crops
+    take about 5)."""
     import torch
 
     cuda = torch.cuda.is_available() and device.startswith("cuda")
