@@ -218,7 +218,7 @@ class ChatAdapter(VLMAdapter):
         #: (question, placeholders, device) -> (1, L) prompt ids there, never written by their readers
         self._device_ids: dict[tuple[str, int, str], torch.Tensor] = {}
         #: (question, embedding table's state) -> the prompt's text rows' embeddings there, and the placeholder's place
-        self._device_text: dict[tuple[str, TensorState], tuple[torch.Tensor, int]] = {}
+        self._device_text: dict[tuple[str, TensorState], torch.Tensor] = {}
         #: per kind, image size key -> token geometry (worked out in Python per image; each kind at most
         #: GEOMETRY_CACHE_SIZE image sizes)
         self._geometry_cache = Memos(GEOMETRY_CACHE_SIZE)
@@ -668,28 +668,27 @@ class ChatAdapter(VLMAdapter):
         question's text rows (:meth:`_text_rows`) with the rows inserted where their placeholders' run starts
         (``parts.start``; the loop writes them in one copy), and the parts' positions. Families whose loop takes
         more (Qwen3-VL's DeepStack rows) extend it."""
-        text, _ = self._text_rows(parts.question)
-        return StaticPrompt(text, parts.positions, inserted=parts.rows, at=parts.start)
+        return StaticPrompt(self._text_rows(parts.question), parts.positions, inserted=parts.rows, at=parts.start)
 
-    def _text_rows(self, question: str) -> tuple[torch.Tensor, int]:
+    def _text_rows(self, question: str) -> torch.Tensor:
         """The input embeddings (L - K, d_t) of the prompt's text rows (its one-placeholder ids but the placeholder,
-        :meth:`_prompt_ids`) on the table's device, and the placeholder's place: what every static-loop prompt of
-        ``question`` holds around its visual rows, whatever the image. Kept per question and table state
-        (:data:`DEVICE_TEXT_CACHE_SIZE`; a moved, cast or edited table gets its own): embedding the ids again at each
-        request is a launch and tens of µs of host time before the prefill's. The input embeddings
+        :meth:`_prompt_ids`) on the table's device: what every static-loop prompt of ``question`` holds around its
+        visual rows, whatever the image. Kept per question and table state (:data:`DEVICE_TEXT_CACHE_SIZE`; a moved,
+        cast or edited table gets its own): embedding the ids again at each request is a launch and tens of µs of
+        host time before the prefill's. The input embeddings
         (:func:`~care_core.backbones.module_attrs.input_embeddings`) are the table the loop embeds new tokens with;
         the ids are embedded as they are, which no family whose text tokens lie beyond the table meets (Gemma 3's
         image token does; the static loop drives no such decoder)."""
         embeddings = input_embeddings(self.model)
         table = tensor_attr(embeddings, "weight")
 
-        def embedded() -> tuple[torch.Tensor, int]:
+        def embedded() -> torch.Tensor:
             ids, at = self._prompt_ids(question)
             # a fresh host tensor copied without waiting: a blocking copy would wait for all the GPU work queued
             # before it (a data set's batch asks a new question per sample, behind its reduction)
             text = torch.cat([ids[:at], ids[at + 1 :]]).to(table.device, non_blocking=True)
             with torch.no_grad():
-                return embeddings(text), at
+                return embeddings(text)
 
         return recall(self._device_text, (question, tensor_state(table)), embedded, DEVICE_TEXT_CACHE_SIZE)
 
