@@ -260,6 +260,15 @@ def test_stage_line_says_how_an_older_result_timed_the_tower() -> None:
     assert "timed stage by stage: preprocessing 5.0 (20%), tower 5.0 (20%)" in newer
 
 
+def test_eval_block_says_when_the_all_token_setting_paid_lmms_evals_one_time_imports(tmp_path: Path) -> None:
+    _eval_result(tmp_path / "r.json", ["llava-next-7b"])
+    older = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    newer = dict(older, setting_clock="after lmms-eval's aggregation imports")
+    said = "first setting (all tokens) also paid lmms-eval's one-time imports"
+    assert said in bench_eval_gpu.render_markdown(older, "r.json")
+    assert said not in bench_eval_gpu.render_markdown(newer, "r.json")
+
+
 def test_docs_hold_each_backbones_newest_eval_result_as_rendered() -> None:
     assert bench_eval_gpu.newest_per_backbone(), "no committed care eval result naming its commit"
     text = (bench_eval_gpu.ROOT / bench_eval_gpu.DOC_FILE).read_text(encoding="utf-8")

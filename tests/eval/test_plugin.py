@@ -218,6 +218,51 @@ def test_quiet_restores_what_it_changes(capsys: pytest.CaptureFixture[str]) -> N
     assert datasets.utils.are_progress_bars_disabled() == bars and datasets.logging.get_verbosity() == verbosity
 
 
+def test_after_the_aggregation_imports_lmms_evals_first_aggregation_imports_nothing() -> None:
+    """In a fresh process (this one may have imported them already): what lmms-eval's first aggregation would
+    import inside a setting's clock is imported by import_lmms_eval_aggregation."""
+    code = (
+        "import sys\n"
+        "from care_core.integrations import lmms_eval as plugin\n"
+        "from lmms_eval.api.metrics import stderr_for_metric\n"
+        "plugin.import_lmms_eval_aggregation()\n"
+        "before = set(sys.modules)\n"
+        "stderr_for_metric(len, plugin.BOOTSTRAP_ITERS)\n"
+        "print(sorted(set(sys.modules) - before)[:20])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]", done.stdout[-2000:]
+
+
+def test_a_settings_clock_starts_after_the_aggregation_imports(llava: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmms_eval.evaluator as evaluator
+
+    from care_core.batch_sizes import BatchSize
+    from care_core.runs import Processes, World
+
+    events: list[str] = []
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            events.append("clock")
+            return 0.0
+
+    def evaluate(**_: Any) -> None:
+        events.append("evaluate")
+        raise KeyboardInterrupt  # enough seen: stop before any answer
+
+    monkeypatch.setattr(plugin, "import_lmms_eval_aggregation", lambda: events.append("imports"))
+    monkeypatch.setattr(plugin, "time", Clock)
+    monkeypatch.setattr(evaluator, "simple_evaluate", evaluate)
+    selection = plugin.select_tasks([str(POPE)])
+    with pytest.raises(KeyboardInterrupt):
+        plugin.evaluate_setting(EvalSpec(pretrained="tiny-llava", method=None), llava, selection,
+                                plugin.task_manager(selection), Processes(World(0, 1, 0)), batch_size=BatchSize(2),
+                                limit=2, cache=None, stamp="test")  # fmt: skip
+    assert events == ["imports", "clock", "evaluate"]
+
+
 def test_warm_up_answers_through_the_reduced_path_and_records_nothing(llava: Any, spy: Spy) -> None:
     lm = plugin.CareLMM.from_spec(EvalSpec(pretrained="tiny-llava", method="care", keep=40), llava)
     lm.warm_up()
