@@ -217,7 +217,7 @@ class ChatAdapter(VLMAdapter):
         self._prompt_cache: dict[str, tuple[torch.Tensor, int]] = {}
         #: (question, placeholders, device) -> (1, L) prompt ids there, never written by their readers
         self._device_ids: dict[tuple[str, int, str], torch.Tensor] = {}
-        #: (question, embedding table's state) -> the prompt's text rows' embeddings there, and the placeholder's place
+        #: (question, embedding table's state) -> the prompt's text rows' embeddings there
         self._device_text: dict[tuple[str, TensorState], torch.Tensor] = {}
         #: per kind, image size key -> token geometry (worked out in Python per image; each kind at most
         #: GEOMETRY_CACHE_SIZE image sizes)
