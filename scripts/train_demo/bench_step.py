@@ -76,11 +76,16 @@ def time_steps(args: argparse.Namespace, parts: Any, data: Any, phase: str, step
 def measure(backbone: str, options: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
     """Every (batch, pool, phase) of one backbone, from one drawn pool (``cli.prepare`` moves it where each pool
     setting keeps it, as ``--replicas`` does)."""
+    with tempfile.TemporaryDirectory(prefix="care-train-step-") as scratch:  # the run's log only: removed after
+        return _measure_in(backbone, options, device, Path(scratch))
+
+
+def _measure_in(backbone: str, options: argparse.Namespace, device: Any, out: Path) -> list[dict[str, Any]]:
+    """:func:`measure` with the training run's folder ``out`` (its log)."""
     import torch
 
     from scripts.train_demo import cli
 
-    out = Path(tempfile.mkdtemp(prefix="care-train-step-"))
     args = cli.parse(["--backbone", backbone, "--out", str(out), "--scenes", str(options.scenes), "--workers",
                       str(options.workers), "--device", str(device), "--steps", "1000"])  # fmt: skip
     run = cli.Run(out)

@@ -1,9 +1,11 @@
-"""scripts/train_demo/bench_step: which bucket its warm-up phase times, its option errors, and a quick run's rows."""
+"""scripts/train_demo/bench_step: which bucket its warm-up phase times, its option errors, and a quick run's rows
+(and the scratch folder it leaves behind: none)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,7 +36,10 @@ def test_a_bad_option_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
     assert len(err) == 1 and err[0].startswith(f"error: {option}")
 
 
-def test_a_quick_run_times_each_phase_of_each_setting(tmp_path: Path) -> None:
+def test_a_quick_run_times_each_phase_of_each_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = tmp_path / "tmp"  # the system's temporary folder for this run: the training run's folder goes there
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     bench.main(["--quick", "--device", "cpu", "--backbones", "tiny-qwen2.5-vl", "--pools", "device",
                 "--results-dir", str(tmp_path)])  # fmt: skip
     (written,) = tmp_path.glob("*-cpu-bench_train_step.json")
@@ -45,3 +50,4 @@ def test_a_quick_run_times_each_phase_of_each_setting(tmp_path: Path) -> None:
     for r in rows:  # samples per second is the batch over the seconds a step took; no GPU, no peak memory
         assert r["s_per_step"] > 0 and r["peak_gpu_gb"] is None
         assert r["samples_per_s"] == pytest.approx(2 / r["s_per_step"], rel=0.01, abs=0.1)
+    assert list(scratch.glob("care-train-step-*")) == []  # the training run's scratch folder was removed
