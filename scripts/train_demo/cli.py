@@ -294,6 +294,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="HxW of every held-out scene, or 'mixed' (the world's sizes: the standard set)",
     )
     args = parser.parse_args(argv)
+    _check(parser, args)
+    args.replica = 0
+    return args
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options' combinations and ranges (``parser.error``: one line, exit 2); the size options resolved."""
     if args.resume is not None:
         args.out = args.out or args.resume
     if sum(x is not None for x in (args.out, args.evaluate_only, args.install_from)) != 1:
@@ -320,8 +327,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--replicas trains: give --out DIR (or --resume DIR)")
     if args.sequential and args.replicas < 2:
         parser.error("--sequential orders the runs of --replicas N: give N of at least 2")
-    args.replica = 0
-    return args
 
 
 def heldout_key(size: tuple[int, int] | None) -> str:
