@@ -44,6 +44,7 @@ from torch import nn
 from ...norm_first import NormFirstMLP
 from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
+from ..aligned_mlp import aligned_gated_mlps
 from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter, PromptParts
 from ..module_attrs import float_attr, int_attr, submodule, tensor_attr, typed_attr
@@ -167,7 +168,11 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         vparam = next(visual.parameters())
         vc = self.model.config.vision_config
         grid_thw = thw.to(vparam.device)
-        with quiet_transformers(), tower_attention(self.model, vparam.device, pack=self.pack_vision_attention):
+        with (
+            quiet_transformers(),
+            tower_attention(self.model, vparam.device, pack=self.pack_vision_attention),
+            aligned_gated_mlps(visual, vparam.device),  # the blocks' 3420-wide MLPs (docs/design/backbones.md)
+        ):
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=grid_thw)
             window, _ = get_vision_window_index(
                 grid_thw, spatial_merge_size=vc.spatial_merge_size, window_size=vc.window_size, patch_size=vc.patch_size
