@@ -219,6 +219,37 @@ def divprune_orders(
     return run(dist, first, sizes, steps, mask_selected)
 
 
+#: the input types the vision rotary kernel takes (transformers' function computes in float32 and casts back)
+VISION_ROTARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def vision_rotary_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the vision rotary kernel takes these inputs: q and k (rows, heads, head_dim) of one shape and type
+    (:data:`VISION_ROTARY_DTYPES`) on one CUDA device with cos and sin (rows, head_dim), an even head_dim, unit
+    stride along the dims, and no gradient wanted (the kernel has no backward)."""
+    if not (q.is_cuda and q.dim() == 3 and k.shape == q.shape and k.dtype == q.dtype):
+        return False
+    rows, _, head_dim = q.shape
+    tables = all(t.shape == (rows, head_dim) and t.is_floating_point() and t.stride(-1) == 1 for t in (cos, sin))
+    placed = all(t.device == q.device for t in (k, cos, sin)) and q.stride(-1) == 1 and k.stride(-1) == 1
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
+    return q.dtype in VISION_ROTARY_DTYPES and tables and placed and head_dim % 2 == 0 and not wants_grad
+
+
+def rotate_vision(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vision rotary kernel (:func:`care_core.kernels.vision_rotary.rotate_vision`): transformers'
+    ``apply_rotary_pos_emb_vision`` bit for bit; ValueError for inputs :func:`vision_rotary_applies` refuses;
+    imports Triton when called."""
+    if not vision_rotary_applies(q, k, cos, sin):
+        raise ValueError(f"the vision rotary kernel does not take q {tuple(q.shape)} {q.dtype} on {q.device}, "
+                         f"k {tuple(k.shape)} {k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")  # fmt: skip
+    from care_core.kernels.vision_rotary import rotate_vision as run
+
+    return run(q, k, cos, sin)
+
+
 def triton_enabled(device: torch.device) -> bool:
     """True when the fused kernels may run on ``device`` (:func:`why_not_fused` is None)."""
     return why_not_fused(device) is None

@@ -49,6 +49,7 @@ from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter, PromptParts
 from ..module_attrs import float_attr, int_attr, submodule, tensor_attr, typed_attr
 from ..packed_attention import tower_attention
+from ..vision_rotary import fast_vision_rotary, modeling_module
 
 
 class QwenMergerProjector(nn.Module):
@@ -172,6 +173,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
             quiet_transformers(),
             tower_attention(self.model, vparam.device, pack=self.pack_vision_attention),
             aligned_gated_mlps(visual, vparam.device),  # the blocks' 3420-wide MLPs (docs/design/backbones.md)
+            fast_vision_rotary(modeling_module(visual), vparam.device),
         ):
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=grid_thw)
             window, _ = get_vision_window_index(

@@ -31,6 +31,7 @@ from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter, PromptParts
 from ..probes import VISION_PROBES
 from ..qwen3_vl.adapter import Qwen3VLMergerProjector
+from ..vision_rotary import fast_vision_rotary, modeling_module
 
 
 class Qwen3_5Adapter(ChatAdapter):
@@ -78,7 +79,7 @@ class Qwen3_5Adapter(ChatAdapter):
         loop runs as transformers has it (care's packed attention does not list this tower yet)."""
         visual = self._inner.visual
         vparam = next(visual.parameters())
-        with quiet_transformers():
+        with quiet_transformers(), fast_vision_rotary(modeling_module(visual), vparam.device):
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=thw.to(vparam.device))
         unit = qwen_vl.merge_unit(self.model)
         hidden = out.last_hidden_state  # processor order: each 2x2 group is 4 consecutive rows

@@ -45,6 +45,7 @@ from ..chat_adapter import ChatAdapter, PromptParts
 from ..module_attrs import float_attr, int_attr, optional_tensor_attr, submodule, tensor_attr
 from ..packed_attention import tower_attention
 from ..static_generation import StaticPrompt
+from ..vision_rotary import fast_vision_rotary, modeling_module
 
 
 class Qwen3VLMergerProjector(nn.Module):
@@ -147,7 +148,11 @@ class Qwen3VLAdapter(ChatAdapter):
         vparam = next(visual.parameters())
         # one image (frame) is one segment per block: nothing to pack, and switching the setting costs ~ms
         pack = self.pack_vision_attention and int(thw[:, 0].sum()) > 1
-        with quiet_transformers(), tower_attention(self.model, vparam.device, pack=pack):
+        with (
+            quiet_transformers(),
+            tower_attention(self.model, vparam.device, pack=pack),
+            fast_vision_rotary(modeling_module(visual), vparam.device),
+        ):
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=thw.to(vparam.device))
         unit = qwen_vl.merge_unit(self.model)
         hidden = out.last_hidden_state  # processor order: each 2x2 group is 4 consecutive rows
