@@ -18,6 +18,9 @@ Nothing here imports Triton until a fused kernel runs: ``import care_core`` neve
   program per image over its precomputed cosine Gram matrix: no host synchronisation, no per-step launches.
 - :mod:`care_core.kernels.divprune`: DivPrune's max-min greedy for B images in one launch (one program per
   image) over their precomputed distance matrices.
+- :mod:`care_core.kernels.vision_rotary`: the Qwen vision towers' rotary embedding of queries and keys in one pass,
+  bit for bit transformers' float32 passes (run by :mod:`care_core.backbones.vision_rotary`; not a CaRe kernel, and
+  outside the ``kernel`` setting below: it runs wherever the fused kernels may run).
 - :mod:`care_core.kernels.operands`: the weights as the kernels read them (bf16, or rounded to tf32), in PyTorch
   alone, so that a caller's gate can keep them (:meth:`~care_core.kernels.dispatch.KernelGate.operand`).
 
