@@ -1,6 +1,6 @@
 """The Qwen vision towers' rotary embedding by care's one-pass kernel on CUDA, for the length of a ``with`` block.
 
-transformers' Qwen2.5-VL and Qwen3-VL vision attention modules call their modeling module's
+transformers' Qwen2.5-VL, Qwen3-VL and Qwen3.5 vision attention modules call their modeling module's
 ``apply_rotary_pos_emb_vision`` (:data:`ROTARY_FUNCTION`), which makes float32 copies of the queries and keys and
 runs several elementwise passes over them: about a fifth of Qwen2.5-VL-7B's tower time on an H200. The kernel
 (:mod:`care_core.kernels.vision_rotary`) gives the same bits in one pass (docs/design/backbones.md §Vision rotary).

@@ -1,6 +1,6 @@
 """The Qwen vision towers' rotary embedding of queries and keys in one pass (CUDA only), bit for bit transformers' own.
 
-transformers' ``apply_rotary_pos_emb_vision`` (Qwen2.5-VL, Qwen3-VL) casts q and k to float32 and computes
+transformers' ``apply_rotary_pos_emb_vision`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) casts q and k to float32 and computes
 ``q cos + rotate_half(q) sin`` in separate elementwise passes over float32 copies (cast, product, negation,
 concatenation, product, sum, cast back): at a tower's tens of thousands of patch rows these passes took about a fifth
 of Qwen2.5-VL-7B's tower on an H200 (docs/design/backbones.md §Vision rotary). :func:`rotate_vision` reads q and k
