@@ -16,6 +16,7 @@ CUDA only; the weights are padded per call (a few megabytes a layer), so the mod
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,30 +60,37 @@ def padded_gated_mlp(mlp: nn.Module, hidden: torch.Tensor, padding: int) -> torc
     return F.linear(wide, F.pad(tensor_attr(down, "weight"), (0, padding)), optional_tensor_attr(down, "bias"))
 
 
+#: a module's misaligned gated MLPs with their paddings (:func:`misaligned_gated_mlps`), per weight type; kept by the
+#: module's owner (an adapter), so the module is searched once and not on every call
+MisalignedMlps = dict[torch.dtype, tuple[tuple[nn.Module, int], ...]]
+
+
+def misaligned_gated_mlps(module: nn.Module) -> tuple[tuple[nn.Module, int], ...]:
+    """(MLP, padding) for every gated MLP in ``module`` whose hidden width is misaligned (:func:`alignment_padding`)."""
+    gated = (mlp for mlp in module.modules() if _is_gated_mlp(mlp))
+    return tuple((mlp, padding) for mlp in gated if (padding := alignment_padding(mlp)))
+
+
 @contextlib.contextmanager
-def aligned_gated_mlps(module: nn.Module, device: torch.device) -> Iterator[int]:
+def aligned_gated_mlps(module: nn.Module, device: torch.device, found: MisalignedMlps | None = None) -> Iterator[int]:
     """Inside the block, every gated MLP in ``module`` whose hidden width is misaligned (:func:`alignment_padding`)
     runs :func:`padded_gated_mlp`, where ``device`` (the one ``module`` runs on) is CUDA; elsewhere nothing changes.
-    Yields how many MLPs it set. Each one's own ``forward`` is back on exit. Not thread-safe: the setting lives on
-    the (shared) modules while the block runs."""
+    ``found``: the owner's record of the search (filled on first use per weight type). Yields how many MLPs it set.
+    Each one's own ``forward`` is back on exit. Not thread-safe: the setting lives on the (shared) modules while the
+    block runs."""
     if device.type != "cuda":
         yield 0
         return
+    found = {} if found is None else found
+    dtype = next(module.parameters()).dtype
+    mlps = found[dtype] if dtype in found else found.setdefault(dtype, misaligned_gated_mlps(module))
     patched: list[nn.Module] = []
     try:
-        for mlp in module.modules():
-            padding = alignment_padding(mlp) if _is_gated_mlp(mlp) and "forward" not in vars(mlp) else 0
-            if padding:
-                mlp.forward = _padded_forward(mlp, padding)  # type: ignore[method-assign]
+        for mlp, padding in mlps:
+            if "forward" not in vars(mlp):  # set already by an enclosing block (or its owner): leave it
+                vars(mlp)["forward"] = functools.partial(padded_gated_mlp, mlp, padding=padding)
                 patched.append(mlp)
         yield len(patched)
     finally:
         for mlp in patched:
             vars(mlp).pop("forward", None)
-
-
-def _padded_forward(mlp: nn.Module, padding: int) -> Any:
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return padded_gated_mlp(mlp, hidden, padding)
-
-    return forward

@@ -10,8 +10,11 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
+from ..kernels.dispatch import KernelGate
 from ._hf import quiet_transformers
 from .chat_adapter import ChatAdapter
+from .probes import clip_encoder_layers
+from .vision_encoder import encoder_hidden_states, fast_quick_gelus
 
 #: rows of a CLIP tower's output before its patch tokens: the CLS, which strategy "default" drops
 CLIP_PATCH_START = 1
@@ -97,15 +100,14 @@ def llava_image_token_id(config: Any) -> int | None:
     return image_token_id
 
 
-def patch_features(model: Any, pixel_values: torch.Tensor, patch_start: int) -> torch.Tensor:
+def patch_features(model: Any, pixel_values: torch.Tensor, patch_start: int, gate: KernelGate) -> torch.Tensor:
     """(crops, P, d_v): the tower's patch tokens of layer ``vision_feature_layer`` (several layers concatenated along
-    the feature axis), the rows before ``patch_start`` dropped: what the model hands its projector. Gradients flow
-    where enabled (training)."""
+    the feature axis), the rows before ``patch_start`` dropped: what the model hands its projector. The encoder stops
+    after the deepest layer read, and runs CLIP's QuickGELU by care's kernel where it may (``gate``: the adapter's;
+    :mod:`care_core.backbones.vision_encoder`). Gradients flow where enabled (training)."""
     tower = llava_inner(model).vision_tower
     vparam = next(tower.parameters())
-    layer = model.config.vision_feature_layer
-    with quiet_transformers():
-        out = tower(pixel_values=pixel_values.to(device=vparam.device, dtype=vparam.dtype),
-                    output_hidden_states=layer, return_dict=True)  # fmt: skip
-    layers = [layer] if isinstance(layer, int) else list(layer)
-    return torch.cat([out.hidden_states[i][:, patch_start:] for i in layers], dim=-1)
+    pixels = pixel_values.to(device=vparam.device, dtype=vparam.dtype)
+    with quiet_transformers(), fast_quick_gelus(clip_encoder_layers(tower), vparam.device, gate):
+        states = encoder_hidden_states(tower, pixels, model.config.vision_feature_layer)
+    return torch.cat([state[:, patch_start:] for state in states], dim=-1)

@@ -72,7 +72,8 @@ def _hidden_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
     raise RuntimeError("cannot find the hidden_states argument of the hooked module")
 
 
-def _first(output: Any) -> torch.Tensor:
+def first_output(output: Any) -> torch.Tensor:
+    """A block's hidden-state output: the tensor itself (transformers 5) or the first of a tuple (4)."""
     return output[0] if isinstance(output, tuple | list) else output
 
 
@@ -202,7 +203,9 @@ def _hook_plan(hooks: HookScope, layers: torch.nn.ModuleList, plan: _CapturePlan
                     with_kwargs=True,
                 )
             else:  # hidden_states[i] is the output of block i - 1
-                hooks.forward_hook(layers[index - 1], lambda m, a, o, key=("hidden", index): store(key, _first(o)))
+                hooks.forward_hook(
+                    layers[index - 1], lambda m, a, o, key=("hidden", index): store(key, first_output(o))
+                )
     if plan.last_qk:
         last = submodule(layers[len(layers) - 1], "self_attn")
         captured.expected.update({"last_q", "last_k"})

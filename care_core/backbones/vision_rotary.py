@@ -6,7 +6,7 @@ runs several elementwise passes over them: about a fifth of Qwen2.5-VL-7B's towe
 (:mod:`care_core.kernels.vision_rotary`) gives the same bits in one pass (docs/design/backbones.md §Vision rotary).
 
 :func:`fast_vision_rotary` sets that module function to a :class:`FastRotary`, which runs the kernel where it applies
-(:func:`~care_core.kernels.dispatch.vision_rotary_applies`) and transformers' own function everywhere else (CPU
+(:func:`~care_core.kernels.dispatch.rotate_vision`) and transformers' own function everywhere else (CPU
 tensors, gradients wanted, other shapes, or a kernel that cannot be built here), while any block is open; the last
 block to close puts transformers' function back. The function is the modeling module's, shared by every model of
 that family in the process: another thread running one meanwhile gets the same bits, only sooner.
@@ -17,17 +17,18 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from ..kernels.dispatch import kernel_errors, rotate_vision, vision_rotary_applies, why_not_fused
+from ..kernels.dispatch import KernelGate, rotate_vision, why_not_fused
 
 #: the modeling-module function the Qwen vision attention modules call for their rotary embedding
 ROTARY_FUNCTION = "apply_rotary_pos_emb_vision"
+#: the kernel's name in a :class:`~care_core.kernels.dispatch.KernelGate` (its warning, ``failed``)
+ROTARY_KERNEL = "vision rotary"
 _PATCHING = threading.Lock()  # guards installing and removing the stand-in (blocks may open in several threads)
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -36,25 +37,21 @@ Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tupl
 class FastRotary:
     """transformers' rotary function's stand-in while blocks are open: the kernel where it applies, else ``original``.
 
-    ``users``: the blocks open on it. ``failure``: why the kernel could not be built here (then ``original`` runs
-    until the stand-in is removed)."""
+    ``users``: the blocks open on it. ``gate``: its "auto" kernel gate; a kernel that cannot be built here is named in
+    ``gate.failed`` with the reason (one warning), and ``original`` runs until the stand-in is removed."""
 
     def __init__(self, original: Rotary) -> None:
         self.original = original
         self.users = 0
-        self.failure: str | None = None
+        self.gate = KernelGate("auto")
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.failure is None and vision_rotary_applies(q, k, cos, sin):
-            try:
-                return rotate_vision(q, k, cos, sin)
-            except kernel_errors() as exc:
-                self.failure = repr(exc)
-                warnings.warn(
-                    f"care: vision rotary kernel unavailable ({exc!r}); using transformers' own", stacklevel=2
-                )
+        if ROTARY_KERNEL not in self.gate.failed:
+            rotated = self.gate.attempt(ROTARY_KERNEL, lambda: rotate_vision(q, k, cos, sin))
+            if rotated is not None:  # None: inputs the kernel does not take, or it cannot be built here
+                return rotated
         return self.original(q, k, cos, sin)
 
 

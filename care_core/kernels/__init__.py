@@ -21,6 +21,9 @@ Nothing here imports Triton until a fused kernel runs: ``import care_core`` neve
 - :mod:`care_core.kernels.vision_rotary`: the Qwen vision towers' rotary embedding of queries and keys in one pass,
   bit for bit transformers' float32 passes (run by :mod:`care_core.backbones.vision_rotary`; not a CaRe kernel, and
   outside the ``kernel`` setting below: it runs wherever the fused kernels may run).
+- :mod:`care_core.kernels.quick_gelu`: CLIP's QuickGELU activation in one pass, bit for bit PyTorch's three kernels
+  (run by :mod:`care_core.backbones.vision_encoder` for LLaVA-1.5's and LLaVA-NeXT's towers; outside the ``kernel``
+  setting, like the rotary kernel).
 - :mod:`care_core.kernels.operands`: the weights as the kernels read them (bf16, or rounded to tf32), in PyTorch
   alone, so that a caller's gate can keep them (:meth:`~care_core.kernels.dispatch.KernelGate.operand`).
 

@@ -238,16 +238,37 @@ def vision_rotary_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, s
 
 def rotate_vision(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The vision rotary kernel (:func:`care_core.kernels.vision_rotary.rotate_vision`): transformers'
-    ``apply_rotary_pos_emb_vision`` bit for bit; ValueError for inputs :func:`vision_rotary_applies` refuses;
-    imports Triton when called."""
+    ``apply_rotary_pos_emb_vision`` bit for bit, or None for inputs :func:`vision_rotary_applies` refuses (the caller
+    runs transformers' function); imports Triton when it runs."""
     if not vision_rotary_applies(q, k, cos, sin):
-        raise ValueError(f"the vision rotary kernel does not take q {tuple(q.shape)} {q.dtype} on {q.device}, "
-                         f"k {tuple(k.shape)} {k.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")  # fmt: skip
+        return None
     from care_core.kernels.vision_rotary import rotate_vision as run
 
     return run(q, k, cos, sin)
+
+
+#: the input types the QuickGELU kernel takes (PyTorch's kernels compute in float32 and round to the input's type)
+QUICK_GELU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quick_gelu_applies(x: torch.Tensor) -> bool:
+    """Whether the QuickGELU kernel takes ``x``: contiguous, of a type of :data:`QUICK_GELU_DTYPES`, on CUDA, with no
+    gradient wanted (the kernel has no backward)."""
+    wants_grad = torch.is_grad_enabled() and x.requires_grad
+    return x.is_cuda and x.dtype in QUICK_GELU_DTYPES and x.is_contiguous() and not wants_grad
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor | None:
+    """The QuickGELU kernel (:func:`care_core.kernels.quick_gelu.quick_gelu`): transformers' ``QuickGELUActivation``
+    bit for bit, or None for an input :func:`quick_gelu_applies` refuses (the caller runs transformers' own);
+    imports Triton when it runs."""
+    if not quick_gelu_applies(x):
+        return None
+    from care_core.kernels.quick_gelu import quick_gelu as run
+
+    return run(x)
 
 
 def triton_enabled(device: torch.device) -> bool:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from care_core.backbones.aligned_mlp import aligned_gated_mlps, alignment_padding, padded_gated_mlp
+from care_core.backbones import aligned_mlp
+from care_core.backbones.aligned_mlp import MisalignedMlps, aligned_gated_mlps, alignment_padding, padded_gated_mlp
 from care_core.backbones.qwen2_5_vl.demo import build_tiny_qwen2_5_vl
 from care_core.backbones.tiny_parts import TinySizes
 
@@ -82,6 +83,25 @@ def test_the_block_sets_only_misaligned_gated_mlps_on_cuda_and_restores_them() -
     assert "forward" not in vars(misaligned)
     with pytest.raises(RuntimeError, match="inside"), aligned_gated_mlps(model, CUDA):
         raise RuntimeError("inside")
+    assert "forward" not in vars(misaligned)
+
+
+def test_the_owners_record_is_searched_once_per_weight_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    misaligned = GatedMLP(4, 21, torch.float64, nn.functional.silu)
+    model = nn.ModuleList([misaligned, GatedMLP(4, 22, torch.float64, nn.functional.silu)])
+    found: MisalignedMlps = {}
+    with aligned_gated_mlps(model, CUDA, found) as count:
+        assert count == 1
+    assert found == {torch.float64: ((misaligned, 1),)}  # 21 -> 22 units: a row a whole number of 16 bytes
+
+    def searched_again(module: nn.Module) -> None:
+        raise AssertionError("the module was searched again")
+
+    monkeypatch.setattr(aligned_mlp, "misaligned_gated_mlps", searched_again)
+    with aligned_gated_mlps(model, CUDA, found) as outer, aligned_gated_mlps(model, CUDA, found) as inner:
+        assert (outer, inner) == (1, 0)  # the enclosing block's setting is left to it
+        x = torch.randn(3, 4, dtype=torch.float64)
+        torch.testing.assert_close(misaligned(x), by_hand(misaligned, x), atol=1e-13, rtol=0)
     assert "forward" not in vars(misaligned)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.dispatch import KernelGate
 from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter
 from ..geometry import crop_geometry, grid_image_tokens
@@ -42,6 +43,7 @@ class LlavaAdapter(ChatAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
+        self._tower_gate = KernelGate("auto")  # the tower's fused kernels that cannot be built here, for this adapter
         check_clip_llava(self, model, processor, name)
 
     # ------------------------------------------------------------------ modules
@@ -91,7 +93,7 @@ class LlavaAdapter(ChatAdapter):
 
     def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(crops, 576, d_v): CLIP's patch tokens of ``vision_feature_layer``, its CLS dropped (strategy "default")."""
-        return patch_features(self.model, pixel_values, CLIP_PATCH_START)
+        return patch_features(self.model, pixel_values, CLIP_PATCH_START, self._tower_gate)
 
     def batch_features(self, pixel_values: torch.Tensor, reference: ImageTokens) -> torch.Tensor:
         """(B, N, d_v) pre-projector features of B images sharing ``reference``'s geometry, ``pixel_values`` their

@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...kernels.dispatch import KernelGate
 from .._hf import quiet_transformers
 from ..anyres import AnyresCrops, anyres_fed_rows, check_anyres_model, collate_crops, real_crops
 from ..base import ImageTokens, check_kept, is_all_tokens
@@ -84,6 +85,7 @@ class LlavaNextAdapter(ChatAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
+        self._tower_gate = KernelGate("auto")  # the tower's fused kernels that cannot be built here, for this adapter
         check_clip_llava(self, model, processor, name)
         check_anyres_model(model, name)
 
@@ -114,7 +116,7 @@ class LlavaNextAdapter(ChatAdapter):
 
     def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(crops, 576, d_v): CLIP's patch tokens of ``vision_feature_layer``, its CLS dropped (strategy "default")."""
-        return patch_features(self.model, pixel_values, CLIP_PATCH_START)
+        return patch_features(self.model, pixel_values, CLIP_PATCH_START, self._tower_gate)
 
     def _packed_ids(self, ids: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """The model's own ``pack_image_features`` run on per-crop ids (crops, P, 1), no newline rows: their order."""

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import LlavaOnevisionProcessor, ProcessorMixin
 
+from ...kernels.dispatch import KernelGate
 from .._hf import quiet_transformers
 from ..anyres import AnyresCrops, anyres_fed_rows, check_anyres_model, collate_crops
 from ..base import ImageTokens, check_kept, is_all_tokens
@@ -98,6 +99,7 @@ class LlavaOnevisionAdapter(ChatAdapter):
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, name: str, is_demo: bool = False) -> None:
         super().__init__(model, processor, name=name, is_demo=is_demo)
+        self._tower_gate = KernelGate("auto")  # the tower's fused kernels that cannot be built here, for this adapter
         cfg = model.config
         strategy = check_feature_strategy(cfg, name, "full")  # "default" would drop a real patch: SigLIP has no CLS
         self._check_processor(processor, name)
@@ -149,7 +151,7 @@ class LlavaOnevisionAdapter(ChatAdapter):
 
     def _patch_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(crops, 729, d_v): SigLIP's rows of ``vision_feature_layer``, all of them (strategy "full", no CLS)."""
-        return patch_features(self.model, pixel_values, SIGLIP_PATCH_START)
+        return patch_features(self.model, pixel_values, SIGLIP_PATCH_START, self._tower_gate)
 
     def _packed_ids(self, ids: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
         """The model's own ``pack_image_features`` on per-crop ids with pooling out of reach (the unpooled grid, no

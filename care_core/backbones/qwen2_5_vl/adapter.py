@@ -44,7 +44,7 @@ from torch import nn
 from ...norm_first import NormFirstMLP
 from .. import mrope, qwen_vl
 from .._hf import quiet_transformers
-from ..aligned_mlp import aligned_gated_mlps
+from ..aligned_mlp import MisalignedMlps, aligned_gated_mlps
 from ..base import ImageTokens
 from ..chat_adapter import ChatAdapter, PromptParts
 from ..module_attrs import float_attr, int_attr, submodule, tensor_attr, typed_attr
@@ -125,6 +125,7 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         self._projector = QwenMergerProjector(self._inner.visual.merger)
         #: (question, image grid thw) -> the full prompt's rope positions (CPU), :meth:`rope_positions`
         self._rope_cache: mrope.RopeCache = {}
+        self._misaligned_mlps: MisalignedMlps = {}  # the tower's, searched once per weight type
 
     # ------------------------------------------------------------------ modules
     _inner = property(qwen_vl.inner_model)
@@ -172,7 +173,8 @@ class Qwen2_5_VLAdapter(ChatAdapter):
         with (
             quiet_transformers(),
             tower_attention(self.model, vparam.device, pack=self.pack_vision_attention),
-            aligned_gated_mlps(visual, vparam.device),  # the blocks' 3420-wide MLPs (docs/design/backbones.md)
+            # the blocks' 3420-wide MLPs (docs/design/backbones.md)
+            aligned_gated_mlps(visual, vparam.device, self._misaligned_mlps),
             fast_vision_rotary(modeling_module(visual), vparam.device),
         ):
             out = visual(pixel_values.to(device=vparam.device, dtype=vparam.dtype), grid_thw=grid_thw)
