@@ -101,6 +101,14 @@ class ProjectorSpec:
         return sum(i * o for i, o in self.linears)
 
 
+def hidden_state_index(layer: int, num_layers: int) -> int:
+    """``hidden_states[layer]`` as a non-negative index into the ``num_layers + 1`` hidden states."""
+    index = layer if layer >= 0 else num_layers + 1 + layer
+    if not 0 <= index <= num_layers:
+        raise ValueError(f"vision feature layer {layer} is out of range for a {num_layers}-layer tower")
+    return index
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """The vision tower (only for the optional `vision_tower` term; its ``kind`` picks how it is counted)."""
@@ -120,6 +128,14 @@ class VisionSpec:
     feature_tokens: int = 0  # CLIP: patch tokens handed on per crop (CLS dropped with strategy "default")
     deepstack_layers: tuple[int, ...] = ()  # Qwen3-VL: blocks whose output a deepstack merger merges
     out_hidden: int = 0  # Qwen3-VL: the deepstack mergers' output width (the language model's hidden size)
+    # LLaVA: the encoder layers up to the deepest ``vision_feature_layer`` read, the ones care runs
+    # (care_core.backbones.vision_encoder stops the forward there); None: all of them
+    layers_run: int | None = None
+
+    @property
+    def layers_counted(self) -> int:
+        """The encoder layers the tower term counts: :attr:`layers_run` where set, else all of them."""
+        return self.layers if self.layers_run is None else self.layers_run
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Sources:
 - CLIP-L/14-336 (the LLaVA-1.5 and LLaVA-NeXT tower, ``vision_config`` of ``llava-hf/llava-1.5-7b-hf``): hidden 1024,
   intermediate 4096, 24 layers, 16 heads, image 336, patch 14; ``vision_feature_layer: -2`` and
-  ``vision_feature_select_strategy: "default"`` hand on the 576 patch tokens (CLS dropped).
+  ``vision_feature_select_strategy: "default"`` hand on the 576 patch tokens (CLS dropped) of ``hidden_states[-2]``,
+  the 23rd layer's output (the 24th is not run: care_core.backbones.vision_encoder).
 - Vicuna-7B-v1.5: the ``llava-hf/llava-1.5-7b-hf`` ``text_config`` names ``lmsys/vicuna-7b-v1.5`` and sets only
   ``vocab_size: 32064``, so the rest are ``LlamaConfig`` defaults (L=32, H=4096, I=11008, 32 heads, 32 KV heads).
 - Vicuna-13B-v1.5 (``llava-hf/llava-1.5-13b-hf``): L=40, H=5120, I=13824, 40 heads (MHA), vocab 32064.
@@ -18,7 +19,7 @@ from __future__ import annotations
 from care_core.architecture import LanguageModelSpec, ProjectorSpec, VisionSpec
 
 CLIP_L336 = VisionSpec(kind="clip", layers=24, hidden=1024, intermediate=4096, heads=16, patch_size=14,
-                       image_size=336, feature_tokens=576)  # fmt: skip
+                       image_size=336, feature_tokens=576, layers_run=23)  # fmt: skip
 VICUNA_7B = LanguageModelSpec(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32064)
 VICUNA_13B = LanguageModelSpec(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32064)
 

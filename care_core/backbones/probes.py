@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..architecture import hidden_state_index
 from ._hf import quiet_transformers
 from .module_attrs import int_attr, optional_tensor_attr, pretrained_model, submodule, tensor_attr
 
@@ -134,14 +135,6 @@ def clip_encoder_layers(tower: torch.nn.Module) -> torch.nn.ModuleList:
     if layers is None:
         raise RuntimeError(f"{type(tower).__name__} has no encoder.layers; not a CLIP-style vision tower")
     return layers
-
-
-def hidden_state_index(layer: int, num_layers: int) -> int:
-    """``hidden_states[layer]`` as a non-negative index into the ``num_layers + 1`` hidden states."""
-    index = layer if layer >= 0 else num_layers + 1 + layer
-    if not 0 <= index <= num_layers:
-        raise ValueError(f"vision feature layer {layer} is out of range for a {num_layers}-layer tower")
-    return index
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..architecture import hidden_state_index
 from ..kernels.dispatch import KernelGate, quick_gelu, why_not_fused
 from .probes import (
     FeatureLayer,
@@ -30,7 +31,6 @@ from .probes import (
     StopForward,
     clip_encoder_layers,
     first_output,
-    hidden_state_index,
     run_until_stopped,
 )
 

@@ -333,7 +333,8 @@ def lm_head_flops(lm: LanguageModelSpec) -> int:
 
 
 def clip_tower_flops(vision: VisionSpec, crops: int = 1, cls_tokens: int = 1) -> dict[str, int]:
-    """CLIP (or SigLIP) ViT, per crop: patch conv + every layer (HF runs all of them, the unused last one included).
+    """CLIP (or SigLIP) ViT, per crop: patch conv + the encoder layers care runs (:attr:`VisionSpec.layers_counted`:
+    up to the deepest feature layer the model reads; transformers' own model runs them all).
 
     Per layer on T = patches + ``cls_tokens`` (CLIP: 1; SigLIP: patches only) tokens: 8 T d² (q, k, v, o)
     + 4 T d I (fc1, fc2) + 4 T² d (QK^T, AV).
@@ -342,7 +343,7 @@ def clip_tower_flops(vision: VisionSpec, crops: int = 1, cls_tokens: int = 1) ->
     t, d = patches + cls_tokens, vision.hidden
     conv = 2 * patches * d * vision.in_channels * vision.patch_size**2
     layer = 8 * t * d * d + 4 * t * d * vision.intermediate + 4 * t * t * d
-    return {"patch_embed": crops * conv, "layers": crops * vision.layers * layer}
+    return {"patch_embed": crops * conv, "layers": crops * vision.layers_counted * layer}
 
 
 def qwen_window_sizes(rows: int, cols: int, vision: VisionSpec) -> list[int]:

@@ -8,12 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from care_core.architecture import hidden_state_index
 from care_core.backbones import ImageTokens, LlavaAdapter
-from care_core.backbones.probes import (
-    VISION_PROBES,
-    LanguageModelRun,
-    hidden_state_index,
-)
+from care_core.backbones.probes import VISION_PROBES, LanguageModelRun
 from care_core.errors import MethodError, QuestionError
 from care_core.vocabulary import DEFAULT_QUESTION, PROBES
 

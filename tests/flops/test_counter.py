@@ -19,6 +19,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
 from care_core.architecture import LanguageModelSpec, LinearAttentionSpec, ProjectorSpec, VisionSpec
+from care_core.backbones.vision_encoder import encoder_hidden_states
 from care_core.flops import formulas as fx
 from care_core.flops.specs import KNOWN_BACKBONES
 
@@ -287,6 +288,18 @@ def test_tiny_clip_tower_matches_formula() -> None:
     model = CLIPVisionModel(config).eval()
     spec = VisionSpec(kind="clip", layers=3, hidden=32, intermediate=48, heads=4, patch_size=14, image_size=56)
     counted, _ = count_flops(lambda: model(pixel_values=torch.randn(1, 3, 56, 56)))
+    _close(counted, sum(fx.clip_tower_flops(spec).values()))
+
+
+def test_the_clip_tower_care_runs_matches_the_formula_up_to_the_feature_layer() -> None:
+    """care's encoder stops after hidden_states[-2] (care_core.backbones.vision_encoder): 2 of 3 layers counted."""
+    config = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=56, patch_size=14)  # fmt: skip
+    config._attn_implementation = "eager"
+    model = CLIPVisionModel(config).eval()
+    spec = VisionSpec(kind="clip", layers=3, hidden=32, intermediate=48, heads=4, patch_size=14, image_size=56,
+                      layers_run=2)  # fmt: skip
+    counted, _ = count_flops(lambda: encoder_hidden_states(model, torch.randn(1, 3, 56, 56), -2))
     _close(counted, sum(fx.clip_tower_flops(spec).values()))
 
 

@@ -111,6 +111,20 @@ def test_llava_hf_config_resolves_to_vicuna_dims(tmp_path: Path) -> None:
     assert from_config(tmp_path / "llava").lm == ref.lm  # the folder works too
 
 
+@pytest.mark.parametrize(("feature_layer", "layers_run"), [(-2, 23), (-1, None), ([-2, -5], 23), (3, 3)])
+def test_a_llava_config_counts_its_tower_up_to_the_deepest_feature_layer(
+    tmp_path: Path, feature_layer: object, layers_run: int | None
+) -> None:
+    spec = from_config(_write(tmp_path / "llava", {**LLAVA_HF_7B, "vision_feature_layer": feature_layer}))
+    assert spec.vision.layers_run == layers_run and spec.vision.layers == 24
+
+
+@pytest.mark.parametrize("feature_layer", [25, -26, [], "last"])
+def test_a_llava_feature_layer_outside_the_tower_is_refused(tmp_path: Path, feature_layer: object) -> None:
+    with pytest.raises(BackboneSpecError, match="vision_feature_layer"):
+        from_config(_write(tmp_path / "llava", {**LLAVA_HF_7B, "vision_feature_layer": feature_layer}))
+
+
 def test_llava_next_and_qwen_configs(tmp_path: Path) -> None:
     pins = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
     nxt = from_config(_write(tmp_path / "next", {**LLAVA_HF_7B, "model_type": "llava_next",

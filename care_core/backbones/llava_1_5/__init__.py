@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from care_core.architecture import BackboneSpec, LanguageModelSpec, ProjectorSpec, VisionSpec
+from care_core.architecture import (
+    BackboneSpec,
+    BackboneSpecError,
+    LanguageModelSpec,
+    ProjectorSpec,
+    VisionSpec,
+    hidden_state_index,
+)
 from care_core.backbones.common_specs import CLIP_L336, VICUNA_7B, VICUNA_13B, llava_projector
 from care_core.backbones.config_reading import (
     check_complete,
@@ -63,22 +70,33 @@ FAMILY = BackboneFamily(
 )  # fmt: skip
 
 
+def _layers_run(read: list[Any], layers: int, path: Path) -> int | None:
+    """The encoder layers up to the deepest hidden state a LLaVA config's ``vision_feature_layer`` reads (None: all)."""
+    try:
+        deepest = max(hidden_state_index(int(index), layers) for index in read)
+        return None if deepest == layers else deepest
+    except (TypeError, ValueError) as exc:  # not integers, none, or out of range
+        raise BackboneSpecError(f"{path}: vision_feature_layer {read!r} does not name hidden states: {exc}") from exc
+
+
 def llava_parts(config: Any, lm: LanguageModelSpec, path: Path, kind: str = "clip",
                 cls_token: bool = True) -> tuple[VisionSpec, ProjectorSpec]:  # fmt: skip
     """A LLaVA config's vision tower (``kind``; ``cls_token``: whether strategy "full" hands on a CLS) and its
     two-layer projector on the selected feature layers."""
     feature_layer = config.vision_feature_layer
-    n_layers = len(feature_layer) if isinstance(feature_layer, (list, tuple)) else 1
+    read = list(feature_layer) if isinstance(feature_layer, (list, tuple)) else [feature_layer]
     vc = config.vision_config
+    layers = positive(vc.num_hidden_layers, "vision num_hidden_layers", path)
     v_hidden = positive(vc.hidden_size, "vision_config.hidden_size", path)
     image, patch = positive(vc.image_size, "image_size", path), positive(vc.patch_size, "patch_size", path)
     full = config.vision_feature_select_strategy == "full"
     per_crop = (image // patch) ** 2 + (1 if full and cls_token else 0)
-    vision = VisionSpec(kind=kind, layers=positive(vc.num_hidden_layers, "vision num_hidden_layers", path),
-                        hidden=v_hidden, intermediate=positive(vc.intermediate_size, "vision intermediate", path),
+    vision = VisionSpec(kind=kind, layers=layers, hidden=v_hidden,
+                        intermediate=positive(vc.intermediate_size, "vision intermediate", path),
                         heads=positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
-                        image_size=image, feature_tokens=per_crop)  # fmt: skip
-    return vision, llava_projector(lm.hidden, token_dim=v_hidden * n_layers)
+                        image_size=image, feature_tokens=per_crop,
+                        layers_run=_layers_run(read, layers, path))  # fmt: skip
+    return vision, llava_projector(lm.hidden, token_dim=v_hidden * len(read))
 
 
 def llava_config(raw: Mapping[str, Any], path: Path) -> tuple[Any, LanguageModelSpec]:
