@@ -9,9 +9,10 @@
   length of a block, and transformers' own where the kernel does not apply (CPU, a gradient wanted, other types) or
   cannot be built (``gate.failed``; one warning).
 
-:func:`fast_quick_gelus` changes the (shared) modules while its block runs and puts them back on exit, also after an
-error: not thread-safe, like :func:`care_core.backbones.aligned_mlp.aligned_gated_mlps` (docs/design/backbones.md
-§Vision encoder).
+Both act on the (shared) modules while they run and undo it after, also after an error (:func:`fast_quick_gelus` sets
+the activations' ``forward``, :func:`encoder_hidden_states` hooks the layers): not thread-safe, like
+:func:`care_core.backbones.aligned_mlp.aligned_gated_mlps`; another thread must not run the same tower meanwhile
+(docs/design/backbones.md §Vision encoder).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 transformers' ``QuickGELUActivation`` (the activation of the CLIP towers of LLaVA-1.5 and LLaVA-NeXT) computes
 ``x * sigmoid(1.702 * x)`` as three elementwise kernels, each reading and writing the MLP's whole hidden layer (4,096
-values a patch row): on an H200 about a sixth of LLaVA-NeXT-7B's tower time (docs/design/backbones.md §Vision encoder).
+values a patch row), a large share of a CLIP tower's time on a GPU (docs/design/backbones.md §Vision encoder).
 :func:`quick_gelu` reads x once and writes the result once, computing what PyTorch's three CUDA kernels compute, each
 step rounded to the input's type as there (round to nearest even):
 
