@@ -146,8 +146,10 @@ def vision_terms(spec: BackboneSpec, source: TokenSource) -> tuple[dict[str, int
         else:
             crops, how = 1, f"one {vision.image_size}×{vision.image_size} view"
         counted = vision.layers_counted
-        layers = f"{counted} of {vision.layers} layers, up to the feature layer" if counted < vision.layers else ""
-        layers = layers or f"all {counted} layers"
+        if counted < vision.layers:
+            layers = f"{counted} of {vision.layers} layers, up to the feature layer"
+        else:
+            layers = f"all {counted} layers"
         return tower.flops(vision, crops), f"{tower.label}, {layers}, {how}"
     if source.count is not None and source.count.grid is not None:
         rows, cols = source.count.grid
