@@ -109,6 +109,13 @@ def hidden_state_index(layer: int, num_layers: int) -> int:
     return index
 
 
+def hidden_state_indices(feature_layer: Any, num_layers: int) -> list[int]:
+    """A ``vision_feature_layer`` (one index, or a list or tuple of them) as :func:`hidden_state_index` indices, in its
+    order. ValueError for an index out of range, TypeError or ValueError for one that is not an integer."""
+    read = list(feature_layer) if isinstance(feature_layer, (list, tuple)) else [feature_layer]
+    return [hidden_state_index(int(layer), num_layers) for layer in read]
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """The vision tower (only for the optional `vision_tower` term; its ``kind`` picks how it is counted)."""

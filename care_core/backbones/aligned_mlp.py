@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .module_attrs import optional_tensor_attr, submodule, tensor_attr
+from .module_attrs import instance_forwards, optional_tensor_attr, submodule, tensor_attr
 
 #: bytes a matrix row must be a multiple of for cuBLAS's fastest (Hopper TMA) kernels
 ROW_ALIGNMENT_BYTES = 16
@@ -83,14 +83,8 @@ def aligned_gated_mlps(module: nn.Module, device: torch.device, found: Misaligne
         return
     found = {} if found is None else found
     dtype = next(module.parameters()).dtype
-    mlps = found[dtype] if dtype in found else found.setdefault(dtype, misaligned_gated_mlps(module))
-    patched: list[nn.Module] = []
-    try:
-        for mlp, padding in mlps:
-            if "forward" not in vars(mlp):  # set already by an enclosing block (or its owner): leave it
-                vars(mlp)["forward"] = functools.partial(padded_gated_mlp, mlp, padding=padding)
-                patched.append(mlp)
-        yield len(patched)
-    finally:
-        for mlp in patched:
-            vars(mlp).pop("forward", None)
+    if dtype not in found:
+        found[dtype] = misaligned_gated_mlps(module)
+    padded = ((mlp, functools.partial(padded_gated_mlp, mlp, padding=padding)) for mlp, padding in found[dtype])
+    with instance_forwards(padded) as count:
+        yield count

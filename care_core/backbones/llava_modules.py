@@ -108,6 +108,7 @@ def patch_features(model: Any, pixel_values: torch.Tensor, patch_start: int, gat
     tower = llava_inner(model).vision_tower
     vparam = next(tower.parameters())
     pixels = pixel_values.to(device=vparam.device, dtype=vparam.dtype)
-    with quiet_transformers(), fast_quick_gelus(clip_encoder_layers(tower), vparam.device, gate):
-        states = encoder_hidden_states(tower, pixels, model.config.vision_feature_layer)
+    layers = clip_encoder_layers(tower)
+    with quiet_transformers(), fast_quick_gelus(layers, vparam.device, gate):
+        states = encoder_hidden_states(tower, pixels, model.config.vision_feature_layer, layers)
     return torch.cat([state[:, patch_start:] for state in states], dim=-1)

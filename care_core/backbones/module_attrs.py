@@ -3,11 +3,14 @@
 ``nn.Module.__getattr__`` is typed ``Tensor | Module`` for every attribute it finds, so a walk such as
 ``merger.ln_q.weight`` has no static type. Each reader here returns one type, checked at run time: a model that holds
 something else at that name raises a TypeError naming the attribute, instead of failing later somewhere unrelated.
+:func:`instance_forwards` is the one way care's stand-ins take a module's ``forward`` for the length of a block.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar, cast
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -73,3 +76,21 @@ def input_embeddings(model: nn.Module) -> nn.Module:
     if isinstance(inner, nn.Module):
         return inner
     return cast("PreTrainedModel", model).get_input_embeddings()
+
+
+@contextlib.contextmanager
+def instance_forwards(stand_ins: Iterable[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[int]:
+    """Inside the block, each (module, forward) pair's module runs that forward: set as the module's own instance
+    attribute, which ``nn.Module.__call__`` reads before its class's. A module whose instance ``forward`` is set
+    already (by an enclosing block, or by its owner) is left as it is. Yields how many it set; each is removed on exit,
+    also after an error. Not thread-safe: the setting lives on the (shared) modules while the block runs."""
+    patched: list[nn.Module] = []
+    try:
+        for module, forward in stand_ins:
+            if "forward" not in vars(module):
+                vars(module)["forward"] = forward
+                patched.append(module)
+        yield len(patched)
+    finally:
+        for module in patched:
+            vars(module).pop("forward", None)

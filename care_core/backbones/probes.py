@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..architecture import hidden_state_index
+from ..architecture import hidden_state_indices
 from ._hf import quiet_transformers
 from .module_attrs import int_attr, optional_tensor_attr, pretrained_model, submodule, tensor_attr
 
@@ -153,13 +153,12 @@ class _CapturePlan:
 
 def _capture_plan(num_layers: int, feature_layer: FeatureLayer, names: AbstractSet[str]) -> _CapturePlan:
     """The plan for probes `names`; ValueError when the attention probes lack one block to read from."""
-    feature_layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
-    indices = [hidden_state_index(int(i), num_layers) for i in feature_layers]
+    indices = hidden_state_indices(feature_layer, num_layers)
     attention_names = ATTENTION_PROBES & set(names)
     if attention_names and len(indices) != 1:
-        raise ValueError(f"{sorted(attention_names)} need a single vision feature layer, got {feature_layers}")
+        raise ValueError(f"{sorted(attention_names)} need a single vision feature layer, got {feature_layer}")
     if attention_names and indices[0] == 0:
-        raise ValueError(f"{sorted(attention_names)}: feature layer {feature_layers[0]} is the embedding output")
+        raise ValueError(f"{sorted(attention_names)}: feature layer {feature_layer} is the embedding output")
     return _CapturePlan(indices, bool(attention_names), "hidden_with_cls" in names, "last_layer_qk" in names)
 
 

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..architecture import hidden_state_index
+from ..architecture import hidden_state_indices
 from ..kernels.dispatch import KernelGate, quick_gelu, why_not_fused
+from .module_attrs import instance_forwards
 from .probes import (
     FeatureLayer,
     HookScope,
@@ -40,15 +41,15 @@ QUICK_GELU_KERNEL = "quick GELU"
 
 
 def encoder_hidden_states(
-    tower: nn.Module, pixel_values: torch.Tensor, feature_layer: FeatureLayer
+    tower: nn.Module, pixel_values: torch.Tensor, feature_layer: FeatureLayer, layers: nn.ModuleList | None = None
 ) -> list[torch.Tensor]:
     """The tower's ``hidden_states[l]`` for the model's ``vision_feature_layer`` (one index or several), its encoder
     stopped once the deepest one is computed: each read from its layer's output by a hook of this call's own, the
     last of which ends the forward. Index 0 (the embeddings) runs the whole tower and reads transformers'
-    ``hidden_states``. ValueError for an index out of range."""
-    layers = clip_encoder_layers(tower)
-    read = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
-    indices = [hidden_state_index(int(layer), len(layers)) for layer in read]
+    ``hidden_states``. ``layers``: the tower's encoder layers where the caller has them (else found here). ValueError
+    for an index out of range."""
+    encoder = clip_encoder_layers(tower) if layers is None else layers
+    indices = hidden_state_indices(feature_layer, len(encoder))
     if min(indices) == 0:
         states = tower(pixel_values=pixel_values, output_hidden_states=True, return_dict=True).hidden_states
         return [states[i] for i in indices]
@@ -65,7 +66,7 @@ def encoder_hidden_states(
 
     with HookScope() as hooks:
         for index in set(indices):  # hidden_states[i] is the output of layer i - 1
-            hooks.forward_hook(layers[index - 1], keeper(index))
+            hooks.forward_hook(encoder[index - 1], keeper(index))
         if not run_until_stopped(lambda: tower(pixel_values=pixel_values, return_dict=True)):
             raise RuntimeError(f"{type(tower).__name__}'s forward never reached encoder layer {deepest - 1}")
     return [captured[i] for i in indices]
@@ -79,11 +80,7 @@ class FastQuickGelu:
         self.gate = gate
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if QUICK_GELU_KERNEL not in self.gate.failed:
-            out = self.gate.attempt(QUICK_GELU_KERNEL, lambda: quick_gelu(x))
-            if out is not None:  # None: an input the kernel does not take, or it cannot be built here
-                return out
-        return self.original(x)
+        return self.gate.fused_or(QUICK_GELU_KERNEL, lambda: quick_gelu(x), lambda: self.original(x))
 
 
 @contextlib.contextmanager
@@ -98,11 +95,6 @@ def fast_quick_gelus(layers: Iterable[nn.Module], device: torch.device, gate: Ke
     from transformers.activations import QuickGELUActivation  # here: this module loads without transformers
 
     acts = [getattr(getattr(layer, "mlp", None), "activation_fn", None) for layer in layers]
-    patched = [act for act in acts if isinstance(act, QuickGELUActivation) and "forward" not in vars(act)]
-    try:
-        for act in patched:
-            vars(act)["forward"] = FastQuickGelu(act.forward, gate)
-        yield len(patched)
-    finally:
-        for act in patched:
-            vars(act).pop("forward", None)
+    quick = [act for act in acts if isinstance(act, QuickGELUActivation)]
+    with instance_forwards((act, FastQuickGelu(act.forward, gate)) for act in quick) as count:
+        yield count

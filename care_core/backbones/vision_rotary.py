@@ -48,11 +48,9 @@ class FastRotary:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if ROTARY_KERNEL not in self.gate.failed:
-            rotated = self.gate.attempt(ROTARY_KERNEL, lambda: rotate_vision(q, k, cos, sin))
-            if rotated is not None:  # None: inputs the kernel does not take, or it cannot be built here
-                return rotated
-        return self.original(q, k, cos, sin)
+        return self.gate.fused_or(
+            ROTARY_KERNEL, lambda: rotate_vision(q, k, cos, sin), lambda: self.original(q, k, cos, sin)
+        )
 
 
 def modeling_module(module: nn.Module) -> ModuleType | None:

@@ -138,6 +138,15 @@ class KernelGate:
             warnings.warn(f"care: fused {name} kernel unavailable ({exc!r}); using the PyTorch path", stacklevel=3)
             return None
 
+    def fused_or(self, name: str, fused: Callable[[], T | None], original: Callable[[], T]) -> T:
+        """``fused()``'s result, else ``original()``: where the kernel failed on this gate before, cannot be built
+        here (:meth:`attempt`), or ``fused`` returns None (inputs the kernel does not take). A stand-in's call."""
+        if name not in self.failed:
+            out = self.attempt(name, fused)
+            if out is not None:
+                return out
+        return original()
+
 
 def as_gate(kernel: Kernel | KernelGate) -> KernelGate:
     """A gate for one call: the given one, or a fresh one for a setting string."""

@@ -12,6 +12,7 @@ from torch import nn
 from care_core.backbones.module_attrs import (
     float_attr,
     input_embeddings,
+    instance_forwards,
     int_attr,
     optional_tensor_attr,
     submodule,
@@ -75,3 +76,18 @@ def test_a_model_of_another_layout_is_asked_for_its_input_embeddings() -> None:
 
     model = _Other()
     assert input_embeddings(model) is model.table
+
+
+def test_instance_forwards_hold_for_the_block_and_leave_a_set_forward_alone() -> None:
+    first, second, owned = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    vars(owned)["forward"] = lambda x: x  # set by its owner: stays as it is
+    x = torch.ones(1, 2)
+    with instance_forwards([(first, lambda x: x * 0), (second, torch.neg), (owned, torch.neg)]) as count:
+        assert count == 2 and torch.equal(first(x), x * 0) and torch.equal(second(x), -x)
+        assert torch.equal(owned(x), x)
+        with instance_forwards([(first, torch.neg)]) as inner:  # an enclosing block's forward is kept
+            assert inner == 0 and torch.equal(first(x), x * 0)
+    assert "forward" not in vars(first) and "forward" not in vars(second) and "forward" in vars(owned)
+    with pytest.raises(RuntimeError, match="inside"), instance_forwards([(first, torch.neg)]):
+        raise RuntimeError("inside")
+    assert "forward" not in vars(first)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from care_core.architecture import hidden_state_index
+from care_core.architecture import hidden_state_index, hidden_state_indices
 from care_core.backbones import ImageTokens, LlavaAdapter
 from care_core.backbones.probes import VISION_PROBES, LanguageModelRun
 from care_core.errors import MethodError, QuestionError
@@ -164,6 +164,10 @@ def test_feature_layer_indexing(
     assert hidden_state_index(-2, num_layers) == num_layers - 1 and hidden_state_index(0, num_layers) == 0
     with pytest.raises(ValueError):
         hidden_state_index(num_layers + 1, num_layers)
+    assert hidden_state_indices(-2, 24) == [23] and hidden_state_indices([-1, 0, 3], 24) == [24, 0, 3]
+    assert hidden_state_indices((2, -24), 24) == [2, 1] and hidden_state_indices([], 24) == []
+    with pytest.raises(ValueError, match="out of range for a 24-layer tower"):
+        hidden_state_indices([-2, 25], 24)
     names = ["cls_attention", "keys", "hidden_with_cls"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(demo.model.config, "vision_feature_layer", num_layers - 1)  # the same layer as -2

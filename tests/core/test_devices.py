@@ -130,3 +130,24 @@ def test_process_device_gives_each_process_its_gpu(monkeypatch: pytest.MonkeyPat
     assert process_device("auto") == "cuda:1"  # more processes than GPUs: they share them in turn
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert process_device("auto") == "auto"  # no CUDA: nothing to pick
+
+
+def test_a_stand_ins_gate_runs_the_kernel_until_it_fails_then_the_original() -> None:
+    gate, calls = KernelGate("auto"), []
+
+    def fused(value: int | None) -> int | None:
+        calls.append("fused")
+        return value
+
+    def broken() -> int:
+        calls.append("broken")
+        raise ImportError("no Triton here")
+
+    assert gate.fused_or("k", lambda: fused(1), lambda: 2) == 1
+    assert gate.fused_or("k", lambda: fused(None), lambda: 2) == 2  # inputs the kernel does not take
+    with pytest.warns(UserWarning, match="fused k kernel unavailable"):
+        assert gate.fused_or("k", broken, lambda: 3) == 3
+    assert gate.fused_or("k", lambda: fused(1), lambda: 4) == 4  # failed once: not tried again on this gate
+    assert calls == ["fused", "fused", "broken"] and "no Triton here" in gate.failed["k"]
+    with pytest.raises(CareError, match="kernel='fused'"):
+        KernelGate("fused").fused_or("k", broken, lambda: 5)

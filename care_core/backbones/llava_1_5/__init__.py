@@ -21,7 +21,7 @@ from care_core.architecture import (
     LanguageModelSpec,
     ProjectorSpec,
     VisionSpec,
-    hidden_state_index,
+    hidden_state_indices,
 )
 from care_core.backbones.common_specs import CLIP_L336, VICUNA_7B, VICUNA_13B, llava_projector
 from care_core.backbones.config_reading import (
@@ -70,23 +70,25 @@ FAMILY = BackboneFamily(
 )  # fmt: skip
 
 
-def _layers_run(read: list[Any], layers: int, path: Path) -> int | None:
-    """The encoder layers up to the deepest hidden state a LLaVA config's ``vision_feature_layer`` reads (None: all)."""
+def _read_indices(feature_layer: Any, layers: int, path: Path) -> list[int]:
+    """The hidden states a LLaVA config's ``vision_feature_layer`` reads, as indices (none: BackboneSpecError)."""
     try:
-        deepest = max(hidden_state_index(int(index), layers) for index in read)
-        return None if deepest == layers else deepest
-    except (TypeError, ValueError) as exc:  # not integers, none, or out of range
-        raise BackboneSpecError(f"{path}: vision_feature_layer {read!r} does not name hidden states: {exc}") from exc
+        indices = hidden_state_indices(feature_layer, layers)
+    except (TypeError, ValueError) as exc:  # not integers, or out of range
+        named = f"{path}: vision_feature_layer {feature_layer!r}"
+        raise BackboneSpecError(f"{named} does not name hidden states: {exc}") from exc
+    if not indices:
+        raise BackboneSpecError(f"{path}: vision_feature_layer {feature_layer!r} names no hidden state")
+    return indices
 
 
 def llava_parts(config: Any, lm: LanguageModelSpec, path: Path, kind: str = "clip",
                 cls_token: bool = True) -> tuple[VisionSpec, ProjectorSpec]:  # fmt: skip
     """A LLaVA config's vision tower (``kind``; ``cls_token``: whether strategy "full" hands on a CLS) and its
     two-layer projector on the selected feature layers."""
-    feature_layer = config.vision_feature_layer
-    read = list(feature_layer) if isinstance(feature_layer, (list, tuple)) else [feature_layer]
     vc = config.vision_config
     layers = positive(vc.num_hidden_layers, "vision num_hidden_layers", path)
+    read = _read_indices(config.vision_feature_layer, layers, path)
     v_hidden = positive(vc.hidden_size, "vision_config.hidden_size", path)
     image, patch = positive(vc.image_size, "image_size", path), positive(vc.patch_size, "patch_size", path)
     full = config.vision_feature_select_strategy == "full"
@@ -95,7 +97,7 @@ def llava_parts(config: Any, lm: LanguageModelSpec, path: Path, kind: str = "cli
                         intermediate=positive(vc.intermediate_size, "vision intermediate", path),
                         heads=positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
                         image_size=image, feature_tokens=per_crop,
-                        layers_run=_layers_run(read, layers, path))  # fmt: skip
+                        layers_run=None if max(read) == layers else max(read))  # fmt: skip
     return vision, llava_projector(lm.hidden, token_dim=v_hidden * len(read))
 
 
