@@ -66,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,8 @@ DEFAULT_BACKBONES = ("llava-next-7b", "llava-1.5-7b")  # the families issue #47 
 STAGE_NEW_TOKENS = 8  # the answers' length in care eval (random weights answer to max_new_tokens)
 #: how the stage shares' tower is timed (:func:`tower_ms_per_image`), recorded in each result
 TOWER_TIMING = "encode_processed alone"
+#: how the stage shares' decoding is timed (:func:`answer_times`), recorded in each result; before: two medians
+DECODING_TIMING = "paired rounds"
 #: the docs' words for a result made before (no ``tower_timing``): its tower is a difference of two calls' times
 OLD_TOWER_TIMING = " (the tower as the features stage less the pool's preprocessing timed in another call)"
 #: what a setting's clock starts after, besides the warm-up batch on a GPU (care eval's ``evaluate_setting``)
@@ -572,25 +574,34 @@ def care_ms_per_sample(method_ms: dict[str, float], batch: int) -> float:
 
 
 def answer_times(adapter: Any, feed: tuple[list[Any], ...], batch: int, device: str) -> tuple[int, float, float]:
-    """The batch size timed, and the ms of ``generate_batch`` with 1 and with :data:`STAGE_NEW_TOKENS` new tokens on
-    the first that many samples of ``feed`` (questions, tokens, projected rows, kept indices), each the median of
-    :data:`STAGE_REPEATS` calls after one untimed (which captures any graphs); the size is ``batch``, halved while
-    it runs out of memory (all tokens' prompts are ten times CaRe's)."""
+    """The batch size timed, the ms of ``generate_batch`` with 1 new token (the prefill), and the ms that the other
+    :data:`STAGE_NEW_TOKENS` - 1 tokens add (the decoding), on the first that many samples of ``feed`` (questions,
+    tokens, projected rows, kept indices). The 1-token and the :data:`STAGE_NEW_TOKENS`-token calls alternate for
+    :data:`STAGE_REPEATS` rounds after one untimed call of each (which captures any graphs): the prefill is the median
+    of the 1-token calls, the decoding the median of the rounds' differences, so that a change in the card's pace
+    between calls cancels out of it (two separate medians once gave Qwen2.5-VL's all-token decoding -6 ms a sample).
+    The size is ``batch``, halved while it runs out of memory (all tokens' prompts are ten times CaRe's)."""
     import torch
 
     cuda = torch.cuda.is_available() and device.startswith("cuda")
 
-    def median_ms(new_tokens: int, size: int) -> float:
-        def step() -> None:  # the answers are on the host when it returns: nothing left to wait for
-            adapter.generate_batch(*(part[:size] for part in feed), max_new_tokens=new_tokens)
+    def paired_ms(size: int) -> tuple[float, float]:
+        def call(new_tokens: int) -> Callable[[], None]:
+            def step() -> None:  # the answers are on the host when it returns: nothing left to wait for
+                adapter.generate_batch(*(part[:size] for part in feed), max_new_tokens=new_tokens)
 
-        step()  # untimed: captures any graphs
-        return median_wall_ms(step, STAGE_REPEATS, cuda)
+            return step
+
+        first, whole = call(1), call(STAGE_NEW_TOKENS)
+        first()  # untimed: each captures any graphs
+        whole()
+        rounds = [(median_wall_ms(first, 1, cuda), median_wall_ms(whole, 1, cuda)) for _ in range(STAGE_REPEATS)]
+        return statistics.median(f for f, _ in rounds), statistics.median(w - f for f, w in rounds)
 
     size = batch
     while True:
         try:
-            return size, median_ms(1, size), median_ms(STAGE_NEW_TOKENS, size)
+            return (size, *paired_ms(size))
         except Exception as exc:
             if not is_out_of_memory(exc) or size == 1:
                 raise
@@ -654,13 +665,14 @@ def stage_times(folder: Path, name: str, batch: int, preprocessing: dict[str, An
     method_ms = results[0].runs[0].timings_ms  # the CaRe group's stages, for the whole batch
     care_ms = care_ms_per_sample(method_ms, batch)
     out: dict[str, Any] = {"batch_size": batch, "new_tokens": STAGE_NEW_TOKENS, "timings_ms": timings,
-                           "care_timings_ms": method_ms, "tower_timing": TOWER_TIMING}  # fmt: skip
+                           "care_timings_ms": method_ms, "tower_timing": TOWER_TIMING,
+                           "decoding_timing": DECODING_TIMING}  # fmt: skip
     tower_ms = tower_ms_per_image(adapter, images, device)
     for label, reduce_ms in (("all tokens", 0.0), ("care", care_ms)):
         projected, kept = feeds[label]
-        size, first, whole = answer_times(adapter, (questions, tokens, projected, kept), batch, device)
+        size, first, decoding = answer_times(adapter, (questions, tokens, projected, kept), batch, device)
         per = {"preprocessing": pre_ms, "tower": tower_ms, "care": reduce_ms, "prefill": first / size,
-               "decoding": (whole - first) / size}  # fmt: skip
+               "decoding": decoding / size}  # fmt: skip
         total = sum(per.values())
         out[label] = {"ms_per_sample": per, "share": {k: v / total for k, v in per.items()}, "total_ms": total,
                       "answer_batch_size": size}  # fmt: skip
@@ -708,9 +720,10 @@ def _stage_line(name: str, stages: dict[str, Any]) -> str:
     """Per sample with CaRe and with all tokens; CaRe's from its raw stage timings (:func:`care_ms_per_sample`)."""
     care = dict(stages["care"]["ms_per_sample"], care=care_ms_per_sample(stages["care_timings_ms"],
                                                                           stages["batch_size"]))  # fmt: skip
+    care, care_note = _resolved(care)
     total = sum(care.values())
     parts = ", ".join(f"{key} {value:.1f} ({100 * value / total:.0f}%)" for key, value in care.items())
-    whole = stages["all tokens"]["ms_per_sample"]
+    whole, whole_note = _resolved(stages["all tokens"]["ms_per_sample"])
     size = stages["all tokens"].get("answer_batch_size", stages["batch_size"])
     at = (
         ""
@@ -720,8 +733,18 @@ def _stage_line(name: str, stages: dict[str, Any]) -> str:
     how = "" if stages.get("tower_timing") == TOWER_TIMING else OLD_TOWER_TIMING
     return (
         f"{name} per sample at batch {stages['batch_size']}, timed stage by stage{how}: {parts} ms with CaRe "
-        f"({total:.1f}); prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all tokens{at}."
+        f"({total:.1f}){care_note}; prefill {whole['prefill']:.1f} of {sum(whole.values()):.1f} with all "
+        f"tokens{whole_note}{at}."
     )
+
+
+def _resolved(per_sample: dict[str, float]) -> tuple[dict[str, float], str]:
+    """``per_sample`` without the stages timed below zero, and a note naming them for the docs. A stage below zero is
+    a difference of two calls that the card's change of pace between them outran (older results' decoding, from two
+    separate medians; :func:`answer_times` pairs the calls now): it is no time, and no total includes it."""
+    kept = {stage: ms for stage, ms in per_sample.items() if ms >= 0}
+    below = [f"{stage} {ms:.1f}" for stage, ms in per_sample.items() if ms < 0]
+    return kept, f" (not counted: {', '.join(below)} ms, timed below zero)" if below else ""
 
 
 def render_markdown(results: dict[str, Any], name: str, backbones: Sequence[str] | None = None) -> str:

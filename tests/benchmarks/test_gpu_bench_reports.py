@@ -178,8 +178,8 @@ def test_answers_that_run_out_of_memory_are_timed_at_half_the_batch_until_they_f
                 raise RuntimeError("CUDA out of memory. Tried to allocate 1.45 GiB")
 
     feed = tuple([f"q{i}" for i in range(64)] for _ in range(4))
-    size, first_ms, whole_ms = bench_eval_gpu.answer_times(Adapter(), feed, 64, "cpu")
-    assert size == 16 and first_ms >= 0 and whole_ms >= 0
+    size, first_ms, _ = bench_eval_gpu.answer_times(Adapter(), feed, 64, "cpu")
+    assert size == 16 and first_ms >= 0
     calls = bench_eval_gpu.STAGE_REPEATS + 1
     assert sizes == [64, 32] + [16] * (2 * calls)  # one failed call each at 64 and 32, then both timings at 16
 
@@ -322,3 +322,38 @@ def test_onevision_over_all_tokens_is_judged_at_each_settings_auto_batch_size() 
     fixed[0]["batch_size_start"] = fixed[0]["batch_size"] = 32  # asked for 64, split to 32 after running out of memory
     bench_eval_gpu.add_ratios(fixed)
     assert bench_eval_gpu.targets(fixed) == []  # sizes differ and none was auto's pick: reported only
+
+
+def test_the_decoding_is_the_median_of_paired_differences_that_a_change_of_pace_cancels_out_of() -> None:
+    clock = {"ms": 0.0}
+    calls: list[int] = []
+
+    class Adapter:  # 300 ms to the first token, 7 ms for the 7 later ones; the first four calls 1.5 times slower
+        def generate_batch(self, questions: list[str], *parts: list[Any], max_new_tokens: int) -> None:
+            calls.append(max_new_tokens)
+            pace = 1.5 if len(calls) <= 4 else 1.0
+            clock["ms"] += pace * (300.0 + (7.0 if max_new_tokens > 1 else 0.0))
+
+    def median_wall_ms(step: Any, reps: int, cuda: bool) -> float:
+        before = clock["ms"]
+        step()
+        return clock["ms"] - before
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_eval_gpu, "median_wall_ms", median_wall_ms)
+        size, first_ms, decoding_ms = bench_eval_gpu.answer_times(Adapter(), ([""] * 8,), 8, "cpu")
+    assert bench_eval_gpu.STAGE_REPEATS == 3 and bench_eval_gpu.STAGE_NEW_TOKENS == 8
+    assert calls == [1, 8] * 4  # alternating, one untimed pair first
+    # timed rounds (450, 460.5), (300, 307), (300, 307): prefill median 300, decoding median of 10.5, 7, 7. Four
+    # 1-token calls and then four 8-token ones would have given 450 and 307 - 450 = -143 ms of decoding.
+    assert size == 8 and first_ms == 300.0 and decoding_ms == approx(7.0)
+
+
+def test_a_stage_timed_below_zero_is_named_and_left_out_of_every_total() -> None:
+    side = {"preprocessing": 5.0, "tower": 5.0, "prefill": 5.0, "decoding": 5.0}
+    stages = {"batch_size": 8, "care_timings_ms": {"scoring": 40.0}, "care": {"ms_per_sample": side},
+              "all tokens": {"ms_per_sample": dict(side, prefill=50.0, decoding=-6.0)},
+              "tower_timing": "encode_processed alone"}  # fmt: skip
+    line = bench_eval_gpu._stage_line("qwen2.5-vl-7b", stages)
+    assert line.endswith("prefill 50.0 of 60.0 with all tokens (not counted: decoding -6.0 ms, timed below zero).")
+    assert "ms with CaRe (25.0);" in line  # 5 + 5 + 5 (40 ms / 8) + 5 + 5
