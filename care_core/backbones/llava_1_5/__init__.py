@@ -89,6 +89,7 @@ def llava_parts(config: Any, lm: LanguageModelSpec, path: Path, kind: str = "cli
     vc = config.vision_config
     layers = positive(vc.num_hidden_layers, "vision num_hidden_layers", path)
     read = _read_indices(config.vision_feature_layer, layers, path)
+    deepest = max(read)  # the encoder runs up to this layer's output (vision_encoder)
     v_hidden = positive(vc.hidden_size, "vision_config.hidden_size", path)
     image, patch = positive(vc.image_size, "image_size", path), positive(vc.patch_size, "patch_size", path)
     full = config.vision_feature_select_strategy == "full"
@@ -97,7 +98,7 @@ def llava_parts(config: Any, lm: LanguageModelSpec, path: Path, kind: str = "cli
                         intermediate=positive(vc.intermediate_size, "vision intermediate", path),
                         heads=positive(vc.num_attention_heads, "vision heads", path), patch_size=patch,
                         image_size=image, feature_tokens=per_crop,
-                        layers_run=None if max(read) == layers else max(read))  # fmt: skip
+                        layers_run=None if deepest == layers else deepest)  # fmt: skip
     return vision, llava_projector(lm.hidden, token_dim=v_hidden * len(read))
 
 
