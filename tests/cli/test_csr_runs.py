@@ -89,11 +89,11 @@ def test_sigkill_then_resume_gives_the_same_report_and_computes_nothing_twice(si
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, mid-run
     proc.wait()
     before = shard_lines(run)
-    assert 0 < len(before) < 8 * per_pair
+    assert 0 < len(before) < 8 * per_pair, f"{len(before)} of {8 * per_pair} results were saved at the kill"
     code, out, err = finish(care_process(*args, "--resume"))
     assert code == 0, err
     report = json.loads(out)
-    assert report["results"] == reference["results"]
+    assert report["results"] == reference["results"], f"{len(before)} results were saved at the kill"
     after = shard_lines(run)
     keys = [(r["pair_id"], r["method"], r["budget"]) for r in after]
     assert len(keys) == len(set(keys)) == 8 * per_pair  # nothing computed twice
